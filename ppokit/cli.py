@@ -1,0 +1,161 @@
+"""The ``ppokit`` command line: parses arguments and dispatches, nothing else.
+
+Imports are lazy: ``ppokit --help`` and ``ppokit config ...`` never import torch.
+A :class:`~ppokit.errors.UserError` anywhere below becomes one line on stderr and exit
+status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+EXAMPLES = """\
+examples:
+  ppokit train cartpole                       train with a built-in preset
+  ppokit train cartpole seed=3 algo.gamma=0.98   ... with dotted overrides
+  ppokit train my_run.yaml train.total_steps=2e5  ... from your own YAML file
+  ppokit eval runs/cartpole-s3-20261122-101500 --episodes 20
+  ppokit config show cartpole                 print the resolved configuration
+  ppokit config fields                        every field with its default and meaning
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ppokit", description="Proximal Policy Optimization for language models and Gymnasium agents.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train a policy from a preset or YAML config",
+                           description="Train a policy. CONFIG is a preset name (see `ppokit config list`) "
+                                       "or a YAML file; KEY=VALUE pairs override fields (dotted paths).")
+    train.add_argument("config", metavar="CONFIG", help="preset name or path to a YAML file")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.gamma=0.99 seed=3")
+    train.add_argument("--output-dir", help="parent directory of the run directory (run.output_dir)")
+    train.add_argument("--name", help="run directory name (run.name)")
+    train.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+    ev = sub.add_parser("eval", help="evaluate a trained run's deterministic policy",
+                        description="Run the deterministic policy of RUN_DIR's checkpoint and print the "
+                                    "mean and std of the episode return.")
+    ev.add_argument("run_dir", metavar="RUN_DIR")
+    ev.add_argument("--episodes", type=int, default=10, help="episodes to run (default 10)")
+    ev.add_argument("--seed", type=int, default=None, help="evaluation seed (default: the run's seed + 10000)")
+
+    demo = sub.add_parser("demo", help="the built-in demonstration run",
+                          description="Train the built-in demonstration and report what it learned.")
+    demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+    cfg = sub.add_parser("config", help="show, list and explain configurations")
+    cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")
+    show = cfg_sub.add_parser("show", help="print the resolved config of a preset or YAML file")
+    show.add_argument("config", metavar="NAME", help="preset name or YAML path")
+    show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    cfg_sub.add_parser("list", help="list the built-in presets")
+    cfg_sub.add_parser("fields", help="every config field with its default, aliases and description")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from ppokit.errors import UserError
+
+    try:
+        return _dispatch(parser, args)
+    except UserError as exc:
+        print(f"ppokit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ppokit: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.version:
+        from ppokit import __version__
+        print(__version__)
+        return 0
+    if args.command == "train":
+        extra = list(args.overrides)
+        if args.output_dir:
+            extra.append(f"run.output_dir={args.output_dir}")
+        if args.name:
+            extra.append(f"run.name={args.name}")
+        if args.no_progress:
+            extra.append("run.progress=false")
+        return _train(args.config, extra)
+    if args.command == "demo":
+        return _demo(args.overrides)
+    if args.command == "eval":
+        return _eval(args.run_dir, args.episodes, args.seed)
+    if args.command == "config":
+        return _config(args)
+    parser.print_help()
+    return 0
+
+
+def _train(source: str, overrides: list[str]) -> int:
+    from ppokit.config import load_config
+
+    cfg = load_config(source, overrides)
+    from ppokit.track import create_run_dir
+
+    run_dir = create_run_dir(cfg)
+    print(f"run directory: {run_dir}", flush=True)
+    result = _run_workload(cfg, run_dir)
+    if "eval_return_mean" in result:
+        print(f"deterministic eval: return {result['eval_return_mean']:.1f} +- "
+              f"{result.get('eval_return_std', 0.0):.1f}")
+    return 0
+
+
+def _run_workload(cfg, run_dir) -> dict:
+    if cfg.workload == "control":
+        from ppokit.control.workload import train_control
+
+        return train_control(cfg, run_dir)
+    raise AssertionError(f"unhandled workload {cfg.workload}")
+
+
+def _demo(overrides: list[str]) -> int:
+    # Until the language-model workload lands, the demo is CartPole with its preset.
+    return _train("cartpole", overrides)
+
+
+def _eval(run_dir: str, episodes: int, seed: Optional[int]) -> int:
+    from ppokit.errors import UserError
+
+    if episodes < 1:
+        raise UserError(f"--episodes must be at least 1 (got {episodes})")
+    from ppokit.control.evaluate import evaluate_run
+
+    mean, std = evaluate_run(run_dir, episodes, seed=seed)
+    print(f"return over {episodes} episodes: {mean:.2f} +- {std:.2f}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from ppokit import config as config_mod
+
+    if args.config_command == "show":
+        print(config_mod.load_config(args.config, args.overrides).to_yaml(), end="")
+    elif args.config_command == "list":
+        for name in config_mod.preset_names():
+            cfg = config_mod.load_config(name)
+            print(f"{name:14s} {cfg.workload:8s} {cfg.env.id if cfg.workload == 'control' else ''}")
+    elif args.config_command == "fields":
+        for path, default, aliases, description in config_mod.describe_fields():
+            alias_text = f"  (aliases: {aliases})" if aliases else ""
+            print(f"{path} = {default}\n    {description}{alias_text}")
+    else:
+        print("usage: ppokit config {show NAME,list,fields}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""Typed, validated configuration.
+
+A run's configuration is built from layers, later ones winning key by key:
+
+1. the built-in defaults of each field (the seed-000 hyperparameters, a language-model
+   setting), then the workload's own defaults (:data:`WORKLOAD_DEFAULTS`: what a
+   Gymnasium task needs instead, e.g. ``learning_rate=3e-4``);
+2. a preset (``ppokit/presets/NAME.yaml``) or a user YAML file;
+3. dotted command-line overrides: ``ppokit train cartpole algo.gamma=0.98 seed=3``.
+
+Every layer is first rewritten to canonical names: the names of other frameworks (verl,
+RLinf, CleanRL, SB3) are accepted as aliases where they mean the same thing, e.g.
+``lam`` -> ``gae_lambda``, ``clip_ratio_low`` -> ``lower_clip_ratio``, ``ppo_epochs`` ->
+``epochs``; ``clip_ratio`` sets both clip bounds. Then pydantic validates types and
+ranges, and :meth:`Config._check_combinations` the combinations. Every problem becomes
+a :class:`~ppokit.errors.ConfigError` with the field's dotted path, the allowed values
+and, for unknown keys, a "did you mean" suggestion.
+
+This module imports neither torch nor gymnasium: ``ppokit config`` stays fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ppokit.errors import ConfigError, did_you_mean
+
+PRESET_DIR = Path(__file__).with_name("presets")
+
+# Names of the registries in ppokit.algo, as literal types so that the config needs no
+# torch import. tests/test_config.py checks that they match the registries.
+AdvEstimatorName = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AggModeName = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimatorName = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+
+# Names that mean the same thing in other frameworks, with the estimator names they use.
+_VALUE_ALIASES = {
+    "adv_estimator": {"reinforce_plus_plus": "reinforce_pp", "reinforce_plus_plus_baseline": "reinforce_pp_baseline"},
+}
+
+
+def field(default: Any, description: str, *aliases: str, **constraints: Any) -> Any:
+    """A config field: default, one-line description, accepted aliases, constraints."""
+    extra = {"aliases": list(aliases)} if aliases else None
+    return Field(default, description=description, json_schema_extra=extra, **constraints)
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignment re-validates."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+
+
+class KLControlConfig(Section):
+    """Coefficient of the KL penalty put into the reward (``algo.use_kl_in_reward``)."""
+
+    type: Literal["fixed", "adaptive"] = field("fixed", "fixed coefficient, or the InstructGPT adaptive rule")
+    kl_coef: float = field(0.001, "the (initial) coefficient of the in-reward KL penalty", "init_kl_coef", ge=0)
+    target_kl: float = field(6.0, "adaptive: the KL the controller steers towards", gt=0)
+    horizon: int = field(10000, "adaptive: steps over which the coefficient may change by up to 20%", gt=0)
+
+
+class AlgoConfig(Section):
+    """The PPO objective and the advantage estimator (pure math, see ppokit.algo)."""
+
+    adv_estimator: AdvEstimatorName = field("gae", "advantage estimator", "adv_type")
+    gamma: float = field(0.99, "discount factor", ge=0, le=1)
+    gae_lambda: float = field(0.95, "GAE lambda: 0 = one-step TD, 1 = Monte-Carlo", "lam", ge=0, le=1)
+    normalize_adv: bool = field(True, "whiten advantages over the batch", "normalize_advantages")
+    norm_adv_by_std_in_grpo: bool = field(True, "grpo: divide by the group std (false = Dr.GRPO)")
+    group_size: int = field(1, "samples per prompt (group estimators need >= 2)", "n_samples_per_prompt", ge=1)
+    lower_clip_ratio: float = field(0.2, "ratio clipped below at 1 - lower_clip_ratio", "clip_ratio_low", ge=0, lt=1)
+    upper_clip_ratio: float = field(0.4, "ratio clipped above at 1 + upper_clip_ratio", "clip_ratio_high", ge=0)
+    clip_ratio_c: Optional[float] = field(None, "dual clip: bound of the loss for negative advantages (> 1)", gt=1)
+    ratio_level: Literal["token", "sequence"] = field("token", "importance ratio per token or per sequence")
+    clip_value: Optional[float] = field(0.2, "value clipping around the old values (null = off)",
+                                        "value_clip", "cliprange_value", "clip_range_vf", gt=0)
+    huber_delta: Optional[float] = field(None, "Huber value loss with this delta (null = squared error)", gt=0)
+    value_coeff: float = field(0.5, "weight of the value loss", "vf_coef", "value_loss_coef", ge=0)
+    entropy_coeff: float = field(0.0, "weight of the entropy bonus", "entropy_bonus", "entropy_coef", "ent_coef")
+    beta: float = field(0.0, "weight of the KL-to-reference term in the loss (> 0 needs a reference)",
+                        "kl_loss_coef", ge=0)
+    kl_loss_type: KLEstimatorName = field("low_var_kl", "KL estimator of the in-loss KL term")
+    use_kl_in_reward: bool = field(False, "subtract the KL to the reference from the reward")
+    kl_penalty: KLEstimatorName = field("kl", "KL estimator of the in-reward KL penalty")
+    kl_ctrl: KLControlConfig = field(KLControlConfig(), "in-reward KL coefficient controller")
+    loss_agg_mode: AggModeName = field("token-mean", "how per-token losses are averaged", "loss_agg_func")
+    target_kl: Optional[float] = field(None, "stop the epochs of an update once approx_kl exceeds this", gt=0)
+
+
+class TrainConfig(Section):
+    """The update loop: iterations, batches, optimizer, schedule."""
+
+    iterations: Optional[int] = field(None, "PPO iterations (collect + update); control may use total_steps", ge=1)
+    total_steps: Optional[int] = field(None, "control: environment steps to train for", "total_timesteps", ge=1)
+    epochs: int = field(2, "passes over each batch", "ppo_epochs", "update_epochs", "n_epochs", ge=1)
+    batch_size: int = field(256, "samples per iteration (control: num_envs * num_steps)", "local_batch_size", ge=1)
+    mini_batch_size: Optional[int] = field(None, "samples per optimizer step (null = the whole batch)",
+                                           "ppo_mini_batch_size", ge=1)
+    micro_batch_size: Optional[int] = field(1, "samples per forward/backward pass (null = the mini-batch)",
+                                            "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", ge=1)
+    infer_micro_batch_size: int = field(4, "samples per forward pass when scoring rollouts",
+                                        "logprob_forward_micro_batch_size", ge=1)
+    learning_rate: float = field(1e-5, "learning rate of the policy", "lr", gt=0)
+    critic_learning_rate: Optional[float] = field(1e-5, "learning rate of the critic (null = learning_rate)",
+                                                  "critic_lr", gt=0)
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = field("constant", "learning-rate schedule after warm-up")
+    lr_warmup_ratio: float = field(0.01, "fraction of all optimizer steps spent warming up", ge=0, lt=1)
+    grad_clip: Optional[float] = field(0.2, "clip the global gradient norm (null = off)", "max_grad_norm", gt=0)
+    adam_eps: float = field(1e-8, "Adam epsilon", gt=0)
+    weight_decay: float = field(0.0, "AdamW weight decay", ge=0)
+    critic_warmup: int = field(0, "iterations that train only the critic", ge=0)
+
+
+class RunConfig(Section):
+    """Where a run writes and how it reports."""
+
+    output_dir: str = field("runs", "parent directory of run directories")
+    name: Optional[str] = field(None, "run directory name (null = <preset>-s<seed>-<time>)")
+    device: str = field("auto", "auto, cpu, cuda or cuda:N", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
+    precision: Literal["auto", "fp32", "bf16"] = field("auto", "autocast precision (auto = bf16 where supported)")
+    torch_threads: Optional[int] = field(None, "torch intra-op threads (null = workload default)", ge=1)
+    progress: bool = field(True, "live progress bar")
+    tensorboard: bool = field(True, "write TensorBoard events when tensorboard is installed")
+    checkpoint_every: int = field(0, "save a checkpoint every N iterations (0 = only at the end)", ge=0)
+    keep_checkpoints: int = field(3, "checkpoints kept on disk", ge=1)
+
+
+class EnvConfig(Section):
+    """Gymnasium environments (control workload)."""
+
+    id: str = field("CartPole-v1", "Gymnasium environment id", "env_id")
+    kwargs: dict[str, Any] = field({}, "keyword arguments for gymnasium.make")
+    num_envs: int = field(8, "parallel environments", ge=1)
+    num_steps: int = field(128, "steps per environment per iteration", "n_steps", ge=1)
+    vectorization: Literal["auto", "vector_entry_point", "sync", "async"] = field(
+        "auto", "vector env implementation (auto = Gymnasium's native one where it exists)")
+    normalize_obs: bool = field(False, "running mean/std observation normalization")
+    normalize_reward: bool = field(False, "scale rewards by the running std of the discounted return")
+    clip_obs: float = field(10.0, "clip normalized observations to +-clip_obs", gt=0)
+    clip_reward: float = field(10.0, "clip normalized rewards to +-clip_reward", gt=0)
+    truncation: Literal["bootstrap", "terminal"] = field(
+        "bootstrap", "time-limit truncation: bootstrap from V(final obs), or treat as terminal (CleanRL)")
+    max_episode_steps: Optional[int] = field(None, "override the env's time limit", ge=1)
+    eval_episodes: int = field(10, "episodes of the deterministic evaluation at the end", ge=0)
+
+
+class NetworkConfig(Section):
+    """MLP actor-critic (control workload)."""
+
+    hidden_sizes: list[int] = field([64, 64], "hidden layer widths", min_length=1)
+    activation: Literal["tanh", "relu", "gelu"] = field("tanh", "hidden activation")
+    shared_trunk: bool = field(False, "actor and critic share the hidden layers")
+    init_log_std: float = field(0.0, "continuous actions: initial log standard deviation")
+    ortho_init: bool = field(True, "orthogonal init, gains sqrt(2) hidden, 0.01 policy head, 1 value head")
+
+
+class Config(Section):
+    """A whole run."""
+
+    workload: Literal["control"] = field("control", "which workload trains: control (Gymnasium)")
+    preset: Optional[str] = field(None, "the preset or file this config came from (informational)")
+    seed: int = field(1, "random seed of everything", ge=0)
+    run: RunConfig = field(RunConfig(), "output and reporting")
+    algo: AlgoConfig = field(AlgoConfig(), "PPO objective and advantage estimation")
+    train: TrainConfig = field(TrainConfig(), "update loop and optimizer")
+    env: EnvConfig = field(EnvConfig(), "control: Gymnasium environments")
+    network: NetworkConfig = field(NetworkConfig(), "control: actor-critic network")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Config":
+        a, t = self.algo, self.train
+        if a.beta > 0 or a.use_kl_in_reward:
+            what = "algo.beta > 0" if a.beta > 0 else "algo.use_kl_in_reward"
+            if self.workload == "control":
+                raise ValueError(f"{what} needs a reference policy, which the control workload does not have; "
+                                 "set algo.beta=0 and algo.use_kl_in_reward=false")
+        if a.adv_estimator in GROUP_ESTIMATORS:
+            if self.workload == "control":
+                raise ValueError(f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt and needs "
+                                 "the lm workload; use gae for control")
+            if a.group_size < 2:
+                raise ValueError(f"algo.adv_estimator={a.adv_estimator} needs algo.group_size >= 2 "
+                                 f"(got {a.group_size}): a group of one has no baseline")
+        if a.adv_estimator == "gae" and a.value_coeff == 0:
+            raise ValueError("algo.adv_estimator=gae needs a trained critic; algo.value_coeff must be > 0")
+        if a.kl_penalty == "full" and a.use_kl_in_reward:
+            raise ValueError("algo.kl_penalty=full is an in-loss estimator over the vocabulary; "
+                             "use kl, abs, mse or low_var_kl in the reward")
+        if t.batch_size % a.group_size:
+            raise ValueError(f"train.batch_size={t.batch_size} must be a multiple of "
+                             f"algo.group_size={a.group_size}")
+        if t.mini_batch_size is not None:
+            if t.mini_batch_size > t.batch_size:
+                raise ValueError(f"train.mini_batch_size={t.mini_batch_size} is larger than "
+                                 f"train.batch_size={t.batch_size}")
+            if t.batch_size % t.mini_batch_size:
+                raise ValueError(f"train.mini_batch_size={t.mini_batch_size} must divide "
+                                 f"train.batch_size={t.batch_size} (try {_divisors_near(t.batch_size, t.mini_batch_size)})")
+        if self.workload == "control":
+            expected = self.env.num_envs * self.env.num_steps
+            if t.batch_size != expected:
+                raise ValueError(f"train.batch_size={t.batch_size} must equal env.num_envs * env.num_steps "
+                                 f"= {expected} for the control workload (or leave it out)")
+            if t.total_steps is None and t.iterations is None:
+                raise ValueError("set train.total_steps (environment steps) or train.iterations")
+        return self
+
+    # ----------------------------------------------------------------- derived values
+    @property
+    def iterations(self) -> int:
+        """Number of PPO iterations this run performs."""
+        if self.train.iterations is not None:
+            return self.train.iterations
+        if self.train.total_steps is None:
+            raise ConfigError("set train.iterations or train.total_steps")
+        return max(1, self.train.total_steps // self.train.batch_size)
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.train.mini_batch_size or self.train.batch_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return min(self.train.micro_batch_size or self.mini_batch_size, self.mini_batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _divisors_near(n: int, k: int) -> str:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    best = sorted(divisors, key=lambda d: abs(d - k))[:2]
+    return " or ".join(str(d) for d in sorted(best))
+
+
+# Defaults that differ by workload. Applied below the preset and user layers, and only
+# to keys the user did not set. The seed-000 defaults are language-model defaults; a
+# Gymnasium task wants CleanRL's.
+WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "control": {
+        "algo": {"upper_clip_ratio": 0.2, "clip_value": None},
+        "train": {"total_steps": 100_000, "epochs": 10, "mini_batch_size": None, "micro_batch_size": None,
+                  "learning_rate": 3e-4, "critic_learning_rate": None, "lr_scheduler_type": "linear",
+                  "lr_warmup_ratio": 0.0, "grad_clip": 0.5, "adam_eps": 1e-5},
+    },
+}
+
+
+# ----------------------------------------------------------------------------- loading
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_config(source: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Build a validated :class:`Config` from a preset name or YAML path plus overrides.
+
+    Raises :class:`ConfigError` with a message naming the field for any problem.
+    """
+    layers: list[dict[str, Any]] = []
+    label = None
+    if source is not None:
+        file_layer, label = _read_source(source)
+        layers.append(file_layer)
+    layers.append(parse_overrides(overrides or []))
+    return build_config(layers, label)
+
+
+def build_config(layers: list[dict[str, Any]], label: Optional[str] = None) -> Config:
+    """Merge raw layers (already parsed dicts, later wins) over the defaults and validate."""
+    canonical = [canonicalize(layer, Config, "") for layer in layers]
+    user = {}
+    for layer in canonical:
+        deep_merge(user, layer)
+    workload = user.get("workload", Config.model_fields["workload"].default)
+    raw = copy.deepcopy(WORKLOAD_DEFAULTS.get(workload, {})) if isinstance(workload, str) else {}
+    deep_merge(raw, user)
+    if label is not None and "preset" not in raw:
+        raw["preset"] = label
+    user_train = user.get("train") if isinstance(user.get("train"), dict) else {}
+    if workload == "control" and "batch_size" not in user_train and isinstance(raw.get("train", {}), dict):
+        env = raw.get("env", {}) if isinstance(raw.get("env"), dict) else {}
+        num_envs = env.get("num_envs", EnvConfig.model_fields["num_envs"].default)
+        num_steps = env.get("num_steps", EnvConfig.model_fields["num_steps"].default)
+        if isinstance(num_envs, int) and isinstance(num_steps, int):
+            raw.setdefault("train", {})["batch_size"] = num_envs * num_steps
+    if user_train.get("iterations") is not None and "total_steps" not in user_train:
+        raw["train"].pop("total_steps", None)   # an iteration budget replaces the default step budget
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def _read_source(source: str) -> tuple[dict[str, Any], str]:
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file '{source}' does not exist; give a YAML path or a preset "
+                              f"({', '.join(preset_names())})")
+        return read_yaml(path), path.stem
+    preset = PRESET_DIR / f"{source}.yaml"
+    if not preset.is_file():
+        raise ConfigError(f"unknown preset '{source}'{did_you_mean(source, preset_names())} "
+                          f"presets: {', '.join(preset_names())}; or give a path to a YAML file")
+    return read_yaml(preset), source
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}{where}: not valid YAML ({problem})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["algo.gamma=0.9", "seed=3"]`` -> ``{"algo": {"gamma": 0.9}, "seed": 3}`` (values parsed as YAML)."""
+    result: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override '{item}' must look like section.key=value, e.g. algo.gamma=0.99")
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        node = result
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}' conflicts with an earlier override of '{part}'")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``update`` into ``base`` in place; nested dicts merge, other values replace."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict) and key != "kwargs":
+            deep_merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def _section_type(annotation: Any) -> Optional[type[Section]]:
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return annotation
+    for arg in get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, Section):
+            return arg
+    return None
+
+
+def _aliases(model: type[Section]) -> dict[str, str]:
+    table = {}
+    for name, info in model.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        for alias in extra.get("aliases", []):
+            table[alias] = name
+    return table
+
+
+def canonicalize(raw: dict[str, Any], model: type[Section], prefix: str) -> dict[str, Any]:
+    """Rename aliases to canonical names (recursively); reject a key given twice."""
+    if not isinstance(raw, dict):
+        return raw
+    aliases = _aliases(model)
+    out: dict[str, Any] = {}
+    source_of: dict[str, str] = {}
+    items = list(raw.items())
+    if model is AlgoConfig:
+        items = _expand_algo_shorthands(items, prefix)
+    for key, value in items:
+        if not isinstance(key, str):
+            raise ConfigError(f"{prefix}{key!r}: config keys must be strings")
+        name = aliases.get(key, key)
+        if name in out:
+            raise ConfigError(f"{prefix}{name} is given twice (as '{source_of[name]}' and '{key}'); keep one")
+        info = model.model_fields.get(name)
+        if info is not None:
+            sub = _section_type(info.annotation)
+            if sub is not None and isinstance(value, dict):
+                value = canonicalize(value, sub, f"{prefix}{name}.")
+            elif name in _VALUE_ALIASES and isinstance(value, str):
+                value = _VALUE_ALIASES[name].get(value, value)
+        out[name] = value
+        source_of[name] = key
+    return out
+
+
+def _expand_algo_shorthands(items: list[tuple[Any, Any]], prefix: str) -> list[tuple[Any, Any]]:
+    """``clip_ratio``/``clip_coef`` set both clip bounds; verl's ``use_kl_loss: false`` means beta 0."""
+    out = []
+    use_kl_loss = None
+    for key, value in items:
+        if key in ("clip_ratio", "clip_coef", "clip_range", "cliprange"):
+            out += [("lower_clip_ratio", value), ("upper_clip_ratio", value)]
+        elif key == "use_kl_loss":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{prefix}use_kl_loss: expected true or false, got {value!r}")
+            use_kl_loss = value
+        else:
+            out.append((key, value))
+    if use_kl_loss is False:
+        out = [(k, v) for k, v in out if k not in ("beta", "kl_loss_coef")] + [("beta", 0.0)]
+    elif use_kl_loss is True and not any(k in ("beta", "kl_loss_coef") for k, _ in out):
+        out.append(("beta", 0.001))  # verl's default kl_loss_coef
+    return out
+
+
+# ------------------------------------------------------------------------ error messages
+def _model_at(loc: tuple[Any, ...]) -> Optional[type[Section]]:
+    model: Optional[type[Section]] = Config
+    for part in loc:
+        if model is None or part not in model.model_fields:
+            return None
+        model = _section_type(model.model_fields[part].annotation)
+    return model
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``algo.gamma: Input should be <= 1 (got 1.5)``."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+        path = ".".join(str(p) for p in loc)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            names = list(parent.model_fields) if parent else []
+            names += list(_aliases(parent)) if parent else []
+            hint = did_you_mean(str(loc[-1]), names)
+            if hint and len(loc) > 1:
+                hint = hint.replace("'", "'" + ".".join(str(p) for p in loc[:-1]) + ".", 1)
+            valid = f" valid keys: {', '.join(parent.model_fields)}" if parent and not hint else ""
+            lines.append(f"unknown key '{path}'{hint}{valid}")
+        elif kind == "value_error":
+            msg = str(err.get("ctx", {}).get("error", err["msg"]))
+            lines.append(f"{path + ': ' if path else ''}{msg}")
+        elif kind == "literal_error":
+            got = err.get("input")
+            expected = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
+            hint = did_you_mean(str(got), expected) if isinstance(got, str) else ""
+            lines.append(f"{path}: got {got!r}{hint} allowed: {', '.join(expected)}")
+        elif kind == "string_pattern_mismatch" and path == "run.device":
+            lines.append(f"run.device: got {err.get('input')!r}; allowed: auto, cpu, cuda, cuda:N, mps")
+        else:
+            got = err.get("input")
+            got_text = f" (got {got!r})" if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else ""
+            lines.append(f"{path}: {err['msg']}{got_text}")
+    return "\n".join(lines)
+
+
+def describe_fields(model: type[Section] = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(path, default, aliases, description) for every leaf field, for ``ppokit config fields``."""
+    rows = []
+    for name, info in model.model_fields.items():
+        sub = _section_type(info.annotation)
+        if sub is not None:
+            rows += describe_fields(sub, f"{prefix}{name}.")
+            continue
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        rows.append((prefix + name, repr(info.default), ", ".join(extra.get("aliases", [])), info.description or ""))
+    return rows

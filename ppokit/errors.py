@@ -1,0 +1,26 @@
+"""Errors meant for people.
+
+A :class:`UserError` is a mistake in what the user gave us (a config, a path, a data
+file, a reward function). The CLI prints its message on one line and exits with
+status 2, without a traceback. Everything else is a bug in ppokit and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class UserError(Exception):
+    """A mistake in the user's input: printed as one line, exit status 2."""
+
+
+class ConfigError(UserError):
+    """An invalid configuration value, key or combination."""
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """Return ``"; did you mean 'x'?"`` for the closest candidate, or ``""``."""
+    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{matches[0]}'?" if matches else ""

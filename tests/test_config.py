@@ -1,0 +1,162 @@
+"""Configuration: loading, aliases, overrides, validation messages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ppokit import config as C
+from ppokit.errors import ConfigError
+
+BAD_CONFIGS = sorted((Path(__file__).parent / "bad_inputs" / "config").glob("*.yaml"))
+
+
+def expected_message(path: Path) -> str:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# expect: "), f"{path} must start with '# expect: <message>'"
+    return first[len("# expect: "):]
+
+
+def test_defaults_follow_seed_000():
+    # The hyperparameter names and defaults of the seed-000 PPO table.
+    a, t = C.AlgoConfig(), C.TrainConfig()
+    assert (t.epochs, t.batch_size, t.micro_batch_size, t.learning_rate) == (2, 256, 1, 1e-5)
+    assert (t.lr_scheduler_type, t.lr_warmup_ratio, t.grad_clip) == ("constant", 0.01, 0.2)
+    assert (a.upper_clip_ratio, a.lower_clip_ratio, a.entropy_coeff, a.value_coeff) == (0.4, 0.2, 0.0, 0.5)
+    assert (a.beta, t.infer_micro_batch_size, t.critic_learning_rate, a.clip_value) == (0.0, 4, 1e-5, 0.2)
+    assert (a.gamma, a.gae_lambda, a.normalize_adv) == (0.99, 0.95, True)
+
+
+def test_every_field_has_a_description():
+    rows = C.describe_fields()
+    assert len(rows) > 40
+    missing = [path for path, _, _, description in rows if not description]
+    assert not missing
+
+
+@pytest.mark.parametrize("alias, value, path", [
+    ("algo.lam", 0.9, ("algo", "gae_lambda")),
+    ("algo.clip_ratio_low", 0.1, ("algo", "lower_clip_ratio")),
+    ("algo.clip_ratio_high", 0.3, ("algo", "upper_clip_ratio")),
+    ("algo.entropy_bonus", 0.01, ("algo", "entropy_coeff")),
+    ("algo.value_clip", 0.5, ("algo", "clip_value")),
+    ("algo.normalize_advantages", False, ("algo", "normalize_adv")),
+    ("algo.adv_type", "gae", ("algo", "adv_estimator")),
+    ("algo.loss_agg_func", "seq-mean-token-mean", ("algo", "loss_agg_mode")),
+    ("train.ppo_epochs", 4, ("train", "epochs")),
+    ("train.max_grad_norm", 1.0, ("train", "grad_clip")),
+    ("train.total_timesteps", 5000, ("train", "total_steps")),
+    ("env.n_steps", 64, ("env", "num_steps")),
+])
+def test_aliases_from_other_frameworks(alias, value, path):
+    cfg = C.load_config("cartpole", [f"{alias}={value}"])
+    section, name = path
+    assert getattr(getattr(cfg, section), name) == value
+
+
+def test_clip_ratio_sets_both_bounds_and_use_kl_loss_false_zeroes_beta():
+    cfg = C.build_config([{"algo": {"clip_ratio": 0.15, "use_kl_loss": False, "kl_loss_coef": 0.3}}])
+    assert cfg.algo.lower_clip_ratio == cfg.algo.upper_clip_ratio == 0.15
+    assert cfg.algo.beta == 0.0
+
+
+def test_verl_estimator_names_are_accepted():
+    assert C.canonicalize({"algo": {"adv_estimator": "reinforce_plus_plus"}}, C.Config, "")["algo"][
+        "adv_estimator"] == "reinforce_pp"
+
+
+def test_overrides_parse_yaml_values_and_win_over_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"algo": {"gamma": 0.9}, "network": {"hidden_sizes": [32]}}))
+    cfg = C.load_config(str(path), ["algo.gamma=0.95", "network.hidden_sizes=[16, 16]", "run.name=null",
+                                    "algo.normalize_adv=false", "seed=7"])
+    assert cfg.algo.gamma == 0.95 and cfg.network.hidden_sizes == [16, 16]
+    assert cfg.algo.normalize_adv is False and cfg.seed == 7 and cfg.run.name is None
+    assert cfg.preset == "run"
+
+
+def test_alias_in_override_replaces_canonical_name_in_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("algo:\n  gae_lambda: 0.5\n")
+    assert C.load_config(str(path), ["algo.lam=0.7"]).algo.gae_lambda == 0.7
+
+
+def test_control_workload_defaults_and_derived_batch():
+    cfg = C.load_config(None, ["env.num_envs=4", "env.num_steps=64"])
+    assert cfg.train.batch_size == 256 and cfg.train.learning_rate == 3e-4 and cfg.micro_batch_size == 256
+    assert cfg.iterations == 100_000 // 256
+    # an explicit workload default is still overridable
+    assert C.load_config(None, ["train.learning_rate=0.01"]).train.learning_rate == 0.01
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = C.load_config("cartpole", ["seed=5"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(cfg.to_yaml())
+    again = C.load_config(str(path))
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_config_names_match_algo_registries():
+    from typing import get_args
+
+    from ppokit import algo
+
+    assert set(get_args(C.AdvEstimatorName)) <= set(algo.ADVANTAGE_ESTIMATORS.names())
+    assert set(get_args(C.AggModeName)) == set(algo.AGG_MODES.names())
+    kl_names = set(get_args(C.KLEstimatorName)) - {"full"}
+    assert kl_names <= set(algo.KL_ESTIMATORS.names())
+
+
+@pytest.mark.parametrize("path", BAD_CONFIGS, ids=[p.stem for p in BAD_CONFIGS])
+def test_bad_config_gives_its_message(path):
+    with pytest.raises(ConfigError) as info:
+        C.load_config(str(path))
+    assert expected_message(path) in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.gamma"], "override 'algo.gamma' must look like section.key=value"),
+    (["algo..gamma=1"], "must look like section.key=value"),
+    (["algo=1", "algo.gamma=0.5"], "conflicts with an earlier override of 'algo'"),
+])
+def test_bad_overrides(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        C.load_config("cartpole", overrides)
+
+
+def test_unknown_preset_suggests_a_name():
+    with pytest.raises(ConfigError, match="unknown preset 'cartpol'; did you mean 'cartpole'"):
+        C.load_config("cartpol")
+
+
+def test_missing_yaml_file():
+    with pytest.raises(ConfigError, match="config file 'nope/missing.yaml' does not exist"):
+        C.load_config("nope/missing.yaml")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ppokit", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bad_configs_exit_2_with_one_line_and_no_traceback():
+    # One subprocess per kind of failure is enough to prove the CLI path; the messages
+    # themselves are checked in-process above.
+    for path in BAD_CONFIGS[:6] + [p for p in BAD_CONFIGS if p.stem == "invalid_yaml"]:
+        proc = run_cli("config", "show", str(path))
+        assert proc.returncode == 2, (path, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ppokit: error: "), proc.stderr
+        assert expected_message(path) in lines[0]
+
+
+def test_config_show_prints_resolved_yaml():
+    proc = run_cli("config", "show", "cartpole", "algo.gamma=0.97")
+    assert proc.returncode == 0, proc.stderr
+    shown = yaml.safe_load(proc.stdout)
+    assert shown["algo"]["gamma"] == 0.97 and shown["env"]["id"] == "CartPole-v1"
