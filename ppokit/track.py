@@ -1,0 +1,151 @@
+"""Run directories and metric tracking, shared by both workloads.
+
+A run directory holds::
+
+    RUN_DIR/
+      config.yaml      the resolved configuration (what ``ppokit config show`` prints)
+      metrics.jsonl    one JSON object per iteration
+      tb/              TensorBoard event files (when tensorboard is installed)
+      checkpoint/      the latest checkpoint (see ppokit.checkpoint)
+
+:class:`Tracker` writes ``metrics.jsonl`` (flushed every line, so a crash loses at most
+the iteration in flight), TensorBoard scalars, and draws a live progress bar with the
+headline numbers (return or reward, SPS).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from ppokit.config import Config
+from ppokit.errors import UserError
+
+# The progress bar shows the first of these present in an iteration's metrics.
+HEADLINE_KEYS = ("return_mean", "reward_mean")
+
+
+def create_run_dir(cfg: Config) -> Path:
+    """Create a fresh run directory and write the resolved config into it.
+
+    An explicit ``run.name`` that already holds a run is refused rather than overwritten.
+    """
+    root = Path(cfg.run.output_dir)
+    if cfg.run.name:
+        run_dir = root / cfg.run.name
+        if (run_dir / "metrics.jsonl").exists():
+            raise UserError(f"run directory {run_dir} already holds a run; choose another run.name "
+                            "or delete it")
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = f"{cfg.preset or cfg.workload}-s{cfg.seed}-{stamp}"
+        run_dir = root / base
+        suffix = 1
+        while run_dir.exists():
+            suffix += 1
+            run_dir = root / f"{base}-{suffix}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    except OSError as exc:
+        raise UserError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from None
+    return run_dir
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """All iterations of ``RUN_DIR/metrics.jsonl`` (a torn last line is ignored)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class Tracker:
+    """Writes each iteration's metrics to JSONL, TensorBoard and a progress bar."""
+
+    def __init__(self, run_dir: Path, cfg: Config, total_iterations: int, *, description: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.total = total_iterations
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._tb = None
+        if cfg.run.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:   # tensorboard is an optional extra
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        self._progress = None
+        if cfg.run.progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[headline]}"), TimeRemainingColumn(), transient=False)
+            self._task = self._progress.add_task(description or cfg.preset or cfg.workload,
+                                                 total=total_iterations, headline="")
+            self._progress.start()
+        self.start_time = time.time()
+
+    def log(self, iteration: int, metrics: dict[str, Any]) -> None:
+        row = {"iteration": iteration, "time": round(time.time() - self.start_time, 3)}
+        row.update({k: _plain(v) for k, v in metrics.items()})
+        self._jsonl.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            step = int(row.get("global_step", iteration))
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key not in ("iteration",) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=iteration + 1, headline=_headline(row))
+
+    def message(self, text: str) -> None:
+        """Print a line above the progress bar (or plainly without one)."""
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if not self._jsonl.closed:
+            self._jsonl.close()
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _plain(value: Any) -> Any:
+    """Tensors and numpy scalars to Python numbers; non-finite floats stay JSON-readable."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)   # "nan" / "inf": json.dumps would write invalid JSON otherwise
+    return value
+
+
+def _headline(row: dict[str, Any]) -> str:
+    parts = []
+    for key in HEADLINE_KEYS:
+        if isinstance(row.get(key), (int, float)):
+            parts.append(f"{key.split('_')[0]} {row[key]:.3g}")
+            break
+    if isinstance(row.get("sps"), (int, float)):
+        parts.append(f"{row['sps']:,.0f} steps/s")
+    return "  ".join(parts)

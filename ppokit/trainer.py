@@ -1,0 +1,229 @@
+"""The PPO update loop, shared by both workloads.
+
+One iteration's batch is a dict of tensors whose dim 0 indexes samples (N) and dim 1
+positions (T): a response token of a language model and a step of an environment are
+both a position ``t`` with ``mask[n, t] = 1``. The loop does not know which workload it
+serves::
+
+    for epoch in range(epochs):                         # train.epochs
+        for mini_batch in shuffled(batch, mini_batch_size):
+            normalizer = aggregation_normalizer(mini_batch.mask)   # whole mini-batch
+            for micro_batch in split(mini_batch, micro_batch_size):
+                out = policy.evaluate(micro_batch)      # log_prob, values, entropy (n, T)
+                loss = L_policy + value_coeff * L_value - entropy_coeff * H + beta * KL
+                loss.backward()                         # losses share the normalizer,
+            clip_grad_norm(grad_clip); optimizer.step() # so the sum over micro-batches is
+                                                        # exactly the mini-batch gradient
+        stop early when approx_kl > target_kl
+
+The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
+``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
+Every other key is sliced along dim 0 and handed to ``policy.evaluate``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ppokit import algo
+from ppokit.config import Config
+
+REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
+
+
+class TrainablePolicy(Protocol):
+    """What the update loop needs from a model (a ``torch.nn.Module`` in practice)."""
+
+    def param_groups(self, cfg: Config) -> list[dict[str, Any]]:
+        """Optimizer parameter groups, each with ``params``, ``lr`` and ``name``."""
+
+    def evaluate(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``log_prob``, ``values`` and ``entropy``, each (n, T), under the current parameters."""
+
+
+def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Tensor | None = None,
+                       dones: Tensor | None = None, last_values: Tensor | None = None,
+                       group_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Advantages and returns, (B, T) each, with the configured estimator.
+
+    With ``algo.normalize_adv`` the advantages are whitened over the valid positions of
+    the whole batch (the estimators that whiten by definition are not whitened twice).
+    """
+    a = cfg.algo
+    estimator = algo.get_advantage_estimator(a.adv_estimator)
+    advantages, returns = estimator(
+        rewards=rewards, mask=mask, values=values, group_ids=group_ids, gamma=a.gamma, lam=a.gae_lambda,
+        dones=dones, last_values=last_values, norm_by_std=a.norm_adv_by_std_in_grpo)
+    if a.normalize_adv and a.adv_estimator not in ("reinforce_pp", "reinforce_pp_baseline"):
+        advantages = algo.whiten(advantages, mask)
+    return advantages, returns
+
+
+def lr_lambda(kind: str, warmup_steps: int, total_steps: int):
+    """Multiplier of the base learning rate at optimizer step ``s``.
+
+    Linear warm-up from 0 over ``warmup_steps``, then ``constant`` (1), ``linear``
+    (decays to 0 at ``total_steps``) or ``cosine`` (half cosine to 0).
+    """
+    total_steps = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if kind == "linear":
+            return 1.0 - progress
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+class PPOTrainer:
+    """Owns the optimizer and schedule; :meth:`update` runs one iteration's epochs."""
+
+    def __init__(self, cfg: Config, policy: TrainablePolicy, *, total_iterations: int,
+                 updates_per_iteration: int | None = None):
+        self.cfg = cfg
+        self.policy = policy
+        groups = [g for g in policy.param_groups(cfg) if g["params"]]
+        self.params = [p for g in groups for p in g["params"]]
+        for g in groups:
+            g.setdefault("initial_lr", g["lr"])
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.train.learning_rate, eps=cfg.train.adam_eps,
+                                           weight_decay=cfg.train.weight_decay)
+        if updates_per_iteration is None:
+            updates_per_iteration = cfg.train.epochs * (cfg.train.batch_size // cfg.mini_batch_size)
+        total = total_iterations * updates_per_iteration
+        warmup = int(cfg.train.lr_warmup_ratio * total)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.train.lr_scheduler_type, warmup, total))
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------------ update
+    def update(self, batch: dict[str, Tensor], iteration: int = 0) -> dict[str, float]:
+        """Epochs over shuffled mini-batches; returns the iteration's mean metrics."""
+        for key in REQUIRED_KEYS:
+            if key not in batch:
+                raise KeyError(f"batch is missing '{key}' (needs {', '.join(REQUIRED_KEYS)})")
+        cfg, a = self.cfg, self.cfg.algo
+        n = batch["mask"].shape[0]
+        mini = min(self.cfg.mini_batch_size, n)
+        micro = min(self.cfg.micro_batch_size, mini)
+        critic_only = iteration < cfg.train.critic_warmup
+        horizon = batch["mask"].shape[1]
+        sums: dict[str, Tensor] = {}
+        weights: dict[str, float] = {}
+        epochs_done = 0
+        for _ in range(cfg.train.epochs):
+            epoch_kl = []
+            order = torch.randperm(n, generator=self.generator)
+            for mb_index in order.split(mini):
+                mb = {k: v[mb_index] for k, v in batch.items()}
+                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only)
+                for k, v in step_metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                    weights[k] = weights.get(k, 0.0) + 1.0
+                if "approx_kl" in step_metrics:
+                    epoch_kl.append(step_metrics["approx_kl"])
+            epochs_done += 1
+            if a.target_kl is not None and epoch_kl:
+                if torch.stack(epoch_kl).mean().item() > a.target_kl:
+                    break
+        out = {k: (torch.as_tensor(sums[k]) / weights[k]).item() for k in sums}
+        out["epochs"] = float(epochs_done)
+        out["skipped_steps"] = float(self.skipped_steps)
+        for group in self.optimizer.param_groups:
+            out[f"lr/{group.get('name', 'group')}" if len(self.optimizer.param_groups) > 1 else "lr"] = group["lr"]
+        if len(self.optimizer.param_groups) > 1:
+            out["lr"] = self.optimizer.param_groups[0]["lr"]
+        with torch.no_grad():
+            out["explained_variance"] = algo.explained_variance(
+                batch["old_values"], batch["returns"], batch["mask"]).item()
+        return out
+
+    def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int,
+                        critic_only: bool) -> dict[str, Tensor]:
+        a = self.cfg.algo
+        mode = a.loss_agg_mode
+        normalizer = algo.aggregation_normalizer(mb["mask"], mode)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, Tensor] = {}
+        n = mb["mask"].shape[0]
+        for start in range(0, n, micro):
+            part = {k: v[start:start + micro] for k, v in mb.items()}
+            out = self.policy.evaluate(part)
+            mask = part["mask"]
+            share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
+            v_loss, v_metrics = algo.value_loss(
+                out["values"], part["old_values"], part["returns"], mask, clip_value=a.clip_value,
+                huber_delta=a.huber_delta, agg_mode=mode, normalizer=normalizer, horizon=horizon)
+            loss = a.value_coeff * v_loss
+            # Losses computed with the mini-batch normalizer add up over micro-batches;
+            # rates (clipfrac, approx_kl) are means over this micro-batch: weight by its share.
+            losses = {"value_loss": v_loss.detach()}
+            metrics = {"vf_clipfrac": v_metrics["vf_clipfrac"]}
+            if not critic_only:
+                pg_loss, pg_metrics = algo.policy_loss(
+                    out["log_prob"], part["old_log_prob"], part["advantages"], mask,
+                    lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,
+                    clip_ratio_c=a.clip_ratio_c, agg_mode=mode, ratio_level=a.ratio_level,
+                    normalizer=normalizer, horizon=horizon)
+                loss = loss + pg_loss
+                losses["policy_loss"] = pg_loss.detach()
+                metrics["approx_kl"] = pg_metrics["approx_kl_k3"]
+                metrics["approx_kl_k1"] = pg_metrics["approx_kl_k1"]
+                metrics["clipfrac"] = pg_metrics["clipfrac"]
+                metrics["ratio_max"] = pg_metrics["ratio_max"]
+                if "entropy" in out:
+                    entropy = algo.aggregate(out["entropy"], mask, mode, normalizer=normalizer, horizon=horizon)
+                    if a.entropy_coeff:
+                        loss = loss - a.entropy_coeff * entropy
+                    losses["entropy"] = entropy.detach()
+                if a.beta > 0:
+                    kl = algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
+                    kl_loss = algo.aggregate(kl, mask, mode, normalizer=normalizer, horizon=horizon)
+                    loss = loss + a.beta * kl_loss
+                    losses["kl_loss"] = kl_loss.detach()
+            loss.backward()
+            for k, v in losses.items():
+                totals[k] = totals.get(k, 0.0) + v
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v * share
+        grad_norm = self._clip_and_step()
+        totals["grad_norm"] = grad_norm
+        return totals
+
+    def _clip_and_step(self) -> Tensor:
+        clip = self.cfg.train.grad_clip
+        max_norm = clip if clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        if not torch.isfinite(grad_norm):
+            # A non-finite gradient would poison Adam's moments: skip this step.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            with warnings.catch_warnings():   # the schedule advances even when a step is skipped
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.scheduler.step()
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+        return grad_norm.detach()
+
+    # -------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "generator": self.generator.get_state(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
