@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -65,6 +65,12 @@ class KLControlConfig(Section):
     kl_coef: float = field(0.001, "the (initial) coefficient of the in-reward KL penalty", "init_kl_coef", ge=0)
     target_kl: float = field(6.0, "adaptive: the KL the controller steers towards", gt=0)
     horizon: int = field(10000, "adaptive: steps over which the coefficient may change by up to 20%", gt=0)
+
+    @model_validator(mode="after")
+    def _adaptive_needs_a_start(self) -> "KLControlConfig":
+        if self.type == "adaptive" and self.kl_coef <= 0:
+            raise ValueError("kl_ctrl.type=adaptive multiplies the coefficient, so kl_ctrl.kl_coef must be > 0")
+        return self
 
 
 class AlgoConfig(Section):
@@ -150,6 +156,8 @@ class EnvConfig(Section):
         "bootstrap", "time-limit truncation: bootstrap from V(final obs), or treat as terminal (CleanRL)")
     max_episode_steps: Optional[int] = field(None, "override the env's time limit", ge=1)
     eval_episodes: int = field(10, "episodes of the deterministic evaluation at the end", ge=0)
+    eval_every: int = field(0, "also evaluate every N iterations, in a separate vector env (0 = only at the end)", ge=0)
+    stop_at_return: Optional[float] = field(None, "stop training once a periodic evaluation reaches this mean return")
 
 
 class NetworkConfig(Section):
@@ -162,10 +170,56 @@ class NetworkConfig(Section):
     ortho_init: bool = field(True, "orthogonal init, gains sqrt(2) hidden, 0.01 policy head, 1 value head")
 
 
+class ModelConfig(Section):
+    """The language model (lm workload): policy, critic and reference."""
+
+    path: str = field("tiny", "local Hugging Face model directory, or 'tiny' for the built-in tiny Llama "
+                      "(built in RUN_DIR/base_model, no download)", "model_name_or_path", "pretrain")
+    mode: Literal["lora", "full"] = field(
+        "lora", "lora: actor and critic LoRA adapters on one frozen backbone, reference = adapters off; "
+        "full: full fine-tuning, separate critic model, frozen reference copy only when a KL term needs it")
+    critic_path: Optional[str] = field(None, "full mode: the model the critic starts from (null = model.path)")
+    lora_rank: int = field(8, "LoRA rank of the actor and critic adapters", "lora_r", ge=1)
+    lora_alpha: float = field(16.0, "LoRA alpha (the adapter output is scaled by alpha / rank)", gt=0)
+    lora_target_modules: Union[str, list[str]] = field(
+        "all-linear", "modules that get LoRA adapters (peft target_modules; all-linear = every linear layer but lm_head)")
+
+
+class RolloutConfig(Section):
+    """Generation of responses (lm workload)."""
+
+    temperature: float = field(1.0, "sampling temperature; log-probs are computed at the same temperature", gt=0)
+    top_p: float = field(1.0, "nucleus sampling: keep the smallest token set with this much probability", gt=0, le=1)
+    top_k: int = field(0, "sample among the k most likely tokens (0 = off)", ge=0)
+    max_new_tokens: int = field(16, "response length limit; a response reaching it without EOS is truncated",
+                                "response_length", "max_response_length", ge=1)
+    micro_batch_size: int = field(64, "sequences per generate call", "rollout_micro_batch_size", ge=1)
+    use_cache: bool = field(True, "KV cache during generation (false only to measure what it saves)")
+
+
+class DataConfig(Section):
+    """Prompts, reward function and held-out evaluation (lm workload)."""
+
+    prompts: str = field("arithmetic", "a built-in task (e.g. 'arithmetic:digits=2') or a JSONL file with a "
+                         "'prompt' field per line (other fields are passed to the reward function)", "task", "dataset")
+    reward: Optional[str] = field(None, "reward function: a built-in name, 'module:fn' or 'file.py:fn' "
+                                  "(null = the task's default)", "reward_fn")
+    eval_prompts: Optional[str] = field(None, "JSONL file of held-out prompts (null = the task's held-out split; "
+                                        "with a prompt file and no eval file there is no evaluation)")
+    eval_size: int = field(64, "held-out prompts of the greedy accuracy evaluation before and after training", ge=0)
+    eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
+    sft_epochs: int = field(0, "supervised warm start before PPO: at most this many epochs on the task's SFT "
+                            "split, keeping the best held-out model (0 = no warm start)", ge=0)
+    sft_examples: int = field(2000, "examples of the supervised warm start", ge=1)
+    sft_batch_size: int = field(32, "sequences per supervised warm-start step", ge=1)
+    sft_learning_rate: float = field(1e-3, "learning rate of the supervised warm start", gt=0)
+
+
 class Config(Section):
     """A whole run."""
 
-    workload: Literal["control"] = field("control", "which workload trains: control (Gymnasium)")
+    workload: Literal["control", "lm"] = field("control", "which workload trains: control (Gymnasium) or lm "
+                                               "(a causal language model)")
     preset: Optional[str] = field(None, "the preset or file this config came from (informational)")
     seed: int = field(1, "random seed of everything", ge=0)
     run: RunConfig = field(RunConfig(), "output and reporting")
@@ -173,6 +227,9 @@ class Config(Section):
     train: TrainConfig = field(TrainConfig(), "update loop and optimizer")
     env: EnvConfig = field(EnvConfig(), "control: Gymnasium environments")
     network: NetworkConfig = field(NetworkConfig(), "control: actor-critic network")
+    model: ModelConfig = field(ModelConfig(), "lm: the language model, adapters, critic")
+    rollout: RolloutConfig = field(RolloutConfig(), "lm: generation")
+    data: DataConfig = field(DataConfig(), "lm: prompts, reward, evaluation, warm start")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
@@ -191,6 +248,9 @@ class Config(Section):
                                  f"(got {a.group_size}): a group of one has no baseline")
         if a.adv_estimator == "gae" and a.value_coeff == 0:
             raise ValueError("algo.adv_estimator=gae needs a trained critic; algo.value_coeff must be > 0")
+        if a.beta > 0 and a.kl_loss_type == "full":
+            raise ValueError("algo.kl_loss_type=full needs the reference's full logits, which the update loop "
+                             "does not carry; use low_var_kl, kl, abs or mse")
         if a.kl_penalty == "full" and a.use_kl_in_reward:
             raise ValueError("algo.kl_penalty=full is an in-loss estimator over the vocabulary; "
                              "use kl, abs, mse or low_var_kl in the reward")
@@ -211,6 +271,12 @@ class Config(Section):
                                  f"= {expected} for the control workload (or leave it out)")
             if t.total_steps is None and t.iterations is None:
                 raise ValueError("set train.total_steps (environment steps) or train.iterations")
+        if self.workload == "lm":
+            if t.iterations is None:
+                raise ValueError("set train.iterations (PPO iterations) for the lm workload")
+            if t.critic_warmup >= t.iterations:
+                raise ValueError(f"train.critic_warmup={t.critic_warmup} leaves no actor updates in "
+                                 f"train.iterations={t.iterations}")
         return self
 
     # ----------------------------------------------------------------- derived values
@@ -254,6 +320,8 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
                   "learning_rate": 3e-4, "critic_learning_rate": None, "lr_scheduler_type": "linear",
                   "lr_warmup_ratio": 0.0, "grad_clip": 0.5, "adam_eps": 1e-5},
     },
+    # The field defaults are the seed-000 language-model settings; only a budget is added.
+    "lm": {"train": {"iterations": 100}},
 }
 
 

@@ -109,7 +109,7 @@ def test_config_names_match_algo_registries():
     assert set(get_args(C.AdvEstimatorName)) <= set(algo.ADVANTAGE_ESTIMATORS.names())
     assert set(get_args(C.AggModeName)) == set(algo.AGG_MODES.names())
     kl_names = set(get_args(C.KLEstimatorName)) - {"full"}
-    assert kl_names <= set(algo.KL_ESTIMATORS.names())
+    assert kl_names <= set(algo.KL_ESTIMATORS.names(include_aliases=True))
 
 
 @pytest.mark.parametrize("path", BAD_CONFIGS, ids=[p.stem for p in BAD_CONFIGS])

@@ -1,0 +1,81 @@
+"""ppokit.algo: the PPO math as pure functions on torch tensors.
+
+No models, environments, I/O or third-party ML frameworks: only ``torch`` and the
+standard library. Shapes use B = batch rows (sequences / environments) and
+T = time steps (tokens / env steps); masks are bool or 0/1 float (B, T).
+
+Modules, one job each:
+
+- :mod:`.registry`    name -> function registries with did-you-mean errors
+- :mod:`.stats`       masked sum / mean / var, whiten, explained variance
+- :mod:`.aggregation` per-token loss matrix -> scalar (token-mean, seq-mean-..., Dr. GRPO)
+- :mod:`.advantages`  GAE, GRPO, RLOO, REINFORCE++ (+ baseline)
+- :mod:`.policy_losses` clipped PPO surrogate (asymmetric, dual clip, sequence-level ratio)
+- :mod:`.value_losses` clipped / Huber value loss
+- :mod:`.kl`          per-token KL estimators, exact KL, KL-coefficient controllers
+- :mod:`.logits`      chunked log-probs and entropy from logits
+"""
+
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_gae,
+    gae_advantages,
+    get_advantage_estimator,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from .aggregation import AGG_MODES, aggregate, aggregation_normalizer
+from .kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    kl_full,
+    kl_penalty,
+    make_kl_controller,
+)
+from .logits import entropy_from_logits, log_probs_from_logits
+from .policy_losses import POLICY_LOSSES, policy_loss
+from .registry import Registry, UnknownNameError
+from .stats import explained_variance, masked_mean, masked_sum, masked_var, whiten
+from .value_losses import value_loss
+
+__all__ = [
+    # registry
+    "Registry",
+    "UnknownNameError",
+    # stats
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "whiten",
+    "explained_variance",
+    # aggregation
+    "AGG_MODES",
+    "aggregate",
+    "aggregation_normalizer",
+    # advantages
+    "ADVANTAGE_ESTIMATORS",
+    "compute_gae",
+    "get_advantage_estimator",
+    "gae_advantages",
+    "grpo_advantages",
+    "rloo_advantages",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    # losses
+    "POLICY_LOSSES",
+    "policy_loss",
+    "value_loss",
+    # KL
+    "KL_ESTIMATORS",
+    "kl_penalty",
+    "kl_full",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "make_kl_controller",
+    # logits
+    "log_probs_from_logits",
+    "entropy_from_logits",
+]

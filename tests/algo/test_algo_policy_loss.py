@@ -1,0 +1,252 @@
+"""The clipped PPO policy loss: values, gradients, dual clip, sequence level, metrics."""
+
+import math
+
+import pytest
+import torch
+
+from ppokit.algo import POLICY_LOSSES, aggregate, policy_loss
+
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+D = torch.float64
+
+
+def _t(x):
+    return torch.tensor(x, dtype=D)
+
+
+def test_registered_under_ppo_and_vanilla():
+    assert POLICY_LOSSES.get("ppo") is policy_loss
+    assert POLICY_LOSSES.get("vanilla") is policy_loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ratio_one_gives_minus_aggregated_advantage(mode):
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(4, 6, generator=g, dtype=D)
+    adv = torch.randn(4, 6, generator=g, dtype=D)
+    mask = torch.rand(4, 6, generator=g) < 0.7
+    mask[:, 0] = True
+    loss, metrics = policy_loss(old.clone(), old, adv, mask, agg_mode=mode)
+    torch.testing.assert_close(loss, -aggregate(adv, mask, mode), rtol=0, atol=1e-14)
+    assert metrics["clipfrac"].item() == 0.0 and metrics["approx_kl_k1"].item() == 0.0
+    assert metrics["ratio_mean"].item() == 1.0 == metrics["ratio_max"].item() == metrics["ratio_min"].item()
+
+
+def _grad_case():
+    """Hand-picked ratios (away from the clip boundaries) for A > 0 and A < 0."""
+    ratios = [0.5, 0.85, 0.95, 1.0, 1.2, 1.29, 1.31, 2.0]
+    lo, hi = 0.1, 0.3  # asymmetric: clip range [0.9, 1.3]
+    rows_r, rows_a = [], []
+    for sign in (+1.0, -1.0):
+        rows_r.append(ratios)
+        rows_a.append([sign * (0.5 + 0.25 * i) for i in range(len(ratios))])
+    old = torch.full((2, len(ratios)), -1.5, dtype=D)
+    logp = (old + torch.log(_t(rows_r))).requires_grad_()
+    return logp, old, _t(rows_a), lo, hi
+
+
+def test_gradient_is_zero_exactly_where_clipped_and_unclipped_elsewhere():
+    logp, old, adv, lo, hi = _grad_case()
+    mask = torch.ones_like(adv, dtype=torch.bool)
+    loss, metrics = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi)
+    (grad,) = torch.autograd.grad(loss, logp)
+    n = mask.sum().item()
+    ratio = torch.exp(logp.detach() - old)
+    n_clipped = {+1: 0, -1: 0}
+    n_free = {+1: 0, -1: 0}
+    expected_loss = 0.0
+    for b in range(2):
+        for t in range(adv.shape[1]):
+            a, r = adv[b, t].item(), ratio[b, t].item()
+            clipped = (a > 0 and r > 1 + hi) or (a < 0 and r < 1 - lo)
+            sign = 1 if a > 0 else -1
+            expected_loss += max(-a * r, -a * min(max(r, 1 - lo), 1 + hi)) / n
+            if clipped:
+                n_clipped[sign] += 1
+                assert grad[b, t].item() == 0.0, (b, t)
+            else:
+                n_free[sign] += 1
+                # d/dlogp (-A r) / N = -A r / N
+                assert grad[b, t].item() == pytest.approx(-a * r / n, rel=1e-14, abs=0), (b, t)
+    assert min(n_clipped.values()) >= 1 and min(n_free.values()) >= 1  # all four cases exercised
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-14)
+    assert metrics["clipfrac"].item() == pytest.approx(sum(n_clipped.values()) / n)
+    assert metrics["clipfrac_upper"].item() == pytest.approx(n_clipped[1] / n)
+    assert metrics["clipfrac_lower"].item() == pytest.approx(n_clipped[-1] / n)
+
+
+def test_asymmetric_bounds_clip_at_their_own_side():
+    old = torch.zeros(1, 4, dtype=D)
+    r = _t([[0.85, 0.85, 1.25, 1.25]])
+    adv = _t([[-1.0, -1.0, 1.0, 1.0]])
+    mask = torch.ones(1, 4)
+    # lower 0.1 clips r=0.85 for A<0; upper 0.3 does not clip r=1.25 for A>0
+    loss, m = policy_loss(torch.log(r), old, adv, mask, lower_clip_ratio=0.1, upper_clip_ratio=0.3)
+    assert loss.item() == pytest.approx((0.9 + 0.9 - 1.25 - 1.25) / 4, abs=1e-14)
+    assert m["clipfrac_lower"].item() == 0.5 and m["clipfrac_upper"].item() == 0.0
+    # swapped: lower 0.3 does not clip 0.85; upper 0.1 clips 1.25
+    loss, m = policy_loss(torch.log(r), old, adv, mask, lower_clip_ratio=0.3, upper_clip_ratio=0.1)
+    assert loss.item() == pytest.approx((0.85 + 0.85 - 1.1 - 1.1) / 4, abs=1e-14)
+    assert m["clipfrac_lower"].item() == 0.0 and m["clipfrac_upper"].item() == 0.5
+
+
+def test_dual_clip():
+    c = 3.0
+    old = torch.zeros(1, 4, dtype=D)
+    r = _t([[20.0, 2.0, 20.0, 0.5]])
+    adv = _t([[-2.0, -2.0, 1.5, -1.0]])
+    logp = torch.log(r).requires_grad_()
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    loss, m = policy_loss(logp, old, adv, mask, clip_ratio_c=c)
+    (grad,) = torch.autograd.grad(loss, logp)
+    # pos 0: A<0, huge ratio -> -A c, zero grad; pos 1: A<0, 1.2 < r < c -> -A r, live grad;
+    # pos 2: A>0 unaffected by dual clip -> -A (1 + 0.2), zero grad; pos 3: A<0, r < 0.8 -> -A 0.8, zero grad
+    per = [2.0 * c, 2.0 * 2.0, -1.5 * 1.2, 1.0 * 0.8]
+    assert loss.item() == pytest.approx(sum(per) / 4, abs=1e-14)
+    assert grad[0, 0].item() == 0.0 and grad[0, 2].item() == 0.0 and grad[0, 3].item() == 0.0
+    assert grad[0, 1].item() == pytest.approx(2.0 * 2.0 / 4, rel=1e-14)
+    assert m["clipfrac_dual"].item() == 0.25
+    assert m["clipfrac"].item() == 0.75  # dual + upper + lower: every position with a zeroed gradient
+    no_dual, _ = policy_loss(logp, old, adv, mask)
+    assert no_dual.item() == pytest.approx((2.0 * 20.0 + per[1] + per[2] + per[3]) / 4, abs=1e-12)
+
+
+def test_metrics_hand_case():
+    old = torch.zeros(1, 4, dtype=D)
+    r = [0.5, 1.5, 1.1, 7.0]  # last position is padding
+    logp = torch.log(_t([r]))
+    adv = _t([[-1.0, 1.0, 1.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, m = policy_loss(logp, old, adv, mask)
+    valid = r[:3]
+    k1 = sum(-math.log(x) for x in valid) / 3
+    k3 = sum((x - 1) - math.log(x) for x in valid) / 3
+    expected = {
+        "clipfrac": 2 / 3, "clipfrac_lower": 1 / 3, "clipfrac_upper": 1 / 3, "clipfrac_dual": 0.0,
+        "approx_kl_k1": k1, "approx_kl_k3": k3, "ratio_mean": 3.1 / 3, "ratio_max": 1.5, "ratio_min": 0.5,
+    }
+    assert set(m) == set(expected)
+    for k, v in expected.items():
+        assert m[k].dim() == 0 and not m[k].requires_grad, k
+        assert m[k].item() == pytest.approx(v, abs=1e-14), k
+    assert loss.item() == pytest.approx((0.8 - 1.2 - 1.1) / 3, abs=1e-14)
+    # dual clip c = 1.4: A = -1 at r = 1.5 > c is a dual hit; r = 0.5 stays a lower-clip hit
+    _, m2 = policy_loss(logp, old, _t([[-1.0, -1.0, 1.0, 5.0]]), mask, clip_ratio_c=1.4)
+    assert m2["clipfrac_dual"].item() == pytest.approx(1 / 3) and m2["clipfrac"].item() == pytest.approx(2 / 3)
+
+
+def test_metrics_are_detached_and_loss_has_grad():
+    logp = torch.zeros(2, 3, dtype=D, requires_grad=True)
+    loss, m = policy_loss(logp, torch.zeros(2, 3, dtype=D), torch.ones(2, 3, dtype=D), torch.ones(2, 3))
+    assert loss.requires_grad and loss.dim() == 0
+    assert all(not v.requires_grad and v.dim() == 0 for v in m.values())
+
+
+def test_masked_garbage_does_not_leak():
+    logp = _t([[-1.0, float("inf"), -2.0]]).requires_grad_()
+    old = _t([[-1.1, float("-inf"), float("nan")]])
+    old[0, 2] = -2.0
+    adv = _t([[1.0, float("nan"), -1.0]])
+    mask = torch.tensor([[True, False, True]])
+    loss, m = policy_loss(logp, old, adv, mask, clip_ratio_c=3.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0
+    assert all(torch.isfinite(v) for v in m.values())
+
+
+def _naive_sequence_loss(logp, old, adv, mask, lo, hi, c, mode):
+    """Per-sequence PPO written with per-row loops (torch scalars, so it has gradients)."""
+    B, T = logp.shape
+    per_row, row_len = [], []
+    for b in range(B):
+        s = logp.new_zeros(())
+        a_sum, n = 0.0, 0
+        for t in range(T):
+            if mask[b, t]:
+                s = s + (logp[b, t] - old[b, t])
+                a_sum += adv[b, t].item()
+                n += 1
+        a = a_sum / n if n else 0.0
+        r = torch.exp(s)
+        loss_b = torch.maximum(-a * r, -a * torch.clamp(r, 1 - lo, 1 + hi))
+        if c is not None and a < 0:
+            loss_b = torch.minimum(loss_b, logp.new_tensor(-a * c))
+        per_row.append(loss_b)
+        row_len.append(n)
+    if mode == "seq-mean-token-mean":
+        return sum(l if n else 0.0 for l, n in zip(per_row, row_len)) / B
+    if mode == "token-mean":
+        return sum(l * n for l, n in zip(per_row, row_len)) / max(sum(row_len), 1)
+    if mode == "seq-mean-token-sum":
+        return sum(l * n for l, n in zip(per_row, row_len)) / B
+    return sum(l * n for l, n in zip(per_row, row_len)) / (B * T)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("c", [None, 2.0])
+def test_sequence_level_matches_naive(mode, c):
+    g = torch.Generator().manual_seed(4)
+    B, T = 6, 5
+    old = torch.randn(B, T, generator=g, dtype=D) - 2
+    logp = (old + 0.15 * torch.randn(B, T, generator=g, dtype=D)).requires_grad_()
+    adv = torch.randn(B, T, generator=g, dtype=D)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    mask[0] = True
+    mask[3] = False  # an empty row
+    lo, hi = 0.1, 0.15
+    loss, m = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi, clip_ratio_c=c,
+                          agg_mode=mode, ratio_level="sequence")
+    ref = _naive_sequence_loss(logp, old, adv, mask, lo, hi, c, mode)
+    (g1,) = torch.autograd.grad(loss, logp)
+    (g2,) = torch.autograd.grad(ref, logp)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-13)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-13)
+    assert 0.0 <= m["clipfrac"].item() <= 1.0
+    if mode == "seq-mean-token-mean":  # -(1/N) sum_i min(A_i r_i, A_i clip(r_i)) with N = B
+        seq_adv = torch.stack([adv[b][mask[b]].mean() if mask[b].any() else adv.new_zeros(()) for b in range(B)])
+        r = torch.exp(((logp.detach() - old) * mask).sum(-1))
+        direct = -torch.minimum(seq_adv * r, seq_adv * r.clamp(1 - lo, 1 + hi)).sum() / B
+        if c is None:
+            assert loss.item() == pytest.approx(direct.item(), abs=1e-13)
+
+
+def test_sequence_level_accepts_one_advantage_per_row():
+    g = torch.Generator().manual_seed(5)
+    old = torch.randn(3, 4, generator=g, dtype=D)
+    logp = old + 0.3 * torch.randn(3, 4, generator=g, dtype=D)
+    a = torch.randn(3, generator=g, dtype=D)
+    mask = torch.ones(3, 4)
+    l1, m1 = policy_loss(logp, old, a, mask, ratio_level="sequence")
+    l2, m2 = policy_loss(logp, old, a[:, None].expand(3, 4), mask, ratio_level="sequence")
+    assert l1.item() == pytest.approx(l2.item(), abs=1e-14)
+    # sequence metrics are per row: ratio_max is a row's product of token ratios
+    seq_r = torch.exp((logp - old).sum(-1))
+    assert m1["ratio_max"].item() == pytest.approx(seq_r.max().item(), rel=1e-12)
+
+
+def test_validation():
+    x = torch.zeros(2, 3)
+    ok = dict(log_prob=x, old_log_prob=x, advantages=x, mask=x)
+
+    def call(**kw):
+        args = {**ok, **kw}
+        return policy_loss(args.pop("log_prob"), args.pop("old_log_prob"), args.pop("advantages"), args.pop("mask"), **args)
+
+    for c in (1.0, 0.5, -3.0):
+        with pytest.raises(ValueError, match="clip_ratio_c"):
+            call(clip_ratio_c=c)
+    for lo in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"lower_clip_ratio must be in \[0, 1\)"):
+            call(lower_clip_ratio=lo)
+    with pytest.raises(ValueError, match="upper_clip_ratio"):
+        call(upper_clip_ratio=-0.1)
+    with pytest.raises(ValueError, match="ratio_level"):
+        call(ratio_level="seq")
+    with pytest.raises(ValueError, match=r"old_log_prob shape \(2, 4\) != log_prob shape \(2, 3\)"):
+        call(old_log_prob=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"advantages shape \(3,\)"):
+        call(advantages=torch.zeros(3))
+    with pytest.raises(ValueError, match="did you mean 'token-mean'"):
+        call(agg_mode="token-man")
+    call(clip_ratio_c=1.01, lower_clip_ratio=0.0, upper_clip_ratio=0.0)  # edges are fine
