@@ -183,6 +183,8 @@ class ModelConfig(Section):
     lora_alpha: float = field(16.0, "LoRA alpha (the adapter output is scaled by alpha / rank)", gt=0)
     lora_target_modules: Union[str, list[str]] = field(
         "all-linear", "modules that get LoRA adapters (peft target_modules; all-linear = every linear layer but lm_head)")
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = field(
+        "auto", "attention kernel (auto = eager on CPU, the model's default elsewhere)")
 
 
 class RolloutConfig(Section):

@@ -1,0 +1,342 @@
+"""Language-model PPO: memory, achieved FLOP/s, iteration time and KV-cache speed-up.
+
+One PPO iteration (generate -> score -> update) on a randomly initialised Llama-style
+model built locally (``ppokit.lm.tiny``, character vocabulary; about 50 M parameters by
+default). Each measurement runs in its own Python process, so peak memory is that of
+one configuration only. Reported, each against its goal:
+
+``memory``    peak memory of one iteration, shared-LoRA (actor + critic adapters and
+              the reference on one backbone) over separate models (full fine-tuning:
+              actor, critic, frozen reference copy). Both with a KL term in the loss
+              (beta > 0), so both need a reference. CPU: peak RSS minus the RSS after
+              imports; CUDA: ``torch.cuda.max_memory_allocated``. Goal <= 0.4.
+``update``    achieved FLOP/s of the update phase over a measured matmul ceiling
+              (a large matmul in the precision in use, same threads/device). Model
+              FLOPs are counted from the shapes actually computed (padding included):
+              linear layers 2 * params * tokens, attention 4 * L^2 * hidden per layer,
+              lm_head only at response positions; a LoRA pass backward costs one more
+              forward (input gradients only, the backbone is frozen). Goal >= 40 %.
+``iteration`` wall time of the whole iteration over its compute floor (all FLOPs of
+              generation, scoring and update at the ceiling). Goal <= 2.
+``kv-cache``  generation tokens/s with the KV cache over without it.
+
+Responses are forced to full length (``min_new_tokens``), so every run does the same work.
+
+Examples::
+
+    python bench/lm.py                       # ~50 M parameters, 64 sequences, bf16 where supported
+    python bench/lm.py --quick               # ~6 M parameters: a smoke run in about a minute
+    python bench/lm.py --precision fp32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+# ----------------------------------------------------------------------------- shared
+def model_dir(a: argparse.Namespace) -> Path:
+    from ppokit.lm.tiny import build_tiny_model
+
+    path = Path(tempfile.gettempdir()) / f"ppokit-bench-lm-h{a.hidden}-l{a.layers}"
+    return build_tiny_model(path, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.hidden // 64,
+                            max_position_embeddings=256, seed=0)
+
+
+def make_config(a: argparse.Namespace, mode: str, path: Path, use_cache: bool = True):
+    from ppokit.config import build_config
+
+    return build_config([{
+        "workload": "lm", "seed": 0,
+        "model": {"path": str(path), "mode": mode},
+        "rollout": {"temperature": 1.0, "max_new_tokens": a.response_len, "micro_batch_size": a.batch,
+                    "use_cache": use_cache},
+        "train": {"iterations": 1, "batch_size": a.batch, "mini_batch_size": a.batch,
+                  "micro_batch_size": a.micro, "infer_micro_batch_size": a.micro, "epochs": 1,
+                  "learning_rate": 1e-5},
+        "algo": {"beta": 0.01, "group_size": 1},
+        "run": {"precision": a.precision, "device": a.device, "progress": False, "tensorboard": False}}])
+
+
+def prompts(a: argparse.Namespace) -> list[str]:
+    from ppokit.lm.tasks import get_task
+
+    return [x["prompt"] * a.prompt_repeat for x in get_task("arithmetic:digits=3").train_prompts(a.batch)]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Pieces:
+    """The policy, rollout engine, scorer and learner of one configuration."""
+
+    def __init__(self, a: argparse.Namespace, mode: str, use_cache: bool = True):
+        import torch
+
+        from ppokit.lm.policy import build_policy, load_tokenizer
+        from ppokit.lm.rollout import RolloutEngine
+        from ppokit.lm.scoring import Scorer
+        from ppokit.lm.workload import Learner, setup
+
+        path = model_dir(a)
+        self.cfg = cfg = make_config(a, mode, path, use_cache)
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        self.device, self.dtype = setup(cfg)
+        self.tok = load_tokenizer(path)
+        self.policy = build_policy(cfg, path, device=self.device, autocast_dtype=self.dtype, seed=0)
+        self.engine = RolloutEngine(self.policy, self.tok, cfg.rollout,
+                                    generation_kwargs={"min_new_tokens": a.response_len})
+        self.scorer = Scorer(self.policy, cfg.train.infer_micro_batch_size, need_reference=True)
+        self.learner = Learner(cfg, self.policy, 1)
+        self.prompts = prompts(a)
+
+    def iteration(self) -> dict:
+        import torch
+
+        from ppokit.lm.scoring import token_rewards
+        from ppokit.trainer import compute_advantages
+
+        t = {}
+        start = time.perf_counter()
+        ro = self.engine.generate(self.prompts, group_size=1)
+        sync(self.device)
+        t["generate"] = time.perf_counter() - start
+        start = time.perf_counter()
+        scored = self.scorer.score(ro)
+        sync(self.device)
+        t["score"] = time.perf_counter() - start
+        scores = torch.rand(len(ro), generator=torch.Generator().manual_seed(0)).to(self.device)
+        rewards = token_rewards(scores, ro.mask)
+        adv, ret = compute_advantages(self.cfg, rewards=rewards, mask=ro.mask, values=scored["old_values"])
+        batch = {**ro.tensors(), **scored, "advantages": adv, "returns": ret}
+        start = time.perf_counter()
+        self.learner.update(batch, 0)
+        sync(self.device)
+        t["update"] = time.perf_counter() - start
+        t["total"] = t["generate"] + t["score"] + t["update"]
+        return {"times": t, "rollout": ro}
+
+
+# ----------------------------------------------------------------------------- FLOPs
+def model_shapes(policy) -> dict:
+    base = policy.lm.get_base_model() if hasattr(policy.lm, "get_base_model") else policy.lm
+    c = base.config
+    head = base.get_output_embeddings().weight.numel()
+    emb = base.get_input_embeddings().weight.numel()
+    body = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n) - head - emb
+    return {"body": body, "hidden": c.hidden_size, "layers": c.num_hidden_layers, "vocab": c.vocab_size}
+
+
+def forward_flops(s: dict, n: int, length: int, head_positions: int) -> float:
+    """One forward pass over n sequences of ``length`` positions, lm_head at ``head_positions``."""
+    linear = 2 * s["body"] * n * length
+    attention = 4 * s["layers"] * s["hidden"] * n * length * length
+    return linear + attention + 2 * s["hidden"] * s["vocab"] * n * head_positions
+
+
+def iteration_flops(s: dict, n: int, prompt_len: int, response_len: int, mode: str) -> dict:
+    L = prompt_len + response_len
+    actor = forward_flops(s, n, L, response_len)
+    critic = forward_flops(s, n, L, 0)
+    backward = 1.0 if mode == "lora" else 2.0        # frozen backbone: input gradients only
+    update = (actor + critic) * (1 + backward)
+    score = 2 * actor + critic                         # old log-probs, reference, values
+    # generation: prefill of the prompts, then one token per step against the cache
+    gen = forward_flops(s, n, prompt_len, 1)
+    for t in range(1, response_len):
+        ctx = prompt_len + t
+        gen += 2 * s["body"] * n + 4 * s["layers"] * s["hidden"] * n * ctx + 2 * s["hidden"] * s["vocab"] * n
+    return {"generate": gen, "score": score, "update": update, "total": gen + score + update}
+
+
+def matmul_ceiling(device, dtype, size: int = 2048, repeats: int = 10) -> float:
+    """Best FLOP/s of a (size x size) @ (size x size) matmul in the precision in use."""
+    import torch
+
+    dt = dtype or torch.float32
+    x = torch.randn(size, size, device=device).to(dt)
+    y = torch.randn(size, size, device=device).to(dt)
+    best = float("inf")
+    for _ in range(repeats + 2):
+        sync(device)
+        start = time.perf_counter()
+        torch.matmul(x, y)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+# ----------------------------------------------------------------------------- children
+def child_memory(a: argparse.Namespace) -> dict:
+    import torch
+
+    from ppokit.lm.policy import resolve_device
+
+    device = resolve_device(a.device)
+    # Imports, lazily loaded modules and kernels are not the iteration's: warm up on a
+    # tiny model of the same kind first, then take the baseline.
+    warm = argparse.Namespace(**{**vars(a), "hidden": 64, "layers": 1, "batch": 2, "micro": 2})
+    Pieces(warm, a.mode).iteration()
+    import gc
+
+    gc.collect()
+    base = rss_bytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    pieces = Pieces(a, a.mode)
+    pieces.iteration()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = peak_rss_bytes() - base
+    params = sum(p.numel() for p in pieces.policy.parameters())
+    return {"mode": a.mode, "peak_bytes": peak, "parameters_in_memory": params}
+
+
+def child_perf(a: argparse.Namespace) -> dict:
+    a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})     # a throughput-sized micro-batch
+    pieces = Pieces(a, "lora")
+    pieces.iteration()                               # warm-up (allocations, kernels, Adam state)
+    # Other processes only ever slow a measurement down: the ceiling is the best of
+    # measurements taken before, between and after the timed iterations.
+    ceilings = [matmul_ceiling(pieces.device, pieces.dtype)]
+    runs = []
+    for _ in range(a.repeats):
+        runs.append(pieces.iteration())
+        ceilings.append(matmul_ceiling(pieces.device, pieces.dtype))
+    best = min(runs, key=lambda r: r["times"]["total"])
+    ro = best["rollout"]
+    s = model_shapes(pieces.policy)
+    flops = iteration_flops(s, len(ro), ro.prompt_length, ro.responses.shape[1], "lora")
+    ceiling = max(ceilings)
+    t = {k: min(r["times"][k] for r in runs) for k in ("generate", "score", "update")}
+    t["total"] = best["times"]["total"]
+    return {"ceiling_flops": ceiling, "flops": flops, "times": t, "shapes": s,
+            "precision": "bf16" if pieces.dtype is not None else "fp32", "device": str(pieces.device),
+            "threads": __import__("torch").get_num_threads(),
+            "tokens": {"n": len(ro), "prompt": ro.prompt_length, "response": ro.responses.shape[1]}}
+
+
+def child_gen(a: argparse.Namespace) -> dict:
+    out = {}
+    for use_cache in (True, False):
+        pieces = Pieces(a, "lora", use_cache=use_cache)
+        pieces.engine.generate(pieces.prompts[:4], group_size=1)          # warm-up
+        best = float("inf")
+        for _ in range(a.repeats):
+            start = time.perf_counter()
+            ro = pieces.engine.generate(pieces.prompts, group_size=1)
+            sync(pieces.device)
+            best = min(best, time.perf_counter() - start)
+        out["cache" if use_cache else "no_cache"] = float(ro.mask.sum()) / best
+    return out
+
+
+CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen}
+
+
+# ----------------------------------------------------------------------------- parent
+def run_child(a: argparse.Namespace, kind: str, mode: str = "lora") -> dict:
+    args = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--mode", mode]
+    for key in ("hidden", "layers", "batch", "micro", "perf_micro", "prompt_repeat", "response_len", "precision", "device",
+                "threads", "repeats"):
+        value = getattr(a, key)
+        if value is not None:
+            args += [f"--{key.replace('_', '-')}", str(value)]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.exit(f"bench child {kind}/{mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a ~6 M-parameter model and fewer tokens")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 640; quick 256)")
+    p.add_argument("--layers", type=int, default=None, help="layers (default 10; quick 6)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per iteration (default 64; quick 16)")
+    p.add_argument("--micro", type=int, default=None, help="sequences per forward/backward (default 4, the seed-000 scale)")
+    p.add_argument("--perf-micro", type=int, default=None,
+                   help="sequences per forward/backward in the FLOP/s and time measurements (default 16)")
+    p.add_argument("--prompt-repeat", type=int, default=2, help="prompt = an arithmetic problem repeated k times")
+    p.add_argument("--response-len", type=int, default=None, help="response tokens (default 32; quick 16)")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best counts)")
+    p.add_argument("--only", choices=sorted(CHILDREN), help="run one measurement")
+    p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="lora", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    quick = {"hidden": 256, "layers": 6, "batch": 16, "micro": 4, "perf_micro": 8, "response_len": 16}
+    full = {"hidden": 640, "layers": 10, "batch": 64, "micro": 4, "perf_micro": 16, "response_len": 32}
+    for key, value in (quick if a.quick else full).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.child:
+        print(json.dumps(CHILDREN[a.child](a)))
+        return 0
+
+    model_dir(a)            # build once, before the children race to it
+    print(f"model: hidden {a.hidden}, {a.layers} layers; {a.batch} sequences, responses of "
+          f"{a.response_len} tokens; micro-batch {a.micro} (memory) / {a.perf_micro} (speed); "
+          f"precision {a.precision}, device {a.device}")
+    ok = True
+    if a.only in (None, "memory"):
+        lora, full_ = run_child(a, "memory", "lora"), run_child(a, "memory", "full")
+        ratio = lora["peak_bytes"] / full_["peak_bytes"]
+        ok &= ratio <= 0.4
+        print(f"memory      shared-LoRA {lora['peak_bytes'] / 2**20:8.0f} MiB   separate models "
+              f"{full_['peak_bytes'] / 2**20:8.0f} MiB   ratio {ratio:.3f}   (goal <= 0.4)")
+    if a.only in (None, "perf"):
+        r = run_child(a, "perf")
+        params = r["shapes"]["body"]
+        mfu = r["flops"]["update"] / r["times"]["update"] / r["ceiling_flops"]
+        floor = r["flops"]["total"] / r["ceiling_flops"]
+        over = r["times"]["total"] / floor
+        ok &= (mfu >= 0.4 or params < 20e6) and over <= 2
+        print(f"ceiling     {r['ceiling_flops'] / 1e12:.3f} TFLOP/s ({r['precision']} matmul, {r['device']}, "
+              f"{r['threads']} threads); body {params / 1e6:.1f} M parameters; tokens {r['tokens']}")
+        for phase in ("generate", "score", "update"):
+            achieved = r["flops"][phase] / r["times"][phase]
+            print(f"  {phase:9s} {r['times'][phase]:7.3f} s  {r['flops'][phase] / 1e9:9.1f} GFLOP  "
+                  f"{achieved / 1e12:.3f} TFLOP/s = {achieved / r['ceiling_flops']:6.1%} of the ceiling")
+        print(f"update      {mfu:6.1%} of the matmul ceiling   (goal >= 40% for >= 20 M parameters)")
+        print(f"iteration   {r['times']['total']:.3f} s over a compute floor of {floor:.3f} s = {over:.2f}x   "
+              f"(goal <= 2)")
+    if a.only in (None, "gen"):
+        g = run_child(a, "gen")
+        print(f"kv-cache    {g['cache']:8.0f} tokens/s with the cache, {g['no_cache']:8.0f} without: "
+              f"{g['cache'] / g['no_cache']:.2f}x")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Export a trained LM policy as a plain Hugging Face model directory.
+
+:func:`export_merged` merges the ``actor`` LoRA adapter of ``RUN_DIR/checkpoint`` into
+its backbone (``W + (alpha / r) B A``) and writes a directory that
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load with
+no peft installed. In full mode the checkpoint's actor already is such a model; it is
+re-saved with the tokenizer. The critic and the value head are not part of the export
+(they stay in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+from ppokit.errors import UserError
+from ppokit.lm.policy import ACTOR, POLICY_META_FILE, base_model_of, load_causal_lm, load_tokenizer
+
+
+def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
+    """``RUN_DIR/checkpoint`` for a run directory, or the checkpoint directory itself."""
+    p = Path(run_or_ckpt)
+    if (p / POLICY_META_FILE).is_file():
+        return p
+    if (p / "checkpoint" / POLICY_META_FILE).is_file():
+        return p / "checkpoint"
+    raise UserError(f"{p} holds no LM checkpoint (expected {p}/checkpoint/{POLICY_META_FILE}); "
+                    "a run writes it when training finishes")
+
+
+def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the actor as a standalone model (+ tokenizer) to ``out_dir`` (new or empty)."""
+    import json
+
+    from ppokit.lm.tiny import quiet_transformers
+
+    ckpt = checkpoint_dir(run_dir)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} exists and is not empty; choose a new directory for the export")
+    meta = json.loads((ckpt / POLICY_META_FILE).read_text())
+    tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
+    if meta["mode"] == "lora":
+        from peft import PeftModel
+
+        base = load_causal_lm(base_model_of(ckpt), "the checkpoint's base model")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = PeftModel.from_pretrained(base, str(ckpt / ACTOR), adapter_name=ACTOR)
+        model = model.merge_and_unload()
+    else:
+        model = load_causal_lm(ckpt / ACTOR, "the checkpoint's actor")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        with quiet_transformers():
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

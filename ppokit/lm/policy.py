@@ -1,0 +1,585 @@
+"""The language-model policy with a value function: actor, critic and reference.
+
+Two modes (``model.mode``):
+
+``lora`` (default, the seed-000 design)
+    One frozen Hugging Face causal LM carries two LoRA adapters, ``actor`` and
+    ``critic`` (peft). The critic is the backbone with the ``critic`` adapter plus a
+    value head (``Linear(hidden, 1)``) on its last hidden state. The reference policy
+    is the backbone with the adapters disabled. Actor, critic and reference cost one
+    backbone in memory.
+
+``full``
+    Full fine-tuning: the actor is a whole model, the critic a separate model
+    (initialised from ``model.critic_path`` or the policy path) with a value head, and
+    a frozen reference copy is loaded only when a KL term needs one.
+
+For a batch laid out as ``[left-padded prompt (P) | right-padded response (R)]``
+(see :mod:`ppokit.lm.rollout`), response token ``j`` sits at position ``P + j`` and
+is predicted from the hidden state at ``P + j - 1``; the value of the state before
+token ``j`` is read at the same position. Only those ``R`` hidden states go through
+``lm_head``, so the logits are (n, R, V), never (n, P + R, V), and the log-probs are
+``gather - logsumexp`` chunk by chunk (:func:`ppokit.algo.log_probs_from_logits`)
+on logits divided by the sampling temperature.
+
+The peft pitfall: ``set_adapter`` and ``disable_adapter`` reset ``requires_grad``
+(only the active adapter keeps it, and disabling clears it for all). An autograd
+leaf whose ``requires_grad`` is cleared between forward and backward silently gets
+no gradient, and the actor pass runs before the critic pass swaps adapters. So every
+swap goes through :meth:`LMPolicy.use`, which re-enables ``requires_grad`` on the
+LoRA weights of both adapters after each swap; the tests check that both adapters
+and the value head get gradients from one backward.
+
+Dropout is never active (the models stay in ``eval()`` mode): the log-probs of the
+scoring pass and of the first update pass are then the same computation, which is
+what makes the first importance ratio exactly 1.
+
+Precision: with bf16 autocast the frozen weights (lora backbone, full-mode reference)
+are stored in bf16 (:meth:`LMPolicy.cast_frozen_weights`); trained weights stay fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ppokit import algo
+from ppokit.errors import UserError
+
+ACTOR, CRITIC = "actor", "critic"
+VALUE_HEAD_FILE = "value_head.safetensors"
+POLICY_META_FILE = "policy.json"
+
+
+# ----------------------------------------------------------------------------- loading
+def load_tokenizer(path: str | Path, what: str = "model.path"):
+    """A tokenizer with left padding, an EOS and a pad token; UserError otherwise."""
+    from transformers import AutoTokenizer
+
+    _check_local_dir(path, what)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), padding_side="left", local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{what}={path}: no usable tokenizer there ({_first_line(exc)}); save the model's "
+                        "tokenizer into the directory") from None
+    tok.padding_side = "left"
+    if tok.eos_token_id is None:
+        raise UserError(f"{what}={path}: the tokenizer has no EOS token; set eos_token in its "
+                        "tokenizer_config.json so that responses can end")
+    if tok.pad_token_id is None:
+        raise UserError(f"{what}={path}: the tokenizer has no pad token; set pad_token in its "
+                        "tokenizer_config.json (the EOS token is a common choice)")
+    return tok
+
+
+def causal_lm_config(path: str | Path, what: str = "model.path"):
+    """The model config of a local directory, checked to be a causal LM (no weights loaded)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    _check_local_dir(path, what)
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{what}={path}: not a Hugging Face model directory ({_first_line(exc)})") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UserError(f"{what}={path}: a {type(config).__name__} is not a causal language model "
+                        "(AutoModelForCausalLM cannot load it)")
+    return config
+
+
+def load_causal_lm(path: str | Path, what: str = "model.path", dtype: torch.dtype = torch.float32,
+                   attn_implementation: Optional[str] = None) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` of a local directory; UserError on bad input.
+
+    ``attn_implementation``: None keeps the model's default (sdpa where supported).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = causal_lm_config(path, what)
+    from ppokit.lm.tiny import quiet_transformers
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
+                                                         local_files_only=True, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc) or "AutoModelForCausalLM" in str(exc):
+            raise UserError(f"{what}={path}: a {type(config).__name__} is not a causal language model "
+                            "(AutoModelForCausalLM cannot load it)") from None
+        raise UserError(f"{what}={path}: cannot load the model ({_first_line(exc)})") from None
+    except OSError as exc:
+        raise UserError(f"{what}={path}: cannot load the model weights ({_first_line(exc)})") from None
+    model.eval()   # no dropout anywhere: scoring and update passes must agree exactly
+    return model
+
+
+def _check_local_dir(path: str | Path, what: str) -> None:
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{what}={path}: no such model directory (give a local Hugging Face model "
+                        "directory; ppokit does not download models)")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+# ----------------------------------------------------------------------------- precision
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"run.device={name} but no CUDA device is available; use run.device=cpu")
+    return torch.device(name)
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """True where bf16 matmuls run natively (CUDA with bf16, CPU with AVX512-BF16/AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            try:
+                flags = Path("/proc/cpuinfo").read_text()
+            except OSError:
+                return False
+            return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False
+
+
+def resolve_precision(name: str, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype: ``torch.bfloat16`` or None (fp32). ``auto`` = bf16 where supported."""
+    if name == "fp32":
+        return None
+    if name == "bf16":
+        if device.type == "cpu" or bf16_supported(device):
+            return torch.bfloat16
+        raise UserError(f"run.precision=bf16 is not supported on {device}; use fp32 or auto")
+    return torch.bfloat16 if bf16_supported(device) else None
+
+
+# ----------------------------------------------------------------------------- the policy
+class ValueHead(nn.Module):
+    """``V(s) = w . h + b`` on the critic's last hidden state, always in float32 (zero-initialised)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        # V = 0 at the start: a random head would predict values of order 1 while
+        # rewards may be small, and its large first gradients would dominate the
+        # global gradient-norm clip that the actor shares.
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:   # (n, R, H) -> (n, R)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.linear(hidden.float()).squeeze(-1)
+
+
+class LMPolicy(nn.Module):
+    """Actor, critic (value head) and reference over one or more causal LMs.
+
+    Implements the trainer's policy protocol (:meth:`param_groups`, :meth:`evaluate`)
+    plus the passes rollouts and scoring need: :meth:`log_probs`, :meth:`values`,
+    :meth:`ref_log_probs`, and :meth:`use` to put the actor adapter in place for
+    generation. Inputs of every pass (``micro_batch`` keys)::
+
+        input_ids       (n, P + R)  left-padded prompt, then the response
+        attention_mask  (n, P + R)  1 on real tokens (prompt and response up to EOS)
+        position_ids    (n, P + R)  cumsum(attention_mask) - 1, clamped at 0
+        responses       (n, R)      the response tokens (pad after EOS)
+    """
+
+    def __init__(self, lm: nn.Module, value_head: ValueHead, *, mode: str, temperature: float = 1.0,
+                 autocast_dtype: Optional[torch.dtype] = None, critic_lm: Optional[nn.Module] = None,
+                 ref_lm: Optional[nn.Module] = None, compute_entropy: bool = True):
+        super().__init__()
+        if mode not in ("lora", "full"):
+            raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
+        self.mode = mode
+        self.lm = lm                      # lora: a PeftModel with adapters actor + critic
+        self.value_head = value_head
+        self.critic_lm = critic_lm        # full mode only
+        self.ref_lm = ref_lm              # full mode only, frozen, None unless a KL term needs it
+        self.temperature = float(temperature)
+        self.autocast_dtype = autocast_dtype
+        self.compute_entropy = compute_entropy
+        self.trainable = True             # False: adapters stay frozen across swaps (inference)
+        self.use_critic = True            # False (critic-free estimators): values are zeros, no critic pass
+        self._active: Optional[str] = None
+        self._adapter_params: dict[str, list[nn.Parameter]] = {}
+        if mode == "lora":
+            for name in (ACTOR, CRITIC):
+                params = [p for n, p in lm.named_parameters() if "lora_" in n and f".{name}." in n]
+                if not params:
+                    raise ValueError(f"the peft model has no LoRA weights for adapter '{name}'")
+                self._adapter_params[name] = params
+            ids = {id(p) for ps in self._adapter_params.values() for p in ps}
+            for p in lm.parameters():
+                if id(p) not in ids:
+                    p.requires_grad_(False)          # the backbone is frozen
+            self.use(ACTOR)
+        else:
+            if ref_lm is not None:
+                ref_lm.requires_grad_(False)
+        self._direct_head = {id(m): _hidden_then_head_matches(m) for m in self._lms()}
+
+    # ------------------------------------------------------------------ structure
+    def _lms(self) -> list[nn.Module]:
+        return [m for m in (self.lm, self.critic_lm, self.ref_lm) if m is not None]
+
+    @property
+    def device(self) -> torch.device:
+        return self.value_head.linear.weight.device
+
+    @property
+    def actor_model(self) -> nn.Module:
+        """The Hugging Face model that generates (lora: call inside ``use('actor')``)."""
+        return self.lm
+
+    @property
+    def has_reference(self) -> bool:
+        return self.mode == "lora" or self.ref_lm is not None
+
+    def adapter_parameters(self, name: str) -> list[nn.Parameter]:
+        return self._adapter_params[name]
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[None]:
+        """Make ``actor`` / ``critic`` the active adapter (lora); restore grads after the swap.
+
+        peft's ``set_adapter`` clears ``requires_grad`` on the inactive adapter, which
+        would silently drop the gradient of a pass already recorded with it.
+        """
+        if self.mode == "lora" and self._active != name:
+            self.lm.set_adapter(name)
+            self._active = name
+            self._restore_requires_grad()
+        yield
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """lora: adapters disabled (the backbone); full: nothing (pass ``ref_lm``)."""
+        if self.mode == "lora":
+            try:
+                with self.lm.disable_adapter():
+                    yield
+            finally:
+                self._restore_requires_grad()   # disabling cleared it on every adapter
+        else:
+            if self.ref_lm is None:
+                raise RuntimeError("no reference model loaded (full mode loads one only when a KL term needs it)")
+            yield
+
+    def freeze(self) -> "LMPolicy":
+        """Inference only: no parameter requires grad, and swaps do not re-enable them."""
+        self.trainable = False
+        self.requires_grad_(False)
+        return self
+
+    def _restore_requires_grad(self) -> None:
+        if not self.trainable:
+            for params in self._adapter_params.values():
+                for p in params:
+                    p.requires_grad_(False)
+            return
+        for params in self._adapter_params.values():
+            for p in params:
+                p.requires_grad_(True)
+
+    def cast_frozen_weights(self, dtype: Optional[torch.dtype]) -> int:
+        """Store frozen parameters (the lora backbone, the full-mode reference) in ``dtype``.
+
+        Under bf16 autocast every matmul casts an fp32 weight to bf16 on each call (the
+        autocast cache only keeps casts of trainable leaves): a frozen weight gains
+        nothing from fp32 storage. Stored in bf16 it costs half the memory, no copies,
+        and the residual stream between frozen layers is bf16 too, so the inputs of the
+        next matmuls need no cast either (as with FSDP's bf16 ``param_dtype``). Trained
+        weights (LoRA, value head, full-mode actor and critic) stay fp32 master weights;
+        buffers (rotary frequencies) stay fp32. Returns the number of tensors cast.
+        """
+        if dtype is None:
+            return 0
+        count = 0
+        for lm in self._lms():
+            for name, p in lm.named_parameters():
+                if not p.requires_grad and "lora_" not in name and p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+                    count += 1
+            for module in lm.modules():
+                # peft casts a LoRA layer's (now bf16) input up to the adapter's fp32 weight
+                # dtype, and autocast casts it straight back: two copies per layer for
+                # nothing. Every pass runs under autocast, which handles the dtypes.
+                if hasattr(module, "cast_input_dtype_enabled"):
+                    module.cast_input_dtype_enabled = False
+        return count
+
+    def autocast(self):
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+    # ------------------------------------------------------------------ the passes
+    def _hidden(self, lm: nn.Module, mb: dict[str, Tensor]) -> Tensor:
+        """Hidden states that predict the response tokens (n, R, H)."""
+        input_ids, responses = mb["input_ids"], mb["responses"]
+        R = responses.shape[1]
+        start = input_ids.shape[1] - R - 1                       # position P - 1
+        kwargs = dict(input_ids=input_ids, attention_mask=mb["attention_mask"],
+                      position_ids=mb["position_ids"], use_cache=False)
+        if self._direct_head[id(lm)]:
+            hidden = _decoder(lm)(**kwargs).last_hidden_state     # (n, P + R, H)
+        else:
+            hidden = lm(**kwargs, output_hidden_states=True).hidden_states[-1]
+        return hidden[:, start:start + R]
+
+    def _token_log_probs(self, lm: nn.Module, mb: dict[str, Tensor], entropy: bool) -> dict[str, Tensor]:
+        responses = mb["responses"]
+        with self.autocast():
+            if self._direct_head[id(lm)]:
+                hidden = self._hidden(lm, mb)                                 # (n, R, H)
+                head = lm.get_output_embeddings()
+                if getattr(head, "bias", None) is None and self.temperature != 1.0:
+                    logits = head(hidden / self.temperature)                  # (n, R, V): W(h/T) = (Wh)/T
+                else:
+                    logits = head(hidden)
+                    if self.temperature != 1.0:
+                        logits = logits.div_(self.temperature)
+            else:   # a model whose logits are not lm_head(last hidden state): full logits, sliced
+                R = responses.shape[1]
+                start = mb["input_ids"].shape[1] - R - 1
+                logits = lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                            position_ids=mb["position_ids"], use_cache=False).logits[:, start:start + R]
+                logits = logits / self.temperature
+            out = {"log_prob": algo.log_probs_from_logits(logits, responses)}   # (n, R) float32
+            if entropy:
+                out["entropy"] = algo.entropy_from_logits(logits)
+        return out
+
+    def log_probs(self, mb: dict[str, Tensor], entropy: bool = False) -> dict[str, Tensor]:
+        """Actor log-probs (and entropy) of the response tokens, (n, R) float32."""
+        with self.use(ACTOR):
+            return self._token_log_probs(self.lm, mb, entropy)
+
+    def ref_log_probs(self, mb: dict[str, Tensor]) -> Tensor:
+        """Reference log-probs (n, R): the backbone without adapters, or the frozen copy."""
+        with torch.no_grad(), self.reference():
+            lm = self.lm if self.mode == "lora" else self.ref_lm
+            return self._token_log_probs(lm, mb, entropy=False)["log_prob"]
+
+    def values(self, mb: dict[str, Tensor]) -> Tensor:
+        """Token-level values (n, R) float32 from the critic pass."""
+        if not self.use_critic:
+            return torch.zeros(mb["responses"].shape, dtype=torch.float32, device=mb["responses"].device)
+        lm = self.lm if self.mode == "lora" else self.critic_lm
+        with self.use(CRITIC), self.autocast():
+            hidden = self._hidden(lm, mb)                                     # (n, R, H)
+        return self.value_head(hidden)
+
+    # ------------------------------------------------------------------ trainer protocol
+    def evaluate(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``log_prob``, ``values`` (and ``entropy``), each (n, R) float32."""
+        out = self.log_probs(micro_batch, entropy=self.compute_entropy)
+        out["values"] = self.values(micro_batch)
+        return out
+
+    def param_groups(self, cfg) -> list[dict[str, Any]]:
+        t = cfg.train
+        critic_lr = t.critic_learning_rate or t.learning_rate
+        if self.mode == "lora":
+            actor = list(self._adapter_params[ACTOR])
+            critic = list(self._adapter_params[CRITIC])
+        else:
+            actor = [p for p in self.lm.parameters() if p.requires_grad]
+            critic = [p for p in _decoder(self.critic_lm).parameters() if p.requires_grad]
+        critic += list(self.value_head.parameters())
+        return [{"params": actor, "lr": t.learning_rate, "name": "actor"},
+                {"params": critic, "lr": critic_lr, "name": "critic"}]
+
+    # ------------------------------------------------------------------ saving
+    def save(self, out_dir: str | Path, *, base_model: str, tokenizer=None) -> Path:
+        """Adapters (peft format, ``actor/`` and ``critic/``) or full models, plus the value head.
+
+        ``base_model`` is the directory the backbone came from (recorded in
+        ``policy.json`` so that the checkpoint can be reloaded and exported).
+        """
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.mode == "lora":
+            # peft writes an adapter not named "default" into a sub-folder of its name:
+            # out/actor/adapter_model.safetensors, out/critic/...
+            self.lm.save_pretrained(str(out), selected_adapters=[ACTOR, CRITIC], save_embedding_layers=False)
+        else:
+            self.lm.save_pretrained(str(out / ACTOR))
+            self.critic_lm.save_pretrained(str(out / CRITIC))
+        save_file({k: v.detach().float().contiguous().cpu() for k, v in self.value_head.state_dict().items()},
+                  str(out / VALUE_HEAD_FILE))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+        meta = {"mode": self.mode, "base_model": _portable_path(Path(base_model), out),
+                "temperature": self.temperature, "hidden_size": self.value_head.linear.in_features}
+        (out / POLICY_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        return out
+
+
+def _portable_path(target: Path, ckpt: Path) -> str:
+    """``target`` relative to the checkpoint when both live in one run directory, else absolute."""
+    target, ckpt = target.resolve(), ckpt.resolve()
+    if ckpt.parent in target.parents or target.parent == ckpt.parent:
+        return os.path.relpath(target, ckpt)
+    return str(target)
+
+
+def base_model_of(ckpt_dir: str | Path) -> Path:
+    """The backbone directory a checkpoint was trained from (lora mode)."""
+    ckpt = Path(ckpt_dir)
+    meta = json.loads((ckpt / POLICY_META_FILE).read_text())
+    path = Path(meta["base_model"])
+    return path if path.is_absolute() else (ckpt / path).resolve()
+
+
+def _decoder(lm: nn.Module) -> nn.Module:
+    """The transformer body of a causal LM (the peft wrapper is looked through)."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    return base.get_decoder()
+
+
+def _hidden_then_head_matches(lm: nn.Module) -> bool:
+    """Whether ``lm_head(decoder(x).last_hidden_state)`` equals ``lm(x).logits``.
+
+    True for Llama/Qwen/Mistral/GPT-2-like models; False for models that post-process
+    logits (soft-capping, logit scales), which then take the full-logits path.
+    """
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    try:
+        decoder, head = base.get_decoder(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError, ValueError):
+        return False
+    if decoder is None or head is None or decoder is base:
+        return False
+    device = next(base.parameters()).device
+    ids = torch.arange(1, 5, device=device)[None] % max(2, base.config.vocab_size)
+    with torch.no_grad():
+        try:
+            full = base(input_ids=ids, use_cache=False).logits
+            split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
+        except Exception:   # noqa: BLE001 - any failure means "use the general path"
+            return False
+    return full.shape == split.shape and torch.allclose(full, split, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- building
+def lora_config(model_cfg):
+    from peft import LoraConfig
+
+    return LoraConfig(r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0,
+                      target_modules=model_cfg.lora_target_modules, bias="none", task_type="CAUSAL_LM")
+
+
+def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_dtype: Optional[torch.dtype],
+                 need_reference: Optional[bool] = None, seed: Optional[int] = None) -> LMPolicy:
+    """The configured policy around the model at ``model_path`` (fresh adapters / value head).
+
+    ``need_reference`` (full mode): load the frozen reference copy; default: when
+    ``algo.beta > 0`` or ``algo.use_kl_in_reward``.
+    """
+    m = cfg.model
+    attn = attention_implementation(m.attn_implementation, device)
+    if need_reference is None:
+        need_reference = cfg.algo.beta > 0 or cfg.algo.use_kl_in_reward
+    if seed is not None:
+        torch.manual_seed(seed)
+    lm = load_causal_lm(model_path, "model.path", attn_implementation=attn)
+    hidden = _hidden_size(lm)
+    if m.mode == "lora":
+        from peft import get_peft_model
+
+        lm.requires_grad_(False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)   # peft asks a deprecated transformers property
+            peft_model = get_peft_model(lm, lora_config(m), adapter_name=ACTOR)
+            peft_model.add_adapter(CRITIC, lora_config(m))
+        policy = LMPolicy(peft_model, ValueHead(hidden), mode="lora", temperature=cfg.rollout.temperature,
+                          autocast_dtype=autocast_dtype)
+    else:
+        critic_path = m.critic_path or model_path
+        critic = load_causal_lm(critic_path, "model.critic_path" if m.critic_path else "model.path",
+                                attn_implementation=attn)
+        out_emb = critic.get_output_embeddings()
+        if out_emb is not None and out_emb.weight is not critic.get_input_embeddings().weight:
+            out_emb.requires_grad_(False)   # the critic's LM head is unused
+        ref = load_causal_lm(model_path, "model.path", attn_implementation=attn).requires_grad_(False) \
+            if need_reference else None
+        policy = LMPolicy(lm, ValueHead(_hidden_size(critic)), mode="full", temperature=cfg.rollout.temperature,
+                          autocast_dtype=autocast_dtype, critic_lm=critic, ref_lm=ref)
+    policy.to(device)
+    policy.cast_frozen_weights(autocast_dtype)
+    return policy
+
+
+def attention_implementation(name: str, device: torch.device) -> Optional[str]:
+    """``auto``: eager attention on CPU (its backward is about twice as fast there as the
+    CPU SDPA kernel's at the short lengths a CPU trains), the model's default elsewhere."""
+    if name == "auto":
+        return "eager" if torch.device(device).type == "cpu" else None
+    return name
+
+
+def _hidden_size(lm: nn.Module) -> int:
+    config = lm.config
+    get = getattr(config, "get_text_config", None)
+    text = get() if callable(get) else config
+    for name in ("hidden_size", "n_embd", "d_model"):
+        if getattr(text, name, None):
+            return int(getattr(text, name))
+    return int(lm.get_input_embeddings().weight.shape[1])
+
+
+def load_policy(ckpt_dir: str | Path, *, device: torch.device | str = "cpu",
+                autocast_dtype: Optional[torch.dtype] = None, trainable: bool = False,
+                attn_implementation: str = "auto") -> LMPolicy:
+    """Reload a policy saved by :meth:`LMPolicy.save` (the reference of lora mode comes with it)."""
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt_dir)
+    meta_path = ckpt / POLICY_META_FILE
+    if not meta_path.is_file():
+        raise UserError(f"{ckpt} is not a ppokit LM checkpoint (no {POLICY_META_FILE})")
+    meta = json.loads(meta_path.read_text())
+    attn = attention_implementation(attn_implementation, torch.device(device))
+    if meta["mode"] == "lora":
+        from peft import PeftModel
+
+        base = load_causal_lm(base_model_of(ckpt), "the checkpoint's base model", attn_implementation=attn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            lm = PeftModel.from_pretrained(base, str(ckpt / ACTOR), adapter_name=ACTOR, is_trainable=trainable)
+            lm.load_adapter(str(ckpt / CRITIC), adapter_name=CRITIC, is_trainable=trainable)
+        head = ValueHead(int(meta["hidden_size"]))
+        policy_kwargs: dict[str, Any] = {}
+    else:
+        lm = load_causal_lm(ckpt / ACTOR, "the checkpoint's actor", attn_implementation=attn)
+        critic = load_causal_lm(ckpt / CRITIC, "the checkpoint's critic", attn_implementation=attn)
+        head = ValueHead(int(meta["hidden_size"]))
+        policy_kwargs = {"critic_lm": critic}
+    head.load_state_dict(load_file(str(ckpt / VALUE_HEAD_FILE)))
+    policy = LMPolicy(lm, head, mode=meta["mode"], temperature=meta.get("temperature", 1.0),
+                      autocast_dtype=autocast_dtype, **policy_kwargs)
+    if not trainable:
+        policy.freeze()
+    policy.to(device)
+    policy.cast_frozen_weights(autocast_dtype)
+    return policy

@@ -1,0 +1,241 @@
+"""Reward functions: plain Python callables ``(prompt, response, **fields) -> float``.
+
+``fields`` are the extra keys of the prompt's record (``answer`` for the built-in tasks,
+any key of a JSONL line). A function that does not take ``**kwargs`` receives only the
+fields it names, so ``def reward(prompt, response, answer)`` works on data with more
+keys. Write one in a file and point at it::
+
+    # my_rewards.py
+    def length_penalty(prompt, response, answer):
+        return float(response.strip() == answer) - 0.01 * len(response)
+
+    ppokit train ... reward=my_rewards.py:length_penalty     (or reward=pkg.module:fn)
+
+:func:`load_reward_fn` checks the spec when it is loaded; :func:`score_responses` turns
+an exception or a non-finite / non-numeric return into a :class:`UserError` that names
+the function and the sample, so a bug in a user's reward shows as one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from ppokit.errors import UserError, did_you_mean
+
+RewardCallable = Callable[..., float]
+
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
+
+
+# --------------------------------------------------------------------------- built-ins
+def exact_match(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
+    """1.0 when the response, stripped of surrounding whitespace, equals ``answer``."""
+    return float(response.strip() == str(answer).strip())
+
+
+def parse_first_number(text: str) -> Optional[float]:
+    """The first number in ``text`` (``-12``, ``3.5``, ``1,234``, ``2e3``), or None."""
+    match = _NUMBER.search(text)
+    if match is None:
+        return None
+    try:
+        return float(match.group().replace(",", ""))
+    except ValueError:
+        return None
+
+
+def numeric_match(prompt: str, response: str, *, answer: Any, rel_tol: float = 1e-6,
+                  abs_tol: float = 1e-6, **_: Any) -> float:
+    """1.0 when the first number in the response equals ``answer`` numerically.
+
+    Equal within ``max(abs_tol, rel_tol * |answer|)``; 0.0 when the response has no number.
+    """
+    target = answer if isinstance(answer, (int, float)) and not isinstance(answer, bool) \
+        else parse_first_number(str(answer))
+    if target is None:
+        raise ValueError(f"the answer field {answer!r} is not a number")
+    got = parse_first_number(response)
+    if got is None:
+        return 0.0
+    return float(abs(got - target) <= max(abs_tol, rel_tol * abs(target)))
+
+
+BUILTIN_REWARDS: dict[str, RewardCallable] = {"exact_match": exact_match, "numeric_match": numeric_match}
+
+
+# ----------------------------------------------------------------------------- loading
+class RewardFunction:
+    """A loaded reward function: the callable, its spec, and which fields it accepts."""
+
+    def __init__(self, fn: RewardCallable, spec: str) -> None:
+        self.fn = fn
+        self.spec = spec
+        self.name = spec
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):          # some builtins/C callables have no signature
+            params = None
+        if params is None:
+            self._takes_all, self._accepted, self._required = True, set(), set()
+            return
+        self._takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        has_varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+        if len(positional) < 2 and not has_varargs:
+            raise UserError(f"reward function '{spec}' must take (prompt, response, **fields); "
+                            f"it takes ({', '.join(str(p) for p in params)})")
+        rest = positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY]
+        self._accepted = {p.name for p in rest}
+        self._required = {p.name for p in rest if p.default is p.empty}
+        positional_only_extra = [p.name for p in positional[2:] if p.kind is p.POSITIONAL_ONLY]
+        if positional_only_extra:
+            raise UserError(f"reward function '{spec}': field parameters must be passable by name "
+                            f"({', '.join(positional_only_extra)} are positional-only)")
+
+    def select_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """The fields this function accepts; raises KeyError naming a missing required one."""
+        missing = sorted(self._required - set(fields))
+        if missing:
+            have = ", ".join(sorted(fields)) or "none"
+            raise KeyError(f"needs the field(s) {', '.join(missing)} (this sample has: {have})")
+        if self._takes_all:
+            return dict(fields)
+        return {k: v for k, v in fields.items() if k in self._accepted}
+
+    def __call__(self, prompt: str, response: str, **fields: Any) -> Any:
+        return self.fn(prompt, response, **self.select_fields(fields))
+
+    def __repr__(self) -> str:
+        return f"RewardFunction({self.spec!r})"
+
+
+def load_reward_fn(spec: str | RewardCallable) -> RewardFunction:
+    """A built-in reward by name, ``pkg.module:fn``, or ``path/to/file.py:fn``.
+
+    Any problem (unknown name, module not importable, file missing, attribute missing,
+    not callable, wrong signature) raises a one-line :class:`UserError` naming the spec.
+    A callable is wrapped as is.
+    """
+    if isinstance(spec, RewardFunction):
+        return spec
+    if callable(spec):
+        return RewardFunction(spec, getattr(spec, "__qualname__", None) or getattr(spec, "__name__", repr(spec)))
+    if not isinstance(spec, str) or not spec.strip():
+        raise UserError(f"a reward function must be a built-in name ({', '.join(BUILTIN_REWARDS)}), "
+                        f"module:function or path/to/file.py:function (got {spec!r})")
+    spec = spec.strip()
+    if spec in BUILTIN_REWARDS:
+        return RewardFunction(BUILTIN_REWARDS[spec], spec)
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise UserError(f"unknown reward function '{spec}'{did_you_mean(spec, BUILTIN_REWARDS)} built-ins: "
+                        f"{', '.join(BUILTIN_REWARDS)}; or give module:function or path/to/file.py:function")
+    module = _import_file(spec, target) if target.endswith(".py") or "/" in target or "\\" in target \
+        else _import_module(spec, target)
+    if not hasattr(module, attr):
+        names = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n))]
+        hint = did_you_mean(attr, names)
+        listing = "" if hint else (f" (functions there: {', '.join(sorted(names)[:10])})" if names else "")
+        raise UserError(f"reward function '{spec}': {target} has no attribute '{attr}'{hint}{listing}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise UserError(f"reward function '{spec}': {attr} is a {type(fn).__name__}, not a function; "
+                        "point at a def taking (prompt, response, **fields)")
+    return RewardFunction(fn, spec)
+
+
+def _import_module(spec: str, name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            raise UserError(f"reward function '{spec}': cannot import module '{name}' (no module named "
+                            f"'{exc.name}'); check the name, install it, or give path/to/file.py:function") from None
+        raise UserError(f"reward function '{spec}': importing '{name}' failed: {_one_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - any error in the user's module is the user's
+        raise UserError(f"reward function '{spec}': importing '{name}' failed: {_one_line(exc)}") from None
+
+
+def _import_file(spec: str, path_text: str):
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise UserError(f"reward function '{spec}': file {path} does not exist")
+    module_name = f"ppokit_reward_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise UserError(f"reward function '{spec}': cannot load {path} as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module          # lets dataclasses/pickle inside the file work
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001
+        sys.modules.pop(module_name, None)
+        raise UserError(f"reward function '{spec}': running {path} failed: {_one_line(exc)}") from None
+    return module
+
+
+def _one_line(exc: BaseException) -> str:
+    message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    text = message.strip().splitlines()
+    where = ""
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        where = f" (line {exc.lineno})"
+        text = [exc.msg]
+    return f"{type(exc).__name__}: {text[0] if text else ''}{where}".rstrip(": ")
+
+
+# ----------------------------------------------------------------------------- scoring
+def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses: Sequence[str],
+                    fields_list: Optional[Sequence[dict[str, Any]]] = None) -> list[float]:
+    """Call the reward function on each sample; a list of floats.
+
+    A raised exception, or a return that is not a finite number, becomes a UserError
+    naming the function, the sample index, the prompt, and the error.
+    """
+    reward = load_reward_fn(fn)
+    if fields_list is None:
+        fields_list = [{}] * len(prompts)
+    if not len(prompts) == len(responses) == len(fields_list):
+        raise ValueError(f"score_responses: {len(prompts)} prompts, {len(responses)} responses and "
+                         f"{len(fields_list)} field dicts must have the same length")
+    scores = []
+    for i, (prompt, response, fields) in enumerate(zip(prompts, responses, fields_list)):
+        fields = {k: v for k, v in fields.items() if k != "prompt"}
+        try:
+            value = reward(prompt, response, **fields)
+        except Exception as exc:  # noqa: BLE001 - the user's function failed
+            raise UserError(f"reward function '{reward.name}' failed on sample {i} (prompt {_short(prompt)}): "
+                            f"{_one_line(exc)}") from None
+        scores.append(_as_score(value, reward.name, i, prompt))
+    return scores
+
+
+def _as_score(value: Any, name: str, index: int, prompt: str) -> float:
+    if isinstance(value, numbers.Real):
+        score = float(value)
+    elif getattr(value, "ndim", None) == 0 and hasattr(value, "item"):     # numpy / torch scalar
+        item = value.item()
+        if not isinstance(item, numbers.Real):
+            raise UserError(f"reward function '{name}' returned {value!r} on sample {index} "
+                            f"(prompt {_short(prompt)}); it must return a number")
+        score = float(item)
+    else:
+        raise UserError(f"reward function '{name}' returned {type(value).__name__} {_short(repr(value))} on sample "
+                        f"{index} (prompt {_short(prompt)}); it must return a float")
+    if not math.isfinite(score):
+        raise UserError(f"reward function '{name}' returned {score} on sample {index} (prompt {_short(prompt)}); "
+                        "rewards must be finite")
+    return score
+
+
+def _short(text: str, limit: int = 40) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"

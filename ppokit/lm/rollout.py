@@ -1,0 +1,170 @@
+"""Rollouts: sampled responses to prompts, as padded tensors with masks.
+
+:class:`RolloutEngine` generates with the actor (the ``actor`` adapter in lora mode)
+using the KV cache (``model.generate``), ``group_size`` samples per prompt, in
+micro-batches of ``rollout.micro_batch_size`` sequences. Every sequence of an
+iteration's batch shares one layout::
+
+    input_ids       (N, P + R)   [pad .. pad prompt | response .. EOS pad .. pad]
+    attention_mask  (N, P + R)   1 on prompt tokens and on response tokens up to EOS
+    position_ids    (N, P + R)   cumsum(attention_mask) - 1 (clamped at 0): a left-padded
+                                 prompt starts at position 0, as without padding
+    responses       (N, R)       response tokens, pad after EOS
+    mask            (N, R)       1 on response tokens up to and including the first EOS
+    truncated       (N,)         reached max_new_tokens without EOS
+
+``P`` is the longest prompt of the batch (prompts are left-padded, which batched
+generation needs), ``R`` the longest response. Tokens after EOS carry ``mask = 0``:
+no loss, no reward, no attention. The engine does no scoring: see
+:mod:`ppokit.lm.scoring`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask")
+
+
+@dataclass
+class RolloutBatch:
+    """One iteration's sequences (see the module docstring for the layout)."""
+
+    input_ids: Tensor          # (N, P + R) long
+    attention_mask: Tensor     # (N, P + R) long
+    position_ids: Tensor       # (N, P + R) long
+    responses: Tensor          # (N, R) long
+    mask: Tensor               # (N, R) float32
+    truncated: Tensor          # (N,) bool
+    group_ids: Tensor          # (N,) long: index of the prompt each sequence answers
+    prompts: list[str]         # (N) the prompt of each sequence
+    texts: list[str]           # (N) the decoded responses (special tokens dropped)
+    items: list[dict[str, Any]] = field(default_factory=list)   # (N) the prompt's data fields
+    generation_time: float = 0.0
+
+    @property
+    def prompt_length(self) -> int:
+        return self.input_ids.shape[1] - self.responses.shape[1]
+
+    @property
+    def response_lengths(self) -> Tensor:
+        return self.mask.sum(1)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The tensors a policy pass needs (``input_ids``, ``attention_mask``, ...)."""
+        return {k: getattr(self, k) for k in TENSOR_KEYS}
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def response_mask(responses: Tensor, eos_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``(mask, truncated)``: 1 up to and including the first EOS; rows without EOS truncated.
+
+    ``responses`` (N, R) long, ``eos_ids`` (k,) long -> mask (N, R) float32, truncated (N,) bool.
+    """
+    is_eos = torch.isin(responses, eos_ids)                                   # (N, R)
+    eos_before = (is_eos.cumsum(1) - is_eos.long()) > 0                       # an EOS strictly earlier
+    return (~eos_before).float(), ~is_eos.any(1)
+
+
+def position_ids_from(attention_mask: Tensor) -> Tensor:
+    """(N, L) positions counting real tokens only, 0 on left padding."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+def assemble(prompt_ids: Tensor, prompt_mask: Tensor, raw_responses: Tensor, *, eos_ids: Sequence[int],
+             pad_id: int) -> dict[str, Tensor]:
+    """The batch layout from left-padded prompts (N, P) and generated tokens (N, R).
+
+    Tokens after the first EOS become ``pad_id`` with ``mask = 0`` and attention 0.
+    Returns ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``mask``,
+    ``truncated``.
+    """
+    eos = torch.tensor(list(eos_ids), device=raw_responses.device)
+    mask, truncated = response_mask(raw_responses, eos)                          # (N, R), (N,)
+    responses = torch.where(mask.bool(), raw_responses, torch.full_like(raw_responses, pad_id))
+    attention_mask = torch.cat([prompt_mask.long(), mask.long()], 1)              # (N, P + R)
+    return {"input_ids": torch.cat([prompt_ids, responses], 1), "attention_mask": attention_mask,
+            "position_ids": position_ids_from(attention_mask), "responses": responses, "mask": mask,
+            "truncated": truncated}
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    """The tokenizer's EOS plus any extra EOS ids of the model's generation config."""
+    ids = [tokenizer.eos_token_id]
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        extra = [extra]
+    for i in extra or []:
+        if i is not None and i not in ids:
+            ids.append(int(i))
+    return ids
+
+
+class RolloutEngine:
+    """Generates responses with the policy's actor: ``generate(prompts) -> RolloutBatch``."""
+
+    def __init__(self, policy, tokenizer, rollout_cfg, *, eos_ids: Optional[Sequence[int]] = None,
+                 generation_kwargs: Optional[dict[str, Any]] = None):
+        self.policy = policy
+        self.generation_kwargs = dict(generation_kwargs or {})   # extra GenerationConfig fields
+        self.tokenizer = tokenizer
+        self.cfg = rollout_cfg
+        if tokenizer.padding_side != "left":
+            raise ValueError("the tokenizer must pad on the left for batched generation")
+        model = policy.actor_model
+        self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, self.model)
+        self.pad_id = int(tokenizer.pad_token_id)
+
+    def generation_config(self, *, greedy: bool, max_new_tokens: int):
+        from transformers import GenerationConfig
+
+        c = self.cfg
+        kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+                                      pad_token_id=self.pad_id, use_cache=c.use_cache, do_sample=not greedy)
+        if not greedy:
+            kwargs.update(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
+        else:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        kwargs.update(self.generation_kwargs)
+        return GenerationConfig(**kwargs)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], *, group_size: int = 1, items: Optional[list[dict]] = None,
+                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> RolloutBatch:
+        """``group_size`` samples for each prompt (greedy: one deterministic sample each)."""
+        start = time.perf_counter()
+        device = self.policy.device
+        max_new = max_new_tokens or self.cfg.max_new_tokens
+        enc = self.tokenizer(list(prompts), padding=True, return_tensors="pt")
+        ids = enc["input_ids"].repeat_interleave(group_size, 0).to(device)         # (N, P)
+        am = enc["attention_mask"].repeat_interleave(group_size, 0).to(device)     # (N, P)
+        group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)       # (N,)
+        P = ids.shape[1]
+        gen_cfg = self.generation_config(greedy=greedy, max_new_tokens=max_new)
+        chunks = []
+        with self.policy.use("actor"), self.policy.autocast():
+            for s in range(0, ids.shape[0], self.cfg.micro_batch_size):
+                out = self.model.generate(input_ids=ids[s:s + self.cfg.micro_batch_size],
+                                          attention_mask=am[s:s + self.cfg.micro_batch_size],
+                                          generation_config=gen_cfg)
+                chunks.append(out[:, P:])                                          # (n, R_chunk)
+        R = max(c.shape[1] for c in chunks)
+        raw = torch.cat([torch.nn.functional.pad(c, (0, R - c.shape[1]), value=self.pad_id)
+                         for c in chunks])                                          # (N, R)
+        tensors = assemble(ids, am, raw, eos_ids=self.eos_ids, pad_id=self.pad_id)
+        lengths = tensors["mask"].sum(1).long().tolist()
+        texts = self.tokenizer.batch_decode([r[:n] for r, n in zip(tensors["responses"].tolist(), lengths)],
+                                            skip_special_tokens=True)
+        per_seq_prompts = [p for p in prompts for _ in range(group_size)]
+        per_seq_items = [it for it in (items or [{}] * len(prompts)) for _ in range(group_size)]
+        return RolloutBatch(**tensors, group_ids=group_ids.to(device), prompts=per_seq_prompts, texts=texts,
+                            items=per_seq_items, generation_time=time.perf_counter() - start)

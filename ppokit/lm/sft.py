@@ -1,0 +1,472 @@
+"""Supervised warm start (SFT before RL) and held-out evaluation by generation.
+
+RL improves a policy only where it sometimes succeeds: a randomly initialised model never
+writes a correct answer, so every reward is 0 and PPO has nothing to follow. The
+warm start fine-tunes the whole model on ``prompt + completion + <eos>`` with the loss on
+the completion and the EOS only (prompt and padding tokens are masked out), and stops
+when the held-out accuracy stops improving:
+
+- every ``eval_every`` epochs the model answers the held-out prompts greedily
+  (``model.generate``, KV cache, left padding, stop at EOS) and the reward function
+  scores them; accuracy is the mean reward (for 0/1 verifiers, the fraction right);
+- an evaluation improves on the best one when its accuracy is higher, or equal with a
+  held-out answer loss at least 0.1% lower (so the early epochs where nothing is right
+  yet still count as progress while the loss falls);
+- after ``patience`` evaluations without improvement training stops, and the best model
+  (weights + tokenizer) is saved to ``out_dir`` with its curve in ``sft_curve.json``.
+
+With few examples the model memorises them and generalises little (the held-out
+plateau is low); that is the intended starting point for RL.
+
+Precision: master weights stay float32; ``precision="bf16"`` runs forward passes under
+``torch.autocast`` (bf16 matmuls), ``"auto"`` picks bf16 where the hardware has it (the
+rule of :func:`ppokit.lm.policy.resolve_precision`). For the tiny model on CPU the two
+run at the same speed: its matmuls are too small for bf16 to pay.
+
+:func:`evaluate_accuracy` and :func:`generate_responses` are the evaluation the PPO
+workload reuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ppokit.errors import UserError
+from ppokit.lm.rewards import load_reward_fn, score_responses
+
+IGNORE_INDEX = -100
+CURVE_FILE = "sft_curve.json"
+
+
+# -------------------------------------------------------------------------- precision
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto``/``bf16``/``fp32`` -> ``"bf16"`` or ``"fp32"``, by the policy's rule (one rule for both)."""
+    from ppokit.lm.policy import resolve_precision as autocast_dtype
+
+    if precision not in ("auto", "bf16", "fp32"):
+        raise UserError(f"precision must be auto, bf16 or fp32 (got {precision!r})")
+    return "bf16" if autocast_dtype(precision, device) is not None else "fp32"
+
+
+def default_threads(model, device: torch.device) -> Optional[int]:
+    """Intra-op threads for a model: 1 for a tiny model on CPU, else None (torch's default).
+
+    A sub-5M-parameter model runs ops too small to split across threads: one thread is as
+    fast alone and many times faster when other processes share the cores (threads that
+    wait for each other spin).
+    """
+    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) < 5_000_000:
+        return 1
+    return None
+
+
+@contextlib.contextmanager
+def torch_threads(n: Optional[int]):
+    """Run the block with ``torch.set_num_threads(n)`` (None: unchanged), then restore."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n is not None:
+            torch.set_num_threads(before)
+
+
+def autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to bf16 for ``precision="bf16"``; a no-op for ``fp32``."""
+    device = torch.device(device)
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------- batching
+def completion_of(item: dict[str, Any]) -> Optional[str]:
+    """The SFT target of a record: ``completion``, else ``answer`` (as text), else None."""
+    if isinstance(item.get("completion"), str):
+        return item["completion"]
+    if "answer" in item and item["answer"] is not None:
+        return str(item["answer"])
+    return None
+
+
+def encode_examples(tokenizer, examples: Sequence[dict[str, Any]], *, max_length: Optional[int] = None
+                    ) -> list[tuple[list[int], int]]:
+    """``(token ids of prompt + completion + eos, number of prompt tokens)`` per example."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("the tokenizer has no EOS token; SFT needs one to teach the model to stop")
+    encoded = []
+    for i, item in enumerate(examples):
+        target = completion_of(item)
+        if not isinstance(item.get("prompt"), str) or target is None:
+            raise UserError(f"SFT example {i} needs a \"prompt\" and a \"completion\" (or \"answer\"); "
+                            f"it has {', '.join(item) or 'no fields'}")
+        prompt_ids = tokenizer(item["prompt"])["input_ids"]
+        target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [eos]
+        ids = prompt_ids + target_ids
+        if max_length is not None and len(ids) > max_length:
+            raise UserError(f"SFT example {i} is {len(ids)} tokens long; the model takes at most {max_length} "
+                            f"(prompt {item['prompt']!r})")
+        encoded.append((ids, len(prompt_ids)))
+    return encoded
+
+
+def collate(encoded: Sequence[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (prompt/padding = -100), (B, T)."""
+    width = max(len(ids) for ids, _ in encoded)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.long)
+    labels = torch.full((len(encoded), width), IGNORE_INDEX, dtype=torch.long)
+    for row, (ids, n_prompt) in enumerate(encoded):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        attention[row, :len(ids)] = 1
+        labels[row, n_prompt:len(ids)] = torch.tensor(ids[n_prompt:])
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def answer_loss(model, batch: dict[str, torch.Tensor], precision: str = "fp32") -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over the completion + EOS tokens, and their count."""
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    with autocast(precision, device):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+    targets = batch["labels"][:, 1:]                                                               # (B, T-1)
+    loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, int((targets != IGNORE_INDEX).sum())
+
+
+@torch.no_grad()
+def mean_answer_loss(model, encoded: Sequence[tuple[list[int], int]], pad_id: int, *, batch_size: int,
+                     precision: str = "fp32") -> float:
+    """Mean per-token completion loss over ``encoded`` (no gradient)."""
+    total, count = 0.0, 0
+    for start in range(0, len(encoded), batch_size):
+        loss, n = answer_loss(model, collate(encoded[start:start + batch_size], pad_id), precision)
+        total, count = total + float(loss), count + n
+    return total / max(count, 1)
+
+
+# -------------------------------------------------------------------------- generation
+@torch.no_grad()
+def generate_responses(model, tokenizer, prompts: Sequence[str], *, batch_size: int = 64, max_new_tokens: int = 16,
+                       greedy: bool = True, temperature: float = 1.0, precision: str = "fp32",
+                       seed: Optional[int] = None) -> list[str]:
+    """Responses (decoded text up to the first EOS) to ``prompts``, left-padded batches, KV cache."""
+    from transformers import GenerationConfig
+
+    if tokenizer.padding_side != "left":
+        raise ValueError("generation needs a left-padding tokenizer (build it with padding_side='left')")
+    device = next(model.parameters()).device
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not greedy, eos_token_id=eos,
+                              pad_token_id=pad if pad is not None else eos, use_cache=True,
+                              **({} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}))
+    was_training = model.training
+    model.eval()
+    responses: list[str] = []
+    fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None \
+        else contextlib.nullcontext()
+    try:
+        with fork:
+            if seed is not None:
+                torch.manual_seed(seed)
+            for start in range(0, len(prompts), batch_size):
+                enc = tokenizer(list(prompts[start:start + batch_size]), return_tensors="pt", padding=True)
+                enc = {k: v.to(device) for k, v in enc.items()}
+                with autocast(precision, device):
+                    out = model.generate(**enc, generation_config=config)   # (B, T_prompt + T_new)
+                new = out[:, enc["input_ids"].shape[1]:].tolist()
+                for ids in new:
+                    if eos in ids:
+                        ids = ids[:ids.index(eos)]
+                    responses.append(tokenizer.decode(ids, skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return responses
+
+
+def evaluate_accuracy(model, tokenizer, items: Sequence[dict[str, Any]],
+                      reward_fn: str | Callable[..., float] = "exact_match", *, batch_size: int = 64,
+                      max_new_tokens: int = 16, greedy: bool = True, precision: str = "fp32",
+                      seed: Optional[int] = None, return_responses: bool = False):
+    """Mean reward of the model's responses to ``items`` (the accuracy, for 0/1 rewards).
+
+    ``items`` are prompt records (``{"prompt", **fields}``); the fields go to the reward.
+    With ``return_responses`` returns ``(accuracy, responses, rewards)``.
+    """
+    if not items:
+        raise UserError("the evaluation set is empty")
+    prompts = [it["prompt"] for it in items]
+    responses = generate_responses(model, tokenizer, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                   greedy=greedy, precision=precision, seed=seed)
+    rewards = score_responses(reward_fn, prompts, responses, list(items))
+    accuracy = sum(rewards) / len(rewards)
+    return (accuracy, responses, rewards) if return_responses else accuracy
+
+
+def greedy_accuracy(model, tokenizer, eval_set: Sequence[dict[str, Any]], batch_size: int = 64) -> float:
+    """Exact-match accuracy of greedy answers (max new tokens from the longest answer)."""
+    longest = max(len(tokenizer(completion_of(it) or "", add_special_tokens=False)["input_ids"]) for it in eval_set)
+    return evaluate_accuracy(model, tokenizer, eval_set, "exact_match", batch_size=batch_size,
+                             max_new_tokens=longest + 2)
+
+
+# ---------------------------------------------------------------------------------- SFT
+def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: Sequence[dict[str, Any]],
+            eval_set: Sequence[dict[str, Any]], *, epochs_max: int = 300, batch_size: int = 32,
+            learning_rate: float = 1e-3, patience: int = 8, seed: int = 0, precision: str = "auto",
+            eval_every: int = 1, min_epochs: int = 0, warmup_steps: int = 20, weight_decay: float = 0.0,
+            grad_clip: Optional[float] = 1.0, reward_fn: str | Callable[..., float] = "exact_match",
+            max_new_tokens: Optional[int] = None, eval_batch_size: int = 256, device: str = "cpu",
+            num_threads: Optional[int] = None, overwrite: bool = False,
+            log: Optional[Callable[[str], None]] = print) -> dict[str, Any]:
+    """Fine-tune all weights of the model in ``model_dir`` on ``examples``; keep the best.
+
+    ``examples``: ``{"prompt", "completion"}`` records (``answer`` serves when there is no
+    completion). ``eval_set``: held-out prompt records scored by ``reward_fn``.
+    ``patience``: evaluations (every ``eval_every`` epochs) without improvement before
+    stopping, not before ``min_epochs``. ``num_threads``: torch intra-op threads (None:
+    :func:`default_threads`). ``log``: called with one line per evaluation (None: quiet).
+
+    Returns the summary that is also written to ``out_dir/sft_curve.json``: ``curve`` (one
+    row per evaluation: epoch, train_loss, heldout_accuracy, heldout_loss, elapsed_s;
+    epoch 0 is the model before training), ``best_epoch``, ``best_accuracy``,
+    ``train_accuracy`` (of the best model on up to 256 SFT examples), ``stopped``
+    (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s`` and ``settings``.
+    """
+    from ppokit.lm.tiny import load_model_and_tokenizer
+
+    _check_positive(epochs_max=epochs_max, batch_size=batch_size, patience=patience, eval_every=eval_every,
+                    eval_batch_size=eval_batch_size)
+    if not learning_rate > 0:
+        raise UserError(f"learning_rate must be > 0 (got {learning_rate})")
+    if not examples:
+        raise UserError("no SFT examples")
+    if not eval_set:
+        raise UserError("no held-out examples to evaluate SFT on")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UserError(f"{out} is not empty; choose a new output directory (or pass overwrite)")
+    reward = load_reward_fn(reward_fn)
+    settings = {"model_dir": str(model_dir), "examples": len(examples), "eval_examples": len(eval_set),
+                "epochs_max": epochs_max, "batch_size": batch_size, "learning_rate": learning_rate,
+                "patience": patience, "eval_every": eval_every, "min_epochs": min_epochs, "seed": seed,
+                "reward_fn": reward.name, "warmup_steps": warmup_steps, "weight_decay": weight_decay,
+                "grad_clip": grad_clip, "eval_batch_size": eval_batch_size}
+
+    from ppokit.lm.policy import resolve_device
+
+    started = time.perf_counter()
+    dev = resolve_device(device)
+    settings["precision"] = precision = resolve_precision(precision, dev)
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    model.to(dev)
+    max_length = getattr(model.config, "max_position_embeddings", None)
+    train_encoded = encode_examples(tokenizer, examples, max_length=max_length)
+    eval_encoded = encode_examples(tokenizer, eval_set, max_length=max_length) \
+        if all(completion_of(it) is not None for it in eval_set) else None
+    if max_new_tokens is None:
+        longest = max(len(ids) - n for ids, n in train_encoded + (eval_encoded or []))
+        max_new_tokens = longest + 2          # the answer, its EOS, and one token of slack
+    settings["max_new_tokens"] = max_new_tokens
+    settings["num_threads"] = num_threads = num_threads or default_threads(model, dev)
+
+    with torch_threads(num_threads):
+        summary = _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, settings,
+                         started=started, log=log or (lambda _msg: None))
+        probe = list(examples[:256])
+        summary["train_accuracy"] = evaluate_accuracy(model, tokenizer, probe, reward, batch_size=eval_batch_size,
+                                                      max_new_tokens=max_new_tokens, precision=precision)
+    summary["wall_time_s"] = round(time.perf_counter() - started, 2)
+    summary = {**{k: summary[k] for k in ("best_epoch", "best_accuracy", "best_heldout_loss", "train_accuracy",
+                                          "stopped", "epochs_run", "wall_time_s")},
+               "settings": settings, "curve": summary["curve"]}
+    _save(model, tokenizer, out, summary)
+    (log or (lambda _msg: None))(
+        f"sft: best held-out accuracy {summary['best_accuracy']:.1%} at epoch {summary['best_epoch']} "
+        f"({summary['stopped']}); train accuracy {summary['train_accuracy']:.1%}; "
+        f"saved to {out} in {summary['wall_time_s']:.1f}s")
+    return summary
+
+
+def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", examples: Optional[int] = None,
+             eval_prompts: Optional[str] = None, eval_size: int = 256, reward: Optional[str] = None,
+             seed: int = 0, **options: Any) -> dict[str, Any]:
+    """What ``ppokit sft`` runs: resolve data, reward and model by name, then :func:`run_sft`.
+
+    ``prompts``: a built-in task (``arithmetic:digits=2``; its ``sft`` split trains, its
+    ``eval`` split is held out) or a JSONL file with ``prompt`` + ``completion`` per line
+    (then ``eval_prompts``, a JSONL file, is required). ``examples``: how many (default:
+    300 of a task, all of a file). ``model``: ``tiny`` (the built-in
+    model, randomly initialised with ``seed``; its random init is not kept) or a model
+    directory. ``reward``: scores the held-out answers (default: the task's own).
+    ``options`` go to :func:`run_sft` (``epochs_max``, ``batch_size``, ``learning_rate``,
+    ``patience``, ``precision``, ``device``, ``log``, ...).
+    """
+    from ppokit.lm.data import is_file_source, load_prompts
+
+    from_file = is_file_source(prompts)
+    if reward is None:
+        if from_file:
+            raise UserError(f"the SFT data {prompts} is a file: name a reward function to score the held-out "
+                            "answers (exact_match, numeric_match, module:fn or file.py:fn)")
+        from ppokit.lm.tasks import get_task
+
+        reward = get_task(prompts).default_reward
+    reward_fn = load_reward_fn(reward)
+    if from_file and eval_prompts is None:
+        raise UserError(f"SFT on the file {prompts} needs held-out prompts to pick the best model: "
+                        "give an eval JSONL file (eval_prompts)")
+    train = load_prompts(prompts, "sft", n=examples if examples is not None or from_file else 300)
+    held_out = load_prompts(eval_prompts, "eval")[:eval_size] if eval_prompts is not None \
+        else load_prompts(prompts, "eval", n=eval_size)
+    if model != "tiny":
+        return run_sft(model, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
+    from ppokit.lm.tiny import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="ppokit-tiny-") as tmp:
+        init = build_tiny_model(Path(tmp) / "init", seed=seed)
+        summary = run_sft(init, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
+    summary["settings"]["model_dir"] = "tiny"
+    return summary
+
+
+def _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, settings: dict[str, Any], *,
+           started: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """The SFT loop; leaves the best weights in ``model``."""
+    s = settings
+    precision, pad_id = s["precision"], tokenizer.pad_token_id
+    torch.manual_seed(s["seed"])
+    shuffle = torch.Generator().manual_seed(s["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s["learning_rate"], weight_decay=s["weight_decay"],
+                                  betas=(0.9, 0.98))
+    warmup = max(1, s["warmup_steps"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+
+    def evaluate() -> tuple[float, Optional[float]]:
+        accuracy = evaluate_accuracy(model, tokenizer, eval_set, reward, batch_size=s["eval_batch_size"],
+                                     max_new_tokens=s["max_new_tokens"], precision=precision)
+        loss = None if eval_encoded is None else mean_answer_loss(
+            model, eval_encoded, pad_id, batch_size=s["eval_batch_size"], precision=precision)
+        return accuracy, loss
+
+    accuracy, heldout_loss = evaluate()
+    curve = [_row(0, None, accuracy, heldout_loss, started)]
+    best = {"epoch": 0, "accuracy": accuracy, "loss": heldout_loss, "state": _snapshot(model)}
+    log(f"sft: {len(train_encoded)} examples, {len(eval_set)} held out, {model.num_parameters():,} parameters, "
+        f"precision {precision}, {torch.get_num_threads()} thread(s); before training held-out accuracy "
+        f"{accuracy:.1%}")
+    stale, stopped, epoch = 0, "epochs_max", 0
+    model.train()
+    try:
+        for epoch in range(1, s["epochs_max"] + 1):
+            order = torch.randperm(len(train_encoded), generator=shuffle).tolist()
+            total, count = 0.0, 0
+            for start in range(0, len(order), s["batch_size"]):
+                batch = collate([train_encoded[i] for i in order[start:start + s["batch_size"]]], pad_id)
+                loss_sum, n_tokens = answer_loss(model, batch, precision)
+                optimizer.zero_grad(set_to_none=True)
+                (loss_sum / max(n_tokens, 1)).backward()
+                if s["grad_clip"] is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"])
+                optimizer.step()
+                scheduler.step()
+                total, count = total + loss_sum.item(), count + n_tokens
+            train_loss = total / max(count, 1)
+            if not math.isfinite(train_loss):
+                raise UserError(f"SFT diverged at epoch {epoch} (loss {train_loss}); lower the learning rate")
+            if epoch % s["eval_every"] and epoch != s["epochs_max"]:
+                continue
+            accuracy, heldout_loss = evaluate()
+            curve.append(_row(epoch, train_loss, accuracy, heldout_loss, started))
+            if _improves(accuracy, heldout_loss, best):
+                best = {"epoch": epoch, "accuracy": accuracy, "loss": heldout_loss, "state": _snapshot(model)}
+                stale = 0
+            else:
+                stale += 1
+            log(f"sft epoch {epoch:4d}  train loss {train_loss:.4f}  held-out accuracy {accuracy:6.1%}"
+                + (f"  loss {heldout_loss:.3f}" if heldout_loss is not None else "")
+                + f"  best {best['accuracy']:.1%} @ {best['epoch']}  {time.perf_counter() - started:6.1f}s")
+            if stale >= s["patience"] and epoch >= s["min_epochs"]:
+                stopped = "patience"
+                break
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+        log("sft: interrupted; saving the best model so far")
+    model.load_state_dict(best["state"])
+    model.eval()
+    return {"best_epoch": best["epoch"], "best_accuracy": best["accuracy"], "best_heldout_loss": best["loss"],
+            "stopped": stopped, "epochs_run": epoch, "curve": curve}
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} must be a positive integer (got {value!r})")
+
+
+def _row(epoch: int, train_loss: Optional[float], accuracy: float, heldout_loss: Optional[float],
+         started: float) -> dict[str, Any]:
+    return {"epoch": epoch, "train_loss": train_loss, "heldout_accuracy": accuracy, "heldout_loss": heldout_loss,
+            "elapsed_s": round(time.perf_counter() - started, 2)}
+
+
+def _improves(accuracy: float, loss: Optional[float], best: dict[str, Any]) -> bool:
+    if accuracy > best["accuracy"] + 1e-9:
+        return True
+    if accuracy >= best["accuracy"] - 1e-9 and loss is not None and best["loss"] is not None:
+        return loss < best["loss"] * (1 - 1e-3)            # equal accuracy, answer loss 0.1% lower
+    return False
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _save(model, tokenizer, out: Path, summary: dict[str, Any]) -> None:
+    """Write model, tokenizer and curve into a sibling temp dir, then move it into place."""
+    from ppokit.lm.tiny import quiet_transformers
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        with quiet_transformers():
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+        config_path = tmp / "tokenizer_config.json"
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+            if config.get("tokenizer_class") == "TokenizersBackend":   # the generic name 4.x also knows
+                config["tokenizer_class"] = "PreTrainedTokenizerFast"
+                config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        (tmp / CURVE_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_curve(out_dir: str | os.PathLike) -> dict[str, Any]:
+    """The summary :func:`run_sft` wrote to ``out_dir/sft_curve.json``."""
+    return json.loads((Path(out_dir) / CURVE_FILE).read_text())

@@ -1,0 +1,312 @@
+"""The language-model workload: PPO on a Hugging Face causal LM.
+
+One iteration, all of it visible in :func:`train_lm`::
+
+    items   = prompts.next_batch()                       # batch_size / group_size prompts
+    rollout = engine.generate(items, group_size)         # (N, P + R) tokens, (N, R) mask
+    scores  = score_responses(reward_fn, ...)            # (N,) one reward per sequence
+    scored  = scorer.score(rollout)                      # old/ref log-probs, values (N, R)
+    rewards = token_rewards(scores, mask, kl)            # reward on the last real token
+    adv, ret = compute_advantages(cfg, rewards, values)  # GAE over tokens, or a group estimator
+    metrics = learner.update(batch)                      # ppokit.trainer: the shared PPO loop
+    tracker.log(...)
+
+Generation (:class:`~ppokit.lm.rollout.RolloutEngine`), scoring
+(:class:`~ppokit.lm.scoring.Scorer`) and the update (:class:`Learner`) talk through
+plain tensors and lists, so each can move to its own (Ray) worker later.
+
+Precision: master weights, the optimizer and the loss math are float32; with
+``run.precision`` = bf16 (``auto`` picks it where the hardware has native bf16)
+generation, scoring and the update's forward/backward run under bf16 autocast, and
+the frozen backbone is stored in bf16 (it has no master weights to keep). The
+scoring pass runs the same code under the same autocast as the update, so the first
+importance ratio is exactly 1 in bf16 too.
+
+The run directory gets ``base_model/`` (the built-in tiny model or the warm-started
+model, when either is used), ``checkpoint/`` (adapters or models, value head,
+tokenizer: see :meth:`~ppokit.lm.policy.LMPolicy.save`) and ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ppokit.config import Config
+from ppokit.errors import UserError
+
+CHECKPOINT_DIR = "checkpoint"
+BASE_MODEL_DIR = "base_model"
+INIT_MODEL_DIR = "init_model"
+SMALL_MODEL_PARAMS = 20_000_000   # CPU: below this, one torch thread unless run.torch_threads says otherwise
+
+
+# ----------------------------------------------------------------------------- pieces
+class Learner:
+    """The update side: the policy's optimizer and the shared PPO loop."""
+
+    def __init__(self, cfg: Config, policy, total_iterations: int):
+        from ppokit.trainer import PPOTrainer
+
+        self.policy = policy
+        self.trainer = PPOTrainer(cfg, policy, total_iterations=total_iterations)
+
+    def update(self, batch: dict[str, torch.Tensor], iteration: int) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = self.trainer.update(batch, iteration)
+        seconds = time.perf_counter() - start
+        tokens = float(batch["attention_mask"].sum()) * metrics["epochs"]
+        metrics["time_update"] = seconds
+        metrics["train_tokens_per_s"] = tokens / max(seconds, 1e-9)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+
+def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
+    from ppokit.lm.policy import resolve_device, resolve_precision
+
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.run.device)
+    return device, resolve_precision(cfg.run.precision, device)
+
+
+def load_data(cfg: Config) -> tuple[list[dict], list[dict], Any]:
+    """(train prompt records, held-out records, reward function), checked before any model loads."""
+    from ppokit.lm.data import is_file_source, load_prompts
+    from ppokit.lm.rewards import load_reward_fn
+
+    d = cfg.data
+    from_file = is_file_source(d.prompts)
+    if d.reward is None:
+        if from_file:
+            raise UserError(f"data.reward: the prompt file {d.prompts} needs a reward function "
+                            "(a built-in name, module:fn or file.py:fn)")
+        from ppokit.lm.tasks import get_task
+
+        reward_spec = get_task(d.prompts).default_reward
+    else:
+        reward_spec = d.reward
+    reward_fn = load_reward_fn(reward_spec)
+    train_items = load_prompts(d.prompts, "train")
+    if d.eval_size == 0:
+        eval_items = []
+    elif d.eval_prompts is not None:
+        eval_items = load_prompts(d.eval_prompts, "eval")[:d.eval_size]
+    elif not from_file:
+        eval_items = load_prompts(d.prompts, "eval", n=d.eval_size)
+    else:
+        eval_items = []
+    return train_items, eval_items, reward_fn
+
+
+def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log) -> Path:
+    """The backbone's directory: model.path, the built-in tiny model, and/or a warm-started copy."""
+    path = cfg.model.path
+    if path == "tiny":
+        from ppokit.lm.tiny import build_tiny_model
+
+        if cfg.run.torch_threads is None and resolve_device_name(cfg).type == "cpu":
+            torch.set_num_threads(1)    # the built-in model is small (see SMALL_MODEL_PARAMS)
+
+        target = run_dir / (INIT_MODEL_DIR if cfg.data.sft_epochs else BASE_MODEL_DIR)
+        path = str(build_tiny_model(target, seed=cfg.seed))
+    if cfg.data.sft_epochs:
+        from ppokit.lm.data import load_prompts
+        from ppokit.lm.sft import run_sft
+
+        if not eval_items:
+            raise UserError("data.sft_epochs > 0 needs held-out prompts to pick the best warm-start model "
+                            "(a built-in task, or data.eval_prompts)")
+        examples = load_prompts(cfg.data.prompts, "sft", n=cfg.data.sft_examples)
+        run_sft(path, run_dir / BASE_MODEL_DIR, examples, eval_items, epochs_max=cfg.data.sft_epochs,
+                batch_size=cfg.data.sft_batch_size, learning_rate=cfg.data.sft_learning_rate, seed=cfg.seed,
+                precision=cfg.run.precision, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
+                device=str(resolve_device_name(cfg)), log=log)
+        path = str(run_dir / BASE_MODEL_DIR)
+    return Path(path)
+
+
+def resolve_device_name(cfg: Config) -> torch.device:
+    from ppokit.lm.policy import resolve_device
+
+    return resolve_device(cfg.run.device)
+
+
+def evaluate(policy, tokenizer, items: list[dict], reward_fn, cfg: Config) -> float:
+    """Greedy held-out accuracy (mean reward) of the actor."""
+    from ppokit.lm.sft import evaluate_accuracy
+
+    model = policy.actor_model
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with policy.use("actor"):
+        return evaluate_accuracy(model, tokenizer, items, reward_fn, batch_size=cfg.rollout.micro_batch_size,
+                                 max_new_tokens=cfg.rollout.max_new_tokens, greedy=True,
+                                 precision="bf16" if policy.autocast_dtype is not None else "fp32")
+
+
+def rollout_metrics(rollout, scores: torch.Tensor, scored: dict[str, torch.Tensor]) -> dict[str, float]:
+    lengths = rollout.response_lengths
+    out = {"reward_mean": scores.mean().item(), "reward_std": scores.std(unbiased=False).item(),
+           "reward_max": scores.max().item(), "response_length": lengths.mean().item(),
+           "truncated_frac": rollout.truncated.float().mean().item(),
+           "time_generate": rollout.generation_time,
+           "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9)}
+    if "ref_log_prob" in scored:
+        seq_kl = ((scored["old_log_prob"] - scored["ref_log_prob"]) * rollout.mask).sum(1)   # (N,) k1 sums
+        out["kl_ref"] = seq_kl.mean().item()
+    return out
+
+
+# ----------------------------------------------------------------------------- the loop
+def train_lm(cfg: Config, run_dir: Path | str) -> dict[str, Any]:
+    """Train; save ``RUN_DIR/checkpoint``; the final metrics with held-out accuracy before/after."""
+    from ppokit import algo
+    from ppokit.lm.data import PromptIterator
+    from ppokit.lm.policy import build_policy, causal_lm_config, load_tokenizer
+    from ppokit.lm.rewards import score_responses
+    from ppokit.lm.rollout import RolloutEngine
+    from ppokit.lm.scoring import Scorer, kl_to_reference, token_rewards
+    from ppokit.trainer import compute_advantages
+    from ppokit.track import Tracker
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    a = cfg.algo
+    device, autocast_dtype = setup(cfg)
+    train_items, eval_items, reward_fn = load_data(cfg)
+    tracker = Tracker(run_dir, cfg, cfg.iterations)
+    try:
+        model_path = prepare_model(cfg, run_dir, eval_items, reward_fn, tracker.message)
+        causal_lm_config(model_path, "model.path")            # a clear error before anything heavy
+        tokenizer = load_tokenizer(model_path, "model.path")
+        policy = build_policy(cfg, model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
+        policy.use_critic = a.adv_estimator == "gae"
+        if cfg.run.torch_threads is None and device.type == "cpu" and \
+                sum(p.numel() for p in policy.parameters()) < SMALL_MODEL_PARAMS:
+            # Small matmuls gain little from threads, and more threads than free cores
+            # (other processes) slows them down many times over: one thread by default.
+            torch.set_num_threads(1)
+        kl_in_loss_or_reward = a.beta > 0 or a.use_kl_in_reward
+        engine = RolloutEngine(policy, tokenizer, cfg.rollout)
+        scorer = Scorer(policy, cfg.train.infer_micro_batch_size,
+                        need_reference=policy.mode == "lora" or kl_in_loss_or_reward)
+        learner = Learner(cfg, policy, cfg.iterations)
+        kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
+                                          a.kl_ctrl.horizon) if a.use_kl_in_reward else None
+        prompts = PromptIterator(train_items, cfg.train.batch_size // a.group_size, seed=cfg.seed)
+        precision = "bf16" if autocast_dtype is not None else "fp32"
+        tracker.message(f"lm: {model_path} ({cfg.model.mode}, {_count(policy):,} trainable parameters), "
+                        f"{device}, {precision}, {cfg.iterations} iterations of {cfg.train.batch_size} sequences")
+        summary: dict[str, Any] = {}
+        eval_history: list[dict[str, float]] = []
+        if eval_items:
+            acc = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
+            summary["eval_accuracy_before"] = acc
+            eval_history.append({"iteration": 0, "accuracy": acc})
+            tracker.message(f"held-out accuracy before PPO: {acc:.1%} ({len(eval_items)} prompts)")
+        metrics: dict[str, Any] = {}
+        for it in range(cfg.iterations):
+            iteration_start = time.perf_counter()
+            items = prompts.next_batch()
+            rollout = engine.generate([x["prompt"] for x in items], group_size=a.group_size, items=items)
+            start = time.perf_counter()
+            scores = torch.tensor(score_responses(reward_fn, rollout.prompts, rollout.texts, rollout.items),
+                                  dtype=torch.float32, device=device)                     # (N,)
+            time_reward = time.perf_counter() - start
+            start = time.perf_counter()
+            scored = scorer.score(rollout)
+            time_score = time.perf_counter() - start
+            kl = None
+            if a.use_kl_in_reward:
+                kl = kl_to_reference(scored["old_log_prob"], scored["ref_log_prob"], rollout.mask, a.kl_penalty)
+            rewards = token_rewards(scores, rollout.mask, kl=kl, kl_coef=kl_ctrl.value if kl_ctrl else 0.0)
+            adv, ret = compute_advantages(cfg, rewards=rewards, mask=rollout.mask,
+                                          values=scored["old_values"] if a.adv_estimator == "gae" else None,
+                                          group_ids=rollout.group_ids)
+            batch = {**rollout.tensors(), **scored, "advantages": adv, "returns": ret}
+            if not kl_in_loss_or_reward or a.beta == 0:
+                batch.pop("ref_log_prob", None)     # the update does not need it
+            metrics = learner.update(batch, it)
+            metrics.update(rollout_metrics(rollout, scores, scored))
+            metrics.update(time_reward=time_reward, time_score=time_score,
+                           score_tokens_per_s=float(rollout.attention_mask.sum()) / max(time_score, 1e-9))
+            if kl_ctrl is not None:
+                seq_kl = (kl.sum(1)).mean().item()
+                metrics["kl_coef"] = kl_ctrl.value
+                kl_ctrl.update(seq_kl, len(rollout))
+            if eval_items and cfg.data.eval_every and (it + 1) % cfg.data.eval_every == 0 \
+                    and it + 1 < cfg.iterations:
+                metrics["eval_accuracy"] = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
+                eval_history.append({"iteration": it + 1, "accuracy": metrics["eval_accuracy"]})
+            metrics["samples"] = (it + 1) * len(rollout)
+            metrics["time_iteration"] = time.perf_counter() - iteration_start
+            _check_finite(metrics, it)
+            tracker.log(it, metrics)
+            every = cfg.run.checkpoint_every
+            if every and (it + 1) % every == 0 and it + 1 < cfg.iterations:
+                save_run_checkpoint(run_dir / CHECKPOINT_DIR, cfg, policy, tokenizer, model_path, learner,
+                                    prompts, kl_ctrl, iteration=it + 1)
+        if eval_items:
+            acc = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
+            summary["eval_accuracy_after"] = acc
+            eval_history.append({"iteration": cfg.iterations, "accuracy": acc})
+            tracker.message(f"held-out accuracy after PPO: {acc:.1%} "
+                            f"(before: {summary['eval_accuracy_before']:.1%})")
+        ckpt = save_run_checkpoint(run_dir / CHECKPOINT_DIR, cfg, policy, tokenizer, model_path, learner,
+                                   prompts, kl_ctrl, iteration=cfg.iterations)
+    finally:
+        tracker.close()
+    result = {k: v for k, v in metrics.items()}
+    result.update(summary)
+    result["eval_history"] = eval_history
+    result["checkpoint"] = str(ckpt)
+    return result
+
+
+def save_run_checkpoint(path: Path, cfg: Config, policy, tokenizer, model_path: Path, learner, prompts,
+                        kl_ctrl, *, iteration: int) -> Path:
+    """``path/``: the policy (:meth:`LMPolicy.save`) and ``path/trainer/`` (optimizer, schedule,
+    prompt position, KL coefficient; safetensors + JSON, no pickle). Written into a
+    temporary sibling and renamed into place: a crash leaves the previous checkpoint."""
+    import os
+    import shutil
+
+    from ppokit import checkpoint
+
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        policy.save(tmp, base_model=str(model_path), tokenizer=tokenizer)
+        parts = {"trainer": learner.state_dict(), "prompts": prompts.state_dict()}
+        if kl_ctrl is not None:
+            parts["kl_ctrl"] = kl_ctrl.state_dict()
+        checkpoint.save_checkpoint(tmp / "trainer", parts, {"iteration": iteration, "config": cfg.to_dict()})
+        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _count(policy) -> int:
+    return sum(p.numel() for p in policy.parameters() if p.requires_grad)
+
+
+def _check_finite(metrics: dict[str, Any], iteration: int) -> None:
+    for key in ("reward_mean", "policy_loss", "value_loss"):
+        value = metrics.get(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"iteration {iteration}: {key} is {value}; lower train.learning_rate or check the "
+                            "reward function (the metrics so far are in metrics.jsonl)")

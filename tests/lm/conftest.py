@@ -1,0 +1,25 @@
+"""Fixtures shared by the language-model tests (also used by the PPO workload's tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# Small enough that a test can train it for a few seconds on two CPU cores; the default
+# spec (ppokit.lm.tiny.DEFAULT_TINY_SPEC, ~0.8 M parameters) is for the demo.
+TEST_TINY_SPEC = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "max_position_embeddings": 64, "seed": 0}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised tiny Llama + character tokenizer in Hugging Face format.
+
+    Built once per test session (~100 k parameters, ``TEST_TINY_SPEC``); loadable with
+    ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (left
+    padding, ``<pad>`` 0, ``<bos>`` 2, ``<eos>`` 3). Treat it as read-only: copy it or
+    save elsewhere before changing weights.
+    """
+    from ppokit.lm.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("lm") / "tiny", **TEST_TINY_SPEC)

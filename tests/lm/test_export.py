@@ -1,0 +1,138 @@
+"""Saving, reloading and exporting: the checkpoint and the merged model give the trained policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ppokit.config import build_config
+from ppokit.errors import UserError
+from ppokit.lm.export import export_merged
+from ppokit.lm.policy import load_policy, load_tokenizer
+from ppokit.lm.rollout import RolloutEngine
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir          # tests/lm/conftest.py: a random tiny Llama + char tokenizer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train(tiny_dir, out, mode):
+    """Two quick PPO iterations at a high learning rate: adapters far from their init."""
+    from ppokit.lm.workload import train_lm
+
+    out.mkdir(parents=True, exist_ok=True)
+    reward = out / "length_reward.py"
+    reward.write_text("def length(prompt, response, **fields):\n    return len(response) / 5\n")
+    cfg = build_config([{
+        "workload": "lm", "model": {"path": str(tiny_dir), "mode": mode},
+        "rollout": {"temperature": 0.8, "max_new_tokens": 5},
+        "data": {"prompts": "arithmetic", "reward": f"{reward}:length", "eval_size": 0},
+        "train": {"iterations": 2, "batch_size": 8, "mini_batch_size": 8, "micro_batch_size": 8,
+                  "learning_rate": 3e-2 if mode == "lora" else 3e-3, "critic_learning_rate": 1e-2},
+        "run": {"precision": "fp32", "progress": False, "tensorboard": False}}])
+    train_lm(cfg, out)
+    return cfg, out / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora-run")
+    return train(tiny_dir, out, "lora")
+
+
+def probe_batch(ckpt, policy, cfg):
+    torch.manual_seed(0)
+    tok = load_tokenizer(ckpt)
+    return RolloutEngine(policy, tok, cfg.rollout).generate(["12+34=", "5+6=", "77+8="], group_size=2)
+
+
+def test_checkpoint_layout(lora_run):
+    cfg, ckpt = lora_run
+    # peft puts adapters with names other than "default" into sub-folders
+    for name in ("actor", "critic"):
+        assert (ckpt / name / "adapter_model.safetensors").is_file()
+        assert json.loads((ckpt / name / "adapter_config.json").read_text())["r"] == cfg.model.lora_rank
+    assert (ckpt / "value_head.safetensors").is_file() and (ckpt / "tokenizer_config.json").is_file()
+    meta = json.loads((ckpt / "policy.json").read_text())
+    assert meta["mode"] == "lora" and meta["temperature"] == cfg.rollout.temperature
+    assert (ckpt / "trainer" / "meta.json").is_file()
+    assert not (ckpt.parent / ".checkpoint.tmp").exists()
+
+
+def test_reload_gives_the_trained_policy(lora_run, tiny_dir):
+    cfg, ckpt = lora_run
+    policy = load_policy(ckpt)
+    ro = probe_batch(ckpt, policy, cfg)
+    with torch.no_grad():
+        lp = policy.log_probs(ro.tensors())["log_prob"]
+        values = policy.values(ro.tensors())
+        ref = policy.ref_log_probs(ro.tensors())
+    mask = ro.mask.bool()
+    assert (lp - ref)[mask].abs().max() > 1e-2          # the trained actor is not the base model
+    assert values.abs().max() > 0                        # nor is the value head its zero init
+    again = load_policy(ckpt)
+    with torch.no_grad():
+        assert torch.equal(again.log_probs(ro.tensors())["log_prob"], lp)
+        assert torch.equal(again.values(ro.tensors()), values)
+    # and it is trainable again when asked
+    trainable = load_policy(ckpt, trainable=True)
+    assert all(p.requires_grad for p in trainable.adapter_parameters("actor"))
+
+
+def test_exported_model_gives_the_policy_log_probs(lora_run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg, ckpt = lora_run
+    policy = load_policy(ckpt)
+    ro = probe_batch(ckpt, policy, cfg)
+    with torch.no_grad():
+        expected = policy.log_probs(ro.tensors())["log_prob"]
+    out = export_merged(ckpt.parent, tmp_path / "export")
+    assert not list(out.glob("adapter_*"))
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token_id == load_tokenizer(ckpt).eos_token_id and tok.padding_side == "left"
+    R = ro.responses.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
+                       position_ids=ro.position_ids).logits[:, -R - 1:-1]
+    got = torch.log_softmax(logits / policy.temperature, -1).gather(-1, ro.responses[..., None]).squeeze(-1)
+    mask = ro.mask.bool()
+    torch.testing.assert_close(got[mask], expected[mask], rtol=1e-4, atol=1e-4)
+    with pytest.raises(UserError, match="not empty"):
+        export_merged(ckpt.parent, out)
+
+
+def test_full_mode_round_trip(tiny_dir, tmp_path):
+    cfg, ckpt = train(tiny_dir, tmp_path / "run", "full")
+    assert (ckpt / "actor" / "config.json").is_file() and (ckpt / "critic" / "config.json").is_file()
+    policy = load_policy(ckpt)
+    ro = probe_batch(ckpt, policy, cfg)
+    with torch.no_grad():
+        expected = policy.log_probs(ro.tensors())["log_prob"]
+    out = export_merged(tmp_path / "run", tmp_path / "export")
+    from ppokit.lm.policy import load_causal_lm
+
+    model = load_causal_lm(out)
+    R = ro.responses.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
+                       position_ids=ro.position_ids).logits[:, -R - 1:-1]
+    got = torch.log_softmax(logits / policy.temperature, -1).gather(-1, ro.responses[..., None]).squeeze(-1)
+    torch.testing.assert_close(got[ro.mask.bool()], expected[ro.mask.bool()], rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_a_directory_without_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="holds no LM checkpoint"):
+        export_merged(tmp_path, tmp_path / "out")

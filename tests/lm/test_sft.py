@@ -1,0 +1,92 @@
+"""Supervised warm start: masking, memorisation of the training examples, outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ppokit.errors import UserError
+from ppokit.lm.sft import (CURVE_FILE, IGNORE_INDEX, collate, encode_examples, evaluate_accuracy,
+                           generate_responses, run_sft, sft_main)
+from ppokit.lm.tasks import ArithmeticTask
+from ppokit.lm.tiny import load_model_and_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):
+    _, tok = load_model_and_tokenizer(tiny_model_dir)
+    enc = encode_examples(tok, [{"prompt": "12+30=", "completion": "42"}, {"prompt": "1+2=", "answer": "3"}])
+    batch = collate(enc, tok.pad_token_id)
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
+    assert tok.decode(ids[0]) == "<bos>12+30=42<eos>"
+    assert labels[0].tolist() == [IGNORE_INDEX] * 7 + tok("42", add_special_tokens=False)["input_ids"] + [3]
+    assert labels[1].tolist() == [IGNORE_INDEX] * 5 + [tok.convert_tokens_to_ids("3"), 3] + [IGNORE_INDEX] * 3
+    assert mask[1].tolist() == [1] * 7 + [0] * 3                               # right padding for training
+    assert ids[1, 7:].tolist() == [tok.pad_token_id] * 3
+    with pytest.raises(UserError, match="SFT example 0 needs"):
+        encode_examples(tok, [{"prompt": "1+1="}])
+    with pytest.raises(UserError, match="at most 4"):
+        encode_examples(tok, [{"prompt": "1+1=", "completion": "2"}], max_length=4)
+
+
+def test_generation_batches_match_single_prompts(tiny_model_dir):
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    prompts = ["1+2=", "37+48=", "5=", "123+456="]
+    together = generate_responses(model, tok, prompts, batch_size=4, max_new_tokens=5)
+    alone = [generate_responses(model, tok, [p], batch_size=1, max_new_tokens=5)[0] for p in prompts]
+    assert together == alone
+    assert all(len(r) <= 5 and "<" not in r for r in together)
+
+
+def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
+    examples = ArithmeticTask(digits=1, seed=0).sft_examples(24)
+    out = tmp_path / "sft"
+    summary = run_sft(tiny_model_dir, out, examples, examples, epochs_max=25, batch_size=8, learning_rate=3e-3,
+                      patience=25, warmup_steps=5, seed=0, precision="fp32", log=None)
+    curve = summary["curve"]
+    assert curve[0]["epoch"] == 0 and curve[0]["heldout_accuracy"] <= 0.1      # random init: nothing right
+    assert summary["best_heldout_loss"] < 0.5 * curve[0]["heldout_loss"]        # answer loss falls
+    assert curve[-1]["train_loss"] < 0.5 * curve[1]["train_loss"]
+    assert summary["train_accuracy"] >= 0.75                                    # memorised
+    assert summary["best_accuracy"] == max(row["heldout_accuracy"] for row in curve)
+
+    saved = json.loads((out / CURVE_FILE).read_text())
+    assert saved["best_epoch"] == summary["best_epoch"] and len(saved["curve"]) == len(curve)
+    model, tok = load_model_and_tokenizer(out)                                  # the best model, reloadable
+    assert tok.padding_side == "left" and not (out / "ppokit_tiny.json").exists()
+    accuracy = evaluate_accuracy(model, tok, examples, "exact_match", batch_size=16, max_new_tokens=4)
+    assert accuracy == pytest.approx(summary["train_accuracy"])
+
+    with pytest.raises(UserError, match="not empty"):
+        run_sft(tiny_model_dir, out, examples, examples, epochs_max=1, log=None)
+
+
+def test_sft_stops_on_patience(tiny_model_dir, tmp_path):
+    examples = ArithmeticTask(digits=1, seed=0).sft_examples(8)
+    lines = []
+    summary = run_sft(tiny_model_dir, tmp_path / "sft", examples, examples, epochs_max=50, batch_size=8,
+                      learning_rate=1e-7, patience=2, warmup_steps=1, precision="fp32", log=lines.append)
+    assert summary["stopped"] == "patience" and summary["epochs_run"] == 2   # nothing improves at lr 1e-7
+    assert len(lines) == 1 + 2 + 1 and "held-out accuracy" in lines[1]
+
+
+def test_sft_main_resolves_task_reward_and_model(tmp_path):
+    summary = sft_main("arithmetic:digits=1", tmp_path / "out", examples=8, eval_size=4, epochs_max=1, log=None)
+    assert summary["settings"]["model_dir"] == "tiny" and summary["settings"]["reward_fn"] == "exact_match"
+    assert (summary["settings"]["examples"], summary["settings"]["eval_examples"]) == (8, 4)
+    assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / CURVE_FILE).is_file()
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "hi ", "completion": "there"}\n')
+    with pytest.raises(UserError, match="name a reward function"):
+        sft_main(str(data), tmp_path / "x")
+    with pytest.raises(UserError, match="needs held-out prompts"):
+        sft_main(str(data), tmp_path / "x", reward="exact_match")
