@@ -23,8 +23,6 @@ Every other key is sliced along dim 0 and handed to ``policy.evaluate``.
 
 from __future__ import annotations
 
-import math
-import warnings
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +30,7 @@ from torch import Tensor
 
 from ppokit import algo
 from ppokit.config import Config
+from ppokit.optim import AdamW, LRSchedule, lr_lambda
 
 REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
 
@@ -64,27 +63,6 @@ def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Te
     return advantages, returns
 
 
-def lr_lambda(kind: str, warmup_steps: int, total_steps: int):
-    """Multiplier of the base learning rate at optimizer step ``s``.
-
-    Linear warm-up from 0 over ``warmup_steps``, then ``constant`` (1), ``linear``
-    (decays to 0 at ``total_steps``) or ``cosine`` (half cosine to 0).
-    """
-    total_steps = max(total_steps, 1)
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if kind == "linear":
-            return 1.0 - progress
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return factor
-
-
 class PPOTrainer:
     """Owns the optimizer and schedule; :meth:`update` runs one iteration's epochs."""
 
@@ -96,14 +74,12 @@ class PPOTrainer:
         self.params = [p for g in groups for p in g["params"]]
         for g in groups:
             g.setdefault("initial_lr", g["lr"])
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.train.learning_rate, eps=cfg.train.adam_eps,
-                                           weight_decay=cfg.train.weight_decay)
+        self.optimizer = AdamW(groups, eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay)
         if updates_per_iteration is None:
             updates_per_iteration = cfg.train.epochs * (cfg.train.batch_size // cfg.mini_batch_size)
         total = total_iterations * updates_per_iteration
         warmup = int(cfg.train.lr_warmup_ratio * total)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.train.lr_scheduler_type, warmup, total))
+        self.scheduler = LRSchedule(self.optimizer, lr_lambda(cfg.train.lr_scheduler_type, warmup, total))
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.skipped_steps = 0
 
@@ -154,7 +130,7 @@ class PPOTrainer:
         a = self.cfg.algo
         mode = a.loss_agg_mode
         normalizer = algo.aggregation_normalizer(mb["mask"], mode)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         totals: dict[str, Tensor] = {}
         n = mb["mask"].shape[0]
         for start in range(0, n, micro):
@@ -207,14 +183,11 @@ class PPOTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         if not torch.isfinite(grad_norm):
             # A non-finite gradient would poison Adam's moments: skip this step.
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             self.skipped_steps += 1
-            with warnings.catch_warnings():   # the schedule advances even when a step is skipped
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-                self.scheduler.step()
         else:
             self.optimizer.step()
-            self.scheduler.step()
+        self.scheduler.step()   # the schedule advances even when a step is skipped
         return grad_norm.detach()
 
     # -------------------------------------------------------------------- checkpoints

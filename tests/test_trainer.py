@@ -9,7 +9,8 @@ import torch
 
 from ppokit import algo
 from ppokit.config import build_config
-from ppokit.trainer import PPOTrainer, compute_advantages, lr_lambda
+from ppokit.optim import lr_lambda
+from ppokit.trainer import PPOTrainer, compute_advantages
 
 
 class ToyPolicy(torch.nn.Module):

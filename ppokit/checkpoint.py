@@ -1,0 +1,164 @@
+"""Checkpoints: tensors in safetensors, everything else in JSON, written atomically.
+
+A checkpoint is a directory::
+
+    CKPT/
+      meta.json              format, version, the run's config, counters, and for each
+                             part the JSON skeleton of its state (numbers, strings, lists,
+                             dicts) with tensors replaced by {"__tensor__": key}
+      <part>.safetensors     the tensors of one part (model, trainer, normalizer, ...)
+
+Nothing is pickled: a state is any nesting of dicts (keys: str or int), lists/tuples,
+numbers, strings, None, ``torch.Tensor`` and ``numpy.ndarray`` (arrays come back as
+arrays). That covers ``nn.Module.state_dict()``, optimizer and LR-scheduler state and
+``torch.Generator`` states.
+
+Writes go to a temporary sibling directory that is renamed into place, so a crash
+leaves either the old checkpoint or the new one. A missing, truncated or corrupt
+checkpoint raises :class:`~ppokit.errors.UserError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ppokit.errors import UserError
+
+FORMAT = "ppokit-checkpoint"
+VERSION = 1
+META = "meta.json"
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: ``meta`` (the JSON, config included) and ``parts`` (rebuilt states)."""
+
+    path: Path
+    meta: dict[str, Any]
+    parts: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- flatten
+def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj.detach().to("cpu").contiguous().clone()
+        return {"__tensor__": prefix}
+    if isinstance(obj, np.ndarray):
+        tensors[prefix] = torch.from_numpy(np.array(obj, copy=True, order="C"))  # (keeps 0-d arrays 0-d)
+        return {"__ndarray__": prefix}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _flatten(v, f"{prefix}.{k}", tensors) for k, v in obj.items()}
+        if all(isinstance(k, (str, int)) for k in obj):
+            return {"__items__": [[k, _flatten(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
+        raise TypeError(f"{prefix}: dict keys must be str or int")
+    if isinstance(obj, (list, tuple)):
+        return [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"{prefix}: cannot store a {type(obj).__name__} in a checkpoint (no pickling)")
+
+
+def _unflatten(obj: Any, tensors: dict[str, torch.Tensor], where: Path) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj or "__ndarray__" in obj:
+            key = obj.get("__tensor__", obj.get("__ndarray__"))
+            if key not in tensors:
+                raise UserError(f"checkpoint file {where} is corrupt: tensor '{key}' is missing")
+            t = tensors[key]
+            return t.numpy() if "__ndarray__" in obj else t
+        if "__items__" in obj:
+            return {k: _unflatten(v, tensors, where) for k, v in obj["__items__"]}
+        return {k: _unflatten(v, tensors, where) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unflatten(v, tensors, where) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------- save
+def save_checkpoint(path: Path | str, parts: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Write ``parts`` (name -> state) and ``meta`` (JSON-able) atomically to directory ``path``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    old = path.parent / f".{path.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        skeletons = {}
+        for name, state in parts.items():
+            tensors: dict[str, torch.Tensor] = {}
+            skeletons[name] = _flatten(state, name, tensors)
+            save_file(tensors, str(tmp / f"{name}.safetensors"))
+        body = {"format": FORMAT, "version": VERSION, **meta, "parts": skeletons}
+        with open(tmp / META, "w") as f:
+            json.dump(body, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            old.rename(path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+# ----------------------------------------------------------------------------- load
+def load_checkpoint(path: Path | str) -> Checkpoint:
+    """Read a checkpoint directory; any problem is a one-line :class:`UserError` naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta_path = path / META
+    if not path.is_dir():
+        raise UserError(f"checkpoint {path} does not exist (a run writes it when training finishes)")
+    if not meta_path.is_file():
+        raise UserError(f"checkpoint file {meta_path} is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"checkpoint file {meta_path} is corrupt or truncated ({type(exc).__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("parts"), dict):
+        raise UserError(f"checkpoint file {meta_path} is not a ppokit checkpoint")
+    if meta.get("version", 0) > VERSION:
+        raise UserError(f"checkpoint file {meta_path} has version {meta['version']}; this ppokit reads "
+                        f"up to {VERSION}: upgrade ppokit")
+    ckpt = Checkpoint(path=path, meta=meta)
+    for name, skeleton in meta["parts"].items():
+        file = path / f"{name}.safetensors"
+        if not file.is_file():
+            raise UserError(f"checkpoint file {file} is missing")
+        try:
+            tensors = load_file(str(file))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UserError(f"checkpoint file {file} is corrupt or truncated ({reason})") from None
+        ckpt.parts[name] = _unflatten(skeleton, tensors, file)
+    return ckpt
+
+
+def prune_checkpoints(directory: Path | str, keep: int) -> None:
+    """Keep the ``keep`` newest sub-directories of ``directory`` (names sort by age)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    entries = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for stale in entries[:-keep] if keep > 0 else entries:
+        shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,10 @@
+"""The control workload: PPO on Gymnasium environments with MLP actor-critics.
+
+- :mod:`.envs`      vector env creation (NEXT_STEP autoreset), normalization, episode stats
+- :mod:`.networks`  MLP actor-critic (categorical / Gaussian), orthogonal init
+- :mod:`.rollout`   preallocated [num_envs, num_steps] rollouts, masks, truncation bootstrap
+- :mod:`.workload`  ``train_control(cfg, run_dir)``: the training loop and checkpoints
+- :mod:`.evaluate`  deterministic evaluation, ``evaluate_run(run_dir, episodes)``
+
+Importing this package imports neither torch nor gymnasium; the modules do.
+"""

@@ -1,0 +1,303 @@
+"""Vector environments for the control workload: creation, autoreset, normalization.
+
+Creation
+    ``gym.make_vec(id, num_envs, vectorization_mode=...)``. ``env.vectorization: auto``
+    picks Gymnasium's native vector env (``vector_entry_point``, e.g. CartPole: one
+    numpy step for all envs) when the id has one that loads and uses NEXT_STEP
+    autoreset, and ``sync`` otherwise (``async`` pays a pipe round trip per step, which
+    costs more than a classic-control or MuJoCo step on a small machine).
+
+Autoreset: NEXT_STEP, everywhere
+    The native CartPole vector env only implements NEXT_STEP, so the sync env is asked
+    for it too and the rollout has one code path. With NEXT_STEP the step that ends an
+    episode returns the episode's *final* observation; the next call to ``step``
+    ignores its action, resets that env and returns the reset observation with
+    reward 0. That "reset step" is not a transition: :class:`VecEnv` flags it
+    (``reset_step``), the rollout stores ``mask = 0`` there and nothing trained reads
+    it (GAE skips masked positions, the losses and advantage whitening are masked).
+
+    NEXT_STEP is also the cheaper mode for truncation bootstrapping: the final
+    observation is the policy's input on the reset step, so ``V(final_obs)`` comes out
+    of the forward pass that the rollout makes anyway (see ``rollout.py``), where
+    SAME_STEP would need an extra forward pass over ``infos["final_obs"]`` and a Python
+    loop over the per-env info objects. The price is one wasted env step per episode
+    (0.1-0.2% of the steps for 500-1000 step episodes).
+
+Normalization
+    Running mean/variance (float64, Chan's parallel update) of the observations, and of
+    the discounted return for reward scaling, as SB3's ``VecNormalize``:
+    ``ret = gamma * ret + r``; ``r / sqrt(Var[ret] + eps)``, clipped to
+    ``+-clip_reward``; ``ret`` restarts at 0 after a done. Reset steps do not update the
+    statistics. The statistics live in :class:`Normalizer`, are saved in checkpoints and
+    are frozen (``training=False``) in evaluation.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Optional
+
+import gymnasium as gym
+import numpy as np
+
+from ppokit.config import EnvConfig
+from ppokit.errors import UserError, did_you_mean
+
+EPS = 1e-8
+
+
+# ----------------------------------------------------------------------------- spec
+def resolve_spec(env_id: str) -> gym.envs.registration.EnvSpec:
+    """The registered spec of ``env_id``; an unknown id is a :class:`UserError` with a hint."""
+    find = getattr(gym.envs.registration, "_find_spec", gym.spec)  # _find_spec: what make_vec uses;
+    try:                                                              # it imports 'module:' prefixes
+        return find(env_id)
+    except gym.error.Error as exc:  # NameNotFound, VersionNotFound, DeprecatedEnv, NamespaceNotFound, ...
+        hint = did_you_mean(env_id.split(":")[-1], list(gym.registry.keys()))
+        reason = "" if hint else f" ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        raise UserError(f"env.id: unknown Gymnasium environment '{env_id}'{hint}{reason}") from None
+    except ModuleNotFoundError as exc:  # 'module:Env-v0' whose module does not import
+        reason = str(exc).split(". ")[0]
+        raise UserError(f"env.id: cannot import the module of '{env_id}' ({reason})") from None
+
+
+def _native_vector_ok(spec: gym.envs.registration.EnvSpec) -> bool:
+    """True when the id has a native vector env that loads and autoresets NEXT_STEP."""
+    entry = spec.vector_entry_point
+    if entry is None or spec.additional_wrappers:
+        return False
+    try:
+        creator = entry if callable(entry) else gym.envs.registration.load_env_creator(entry)
+    except Exception:  # e.g. the Jax envs without jax installed
+        return False
+    mode = getattr(creator, "metadata", {}).get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
+    return mode == gym.vector.AutoresetMode.NEXT_STEP
+
+
+def vectorization_mode(env_cfg: EnvConfig) -> str:
+    """The ``make_vec`` mode that ``env.vectorization`` resolves to for this id."""
+    spec = resolve_spec(env_cfg.id)
+    if env_cfg.vectorization == "auto":
+        return "vector_entry_point" if _native_vector_ok(spec) else "sync"
+    if env_cfg.vectorization == "vector_entry_point" and not _native_vector_ok(spec):
+        raise UserError(f"env.vectorization=vector_entry_point: '{env_cfg.id}' has no native vector env with "
+                        "NEXT_STEP autoreset; use auto or sync")
+    return env_cfg.vectorization
+
+
+def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
+    """``gym.make_vec`` with the resolved mode and NEXT_STEP autoreset; checks the spaces."""
+    mode = vectorization_mode(env_cfg)
+    kwargs: dict[str, Any] = dict(env_cfg.kwargs)
+    if env_cfg.max_episode_steps is not None:
+        kwargs["max_episode_steps"] = env_cfg.max_episode_steps
+    vector_kwargs: dict[str, Any] = {}
+    if mode in ("sync", "async"):
+        vector_kwargs["autoreset_mode"] = gym.vector.AutoresetMode.NEXT_STEP
+        if mode == "sync":
+            vector_kwargs["copy"] = False  # VecEnv copies what it keeps; no deepcopy per step
+    try:
+        venv = gym.make_vec(env_cfg.id, num_envs=num_envs, vectorization_mode=mode,
+                            vector_kwargs=vector_kwargs, **kwargs)
+    except gym.error.DependencyNotInstalled as exc:
+        raise UserError(f"env.id={env_cfg.id}: {str(exc).splitlines()[0]}") from None
+    except TypeError as exc:
+        raise UserError(f"env.kwargs: {env_cfg.id} does not accept these arguments ({exc})") from None
+    try:
+        check_spaces(env_cfg.id, venv.single_observation_space, venv.single_action_space)
+        autoreset = venv.metadata.get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
+        if autoreset != gym.vector.AutoresetMode.NEXT_STEP:
+            raise UserError(f"env.id={env_cfg.id}: vector env autoresets with {autoreset}; "
+                            "ppokit needs NEXT_STEP (use env.vectorization=sync)")
+    except UserError:
+        venv.close()
+        raise
+    return venv
+
+
+def check_spaces(env_id: str, obs_space: gym.Space, act_space: gym.Space) -> None:
+    """Flat Box observations; Discrete or 1-D Box actions. Anything else: one-line UserError."""
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+        raise UserError(f"env.id={env_id}: observation space {obs_space} is not supported; the MLP policy needs "
+                        "a flat Box (wrap the env with gymnasium.wrappers.FlattenObservation)")
+    if isinstance(act_space, gym.spaces.Discrete):
+        return
+    if isinstance(act_space, gym.spaces.Box) and len(act_space.shape) == 1:
+        return
+    raise UserError(f"env.id={env_id}: action space {type(act_space).__name__}{_shape(act_space)} is not supported; "
+                    "ppokit handles Discrete (categorical policy) and 1-D Box (Gaussian policy)")
+
+
+def _shape(space: gym.Space) -> str:
+    shape = getattr(space, "shape", None)
+    return f"{tuple(shape)}" if shape else ""
+
+
+# ---------------------------------------------------------------------- running stats
+class RunningMeanStd:
+    """Mean and variance of a stream of arrays, merged batch by batch (float64)."""
+
+    def __init__(self, shape: tuple[int, ...] = ()):
+        self.mean = np.zeros(shape, np.float64)
+        self.var = np.ones(shape, np.float64)
+        self.count = 1e-4  # as SB3: a tiny prior so the first batch dominates
+
+    def update(self, x: np.ndarray) -> None:
+        """Merge a batch ``x`` (n, *shape) into the statistics (Chan et al.)."""
+        n = x.shape[0]
+        if n == 0:
+            return
+        b_mean = x.mean(axis=0)
+        b_var = x.var(axis=0)
+        delta = b_mean - self.mean
+        total = self.count + n
+        self.mean = self.mean + delta * (n / total)
+        m2 = self.var * self.count + b_var * n + delta ** 2 * (self.count * n / total)
+        self.var = m2 / total
+        self.count = total
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"mean": self.mean.copy(), "var": self.var.copy(), "count": np.array(self.count, np.float64)}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        mean = np.asarray(state["mean"], np.float64)
+        if mean.shape != self.mean.shape:
+            raise ValueError(f"running stats of shape {mean.shape}, expected {self.mean.shape}")
+        self.mean = mean.copy()
+        self.var = np.asarray(state["var"], np.float64).copy()
+        self.count = float(np.asarray(state["count"]).reshape(-1)[0])
+
+
+class Normalizer:
+    """Observation and reward normalization with SB3 ``VecNormalize`` semantics.
+
+    ``training=False`` freezes the statistics (evaluation, or a loaded checkpoint).
+    """
+
+    def __init__(self, env_cfg: EnvConfig, obs_dim: int, num_envs: int, gamma: float, training: bool = True):
+        self.norm_obs = env_cfg.normalize_obs
+        self.norm_reward = env_cfg.normalize_reward
+        self.clip_obs = env_cfg.clip_obs
+        self.clip_reward = env_cfg.clip_reward
+        self.gamma = gamma
+        self.training = training
+        self.obs_rms = RunningMeanStd((obs_dim,))
+        self.ret_rms = RunningMeanStd(())
+        self.returns = np.zeros(num_envs, np.float64)  # discounted return per env, for ret_rms
+
+    def obs(self, obs: np.ndarray, update: Optional[np.ndarray] = None) -> np.ndarray:
+        """Normalized float32 observations (E, obs_dim); updates the stats from the ``update`` rows."""
+        if not self.norm_obs:
+            return obs.astype(np.float32, copy=True)
+        if self.training:
+            self.obs_rms.update(obs if update is None or update.all() else obs[update])
+        out = (obs - self.obs_rms.mean) / np.sqrt(self.obs_rms.var + EPS)
+        return np.clip(out, -self.clip_obs, self.clip_obs).astype(np.float32)
+
+    def reward(self, reward: np.ndarray, done: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """Scaled float32 rewards (E,); ``done`` (E,) restarts the discounted return."""
+        if not self.norm_reward:
+            return reward.astype(np.float32, copy=True)
+        if self.training:
+            self.returns = np.where(valid, self.returns * self.gamma + reward, 0.0)
+            self.ret_rms.update(self.returns[valid])
+        out = reward / np.sqrt(self.ret_rms.var + EPS)
+        self.returns[done] = 0.0
+        return np.clip(out, -self.clip_reward, self.clip_reward).astype(np.float32)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        state = {f"obs_{k}": v for k, v in self.obs_rms.state_dict().items()}
+        state.update({f"ret_{k}": v for k, v in self.ret_rms.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.obs_rms.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("obs_")})
+        self.ret_rms.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("ret_")})
+
+
+# ------------------------------------------------------------------------- VecEnv
+class VecEnv:
+    """A NEXT_STEP vector env with normalization, action clipping and episode statistics.
+
+    ``step`` returns, per env (E,): the (normalized) next observation, the raw and the
+    normalized reward, ``terminated``, ``truncated``, and ``reset_step``: True where
+    this call was a NEXT_STEP reset (action ignored, not a transition).
+    """
+
+    def __init__(self, env_cfg: EnvConfig, num_envs: int, seed: int, gamma: float, training: bool = True,
+                 stats_window: int = 100):
+        self.cfg = env_cfg
+        self.num_envs = num_envs
+        self.seed = seed
+        self.env = make_vector_env(env_cfg, num_envs)
+        self.obs_space = self.env.single_observation_space
+        self.action_space = self.env.single_action_space
+        self.obs_dim = int(self.obs_space.shape[0])
+        self.discrete = isinstance(self.action_space, gym.spaces.Discrete)
+        if self.discrete:
+            self.action_dim = int(self.action_space.n)
+            self._low = self._high = None
+            self._start = int(self.action_space.start)  # Discrete(n, start): policy index i is action start + i
+        else:
+            self.action_dim = int(self.action_space.shape[0])
+            low, high = self.action_space.low, self.action_space.high
+            bounded = np.isfinite(low).all() and np.isfinite(high).all()
+            self._low, self._high = (low.astype(np.float32), high.astype(np.float32)) if bounded else (None, None)
+            self._act_dtype = self.action_space.dtype
+        self.normalizer = Normalizer(env_cfg, self.obs_dim, num_envs, gamma, training)
+        self._prev_done = np.zeros(num_envs, bool)
+        self._ep_return = np.zeros(num_envs, np.float64)
+        self._ep_length = np.zeros(num_envs, np.int64)
+        self.episode_returns: collections.deque = collections.deque(maxlen=stats_window)
+        self.episode_lengths: collections.deque = collections.deque(maxlen=stats_window)
+        self.episodes_finished = 0
+        self._seeded = False
+
+    # ------------------------------------------------------------------ api
+    def reset(self, seed: Optional[int] = None) -> np.ndarray:
+        """Reset every env (seeded ``seed .. seed + E - 1`` on the first call); normalized obs."""
+        if seed is None and not self._seeded:
+            seed = self.seed
+        self._seeded = True
+        obs, _ = self.env.reset(seed=seed)
+        self.env.action_space.seed(seed)
+        self._prev_done[:] = False
+        self._ep_return[:] = 0.0
+        self._ep_length[:] = 0
+        self.normalizer.returns[:] = 0.0
+        return self.normalizer.obs(obs)
+
+    def step(self, actions: np.ndarray):
+        """Step with ``actions`` (E,) or (E, A); Box actions are clipped to the bounds here."""
+        if self.discrete:
+            if self._start:
+                actions = actions + self._start
+        else:
+            if self._low is not None:
+                actions = np.clip(actions, self._low, self._high)
+            if actions.dtype != self._act_dtype:
+                actions = actions.astype(self._act_dtype)
+        reset_step = self._prev_done.copy()
+        valid = ~reset_step
+        obs, reward, terminated, truncated, _ = self.env.step(actions)
+        terminated = np.asarray(terminated, bool)
+        truncated = np.asarray(truncated, bool) & ~terminated
+        done = terminated | truncated
+        reward = np.asarray(reward, np.float64)
+        self._prev_done = done
+        # episode statistics of the raw reward
+        self._ep_return += reward
+        self._ep_length += valid
+        if done.any():
+            idx = np.flatnonzero(done)
+            self.episode_returns.extend(self._ep_return[idx].tolist())
+            self.episode_lengths.extend(self._ep_length[idx].tolist())
+            self.episodes_finished += idx.size
+            self._ep_return[idx] = 0.0
+            self._ep_length[idx] = 0
+        obs_n = self.normalizer.obs(obs, ~done)  # a final observation is never trained on
+        reward_n = self.normalizer.reward(reward, done, valid)
+        return obs_n, reward, reward_n, terminated, truncated, reset_step
+
+    def close(self) -> None:
+        self.env.close()

@@ -1,0 +1,93 @@
+"""Deterministic evaluation: argmax / Gaussian-mean actions, frozen normalization.
+
+Episodes run in their own vector env (``min(episodes, 16)`` copies) seeded
+``seed .. seed + n - 1``; env ``i`` contributes ``(episodes + i) // n`` episodes (as SB3's
+``evaluate_policy``), so the result does not favour short episodes. The default seed is
+``cfg.seed + EVAL_SEED_OFFSET``: the evaluation at the end of training and
+``ppokit eval RUN_DIR`` see the same initial states and give the same number.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ppokit.config import Config
+from ppokit.control.envs import VecEnv
+from ppokit.control.networks import ActorCritic
+from ppokit.errors import UserError
+
+EVAL_SEED_OFFSET = 10_000
+MAX_EVAL_ENVS = 16
+
+
+class Evaluator:
+    """A vector env for repeated deterministic evaluations during or after training."""
+
+    def __init__(self, cfg: Config, episodes: int, seed: Optional[int] = None):
+        self.episodes = episodes
+        self.num_envs = max(1, min(episodes, MAX_EVAL_ENVS))
+        self.venv = VecEnv(cfg.env, self.num_envs, seed=cfg.seed + EVAL_SEED_OFFSET if seed is None else seed,
+                           gamma=cfg.algo.gamma, training=False)
+        spec = self.venv.env.spec
+        limit = cfg.env.max_episode_steps or (spec.max_episode_steps if spec is not None else None)
+        # A policy that never ends an episode in an env without a time limit must not hang the run.
+        self.max_steps = (limit + 1) * (-(-episodes // self.num_envs)) if limit else 1_000_000
+
+    def run(self, policy: ActorCritic, normalizer_state: Optional[dict] = None) -> np.ndarray:
+        """Returns of ``episodes`` episodes (raw env rewards) under the deterministic policy."""
+        venv = self.venv
+        if normalizer_state is not None:
+            venv.normalizer.load_state_dict(normalizer_state)
+        n = self.num_envs
+        targets = np.array([(self.episodes + i) // n for i in range(n)])
+        counts = np.zeros(n, np.int64)
+        ep_return = np.zeros(n, np.float64)
+        returns: list[float] = []
+        obs = venv.reset()  # seeded on the first call, then continues the env's RNG
+        with torch.inference_mode():
+            for _ in range(self.max_steps):
+                actions = policy.act_deterministic(torch.from_numpy(obs)).numpy()
+                obs, raw, _, terminated, truncated, _ = venv.step(actions)
+                ep_return += raw
+                done = terminated | truncated
+                if done.any():
+                    for i in np.flatnonzero(done & (counts < targets)):
+                        returns.append(float(ep_return[i]))
+                        counts[i] += 1
+                    ep_return[done] = 0.0
+                    if (counts >= targets).all():
+                        break
+            else:
+                raise UserError(f"evaluation of {self.venv.cfg.id}: episodes did not end within {self.max_steps} "
+                                "steps; set env.max_episode_steps")
+        return np.asarray(returns)
+
+    def close(self) -> None:
+        self.venv.close()
+
+
+def evaluate_policy(cfg: Config, policy: ActorCritic, normalizer_state: Optional[dict], episodes: int,
+                    seed: Optional[int] = None) -> tuple[float, float]:
+    """(mean, std) of the deterministic return over ``episodes`` episodes in a fresh env."""
+    evaluator = Evaluator(cfg, episodes, seed)
+    try:
+        returns = evaluator.run(policy, normalizer_state)
+    finally:
+        evaluator.close()
+    return float(returns.mean()), float(returns.std())
+
+
+def evaluate_run(run_dir: str | Path, episodes: int, seed: Optional[int] = None) -> tuple[float, float]:
+    """Load ``RUN_DIR``'s config and checkpoint, run the deterministic policy: (mean, std)."""
+    from ppokit.control.workload import CHECKPOINT_DIR, load_policy
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist")
+    cfg, policy, normalizer_state = load_policy(run_dir / CHECKPOINT_DIR)
+    torch.set_num_threads(cfg.run.torch_threads or 1)
+    return evaluate_policy(cfg, policy, normalizer_state, episodes, seed)
