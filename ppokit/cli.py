@@ -45,9 +45,38 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--episodes", type=int, default=10, help="episodes to run (default 10)")
     ev.add_argument("--seed", type=int, default=None, help="evaluation seed (default: the run's seed + 10000)")
 
-    demo = sub.add_parser("demo", help="the built-in demonstration run",
-                          description="Train the built-in demonstration and report what it learned.")
-    demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    demo = sub.add_parser("demo", help="the built-in demonstration run (arith: SFT, then PPO with a verifier)",
+                          description="Build the built-in tiny Llama, warm-start it on a few worked two-digit "
+                                      "additions, then train it with PPO and an exact-match reward; print the "
+                                      "held-out accuracy before and after PPO and draw the reward curve. "
+                                      "KEY=VALUE pairs override fields of the arith preset.")
+    demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                      help="e.g. train.iterations=5 seed=2 run.output_dir=/tmp/runs run.progress=false")
+
+    sft = sub.add_parser("sft", help="supervised warm start of a language model (before PPO)",
+                         description="Fine-tune a causal LM on worked examples (loss on the answer and EOS) "
+                                     "until held-out accuracy stops improving; save the best model to --out.")
+    sft.add_argument("prompts", metavar="TASK_OR_JSONL",
+                     help="a built-in task (arithmetic, arithmetic:digits=3) or a JSONL file with "
+                          "prompt + completion per line")
+    sft.add_argument("--out", required=True, help="directory for the fine-tuned model (new or empty)")
+    sft.add_argument("--model", default="tiny", help="model directory, or tiny (the built-in tiny Llama)")
+    sft.add_argument("--examples", type=int, default=None, help="number of training examples (task default 300)")
+    sft.add_argument("--eval-prompts", default=None, help="held-out JSONL (required with a JSONL training file)")
+    sft.add_argument("--eval-size", type=int, default=256, help="held-out problems to evaluate (default 256)")
+    sft.add_argument("--reward", default=None, help="exact_match, numeric_match, module:fn or file.py:fn")
+    sft.add_argument("--epochs-max", type=int, default=300)
+    sft.add_argument("--batch-size", type=int, default=32)
+    sft.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    sft.add_argument("--patience", type=int, default=8, help="evaluations without improvement before stopping")
+    sft.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
+    sft.add_argument("--seed", type=int, default=0)
+
+    export = sub.add_parser("export", help="merge a trained LM's actor into a standalone model directory",
+                            description="Write the trained actor (LoRA merged into the backbone) and the "
+                                        "tokenizer to OUT, loadable by AutoModelForCausalLM.from_pretrained.")
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("out_dir", metavar="OUT")
 
     cfg = sub.add_parser("config", help="show, list and explain configurations")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")
@@ -92,6 +121,13 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return _demo(args.overrides)
     if args.command == "eval":
         return _eval(args.run_dir, args.episodes, args.seed)
+    if args.command == "sft":
+        return _sft(args)
+    if args.command == "export":
+        from ppokit.lm.export import export_merged
+
+        print(f"exported to {export_merged(args.run_dir, args.out_dir)}")
+        return 0
     if args.command == "config":
         return _config(args)
     parser.print_help()
@@ -102,6 +138,7 @@ def _train(source: str, overrides: list[str]) -> int:
     from ppokit.config import load_config
 
     cfg = load_config(source, overrides)
+    _check_inputs(cfg)   # fail on a bad env id or model path before a run directory exists
     from ppokit.track import create_run_dir
 
     run_dir = create_run_dir(cfg)
@@ -110,6 +147,36 @@ def _train(source: str, overrides: list[str]) -> int:
     if "eval_return_mean" in result:
         print(f"deterministic eval: return {result['eval_return_mean']:.1f} +- "
               f"{result.get('eval_return_std', 0.0):.1f}")
+    if "eval_accuracy_after" in result:
+        print(f"held-out accuracy: {result['eval_accuracy_before']:.1%} before, "
+              f"{result['eval_accuracy_after']:.1%} after")
+    return 0
+
+
+def _check_inputs(cfg) -> None:
+    if cfg.workload == "control":
+        from ppokit.control.workload import check_env
+
+        check_env(cfg)
+    elif cfg.workload == "lm":
+        from ppokit.lm.workload import load_data
+
+        load_data(cfg)   # prompts, held-out set and reward function
+        if cfg.model.path != "tiny":
+            from ppokit.lm.policy import causal_lm_config, load_tokenizer
+
+            causal_lm_config(cfg.model.path)
+            load_tokenizer(cfg.model.path)
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from ppokit.lm.sft import sft_main
+
+    summary = sft_main(args.prompts, args.out, model=args.model, examples=args.examples,
+                       eval_prompts=args.eval_prompts, eval_size=args.eval_size, reward=args.reward,
+                       seed=args.seed, epochs_max=args.epochs_max, batch_size=args.batch_size,
+                       learning_rate=args.lr, patience=args.patience, precision=args.precision)
+    print(f"held-out accuracy after SFT: {summary['best_accuracy']:.1%} (curve: {args.out}/sft_curve.json)")
     return 0
 
 
@@ -118,12 +185,19 @@ def _run_workload(cfg, run_dir) -> dict:
         from ppokit.control.workload import train_control
 
         return train_control(cfg, run_dir)
+    if cfg.workload == "lm":
+        from ppokit.lm.workload import train_lm
+
+        return train_lm(cfg, run_dir)
     raise AssertionError(f"unhandled workload {cfg.workload}")
 
 
 def _demo(overrides: list[str]) -> int:
-    # Until the language-model workload lands, the demo is CartPole with its preset.
-    return _train("cartpole", overrides)
+    """The arith preset (SFT warm start, then PPO); ends with ``held-out accuracy: X% -> Y%``."""
+    from ppokit.lm.demo import run_demo
+
+    run_demo(overrides)
+    return 0
 
 
 def _eval(run_dir: str, episodes: int, seed: Optional[int]) -> int:

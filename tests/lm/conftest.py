@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 # Small enough that a test can train it for a few seconds on two CPU cores; the default
 # spec (ppokit.lm.tiny.DEFAULT_TINY_SPEC, ~0.8 M parameters) is for the demo.
@@ -23,3 +24,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from ppokit.lm.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("lm") / "tiny", **TEST_TINY_SPEC)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_dir) -> Path:
+    """Alias of :func:`tiny_model_dir` used by the PPO workload's tests."""
+    return tiny_model_dir
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: extra threads only add contention with whatever else runs on the machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

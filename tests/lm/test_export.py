@@ -14,17 +14,6 @@ from ppokit.lm.policy import load_policy, load_tokenizer
 from ppokit.lm.rollout import RolloutEngine
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_model_dir):
-    return tiny_model_dir          # tests/lm/conftest.py: a random tiny Llama + char tokenizer
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def train(tiny_dir, out, mode):

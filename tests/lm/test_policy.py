@@ -19,17 +19,6 @@ from ppokit.trainer import PPOTrainer
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_model_dir):
-    return tiny_model_dir          # tests/lm/conftest.py: a random tiny Llama + char tokenizer
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def lm_config(tiny_dir, **sections):

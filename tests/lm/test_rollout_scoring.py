@@ -17,10 +17,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Seems like .optimizer.step:UserW
 PROMPTS = ["12+3=", "7+88=", "1=", "99+99=", "5-4=", "123*45="]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_model_dir):
-    return tiny_model_dir          # tests/lm/conftest.py: a random tiny Llama + char tokenizer
-
 
 @pytest.fixture(scope="module")
 def tok(tiny_dir):
@@ -37,14 +33,6 @@ def lm_config(tiny_dir, **sections):
             "run": {"precision": "fp32", "progress": False, "tensorboard": False}}
     return build_config([base, sections])
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny matmuls: threads only add contention with whatever else runs on the machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_eos_likely(policy, tok, strength=0.25):

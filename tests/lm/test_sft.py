@@ -14,13 +14,6 @@ from ppokit.lm.tasks import ArithmeticTask
 from ppokit.lm.tiny import load_model_and_tokenizer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):
     _, tok = load_model_and_tokenizer(tiny_model_dir)
