@@ -101,6 +101,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("ppokit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # `ppokit config fields | head`: the reader left, nothing to report
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -220,7 +225,8 @@ def _config(args: argparse.Namespace) -> int:
     elif args.config_command == "list":
         for name in config_mod.preset_names():
             cfg = config_mod.load_config(name)
-            print(f"{name:14s} {cfg.workload:8s} {cfg.env.id if cfg.workload == 'control' else ''}")
+            what = cfg.env.id if cfg.workload == "control" else f"{cfg.data.prompts} on model {cfg.model.path}"
+            print(f"{name:14s} {cfg.workload:8s} {what}")
     elif args.config_command == "fields":
         for path, default, aliases, description in config_mod.describe_fields():
             alias_text = f"  (aliases: {aliases})" if aliases else ""

@@ -1,0 +1,48 @@
+"""`ppokit demo` end to end with tiny overrides: exit status, summary line, reward-curve PNG."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ppokit.cli import main
+
+# A few seconds: a handful of SFT examples and epochs, two PPO iterations of 16 sequences.
+TINY_DEMO = ["data.sft_examples=32", "data.sft_epochs=2", "data.eval_size=16", "train.iterations=2",
+             "train.batch_size=16", "train.mini_batch_size=16", "train.micro_batch_size=16",
+             "train.infer_micro_batch_size=16", "algo.group_size=4", "data.eval_every=1",
+             "run.progress=false", "run.tensorboard=false"]
+SUMMARY = re.compile(r"^held-out accuracy: (\d+\.\d)% -> (\d+\.\d)%$")
+
+
+def test_demo_cli_prints_summary_and_writes_png(tmp_path, capsys):
+    status = main(["demo", *TINY_DEMO, f"run.output_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert status == 0
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert SUMMARY.match(lines[-1]), lines[-1]                                  # the last line
+    assert sum(bool(SUMMARY.match(line)) for line in lines) == 1                # exactly one summary
+    before, after = (float(x) for x in SUMMARY.match(lines[-1]).groups())
+    assert 0 <= before <= 100 and 0 <= after <= 100
+
+    run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(run_dirs) == 1
+    png = run_dirs[0] / "reward_curve.png"
+    assert png.is_file()
+    assert f"reward curve: {png}" in out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data.rstrip()[-8:-4] == b"IEND"
+    assert (run_dirs[0] / "metrics.jsonl").is_file()
+
+
+def test_demo_rejects_a_bad_override(tmp_path, capsys):
+    assert main(["demo", "train.iterations=0", f"run.output_dir={tmp_path}"]) == 2
+    assert "train.iterations" in capsys.readouterr().err
+
+
+def test_plot_curves_without_metrics(tmp_path):
+    from ppokit.lm.demo import plot_curves, summary_line
+
+    png = plot_curves(tmp_path, [{"iteration": 0, "accuracy": 0.1}], out=Path(tmp_path) / "x.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary_line(0.125, 0.8164) == "held-out accuracy: 12.5% -> 81.6%"
