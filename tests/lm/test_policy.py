@@ -15,6 +15,7 @@ from ppokit.errors import UserError
 from ppokit.lm.policy import build_policy, load_causal_lm, load_tokenizer
 from ppokit.lm.rollout import assemble
 from ppokit.trainer import PPOTrainer
+from lm_helpers import randomize
 
 CPU = torch.device("cpu")
 
@@ -29,15 +30,6 @@ def lm_config(tiny_dir, **sections):
             "run": {"precision": "fp32", "progress": False, "tensorboard": False}}
     return build_config([base, sections])
 
-
-def randomize(policy, std=0.1, seed=0):
-    """LoRA B starts at zero (so dL/dA = 0): give every adapter weight a random value."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name in ("actor", "critic"):
-            for p in policy.adapter_parameters(name):
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-        policy.value_head.linear.weight.copy_(torch.randn(policy.value_head.linear.weight.shape, generator=g))
 
 
 def handmade_batch(tokenizer, n=4):

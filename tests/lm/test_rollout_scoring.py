@@ -11,6 +11,7 @@ from ppokit.lm.policy import build_policy, load_tokenizer
 from ppokit.lm.rollout import RolloutEngine, assemble, response_mask
 from ppokit.lm.scoring import Scorer, token_rewards
 from ppokit.trainer import PPOTrainer, compute_advantages
+from lm_helpers import randomize
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like .optimizer.step:UserWarning")
@@ -41,14 +42,6 @@ def make_eos_likely(policy, tok, strength=0.25):
     with torch.no_grad():
         base.lm_head.weight[tok.eos_token_id] += strength * base.model.norm.weight
 
-
-def randomize(policy, std=0.1, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name in ("actor", "critic"):
-            for p in policy.adapter_parameters(name):
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-        policy.value_head.linear.weight.copy_(torch.randn(policy.value_head.linear.weight.shape, generator=g))
 
 
 # ----------------------------------------------------------------------------- masks
