@@ -140,7 +140,8 @@ class PPOTrainer:
             share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
             v_loss, v_metrics = algo.value_loss(
                 out["values"], part["old_values"], part["returns"], mask, clip_value=a.clip_value,
-                huber_delta=a.huber_delta, agg_mode=mode, normalizer=normalizer, horizon=horizon)
+                huber_delta=a.huber_delta, agg_mode=mode, normalizer=normalizer, horizon=horizon,
+                diagnostics=False)
             loss = a.value_coeff * v_loss
             # Losses computed with the mini-batch normalizer add up over micro-batches;
             # rates (clipfrac, approx_kl) are means over this micro-batch: weight by its share.
@@ -151,7 +152,7 @@ class PPOTrainer:
                     out["log_prob"], part["old_log_prob"], part["advantages"], mask,
                     lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,
                     clip_ratio_c=a.clip_ratio_c, agg_mode=mode, ratio_level=a.ratio_level,
-                    normalizer=normalizer, horizon=horizon)
+                    normalizer=normalizer, horizon=horizon, diagnostics=False)
                 loss = loss + pg_loss
                 losses["policy_loss"] = pg_loss.detach()
                 metrics["approx_kl"] = pg_metrics["approx_kl_k3"]

@@ -38,6 +38,7 @@ def policy_loss(
     ratio_level: str = "token",
     normalizer: torch.Tensor | float | None = None,
     horizon: int | None = None,
+    diagnostics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss.
 
@@ -66,6 +67,9 @@ def policy_loss(
         lower_clip_ratio, upper_clip_ratio: eps_low in [0, 1) and eps_high >= 0.
         clip_ratio_c: dual-clip constant c > 1, or None.
         agg_mode, normalizer, horizon: see :func:`~ppokit.algo.aggregation.aggregate`.
+        diagnostics: False returns only ``clipfrac``, ``approx_kl_k1``, ``approx_kl_k3``
+            and ``ratio_max`` (what a training loop logs every step; each metric is a
+            handful of tiny ops that cost more than the loss itself on small batches).
 
     Returns:
         ``(loss, metrics)``; metrics are detached 0-dim tensors (no host sync):
@@ -136,6 +140,13 @@ def policy_loss(
         else:
             dual_hit = torch.zeros_like(lower)
         tlr = token_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+        if not diagnostics:
+            return loss, {
+                "clipfrac": masked_mean((lower | upper | dual_hit).to(r.dtype), unit_mask),
+                "approx_kl_k1": masked_mean(-tlr, m),
+                "approx_kl_k3": masked_mean(torch.expm1(tlr) - tlr, m),
+                "ratio_max": _masked_extreme(r, unit_mask, largest=True),
+            }
         metrics = {
             "clipfrac": masked_mean((lower | upper | dual_hit).to(r.dtype), unit_mask),
             "clipfrac_lower": masked_mean(lower.to(r.dtype), unit_mask),

@@ -29,6 +29,7 @@ def value_loss(
     agg_mode: str = "token-mean",
     normalizer: torch.Tensor | float | None = None,
     horizon: int | None = None,
+    diagnostics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Value loss, per position then aggregated::
 
@@ -44,7 +45,8 @@ def value_loss(
     Returns ``(loss, metrics)`` with detached 0-dim metrics: ``vf_clipfrac``
     (fraction of valid positions where the clipped term is strictly larger),
     ``explained_variance`` (of ``values`` as predictions of ``returns``),
-    ``value_mean``, ``return_mean``.
+    ``value_mean``, ``return_mean``; with ``diagnostics=False`` only ``vf_clipfrac``
+    (a training loop's per-step log; the others cost more than the loss on small batches).
     """
     if values.dim() != 2:
         raise ValueError(f"values must be 2-D (B, T), got shape {tuple(values.shape)}")
@@ -86,6 +88,8 @@ def value_loss(
             clipfrac = v.new_zeros(())
         else:
             clipfrac = masked_mean((loss_clipped.detach() > loss_unclipped.detach()).to(v.dtype), m)
+        if not diagnostics:
+            return loss, {"vf_clipfrac": clipfrac}
         metrics = {
             "vf_clipfrac": clipfrac,
             "explained_variance": explained_variance(v, returns.detach(), m),

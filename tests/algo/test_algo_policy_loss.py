@@ -250,3 +250,15 @@ def test_validation():
     with pytest.raises(ValueError, match="did you mean 'token-mean'"):
         call(agg_mode="token-man")
     call(clip_ratio_c=1.01, lower_clip_ratio=0.0, upper_clip_ratio=0.0)  # edges are fine
+
+
+def test_without_diagnostics_same_loss_and_logged_subset():
+    g = torch.Generator().manual_seed(11)
+    lp, old, adv = (torch.randn(6, 9, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(6, 9, generator=g) > 0.3
+    full_loss, full = policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)
+    loss, small = policy_loss(lp, old, adv, mask, clip_ratio_c=3.0, diagnostics=False)
+    assert torch.equal(loss, full_loss)
+    assert set(small) == {"clipfrac", "approx_kl_k1", "approx_kl_k3", "ratio_max"}
+    for key, value in small.items():
+        assert torch.equal(value, full[key]), key

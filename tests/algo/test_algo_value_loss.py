@@ -109,3 +109,13 @@ def test_value_loss_validation():
         value_loss(x, x, x, x, clip_value=0.0)
     with pytest.raises(ValueError, match="huber_delta must be > 0"):
         value_loss(x, x, x, x, huber_delta=-1.0)
+
+
+def test_without_diagnostics_same_loss_and_clipfrac():
+    g = torch.Generator().manual_seed(12)
+    v, old, ret = (torch.randn(5, 7, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    full_loss, full = value_loss(v, old, ret, mask, clip_value=0.2)
+    loss, small = value_loss(v, old, ret, mask, clip_value=0.2, diagnostics=False)
+    assert torch.equal(loss, full_loss)
+    assert set(small) == {"vf_clipfrac"} and torch.equal(small["vf_clipfrac"], full["vf_clipfrac"])
