@@ -72,8 +72,6 @@ class PPOTrainer:
         self.policy = policy
         groups = [g for g in policy.param_groups(cfg) if g["params"]]
         self.params = [p for g in groups for p in g["params"]]
-        for g in groups:
-            g.setdefault("initial_lr", g["lr"])
         self.optimizer = AdamW(groups, eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay)
         if updates_per_iteration is None:
             updates_per_iteration = cfg.train.epochs * (cfg.train.batch_size // cfg.mini_batch_size)
