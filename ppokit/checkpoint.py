@@ -14,8 +14,10 @@ arrays). That covers ``nn.Module.state_dict()``, optimizer and LR-scheduler stat
 ``torch.Generator`` states.
 
 Writes go to a temporary sibling directory that is renamed into place, so a crash
-leaves either the old checkpoint or the new one. A missing, truncated or corrupt
-checkpoint raises :class:`~ppokit.errors.UserError` naming the file.
+leaves either the old checkpoint or the new one (files and directory are fsynced);
+:func:`recover_interrupted` tidies up the temporary directories of a killed writer. A
+missing, truncated or corrupt checkpoint raises :class:`~ppokit.errors.UserError`
+naming the file.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def save_checkpoint(path: Path | str, parts: dict[str, Any], meta: dict[str, Any
             tensors: dict[str, torch.Tensor] = {}
             skeletons[name] = _flatten(state, name, tensors)
             save_file(tensors, str(tmp / f"{name}.safetensors"))
+            _fsync(tmp / f"{name}.safetensors")
         body = {"format": FORMAT, "version": VERSION, **meta, "parts": skeletons}
         with open(tmp / META, "w") as f:
             json.dump(body, f, indent=1)
@@ -110,6 +113,7 @@ def save_checkpoint(path: Path | str, parts: dict[str, Any], meta: dict[str, Any
         if path.exists():
             path.rename(old)
         tmp.rename(path)
+        _fsync(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not path.exists():
@@ -117,6 +121,47 @@ def save_checkpoint(path: Path | str, parts: dict[str, Any], meta: dict[str, Any
         raise
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or directory to disk (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def recover_interrupted(directory: Path | str) -> None:
+    """Clean up after a writer killed inside :func:`save_checkpoint` (call before reading).
+
+    ``.NAME.tmp-PID`` (an unfinished new checkpoint) is removed; ``.NAME.old-PID`` (the
+    previous checkpoint, moved aside just before the new one was renamed into place) is
+    moved back to ``NAME`` when ``NAME`` is missing, and removed otherwise.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for entry in sorted(directory.iterdir()):
+        name = entry.name
+        if not name.startswith(".") or not entry.is_dir():
+            continue
+        base, sep, pid = name[1:].rpartition(".tmp-")
+        if sep and pid.isdigit():
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
+        base, sep, pid = name[1:].rpartition(".old-")
+        if sep and pid.isdigit():
+            target = directory / base
+            if target.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.rename(target)
 
 
 # ----------------------------------------------------------------------------- load
@@ -137,6 +182,8 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
         raise UserError(f"checkpoint file {meta_path} is corrupt or truncated ({type(exc).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("parts"), dict):
         raise UserError(f"checkpoint file {meta_path} is not a ppokit checkpoint")
+    if isinstance(meta.get("version"), bool) or not isinstance(meta.get("version", 0), int):
+        raise UserError(f"checkpoint file {meta_path} is corrupt: version {meta['version']!r} is not a number")
     if meta.get("version", 0) > VERSION:
         raise UserError(f"checkpoint file {meta_path} has version {meta['version']}; this ppokit reads "
                         f"up to {VERSION}: upgrade ppokit")

@@ -16,7 +16,9 @@ examples:
   ppokit train cartpole                       train with a built-in preset
   ppokit train cartpole seed=3 algo.gamma=0.98   ... with dotted overrides
   ppokit train my_run.yaml train.total_steps=2e5  ... from your own YAML file
+  ppokit train --resume runs/cartpole-s3-20261122-101500   continue a stopped run
   ppokit eval runs/cartpole-s3-20261122-101500 --episodes 20
+  ppokit plot runs/a runs/b --out ab.png      training curves of runs, overlaid
   ppokit config show cartpole                 print the resolved configuration
   ppokit config fields                        every field with its default and meaning
 """
@@ -32,16 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a policy from a preset or YAML config",
                            description="Train a policy. CONFIG is a preset name (see `ppokit config list`) "
                                        "or a YAML file; KEY=VALUE pairs override fields (dotted paths).")
-    train.add_argument("config", metavar="CONFIG", help="preset name or path to a YAML file")
+    train.add_argument("config", metavar="CONFIG", nargs="?", help="preset name or path to a YAML file")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.gamma=0.99 seed=3")
     train.add_argument("--output-dir", help="parent directory of the run directory (run.output_dir)")
     train.add_argument("--name", help="run directory name (run.name)")
     train.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    train.add_argument("--resume", nargs="?", const=True, default=None, metavar="RUN_DIR",
+                       help="continue a run from its newest checkpoint: `ppokit train CONFIG --resume` resumes "
+                            "run.output_dir/run.name (run.name must be set); `ppokit train --resume RUN_DIR` "
+                            "resumes RUN_DIR with its saved config")
 
     ev = sub.add_parser("eval", help="evaluate a trained run's deterministic policy",
                         description="Run the deterministic policy of RUN_DIR's checkpoint and print the "
                                     "mean and std of the episode return.")
-    ev.add_argument("run_dir", metavar="RUN_DIR")
+    ev.add_argument("run_dir", metavar="RUN_DIR", help="a control run directory, or one of its checkpoint directories")
     ev.add_argument("--episodes", type=int, default=10, help="episodes to run (default 10)")
     ev.add_argument("--seed", type=int, default=None, help="evaluation seed (default: the run's seed + 10000)")
 
@@ -72,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     sft.add_argument("--seed", type=int, default=0)
 
+    plot = sub.add_parser("plot", help="draw the training curves of one or more runs into a PNG",
+                          description="Read RUN_DIR/metrics.jsonl of each run and draw return (or reward), KL, "
+                                      "entropy, value loss, clip fraction and explained variance, runs "
+                                      "overlaid. Default output: RUN_DIR/curves.png for one run, "
+                                      "./curves.png for several.")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", default=None, metavar="FILE.png",
+                      help="output PNG (default RUN_DIR/curves.png, or ./curves.png for several runs)")
+
     export = sub.add_parser("export", help="merge a trained LM's actor into a standalone model directory",
                             description="Write the trained actor (LoRA merged into the backbone) and the "
                                         "tokenizer to OUT, loadable by AutoModelForCausalLM.from_pretrained.")
@@ -91,13 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from ppokit.errors import UserError
+    from ppokit.errors import Interrupted, UserError
 
     try:
         return _dispatch(parser, args)
     except UserError as exc:
         print(f"ppokit: error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:   # SIGINT/SIGTERM during training: a checkpoint was saved
+        print(f"ppokit: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("ppokit: interrupted", file=sys.stderr)
         return 130
@@ -121,13 +139,18 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             extra.append(f"run.name={args.name}")
         if args.no_progress:
             extra.append("run.progress=false")
-        return _train(args.config, extra)
+        return _train(args.config, extra, resume=args.resume)
     if args.command == "demo":
         return _demo(args.overrides)
     if args.command == "eval":
         return _eval(args.run_dir, args.episodes, args.seed)
     if args.command == "sft":
         return _sft(args)
+    if args.command == "plot":
+        from ppokit.plot import plot_runs
+
+        print(f"curves: {plot_runs(args.run_dirs, args.out)['out']}")
+        return 0
     if args.command == "export":
         from ppokit.lm.export import export_merged
 
@@ -139,16 +162,26 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(source: str, overrides: list[str]) -> int:
+def _train(source: Optional[str], overrides: list[str], resume: Optional[bool | str] = None) -> int:
+    from ppokit import resume as resume_mod
     from ppokit.config import load_config
+    from ppokit.errors import UserError
 
-    cfg = load_config(source, overrides)
-    _check_inputs(cfg)   # fail on a bad env id or model path before a run directory exists
-    from ppokit.track import create_run_dir
-
-    run_dir = create_run_dir(cfg)
-    print(f"run directory: {run_dir}", flush=True)
-    result = _run_workload(cfg, run_dir)
+    if isinstance(resume, str):   # ppokit train --resume RUN_DIR [KEY=VALUE ...]: the run's own config
+        cfg, run_dir, resume_from = resume_mod.open_run_for_resume(resume, ([source] if source else []) + overrides)
+        _check_inputs(cfg)
+    else:
+        if source is None:
+            raise UserError("ppokit train needs CONFIG (a preset or YAML file), or --resume RUN_DIR")
+        cfg = load_config(source, overrides)
+        _check_inputs(cfg)   # fail on a bad env id or model path before a run directory exists
+        run_dir, resume_from = resume_mod.prepare_run_dir(cfg, required=resume is True)
+    print(f"run directory: {run_dir}" + (f" (resuming from {resume_from})" if resume_from else ""), flush=True)
+    result = _run_workload(cfg, run_dir, resume_from)
+    if result.get("already_finished"):
+        print(f"run {run_dir} had already finished ({result['iterations']} iterations): nothing to do")
+        return 0
+    _write_curves(run_dir)
     if "eval_return_mean" in result:
         print(f"deterministic eval: return {result['eval_return_mean']:.1f} +- "
               f"{result.get('eval_return_std', 0.0):.1f}")
@@ -156,6 +189,18 @@ def _train(source: str, overrides: list[str]) -> int:
         print(f"held-out accuracy: {result['eval_accuracy_before']:.1%} before, "
               f"{result['eval_accuracy_after']:.1%} after")
     return 0
+
+
+def _write_curves(run_dir) -> None:
+    """RUN_DIR/curves.png after a run; a plotting failure is a warning, never a lost run."""
+    try:
+        from ppokit.plot import plot_runs
+
+        print(f"curves: {plot_runs([run_dir])['out']}", flush=True)
+    except Exception as exc:   # noqa: BLE001 - the run and its checkpoint are already saved
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"ppokit: warning: could not draw {run_dir}/curves.png ({text}); "
+              f"`ppokit plot {run_dir}` retries", file=sys.stderr)
 
 
 def _check_inputs(cfg) -> None:
@@ -185,14 +230,18 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_workload(cfg, run_dir) -> dict:
+def _run_workload(cfg, run_dir, resume_from=None) -> dict:
     if cfg.workload == "control":
         from ppokit.control.workload import train_control
 
-        return train_control(cfg, run_dir)
+        return train_control(cfg, run_dir, resume_from=resume_from)
     if cfg.workload == "lm":
         from ppokit.lm.workload import train_lm
 
+        if resume_from is not None:
+            from ppokit.errors import UserError
+
+            raise UserError("resuming is not supported by the lm workload yet; start a new run")
         return train_lm(cfg, run_dir)
     raise AssertionError(f"unhandled workload {cfg.workload}")
 

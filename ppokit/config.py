@@ -123,6 +123,8 @@ class TrainConfig(Section):
     adam_eps: float = field(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = field(0.0, "AdamW weight decay", ge=0)
     critic_warmup: int = field(0, "iterations that train only the critic", ge=0)
+    max_bad_steps: int = field(10, "stop the run after this many optimizer steps in a row were skipped for a "
+                               "non-finite loss or gradient; the last good checkpoint stays (0 = never stop)", ge=0)
 
 
 class RunConfig(Section):
@@ -137,6 +139,9 @@ class RunConfig(Section):
     tensorboard: bool = field(True, "write TensorBoard events when tensorboard is installed")
     checkpoint_every: int = field(0, "save a checkpoint every N iterations (0 = only at the end)", ge=0)
     keep_checkpoints: int = field(3, "checkpoints kept on disk", ge=1)
+    resume: Literal["never", "auto"] = field(
+        "never", "auto: continue from the newest checkpoint in output_dir/name when there is one, else start "
+        "fresh (needs run.name); never: a run directory that holds a run is refused")
 
 
 class EnvConfig(Section):
@@ -236,6 +241,8 @@ class Config(Section):
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
         a, t = self.algo, self.train
+        if self.run.resume == "auto" and not self.run.name:
+            raise ValueError("run.resume=auto needs a fixed run directory: set run.name")
         if a.beta > 0 or a.use_kl_in_reward:
             what = "algo.beta > 0" if a.beta > 0 else "algo.use_kl_in_reward"
             if self.workload == "control":

@@ -24,3 +24,15 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """Return ``"; did you mean 'x'?"`` for the closest candidate, or ``""``."""
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean '{matches[0]}'?" if matches else ""
+
+
+class TrainingDiverged(UserError):
+    """Training stopped on non-finite losses/gradients (``train.max_bad_steps``): one line, exit 2."""
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM stopped training after saving a checkpoint: one line, exit 128 + signal."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -6,7 +6,9 @@ A run directory holds::
       config.yaml      the resolved configuration (what ``ppokit config show`` prints)
       metrics.jsonl    one JSON object per iteration
       tb/              TensorBoard event files (when tensorboard is installed)
-      checkpoint/      the latest checkpoint (see ppokit.checkpoint)
+      checkpoint/      the final checkpoint (see ppokit.checkpoint)
+      checkpoints/     iter-NNNNNN: periodic (run.checkpoint_every) and SIGINT/SIGTERM checkpoints,
+                       the newest run.keep_checkpoints kept (see ppokit.resume)
 
 :class:`Tracker` writes ``metrics.jsonl`` (flushed every line, so a crash loses at most
 the iteration in flight), TensorBoard scalars, and draws a live progress bar with the

@@ -31,6 +31,7 @@ from torch import Tensor
 from ppokit import algo
 from ppokit.config import Config
 from ppokit.optim import AdamW, LRSchedule, lr_lambda
+from ppokit.resume import BadStepGuard
 
 REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
 
@@ -79,7 +80,10 @@ class PPOTrainer:
         warmup = int(cfg.train.lr_warmup_ratio * total)
         self.scheduler = LRSchedule(self.optimizer, lr_lambda(cfg.train.lr_scheduler_type, warmup, total))
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.skipped_steps = 0
+        self.skipped_steps = 0   # all skipped steps of the run
+        # after train.max_bad_steps skipped steps in a row: TrainingDiverged (the workload says where
+        # the last good checkpoint is)
+        self.bad_steps = BadStepGuard(cfg.train.max_bad_steps)
 
     # ------------------------------------------------------------------------ update
     def update(self, batch: dict[str, Tensor], iteration: int = 0) -> dict[str, float]:
@@ -96,6 +100,7 @@ class PPOTrainer:
         sums: dict[str, Tensor] = {}
         weights: dict[str, float] = {}
         epochs_done = 0
+        skipped_before = self.skipped_steps
         for _ in range(cfg.train.epochs):
             epoch_kl = []
             order = torch.randperm(n, generator=self.generator)
@@ -113,7 +118,7 @@ class PPOTrainer:
                     break
         out = {k: (torch.as_tensor(sums[k]) / weights[k]).item() for k in sums}
         out["epochs"] = float(epochs_done)
-        out["skipped_steps"] = float(self.skipped_steps)
+        out["skipped_steps"] = float(self.skipped_steps - skipped_before)   # in this iteration
         for group in self.optimizer.param_groups:
             out[f"lr/{group.get('name', 'group')}" if len(self.optimizer.param_groups) > 1 else "lr"] = group["lr"]
         if len(self.optimizer.param_groups) > 1:
@@ -180,22 +185,26 @@ class PPOTrainer:
         clip = self.cfg.train.grad_clip
         max_norm = clip if clip is not None else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        if not torch.isfinite(grad_norm):
+        ok = bool(torch.isfinite(grad_norm))
+        if not ok:
             # A non-finite gradient would poison Adam's moments: skip this step.
             self.optimizer.zero_grad()
             self.skipped_steps += 1
         else:
             self.optimizer.step()
         self.scheduler.step()   # the schedule advances even when a step is skipped
+        self.bad_steps.step(ok)   # raises TrainingDiverged after max_bad_steps bad steps in a row
         return grad_norm.detach()
 
     # -------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "generator": self.generator.get_state(), "skipped_steps": self.skipped_steps}
+                "generator": self.generator.get_state(), "skipped_steps": self.skipped_steps,
+                "bad_steps": self.bad_steps.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.bad_steps.load_state_dict(state.get("bad_steps", {}))

@@ -299,5 +299,48 @@ class VecEnv:
         reward_n = self.normalizer.reward(reward, done, valid)
         return obs_n, reward, reward_n, terminated, truncated, reset_step
 
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue these envs exactly (normalizer stats apart).
+
+        ``env`` is the Gymnasium vector env's snapshot (:mod:`ppokit.control.envstate`), or
+        None where it cannot be taken (``AsyncVectorEnv``): then :meth:`load_state_dict`
+        leaves the envs to a fresh reset and returns False.
+        """
+        from ppokit.control import envstate
+
+        try:
+            env_state = envstate.snapshot(self.env) if self._seeded else None
+        except envstate.NotSnapshottable:
+            env_state = None
+        return {"env": env_state, "exact": env_state is not None or not self._seeded, "seeded": self._seeded,
+                "prev_done": self._prev_done.copy(), "ep_return": self._ep_return.copy(),
+                "ep_length": self._ep_length.copy(),
+                "episode_returns": np.asarray(self.episode_returns, np.float64),
+                "episode_lengths": np.asarray(self.episode_lengths, np.int64),
+                "episodes_finished": int(self.episodes_finished),
+                "norm_returns": self.normalizer.returns.copy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Restore :meth:`state_dict`; False when the envs could not be restored exactly."""
+        from ppokit.control import envstate
+
+        if np.shape(state["prev_done"]) != (self.num_envs,):
+            raise ValueError(f"env state for {np.shape(state['prev_done'])} envs, this run has {self.num_envs}")
+        exact = bool(state.get("exact", True))
+        if state.get("env") is not None:
+            envstate.restore(self.env, state["env"])
+            self._seeded = bool(state["seeded"])
+        self._prev_done = np.asarray(state["prev_done"], bool).copy()
+        self._ep_return = np.asarray(state["ep_return"], np.float64).copy()
+        self._ep_length = np.asarray(state["ep_length"], np.int64).copy()
+        self.episode_returns.clear()
+        self.episode_returns.extend(np.asarray(state["episode_returns"], np.float64).tolist())
+        self.episode_lengths.clear()
+        self.episode_lengths.extend(np.asarray(state["episode_lengths"], np.int64).tolist())
+        self.episodes_finished = int(state["episodes_finished"])
+        self.normalizer.returns = np.asarray(state["norm_returns"], np.float64).copy()
+        return exact
+
     def close(self) -> None:
         self.env.close()

@@ -85,9 +85,16 @@ def evaluate_run(run_dir: str | Path, episodes: int, seed: Optional[int] = None)
     """Load ``RUN_DIR``'s config and checkpoint, run the deterministic policy: (mean, std)."""
     from ppokit.control.workload import CHECKPOINT_DIR, load_policy
 
+    from ppokit.checkpoint import META
+
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
-    cfg, policy, normalizer_state = load_policy(run_dir / CHECKPOINT_DIR)
+    # RUN_DIR, or a checkpoint directory itself (RUN_DIR/checkpoint, RUN_DIR/checkpoints/iter-N)
+    ckpt_dir = run_dir if (run_dir / META).is_file() else run_dir / CHECKPOINT_DIR
+    if (ckpt_dir / "policy.json").is_file() or (run_dir / "policy.json").is_file():
+        raise UserError(f"{run_dir} is a language-model run; `ppokit eval` runs control policies in their "
+                        "environment (an LM run prints its held-out accuracy; `ppokit export` writes the model)")
+    cfg, policy, normalizer_state = load_policy(ckpt_dir)
     torch.set_num_threads(cfg.run.torch_threads or 1)
     return evaluate_policy(cfg, policy, normalizer_state, episodes, seed)

@@ -60,6 +60,10 @@ def read_jsonl(path: str | Path, *, require: Sequence[str] = ("prompt",)) -> lis
         try:
             record = json.loads(text)
         except json.JSONDecodeError as exc:
+            if path.suffix.lower() not in JSONL_SUFFIXES:
+                raise UserError(f"{path}: prompt files are JSONL (one JSON object per line, e.g. data.jsonl); "
+                                f"this {path.suffix or 'extension-less'} file is not (line {number}: {exc.msg})") \
+                    from None
             raise UserError(f"{path} line {number}: not valid JSON ({exc.msg} at column {exc.colno}); "
                             'each line must be one object like {"prompt": "..."}') from None
         if not isinstance(record, dict):

@@ -6,7 +6,8 @@
 3. PPO (LoRA actor + LoRA critic + value head on one backbone, reference = adapters
    off) on fresh prompts that carry only the verifier, exact-match reward;
 4. print the held-out accuracy before and after PPO and draw the curves into
-   ``RUN_DIR/reward_curve.png``.
+   ``RUN_DIR/reward_curve.png``, and the training curves of ``ppokit plot`` into
+   ``RUN_DIR/curves.png``.
 
 The last line printed is ``held-out accuracy: X% -> Y%`` (X: the SFT plateau, Y: after PPO).
 """
@@ -109,6 +110,13 @@ def run_demo(overrides: Sequence[str] = (), echo=print) -> dict[str, Any]:
     result = train_lm(cfg, run_dir)
     plot = plot_curves(run_dir, result.get("eval_history", ()))
     echo(f"reward curve: {plot}")
+    try:   # the training curves of `ppokit plot` as well; a drawing failure must not lose the run
+        from ppokit.plot import plot_runs
+
+        result["curves"] = plot_runs([run_dir])["out"]
+        echo(f"curves: {result['curves']}")
+    except Exception as exc:   # noqa: BLE001
+        echo(f"warning: could not draw {run_dir}/curves.png ({str(exc).splitlines()[0] if str(exc) else exc!r})")
     result["run_dir"] = str(run_dir)
     result["plot"] = str(plot)
     result["wall_time_s"] = time.perf_counter() - started

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
 from ppokit.errors import UserError
-from ppokit.lm.policy import ACTOR, POLICY_META_FILE, base_model_of, load_causal_lm, load_tokenizer
+from ppokit.lm.policy import (ACTOR, POLICY_META_FILE, base_model_of, load_adapter, load_causal_lm, load_tokenizer,
+                              read_policy_meta)
 
 
 def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
@@ -33,24 +33,17 @@ def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
 
 def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the actor as a standalone model (+ tokenizer) to ``out_dir`` (new or empty)."""
-    import json
-
     from ppokit.lm.tiny import quiet_transformers
 
     ckpt = checkpoint_dir(run_dir)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not empty; choose a new directory for the export")
-    meta = json.loads((ckpt / POLICY_META_FILE).read_text())
+    meta = read_policy_meta(ckpt)
     tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
     if meta["mode"] == "lora":
-        from peft import PeftModel
-
         base = load_causal_lm(base_model_of(ckpt), "the checkpoint's base model")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model = PeftModel.from_pretrained(base, str(ckpt / ACTOR), adapter_name=ACTOR)
-        model = model.merge_and_unload()
+        model = load_adapter(base, ckpt, ACTOR).merge_and_unload()
     else:
         model = load_causal_lm(ckpt / ACTOR, "the checkpoint's actor")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -56,6 +57,9 @@ from ppokit.errors import UserError
 ACTOR, CRITIC = "actor", "critic"
 VALUE_HEAD_FILE = "value_head.safetensors"
 POLICY_META_FILE = "policy.json"
+# Files a Hugging Face tokenizer is loaded from; a directory with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -64,6 +68,9 @@ def load_tokenizer(path: str | Path, what: str = "model.path"):
     from transformers import AutoTokenizer
 
     _check_local_dir(path, what)
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{what}={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the "
+                        "model's tokenizer into the directory (tokenizer.save_pretrained)")
     try:
         tok = AutoTokenizer.from_pretrained(str(path), padding_side="left", local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -85,9 +92,19 @@ def causal_lm_config(path: str | Path, what: str = "model.path"):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     _check_local_dir(path, what)
+    if not (Path(path) / "config.json").is_file():
+        raise UserError(f"{what}={path}: no config.json there, so not a Hugging Face model directory (save the "
+                        "model with save_pretrained)")
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
+        unknown = re.search(r"model type `([^`]+)`", str(exc))
+        if unknown:
+            import transformers
+
+            raise UserError(f"{what}={path}: config.json has model_type '{unknown.group(1)}', which transformers "
+                            f"{transformers.__version__} does not know; upgrade transformers or fix config.json") \
+                from None
         raise UserError(f"{what}={path}: not a Hugging Face model directory ({_first_line(exc)})") from None
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise UserError(f"{what}={path}: a {type(config).__name__} is not a causal language model "
@@ -443,10 +460,60 @@ def _portable_path(target: Path, ckpt: Path) -> str:
     return str(target)
 
 
+def read_policy_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+    """``policy.json`` of a checkpoint, checked; a missing or damaged file is a UserError naming it."""
+    ckpt = Path(ckpt_dir)
+    path = ckpt / POLICY_META_FILE
+    if not path.is_file():
+        raise UserError(f"{ckpt} is not a ppokit LM checkpoint (no {POLICY_META_FILE})")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"checkpoint file {path} is corrupt or truncated ({type(exc).__name__})") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"checkpoint file {path} is corrupt: expected a JSON object")
+    if meta.get("mode") not in ("lora", "full"):
+        raise UserError(f"checkpoint file {path} is corrupt: mode is {meta.get('mode')!r}, expected 'lora' or 'full'")
+    if meta["mode"] == "lora" and not isinstance(meta.get("base_model"), str):
+        raise UserError(f"checkpoint file {path} is corrupt: a lora checkpoint needs base_model (the backbone "
+                        "directory)")
+    if isinstance(meta.get("hidden_size"), bool) or not isinstance(meta.get("hidden_size"), int):
+        raise UserError(f"checkpoint file {path} is corrupt: hidden_size is {meta.get('hidden_size')!r}")
+    return meta
+
+
+def load_adapter(lm: nn.Module, ckpt_dir: str | Path, name: str, *, trainable: bool = False) -> nn.Module:
+    """Put the peft adapter ``ckpt_dir/name`` on ``lm`` (a base model, or a PeftModel for a second
+    adapter); a missing or damaged adapter file is a UserError naming it."""
+    from peft import PeftModel
+    from safetensors import SafetensorError
+
+    folder = Path(ckpt_dir) / name
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (folder / file).is_file():
+            raise UserError(f"checkpoint file {folder / file} is missing")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            if isinstance(lm, PeftModel):
+                lm.load_adapter(str(folder), adapter_name=name, is_trainable=trainable)
+                return lm
+            return PeftModel.from_pretrained(lm, str(folder), adapter_name=name, is_trainable=trainable)
+    except SafetensorError as exc:
+        raise UserError(f"checkpoint file {folder / 'adapter_model.safetensors'} is corrupt or truncated "
+                        f"({_first_line(exc)})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"checkpoint file {folder / 'adapter_config.json'} is corrupt or truncated "
+                        f"({type(exc).__name__})") from None
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise UserError(f"checkpoint {folder}: cannot load the {name} adapter onto the base model "
+                        f"({_first_line(exc)})") from None
+
+
 def base_model_of(ckpt_dir: str | Path) -> Path:
     """The backbone directory a checkpoint was trained from (lora mode)."""
     ckpt = Path(ckpt_dir)
-    meta = json.loads((ckpt / POLICY_META_FILE).read_text())
+    meta = read_policy_meta(ckpt)
     path = Path(meta["base_model"])
     return path if path.is_absolute() else (ckpt / path).resolve()
 
@@ -552,22 +619,16 @@ def load_policy(ckpt_dir: str | Path, *, device: torch.device | str = "cpu",
                 autocast_dtype: Optional[torch.dtype] = None, trainable: bool = False,
                 attn_implementation: str = "auto") -> LMPolicy:
     """Reload a policy saved by :meth:`LMPolicy.save` (the reference of lora mode comes with it)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt_dir)
-    meta_path = ckpt / POLICY_META_FILE
-    if not meta_path.is_file():
-        raise UserError(f"{ckpt} is not a ppokit LM checkpoint (no {POLICY_META_FILE})")
-    meta = json.loads(meta_path.read_text())
+    meta = read_policy_meta(ckpt)
     attn = attention_implementation(attn_implementation, torch.device(device))
     if meta["mode"] == "lora":
-        from peft import PeftModel
-
         base = load_causal_lm(base_model_of(ckpt), "the checkpoint's base model", attn_implementation=attn)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            lm = PeftModel.from_pretrained(base, str(ckpt / ACTOR), adapter_name=ACTOR, is_trainable=trainable)
-            lm.load_adapter(str(ckpt / CRITIC), adapter_name=CRITIC, is_trainable=trainable)
+        lm = load_adapter(base, ckpt, ACTOR, trainable=trainable)
+        lm = load_adapter(lm, ckpt, CRITIC, trainable=trainable)
         head = ValueHead(int(meta["hidden_size"]))
         policy_kwargs: dict[str, Any] = {}
     else:
@@ -575,7 +636,16 @@ def load_policy(ckpt_dir: str | Path, *, device: torch.device | str = "cpu",
         critic = load_causal_lm(ckpt / CRITIC, "the checkpoint's critic", attn_implementation=attn)
         head = ValueHead(int(meta["hidden_size"]))
         policy_kwargs = {"critic_lm": critic}
-    head.load_state_dict(load_file(str(ckpt / VALUE_HEAD_FILE)))
+    head_file = ckpt / VALUE_HEAD_FILE
+    if not head_file.is_file():
+        raise UserError(f"checkpoint file {head_file} is missing")
+    try:
+        head.load_state_dict(load_file(str(head_file)))
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"checkpoint file {head_file} is corrupt or truncated ({_first_line(exc)})") from None
+    except (RuntimeError, KeyError) as exc:
+        raise UserError(f"checkpoint file {head_file} does not fit hidden_size={meta['hidden_size']} "
+                        f"({_first_line(exc)})") from None
     policy = LMPolicy(lm, head, mode=meta["mode"], temperature=meta.get("temperature", 1.0),
                       autocast_dtype=autocast_dtype, **policy_kwargs)
     if not trainable:

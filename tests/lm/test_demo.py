@@ -33,6 +33,8 @@ def test_demo_cli_prints_summary_and_writes_png(tmp_path, capsys):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data.rstrip()[-8:-4] == b"IEND"
     assert (run_dirs[0] / "metrics.jsonl").is_file()
+    curves = run_dirs[0] / "curves.png"                                         # the `ppokit plot` panels too
+    assert f"curves: {curves}" in out and curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_demo_rejects_a_bad_override(tmp_path, capsys):

@@ -1,0 +1,2 @@
+def score(prompt):
+    return 1.0

@@ -1,0 +1,366 @@
+"""Exact resume, interruption and divergence guards (ppokit.resume + the control workload).
+
+The end-to-end tests run ``python -m ppokit train`` in subprocesses, kill them (SIGKILL at
+several points, one of them right after a metrics row, i.e. most likely inside the
+checkpoint write that follows it; SIGTERM for the graceful path), resume with
+``--resume`` and compare ``metrics.jsonl`` row by row with an uninterrupted run: every
+field but the timing fields in :data:`TIMING` must be equal (floats bit for bit, as JSON
+writes them with ``repr``), and the final weights ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ppokit import checkpoint, resume
+from ppokit.cli import main
+from ppokit.errors import UserError
+
+TIMING = {"time", "sps", "collect_time", "update_time", "wall_time"}   # differ between any two runs
+ITERATIONS = 12
+RUN_ARGS = ["cartpole", "env.num_envs=4", "env.num_steps=32", f"train.total_steps={ITERATIONS * 128}",
+            "train.mini_batch_size=64", "train.epochs=2", "env.eval_every=4", "env.eval_episodes=2",
+            "env.normalize_obs=true", "env.normalize_reward=true",
+            "run.progress=false", "run.tensorboard=false", "run.keep_checkpoints=2"]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ppokit", "train", *args]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _start_and_wait(cmd: list[str], run_dir: Path, rows: int) -> subprocess.Popen:
+    """Start ``cmd``; return once ``metrics.jsonl`` has ``rows`` rows (or the process ended)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if len(_rows(run_dir)) >= rows:
+            break
+        time.sleep(0.002)
+    return proc
+
+
+def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
+    assert [r["iteration"] for r in got] == list(range(ITERATIONS)) == [r["iteration"] for r in want]
+    for g, w in zip(got, want):
+        g_keys, w_keys = set(g) - TIMING, set(w) - TIMING
+        assert g_keys == w_keys, (g["iteration"], g_keys ^ w_keys)
+        for key in sorted(g_keys):
+            assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, uninterrupted {w[key]!r}"
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    ca, cb = checkpoint.load_checkpoint(a / "checkpoint"), checkpoint.load_checkpoint(b / "checkpoint")
+    assert ca.parts["model"].keys() == cb.parts["model"].keys()
+    for key, value in ca.parts["model"].items():
+        assert torch.equal(value, cb.parts["model"][key]), key
+    opt_a, opt_b = ca.parts["trainer"]["optimizer"], cb.parts["trainer"]["optimizer"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(x, y) for x, y in zip(opt_a[key], opt_b[key], strict=True)), key
+    assert opt_a["steps"] == opt_b["steps"] and opt_a["lr"] == opt_b["lr"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted run with a checkpoint every iteration (in this process: the killed
+    runs are subprocesses, so the comparison also shows that nothing depends on the process)."""
+    out = tmp_path_factory.mktemp("ref")
+    assert main(["train", *RUN_ARGS, f"run.output_dir={out}", "run.name=ref", "run.checkpoint_every=1"]) == 0
+    return out / "ref"
+
+
+def test_sigkill_at_several_points_then_resume_matches_the_uninterrupted_run(reference, tmp_path, capsys):
+    run_dir = tmp_path / "killed"
+    args = [*RUN_ARGS, f"run.output_dir={tmp_path}", "run.name=killed", "run.checkpoint_every=1"]
+    kills = 0
+    for rows in (2, 6, 9):   # SIGKILL as soon as the row appears: usually inside the checkpoint write
+        first = rows == 2
+        proc = _start_and_wait(_cli(*args) if first else _cli(*args, "--resume"), run_dir, rows)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.communicate(timeout=60)
+        assert len(_rows(run_dir)) >= rows
+        # whatever the writer left, the newest complete checkpoint loads
+        latest = resume.latest_checkpoint(run_dir)
+        if latest is not None:
+            checkpoint.load_checkpoint(latest)
+        assert not [p for p in (run_dir / "checkpoints").glob(".*")], "stale temp dirs were not cleaned"
+    assert kills >= 1   # (>= 2 unless the machine stalls this process for a whole run)
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    _assert_same_metrics(_rows(run_dir), _rows(reference))
+    _assert_same_weights(run_dir, reference)
+    # resuming a finished run does nothing
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert len(_rows(run_dir)) == ITERATIONS
+
+
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(reference, tmp_path):
+    run_dir = tmp_path / "term"
+    # no periodic checkpoints: the one written on SIGTERM is all there is to resume from
+    proc = _start_and_wait(_cli(*RUN_ARGS, f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 4)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    line = [x for x in err.splitlines() if "interrupted" in x][-1]
+    assert "checkpoint saved at" in line and f"ppokit train --resume {run_dir}" in line
+    saved = resume.latest_checkpoint(run_dir)
+    assert saved is not None and saved.parent.name == "checkpoints" and str(saved) in line
+    assert len(_rows(run_dir)) == checkpoint.load_checkpoint(saved).meta["iteration"]
+    assert main(["train", "--resume", str(run_dir), "run.progress=false"]) == 0
+    _assert_same_metrics(_rows(run_dir), _rows(reference))
+    _assert_same_weights(run_dir, reference)
+
+
+# --------------------------------------------------------------------------- in process
+def _small(tmp_path, *extra):
+    return ["cartpole", "env.num_envs=2", "env.num_steps=16", "train.total_steps=192", "train.mini_batch_size=16",
+            "train.epochs=2", "run.progress=false", "run.tensorboard=false", f"run.output_dir={tmp_path}", *extra]
+
+
+def test_config_resume_and_run_resume_auto(tmp_path, capsys):
+    assert main(["train", *_small(tmp_path, "run.name=a", "run.checkpoint_every=2")]) == 0
+    rows = _rows(tmp_path / "a")
+    assert len(rows) == 6
+    # an explicit run.name that holds a run is refused without resume
+    assert main(["train", *_small(tmp_path, "run.name=a")]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    # drop the final checkpoint and the last rows: CONFIG --resume continues from iter-000004
+    import shutil
+
+    shutil.rmtree(tmp_path / "a" / "checkpoint")
+    assert main(["train", *_small(tmp_path, "run.name=a", "run.checkpoint_every=2"), "--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    again = _rows(tmp_path / "a")
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in again] == \
+        [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    # run.resume=auto: a fresh start when there is no checkpoint, a resume when there is
+    assert main(["train", *_small(tmp_path, "run.name=b", "run.resume=auto")]) == 0
+    assert main(["train", *_small(tmp_path, "run.name=b", "run.resume=auto")]) == 0
+    assert "already finished" in capsys.readouterr().out
+    assert len(_rows(tmp_path / "b")) == 6
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--resume"], "--resume needs a fixed run directory: set run.name"),
+    (["run.name=nothing", "--resume"], "run directory"),
+    (["run.resume=auto"], "run.resume=auto needs a fixed run directory"),
+])
+def test_resume_without_a_run_directory_is_a_one_line_error(tmp_path, capsys, argv, message):
+    assert main(["train", *_small(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_resume_errors_name_the_problem(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    # a run directory without a checkpoint (killed before the first one)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.yaml").write_text("workload: control\n")
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    assert "has no checkpoint" in capsys.readouterr().err
+    assert main(["train", *_small(tmp_path, "run.name=c", "run.checkpoint_every=1", "train.total_steps=64")]) == 0
+    capsys.readouterr()
+    # another config for the same run directory
+    assert main(["train", *_small(tmp_path, "run.name=c", "train.total_steps=64", "seed=5"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "config differs from the run's in seed (1 in the run, 5 now)" in err
+    # only presentation fields may be overridden with --resume RUN_DIR
+    assert main(["train", "--resume", str(tmp_path / "c"), "algo.gamma=0.5"]) == 2
+    assert "algo.gamma" in capsys.readouterr().err
+    # a tampered checkpoint: one line naming the file
+    import shutil
+
+    shutil.rmtree(tmp_path / "c" / "checkpoint")
+    latest = resume.latest_checkpoint(tmp_path / "c")
+    (latest / "model.safetensors").write_bytes(b"\x00garbage")
+    assert main(["train", "--resume", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(latest / "model.safetensors") in err and "\n" not in err
+
+
+def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    from ppokit import trainer as trainer_mod
+
+    real = trainer_mod.algo.value_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):   # 4 optimizer steps per iteration; NaN from the 3rd iteration on
+        calls["n"] += 1
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] > 8 else loss), metrics
+
+    monkeypatch.setattr(trainer_mod.algo, "value_loss", poisoned)
+    argv = _small(tmp_path, "run.name=nan", "run.checkpoint_every=1", "train.max_bad_steps=3")
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    good = tmp_path / "nan" / "checkpoints" / "iter-000002"
+    assert "training diverged: 3 optimizer steps in a row" in err and str(good) in err and "\n" not in err
+    assert not (tmp_path / "nan" / "checkpoint").exists()
+    assert resume.latest_checkpoint(tmp_path / "nan") == good
+    weights = checkpoint.load_checkpoint(good).parts["model"]
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert [r["skipped_steps"] for r in _rows(tmp_path / "nan")] == [0.0, 0.0]
+
+
+def test_a_few_bad_steps_are_skipped_and_counted_per_iteration(tmp_path, monkeypatch):
+    from ppokit import trainer as trainer_mod
+
+    real = trainer_mod.algo.value_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] in (2, 3) else loss), metrics
+
+    monkeypatch.setattr(trainer_mod.algo, "value_loss", poisoned)
+    assert main(["train", *_small(tmp_path, "run.name=few", "train.max_bad_steps=3")]) == 0
+    assert [r["skipped_steps"] for r in _rows(tmp_path / "few")] == [2.0, 0, 0, 0, 0, 0]
+
+
+# --------------------------------------------------------------------------- pieces
+def test_rng_capture_and_restore_round_trip_through_a_checkpoint(tmp_path):
+    tgen = torch.Generator().manual_seed(3)
+    ngen = np.random.default_rng(4)
+    random.seed(1), np.random.seed(2), torch.manual_seed(5)
+    random.random(), np.random.normal(), torch.rand(3), torch.rand(2, generator=tgen), ngen.normal()
+    gens = {"shuffle": tgen, "env": ngen}
+    checkpoint.save_checkpoint(tmp_path / "ck", {"rng": resume.capture_rng(gens)}, {})
+    draw = lambda: (random.random(), np.random.normal(), torch.rand(3).tolist(),  # noqa: E731
+                    torch.rand(2, generator=tgen).tolist(), ngen.normal(), ngen.integers(1 << 60))
+    want = draw()
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    tgen.manual_seed(9)
+    ngen = gens["env"] = np.random.default_rng(9)
+    resume.restore_rng(checkpoint.load_checkpoint(tmp_path / "ck").parts["rng"], gens)
+    assert draw() == want
+
+
+def _vec(env_id: str, n: int, **env):
+    from ppokit.config import load_config
+    from ppokit.control.envs import VecEnv
+
+    overrides = [f"env.id={env_id}", f"env.num_envs={n}", "env.num_steps=8", "train.total_steps=64"]
+    overrides += [f"env.{k}={v}" for k, v in env.items()]
+    cfg = load_config(None, overrides)
+    return VecEnv(cfg.env, n, seed=7, gamma=0.99)
+
+
+@pytest.mark.parametrize("env_id, extra", [
+    ("CartPole-v1", {"max_episode_steps": 15}),                          # native vector env
+    ("CartPole-v1", {"max_episode_steps": 15, "vectorization": "sync"}),
+    ("Acrobot-v1", {"max_episode_steps": 12, "normalize_obs": True, "normalize_reward": True}),
+    ("Pendulum-v1", {"max_episode_steps": 10}),
+    ("HalfCheetah-v5", {"max_episode_steps": 10}),                       # MuJoCo: mj_getState/mj_setState
+])
+def test_env_snapshot_continues_bit_identically(tmp_path, env_id, extra):
+    if env_id.startswith("HalfCheetah"):
+        pytest.importorskip("mujoco")
+    a, b = _vec(env_id, 3, **extra), _vec(env_id, 3, **extra)
+    rng = np.random.default_rng(0)
+
+    def actions():
+        if a.discrete:
+            return rng.integers(0, a.action_dim, a.num_envs)
+        return rng.uniform(-1, 1, (a.num_envs, a.action_dim)).astype(np.float32)
+
+    try:
+        a.reset()
+        for _ in range(23):   # mid-episode, after some time-limit resets
+            a.step(actions())
+        checkpoint.save_checkpoint(tmp_path / "ck", {"venv": a.state_dict(), "norm": a.normalizer.state_dict()}, {})
+        parts = checkpoint.load_checkpoint(tmp_path / "ck").parts
+        assert b.load_state_dict(parts["venv"]) is True
+        b.normalizer.load_state_dict(parts["norm"])
+        for _ in range(30):
+            act = actions()
+            for x, y in zip(a.step(act), b.step(act.copy())):
+                assert np.array_equal(x, y)
+        assert list(a.episode_returns) == list(b.episode_returns) and a.episodes_finished == b.episodes_finished
+    finally:
+        a.close(), b.close()
+
+
+def test_async_env_is_not_snapshotted_but_resume_still_works(tmp_path):
+    venv = _vec("CartPole-v1", 2, vectorization="async")
+    try:
+        venv.reset()
+        venv.step(np.zeros(2, np.int64))
+        state = venv.state_dict()
+        assert state["env"] is None and state["exact"] is False
+    finally:
+        venv.close()
+
+
+def test_truncate_metrics_keeps_rows_before_the_checkpoint(tmp_path):
+    rows = [json.dumps({"iteration": i, "x": i / 3}) for i in range(5)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"iteration": 5, "x"')
+    assert resume.truncate_metrics(tmp_path, 3) == 3
+    assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(rows[:3]) + "\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_leftovers_of_a_killed_writer_are_recovered(tmp_path):
+    ck = tmp_path / "checkpoints"
+    for i in (1, 2):
+        checkpoint.save_checkpoint(ck / f"iter-{i:06d}", {"a": {"x": torch.full((2,), float(i))}}, {"iteration": i})
+    # killed while writing iter-3 (temp dir only) ...
+    (ck / ".iter-000003.tmp-4242").mkdir()
+    (ck / ".iter-000003.tmp-4242" / "a.safetensors").write_bytes(b"partial")
+    # ... and while replacing iter-2: moved aside, new one not yet renamed into place
+    (ck / "iter-000002").rename(ck / ".iter-000002.old-4242")
+    (ck / ".iter-000002.tmp-4242").mkdir()
+    assert resume.latest_checkpoint(tmp_path) == ck / "iter-000002"
+    assert sorted(p.name for p in ck.iterdir()) == ["iter-000001", "iter-000002"]
+    assert checkpoint.load_checkpoint(ck / "iter-000002").meta["iteration"] == 2
+    # the final checkpoint wins at equal iterations; none at all -> None
+    checkpoint.save_checkpoint(tmp_path / "checkpoint", {"a": {"x": torch.zeros(1)}}, {"iteration": 2})
+    assert resume.latest_checkpoint(tmp_path) == tmp_path / "checkpoint"
+    assert resume.latest_checkpoint(tmp_path / "nothing") is None
+    with pytest.raises(UserError, match="has no checkpoint"):
+        resume.find_resume_checkpoint(ck / "iter-000001", required=True)
+
+
+def test_bad_step_guard_counts_consecutive_steps_only():
+    guard = resume.BadStepGuard(3)
+    for ok in (False, False, True, False, False):
+        guard.step(ok)
+    assert guard.streak == 2 and guard.total == 4
+    with pytest.raises(resume.TrainingDiverged, match="3 optimizer steps in a row"):
+        guard.step(False)
+    never = resume.BadStepGuard(0)
+    for _ in range(100):
+        never.step(False)
