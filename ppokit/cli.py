@@ -238,11 +238,7 @@ def _run_workload(cfg, run_dir, resume_from=None) -> dict:
     if cfg.workload == "lm":
         from ppokit.lm.workload import train_lm
 
-        if resume_from is not None:
-            from ppokit.errors import UserError
-
-            raise UserError("resuming is not supported by the lm workload yet; start a new run")
-        return train_lm(cfg, run_dir)
+        return train_lm(cfg, run_dir, resume_from=resume_from)
     raise AssertionError(f"unhandled workload {cfg.workload}")
 
 

@@ -451,11 +451,91 @@ class LMPolicy(nn.Module):
         (out / POLICY_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return out
 
+    def load_trained_state(self, ckpt_dir: str | Path) -> None:
+        """Load the trained weights of a checkpoint written by :meth:`save` into this policy.
+
+        For exact resume: the policy is built as for a fresh run (same construction, so
+        the optimizer sees the parameters in the same order), then the adapters or full
+        models and the value head are copied in. A file that is missing, damaged or does
+        not fit is a :class:`UserError` naming it.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        ckpt = Path(ckpt_dir)
+        meta = read_policy_meta(ckpt)
+        if meta["mode"] != self.mode:
+            raise UserError(f"checkpoint {ckpt} holds a {meta['mode']} policy, this run trains a {self.mode} one")
+
+        def read(file: Path) -> dict[str, Tensor]:
+            if not file.is_file():
+                raise UserError(f"checkpoint file {file} is missing")
+            try:
+                return load_file(str(file))
+            except (SafetensorError, OSError) as exc:
+                raise UserError(f"checkpoint file {file} is corrupt or truncated ({_first_line(exc)})") from None
+
+        try:
+            with torch.no_grad():
+                if self.mode == "lora":
+                    from peft import set_peft_model_state_dict
+
+                    for name in (ACTOR, CRITIC):
+                        file = ckpt / name / "adapter_model.safetensors"
+                        state = read(file)
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore")
+                            result = set_peft_model_state_dict(self.lm, state, adapter_name=name)
+                        loaded = len(state) - len(getattr(result, "unexpected_keys", []) or [])
+                        if getattr(result, "unexpected_keys", None) or loaded != len(self._adapter_params[name]):
+                            raise UserError(f"checkpoint file {file} does not fit this model's {name} adapter "
+                                            f"({loaded} of {len(self._adapter_params[name])} LoRA tensors)")
+                else:
+                    for name, lm in ((ACTOR, self.lm), (CRITIC, self.critic_lm)):
+                        _load_hf_weights(lm, ckpt / name, read)
+                self.value_head.load_state_dict(read(ckpt / VALUE_HEAD_FILE))
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise UserError(f"checkpoint {ckpt} does not fit this run's model ({_first_line(exc)})") from None
+        # the adapter swaps of a fresh policy: actor active, every trained weight requires grad
+        self._active = None
+        with self.use(ACTOR):
+            pass
+
+
+def _load_hf_weights(model: nn.Module, folder: Path, read) -> None:
+    """Copy a ``save_pretrained`` directory's safetensors weights into ``model`` (same architecture)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UserError(f"checkpoint file {index} is corrupt or truncated") from None
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, Tensor] = {}
+    for name in files:
+        state.update(read(folder / name))
+    own = model.state_dict()
+    unknown = [k for k in state if k not in own]
+    if unknown:
+        raise UserError(f"checkpoint {folder} does not fit this run's model (unexpected weight {unknown[0]})")
+    tied = {k for k in own if k not in state and any(own[k] is own[o] or own[k].data_ptr() == own[o].data_ptr()
+                                                       for o in state if o in own)}
+    missing = [k for k in own if k not in state and k not in tied and "rotary_emb" not in k]
+    if missing:
+        raise UserError(f"checkpoint {folder} does not fit this run's model (no weight {missing[0]})")
+    model.load_state_dict(state, strict=False)
+
 
 def _portable_path(target: Path, ckpt: Path) -> str:
-    """``target`` relative to the checkpoint when both live in one run directory, else absolute."""
+    """``target`` relative to the checkpoint when both live in one run directory, else absolute.
+
+    The run directory of ``RUN_DIR/checkpoint`` is its parent, that of a periodic
+    ``RUN_DIR/checkpoints/iter-NNNNNN`` (or of its temporary sibling) its grandparent.
+    """
     target, ckpt = target.resolve(), ckpt.resolve()
-    if ckpt.parent in target.parents or target.parent == ckpt.parent:
+    roots = [ckpt.parent] + ([ckpt.parent.parent] if ckpt.parent.name == "checkpoints" else [])
+    if any(root in target.parents for root in roots):
         return os.path.relpath(target, ckpt)
     return str(target)
 

@@ -23,12 +23,22 @@ scoring pass runs the same code under the same autocast as the update, so the fi
 importance ratio is exactly 1 in bf16 too.
 
 The run directory gets ``base_model/`` (the built-in tiny model or the warm-started
-model, when either is used), ``checkpoint/`` (adapters or models, value head,
-tokenizer: see :meth:`~ppokit.lm.policy.LMPolicy.save`) and ``metrics.jsonl``.
+model, when either is used; ``ppokit_base_model.json`` in it, written last, marks it
+complete), ``checkpoint/`` at the end and ``checkpoints/iter-NNNNNN`` every
+``run.checkpoint_every`` iterations and on SIGINT/SIGTERM (adapters or models, value
+head, tokenizer: see :meth:`~ppokit.lm.policy.LMPolicy.save`; ``trainer/``: optimizer,
+schedule, RNGs, prompt position, KL coefficient, counters, evaluation history, config)
+and ``metrics.jsonl``.
+
+Exact resume (``resume_from``, see :mod:`ppokit.resume`): the run is rebuilt exactly as
+a fresh one (the complete ``base_model/`` is reused: no second warm start), the
+checkpoint's weights and states are copied in, the RNGs restored last, and the loop
+goes on; on the CPU the continuation is bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -39,8 +49,12 @@ import torch
 from ppokit.config import Config
 from ppokit.errors import UserError
 
-CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT_DIR = "checkpoint"      # RUN_DIR/checkpoint: the final checkpoint
+PERIODIC_DIR = "checkpoints"       # RUN_DIR/checkpoints/iter-NNNNNN: run.checkpoint_every, SIGINT/SIGTERM
+TRAINER_DIR = "trainer"            # CKPT/trainer: a ppokit checkpoint; its meta.json is written last
+MARKER = f"{TRAINER_DIR}/meta.json"   # = ppokit.resume.CHECKPOINT_MARKERS["lm"]
 BASE_MODEL_DIR = "base_model"
+BASE_MODEL_MARKER = "ppokit_base_model.json"   # in base_model/, written when it is complete
 INIT_MODEL_DIR = "init_model"
 SMALL_MODEL_PARAMS = 20_000_000   # CPU: below this, one torch thread unless run.torch_threads says otherwise
 
@@ -69,10 +83,17 @@ class Learner:
 
 
 def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
+    import random
+
+    import numpy as np
+
     from ppokit.lm.policy import resolve_device, resolve_precision
 
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
+    # every global RNG a reward function or sampler may draw from (all of them are checkpointed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.run.device)
     return device, resolve_precision(cfg.run.precision, device)
@@ -108,13 +129,26 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict], Any]:
 
 
 def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log) -> Path:
-    """The backbone's directory: model.path, the built-in tiny model, and/or a warm-started copy."""
+    """The backbone's directory: model.path, the built-in tiny model, and/or a warm-started copy.
+
+    A complete ``RUN_DIR/base_model`` (its :data:`BASE_MODEL_MARKER` is written last) is
+    reused as it is: a resumed run does not warm-start again. An incomplete one (a run
+    killed while building it) is deleted and built again, deterministically.
+    """
+    import shutil
+
     path = cfg.model.path
+    base = run_dir / BASE_MODEL_DIR
+    if path == "tiny" or cfg.data.sft_epochs:
+        if path == "tiny" and cfg.run.torch_threads is None and resolve_device_name(cfg).type == "cpu":
+            torch.set_num_threads(1)    # the built-in model is small (see SMALL_MODEL_PARAMS)
+        if (base / BASE_MODEL_MARKER).is_file():
+            return base
+        for leftover in [base, *run_dir.glob(f".{BASE_MODEL_DIR}.*"), *run_dir.glob(f".{INIT_MODEL_DIR}.*")]:
+            if leftover.is_dir():      # a killed build or warm start: start it over
+                shutil.rmtree(leftover)
     if path == "tiny":
         from ppokit.lm.tiny import build_tiny_model
-
-        if cfg.run.torch_threads is None and resolve_device_name(cfg).type == "cpu":
-            torch.set_num_threads(1)    # the built-in model is small (see SMALL_MODEL_PARAMS)
 
         target = run_dir / (INIT_MODEL_DIR if cfg.data.sft_epochs else BASE_MODEL_DIR)
         path = str(build_tiny_model(target, seed=cfg.seed))
@@ -131,6 +165,9 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
                 precision=cfg.run.precision, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                 device=str(resolve_device_name(cfg)), log=log)
         path = str(run_dir / BASE_MODEL_DIR)
+    if path == str(base):
+        marker = {"model.path": cfg.model.path, "data.sft_epochs": cfg.data.sft_epochs, "seed": cfg.seed}
+        (base / BASE_MODEL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return Path(path)
 
 
@@ -166,9 +203,18 @@ def rollout_metrics(rollout, scores: torch.Tensor, scored: dict[str, torch.Tenso
 
 
 # ----------------------------------------------------------------------------- the loop
-def train_lm(cfg: Config, run_dir: Path | str) -> dict[str, Any]:
-    """Train; save ``RUN_DIR/checkpoint``; the final metrics with held-out accuracy before/after."""
-    from ppokit import algo
+def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str] = None) -> dict[str, Any]:
+    """Train; save ``RUN_DIR/checkpoint``; the final metrics with held-out accuracy before/after.
+
+    ``resume_from``: a checkpoint of this run (see :func:`ppokit.resume.find_resume_checkpoint`);
+    training continues exactly where it stopped, ``metrics.jsonl`` rows written after it
+    are dropped first. Checkpoints go to ``RUN_DIR/checkpoints/iter-NNNNNN`` every
+    ``run.checkpoint_every`` iterations (the newest ``run.keep_checkpoints`` kept). The
+    first SIGINT/SIGTERM ends the iteration, saves a checkpoint and raises
+    :class:`~ppokit.errors.Interrupted`; ``train.max_bad_steps`` non-finite steps in a
+    row raise :class:`~ppokit.errors.TrainingDiverged` naming the last good checkpoint.
+    """
+    from ppokit import algo, checkpoint, resume
     from ppokit.lm.data import PromptIterator
     from ppokit.lm.policy import build_policy, causal_lm_config, load_tokenizer
     from ppokit.lm.rewards import score_responses
@@ -182,6 +228,13 @@ def train_lm(cfg: Config, run_dir: Path | str) -> dict[str, Any]:
     a = cfg.algo
     device, autocast_dtype = setup(cfg)
     train_items, eval_items, reward_fn = load_data(cfg)
+    saved = None
+    if resume_from is not None:
+        resume_from = Path(resume_from)
+        saved = read_training_state(resume_from, cfg, run_dir)   # checked before anything is built
+        resume.truncate_metrics(run_dir, int(saved.meta["iteration"]))
+        if saved.meta.get("finished") or int(saved.meta["iteration"]) >= cfg.iterations:
+            return _finished_result(run_dir, resume_from, saved.meta)
     tracker = Tracker(run_dir, cfg, cfg.iterations)
     try:
         model_path = prepare_model(cfg, run_dir, eval_items, reward_fn, tracker.message)
@@ -207,61 +260,85 @@ def train_lm(cfg: Config, run_dir: Path | str) -> dict[str, Any]:
                         f"{device}, {precision}, {cfg.iterations} iterations of {cfg.train.batch_size} sequences")
         summary: dict[str, Any] = {}
         eval_history: list[dict[str, float]] = []
-        if eval_items:
+        start_it = 0
+        if saved is not None:
+            start_it, summary, eval_history = load_training_state(saved, resume_from, policy, learner, prompts,
+                                                                  kl_ctrl)
+            tracker.message(f"resumed from {resume_from} at iteration {start_it}")
+        elif eval_items:
             acc = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
             summary["eval_accuracy_before"] = acc
             eval_history.append({"iteration": 0, "accuracy": acc})
             tracker.message(f"held-out accuracy before PPO: {acc:.1%} ({len(eval_items)} prompts)")
+        state = dict(cfg=cfg, policy=policy, tokenizer=tokenizer, model_path=model_path, learner=learner,
+                     prompts=prompts, kl_ctrl=kl_ctrl, eval_history=eval_history, summary=summary)
         metrics: dict[str, Any] = {}
-        for it in range(cfg.iterations):
-            iteration_start = time.perf_counter()
-            items = prompts.next_batch()
-            rollout = engine.generate([x["prompt"] for x in items], group_size=a.group_size, items=items)
-            start = time.perf_counter()
-            scores = torch.tensor(score_responses(reward_fn, rollout.prompts, rollout.texts, rollout.items),
-                                  dtype=torch.float32, device=device)                     # (N,)
-            time_reward = time.perf_counter() - start
-            start = time.perf_counter()
-            scored = scorer.score(rollout)
-            time_score = time.perf_counter() - start
-            kl = None
-            if a.use_kl_in_reward:
-                kl = kl_to_reference(scored["old_log_prob"], scored["ref_log_prob"], rollout.mask, a.kl_penalty)
-            rewards = token_rewards(scores, rollout.mask, kl=kl, kl_coef=kl_ctrl.value if kl_ctrl else 0.0)
-            adv, ret = compute_advantages(cfg, rewards=rewards, mask=rollout.mask,
-                                          values=scored["old_values"] if a.adv_estimator == "gae" else None,
-                                          group_ids=rollout.group_ids)
-            batch = {**rollout.tensors(), **scored, "advantages": adv, "returns": ret}
-            if not kl_in_loss_or_reward or a.beta == 0:
-                batch.pop("ref_log_prob", None)     # the update does not need it
-            metrics = learner.update(batch, it)
-            metrics.update(rollout_metrics(rollout, scores, scored))
-            metrics.update(time_reward=time_reward, time_score=time_score,
-                           score_tokens_per_s=float(rollout.attention_mask.sum()) / max(time_score, 1e-9))
-            if kl_ctrl is not None:
-                seq_kl = (kl.sum(1)).mean().item()
-                metrics["kl_coef"] = kl_ctrl.value
-                kl_ctrl.update(seq_kl, len(rollout))
-            if eval_items and cfg.data.eval_every and (it + 1) % cfg.data.eval_every == 0 \
-                    and it + 1 < cfg.iterations:
-                metrics["eval_accuracy"] = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
-                eval_history.append({"iteration": it + 1, "accuracy": metrics["eval_accuracy"]})
-            metrics["samples"] = (it + 1) * len(rollout)
-            metrics["time_iteration"] = time.perf_counter() - iteration_start
-            _check_finite(metrics, it)
-            tracker.log(it, metrics)
-            every = cfg.run.checkpoint_every
-            if every and (it + 1) % every == 0 and it + 1 < cfg.iterations:
-                save_run_checkpoint(run_dir / CHECKPOINT_DIR, cfg, policy, tokenizer, model_path, learner,
-                                    prompts, kl_ctrl, iteration=it + 1)
-        if eval_items:
-            acc = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
-            summary["eval_accuracy_after"] = acc
-            eval_history.append({"iteration": cfg.iterations, "accuracy": acc})
-            tracker.message(f"held-out accuracy after PPO: {acc:.1%} "
-                            f"(before: {summary['eval_accuracy_before']:.1%})")
-        ckpt = save_run_checkpoint(run_dir / CHECKPOINT_DIR, cfg, policy, tokenizer, model_path, learner,
-                                   prompts, kl_ctrl, iteration=cfg.iterations)
+        with resume.GracefulStop() as stop:
+            for it in range(start_it, cfg.iterations):
+                iteration_start = time.perf_counter()
+                items = prompts.next_batch()
+                rollout = engine.generate([x["prompt"] for x in items], group_size=a.group_size, items=items)
+                start = time.perf_counter()
+                scores = torch.tensor(score_responses(reward_fn, rollout.prompts, rollout.texts, rollout.items),
+                                      dtype=torch.float32, device=device)                     # (N,)
+                time_reward = time.perf_counter() - start
+                start = time.perf_counter()
+                scored = scorer.score(rollout)
+                time_score = time.perf_counter() - start
+                kl = None
+                if a.use_kl_in_reward:
+                    kl = kl_to_reference(scored["old_log_prob"], scored["ref_log_prob"], rollout.mask,
+                                         a.kl_penalty)
+                rewards = token_rewards(scores, rollout.mask, kl=kl, kl_coef=kl_ctrl.value if kl_ctrl else 0.0)
+                adv, ret = compute_advantages(cfg, rewards=rewards, mask=rollout.mask,
+                                              values=scored["old_values"] if a.adv_estimator == "gae" else None,
+                                              group_ids=rollout.group_ids)
+                batch = {**rollout.tensors(), **scored, "advantages": adv, "returns": ret}
+                if not kl_in_loss_or_reward or a.beta == 0:
+                    batch.pop("ref_log_prob", None)     # the update does not need it
+                try:
+                    metrics = learner.update(batch, it)
+                except resume.TrainingDiverged as exc:
+                    raise resume.diverged_message(exc, run_dir, marker=MARKER) from None
+                metrics.update(rollout_metrics(rollout, scores, scored))
+                metrics.update(time_reward=time_reward, time_score=time_score,
+                               score_tokens_per_s=float(rollout.attention_mask.sum()) / max(time_score, 1e-9))
+                if kl_ctrl is not None:
+                    seq_kl = (kl.sum(1)).mean().item()
+                    metrics["kl_coef"] = kl_ctrl.value
+                    kl_ctrl.update(seq_kl, len(rollout))
+                if eval_items and cfg.data.eval_every and (it + 1) % cfg.data.eval_every == 0 \
+                        and it + 1 < cfg.iterations:
+                    metrics["eval_accuracy"] = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
+                    eval_history.append({"iteration": it + 1, "accuracy": metrics["eval_accuracy"]})
+                metrics["samples"] = (it + 1) * len(rollout)
+                metrics["time_iteration"] = time.perf_counter() - iteration_start
+                _check_finite(metrics, it)
+                # The row goes out before the checkpoint of the same iteration: a resumed run
+                # truncates metrics.jsonl to its checkpoint, so nothing is lost or repeated.
+                tracker.log(it, metrics)
+                if it + 1 == cfg.iterations:
+                    break                               # the final checkpoint follows
+                every = cfg.run.checkpoint_every
+                periodic = every and (it + 1) % every == 0
+                if stop.requested:
+                    tracker.message(f"received {stop.signal_name}: saving a checkpoint after iteration {it}")
+                if periodic or stop.requested:
+                    _check_weights(policy, run_dir, it + 1)
+                    path = save_run_checkpoint(resume.periodic_checkpoint_path(run_dir, it + 1), **state,
+                                               iteration=it + 1)
+                    checkpoint.prune_checkpoints(run_dir / PERIODIC_DIR, cfg.run.keep_checkpoints)
+                    if stop.requested:
+                        raise stop.interrupted(path, run_dir)
+            # inside the signal guard: a SIGINT/SIGTERM now lets the final checkpoint be written
+            if eval_items:
+                acc = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
+                summary["eval_accuracy_after"] = acc
+                eval_history.append({"iteration": cfg.iterations, "accuracy": acc})
+                tracker.message(f"held-out accuracy after PPO: {acc:.1%} "
+                                f"(before: {summary['eval_accuracy_before']:.1%})")
+            _check_weights(policy, run_dir, cfg.iterations)
+            ckpt = save_run_checkpoint(run_dir / CHECKPOINT_DIR, **state, iteration=cfg.iterations, finished=True)
     finally:
         tracker.close()
     result = {k: v for k, v in metrics.items()}
@@ -271,33 +348,102 @@ def train_lm(cfg: Config, run_dir: Path | str) -> dict[str, Any]:
     return result
 
 
+# ----------------------------------------------------------------------------- checkpoints
 def save_run_checkpoint(path: Path, cfg: Config, policy, tokenizer, model_path: Path, learner, prompts,
-                        kl_ctrl, *, iteration: int) -> Path:
-    """``path/``: the policy (:meth:`LMPolicy.save`) and ``path/trainer/`` (optimizer, schedule,
-    prompt position, KL coefficient; safetensors + JSON, no pickle). Written into a
-    temporary sibling and renamed into place: a crash leaves the previous checkpoint."""
+                        kl_ctrl, *, iteration: int, eval_history: Optional[list] = None,
+                        summary: Optional[dict] = None, finished: bool = False) -> Path:
+    """``path/``: the policy (:meth:`LMPolicy.save`) and ``path/trainer/``, a ppokit checkpoint
+    (optimizer, schedule and shuffle generator, every RNG, prompt position, KL coefficient,
+    counters, evaluation history, config; safetensors + JSON, no pickle) whose ``meta.json``
+    is the completion marker. Written into a temporary sibling and renamed into place: a
+    crash leaves the previous checkpoint (:func:`ppokit.checkpoint.recover_interrupted`
+    tidies up)."""
     import os
     import shutil
 
-    from ppokit import checkpoint
+    from ppokit import checkpoint, resume
 
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    old = path.parent / f".{path.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         policy.save(tmp, base_model=str(model_path), tokenizer=tokenizer)
-        parts = {"trainer": learner.state_dict(), "prompts": prompts.state_dict()}
+        parts = {"trainer": learner.state_dict(), "prompts": prompts.state_dict(), "rng": resume.capture_rng()}
         if kl_ctrl is not None:
             parts["kl_ctrl"] = kl_ctrl.state_dict()
-        checkpoint.save_checkpoint(tmp / "trainer", parts, {"iteration": iteration, "config": cfg.to_dict()})
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        meta = {"workload": "lm", "iteration": iteration, "finished": finished,
+                "eval_history": list(eval_history or []), "summary": dict(summary or {}), "config": cfg.to_dict()}
+        for file in tmp.rglob("*"):        # the policy's files (save_checkpoint fsyncs trainer/)
+            if file.is_file():
+                checkpoint._fsync(file)
+        checkpoint.save_checkpoint(tmp / TRAINER_DIR, parts, meta)
         if path.exists():
             path.rename(old)
         tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        checkpoint._fsync(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            old.rename(path)
         raise
+    shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def read_training_state(path: Path, cfg: Config, run_dir: Path):
+    """The ``trainer/`` checkpoint of ``path``, checked to be a resumable checkpoint of this run."""
+    from ppokit import checkpoint, resume
+
+    ckpt = checkpoint.load_checkpoint(Path(path) / TRAINER_DIR)
+    meta_file = Path(path) / MARKER
+    if ckpt.meta.get("workload", "lm") != "lm":
+        raise UserError(f"checkpoint file {meta_file} is not a language-model checkpoint")
+    resume.check_resumable_config(ckpt.meta.get("config", {}), cfg.to_dict(), run_dir)
+    missing = [k for k in ("trainer", "prompts", "rng") if k not in ckpt.parts]
+    if cfg.algo.use_kl_in_reward and "kl_ctrl" not in ckpt.parts:
+        missing.append("kl_ctrl")
+    if missing or not isinstance(ckpt.meta.get("iteration"), int) or "workload" not in ckpt.meta:
+        raise UserError(f"checkpoint {path} cannot be resumed from: it has no "
+                        f"{', '.join(missing) or 'workload'} state (written by an older ppokit?)")
+    return ckpt
+
+
+def load_training_state(ckpt, path: Path, policy, learner, prompts, kl_ctrl) -> tuple[int, dict, list]:
+    """Copy a checkpoint (:func:`read_training_state`) into a freshly built run, RNGs last.
+
+    Returns (completed iterations, summary, evaluation history). A mismatch or damage is a
+    one-line :class:`UserError` naming the checkpoint.
+    """
+    from ppokit import resume
+
+    try:
+        policy.load_trained_state(path)
+        learner.trainer.load_state_dict(ckpt.parts["trainer"])
+        prompts.load_state_dict(ckpt.parts["prompts"])
+        if kl_ctrl is not None:
+            kl_ctrl.load_state_dict(ckpt.parts["kl_ctrl"])
+        summary = dict(ckpt.meta.get("summary", {}))
+        history = [dict(x) for x in ckpt.meta.get("eval_history", [])]
+        resume.restore_rng(ckpt.parts["rng"])     # last: building the run used the RNGs too
+    except UserError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"checkpoint {path} does not match this run ({reason})") from None
+    return int(ckpt.meta["iteration"]), summary, history
+
+
+def _finished_result(run_dir: Path, path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    from ppokit.track import read_metrics
+
+    rows = read_metrics(run_dir)
+    result = dict(rows[-1]) if rows else {}
+    result.update(meta.get("summary", {}))
+    result.update(iterations=int(meta["iteration"]), eval_history=meta.get("eval_history", []),
+                  checkpoint=str(path), run_dir=str(run_dir), already_finished=True)
+    return result
 
 
 def _count(policy) -> int:
@@ -305,8 +451,22 @@ def _count(policy) -> int:
 
 
 def _check_finite(metrics: dict[str, Any], iteration: int) -> None:
-    for key in ("reward_mean", "policy_loss", "value_loss"):
-        value = metrics.get(key)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"iteration {iteration}: {key} is {value}; lower train.learning_rate or check the "
-                            "reward function (the metrics so far are in metrics.jsonl)")
+    """A non-finite reward is the reward function's fault: stop with a one-line error.
+
+    Non-finite losses are the trainer's business: it skips such steps and stops after
+    ``train.max_bad_steps`` of them in a row (:class:`~ppokit.errors.TrainingDiverged`).
+    """
+    value = metrics.get("reward_mean")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"iteration {iteration}: reward_mean is {value}; check the reward function "
+                        "(the metrics so far are in metrics.jsonl)")
+
+
+def _check_weights(policy, run_dir: Path, iteration: int) -> None:
+    """Refuse to save non-finite weights over (or prune) the good checkpoints."""
+    from ppokit import resume
+
+    if not resume.all_finite(p for p in policy.parameters() if p.requires_grad):
+        raise resume.diverged_message(resume.TrainingDiverged(
+            f"training diverged: the policy's weights are not finite after iteration {iteration}"), run_dir,
+            marker=MARKER)

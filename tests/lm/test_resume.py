@@ -1,0 +1,273 @@
+"""Exact resume of the language-model workload (see tests/control/test_resume.py for control).
+
+A small seeded run on the test tiny Llama (a one-epoch warm start into
+``RUN_DIR/base_model``, LoRA actor + critic, GAE, an adaptive in-reward KL coefficient,
+held-out evaluations) runs as ``python -m ppokit train`` in subprocesses that are killed
+(SIGKILL right after a metrics row, i.e. most likely inside the checkpoint write that
+follows it; SIGTERM for the graceful path) and resumed; ``metrics.jsonl`` must equal an
+uninterrupted run's row by row (every field but the timing fields in :data:`TIMING`,
+floats bit for bit) and the final adapters, value head, optimizer and KL state must be
+``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ppokit import checkpoint, resume
+from ppokit.cli import main
+
+# Differ between any two runs (wall-clock times and rates); every other field must match.
+TIMING = {"time", "time_iteration", "time_generate", "time_score", "time_reward", "time_update",
+          "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s"}
+ITERATIONS = 7
+TRAINED_FILES = ("actor/adapter_model.safetensors", "critic/adapter_model.safetensors", "value_head.safetensors")
+
+
+@pytest.fixture(scope="module")
+def config(tiny_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lm-resume")
+    reward = root / "digits.py"
+    reward.write_text("def digits(prompt, response, **fields):\n"
+                      "    return sum(c.isdigit() for c in response) / 4\n")
+    cfg = {
+        "workload": "lm", "seed": 3,
+        "model": {"path": str(tiny_dir), "mode": "lora", "lora_rank": 4, "lora_alpha": 8},
+        "data": {"prompts": "arithmetic:digits=1", "reward": f"{reward}:digits", "sft_epochs": 1,
+                 "sft_examples": 16, "sft_batch_size": 8, "eval_size": 8, "eval_every": 2},
+        "rollout": {"temperature": 1.0, "max_new_tokens": 4, "micro_batch_size": 8},
+        "train": {"iterations": ITERATIONS, "batch_size": 8, "mini_batch_size": 4, "micro_batch_size": 4,
+                  "infer_micro_batch_size": 8, "epochs": 2, "learning_rate": 0.01, "critic_learning_rate": 0.01},
+        "algo": {"group_size": 4, "use_kl_in_reward": True,
+                 "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100}},
+        "run": {"precision": "fp32", "torch_threads": 1, "progress": False, "tensorboard": False,
+                "keep_checkpoints": 2},
+    }
+    path = root / "lm.yaml"
+    path.write_text(json.dumps(cfg))   # JSON is YAML
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(config, tmp_path_factory) -> Path:
+    """An uninterrupted run with a checkpoint every iteration, in this process (run.resume=auto
+    on a run directory that does not exist yet: a fresh start)."""
+    out = tmp_path_factory.mktemp("ref")
+    assert main(["train", str(config), f"run.output_dir={out}", "run.name=ref", "run.checkpoint_every=1",
+                 "run.resume=auto"]) == 0
+    return out / "ref"
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ppokit", "train", *args]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _start_and_wait(cmd: list[str], run_dir: Path, rows: int) -> subprocess.Popen:
+    """Start ``cmd``; return once ``metrics.jsonl`` has ``rows`` rows (or the process ended)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if len(_rows(run_dir)) >= rows:
+            break
+        time.sleep(0.002)
+    return proc
+
+
+def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
+    assert [r["iteration"] for r in got] == list(range(ITERATIONS)) == [r["iteration"] for r in want]
+    assert TIMING <= set(want[0]), "a timing field was renamed: update TIMING"
+    for g, w in zip(got, want):
+        g_keys, w_keys = set(g) - TIMING, set(w) - TIMING
+        assert g_keys == w_keys, (g["iteration"], g_keys ^ w_keys)
+        for key in sorted(g_keys):
+            assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, uninterrupted {w[key]!r}"
+
+
+def _same(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}.{i}")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _assert_same_final_state(a: Path, b: Path) -> None:
+    for name in TRAINED_FILES:
+        ta, tb = load_file(str(a / "checkpoint" / name)), load_file(str(b / "checkpoint" / name))
+        assert ta.keys() == tb.keys() and ta, name
+        for key in ta:
+            assert torch.equal(ta[key], tb[key]), f"{name}: {key}"
+    ca = checkpoint.load_checkpoint(a / "checkpoint" / "trainer")
+    cb = checkpoint.load_checkpoint(b / "checkpoint" / "trainer")
+    for part in ("trainer", "prompts", "kl_ctrl", "rng"):   # optimizer, schedule, shuffle generator, ...
+        _same(ca.parts[part], cb.parts[part], part)
+    for key in ("iteration", "finished", "eval_history", "summary"):
+        assert ca.meta[key] == cb.meta[key], key
+    assert ca.meta["finished"] and ca.meta["iteration"] == ITERATIONS
+
+
+def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, reference, tmp_path, capsys):
+    run_dir = tmp_path / "killed"
+    args = [str(config), f"run.output_dir={tmp_path}", "run.name=killed", "run.checkpoint_every=1"]
+    kills = 0
+    for rows in (2, 5):   # SIGKILL as soon as the row appears: usually inside the checkpoint write
+        first = rows == 2
+        proc = _start_and_wait(_cli(*args) if first else _cli(*args, "--resume"), run_dir, rows)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        _, err = proc.communicate(timeout=60)
+        assert len(_rows(run_dir)) >= rows, err
+        latest = resume.latest_checkpoint(run_dir, marker="trainer/meta.json")
+        if latest is not None:   # whatever the writer left, the newest complete checkpoint loads
+            checkpoint.load_checkpoint(latest / "trainer")
+        assert not list((run_dir / "checkpoints").glob(".*")), "stale temp dirs were not cleaned"
+    assert kills >= 1   # (2 unless the machine stalls this process for a whole run)
+    assert (run_dir / "base_model" / "ppokit_base_model.json").is_file()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "sft:" not in out   # the complete warm-started model is reused
+    _assert_same_metrics(_rows(run_dir), _rows(reference))
+    _assert_same_final_state(run_dir, reference)
+    # the final checkpoint and a periodic one stay loadable (export, load_policy)
+    from ppokit.lm.export import export_merged
+    from ppokit.lm.policy import load_policy
+
+    load_policy(run_dir / "checkpoint")
+    periodic = sorted((run_dir / "checkpoints").iterdir())
+    assert [p.name for p in periodic] == ["iter-000005", "iter-000006"]
+    assert json.loads((periodic[-1] / "policy.json").read_text())["base_model"] == "../../base_model"
+    load_policy(periodic[-1])
+    assert (export_merged(run_dir, tmp_path / "exported") / "config.json").is_file()
+    # resuming a finished run does nothing, in every form
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert main(["train", str(config), f"run.output_dir={reference.parent}", "run.name=ref",
+                 "run.resume=auto"]) == 0
+    assert capsys.readouterr().out.count("had already finished") == 2
+    assert len(_rows(run_dir)) == len(_rows(reference)) == ITERATIONS
+
+
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(config, reference, tmp_path):
+    run_dir = tmp_path / "term"
+    # no periodic checkpoints: the one written on SIGTERM is all there is to resume from
+    proc = _start_and_wait(_cli(str(config), f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 3)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    line = [x for x in err.splitlines() if "interrupted" in x][-1]
+    assert "checkpoint saved at" in line and f"ppokit train --resume {run_dir}" in line
+    saved = resume.latest_checkpoint(run_dir, marker="trainer/meta.json")
+    assert saved is not None and saved.parent.name == "checkpoints" and str(saved) in line
+    assert len(_rows(run_dir)) == checkpoint.load_checkpoint(saved / "trainer").meta["iteration"]
+    assert not (run_dir / "checkpoint").exists()
+    # `ppokit train CONFIG --resume`: the run directory of run.name
+    assert main(["train", str(config), f"run.output_dir={tmp_path}", "run.name=term", "--resume"]) == 0
+    _assert_same_metrics(_rows(run_dir), _rows(reference))
+    _assert_same_final_state(run_dir, reference)
+
+
+# --------------------------------------------------------------------------- in process
+def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(config, tmp_path, capsys, monkeypatch):
+    from ppokit import trainer as trainer_mod
+
+    real = trainer_mod.algo.value_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):   # 4 optimizer steps per iteration; NaN from the 3rd iteration on
+        calls["n"] += 1
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] > 8 else loss), metrics
+
+    monkeypatch.setattr(trainer_mod.algo, "value_loss", poisoned)
+    argv = [str(config), f"run.output_dir={tmp_path}", "run.name=nan", "run.checkpoint_every=1",
+            "train.max_bad_steps=3"]
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    good = tmp_path / "nan" / "checkpoints" / "iter-000002"
+    assert "training diverged: 3 optimizer steps in a row" in err and str(good) in err and "\n" not in err
+    assert not (tmp_path / "nan" / "checkpoint").exists()
+    assert resume.latest_checkpoint(tmp_path / "nan", marker="trainer/meta.json") == good
+    for name in TRAINED_FILES:
+        assert all(torch.isfinite(t).all() for t in load_file(str(good / name)).values())
+    assert [r["skipped_steps"] for r in _rows(tmp_path / "nan")] == [0.0, 0.0]
+
+
+def test_an_incomplete_base_model_is_built_again(config, tmp_path):
+    """A run killed during its warm start left a base_model without the completion marker:
+    the next start deletes it and warm-starts again (the same model: SFT is seeded)."""
+    from ppokit.config import load_config
+    from ppokit.lm.workload import BASE_MODEL_MARKER, load_data, prepare_model
+
+    cfg = load_config(str(config))
+    _, eval_items, reward_fn = load_data(cfg)
+    first = prepare_model(cfg, tmp_path / "a", eval_items, reward_fn, log=None)
+    assert first == tmp_path / "a" / "base_model" and (first / BASE_MODEL_MARKER).is_file()
+    weights = {k: v.clone() for k, v in load_file(str(first / "model.safetensors")).items()}
+    # complete: reused as it is (no warm start: the directory is not rewritten)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert prepare_model(cfg, tmp_path / "a", eval_items, reward_fn, log=None) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    # incomplete (no marker, a weight file cut short, a killed writer's temp dir): rebuilt
+    (first / BASE_MODEL_MARKER).unlink()
+    (first / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "a" / ".base_model.x1y2").mkdir()
+    again = prepare_model(cfg, tmp_path / "a", eval_items, reward_fn, log=None)
+    assert again == first and (again / BASE_MODEL_MARKER).is_file()
+    assert not list((tmp_path / "a").glob(".base_model.*"))
+    rebuilt = load_file(str(again / "model.safetensors"))
+    assert all(torch.equal(weights[k], rebuilt[k]) for k in weights)
+
+
+def test_an_lm_checkpoint_without_resume_state_is_refused(config, reference, tmp_path, capsys):
+    """A checkpoint written before exact resume (no RNG state) cannot be resumed from."""
+    import shutil
+
+    run_dir = tmp_path / "old"
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "checkpoint")
+    shutil.rmtree(run_dir / "checkpoints" / "iter-000006")
+    meta = run_dir / "checkpoints" / "iter-000005" / "trainer" / "meta.json"
+    body = json.loads(meta.read_text())
+    del body["parts"]["rng"], body["workload"]
+    meta.write_text(json.dumps(body))
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot be resumed from: it has no rng state" in err and "\n" not in err
