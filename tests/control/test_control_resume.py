@@ -11,12 +11,8 @@ writes them with ``repr``), and the final weights ``torch.equal``.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +21,7 @@ import torch
 
 from ppokit import checkpoint, resume
 from ppokit.cli import main
+from resume_helpers import assert_same_metrics, read_rows, start_and_wait, train_cmd
 from ppokit.errors import UserError
 
 TIMING = {"time", "sps", "collect_time", "update_time", "wall_time"}   # differ between any two runs
@@ -35,47 +32,8 @@ RUN_ARGS = ["cartpole", "env.num_envs=4", "env.num_steps=32", f"train.total_step
             "run.progress=false", "run.tensorboard=false", "run.keep_checkpoints=2"]
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ppokit", "train", *args]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def _start_and_wait(cmd: list[str], run_dir: Path, rows: int) -> subprocess.Popen:
-    """Start ``cmd``; return once ``metrics.jsonl`` has ``rows`` rows (or the process ended)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        if len(_rows(run_dir)) >= rows:
-            break
-        time.sleep(0.002)
-    return proc
-
-
 def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
-    assert [r["iteration"] for r in got] == list(range(ITERATIONS)) == [r["iteration"] for r in want]
-    for g, w in zip(got, want):
-        g_keys, w_keys = set(g) - TIMING, set(w) - TIMING
-        assert g_keys == w_keys, (g["iteration"], g_keys ^ w_keys)
-        for key in sorted(g_keys):
-            assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, uninterrupted {w[key]!r}"
+    assert_same_metrics(got, want, ITERATIONS, TIMING)
 
 
 def _assert_same_weights(a: Path, b: Path) -> None:
@@ -104,12 +62,12 @@ def test_sigkill_at_several_points_then_resume_matches_the_uninterrupted_run(ref
     kills = 0
     for rows in (2, 6, 9):   # SIGKILL as soon as the row appears: usually inside the checkpoint write
         first = rows == 2
-        proc = _start_and_wait(_cli(*args) if first else _cli(*args, "--resume"), run_dir, rows)
+        proc = start_and_wait(train_cmd(*args) if first else train_cmd(*args, "--resume"), run_dir, rows)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
         proc.communicate(timeout=60)
-        assert len(_rows(run_dir)) >= rows
+        assert len(read_rows(run_dir)) >= rows
         # whatever the writer left, the newest complete checkpoint loads
         latest = resume.latest_checkpoint(run_dir)
         if latest is not None:
@@ -118,17 +76,17 @@ def test_sigkill_at_several_points_then_resume_matches_the_uninterrupted_run(ref
     assert kills >= 1   # (>= 2 unless the machine stalls this process for a whole run)
     assert main(["train", "--resume", str(run_dir)]) == 0
     assert "resuming from" in capsys.readouterr().out
-    _assert_same_metrics(_rows(run_dir), _rows(reference))
+    _assert_same_metrics(read_rows(run_dir), read_rows(reference))
     _assert_same_weights(run_dir, reference)
     # resuming a finished run does nothing
     assert main(["train", "--resume", str(run_dir)]) == 0
-    assert len(_rows(run_dir)) == ITERATIONS
+    assert len(read_rows(run_dir)) == ITERATIONS
 
 
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(reference, tmp_path):
     run_dir = tmp_path / "term"
     # no periodic checkpoints: the one written on SIGTERM is all there is to resume from
-    proc = _start_and_wait(_cli(*RUN_ARGS, f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 4)
+    proc = start_and_wait(train_cmd(*RUN_ARGS, f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 4)
     assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -137,9 +95,9 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(reference, tmp_p
     assert "checkpoint saved at" in line and f"ppokit train --resume {run_dir}" in line
     saved = resume.latest_checkpoint(run_dir)
     assert saved is not None and saved.parent.name == "checkpoints" and str(saved) in line
-    assert len(_rows(run_dir)) == checkpoint.load_checkpoint(saved).meta["iteration"]
+    assert len(read_rows(run_dir)) == checkpoint.load_checkpoint(saved).meta["iteration"]
     assert main(["train", "--resume", str(run_dir), "run.progress=false"]) == 0
-    _assert_same_metrics(_rows(run_dir), _rows(reference))
+    _assert_same_metrics(read_rows(run_dir), read_rows(reference))
     _assert_same_weights(run_dir, reference)
 
 
@@ -151,7 +109,7 @@ def _small(tmp_path, *extra):
 
 def test_config_resume_and_run_resume_auto(tmp_path, capsys):
     assert main(["train", *_small(tmp_path, "run.name=a", "run.checkpoint_every=2")]) == 0
-    rows = _rows(tmp_path / "a")
+    rows = read_rows(tmp_path / "a")
     assert len(rows) == 6
     # an explicit run.name that holds a run is refused without resume
     assert main(["train", *_small(tmp_path, "run.name=a")]) == 2
@@ -162,14 +120,14 @@ def test_config_resume_and_run_resume_auto(tmp_path, capsys):
     shutil.rmtree(tmp_path / "a" / "checkpoint")
     assert main(["train", *_small(tmp_path, "run.name=a", "run.checkpoint_every=2"), "--resume"]) == 0
     assert "resuming from" in capsys.readouterr().out
-    again = _rows(tmp_path / "a")
+    again = read_rows(tmp_path / "a")
     assert [{k: v for k, v in r.items() if k not in TIMING} for r in again] == \
         [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
     # run.resume=auto: a fresh start when there is no checkpoint, a resume when there is
     assert main(["train", *_small(tmp_path, "run.name=b", "run.resume=auto")]) == 0
     assert main(["train", *_small(tmp_path, "run.name=b", "run.resume=auto")]) == 0
     assert "already finished" in capsys.readouterr().out
-    assert len(_rows(tmp_path / "b")) == 6
+    assert len(read_rows(tmp_path / "b")) == 6
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -232,7 +190,7 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
     assert resume.latest_checkpoint(tmp_path / "nan") == good
     weights = checkpoint.load_checkpoint(good).parts["model"]
     assert all(torch.isfinite(w).all() for w in weights.values())
-    assert [r["skipped_steps"] for r in _rows(tmp_path / "nan")] == [0.0, 0.0]
+    assert [r["skipped_steps"] for r in read_rows(tmp_path / "nan")] == [0.0, 0.0]
 
 
 def test_a_few_bad_steps_are_skipped_and_counted_per_iteration(tmp_path, monkeypatch):
@@ -248,7 +206,7 @@ def test_a_few_bad_steps_are_skipped_and_counted_per_iteration(tmp_path, monkeyp
 
     monkeypatch.setattr(trainer_mod.algo, "value_loss", poisoned)
     assert main(["train", *_small(tmp_path, "run.name=few", "train.max_bad_steps=3")]) == 0
-    assert [r["skipped_steps"] for r in _rows(tmp_path / "few")] == [2.0, 0, 0, 0, 0, 0]
+    assert [r["skipped_steps"] for r in read_rows(tmp_path / "few")] == [2.0, 0, 0, 0, 0, 0]
 
 
 # --------------------------------------------------------------------------- pieces

@@ -1,4 +1,4 @@
-"""Exact resume of the language-model workload (see tests/control/test_resume.py for control).
+"""Exact resume of the language-model workload (see tests/control/test_control_resume.py for control).
 
 A small seeded run on the test tiny Llama (a one-epoch warm start into
 ``RUN_DIR/base_model``, LoRA actor + critic, GAE, an adaptive in-reward KL coefficient,
@@ -13,11 +13,7 @@ floats bit for bit) and the final adapters, value head, optimizer and KL state m
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +22,7 @@ from safetensors.torch import load_file
 
 from ppokit import checkpoint, resume
 from ppokit.cli import main
+from resume_helpers import assert_same_metrics, read_rows, start_and_wait, train_cmd
 
 # Differ between any two runs (wall-clock times and rates); every other field must match.
 TIMING = {"time", "time_iteration", "time_generate", "time_score", "time_reward", "time_update",
@@ -68,48 +65,8 @@ def reference(config, tmp_path_factory) -> Path:
     return out / "ref"
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ppokit", "train", *args]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def _start_and_wait(cmd: list[str], run_dir: Path, rows: int) -> subprocess.Popen:
-    """Start ``cmd``; return once ``metrics.jsonl`` has ``rows`` rows (or the process ended)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        if len(_rows(run_dir)) >= rows:
-            break
-        time.sleep(0.002)
-    return proc
-
-
 def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
-    assert [r["iteration"] for r in got] == list(range(ITERATIONS)) == [r["iteration"] for r in want]
-    assert TIMING <= set(want[0]), "a timing field was renamed: update TIMING"
-    for g, w in zip(got, want):
-        g_keys, w_keys = set(g) - TIMING, set(w) - TIMING
-        assert g_keys == w_keys, (g["iteration"], g_keys ^ w_keys)
-        for key in sorted(g_keys):
-            assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, uninterrupted {w[key]!r}"
+    assert_same_metrics(got, want, ITERATIONS, TIMING)
 
 
 def _same(a, b, where: str = "") -> None:
@@ -148,12 +105,12 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
     kills = 0
     for rows in (2, 5):   # SIGKILL as soon as the row appears: usually inside the checkpoint write
         first = rows == 2
-        proc = _start_and_wait(_cli(*args) if first else _cli(*args, "--resume"), run_dir, rows)
+        proc = start_and_wait(train_cmd(*args) if first else train_cmd(*args, "--resume"), run_dir, rows)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
         _, err = proc.communicate(timeout=60)
-        assert len(_rows(run_dir)) >= rows, err
+        assert len(read_rows(run_dir)) >= rows, err
         latest = resume.latest_checkpoint(run_dir, marker="trainer/meta.json")
         if latest is not None:   # whatever the writer left, the newest complete checkpoint loads
             checkpoint.load_checkpoint(latest / "trainer")
@@ -164,7 +121,7 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
     assert main(["train", "--resume", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "resuming from" in out and "sft:" not in out   # the complete warm-started model is reused
-    _assert_same_metrics(_rows(run_dir), _rows(reference))
+    _assert_same_metrics(read_rows(run_dir), read_rows(reference))
     _assert_same_final_state(run_dir, reference)
     # the final checkpoint and a periodic one stay loadable (export, load_policy)
     from ppokit.lm.export import export_merged
@@ -181,13 +138,13 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
     assert main(["train", str(config), f"run.output_dir={reference.parent}", "run.name=ref",
                  "run.resume=auto"]) == 0
     assert capsys.readouterr().out.count("had already finished") == 2
-    assert len(_rows(run_dir)) == len(_rows(reference)) == ITERATIONS
+    assert len(read_rows(run_dir)) == len(read_rows(reference)) == ITERATIONS
 
 
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(config, reference, tmp_path):
     run_dir = tmp_path / "term"
     # no periodic checkpoints: the one written on SIGTERM is all there is to resume from
-    proc = _start_and_wait(_cli(str(config), f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 3)
+    proc = start_and_wait(train_cmd(str(config), f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 3)
     assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -196,11 +153,11 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(config, referenc
     assert "checkpoint saved at" in line and f"ppokit train --resume {run_dir}" in line
     saved = resume.latest_checkpoint(run_dir, marker="trainer/meta.json")
     assert saved is not None and saved.parent.name == "checkpoints" and str(saved) in line
-    assert len(_rows(run_dir)) == checkpoint.load_checkpoint(saved / "trainer").meta["iteration"]
+    assert len(read_rows(run_dir)) == checkpoint.load_checkpoint(saved / "trainer").meta["iteration"]
     assert not (run_dir / "checkpoint").exists()
     # `ppokit train CONFIG --resume`: the run directory of run.name
     assert main(["train", str(config), f"run.output_dir={tmp_path}", "run.name=term", "--resume"]) == 0
-    _assert_same_metrics(_rows(run_dir), _rows(reference))
+    _assert_same_metrics(read_rows(run_dir), read_rows(reference))
     _assert_same_final_state(run_dir, reference)
 
 
@@ -227,7 +184,7 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(config,
     assert resume.latest_checkpoint(tmp_path / "nan", marker="trainer/meta.json") == good
     for name in TRAINED_FILES:
         assert all(torch.isfinite(t).all() for t in load_file(str(good / name)).values())
-    assert [r["skipped_steps"] for r in _rows(tmp_path / "nan")] == [0.0, 0.0]
+    assert [r["skipped_steps"] for r in read_rows(tmp_path / "nan")] == [0.0, 0.0]
 
 
 def test_an_incomplete_base_model_is_built_again(config, tmp_path):

@@ -1,0 +1,1 @@
+"""Puts tests/ on sys.path (pytest's prepend import mode) for the shared ``resume_helpers``."""

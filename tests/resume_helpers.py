@@ -1,0 +1,59 @@
+"""Shared by the kill-and-resume tests of both workloads (tests/control, tests/lm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable
+
+
+def train_cmd(*args: str) -> list[str]:
+    """``python -m ppokit train ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "ppokit", "train", *args]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    """The complete rows of ``RUN_DIR/metrics.jsonl`` (a torn last line is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def start_and_wait(cmd: list[str], run_dir: Path, rows: int, timeout: float = 120) -> subprocess.Popen:
+    """Start ``cmd``; return once ``metrics.jsonl`` has ``rows`` rows (or the process ended)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if len(read_rows(run_dir)) >= rows:
+            break
+        time.sleep(0.002)
+    return proc
+
+
+def assert_same_metrics(got: list[dict], want: list[dict], iterations: int, timing: Iterable[str]) -> None:
+    """Row by row, every field but the ``timing`` ones equal (floats bit for bit)."""
+    timing = set(timing)
+    assert [r["iteration"] for r in got] == list(range(iterations)) == [r["iteration"] for r in want]
+    assert timing <= set(want[0]) | {"wall_time"}, "a timing field was renamed: update the test's TIMING"
+    for g, w in zip(got, want):
+        g_keys, w_keys = set(g) - timing, set(w) - timing
+        assert g_keys == w_keys, (g["iteration"], g_keys ^ w_keys)
+        for key in sorted(g_keys):
+            assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, uninterrupted {w[key]!r}"
