@@ -173,7 +173,7 @@ def plot_runs(run_dirs: Sequence[Path | str], out: Optional[Path | str] = None) 
                 else:
                     legend = f"{label}: {name}" if len(present) > 1 else label
                 if style == "s":
-                    ax.plot(xs, ys, "s", color=color, ms=4, alpha=0.9, label=legend)
+                    ax.plot(xs, ys, "s", color=color, ms=6, mec="black", mew=0.8, zorder=3, label=legend)
                 else:
                     ax.plot(xs, ys, style, color=color, lw=1.4, label=legend)
                 drawn.append(f"{label}: {key}")
