@@ -18,6 +18,7 @@ examples:
   ppokit train my_run.yaml train.total_steps=2e5  ... from your own YAML file
   ppokit train --resume runs/cartpole-s3-20261122-101500   continue a stopped run
   ppokit eval runs/cartpole-s3-20261122-101500 --episodes 20
+  ppokit eval runs/arith-s1-20261122-101500  greedy held-out accuracy of an LM run
   ppokit plot runs/a runs/b --out ab.png      training curves of runs, overlaid
   ppokit config show cartpole                 print the resolved configuration
   ppokit config fields                        every field with its default and meaning
@@ -45,10 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "resumes RUN_DIR with its saved config")
 
     ev = sub.add_parser("eval", help="evaluate a trained run's deterministic policy",
-                        description="Run the deterministic policy of RUN_DIR's checkpoint and print the "
-                                    "mean and std of the episode return.")
-    ev.add_argument("run_dir", metavar="RUN_DIR", help="a control run directory, or one of its checkpoint directories")
-    ev.add_argument("--episodes", type=int, default=10, help="episodes to run (default 10)")
+                        description="Control run: run the deterministic policy of RUN_DIR's checkpoint and "
+                                    "print the mean and std of the episode return. Language-model run: print "
+                                    "the greedy held-out accuracy (mean reward) of the trained actor.")
+    ev.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or one of its checkpoint directories")
+    ev.add_argument("--episodes", type=int, default=10, help="control: episodes to run (default 10)")
+    ev.add_argument("--prompts", type=int, default=None,
+                    help="language model: held-out prompts to score (default: the run's data.eval_size)")
     ev.add_argument("--seed", type=int, default=None, help="evaluation seed (default: the run's seed + 10000)")
 
     demo = sub.add_parser("demo", help="the built-in demonstration run (arith: SFT, then PPO with a verifier)",
@@ -143,7 +147,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "demo":
         return _demo(args.overrides)
     if args.command == "eval":
-        return _eval(args.run_dir, args.episodes, args.seed)
+        return _eval(args.run_dir, args.episodes, args.seed, args.prompts)
     if args.command == "sft":
         return _sft(args)
     if args.command == "plot":
@@ -250,9 +254,19 @@ def _demo(overrides: list[str]) -> int:
     return 0
 
 
-def _eval(run_dir: str, episodes: int, seed: Optional[int]) -> int:
-    from ppokit.errors import UserError
+def _eval(run_dir: str, episodes: int, seed: Optional[int], prompts: Optional[int] = None) -> int:
+    from pathlib import Path
 
+    from ppokit.errors import UserError
+    from ppokit.lm.evaluate import find_lm_checkpoint
+
+    if Path(run_dir).is_dir() and find_lm_checkpoint(Path(run_dir)) is not None:
+        from ppokit.lm.evaluate import evaluate_lm_run
+
+        result = evaluate_lm_run(run_dir, prompts)
+        print(f"held-out accuracy over {result['prompts']} prompts: {result['accuracy']:.1%} "
+              f"({result['checkpoint']})")
+        return 0
     if episodes < 1:
         raise UserError(f"--episodes must be at least 1 (got {episodes})")
     from ppokit.control.evaluate import evaluate_run

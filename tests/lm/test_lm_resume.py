@@ -228,3 +228,19 @@ def test_an_lm_checkpoint_without_resume_state_is_refused(config, reference, tmp
     assert main(["train", "--resume", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip()
     assert "cannot be resumed from: it has no rng state" in err and "\n" not in err
+
+
+def test_eval_of_an_lm_run_reproduces_the_accuracy_it_printed(reference, capsys):
+    """`ppokit eval RUN_DIR` scores the final actor on the run's held-out prompts, greedily:
+    the same number the run printed as "held-out accuracy after PPO"."""
+    meta = json.loads((reference / "checkpoint" / "trainer" / "meta.json").read_text())
+    after = meta["summary"]["eval_accuracy_after"]
+    capsys.readouterr()
+    assert main(["eval", str(reference)]) == 0
+    out = capsys.readouterr().out
+    assert f"held-out accuracy over 8 prompts: {after:.1%}" in out, out
+    # a periodic checkpoint directory and a prompt limit
+    periodic = sorted((reference / "checkpoints").iterdir())[-1]
+    assert main(["eval", str(periodic), "--prompts", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out accuracy over 4 prompts:" in out and str(periodic) in out
