@@ -57,3 +57,18 @@ def assert_same_metrics(got: list[dict], want: list[dict], iterations: int, timi
         assert g_keys == w_keys, (g["iteration"], g_keys ^ w_keys)
         for key in sorted(g_keys):
             assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, uninterrupted {w[key]!r}"
+
+
+def poison_value_loss(monkeypatch, after_calls: int) -> None:
+    """Make the trainer's value loss NaN from call ``after_calls + 1`` on (a diverging run)."""
+    from ppokit import trainer as trainer_mod
+
+    real = trainer_mod.algo.value_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] > after_calls else loss), metrics
+
+    monkeypatch.setattr(trainer_mod.algo, "value_loss", poisoned)

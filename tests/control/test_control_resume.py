@@ -21,7 +21,7 @@ import torch
 
 from ppokit import checkpoint, resume
 from ppokit.cli import main
-from resume_helpers import assert_same_metrics, read_rows, start_and_wait, train_cmd
+from resume_helpers import assert_same_metrics, poison_value_loss, read_rows, start_and_wait, train_cmd
 from ppokit.errors import UserError
 
 TIMING = {"time", "sps", "collect_time", "update_time", "wall_time"}   # differ between any two runs
@@ -170,17 +170,7 @@ def test_resume_errors_name_the_problem(tmp_path, capsys):
 
 
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
-    from ppokit import trainer as trainer_mod
-
-    real = trainer_mod.algo.value_loss
-    calls = {"n": 0}
-
-    def poisoned(*args, **kwargs):   # 4 optimizer steps per iteration; NaN from the 3rd iteration on
-        calls["n"] += 1
-        loss, metrics = real(*args, **kwargs)
-        return (loss * float("nan") if calls["n"] > 8 else loss), metrics
-
-    monkeypatch.setattr(trainer_mod.algo, "value_loss", poisoned)
+    poison_value_loss(monkeypatch, after_calls=8)   # 4 optimizer steps per iteration: NaN from the 3rd on
     argv = _small(tmp_path, "run.name=nan", "run.checkpoint_every=1", "train.max_bad_steps=3")
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err.strip()

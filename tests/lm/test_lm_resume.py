@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from ppokit import checkpoint, resume
 from ppokit.cli import main
-from resume_helpers import assert_same_metrics, read_rows, start_and_wait, train_cmd
+from resume_helpers import assert_same_metrics, poison_value_loss, read_rows, start_and_wait, train_cmd
 
 # Differ between any two runs (wall-clock times and rates); every other field must match.
 TIMING = {"time", "time_iteration", "time_generate", "time_score", "time_reward", "time_update",
@@ -163,17 +163,7 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(config, referenc
 
 # --------------------------------------------------------------------------- in process
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(config, tmp_path, capsys, monkeypatch):
-    from ppokit import trainer as trainer_mod
-
-    real = trainer_mod.algo.value_loss
-    calls = {"n": 0}
-
-    def poisoned(*args, **kwargs):   # 4 optimizer steps per iteration; NaN from the 3rd iteration on
-        calls["n"] += 1
-        loss, metrics = real(*args, **kwargs)
-        return (loss * float("nan") if calls["n"] > 8 else loss), metrics
-
-    monkeypatch.setattr(trainer_mod.algo, "value_loss", poisoned)
+    poison_value_loss(monkeypatch, after_calls=8)   # 4 optimizer steps per iteration: NaN from the 3rd on
     argv = [str(config), f"run.output_dir={tmp_path}", "run.name=nan", "run.checkpoint_every=1",
             "train.max_bad_steps=3"]
     assert main(["train", *argv]) == 2
