@@ -59,8 +59,8 @@ def assert_same_metrics(got: list[dict], want: list[dict], iterations: int, timi
             assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, uninterrupted {w[key]!r}"
 
 
-def poison_value_loss(monkeypatch, after_calls: int) -> None:
-    """Make the trainer's value loss NaN from call ``after_calls + 1`` on (a diverging run)."""
+def poison_value_loss(monkeypatch, bad) -> None:
+    """Make the trainer's value loss NaN on the calls ``n`` (1-based) where ``bad(n)`` is true."""
     from ppokit import trainer as trainer_mod
 
     real = trainer_mod.algo.value_loss
@@ -69,6 +69,6 @@ def poison_value_loss(monkeypatch, after_calls: int) -> None:
     def poisoned(*args, **kwargs):
         calls["n"] += 1
         loss, metrics = real(*args, **kwargs)
-        return (loss * float("nan") if calls["n"] > after_calls else loss), metrics
+        return (loss * float("nan") if bad(calls["n"]) else loss), metrics
 
     monkeypatch.setattr(trainer_mod.algo, "value_loss", poisoned)
