@@ -21,7 +21,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ppokit.config import Config
 from ppokit.errors import UserError
@@ -74,7 +74,10 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 class Tracker:
     """Writes each iteration's metrics to JSONL, TensorBoard and a progress bar."""
 
-    def __init__(self, run_dir: Path, cfg: Config, total_iterations: int, *, description: str | None = None):
+    def __init__(self, run_dir: Path, cfg: Config, total_iterations: int, *, description: str | None = None,
+                 purge_step: Optional[int] = None):
+        """``purge_step``: on resume, the first TensorBoard step that the resumed run logs again;
+        TensorBoard drops the earlier run's events from that step on (no doubled curves)."""
         self.run_dir = Path(run_dir)
         self.total = total_iterations
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
@@ -85,7 +88,7 @@ class Tracker:
             except ImportError:   # tensorboard is an optional extra
                 SummaryWriter = None
             if SummaryWriter is not None:
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
         self._progress = None
         if cfg.run.progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

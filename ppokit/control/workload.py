@@ -108,7 +108,9 @@ def train_control(cfg: Config, run_dir: Path | str, resume_from: Optional[Path |
             resume.truncate_metrics(run_dir, start_it)
             if finished or start_it >= iterations:
                 return _finished_result(run_dir, start_it, history)
-        tracker = Tracker(run_dir, cfg, iterations, description=cfg.preset or e.id)
+        # TensorBoard steps are global steps: the resumed run logs (start_it + 1) * per_iter first
+        purge = start_it * e.num_envs * e.num_steps + 1 if resume_from is not None else None
+        tracker = Tracker(run_dir, cfg, iterations, description=cfg.preset or e.id, purge_step=purge)
         for note in notes:
             tracker.message(note)
         if resume_from is not None:

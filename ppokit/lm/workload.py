@@ -235,7 +235,9 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         resume.truncate_metrics(run_dir, int(saved.meta["iteration"]))
         if saved.meta.get("finished") or int(saved.meta["iteration"]) >= cfg.iterations:
             return _finished_result(run_dir, resume_from, saved.meta)
-    tracker = Tracker(run_dir, cfg, cfg.iterations)
+    # TensorBoard steps are iterations: the resumed run logs the checkpoint's iteration first
+    tracker = Tracker(run_dir, cfg, cfg.iterations,
+                      purge_step=int(saved.meta["iteration"]) if saved is not None else None)
     try:
         model_path = prepare_model(cfg, run_dir, eval_items, reward_fn, tracker.message)
         causal_lm_config(model_path, "model.path")            # a clear error before anything heavy
