@@ -22,12 +22,13 @@ naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -92,6 +93,30 @@ def save_checkpoint(path: Path | str, parts: dict[str, Any], meta: dict[str, Any
     """Write ``parts`` (name -> state) and ``meta`` (JSON-able) atomically to directory ``path``."""
     from safetensors.torch import save_file
 
+    with atomic_directory(path) as tmp:
+        skeletons = {}
+        for name, state in parts.items():
+            tensors: dict[str, torch.Tensor] = {}
+            skeletons[name] = _flatten(state, name, tensors)
+            save_file(tensors, str(tmp / f"{name}.safetensors"))
+            fsync_path(tmp / f"{name}.safetensors")
+        body = {"format": FORMAT, "version": VERSION, **meta, "parts": skeletons}
+        with open(tmp / META, "w") as f:
+            json.dump(body, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: Path | str) -> Iterator[Path]:
+    """Write a directory atomically: fill the yielded temporary sibling, which then replaces ``path``.
+
+    Files written into it should already be fsynced; the rename and the parent directory are
+    fsynced here. On any error (a kill included) the temporary directory goes and ``path``
+    keeps its previous contents; leftovers of a killed process are handled by
+    :func:`recover_interrupted`.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
@@ -99,31 +124,20 @@ def save_checkpoint(path: Path | str, parts: dict[str, Any], meta: dict[str, Any
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        skeletons = {}
-        for name, state in parts.items():
-            tensors: dict[str, torch.Tensor] = {}
-            skeletons[name] = _flatten(state, name, tensors)
-            save_file(tensors, str(tmp / f"{name}.safetensors"))
-            _fsync(tmp / f"{name}.safetensors")
-        body = {"format": FORMAT, "version": VERSION, **meta, "parts": skeletons}
-        with open(tmp / META, "w") as f:
-            json.dump(body, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         if path.exists():
             path.rename(old)
         tmp.rename(path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not path.exists():
             old.rename(path)
         raise
     shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file or directory to disk (best effort: not every file system allows it)."""
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -72,3 +72,23 @@ def poison_value_loss(monkeypatch, bad) -> None:
         return (loss * float("nan") if bad(calls["n"]) else loss), metrics
 
     monkeypatch.setattr(trainer_mod.algo, "value_loss", poisoned)
+
+
+def sigterm_run(cmd: list[str], run_dir: Path, rows: int, marker: str = "meta.json") -> Path:
+    """Start ``cmd``, send SIGTERM after ``rows`` metrics rows; check exit 143 and the resume hint.
+
+    Returns the checkpoint written on the signal (the newest one, under ``checkpoints/``)."""
+    import signal
+
+    from ppokit import resume
+
+    proc = start_and_wait(cmd, run_dir, rows)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    line = [x for x in err.splitlines() if "interrupted" in x][-1]
+    assert "checkpoint saved at" in line and f"ppokit train --resume {run_dir}" in line
+    saved = resume.latest_checkpoint(run_dir, marker=marker)
+    assert saved is not None and saved.parent.name == "checkpoints" and str(saved) in line
+    return saved

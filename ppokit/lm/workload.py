@@ -360,17 +360,9 @@ def save_run_checkpoint(path: Path, cfg: Config, policy, tokenizer, model_path: 
     is the completion marker. Written into a temporary sibling and renamed into place: a
     crash leaves the previous checkpoint (:func:`ppokit.checkpoint.recover_interrupted`
     tidies up)."""
-    import os
-    import shutil
-
     from ppokit import checkpoint, resume
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    old = path.parent / f".{path.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with checkpoint.atomic_directory(path) as tmp:
         policy.save(tmp, base_model=str(model_path), tokenizer=tokenizer)
         parts = {"trainer": learner.state_dict(), "prompts": prompts.state_dict(), "rng": resume.capture_rng()}
         if kl_ctrl is not None:
@@ -379,19 +371,9 @@ def save_run_checkpoint(path: Path, cfg: Config, policy, tokenizer, model_path: 
                 "eval_history": list(eval_history or []), "summary": dict(summary or {}), "config": cfg.to_dict()}
         for file in tmp.rglob("*"):        # the policy's files (save_checkpoint fsyncs trainer/)
             if file.is_file():
-                checkpoint._fsync(file)
+                checkpoint.fsync_path(file)
         checkpoint.save_checkpoint(tmp / TRAINER_DIR, parts, meta)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        checkpoint._fsync(path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not path.exists():
-            old.rename(path)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return path
+    return Path(path)
 
 
 def read_training_state(path: Path, cfg: Config, run_dir: Path):

@@ -21,7 +21,8 @@ import torch
 
 from ppokit import checkpoint, resume
 from ppokit.cli import main
-from resume_helpers import assert_same_metrics, poison_value_loss, read_rows, start_and_wait, train_cmd
+from resume_helpers import (assert_same_metrics, poison_value_loss, read_rows, sigterm_run, start_and_wait,
+                            train_cmd)
 from ppokit.errors import UserError
 
 TIMING = {"time", "sps", "collect_time", "update_time", "wall_time"}   # differ between any two runs
@@ -86,15 +87,7 @@ def test_sigkill_at_several_points_then_resume_matches_the_uninterrupted_run(ref
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(reference, tmp_path):
     run_dir = tmp_path / "term"
     # no periodic checkpoints: the one written on SIGTERM is all there is to resume from
-    proc = start_and_wait(train_cmd(*RUN_ARGS, f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 4)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
-    line = [x for x in err.splitlines() if "interrupted" in x][-1]
-    assert "checkpoint saved at" in line and f"ppokit train --resume {run_dir}" in line
-    saved = resume.latest_checkpoint(run_dir)
-    assert saved is not None and saved.parent.name == "checkpoints" and str(saved) in line
+    saved = sigterm_run(train_cmd(*RUN_ARGS, f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 4)
     assert len(read_rows(run_dir)) == checkpoint.load_checkpoint(saved).meta["iteration"]
     assert main(["train", "--resume", str(run_dir), "run.progress=false"]) == 0
     _assert_same_metrics(read_rows(run_dir), read_rows(reference))

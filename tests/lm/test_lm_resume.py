@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from ppokit import checkpoint, resume
 from ppokit.cli import main
-from resume_helpers import assert_same_metrics, poison_value_loss, read_rows, start_and_wait, train_cmd
+from resume_helpers import (assert_same_metrics, poison_value_loss, read_rows, sigterm_run, start_and_wait,
+                            train_cmd)
 
 # Differ between any two runs (wall-clock times and rates); every other field must match.
 TIMING = {"time", "time_iteration", "time_generate", "time_score", "time_reward", "time_update",
@@ -144,15 +145,8 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(config, reference, tmp_path):
     run_dir = tmp_path / "term"
     # no periodic checkpoints: the one written on SIGTERM is all there is to resume from
-    proc = start_and_wait(train_cmd(str(config), f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 3)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
-    line = [x for x in err.splitlines() if "interrupted" in x][-1]
-    assert "checkpoint saved at" in line and f"ppokit train --resume {run_dir}" in line
-    saved = resume.latest_checkpoint(run_dir, marker="trainer/meta.json")
-    assert saved is not None and saved.parent.name == "checkpoints" and str(saved) in line
+    saved = sigterm_run(train_cmd(str(config), f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 3,
+                        marker="trainer/meta.json")
     assert len(read_rows(run_dir)) == checkpoint.load_checkpoint(saved / "trainer").meta["iteration"]
     assert not (run_dir / "checkpoint").exists()
     # `ppokit train CONFIG --resume`: the run directory of run.name
