@@ -56,12 +56,7 @@ def plot_curves(run_dir: Path | str, eval_history: Sequence[dict[str, float]] = 
         ax = axes[0]
         ax.plot([r["epoch"] for r in sft], [100 * r["heldout_accuracy"] for r in sft], "o-", ms=3,
                 color="tab:gray", label="held-out accuracy")
-        ax.set_xlabel("SFT epoch")
-        ax.set_ylabel("accuracy (%)")
-        ax.set_ylim(0, 100)
-        ax.set_title("supervised warm start")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper left")
+        _percent_axes(ax, "SFT epoch", "accuracy (%)", "supervised warm start")
     ax = axes[-1]
     if rows:
         its = [r["iteration"] + 1 for r in rows]
@@ -75,17 +70,22 @@ def plot_curves(run_dir: Path | str, eval_history: Sequence[dict[str, float]] = 
     if eval_history:
         ax.plot([e["iteration"] for e in eval_history], [100 * e["accuracy"] for e in eval_history], "s-",
                 color="tab:red", ms=5, label="held-out accuracy (greedy)")
-    ax.set_xlabel("PPO iteration")
-    ax.set_ylabel("% correct")
-    ax.set_ylim(0, 100)
-    ax.set_title("PPO with a verifier (exact match)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
+    _percent_axes(ax, "PPO iteration", "% correct", "PPO with a verifier (exact match)")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _percent_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Labels, a 0-100 y range, a light grid and the legend of one percentage panel."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
 
 
 def run_demo(overrides: Sequence[str] = (), echo=print) -> dict[str, Any]:
