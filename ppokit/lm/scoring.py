@@ -8,6 +8,10 @@
                           importance ratio of an update is exactly 1
     ref_log_prob  (N, R)  reference: the backbone with adapters disabled (lora) or the
                           frozen copy (full mode; only loaded when a KL term needs it)
+    ref_log_prob_metric (K, R)  without a KL term, in lora mode: the reference log-probs
+                          of the first K = ``metric_rows`` sequences only, for the
+                          ``kl_ref`` metric (a third of the scoring work saved; the
+                          prompts are shuffled, so the K rows are a random sample)
     old_values    (N, R)  critic: V(state before response token t)
 
 :func:`token_rewards` puts each sequence's reward on its last real response token
@@ -28,12 +32,15 @@ from ppokit.lm.rollout import RolloutBatch
 
 
 class Scorer:
-    """``score(rollout) -> {"old_log_prob", "old_values", ["ref_log_prob"]}`` (N, R) each."""
+    """``score(rollout) -> {"old_log_prob", "old_values", ["ref_log_prob" | "ref_log_prob_metric"]}``."""
 
-    def __init__(self, policy, infer_micro_batch_size: int, *, need_reference: bool):
+    def __init__(self, policy, infer_micro_batch_size: int, *, need_reference: bool,
+                 metric_rows: Optional[int] = None):
         self.policy = policy
         self.chunk = infer_micro_batch_size
         self.need_reference = need_reference and policy.has_reference
+        # no KL term: reference log-probs of a few rows only, for the kl_ref metric
+        self.metric_rows = metric_rows if policy.has_reference and not self.need_reference else None
 
     @torch.no_grad()
     def score(self, rollout: RolloutBatch) -> dict[str, Tensor]:
@@ -49,7 +56,12 @@ class Scorer:
             if self.need_reference:
                 parts["ref_log_prob"].append(self.policy.ref_log_probs(mb))
         mask = rollout.mask
-        return {k: torch.cat(v) * mask for k, v in parts.items()}   # zeros on padding
+        out = {k: torch.cat(v) * mask for k, v in parts.items()}   # zeros on padding
+        if self.metric_rows:
+            k = min(self.metric_rows, n)
+            out["ref_log_prob_metric"] = self.policy.ref_log_probs(
+                {key: v[:k] for key, v in tensors.items()}) * mask[:k]               # (K, R)
+        return out
 
 
 def last_token_index(mask: Tensor) -> Tensor:

@@ -56,6 +56,7 @@ MARKER = f"{TRAINER_DIR}/meta.json"   # = ppokit.resume.CHECKPOINT_MARKERS["lm"]
 BASE_MODEL_DIR = "base_model"
 BASE_MODEL_MARKER = "ppokit_base_model.json"   # in base_model/, written when it is complete
 INIT_MODEL_DIR = "init_model"
+KL_METRIC_ROWS = 64               # without a KL term, kl_ref is measured on this many sequences
 SMALL_MODEL_PARAMS = 20_000_000   # CPU: below this, one torch thread unless run.torch_threads says otherwise
 
 
@@ -196,8 +197,10 @@ def rollout_metrics(rollout, scores: torch.Tensor, scored: dict[str, torch.Tenso
            "truncated_frac": rollout.truncated.float().mean().item(),
            "time_generate": rollout.generation_time,
            "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9)}
-    if "ref_log_prob" in scored:
-        seq_kl = ((scored["old_log_prob"] - scored["ref_log_prob"]) * rollout.mask).sum(1)   # (N,) k1 sums
+    ref = scored.get("ref_log_prob", scored.get("ref_log_prob_metric"))     # (N or K, R)
+    if ref is not None:
+        k = ref.shape[0]
+        seq_kl = ((scored["old_log_prob"][:k] - ref) * rollout.mask[:k]).sum(1)   # (k,) k1 sums
         out["kl_ref"] = seq_kl.mean().item()
     return out
 
@@ -251,8 +254,8 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
             torch.set_num_threads(1)
         kl_in_loss_or_reward = a.beta > 0 or a.use_kl_in_reward
         engine = RolloutEngine(policy, tokenizer, cfg.rollout)
-        scorer = Scorer(policy, cfg.train.infer_micro_batch_size,
-                        need_reference=policy.mode == "lora" or kl_in_loss_or_reward)
+        scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=kl_in_loss_or_reward,
+                        metric_rows=KL_METRIC_ROWS)
         learner = Learner(cfg, policy, cfg.iterations)
         kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
                                           a.kl_ctrl.horizon) if a.use_kl_in_reward else None
@@ -296,6 +299,7 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
                                               values=scored["old_values"] if a.adv_estimator == "gae" else None,
                                               group_ids=rollout.group_ids)
                 batch = {**rollout.tensors(), **scored, "advantages": adv, "returns": ret}
+                batch.pop("ref_log_prob_metric", None)   # (K, R): for the kl_ref metric only
                 if not kl_in_loss_or_reward or a.beta == 0:
                     batch.pop("ref_log_prob", None)     # the update does not need it
                 try:

@@ -10,6 +10,7 @@ from ppokit.config import build_config
 from ppokit.lm.policy import build_policy, load_tokenizer
 from ppokit.lm.rollout import RolloutEngine, assemble, response_mask
 from ppokit.lm.scoring import Scorer, token_rewards
+from ppokit.lm.workload import rollout_metrics
 from ppokit.trainer import PPOTrainer, compute_advantages
 from lm_helpers import randomize
 
@@ -250,3 +251,22 @@ def test_scoring_chunks_do_not_change_the_scores(tiny_dir, tok):
     assert torch.equal(a["old_log_prob"] * (1 - ro.mask), torch.zeros_like(ro.mask))
     kl = algo.kl_penalty(a["old_log_prob"], a["ref_log_prob"], "kl")
     assert kl.abs().sum() > 0
+
+
+def test_without_a_kl_term_the_reference_scores_only_the_metric_rows(tiny_dir, tok):
+    cfg = lm_config(tiny_dir)
+    policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
+    randomize(policy)
+    torch.manual_seed(5)
+    ro = RolloutEngine(policy, tok, cfg.rollout).generate(PROMPTS, group_size=2)
+    full = Scorer(policy, 12, need_reference=True, metric_rows=3).score(ro)
+    assert "ref_log_prob_metric" not in full                      # a KL term: every row, nothing extra
+    sample = Scorer(policy, 12, need_reference=False, metric_rows=3).score(ro)
+    assert "ref_log_prob" not in sample
+    assert sample["ref_log_prob_metric"].shape == (3, ro.mask.shape[1])
+    torch.testing.assert_close(sample["ref_log_prob_metric"], full["ref_log_prob"][:3], rtol=1e-5, atol=1e-6)
+    assert "ref_log_prob_metric" not in Scorer(policy, 12, need_reference=False).score(ro)
+    metrics = rollout_metrics(ro, torch.zeros(len(ro)), sample)
+    expected = ((full["old_log_prob"][:3] - full["ref_log_prob"][:3]) * ro.mask[:3]).sum(1).mean().item()
+    assert metrics["kl_ref"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert metrics["kl_ref"] != 0
