@@ -110,14 +110,19 @@ def test_generation_layout(tiny_dir, tok):
     assert 0 < ended < N          # both kinds present
 
 
-def test_left_padding_gives_the_unpadded_log_probs(tiny_dir, tok):
-    # Fails when padding is attended to. (Llama's rotary positions are relative, so a
-    # position offset alone would not show here; test_generation_layout checks the ids.)
+def random_policy_rollout(tiny_dir, tok, *, seed: int, group_size: int):
+    """(policy, rollout): an fp32 policy with random LoRA weights (actor != reference) and its samples."""
     cfg = lm_config(tiny_dir)
     policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
     randomize(policy)
-    torch.manual_seed(1)
-    ro = RolloutEngine(policy, tok, cfg.rollout).generate(PROMPTS, group_size=1)
+    torch.manual_seed(seed)
+    return policy, RolloutEngine(policy, tok, cfg.rollout).generate(PROMPTS, group_size=group_size)
+
+
+def test_left_padding_gives_the_unpadded_log_probs(tiny_dir, tok):
+    # Fails when padding is attended to. (Llama's rotary positions are relative, so a
+    # position offset alone would not show here; test_generation_layout checks the ids.)
+    policy, ro = random_policy_rollout(tiny_dir, tok, seed=1, group_size=1)
     batch = ro.tensors()
     with torch.no_grad():
         padded = policy.log_probs(batch)["log_prob"]
@@ -239,11 +244,7 @@ def test_micro_batches_give_the_mini_batch_gradient(tiny_dir, tok, mode):
 
 
 def test_scoring_chunks_do_not_change_the_scores(tiny_dir, tok):
-    cfg = lm_config(tiny_dir)
-    policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
-    randomize(policy)
-    torch.manual_seed(4)
-    ro = RolloutEngine(policy, tok, cfg.rollout).generate(PROMPTS, group_size=2)
+    policy, ro = random_policy_rollout(tiny_dir, tok, seed=4, group_size=2)
     a = Scorer(policy, 1, need_reference=True).score(ro)
     b = Scorer(policy, 12, need_reference=True).score(ro)
     for key in a:
@@ -254,11 +255,7 @@ def test_scoring_chunks_do_not_change_the_scores(tiny_dir, tok):
 
 
 def test_without_a_kl_term_the_reference_scores_only_the_metric_rows(tiny_dir, tok):
-    cfg = lm_config(tiny_dir)
-    policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
-    randomize(policy)
-    torch.manual_seed(5)
-    ro = RolloutEngine(policy, tok, cfg.rollout).generate(PROMPTS, group_size=2)
+    policy, ro = random_policy_rollout(tiny_dir, tok, seed=5, group_size=2)
     full = Scorer(policy, 12, need_reference=True, metric_rows=3).score(ro)
     assert "ref_log_prob_metric" not in full                      # a KL term: every row, nothing extra
     sample = Scorer(policy, 12, need_reference=False, metric_rows=3).score(ro)
