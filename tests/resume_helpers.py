@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Iterable
+
+from ppokit.track import read_metrics
 
 
 def train_cmd(*args: str) -> list[str]:
@@ -22,18 +23,8 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def read_rows(run_dir: Path) -> list[dict]:
-    """The complete rows of ``RUN_DIR/metrics.jsonl`` (a torn last line is skipped)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+# The complete rows of RUN_DIR/metrics.jsonl (a torn last line is skipped): the library's reader.
+read_rows = read_metrics
 
 
 def start_and_wait(cmd: list[str], run_dir: Path, rows: int, timeout: float = 120) -> subprocess.Popen:

@@ -63,7 +63,7 @@ def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
     import torch
 
     from ppokit.lm.policy import load_policy, load_tokenizer, resolve_precision
-    from ppokit.lm.workload import evaluate, load_data, resolve_device_name
+    from ppokit.lm.workload import evaluate, load_data, one_thread_if_small, resolve_device_name
 
     run_dir = Path(run_dir)
     ckpt = find_lm_checkpoint(run_dir)
@@ -81,6 +81,8 @@ def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
     device = resolve_device_name(cfg)
     policy = load_policy(ckpt, device=device, autocast_dtype=resolve_precision(cfg.run.precision, device))
     tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
-    torch.set_num_threads(cfg.run.torch_threads or (1 if cfg.model.path == "tiny" else torch.get_num_threads()))
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
+    one_thread_if_small(cfg, policy, policy.device)
     accuracy = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
     return {"accuracy": accuracy, "prompts": len(eval_items), "checkpoint": str(ckpt)}

@@ -100,6 +100,17 @@ def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
     return device, resolve_precision(cfg.run.precision, device)
 
 
+def one_thread_if_small(cfg: Config, policy, device: torch.device) -> None:
+    """CPU, no ``run.torch_threads``, a model under SMALL_MODEL_PARAMS: one torch thread.
+
+    Small matmuls gain little from threads, and more threads than free cores (other
+    processes) slow them down many times over.
+    """
+    if cfg.run.torch_threads is None and device.type == "cpu" and \
+            sum(p.numel() for p in policy.parameters()) < SMALL_MODEL_PARAMS:
+        torch.set_num_threads(1)
+
+
 def load_data(cfg: Config) -> tuple[list[dict], list[dict], Any]:
     """(train prompt records, held-out records, reward function), checked before any model loads."""
     from ppokit.lm.data import is_file_source, load_prompts
@@ -247,11 +258,7 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         tokenizer = load_tokenizer(model_path, "model.path")
         policy = build_policy(cfg, model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
         policy.use_critic = a.adv_estimator == "gae"
-        if cfg.run.torch_threads is None and device.type == "cpu" and \
-                sum(p.numel() for p in policy.parameters()) < SMALL_MODEL_PARAMS:
-            # Small matmuls gain little from threads, and more threads than free cores
-            # (other processes) slows them down many times over: one thread by default.
-            torch.set_num_threads(1)
+        one_thread_if_small(cfg, policy, device)
         kl_in_loss_or_reward = a.beta > 0 or a.use_kl_in_reward
         engine = RolloutEngine(policy, tokenizer, cfg.rollout)
         scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=kl_in_loss_or_reward,
