@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from ppokit import algo
 from ppokit.errors import UserError
+from ppokit.lm.fused_lora import fuse_lora_layers
 
 ACTOR, CRITIC = "actor", "critic"
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -247,6 +248,7 @@ class LMPolicy(nn.Module):
             for p in lm.parameters():
                 if id(p) not in ids:
                     p.requires_grad_(False)          # the backbone is frozen
+            fuse_lora_layers(lm)                     # matmul-only LoRA forward/backward
             self.use(ACTOR)
         else:
             if ref_lm is not None:
