@@ -238,7 +238,9 @@ def test_micro_batches_give_the_mini_batch_gradient(tiny_dir, tok, mode):
     for micro in (5, 1):
         part, metrics = grads[micro]
         for a, b in zip(full, part):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+            # fp32 matmuls of other row counts round differently: compare whole tensors
+            # (a wrong normaliser is off by a factor such as 12/5, not by 1e-5)
+            assert float((a - b).norm()) <= 1e-5 * float(a.norm()), float((a - b).norm() / a.norm())
         for key in ("policy_loss", "value_loss", "entropy"):
             assert metrics[key] == pytest.approx(full_metrics[key], rel=1e-5, abs=1e-6)
 
