@@ -19,6 +19,8 @@ one configuration only. Reported, each against its goal:
 ``iteration`` wall time of the whole iteration over its compute floor (all FLOPs of
               generation, scoring and update at the ceiling). Goal <= 2.
 ``kv-cache``  generation tokens/s with the KV cache over without it.
+``lora``      (``--only lora``) score and update times with ppokit's fused LoRA layers
+              and with peft's own forward, alternating in one process.
 
 Responses are forced to full length (``min_new_tokens``), so every run does the same work.
 
@@ -27,6 +29,7 @@ Examples::
     python bench/lm.py                       # ~50 M parameters, 64 sequences, bf16 where supported
     python bench/lm.py --quick               # ~6 M parameters: a smoke run in about a minute
     python bench/lm.py --precision fp32 --threads 2
+    python bench/lm.py --threads 1 --only lora --repeats 4   # fused LoRA layers against peft's
 """
 
 from __future__ import annotations
@@ -258,7 +261,39 @@ def child_gen(a: argparse.Namespace) -> dict:
     return out
 
 
-CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen}
+def child_lora(a: argparse.Namespace) -> dict:
+    """Score and update with the fused LoRA layers and with peft's own forward, alternating
+    in one process (this machine's speed drifts more between processes than this differs)."""
+    import torch
+
+    from ppokit.lm.fused_lora import fuse_lora_layers, unfuse_lora_layers
+    from ppokit.lm.scoring import token_rewards
+    from ppokit.trainer import compute_advantages
+
+    a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})
+    pieces = Pieces(a, "lora")
+    ro = pieces.engine.generate(pieces.prompts, group_size=1)
+    scored = pieces.scorer.score(ro)
+    rewards = token_rewards(torch.rand(len(ro), generator=torch.Generator().manual_seed(0)), ro.mask)
+    adv, ret = compute_advantages(pieces.cfg, rewards=rewards.to(pieces.device), mask=ro.mask,
+                                  values=scored["old_values"])
+    batch = {**ro.tensors(), **scored, "advantages": adv, "returns": ret}
+    times: dict[str, dict[str, float]] = {"fused": {}, "peft": {}}
+    for round_ in range(a.repeats + 1):                 # round 0 warms both paths up
+        for kind, switch in (("fused", fuse_lora_layers), ("peft", unfuse_lora_layers)):
+            switch(pieces.policy.lm)
+            for phase, run in (("score", lambda: pieces.scorer.score(ro)),
+                               ("update", lambda: pieces.learner.update(batch, 0))):
+                start = time.perf_counter()
+                run()
+                sync(pieces.device)
+                if round_:
+                    elapsed = time.perf_counter() - start
+                    times[kind][phase] = min(times[kind].get(phase, elapsed), elapsed)
+    return times
+
+
+CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -331,6 +366,11 @@ def main(argv=None) -> int:
         print(f"update      {mfu:6.1%} of the matmul ceiling   (goal >= 40% for >= 20 M parameters)")
         print(f"iteration   {r['times']['total']:.3f} s over a compute floor of {floor:.3f} s = {over:.2f}x   "
               f"(goal <= 2)")
+    if a.only == "lora":
+        t = run_child(a, "lora")
+        for phase in ("score", "update"):
+            print(f"lora        {phase:6s} fused {t['fused'][phase]:7.3f} s   peft {t['peft'][phase]:7.3f} s   "
+                  f"peft/fused {t['peft'][phase] / t['fused'][phase]:.2f}x")
     if a.only in (None, "gen"):
         g = run_child(a, "gen")
         print(f"kv-cache    {g['cache']:8.0f} tokens/s with the cache, {g['no_cache']:8.0f} without: "

@@ -141,3 +141,15 @@ def fuse_lora_layers(model: nn.Module) -> int:
             module.__class__ = _fused_class(cls)
             count += 1
     return count
+
+
+def unfuse_lora_layers(model: nn.Module) -> int:
+    """Undo :func:`fuse_lora_layers` (peft's own forward again); returns how many layers changed."""
+    fused_to_plain = {fused: plain for plain, fused in _FUSED_CLASSES.items()}
+    count = 0
+    for module in model.modules():
+        plain = fused_to_plain.get(type(module))
+        if plain is not None:
+            module.__class__ = plain
+            count += 1
+    return count

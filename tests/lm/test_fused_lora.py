@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ppokit.lm.fused_lora import LoRALinearFunction, _fusable_adapter, fuse_lora_layers
+from ppokit.lm.fused_lora import LoRALinearFunction, _fusable_adapter, fuse_lora_layers, unfuse_lora_layers
 
 
 def naive_lora(x, w, b, a, bb, s):
@@ -145,10 +145,13 @@ def test_layers_the_fused_path_cannot_compute_exactly_are_left_to_peft():
     assert _fusable_adapter(layer) is None                       # several active adapters
 
 
-def test_fusing_keeps_the_state_dict_and_is_idempotent():
+def test_fusing_keeps_the_state_dict_is_idempotent_and_undoes():
+    from peft.tuners.lora import Linear as LoraLinear
+
     plain, fused = peft_model(), peft_model()
     assert fuse_lora_layers(fused) == 2 and fuse_lora_layers(fused) == 0
     assert list(fused.state_dict()) == list(plain.state_dict())
-    from peft.tuners.lora import Linear as LoraLinear
-
-    assert all(isinstance(m, LoraLinear) for m in (fused.base_model.model.up, fused.base_model.model.down))
+    layers = (fused.base_model.model.up, fused.base_model.model.down)
+    assert all(isinstance(m, LoraLinear) and type(m) is not LoraLinear for m in layers)
+    assert unfuse_lora_layers(fused) == 2 and unfuse_lora_layers(fused) == 0
+    assert all(type(m) is LoraLinear for m in layers)
