@@ -148,6 +148,19 @@ def test_bf16_keeps_trained_weights_fp32_and_stores_the_frozen_backbone_in_bf16(
     assert all(p.grad is None or p.grad.dtype == torch.float32 for g in policy.param_groups(cfg) for p in g["params"])
 
 
+def test_lora_policies_train_through_the_fused_lora_layers(tiny_dir, tmp_path):
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from ppokit.lm.policy import load_policy
+
+    policy = build_policy(lm_config(tiny_dir), tiny_dir, device=CPU, autocast_dtype=None)
+    layers = [m for m in policy.lm.modules() if isinstance(m, LoraLinear)]
+    assert layers and all(type(m).__name__ == "FusedLinear" for m in layers)
+    policy.save(tmp_path / "ckpt", base_model=str(tiny_dir))
+    reloaded = load_policy(tmp_path / "ckpt", trainable=True)
+    assert all(type(m).__name__ == "FusedLinear" for m in reloaded.lm.modules() if isinstance(m, LoraLinear))
+
+
 # ----------------------------------------------------------------------------- reference
 def full_logits_log_probs(model, mb, temperature):
     """The plain way: all logits of a fresh model, log_softmax, gather (float64)."""
