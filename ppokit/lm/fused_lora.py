@@ -95,6 +95,8 @@ def _fusable_adapter(layer) -> Optional[str]:
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The forward of a fused peft LoRA layer: x [..., d_in] -> [..., d_out] in the compute
+    dtype (autocast's when it is on, the base weight's otherwise), as peft returns it."""
     name = None if args or kwargs else _fusable_adapter(self)
     if name is None:
         return self._peft_forward(x, *args, **kwargs)
