@@ -119,12 +119,19 @@ class Pieces:
         self.learner = Learner(cfg, self.policy, 1)
         self.prompts = prompts(a)
 
-    def iteration(self) -> dict:
+    def training_batch(self, ro, scored: dict) -> dict:
+        """The update's batch for rollout ``ro``: random sequence rewards in [0, 1), GAE."""
         import torch
 
         from ppokit.lm.scoring import token_rewards
         from ppokit.trainer import compute_advantages
 
+        scores = torch.rand(len(ro), generator=torch.Generator().manual_seed(0)).to(self.device)
+        rewards = token_rewards(scores, ro.mask)
+        adv, ret = compute_advantages(self.cfg, rewards=rewards, mask=ro.mask, values=scored["old_values"])
+        return {**ro.tensors(), **scored, "advantages": adv, "returns": ret}
+
+    def iteration(self) -> dict:
         t = {}
         start = time.perf_counter()
         ro = self.engine.generate(self.prompts, group_size=1)
@@ -134,10 +141,7 @@ class Pieces:
         scored = self.scorer.score(ro)
         sync(self.device)
         t["score"] = time.perf_counter() - start
-        scores = torch.rand(len(ro), generator=torch.Generator().manual_seed(0)).to(self.device)
-        rewards = token_rewards(scores, ro.mask)
-        adv, ret = compute_advantages(self.cfg, rewards=rewards, mask=ro.mask, values=scored["old_values"])
-        batch = {**ro.tensors(), **scored, "advantages": adv, "returns": ret}
+        batch = self.training_batch(ro, scored)
         start = time.perf_counter()
         self.learner.update(batch, 0)
         sync(self.device)
@@ -264,20 +268,12 @@ def child_gen(a: argparse.Namespace) -> dict:
 def child_lora(a: argparse.Namespace) -> dict:
     """Score and update with the fused LoRA layers and with peft's own forward, alternating
     in one process (this machine's speed drifts more between processes than this differs)."""
-    import torch
-
     from ppokit.lm.fused_lora import fuse_lora_layers, unfuse_lora_layers
-    from ppokit.lm.scoring import token_rewards
-    from ppokit.trainer import compute_advantages
 
     a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})
     pieces = Pieces(a, "lora")
     ro = pieces.engine.generate(pieces.prompts, group_size=1)
-    scored = pieces.scorer.score(ro)
-    rewards = token_rewards(torch.rand(len(ro), generator=torch.Generator().manual_seed(0)), ro.mask)
-    adv, ret = compute_advantages(pieces.cfg, rewards=rewards.to(pieces.device), mask=ro.mask,
-                                  values=scored["old_values"])
-    batch = {**ro.tensors(), **scored, "advantages": adv, "returns": ret}
+    batch = pieces.training_batch(ro, pieces.scorer.score(ro))
     times: dict[str, dict[str, float]] = {"fused": {}, "peft": {}}
     for round_ in range(a.repeats + 1):                 # round 0 warms both paths up
         for kind, switch in (("fused", fuse_lora_layers), ("peft", unfuse_lora_layers)):
