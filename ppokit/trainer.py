@@ -16,6 +16,15 @@ serves::
                                                         # exactly the mini-batch gradient
         stop early when approx_kl > target_kl
 
+The first mini-batch of the first epoch is exactly on-policy: no optimizer step has
+happened since the rollout, so its ``old_log_prob`` is taken from the update's own
+forward pass (detached) and its importance ratio is exactly 1 on every device. The
+rollout's (or scorer's) old log-probs are still read there: their largest difference
+from that forward pass is the metric ``old_log_prob_gap`` (0 on the CPU, < 1e-4 on a GPU,
+whose kernels depend on the batch shape; a large gap means the rollout and the update
+compute different policies: a temperature, tokenisation or normalisation mismatch).
+Later mini-batches use the rollout's old log-probs as they are.
+
 The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
 ``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
 Every other key is sliced along dim 0 and handed to ``policy.evaluate``.
@@ -101,12 +110,13 @@ class PPOTrainer:
         weights: dict[str, float] = {}
         epochs_done = 0
         skipped_before = self.skipped_steps
-        for _ in range(cfg.train.epochs):
+        for epoch in range(cfg.train.epochs):
             epoch_kl = []
             order = torch.randperm(n, generator=self.generator)
-            for mb_index in order.split(mini):
+            for step, mb_index in enumerate(order.split(mini)):
                 mb = {k: v[mb_index] for k, v in batch.items()}
-                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only)
+                on_policy = epoch == 0 and step == 0
+                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy)
                 for k, v in step_metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                     weights[k] = weights.get(k, 0.0) + 1.0
@@ -129,7 +139,7 @@ class PPOTrainer:
         return out
 
     def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int,
-                        critic_only: bool) -> dict[str, Tensor]:
+                        critic_only: bool, on_policy: bool = False) -> dict[str, Tensor]:
         a = self.cfg.algo
         mode = a.loss_agg_mode
         normalizer = algo.aggregation_normalizer(mb["mask"], mode)
@@ -151,8 +161,14 @@ class PPOTrainer:
             losses = {"value_loss": v_loss.detach()}
             metrics = {"vf_clipfrac": v_metrics["vf_clipfrac"]}
             if not critic_only:
+                old_log_prob = part["old_log_prob"]
+                if on_policy:       # the policy that sampled this data: the ratio is exactly 1
+                    diff = (out["log_prob"].detach() - old_log_prob).abs()
+                    gap = torch.where(mask.bool(), diff, torch.zeros_like(diff)).amax()
+                    totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)
+                    old_log_prob = out["log_prob"].detach()
                 pg_loss, pg_metrics = algo.policy_loss(
-                    out["log_prob"], part["old_log_prob"], part["advantages"], mask,
+                    out["log_prob"], old_log_prob, part["advantages"], mask,
                     lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,
                     clip_ratio_c=a.clip_ratio_c, agg_mode=mode, ratio_level=a.ratio_level,
                     normalizer=normalizer, horizon=horizon, diagnostics=False)

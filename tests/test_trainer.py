@@ -61,14 +61,17 @@ def test_micro_batches_give_the_mini_batch_gradient(mode):
     batch = make_batch()
     grads = {}
     for micro in (12, 5, 1):
-        cfg = lm_like_config(micro_batch_size=micro)
+        # two epochs, the second step's gradient: the first mini-batch of the first epoch
+        # is on-policy (ratio 1); the second reads the batch's off-policy old log-probs
+        cfg = lm_like_config(micro_batch_size=micro, epochs=2)
         cfg.algo.loss_agg_mode = mode
         policy = ToyPolicy()
         trainer = PPOTrainer(cfg, policy, total_iterations=1)
         captured = []
         trainer.optimizer.step = lambda: captured.append([p.grad.clone() for p in trainer.params])
         metrics = trainer.update(batch)
-        grads[micro] = (captured[0], metrics)
+        assert metrics["clipfrac"] > 0
+        grads[micro] = (captured[1], metrics)
     full, full_metrics = grads[12]
     for micro in (5, 1):
         part, part_metrics = grads[micro]
@@ -87,6 +90,32 @@ def test_first_update_sees_ratio_one_when_old_log_prob_is_current():
     metrics = PPOTrainer(cfg, policy, total_iterations=1).update(batch)
     assert metrics["clipfrac"] == 0.0
     assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_first_mini_batch_is_on_policy_and_reports_the_old_log_prob_gap(monkeypatch):
+    batch = make_batch()                      # old_log_prob: the policy's, off by up to ~0.3
+    policy = ToyPolicy()
+    with torch.no_grad():
+        current = policy.evaluate(batch)["log_prob"]
+    m = batch["mask"].bool()
+    expected_gap = float((current - batch["old_log_prob"])[m].abs().max())
+    ratios = []
+    cfg = lm_like_config(micro_batch_size=5, mini_batch_size=6, epochs=2)
+    trainer = PPOTrainer(cfg, policy, total_iterations=1)
+    loss = algo.policy_loss
+
+    def spy(log_prob, old_log_prob, *args, **kwargs):
+        ratios.append(torch.exp(log_prob.detach() - old_log_prob)[args[1].bool()])
+        return loss(log_prob, old_log_prob, *args, **kwargs)
+
+    monkeypatch.setattr(algo, "policy_loss", spy)
+    metrics = trainer.update(batch)
+    # 2 epochs x 2 mini-batches x 2 micro-batches: only the first mini-batch's are exactly 1
+    assert len(ratios) == 8
+    assert all(torch.equal(r, torch.ones_like(r)) for r in ratios[:2])
+    assert not torch.equal(ratios[2], torch.ones_like(ratios[2]))
+    assert metrics["old_log_prob_gap"] > 0.05
+    assert metrics["old_log_prob_gap"] <= expected_gap + 1e-6
 
 
 def test_update_improves_the_surrogate():

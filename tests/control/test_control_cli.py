@@ -35,7 +35,7 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_unknown_env_id_in_a_real_process(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "ppokit", "train", "cartpole", "env.id=CartPol-v1", "--no-progress"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

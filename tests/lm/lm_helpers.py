@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+# Tests that compare numbers across passes run on every device there is: the CPU always,
+# CUDA where a GPU is present (CI has none; the GPU run is reported in the README).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                  reason="needs a CUDA device"))]
 
 
 def randomize(policy, std=0.1, seed=0):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from lm_helpers import DEVICES
 from ppokit.lm.fused_lora import LoRALinearFunction, _fusable_adapter, fuse_lora_layers, unfuse_lora_layers
 
 
@@ -83,14 +84,15 @@ def run(model, x, adapter="actor"):
     model.zero_grad()
     x = x.clone().requires_grad_(True)
     y = model(x)
-    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    (y * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
     return y.detach(), x.grad, lora_grads(model)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("adapter", ["actor", "critic"])
-def test_fused_layers_give_peft_values_and_gradients_in_fp32(adapter):
-    x = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(1))
-    plain, fused = peft_model(), peft_model()
+def test_fused_layers_give_peft_values_and_gradients_in_fp32(adapter, device):
+    x = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(1)).to(device)
+    plain, fused = peft_model().to(device), peft_model().to(device)
     assert fuse_lora_layers(fused) == 2
     y0, gx0, grads0 = run(plain, x, adapter)
     y1, gx1, grads1 = run(fused, x, adapter)
@@ -101,15 +103,16 @@ def test_fused_layers_give_peft_values_and_gradients_in_fp32(adapter):
         torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-6)
 
 
-def test_fused_layers_under_bf16_autocast_stay_as_close_to_fp32_as_peft():
-    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(2))
-    exact_y, _, exact_grads = run(peft_model(), x)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_layers_under_bf16_autocast_stay_as_close_to_fp32_as_peft(device):
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(2)).to(device)
+    exact_y, _, exact_grads = run(peft_model().to(device), x)
     errors = {}
     for kind in ("peft", "fused"):
-        model = peft_model()
+        model = peft_model().to(device)
         if kind == "fused":
             fuse_lora_layers(model)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             y, _, grads = run(model, x)
         assert y.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads.values())
         errors[kind] = max([(y.float() - exact_y).abs().max().item()]
