@@ -30,6 +30,7 @@ Examples::
     python bench/lm.py --quick               # ~6 M parameters: a smoke run in about a minute
     python bench/lm.py --precision fp32 --threads 2
     python bench/lm.py --threads 1 --only lora --repeats 4   # fused LoRA layers against peft's
+    python bench/lm.py --threads 1 --only perf --hidden 896 --layers 4 --mlp 4864   # Qwen2.5-0.5B's layer shape
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ sys.path.insert(0, str(ROOT))
 def model_dir(a: argparse.Namespace) -> Path:
     from ppokit.lm.tiny import build_tiny_model
 
-    path = Path(tempfile.gettempdir()) / f"ppokit-bench-lm-h{a.hidden}-l{a.layers}"
+    path = Path(tempfile.gettempdir()) / f"ppokit-bench-lm-h{a.hidden}-l{a.layers}-m{a.mlp or 0}"
     return build_tiny_model(path, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.hidden // 64,
-                            max_position_embeddings=256, seed=0)
+                            intermediate_size=a.mlp, max_position_embeddings=256, seed=0)
 
 
 def make_config(a: argparse.Namespace, mode: str, path: Path, use_cache: bool = True):
@@ -295,7 +296,7 @@ CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora"
 # ----------------------------------------------------------------------------- parent
 def run_child(a: argparse.Namespace, kind: str, mode: str = "lora") -> dict:
     args = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--mode", mode]
-    for key in ("hidden", "layers", "batch", "micro", "perf_micro", "prompt_repeat", "response_len", "precision", "device",
+    for key in ("hidden", "layers", "mlp", "batch", "micro", "perf_micro", "prompt_repeat", "response_len", "precision", "device",
                 "threads", "repeats"):
         value = getattr(a, key)
         if value is not None:
@@ -312,6 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a ~6 M-parameter model and fewer tokens")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 640; quick 256)")
     p.add_argument("--layers", type=int, default=None, help="layers (default 10; quick 6)")
+    p.add_argument("--mlp", type=int, default=None, help="MLP size (default 8/3 x hidden, the Llama ratio)")
     p.add_argument("--batch", type=int, default=None, help="sequences per iteration (default 64; quick 16)")
     p.add_argument("--micro", type=int, default=None, help="sequences per forward/backward (default 4, the seed-000 scale)")
     p.add_argument("--perf-micro", type=int, default=None,
