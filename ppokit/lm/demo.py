@@ -85,7 +85,7 @@ def _percent_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_ylim(0, 100)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
+    ax.legend(loc="lower right")   # accuracy rises: the lower right stays empty
 
 
 def run_demo(overrides: Sequence[str] = (), echo=print) -> dict[str, Any]:
