@@ -16,6 +16,9 @@ one configuration only. Reported, each against its goal:
               linear layers 2 * params * tokens, attention 4 * L^2 * hidden per layer,
               lm_head only at response positions; a LoRA pass backward costs one more
               forward (input gradients only, the backbone is frozen). Goal >= 40 %.
+              The ``bound`` line runs the update's layer matmuls alone (same
+              shapes, forward and input gradient, nothing else) alternately with the
+              ceiling matmul: what no update built of these layers can beat.
 ``iteration`` wall time of the whole iteration over its compute floor (all FLOPs of
               generation, scoring and update at the ceiling). Goal <= 2.
 ``kv-cache``  generation tokens/s with the KV cache over without it.
@@ -200,6 +203,55 @@ def matmul_ceiling(device, dtype, size: int = 2048, repeats: int = 10) -> float:
     return 2 * size ** 3 / best
 
 
+def layer_matmul_shapes(policy) -> list[tuple[int, int]]:
+    """(out, in) of every frozen linear layer in the first decoder layer (LoRA factors apart)."""
+    from torch import nn
+
+    base = policy.lm.get_base_model() if hasattr(policy.lm, "get_base_model") else policy.lm
+    layer = base.model.layers[0]
+    return [tuple(m.weight.shape) for name, m in layer.named_modules()
+            if isinstance(m, nn.Linear) and "lora_" not in name]
+
+
+def layer_matmul_rate(shapes: list[tuple[int, int]], rows: int, device, dtype, ceiling_size: int = 2048,
+                      repeats: int = 30) -> tuple[float, float]:
+    """(FLOP/s of the update's layer matmuls alone, FLOP/s of the ceiling matmul), best of
+    ``repeats``, measured alternately so that both see the same load on the machine.
+
+    The update's layer matmuls, per linear layer of shape (out, in) and micro-batch of
+    ``rows`` tokens: the forward ``x W^T`` and the input gradient ``g W`` (the backbone
+    is frozen, so there is no weight gradient). Nothing else: no LoRA, no elementwise
+    work. Its rate is about the most an update made of these layers can reach (the
+    attention and lm_head matmuls, a few per cent of the FLOPs, are left out)."""
+    import torch
+
+    dt = dtype or torch.float32
+    weights = [torch.randn(o, i, device=device).to(dt) for o, i in shapes]
+    inputs = {n: torch.randn(rows, n, device=device).to(dt) for shape in shapes for n in shape}
+
+    def layer():
+        for w in weights:
+            inputs[w.shape[1]] @ w.t()
+            inputs[w.shape[0]] @ w
+
+    x = torch.randn(ceiling_size, ceiling_size, device=device).to(dt)
+    y = torch.randn(ceiling_size, ceiling_size, device=device).to(dt)
+
+    def best_of(fn, best: float) -> float:
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        return min(best, time.perf_counter() - start)
+
+    layer_time = ceiling_time = float("inf")
+    for _ in range(repeats):
+        ceiling_time = best_of(lambda: x @ y, ceiling_time)
+        layer_time = best_of(layer, layer_time)
+    flops = sum(2 * 2 * rows * o * i for o, i in shapes)
+    return flops / layer_time, 2 * ceiling_size ** 3 / ceiling_time
+
+
 # ----------------------------------------------------------------------------- children
 def child_memory(a: argparse.Namespace) -> dict:
     import torch
@@ -245,7 +297,11 @@ def child_perf(a: argparse.Namespace) -> dict:
     ceiling = max(ceilings)
     t = {k: min(r["times"][k] for r in runs) for k in ("generate", "score", "update")}
     t["total"] = best["times"]["total"]
+    rows = a.perf_micro * (ro.prompt_length + ro.responses.shape[1])
+    matmuls, matmul_ceiling_ = layer_matmul_rate(layer_matmul_shapes(pieces.policy), rows, pieces.device,
+                                                 pieces.dtype)
     return {"ceiling_flops": ceiling, "flops": flops, "times": t, "shapes": s,
+            "layer_matmuls": {"rows": rows, "fraction": matmuls / matmul_ceiling_},
             "precision": "bf16" if pieces.dtype is not None else "fp32", "device": str(pieces.device),
             "threads": __import__("torch").get_num_threads(),
             "tokens": {"n": len(ro), "prompt": ro.prompt_length, "response": ro.responses.shape[1]}}
@@ -362,6 +418,9 @@ def main(argv=None) -> int:
             print(f"  {phase:9s} {r['times'][phase]:7.3f} s  {r['flops'][phase] / 1e9:9.1f} GFLOP  "
                   f"{achieved / 1e12:.3f} TFLOP/s = {achieved / r['ceiling_flops']:6.1%} of the ceiling")
         print(f"update      {mfu:6.1%} of the matmul ceiling   (goal >= 40% for >= 20 M parameters)")
+        lm = r["layer_matmuls"]
+        print(f"  bound     {lm['fraction']:6.1%}: the update's layer matmuls alone ({lm['rows']} rows, no LoRA, "
+              "no elementwise work), measured alternately with the ceiling")
         print(f"iteration   {r['times']['total']:.3f} s over a compute floor of {floor:.3f} s = {over:.2f}x   "
               f"(goal <= 2)")
     if a.only == "lora":
