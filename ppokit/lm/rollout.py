@@ -28,6 +28,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ppokit.errors import UserError
+
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask")
 
 
@@ -119,6 +121,12 @@ class RolloutEngine:
         self.cfg = rollout_cfg
         if tokenizer.padding_side != "left":
             raise ValueError("the tokenizer must pad on the left for batched generation")
+        if (rollout_cfg.use_cache and rollout_cfg.cache_implementation == "static" and policy.mode == "full"
+                and policy.autocast_dtype is not None):
+            # Under autocast the rotary embedding returns fp32 keys (fp32 model) beside bf16
+            # values, and a preallocated cache holds one dtype.
+            raise UserError("rollout.cache_implementation=static does not work with model.mode=full under bf16 "
+                            "autocast; use the dynamic cache, model.mode=lora or run.precision=fp32")
         model = policy.actor_model
         self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, self.model)
@@ -130,6 +138,8 @@ class RolloutEngine:
         c = self.cfg
         kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
                                       pad_token_id=self.pad_id, use_cache=c.use_cache, do_sample=not greedy)
+        if c.use_cache and c.cache_implementation == "static":
+            kwargs["cache_implementation"] = "static"
         if not greedy:
             kwargs.update(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
         else:
