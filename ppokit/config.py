@@ -204,7 +204,7 @@ class RolloutConfig(Section):
     use_cache: bool = field(True, "KV cache during generation (false only to measure what it saves)")
     cache_implementation: Literal["dynamic", "static"] = field(
         "dynamic", "KV cache kind: dynamic grows step by step; static is preallocated, and on CUDA transformers "
-        "compiles the decoding step around it (a one-time compile of 10-25 s, then 3.8-5.9x faster "
+        "compiles the decoding step around it (a one-time compile of 10-25 s, then 3.9-5.5x faster "
         "generation on an H100); lora mode, or fp32 in full mode")
 
 
