@@ -292,6 +292,10 @@ class Config(Section):
                                  f"train.iterations={t.iterations}")
         if self.rollout.cache_implementation == "static" and not self.rollout.use_cache:
             raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
+        if (self.rollout.cache_implementation == "static" and self.model.mode == "full"
+                and self.run.precision == "bf16"):     # precision=auto is checked when it resolves
+            raise ValueError("rollout.cache_implementation=static does not work with model.mode=full under bf16 "
+                             "autocast; use the dynamic cache, model.mode=lora or run.precision=fp32")
         return self
 
     # ----------------------------------------------------------------- derived values

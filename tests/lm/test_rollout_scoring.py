@@ -145,7 +145,8 @@ def test_static_cache_generates_what_the_dynamic_cache_does(tiny_dir, tok, devic
 
 
 def test_static_cache_is_refused_in_full_mode_under_bf16(tiny_dir, tok):
-    cfg = lm_config(tiny_dir, model={"mode": "full"}, run={"precision": "bf16"},
+    # precision=bf16 is refused by the config (tests/bad_inputs); auto resolves to bf16 later
+    cfg = lm_config(tiny_dir, model={"mode": "full"}, run={"precision": "auto"},
                     rollout={"cache_implementation": "static"})
     policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=torch.bfloat16)
     with pytest.raises(UserError, match="cache_implementation=static does not work with model.mode=full"):
