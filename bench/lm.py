@@ -18,7 +18,7 @@ one configuration only. Reported, each against its goal:
               forward (input gradients only, the backbone is frozen). Goal >= 40 %.
               The ``bound`` line runs the update's layer matmuls alone (same
               shapes, forward and input gradient, nothing else) alternately with the
-              ceiling matmul: what no update built of these layers can beat.
+              ceiling matmul: about the most an update of these layers can reach.
 ``iteration`` wall time of the whole iteration over its compute floor (all FLOPs of
               generation, scoring and update at the ceiling). Goal <= 2.
 ``kv-cache``  generation tokens/s with the KV cache over without it, and with the
@@ -236,22 +236,16 @@ def layer_matmul_rate(shapes: list[tuple[int, int]], rows: int, device, dtype, c
             inputs[w.shape[1]] @ w.t()
             inputs[w.shape[0]] @ w
 
-    x = torch.randn(ceiling_size, ceiling_size, device=device).to(dt)
-    y = torch.randn(ceiling_size, ceiling_size, device=device).to(dt)
-
-    def best_of(fn, best: float) -> float:
+    layer_time, ceiling = float("inf"), 0.0
+    for _ in range(repeats):
+        ceiling = max(ceiling, matmul_ceiling(device, dtype, ceiling_size, repeats=1))
         sync(device)
         start = time.perf_counter()
-        fn()
+        layer()
         sync(device)
-        return min(best, time.perf_counter() - start)
-
-    layer_time = ceiling_time = float("inf")
-    for _ in range(repeats):
-        ceiling_time = best_of(lambda: x @ y, ceiling_time)
-        layer_time = best_of(layer, layer_time)
+        layer_time = min(layer_time, time.perf_counter() - start)
     flops = sum(2 * 2 * rows * o * i for o, i in shapes)
-    return flops / layer_time, 2 * ceiling_size ** 3 / ceiling_time
+    return flops / layer_time, ceiling
 
 
 # ----------------------------------------------------------------------------- children

@@ -192,6 +192,10 @@ class ModelConfig(Section):
         "auto", "attention kernel (auto = eager on CPU, the model's default elsewhere)")
 
 
+STATIC_CACHE_FULL_BF16 = ("rollout.cache_implementation=static does not work with model.mode=full under bf16 "
+                         "autocast; use the dynamic cache, model.mode=lora or run.precision=fp32")
+
+
 class RolloutConfig(Section):
     """Generation of responses (lm workload)."""
 
@@ -293,9 +297,8 @@ class Config(Section):
         if self.rollout.cache_implementation == "static" and not self.rollout.use_cache:
             raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
         if (self.rollout.cache_implementation == "static" and self.model.mode == "full"
-                and self.run.precision == "bf16"):     # precision=auto is checked when it resolves
-            raise ValueError("rollout.cache_implementation=static does not work with model.mode=full under bf16 "
-                             "autocast; use the dynamic cache, model.mode=lora or run.precision=fp32")
+                and self.run.precision == "bf16"):     # precision=auto: checked by RolloutEngine
+            raise ValueError(STATIC_CACHE_FULL_BF16)
         return self
 
     # ----------------------------------------------------------------- derived values

@@ -163,10 +163,10 @@ class PPOTrainer:
             if not critic_only:
                 old_log_prob = part["old_log_prob"]
                 if on_policy:       # the policy that sampled this data: the ratio is exactly 1
-                    diff = (out["log_prob"].detach() - old_log_prob).abs()
-                    gap = torch.where(mask.bool(), diff, torch.zeros_like(diff)).amax()
+                    current = out["log_prob"].detach()
+                    gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
                     totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)
-                    old_log_prob = out["log_prob"].detach()
+                    old_log_prob = current
                 pg_loss, pg_metrics = algo.policy_loss(
                     out["log_prob"], old_log_prob, part["advantages"], mask,
                     lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,

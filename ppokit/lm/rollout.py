@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ppokit.config import STATIC_CACHE_FULL_BF16
 from ppokit.errors import UserError
 
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask")
@@ -121,12 +122,10 @@ class RolloutEngine:
         self.cfg = rollout_cfg
         if tokenizer.padding_side != "left":
             raise ValueError("the tokenizer must pad on the left for batched generation")
-        if (rollout_cfg.use_cache and rollout_cfg.cache_implementation == "static" and policy.mode == "full"
-                and policy.autocast_dtype is not None):
+        if rollout_cfg.cache_implementation == "static" and policy.mode == "full" and policy.autocast_dtype:
             # Under autocast the rotary embedding returns fp32 keys (fp32 model) beside bf16
             # values, and a preallocated cache holds one dtype.
-            raise UserError("rollout.cache_implementation=static does not work with model.mode=full under bf16 "
-                            "autocast; use the dynamic cache, model.mode=lora or run.precision=fp32")
+            raise UserError(STATIC_CACHE_FULL_BF16)
         model = policy.actor_model
         self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, self.model)
@@ -138,7 +137,7 @@ class RolloutEngine:
         c = self.cfg
         kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
                                       pad_token_id=self.pad_id, use_cache=c.use_cache, do_sample=not greedy)
-        if c.use_cache and c.cache_implementation == "static":
+        if c.cache_implementation == "static":        # the config requires use_cache for it
             kwargs["cache_implementation"] = "static"
         if not greedy:
             kwargs.update(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
