@@ -26,6 +26,8 @@ one configuration only. Reported, each against its goal:
               over the dynamic one.
 ``lora``      (``--only lora``) score and update times with ppokit's fused LoRA layers
               and with peft's own forward, alternating in one process.
+``kernels``   (``--only kernels``) the same with ppokit's fused CPU kernels (RMSNorm,
+              SwiGLU, rotary; ``ppokit/lm/kernels``) and with transformers' layers.
 
 Responses are forced to full length (``min_new_tokens``), so every run does the same work.
 
@@ -35,6 +37,7 @@ Examples::
     python bench/lm.py --quick               # ~6 M parameters: a smoke run in about a minute
     python bench/lm.py --precision fp32 --threads 2
     python bench/lm.py --threads 1 --only lora --repeats 4   # fused LoRA layers against peft's
+    python bench/lm.py --threads 1 --only kernels --repeats 4   # fused CPU kernels against transformers' layers
     python bench/lm.py --threads 1 --only perf --hidden 896 --layers 4 --mlp 4864   # Qwen2.5-0.5B's layer shape
 """
 
@@ -319,19 +322,18 @@ def child_gen(a: argparse.Namespace) -> dict:
     return out
 
 
-def child_lora(a: argparse.Namespace) -> dict:
-    """Score and update with the fused LoRA layers and with peft's own forward, alternating
-    in one process (this machine's speed drifts more between processes than this differs)."""
-    from ppokit.lm.fused_lora import fuse_lora_layers, unfuse_lora_layers
-
+def alternate(a: argparse.Namespace, paths: dict) -> dict:
+    """Score and update times for each of ``paths`` (name -> function that switches the
+    policy to it), best of ``a.repeats`` rounds, alternating in one process (this machine's
+    speed drifts more between processes than the paths differ)."""
     a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})
     pieces = Pieces(a, "lora")
     ro = pieces.engine.generate(pieces.prompts, group_size=1)
     batch = pieces.training_batch(ro, pieces.scorer.score(ro))
-    times: dict[str, dict[str, float]] = {"fused": {}, "peft": {}}
-    for round_ in range(a.repeats + 1):                 # round 0 warms both paths up
-        for kind, switch in (("fused", fuse_lora_layers), ("peft", unfuse_lora_layers)):
-            switch(pieces.policy.lm)
+    times: dict[str, dict[str, float]] = {name: {} for name in paths}
+    for round_ in range(a.repeats + 1):                 # round 0 warms every path up
+        for name, switch in paths.items():
+            switch(pieces.policy)
             for phase, run in (("score", lambda: pieces.scorer.score(ro)),
                                ("update", lambda: pieces.learner.update(batch, 0))):
                 start = time.perf_counter()
@@ -339,11 +341,28 @@ def child_lora(a: argparse.Namespace) -> dict:
                 sync(pieces.device)
                 if round_:
                     elapsed = time.perf_counter() - start
-                    times[kind][phase] = min(times[kind].get(phase, elapsed), elapsed)
+                    times[name][phase] = min(times[name].get(phase, elapsed), elapsed)
     return times
 
 
-CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora}
+def child_lora(a: argparse.Namespace) -> dict:
+    """ppokit's fused LoRA layers against peft's own forward."""
+    from ppokit.lm.fused_lora import fuse_lora_layers, unfuse_lora_layers
+
+    return alternate(a, {"fused": lambda policy: fuse_lora_layers(policy.lm),
+                         "plain": lambda policy: unfuse_lora_layers(policy.lm)})
+
+
+def child_kernels(a: argparse.Namespace) -> dict:
+    """The fused CPU kernels (RMSNorm, SwiGLU, rotary) against transformers' layers."""
+    from ppokit.lm.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
+
+    return alternate(a, {"fused": lambda policy: fuse_cpu_kernels(policy.lm),
+                         "plain": lambda policy: unfuse_cpu_kernels(policy.lm)})
+
+
+CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora,
+            "kernels": child_kernels}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -420,11 +439,12 @@ def main(argv=None) -> int:
               "no elementwise work), measured alternately with the ceiling")
         print(f"iteration   {r['times']['total']:.3f} s over a compute floor of {floor:.3f} s = {over:.2f}x   "
               f"(goal <= 2)")
-    if a.only == "lora":
-        t = run_child(a, "lora")
+    if a.only in ("lora", "kernels"):
+        t = run_child(a, a.only)
+        plain = "peft" if a.only == "lora" else "transformers"
         for phase in ("score", "update"):
-            print(f"lora        {phase:6s} fused {t['fused'][phase]:7.3f} s   peft {t['peft'][phase]:7.3f} s   "
-                  f"peft/fused {t['peft'][phase] / t['fused'][phase]:.2f}x")
+            print(f"{a.only:11s} {phase:6s} fused {t['fused'][phase]:7.3f} s   {plain} {t['plain'][phase]:7.3f} s   "
+                  f"{plain}/fused {t['plain'][phase] / t['fused'][phase]:.2f}x")
     if a.only in (None, "gen"):
         g = run_child(a, "gen")
         print(f"kv-cache    {g['cache']:8.0f} tokens/s with the cache, {g['no_cache']:8.0f} without: "

@@ -79,7 +79,8 @@ def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
         raise UserError(f"{run_dir}: the run has no held-out prompts (set data.eval_prompts, or use a built-in "
                         "task, and data.eval_size > 0)")
     device = resolve_device_name(cfg)
-    policy = load_policy(ckpt, device=device, autocast_dtype=resolve_precision(cfg.run.precision, device))
+    policy = load_policy(ckpt, device=device, autocast_dtype=resolve_precision(cfg.run.precision, device),
+                         cpu_kernels=cfg.model.cpu_kernels)
     tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)

@@ -345,6 +345,20 @@ class LMPolicy(nn.Module):
                     module.cast_input_dtype_enabled = False
         return count
 
+    def fuse_cpu_kernels(self) -> dict[str, int]:
+        """On a CPU under bf16 autocast, give the models' RMSNorm, SwiGLU and rotary layers
+        ppokit's fused kernels (:mod:`ppokit.lm.kernels`); returns how many of each kind.
+        Elsewhere (GPU, fp32) nothing changes and all counts are zero."""
+        from ppokit.lm.kernels.fuse import fuse_cpu_kernels
+
+        counts: dict[str, int] = {}
+        if self.device.type != "cpu" or self.autocast_dtype != torch.bfloat16:
+            return counts
+        for lm in self._lms():
+            for kind, n in fuse_cpu_kernels(lm).items():
+                counts[kind] = counts.get(kind, 0) + n
+        return counts
+
     def autocast(self):
         dtype = self.autocast_dtype
         return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
@@ -676,6 +690,8 @@ def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_
                           autocast_dtype=autocast_dtype, critic_lm=critic, ref_lm=ref)
     policy.to(device)
     policy.cast_frozen_weights(autocast_dtype)
+    if m.cpu_kernels:
+        policy.fuse_cpu_kernels()
     return policy
 
 
@@ -699,8 +715,9 @@ def _hidden_size(lm: nn.Module) -> int:
 
 def load_policy(ckpt_dir: str | Path, *, device: torch.device | str = "cpu",
                 autocast_dtype: Optional[torch.dtype] = None, trainable: bool = False,
-                attn_implementation: str = "auto") -> LMPolicy:
-    """Reload a policy saved by :meth:`LMPolicy.save` (the reference of lora mode comes with it)."""
+                attn_implementation: str = "auto", cpu_kernels: bool = True) -> LMPolicy:
+    """Reload a policy saved by :meth:`LMPolicy.save` (the reference of lora mode comes with it);
+    ``cpu_kernels`` as ``model.cpu_kernels``."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -734,4 +751,6 @@ def load_policy(ckpt_dir: str | Path, *, device: torch.device | str = "cpu",
         policy.freeze()
     policy.to(device)
     policy.cast_frozen_weights(autocast_dtype)
+    if cpu_kernels:
+        policy.fuse_cpu_kernels()
     return policy

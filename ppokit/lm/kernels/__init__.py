@@ -1,0 +1,139 @@
+"""Fused bf16 CPU kernels for a decoder layer's elementwise work (RMSNorm, SwiGLU, rotary).
+
+On a CPU with bf16 matrix units a layer's matmuls run about 8x faster than in float32,
+while PyTorch's elementwise operations stay bound by memory, one pass per operation:
+transformers' RMSNorm alone is nine passes forward and more backward. The kernels in
+``cpu_kernels.c`` make one pass per row instead, with the same bf16 roundings.
+
+The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``,
+``gcc`` or ``clang``) into ``$PPOKIT_CACHE_DIR`` (default ``~/.cache/ppokit``), keyed by
+the source, the flags, the compiler and the CPU, and loaded with ``ctypes``: no PyTorch
+headers, about a second to build. Without a compiler, or when the build fails, nothing
+changes: every layer keeps transformers' own forward (:func:`cpu_library` returns None
+and says why once in the log). ``PPOKIT_CPU_KERNELS=0`` switches the kernels off.
+
+:mod:`ppokit.lm.kernels.functions` wraps them as autograd functions and
+:mod:`ppokit.lm.kernels.fuse` puts them into a model's layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FAST_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno",
+              "-fno-trapping-math"]
+PORTABLE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+DISABLE_ENV = "PPOKIT_CPU_KERNELS"
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "rms_norm_forward": [_P, _P, _P, _P, _L, _L, _F],
+    "rms_norm_backward": [_P, _P, _P, _P, _P, _L, _L],
+    "silu_mul_forward": [_P, _P, _P, _L],
+    "silu_mul_backward": [_P, _P, _P, _P, _P, _L],
+    "rotary": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _L, _I],
+}
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$PPOKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ppokit``
+    or ``~/.cache/ppokit``."""
+    if os.environ.get("PPOKIT_CACHE_DIR"):
+        return Path(os.environ["PPOKIT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ppokit"
+
+
+def find_compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags (``-march=native`` builds for exactly these)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> Optional[str]:
+    """Build ``out``; returns None on success, else the compiler's last error line."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            return lines[-1] if lines else f"exit status {proc.returncode}"
+        os.replace(tmp, out)            # atomic: a concurrent process sees the old or the whole file
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build(compiler: str, flags: list[str]) -> tuple[Optional[Path], str]:
+    """The built library for ``flags`` (from the cache when present) and, on failure, why."""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"{compiler} --version failed ({exc})"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()])
+                         .encode()).hexdigest()[:16]
+    for directory in (cache_dir(), Path(tempfile.gettempdir()) / "ppokit-cache"):
+        out = directory / "kernels" / f"cpu_kernels-{key}.so"
+        if out.is_file():
+            return out, ""
+        try:
+            error = _compile(compiler, flags, out)
+        except subprocess.SubprocessError as exc:
+            return None, str(exc)
+        except OSError as exc:          # an unwritable cache directory: try the temporary one
+            error = f"{directory}: {exc}"
+            continue
+        return (out, "") if error is None else (None, error)
+    return None, error
+
+
+@lru_cache(maxsize=None)
+def cpu_library() -> Optional[ctypes.CDLL]:
+    """The loaded kernels, or None (switched off, no compiler, or the build failed)."""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        log.info("fused CPU kernels off: no C compiler found (set CC); transformers' layers are used")
+        return None
+    path, error = build(compiler, FAST_FLAGS)
+    if path is None:
+        path, error2 = build(compiler, PORTABLE_FLAGS)
+        error = error2 and f"{error}; portable build: {error2}"
+    if path is None:
+        log.warning("fused CPU kernels off: building %s failed (%s); transformers' layers are used",
+                    SOURCE.name, error)
+        return None
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib

@@ -1,0 +1,232 @@
+"""Put the fused CPU kernels into a transformers model's layers.
+
+:func:`fuse_cpu_kernels` gives three kinds of modules a forward that calls the kernels:
+
+- RMSNorm layers (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ...): the whole norm;
+- SwiGLU MLPs (``down(act(gate(x)) * up(x))`` with SiLU): the activation and product;
+- attention layers whose module calls ``apply_rotary_pos_emb``: the rotary embedding.
+
+A module class is fused only after a probe: its own forward, run on random bf16 inputs,
+must give what the kernel gives (to one bf16 rounding). So a norm with another formula
+(Gemma's ``1 + w``), another activation or another rotary layout keeps its own forward,
+and the fused path computes the same thing as transformers, only in fewer passes over
+memory. Even in a fused module each call checks its inputs (bf16, CPU, contiguous,
+frozen norm weight) and falls back to the module's own forward otherwise, so float32
+runs, GPUs and full fine-tuning's trained norm weights are unaffected.
+
+Rotary embeddings are a module-level function in transformers, not a module: the
+attention module's file gets a dispatcher in place of its ``apply_rotary_pos_emb`` that
+calls the kernel only inside a fused attention module's forward (a context variable
+says so) and the original function everywhere else.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ppokit.lm.kernels import cpu_library
+from ppokit.lm.kernels.functions import RMSNormFunction, RotaryFunction, SiluMulFunction, eligible
+
+_ROTARY_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("ppokit_rotary_kernel", default=False)
+_FUSED: dict[type, type] = {}              # original class -> fused subclass
+_PROBED: dict[type, bool] = {}             # original class -> does the probe agree
+_DISPATCHERS: dict[str, Callable] = {}     # module name -> installed rotary dispatcher
+
+
+def _agrees(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Equal to one bf16 rounding (2^-7 relative), shapes and dtypes alike."""
+    if not isinstance(theirs, torch.Tensor) or mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+        return False
+    return bool(torch.allclose(mine.float(), theirs.float(), rtol=2 ** -7, atol=1e-6))
+
+
+def _probe_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+def _is_rms_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, nn.Parameter) and weight.dim() == 1 and getattr(module, "bias", None) is None
+            and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
+def _probe_rms_norm(cls: type, module: nn.Module) -> bool:
+    g = _probe_generator()
+    d = module.weight.shape[0]
+    x = torch.randn(2, 3, d, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()
+    with torch.no_grad():
+        theirs = cls.forward(SimpleNamespace(weight=w, variance_epsilon=module.variance_epsilon), x)
+        mine = RMSNormFunction.apply(x, w, module.variance_epsilon)
+    return _agrees(mine, theirs)
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    w = self.weight
+    if (hidden_states.is_contiguous() and eligible(hidden_states, w) and hidden_states.shape[-1] == w.shape[0]
+            and not (w.requires_grad and torch.is_grad_enabled())):
+        return RMSNormFunction.apply(hidden_states, w, self.variance_epsilon)
+    return self._unfused_forward(hidden_states)
+
+
+# ----------------------------------------------------------------------------- SwiGLU MLP
+def _is_swiglu_mlp(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) \
+        and isinstance(getattr(module, "act_fn", None), nn.Module)
+
+
+def _probe_mlp(cls: type, module: nn.Module) -> bool:
+    g = _probe_generator()
+    gate = (3 * torch.randn(2, 3, 40, generator=g)).bfloat16()
+    up = torch.randn(2, 3, 40, generator=g).bfloat16()
+    stand_in = SimpleNamespace(gate_proj=lambda x: gate, up_proj=lambda x: up, down_proj=lambda t: t,
+                               act_fn=module.act_fn)
+    with torch.no_grad():
+        theirs = cls.forward(stand_in, torch.zeros(2, 3, 8, dtype=torch.bfloat16))
+        mine = SiluMulFunction.apply(gate, up)
+    return _agrees(mine, theirs)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate = self.gate_proj(x)                                                        # [..., F]
+    up = self.up_proj(x)                                                            # [..., F]
+    if gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous() and eligible(gate, up):
+        return self.down_proj(SiluMulFunction.apply(gate, up))
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+# ----------------------------------------------------------------------------- rotary
+def _rotary_function(cls: type) -> Optional[Callable]:
+    return getattr(sys.modules.get(cls.__module__), "apply_rotary_pos_emb", None)
+
+
+def _fast_rotary(q, k, cos, sin, args, kwargs):
+    """(q_embed, k_embed) by the kernel, or None when these inputs cannot take it."""
+    unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+    if len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or unsqueeze_dim != 1:
+        return None
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape or cos.requires_grad \
+            or sin.requires_grad or not eligible(q, k, cos, sin):
+        return None
+    B, _, T, D = q.shape
+    if D % 2 or k.shape[0] != B or k.shape[2:] != q.shape[2:] or cos.shape[0] not in (1, B) \
+            or tuple(cos.shape[1:]) != (T, D):
+        return None
+    cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)                             # [B, T, D]
+    if cos.stride() != sin.stride():
+        return None
+    return RotaryFunction.apply(q, cos, sin), RotaryFunction.apply(k, cos, sin)
+
+
+def _make_dispatcher(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if _ROTARY_ON.get():
+            fast = _fast_rotary(q, k, cos, sin, args, kwargs)
+            if fast is not None:
+                return fast
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.__wrapped__ = original
+    apply_rotary_pos_emb.__doc__ = "ppokit's dispatcher: the fused CPU kernel inside fused attention, else:\n\n" \
+        + (original.__doc__ or "")
+    return apply_rotary_pos_emb
+
+
+def _probe_rotary(cls: type, module: nn.Module) -> bool:
+    original = _rotary_function(cls)     # an installed dispatcher calls the original here
+    if original is None:
+        return False
+    g = _probe_generator()
+    q = torch.randn(2, 5, 3, 8, generator=g).bfloat16().transpose(1, 2)             # [B, H, T, D], strided
+    k = torch.randn(2, 5, 1, 8, generator=g).bfloat16().transpose(1, 2)               # one KV head
+    cos = torch.randn(2, 5, 8, generator=g).bfloat16()
+    sin = torch.randn(2, 5, 8, generator=g).bfloat16()
+    with torch.no_grad():
+        theirs = original(q, k, cos, sin)
+        mine = _fast_rotary(q, k, cos, sin, (), {})
+    return mine is not None and isinstance(theirs, tuple) and len(theirs) == 2 \
+        and all(_agrees(a, b) for a, b in zip(mine, theirs))
+
+
+def _install_dispatcher(cls: type) -> None:
+    name = cls.__module__
+    if name not in _DISPATCHERS:
+        module = sys.modules[name]
+        _DISPATCHERS[name] = _make_dispatcher(module.apply_rotary_pos_emb)
+        module.apply_rotary_pos_emb = _DISPATCHERS[name]
+
+
+def _attention_forward(self, *args, **kwargs):
+    token = _ROTARY_ON.set(True)
+    try:
+        return self._unfused_forward(*args, **kwargs)
+    finally:
+        _ROTARY_ON.reset(token)
+
+
+def _is_rotary_attention(module: nn.Module) -> bool:
+    return all(hasattr(module, n) for n in ("q_proj", "k_proj", "head_dim")) \
+        and _rotary_function(type(module)) is not None
+
+
+# ----------------------------------------------------------------------------- fusing
+_KINDS = (
+    ("rms_norm", _is_rms_norm, _probe_rms_norm, _rms_norm_forward),
+    ("mlp", _is_swiglu_mlp, _probe_mlp, _mlp_forward),
+    ("rotary", _is_rotary_attention, _probe_rotary, _attention_forward),
+)
+
+
+def _fused_class(cls: type, forward: Callable) -> type:
+    if cls not in _FUSED:
+        _FUSED[cls] = type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "_unfused_forward": cls.forward,
+                                                             "__module__": __name__})
+    return _FUSED[cls]
+
+
+def fuse_cpu_kernels(model: nn.Module) -> dict[str, int]:
+    """Give ``model``'s RMSNorm, SwiGLU MLP and rotary attention modules the fused kernels;
+    returns how many modules of each kind were fused (all zero when the kernels are not
+    built). State dicts, parameters and ``save_pretrained`` are unchanged."""
+    counts = {kind: 0 for kind, *_ in _KINDS}
+    if cpu_library() is None:
+        return counts
+    fused_classes = set(_FUSED.values())
+    for module in model.modules():
+        cls = type(module)
+        if cls in fused_classes:
+            continue
+        for kind, matches, probe, forward in _KINDS:
+            if not matches(module):
+                continue
+            if cls not in _PROBED:
+                try:
+                    _PROBED[cls] = probe(cls, module)
+                except Exception:           # a forward the stand-in cannot run: not this kind
+                    _PROBED[cls] = False
+            if _PROBED[cls]:
+                if kind == "rotary":
+                    _install_dispatcher(cls)
+                module.__class__ = _fused_class(cls, forward)
+                counts[kind] += 1
+            break
+    return counts
+
+
+def unfuse_cpu_kernels(model: nn.Module) -> int:
+    """Undo :func:`fuse_cpu_kernels` (transformers' forwards again); returns how many modules changed."""
+    originals = {fused: cls for cls, fused in _FUSED.items()}
+    count = 0
+    for module in model.modules():
+        original = originals.get(type(module))
+        if original is not None:
+            module.__class__ = original
+            count += 1
+    return count

@@ -1,0 +1,322 @@
+"""The fused bf16 CPU kernels (ppokit/lm/kernels): each against its float64 formula and
+against transformers' bf16 graph of the same computation, the probes that decide which
+modules take them, the fallbacks, and the build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama import modeling_llama
+
+from ppokit.lm.kernels import cpu_library
+from ppokit.lm.kernels.functions import RMSNormFunction, RotaryFunction, SiluMulFunction
+from ppokit.lm.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(cpu_library() is None, reason="no C compiler: the kernels are not built")
+BF16 = torch.bfloat16
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place (for values of one sign)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def assert_same_bf16(mine: torch.Tensor, theirs: torch.Tensor, max_fraction_off: float = 0.0):
+    """Equal bit for bit, except a fraction of elements one rounding apart (sums taken in
+    another order round differently now and then)."""
+    assert mine.dtype == theirs.dtype == BF16 and mine.shape == theirs.shape
+    off = ulps(mine, theirs)
+    assert int(off.max()) <= 1
+    assert float((off > 0).float().mean()) <= max_fraction_off
+
+
+def assert_close_to_float64(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-2):
+    """bf16 results against a float64 reference: within a few bf16 roundings of the scale."""
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.double(), want, rtol=rel, atol=rel * scale)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+def naive_rms_norm(x, w, eps):
+    return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def transformers_rms_norm(x, w, eps):
+    """transformers' LlamaRMSNorm graph in bf16."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("d", [64, 37])          # 37: the vector loops' remainders
+def test_rms_norm_matches_its_float64_formula_and_gradient(d):
+    g = gen()
+    x = torch.randn(3, 5, d, generator=g).to(BF16)
+    w = (1 + 0.3 * torch.randn(d, generator=g)).to(BF16)
+    upstream = torch.randn(3, 5, d, generator=g).to(BF16)
+    x[0, 0] = 0                                  # a zero row: eps keeps it finite
+    xk = x.clone().requires_grad_()
+    y = RMSNormFunction.apply(xk, w, 1e-5)
+    (grad,) = torch.autograd.grad(y, xk, upstream)
+
+    x64 = x.double().requires_grad_()
+    y64 = naive_rms_norm(x64, w.double(), 1e-5)
+    (grad64,) = torch.autograd.grad(y64, x64, upstream.double())
+    assert_close_to_float64(y, y64.detach())
+    assert_close_to_float64(grad, grad64)
+    assert torch.equal(y[0, 0], torch.zeros(d, dtype=BF16)) and torch.isfinite(grad).all()
+
+
+def test_rms_norm_rounds_like_transformers_bf16_graph():
+    g = gen(1)
+    x = (4 * torch.randn(64, 640, generator=g)).to(BF16)
+    w = (1 + 0.3 * torch.randn(640, generator=g)).to(BF16)
+    upstream = torch.randn(64, 640, generator=g).to(BF16)
+    mine_x, theirs_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    mine = RMSNormFunction.apply(mine_x, w, 1e-6)
+    theirs = transformers_rms_norm(theirs_x, w, 1e-6)
+    mine.backward(upstream)
+    theirs.backward(upstream)
+    assert_same_bf16(mine, theirs, max_fraction_off=1e-3)
+    assert_same_bf16(mine_x.grad, theirs_x.grad, max_fraction_off=1e-3)
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+def test_silu_mul_matches_its_float64_formula_and_gradients_including_saturation():
+    g = gen(2)
+    gate = (4 * torch.randn(6, 53, generator=g)).to(BF16)
+    gate[0, :4] = torch.tensor([100.0, -100.0, 0.0, -30.0])     # far into both tails
+    up = torch.randn(6, 53, generator=g).to(BF16)
+    upstream = torch.randn(6, 53, generator=g).to(BF16)
+    gk, uk = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out = SiluMulFunction.apply(gk, uk)
+    grads = torch.autograd.grad(out, (gk, uk), upstream)
+    out = out.detach()
+
+    g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
+    out64 = g64 * torch.sigmoid(g64) * u64
+    grads64 = torch.autograd.grad(out64, (g64, u64), upstream.double())
+    assert_close_to_float64(out, out64.detach())
+    for got, want in zip(grads, grads64):
+        assert_close_to_float64(got, want)
+    assert out[0, 0] == (100 * up[0, 0].float()).to(BF16)          # silu(100) = 100
+    assert abs(float(out[0, 1])) < 1e-30 and float(out[0, 2]) == 0.0
+
+
+def test_silu_mul_rounds_like_torch_bf16_graph():
+    g = gen(3)
+    gate = (3 * torch.randn(128, 300, generator=g)).to(BF16)
+    up = torch.randn(128, 300, generator=g).to(BF16)
+    upstream = torch.randn(128, 300, generator=g).to(BF16)
+    mine_in = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+    theirs_in = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+    mine = SiluMulFunction.apply(*mine_in)
+    theirs = F.silu(theirs_in[0]) * theirs_in[1]
+    mine.backward(upstream)
+    theirs.backward(upstream)
+    assert_same_bf16(mine, theirs, max_fraction_off=1e-2)       # exp differs from torch's in the last bits
+    for a, b in zip(mine_in, theirs_in):
+        assert_same_bf16(a.grad, b.grad, max_fraction_off=1e-2)
+
+
+# ----------------------------------------------------------------------------- rotary
+def rotary_inputs(seed, batch=2, heads=3, length=5, dim=8, cos_batch=None, tied=True):
+    """q [B, H, T, D] (a strided view, as transformers makes it) and cos, sin [B, T, D];
+    ``tied``: both halves of the tables alike, as rotary tables are; else any values."""
+    g = gen(seed)
+    q = torch.randn(batch, length, heads, dim, generator=g).to(BF16).transpose(1, 2)
+    angle = torch.randn(cos_batch or batch, length, dim // 2 if tied else dim, generator=g)
+    if tied:
+        angle = angle.repeat(1, 1, 2)
+    return q, angle.cos().to(BF16), angle.sin().to(BF16)
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(length=1), dict(cos_batch=1), dict(dim=16, heads=1),
+                                   dict(tied=False)])
+def test_rotary_matches_its_float64_formula_and_gradient(shape):
+    q, cos, sin = rotary_inputs(4, **shape)
+    upstream = torch.randn(q.shape, generator=gen(5)).to(BF16)
+    qk = q.detach().clone().requires_grad_()
+    c, s = cos.expand(q.shape[0], *cos.shape[1:]), sin.expand(q.shape[0], *sin.shape[1:])
+    out = RotaryFunction.apply(qk, c, s)
+    (grad,) = torch.autograd.grad(out, qk, upstream)
+
+    q64 = q.double().requires_grad_()
+    half = q.shape[-1] // 2
+    rotated = torch.cat((-q64[..., half:], q64[..., :half]), dim=-1)
+    out64 = q64 * c.double().unsqueeze(1) + rotated * s.double().unsqueeze(1)
+    (grad64,) = torch.autograd.grad(out64, q64, upstream.double())
+    assert out.is_contiguous()
+    assert_close_to_float64(out, out64.detach())
+    assert_close_to_float64(grad, grad64)
+
+
+def test_rotary_rounds_exactly_like_transformers():
+    q, cos, sin = rotary_inputs(6, batch=3, heads=4, length=7, dim=16, tied=False)
+    k = torch.randn(3, 7, 2, 16, generator=gen(7)).to(BF16).transpose(1, 2)
+    upstream = torch.randn(q.shape, generator=gen(8)).to(BF16)
+    mine_q, theirs_q = q.detach().clone().requires_grad_(), q.detach().clone().requires_grad_()
+    mine = RotaryFunction.apply(mine_q, cos, sin)
+    original = getattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__", modeling_llama.apply_rotary_pos_emb)
+    theirs, _ = original(theirs_q, k, cos, sin)
+    mine.backward(upstream)
+    theirs.backward(upstream)
+    assert_same_bf16(mine, theirs)
+    assert_same_bf16(mine_q.grad, theirs_q.grad)
+
+
+# ----------------------------------------------------------------------------- fusing a model
+def tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         attn_implementation="eager")
+    return LlamaForCausalLM(config).to(BF16).eval()
+
+
+def forward_and_input_gradient(model, ids):
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+    logits = model(inputs_embeds=emb).logits.float()
+    (grad,) = torch.autograd.grad(logits.logsumexp(-1).sum(), emb)
+    return logits.detach(), grad
+
+
+def test_fused_model_computes_what_transformers_computes():
+    model = tiny_llama()
+    ids = torch.randint(0, 50, (3, 11), generator=gen(9))
+    plain_logits, plain_grad = forward_and_input_gradient(model, ids)
+    counts = fuse_cpu_kernels(model)
+    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 2}     # 2 per layer + the final norm
+    assert type(model.model.norm).__name__ == "FusedLlamaRMSNorm"
+    fused_logits, fused_grad = forward_and_input_gradient(model, ids)
+    # one bf16 rounding apart here and there, carried through two layers
+    torch.testing.assert_close(fused_logits, plain_logits, rtol=0, atol=0.05)
+    torch.testing.assert_close(fused_grad.float(), plain_grad.float(), rtol=0.05,
+                               atol=0.05 * plain_grad.float().abs().max().item())
+    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0}    # already fused
+    assert unfuse_cpu_kernels(model) == 9
+    assert torch.equal(forward_and_input_gradient(model, ids)[0], plain_logits)
+
+
+def test_float32_and_trained_norm_weights_take_transformers_path():
+    model = tiny_llama()
+    fuse_cpu_kernels(model)
+    norm = model.model.norm
+    x = torch.randn(2, 3, 64, generator=gen(10))
+    w32 = norm.weight.detach().float()
+    norm.weight.data = w32
+    assert torch.equal(norm(x), transformers_rms_norm(x, w32, norm.variance_epsilon))   # fp32: the original
+    norm.weight.data = w32.to(BF16)
+    norm.weight.requires_grad_(True)
+    norm(x.to(BF16)).float().sum().backward()                  # a trained weight gets its gradient
+    assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+
+
+def test_rotary_dispatcher_calls_the_original_outside_fused_attention():
+    model = tiny_llama()
+    fuse_cpu_kernels(model)
+    dispatcher = modeling_llama.apply_rotary_pos_emb
+    original = dispatcher.__wrapped__
+    q, cos, sin = rotary_inputs(11)
+    k = q[:, :1].contiguous()
+    calls = []
+    modeling_llama.apply_rotary_pos_emb = lambda *a, **kw: calls.append(1) or dispatcher(*a, **kw)
+    try:
+        outside = dispatcher(q, k, cos, sin)
+        model(torch.randint(0, 50, (1, 4), generator=gen(12)))  # inside: the kernel
+    finally:
+        modeling_llama.apply_rotary_pos_emb = dispatcher
+    expected = original(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(outside, expected))
+    assert len(calls) == 2                                      # one per layer went through the dispatcher
+
+
+class OnePlusWeightNorm(nn.Module):
+    """Gemma's norm: scales by (1 + w); the probe must keep its own forward."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f), nn.Linear(d, f), nn.Linear(f, d)
+        self.act_fn = nn.GELU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_probe_leaves_other_formulas_alone():
+    model = nn.Sequential(OnePlusWeightNorm(16), GeluMLP(16, 24)).to(BF16)
+    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0}
+    assert type(model[0]) is OnePlusWeightNorm and type(model[1]) is GeluMLP
+
+
+# ----------------------------------------------------------------------------- the build
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, cwd=ROOT,
+                          timeout=300)
+
+
+def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_path):
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from ppokit.lm.kernels import cpu_library\nlib = cpu_library()\n"
+            "print('LIB', None if lib is None else lib._name)")
+    cache = tmp_path / "cache"
+    first = run_python(code, PPOKIT_CACHE_DIR=str(cache))
+    built = first.stdout.split("LIB ")[1].strip()
+    assert built.startswith(str(cache)) and Path(built).is_file(), first.stderr
+    mtime = Path(built).stat().st_mtime_ns
+    second = run_python(code, PPOKIT_CACHE_DIR=str(cache))
+    assert second.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_mtime_ns == mtime
+
+    off = run_python(code, PPOKIT_CACHE_DIR=str(tmp_path / "c2"), PPOKIT_CPU_KERNELS="0")
+    assert "LIB None" in off.stdout and not (tmp_path / "c2").exists()
+    broken = run_python(code, PPOKIT_CACHE_DIR=str(tmp_path / "c3"), CC="false")
+    assert "LIB None" in broken.stdout
+    assert "fused CPU kernels off: building cpu_kernels.c failed" in broken.stderr
+
+
+def test_policy_fuses_only_on_cpu_in_bf16_and_when_configured(tiny_dir):
+    from ppokit.config import build_config
+    from ppokit.lm.policy import build_policy
+
+    def lm_config(tiny_dir, model=None):
+        return build_config([{"workload": "lm", "model": {"path": str(tiny_dir), **(model or {})},
+                              "run": {"progress": False, "tensorboard": False}}])
+
+    def fused_modules(policy):
+        return sum(type(m).__module__ == "ppokit.lm.kernels.fuse" for m in policy.lm.modules())
+
+    cpu = torch.device("cpu")
+    bf16 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=BF16)
+    assert fused_modules(bf16) > 0
+    fp32 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=None)
+    assert fused_modules(fp32) == 0
+    off = build_policy(lm_config(tiny_dir, model={"cpu_kernels": False}), tiny_dir, device=cpu, autocast_dtype=BF16)
+    assert fused_modules(off) == 0
