@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ppokit.lm.class_swap import fused_subclass, restore_classes
+
 
 class LoRALinearFunction(torch.autograd.Function):
     """``y = x W^T + b + s (x A^T) B^T`` with a matmul-only backward (see the module doc).
@@ -99,7 +101,7 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     dtype (autocast's when it is on, the base weight's otherwise), as peft returns it."""
     name = None if args or kwargs else _fusable_adapter(self)
     if name is None:
-        return self._peft_forward(x, *args, **kwargs)
+        return self._unfused_forward(x, *args, **kwargs)
     base = self.get_base_layer()
     lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
     device_type = x.device.type
@@ -116,16 +118,7 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-_FUSED_CLASSES: dict[type, type] = {}
-
-
-def _fused_class(cls: type) -> type:
-    """A subclass of the peft layer class ``cls`` whose forward takes the fused path."""
-    if cls not in _FUSED_CLASSES:
-        _FUSED_CLASSES[cls] = type(f"Fused{cls.__name__}", (cls,),
-                                   {"forward": _fused_forward, "_peft_forward": cls.forward,
-                                    "__module__": __name__})
-    return _FUSED_CLASSES[cls]
+_FUSED_CLASSES: dict[type, type] = {}      # peft layer class -> its fused subclass
 
 
 def fuse_lora_layers(model: nn.Module) -> int:
@@ -140,18 +133,11 @@ def fuse_lora_layers(model: nn.Module) -> int:
     for module in model.modules():
         cls = type(module)
         if isinstance(module, LoraLinear) and cls not in _FUSED_CLASSES.values():
-            module.__class__ = _fused_class(cls)
+            module.__class__ = fused_subclass(_FUSED_CLASSES, cls, _fused_forward, __name__)
             count += 1
     return count
 
 
 def unfuse_lora_layers(model: nn.Module) -> int:
     """Undo :func:`fuse_lora_layers` (peft's own forward again); returns how many layers changed."""
-    fused_to_plain = {fused: plain for plain, fused in _FUSED_CLASSES.items()}
-    count = 0
-    for module in model.modules():
-        plain = fused_to_plain.get(type(module))
-        if plain is not None:
-            module.__class__ = plain
-            count += 1
-    return count
+    return restore_classes(model, _FUSED_CLASSES)

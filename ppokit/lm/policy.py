@@ -238,6 +238,7 @@ class LMPolicy(nn.Module):
         self.use_critic = True            # False (critic-free estimators): values are zeros, no critic pass
         self._active: Optional[str] = None
         self._adapter_params: dict[str, list[nn.Parameter]] = {}
+        self.fused_kernel_counts: dict[str, int] = {}   # filled by fuse_cpu_kernels
         if mode == "lora":
             for name in (ACTOR, CRITIC):
                 params = [p for n, p in lm.named_parameters() if "lora_" in n and f".{name}." in n]
@@ -357,6 +358,7 @@ class LMPolicy(nn.Module):
         for lm in self._lms():
             for kind, n in fuse_cpu_kernels(lm).items():
                 counts[kind] = counts.get(kind, 0) + n
+        self.fused_kernel_counts = counts
         return counts
 
     def autocast(self):

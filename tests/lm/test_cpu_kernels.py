@@ -315,8 +315,10 @@ def test_policy_fuses_only_on_cpu_in_bf16_and_when_configured(tiny_dir):
 
     cpu = torch.device("cpu")
     bf16 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=BF16)
-    assert fused_modules(bf16) > 0
+    layers = 2                                                   # the test model's
+    assert bf16.fused_kernel_counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers}
+    assert fused_modules(bf16) == 4 * layers + 1
     fp32 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=None)
-    assert fused_modules(fp32) == 0
+    assert fused_modules(fp32) == 0 and fp32.fused_kernel_counts == {}
     off = build_policy(lm_config(tiny_dir, model={"cpu_kernels": False}), tiny_dir, device=cpu, autocast_dtype=BF16)
     assert fused_modules(off) == 0

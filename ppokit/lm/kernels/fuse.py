@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ppokit.lm.class_swap import fused_subclass, restore_classes
 from ppokit.lm.kernels import cpu_library
 from ppokit.lm.kernels.functions import RMSNormFunction, RotaryFunction, SiluMulFunction, eligible
 
@@ -184,13 +185,6 @@ _KINDS = (
 )
 
 
-def _fused_class(cls: type, forward: Callable) -> type:
-    if cls not in _FUSED:
-        _FUSED[cls] = type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "_unfused_forward": cls.forward,
-                                                             "__module__": __name__})
-    return _FUSED[cls]
-
-
 def fuse_cpu_kernels(model: nn.Module) -> dict[str, int]:
     """Give ``model``'s RMSNorm, SwiGLU MLP and rotary attention modules the fused kernels;
     returns how many modules of each kind were fused (all zero when the kernels are not
@@ -214,7 +208,7 @@ def fuse_cpu_kernels(model: nn.Module) -> dict[str, int]:
             if _PROBED[cls]:
                 if kind == "rotary":
                     _install_dispatcher(cls)
-                module.__class__ = _fused_class(cls, forward)
+                module.__class__ = fused_subclass(_FUSED, cls, forward, __name__)
                 counts[kind] += 1
             break
     return counts
@@ -222,11 +216,4 @@ def fuse_cpu_kernels(model: nn.Module) -> dict[str, int]:
 
 def unfuse_cpu_kernels(model: nn.Module) -> int:
     """Undo :func:`fuse_cpu_kernels` (transformers' forwards again); returns how many modules changed."""
-    originals = {fused: cls for cls, fused in _FUSED.items()}
-    count = 0
-    for module in model.modules():
-        original = originals.get(type(module))
-        if original is not None:
-            module.__class__ = original
-            count += 1
-    return count
+    return restore_classes(model, _FUSED)
