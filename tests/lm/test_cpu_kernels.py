@@ -301,6 +301,10 @@ def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_pa
     assert "LIB None" in broken.stdout
     assert "fused CPU kernels off: building cpu_kernels.c failed" in broken.stderr
 
+    Path(built).write_bytes(b"not a shared library")          # a damaged cache entry is built again
+    damaged = run_python(code, PPOKIT_CACHE_DIR=str(cache))
+    assert damaged.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_size > 1000
+
 
 def test_policy_fuses_only_on_cpu_in_bf16_and_when_configured(tiny_dir):
     from ppokit.config import build_config

@@ -2,8 +2,9 @@
 
 On a CPU with bf16 matrix units a layer's matmuls run about 8x faster than in float32,
 while PyTorch's elementwise operations stay bound by memory, one pass per operation:
-transformers' RMSNorm alone is nine passes forward and more backward. The kernels in
-``cpu_kernels.c`` make one pass per row instead, with the same bf16 roundings.
+transformers' RMSNorm alone makes six passes over its input forward (casts, square,
+mean, scale, weight) and more backward. The kernels in ``cpu_kernels.c`` make one pass
+per row instead, with the same bf16 roundings.
 
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) into ``$PPOKIT_CACHE_DIR`` (default ``~/.cache/ppokit``), keyed by
@@ -115,6 +116,33 @@ def build(compiler: str, flags: list[str]) -> tuple[Optional[Path], str]:
     return None, error
 
 
+def _load(path: Path) -> tuple[Optional[ctypes.CDLL], str]:
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+    except (OSError, AttributeError) as exc:       # unloadable, or a stale build without a kernel
+        return None, f"loading {path} failed ({exc})"
+    return lib, ""
+
+
+def _build_and_load(compiler: str) -> tuple[Optional[ctypes.CDLL], str]:
+    errors = []
+    for flags in (FAST_FLAGS, PORTABLE_FLAGS):
+        path, error = build(compiler, flags)
+        if path is not None:
+            lib, error = _load(path)
+            if lib is None:                  # a damaged cache entry: build it once more
+                path.unlink(missing_ok=True)
+                path, error = build(compiler, flags)
+                lib, error = _load(path) if path is not None else (None, error)
+            if lib is not None:
+                return lib, ""
+        errors.append(error)
+    return None, "; ".join(errors)
+
+
 @lru_cache(maxsize=None)
 def cpu_library() -> Optional[ctypes.CDLL]:
     """The loaded kernels, or None (switched off, no compiler, or the build failed)."""
@@ -124,16 +152,8 @@ def cpu_library() -> Optional[ctypes.CDLL]:
     if compiler is None:
         log.info("fused CPU kernels off: no C compiler found (set CC); transformers' layers are used")
         return None
-    path, error = build(compiler, FAST_FLAGS)
-    if path is None:
-        path, error2 = build(compiler, PORTABLE_FLAGS)
-        error = error2 and f"{error}; portable build: {error2}"
-    if path is None:
+    lib, error = _build_and_load(compiler)
+    if lib is None:
         log.warning("fused CPU kernels off: building %s failed (%s); transformers' layers are used",
                     SOURCE.name, error)
-        return None
-    lib = ctypes.CDLL(str(path))
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
     return lib
