@@ -177,6 +177,38 @@ def test_rotary_rounds_exactly_like_transformers():
     assert_same_bf16(mine_q.grad, theirs_q.grad)
 
 
+def test_threads_split_the_work_without_changing_a_bit():
+    """Above PARALLEL_MIN_ELEMENTS a call runs on torch.get_num_threads() threads, each on
+    its own rows; every kernel is per row (or per element), so the split changes nothing."""
+    from ppokit.lm.kernels import functions
+
+    g = gen(13)
+    rows, d = 3 * functions.PARALLEL_MIN_ELEMENTS // 256 + 7, 256
+    x = torch.randn(rows, d, generator=g).to(BF16).requires_grad_()
+    w = torch.randn(d, generator=g).to(BF16)
+    gate, up = torch.randn(rows, d, generator=g).to(BF16).requires_grad_(), torch.randn(rows, d, generator=g).to(BF16)
+    q, cos, sin = rotary_inputs(14, batch=64, heads=4, length=16, dim=64)      # 262144 values
+    q.requires_grad_()
+    calls = []
+
+    def everything():
+        outs = [RMSNormFunction.apply(x, w, 1e-6), SiluMulFunction.apply(gate, up), RotaryFunction.apply(q, cos, sin)]
+        grads = torch.autograd.grad([o.float().square().sum() for o in outs], [x, gate, q])
+        return [o.detach() for o in outs] + list(grads)
+
+    original = functions.in_parallel
+    functions.in_parallel = lambda rows_, per_row, run: calls.append(rows_ * per_row) or original(rows_, per_row, run)
+    try:
+        torch.set_num_threads(1)
+        one = everything()
+        torch.set_num_threads(3)
+        three = everything()
+    finally:
+        functions.in_parallel = original
+    assert all(torch.equal(a, b) for a, b in zip(one, three))
+    assert min(calls) >= functions.PARALLEL_MIN_ELEMENTS      # every call was big enough to split
+
+
 # ----------------------------------------------------------------------------- fusing a model
 def tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM

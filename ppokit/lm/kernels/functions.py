@@ -10,13 +10,45 @@ what transformers' bf16 graph of the same computation returns:
 
 :func:`eligible` says whether tensors can take this path; callers fall back to
 PyTorch's operations otherwise.
+
+Threads: a kernel call over at least ``PARALLEL_MIN_ELEMENTS`` values is split into
+``torch.get_num_threads()`` row ranges, run by a pool of Python threads (ctypes
+releases the GIL during the call), so the kernels use the cores PyTorch is told to use.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
 import torch
 
 from ppokit.lm.kernels import cpu_library
+
+PARALLEL_MIN_ELEMENTS = 1 << 17          # below this a thread hand-off costs more than it saves
+_POOL: Optional[ThreadPoolExecutor] = None
+_POOL_SIZE = 0
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    if _POOL is None or _POOL_SIZE < workers:
+        _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ppokit-kernel"), workers
+    return _POOL
+
+
+def in_parallel(rows: int, elements_per_row: int, run: Callable[[int, int], None]) -> None:
+    """``run(start, stop)`` over ``[0, rows)``: in one call, or split into one range per
+    torch thread when the work is large enough (the calling thread takes the first)."""
+    parts = min(torch.get_num_threads(), rows, rows * elements_per_row // PARALLEL_MIN_ELEMENTS)
+    if parts <= 1:
+        run(0, rows)
+        return
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    futures = [_pool(parts - 1).submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+    run(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
 
 
 def eligible(*tensors: torch.Tensor) -> bool:
@@ -43,7 +75,9 @@ class RMSNormFunction(torch.autograd.Function):
         rows = x.numel() // d
         y = torch.empty_like(x, memory_format=torch.contiguous_format)           # [..., d]
         rstd = torch.empty(rows, dtype=torch.float32)                              # [rows]
-        cpu_library().rms_norm_forward(_ptr(x), _ptr(weight), _ptr(y), _ptr(rstd), rows, d, float(eps))
+        lib, xp, wp, yp, rp = cpu_library(), _ptr(x), _ptr(weight), _ptr(y), _ptr(rstd)
+        in_parallel(rows, d, lambda a, b: lib.rms_norm_forward(xp + 2 * a * d, wp, yp + 2 * a * d, rp + 4 * a,
+                                                               b - a, d, float(eps)))
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -53,8 +87,9 @@ class RMSNormFunction(torch.autograd.Function):
         grad_y = grad_y.to(torch.bfloat16).contiguous()
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
         d = x.shape[-1]
-        cpu_library().rms_norm_backward(_ptr(grad_y), _ptr(x), _ptr(weight), _ptr(rstd), _ptr(grad_x),
-                                        x.numel() // d, d)
+        lib, gp, xp, wp, rp, dp = cpu_library(), _ptr(grad_y), _ptr(x), _ptr(weight), _ptr(rstd), _ptr(grad_x)
+        in_parallel(x.numel() // d, d, lambda a, b: lib.rms_norm_backward(
+            gp + 2 * a * d, xp + 2 * a * d, wp, rp + 4 * a, dp + 2 * a * d, b - a, d))
         return grad_x, None, None
 
 
@@ -65,7 +100,8 @@ class SiluMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(gate, memory_format=torch.contiguous_format)
-        cpu_library().silu_mul_forward(_ptr(gate), _ptr(up), _ptr(out), gate.numel())
+        lib, gp, up_, op = cpu_library(), _ptr(gate), _ptr(up), _ptr(out)
+        in_parallel(gate.numel(), 1, lambda a, b: lib.silu_mul_forward(gp + 2 * a, up_ + 2 * a, op + 2 * a, b - a))
         ctx.save_for_backward(gate, up)
         return out
 
@@ -75,16 +111,21 @@ class SiluMulFunction(torch.autograd.Function):
         grad_out = grad_out.to(torch.bfloat16).contiguous()
         grad_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
         grad_up = torch.empty_like(up, memory_format=torch.contiguous_format)
-        cpu_library().silu_mul_backward(_ptr(grad_out), _ptr(gate), _ptr(up), _ptr(grad_gate), _ptr(grad_up),
-                                        gate.numel())
+        lib = cpu_library()
+        go, gp, up_, dg, du = _ptr(grad_out), _ptr(gate), _ptr(up), _ptr(grad_gate), _ptr(grad_up)
+        in_parallel(gate.numel(), 1, lambda a, b: lib.silu_mul_backward(go + 2 * a, gp + 2 * a, up_ + 2 * a,
+                                                                        dg + 2 * a, du + 2 * a, b - a))
         return grad_gate, grad_up
 
 
 def _rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     B, H, T, D = q.shape
     out = torch.empty(B, H, T, D, dtype=q.dtype)                                   # [B, H, T, D]
-    cpu_library().rotary(_ptr(q), _ptr(cos), _ptr(sin), _ptr(out), B, H, T, D, q.stride(0), q.stride(1),
-                         q.stride(2), cos.stride(0), cos.stride(1), int(backward))
+    lib, qp, cp, sp, op = cpu_library(), _ptr(q), _ptr(cos), _ptr(sin), _ptr(out)
+    (sq_b, sq_h, sq_t), sc_b, sc_t = q.stride()[:3], cos.stride(0), cos.stride(1)
+    in_parallel(B, H * T * D, lambda a, b: lib.rotary(qp + 2 * a * sq_b, cp + 2 * a * sc_b, sp + 2 * a * sc_b,
+                                                      op + 2 * a * H * T * D, b - a, H, T, D, sq_b, sq_h, sq_t,
+                                                      sc_b, sc_t, int(backward)))
     return out
 
 
