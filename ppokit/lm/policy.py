@@ -347,13 +347,13 @@ class LMPolicy(nn.Module):
         return count
 
     def fuse_cpu_kernels(self) -> dict[str, int]:
-        """On a CPU under bf16 autocast, give the models' RMSNorm, SwiGLU and rotary layers
-        ppokit's fused kernels (:mod:`ppokit.lm.kernels`); returns how many of each kind.
-        Elsewhere (GPU, fp32) nothing changes and all counts are zero."""
+        """On a CPU, give the models' RMSNorm, SwiGLU and rotary layers ppokit's fused
+        kernels (:mod:`ppokit.lm.kernels`; bf16 and fp32); returns how many of each kind.
+        On other devices nothing changes and the counts are empty."""
         from ppokit.lm.kernels.fuse import fuse_cpu_kernels
 
         counts: dict[str, int] = {}
-        if self.device.type != "cpu" or self.autocast_dtype != torch.bfloat16:
+        if self.device.type != "cpu":
             return counts
         for lm in self._lms():
             for kind, n in fuse_cpu_kernels(lm).items():

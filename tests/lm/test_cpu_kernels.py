@@ -42,10 +42,15 @@ def assert_same_bf16(mine: torch.Tensor, theirs: torch.Tensor, max_fraction_off:
     assert float((off > 0).float().mean()) <= max_fraction_off
 
 
-def assert_close_to_float64(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-2):
-    """bf16 results against a float64 reference: within a few bf16 roundings of the scale."""
+def assert_close_to_float64(got: torch.Tensor, want: torch.Tensor):
+    """Kernel results against a float64 reference: within a few roundings of the kernel's
+    dtype (bf16: 2^-8, float32: 2^-24), relative to the scale of the values."""
+    rel = 2e-2 if got.dtype == BF16 else 2e-5
     scale = want.abs().max().item()
     torch.testing.assert_close(got.double(), want, rtol=rel, atol=rel * scale)
+
+
+DTYPES = [BF16, torch.float32]
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -60,12 +65,13 @@ def transformers_rms_norm(x, w, eps):
     return w * h.to(x.dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 37])          # 37: the vector loops' remainders
-def test_rms_norm_matches_its_float64_formula_and_gradient(d):
+def test_rms_norm_matches_its_float64_formula_and_gradient(d, dtype):
     g = gen()
-    x = torch.randn(3, 5, d, generator=g).to(BF16)
-    w = (1 + 0.3 * torch.randn(d, generator=g)).to(BF16)
-    upstream = torch.randn(3, 5, d, generator=g).to(BF16)
+    x = torch.randn(3, 5, d, generator=g).to(dtype)
+    w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
+    upstream = torch.randn(3, 5, d, generator=g).to(dtype)
     x[0, 0] = 0                                  # a zero row: eps keeps it finite
     xk = x.clone().requires_grad_()
     y = RMSNormFunction.apply(xk, w, 1e-5)
@@ -76,7 +82,7 @@ def test_rms_norm_matches_its_float64_formula_and_gradient(d):
     (grad64,) = torch.autograd.grad(y64, x64, upstream.double())
     assert_close_to_float64(y, y64.detach())
     assert_close_to_float64(grad, grad64)
-    assert torch.equal(y[0, 0], torch.zeros(d, dtype=BF16)) and torch.isfinite(grad).all()
+    assert torch.equal(y[0, 0], torch.zeros(d, dtype=dtype)) and torch.isfinite(grad).all()
 
 
 def test_rms_norm_rounds_like_transformers_bf16_graph():
@@ -94,12 +100,13 @@ def test_rms_norm_rounds_like_transformers_bf16_graph():
 
 
 # ----------------------------------------------------------------------------- SwiGLU
-def test_silu_mul_matches_its_float64_formula_and_gradients_including_saturation():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_its_float64_formula_and_gradients_including_saturation(dtype):
     g = gen(2)
-    gate = (4 * torch.randn(6, 53, generator=g)).to(BF16)
+    gate = (4 * torch.randn(6, 53, generator=g)).to(dtype)
     gate[0, :4] = torch.tensor([100.0, -100.0, 0.0, -30.0])     # far into both tails
-    up = torch.randn(6, 53, generator=g).to(BF16)
-    upstream = torch.randn(6, 53, generator=g).to(BF16)
+    up = torch.randn(6, 53, generator=g).to(dtype)
+    upstream = torch.randn(6, 53, generator=g).to(dtype)
     gk, uk = gate.clone().requires_grad_(), up.clone().requires_grad_()
     out = SiluMulFunction.apply(gk, uk)
     grads = torch.autograd.grad(out, (gk, uk), upstream)
@@ -111,7 +118,7 @@ def test_silu_mul_matches_its_float64_formula_and_gradients_including_saturation
     assert_close_to_float64(out, out64.detach())
     for got, want in zip(grads, grads64):
         assert_close_to_float64(got, want)
-    assert out[0, 0] == (100 * up[0, 0].float()).to(BF16)          # silu(100) = 100
+    assert out[0, 0] == (100 * up[0, 0].float()).to(dtype)         # silu(100) = 100
     assert abs(float(out[0, 1])) < 1e-30 and float(out[0, 2]) == 0.0
 
 
@@ -132,22 +139,22 @@ def test_silu_mul_rounds_like_torch_bf16_graph():
 
 
 # ----------------------------------------------------------------------------- rotary
-def rotary_inputs(seed, batch=2, heads=3, length=5, dim=8, cos_batch=None, tied=True):
+def rotary_inputs(seed, batch=2, heads=3, length=5, dim=8, cos_batch=None, tied=True, dtype=BF16):
     """q [B, H, T, D] (a strided view, as transformers makes it) and cos, sin [B, T, D];
     ``tied``: both halves of the tables alike, as rotary tables are; else any values."""
     g = gen(seed)
-    q = torch.randn(batch, length, heads, dim, generator=g).to(BF16).transpose(1, 2)
+    q = torch.randn(batch, length, heads, dim, generator=g).to(dtype).transpose(1, 2)
     angle = torch.randn(cos_batch or batch, length, dim // 2 if tied else dim, generator=g)
     if tied:
         angle = angle.repeat(1, 1, 2)
-    return q, angle.cos().to(BF16), angle.sin().to(BF16)
+    return q, angle.cos().to(dtype), angle.sin().to(dtype)
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(length=1), dict(cos_batch=1), dict(dim=16, heads=1),
-                                   dict(tied=False)])
+                                   dict(tied=False), dict(tied=False, dtype=torch.float32)])
 def test_rotary_matches_its_float64_formula_and_gradient(shape):
     q, cos, sin = rotary_inputs(4, **shape)
-    upstream = torch.randn(q.shape, generator=gen(5)).to(BF16)
+    upstream = torch.randn(q.shape, generator=gen(5)).to(q.dtype)
     qk = q.detach().clone().requires_grad_()
     c, s = cos.expand(q.shape[0], *cos.shape[1:]), sin.expand(q.shape[0], *sin.shape[1:])
     out = RotaryFunction.apply(qk, c, s)
@@ -209,6 +216,31 @@ def test_threads_split_the_work_without_changing_a_bit():
     assert min(calls) >= functions.PARALLEL_MIN_ELEMENTS      # every call was big enough to split
 
 
+def test_float32_kernels_agree_with_pytorch_float32_graphs():
+    g = gen(15)
+    x = torch.randn(50, 96, generator=g, requires_grad=True)
+    w = 1 + 0.3 * torch.randn(96, generator=g)
+    gate = (3 * torch.randn(50, 96, generator=g)).requires_grad_()
+    up = torch.randn(50, 96, generator=g, requires_grad=True)
+    q, cos, sin = rotary_inputs(16, batch=3, heads=2, length=7, dim=16, tied=False, dtype=torch.float32)
+    q.requires_grad_()
+    k = torch.randn(3, 7, 1, 16, generator=g).transpose(1, 2)
+    original = getattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__", modeling_llama.apply_rotary_pos_emb)
+    pairs = [(RMSNormFunction.apply(x, w, 1e-6), transformers_rms_norm(x, w, 1e-6)),
+             (SiluMulFunction.apply(gate, up), F.silu(gate) * up),
+             (RotaryFunction.apply(q, cos, sin), original(q, k, cos, sin)[0])]
+    for mine, theirs in pairs:
+        upstream = torch.randn(mine.shape, generator=g)
+        leaves = [t for t in (x, gate, up, q) if t.requires_grad]
+        got = torch.autograd.grad(mine, leaves, upstream, allow_unused=True)
+        want = torch.autograd.grad(theirs, leaves, upstream, allow_unused=True)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- fusing a model
 def tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -244,18 +276,29 @@ def test_fused_model_computes_what_transformers_computes():
     assert torch.equal(forward_and_input_gradient(model, ids)[0], plain_logits)
 
 
-def test_float32_and_trained_norm_weights_take_transformers_path():
+def test_mixed_dtypes_and_trained_norm_weights_take_transformers_path(monkeypatch):
+    from ppokit.lm.kernels import fuse
+
     model = tiny_llama()
     fuse_cpu_kernels(model)
     norm = model.model.norm
-    x = torch.randn(2, 3, 64, generator=gen(10))
-    w32 = norm.weight.detach().float()
-    norm.weight.data = w32
-    assert torch.equal(norm(x), transformers_rms_norm(x, w32, norm.variance_epsilon))   # fp32: the original
-    norm.weight.data = w32.to(BF16)
-    norm.weight.requires_grad_(True)
-    norm(x.to(BF16)).float().sum().backward()                  # a trained weight gets its gradient
+    calls = []
+    kernel = fuse.RMSNormFunction.apply
+    monkeypatch.setattr(fuse.RMSNormFunction, "apply", lambda *a: calls.append(1) or kernel(*a))
+    x = torch.randn(2, 3, 64, generator=gen(10)).to(BF16)
+    w = 1 + 0.3 * torch.randn(64, generator=gen(11))
+
+    norm.weight.data = w.clone()                                 # a float32 weight on a bf16 stream
+    out = norm(x)
+    assert out.dtype == torch.float32 and torch.equal(out, transformers_rms_norm(x, w, norm.variance_epsilon))
+    norm.weight.data = w.to(BF16)
+    norm.weight.requires_grad_(True)                             # a trained weight gets its gradient
+    norm(x).float().sum().backward()
     assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+    assert calls == []
+    norm.weight.requires_grad_(False)
+    norm(x)                                                      # frozen and of the stream's dtype: the kernel
+    assert calls == [1]
 
 
 def test_rotary_dispatcher_calls_the_original_outside_fused_attention():
@@ -338,7 +381,7 @@ def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_pa
     assert damaged.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_size > 1000
 
 
-def test_policy_fuses_only_on_cpu_in_bf16_and_when_configured(tiny_dir):
+def test_policy_fuses_on_cpu_when_configured(tiny_dir):
     from ppokit.config import build_config
     from ppokit.lm.policy import build_policy
 
@@ -355,6 +398,6 @@ def test_policy_fuses_only_on_cpu_in_bf16_and_when_configured(tiny_dir):
     assert bf16.fused_kernel_counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers}
     assert fused_modules(bf16) == 4 * layers + 1
     fp32 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=None)
-    assert fused_modules(fp32) == 0 and fp32.fused_kernel_counts == {}
+    assert fp32.fused_kernel_counts == bf16.fused_kernel_counts          # the float32 kernels
     off = build_policy(lm_config(tiny_dir, model={"cpu_kernels": False}), tiny_dir, device=cpu, autocast_dtype=BF16)
     assert fused_modules(off) == 0

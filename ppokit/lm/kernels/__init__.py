@@ -1,7 +1,8 @@
-"""Fused bf16 CPU kernels for a decoder layer's elementwise work (RMSNorm, SwiGLU, rotary).
+"""Fused CPU kernels for a decoder layer's elementwise work (RMSNorm, SwiGLU, rotary).
 
-On a CPU with bf16 matrix units a layer's matmuls run about 8x faster than in float32,
-while PyTorch's elementwise operations stay bound by memory, one pass per operation:
+PyTorch's elementwise operations are bound by memory, one pass per operation, and on a
+CPU with bf16 matrix units a layer's matmuls run about 8x faster than in float32, so
+in bf16 that elementwise work takes most of a small model's time:
 transformers' RMSNorm alone makes six passes over its input forward (casts, square,
 mean, scale, weight) and more backward. The kernels in ``cpu_kernels.c`` make one pass
 per row instead, with the same bf16 roundings.
@@ -40,13 +41,15 @@ PORTABLE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math
 DISABLE_ENV = "PPOKIT_CPU_KERNELS"
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-SIGNATURES = {
+KERNEL_ARGS = {
     "rms_norm_forward": [_P, _P, _P, _P, _L, _L, _F],
     "rms_norm_backward": [_P, _P, _P, _P, _P, _L, _L],
     "silu_mul_forward": [_P, _P, _P, _L],
     "silu_mul_backward": [_P, _P, _P, _P, _P, _L],
     "rotary": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _L, _I],
 }
+TYPE_SUFFIXES = ("bf16", "f32")          # each kernel is built for bf16 and for float32
+SIGNATURES = {f"{name}_{suffix}": args for name, args in KERNEL_ARGS.items() for suffix in TYPE_SUFFIXES}
 
 
 def cache_dir() -> Path:

@@ -1,11 +1,12 @@
 """Autograd functions around the fused CPU kernels (see ``cpu_kernels.c`` for the math).
 
-Each function takes bf16 CPU tensors whose last dimension is contiguous and returns
-what transformers' bf16 graph of the same computation returns:
+Each function takes CPU tensors of one dtype, bf16 or float32, whose last dimension is
+contiguous, and returns what PyTorch's graph of the same computation returns in that
+dtype (``R`` rounds to it):
 
-- :class:`RMSNormFunction`  ``y = w * bf16(x * rstd)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``
+- :class:`RMSNormFunction`  ``y = w * R(x * rstd)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``
   (a frozen weight: no weight gradient);
-- :class:`SiluMulFunction`  ``out = bf16(silu(gate)) * up`` (SwiGLU's product);
+- :class:`SiluMulFunction`  ``out = R(silu(gate)) * up`` (SwiGLU's product);
 - :class:`RotaryFunction`   ``out = q * cos + rotate_half(q) * sin``.
 
 :func:`eligible` says whether tensors can take this path; callers fall back to
@@ -51,15 +52,23 @@ def in_parallel(rows: int, elements_per_row: int, run: Callable[[int, int], None
         f.result()
 
 
+SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
 def eligible(*tensors: torch.Tensor) -> bool:
-    """True when the kernels are built and every tensor is a bf16 CPU tensor with a
-    contiguous last dimension (the kernels' layout)."""
-    if cpu_library() is None:
+    """True when the kernels are built and the tensors are CPU tensors of one dtype, bf16
+    or float32, each with a contiguous last dimension (the kernels' layout)."""
+    if cpu_library() is None or not tensors or tensors[0].dtype not in SUFFIXES:
         return False
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.bfloat16 or (t.dim() and t.stride(-1) != 1):
+        if t.device.type != "cpu" or t.dtype != tensors[0].dtype or (t.dim() and t.stride(-1) != 1):
             return False
     return True
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    """The C function ``name`` for tensors of ``dtype``."""
+    return getattr(cpu_library(), f"{name}_{SUFFIXES[dtype]}")
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -75,57 +84,61 @@ class RMSNormFunction(torch.autograd.Function):
         rows = x.numel() // d
         y = torch.empty_like(x, memory_format=torch.contiguous_format)           # [..., d]
         rstd = torch.empty(rows, dtype=torch.float32)                              # [rows]
-        lib, xp, wp, yp, rp = cpu_library(), _ptr(x), _ptr(weight), _ptr(y), _ptr(rstd)
-        in_parallel(rows, d, lambda a, b: lib.rms_norm_forward(xp + 2 * a * d, wp, yp + 2 * a * d, rp + 4 * a,
-                                                               b - a, d, float(eps)))
+        kernel, size = _kernel("rms_norm_forward", x.dtype), x.element_size()
+        xp, wp, yp, rp = _ptr(x), _ptr(weight), _ptr(y), _ptr(rstd)
+        in_parallel(rows, d, lambda a, b: kernel(xp + size * a * d, wp, yp + size * a * d, rp + 4 * a, b - a, d,
+                                                 float(eps)))
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        grad_y = grad_y.to(torch.bfloat16).contiguous()
+        grad_y = grad_y.to(x.dtype).contiguous()
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
         d = x.shape[-1]
-        lib, gp, xp, wp, rp, dp = cpu_library(), _ptr(grad_y), _ptr(x), _ptr(weight), _ptr(rstd), _ptr(grad_x)
-        in_parallel(x.numel() // d, d, lambda a, b: lib.rms_norm_backward(
-            gp + 2 * a * d, xp + 2 * a * d, wp, rp + 4 * a, dp + 2 * a * d, b - a, d))
+        kernel, size = _kernel("rms_norm_backward", x.dtype), x.element_size()
+        gp, xp, wp, rp, dp = _ptr(grad_y), _ptr(x), _ptr(weight), _ptr(rstd), _ptr(grad_x)
+        in_parallel(x.numel() // d, d, lambda a, b: kernel(gp + size * a * d, xp + size * a * d, wp, rp + 4 * a,
+                                                           dp + size * a * d, b - a, d))
         return grad_x, None, None
 
 
 class SiluMulFunction(torch.autograd.Function):
-    """``bf16(silu(gate)) * up`` for gate, up [..., F] contiguous, of one shape. Saves only
+    """``R(silu(gate)) * up`` for gate, up [..., F] contiguous, of one shape. Saves only
     gate and up (PyTorch's graph also keeps silu(gate))."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(gate, memory_format=torch.contiguous_format)
-        lib, gp, up_, op = cpu_library(), _ptr(gate), _ptr(up), _ptr(out)
-        in_parallel(gate.numel(), 1, lambda a, b: lib.silu_mul_forward(gp + 2 * a, up_ + 2 * a, op + 2 * a, b - a))
+        kernel, size = _kernel("silu_mul_forward", gate.dtype), gate.element_size()
+        gp, up_, op = _ptr(gate), _ptr(up), _ptr(out)
+        in_parallel(gate.numel(), 1, lambda a, b: kernel(gp + size * a, up_ + size * a, op + size * a, b - a))
         ctx.save_for_backward(gate, up)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate, up = ctx.saved_tensors
-        grad_out = grad_out.to(torch.bfloat16).contiguous()
+        grad_out = grad_out.to(gate.dtype).contiguous()
         grad_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
         grad_up = torch.empty_like(up, memory_format=torch.contiguous_format)
-        lib = cpu_library()
+        kernel, size = _kernel("silu_mul_backward", gate.dtype), gate.element_size()
         go, gp, up_, dg, du = _ptr(grad_out), _ptr(gate), _ptr(up), _ptr(grad_gate), _ptr(grad_up)
-        in_parallel(gate.numel(), 1, lambda a, b: lib.silu_mul_backward(go + 2 * a, gp + 2 * a, up_ + 2 * a,
-                                                                        dg + 2 * a, du + 2 * a, b - a))
+        in_parallel(gate.numel(), 1, lambda a, b: kernel(go + size * a, gp + size * a, up_ + size * a,
+                                                         dg + size * a, du + size * a, b - a))
         return grad_gate, grad_up
 
 
 def _rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     B, H, T, D = q.shape
     out = torch.empty(B, H, T, D, dtype=q.dtype)                                   # [B, H, T, D]
-    lib, qp, cp, sp, op = cpu_library(), _ptr(q), _ptr(cos), _ptr(sin), _ptr(out)
+    kernel, size = _kernel("rotary", q.dtype), q.element_size()
+    qp, cp, sp, op = _ptr(q), _ptr(cos), _ptr(sin), _ptr(out)
     (sq_b, sq_h, sq_t), sc_b, sc_t = q.stride()[:3], cos.stride(0), cos.stride(1)
-    in_parallel(B, H * T * D, lambda a, b: lib.rotary(qp + 2 * a * sq_b, cp + 2 * a * sc_b, sp + 2 * a * sc_b,
-                                                      op + 2 * a * H * T * D, b - a, H, T, D, sq_b, sq_h, sq_t,
-                                                      sc_b, sc_t, int(backward)))
+    in_parallel(B, H * T * D, lambda a, b: kernel(qp + size * a * sq_b, cp + size * a * sc_b, sp + size * a * sc_b,
+                                                  op + size * a * H * T * D, b - a, H, T, D, sq_b, sq_h, sq_t,
+                                                  sc_b, sc_t, int(backward)))
     return out
 
 
@@ -142,7 +155,7 @@ class RotaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        grad_out = grad_out.to(torch.bfloat16)
+        grad_out = grad_out.to(cos.dtype)
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
         return _rotary(grad_out, cos, sin, backward=True), None, None

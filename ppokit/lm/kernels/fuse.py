@@ -7,12 +7,12 @@
 - attention layers whose module calls ``apply_rotary_pos_emb``: the rotary embedding.
 
 A module class is fused only after a probe: its own forward, run on random bf16 inputs,
-must give what the kernel gives (to one bf16 rounding). So a norm with another formula
+must give what the kernel gives (to one bf16 rounding; float32 runs the same formula). So a norm with another formula
 (Gemma's ``1 + w``), another activation or another rotary layout keeps its own forward,
 and the fused path computes the same thing as transformers, only in fewer passes over
-memory. Even in a fused module each call checks its inputs (bf16, CPU, contiguous,
-frozen norm weight) and falls back to the module's own forward otherwise, so float32
-runs, GPUs and full fine-tuning's trained norm weights are unaffected.
+memory. Even in a fused module each call checks its inputs (CPU, bf16 or float32 alike,
+contiguous, frozen norm weight) and falls back to the module's own forward otherwise, so
+GPUs, mixed dtypes and full fine-tuning's trained norm weights are unaffected.
 
 Rotary embeddings are a module-level function in transformers, not a module: the
 attention module's file gets a dispatcher in place of its ``apply_rotary_pos_emb`` that
