@@ -397,7 +397,10 @@ def test_policy_fuses_on_cpu_when_configured(tiny_dir):
     layers = 2                                                   # the test model's
     assert bf16.fused_kernel_counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers}
     assert fused_modules(bf16) == 4 * layers + 1
+    from ppokit.lm.workload import _kernels_note
+
+    assert _kernels_note(bf16) == " + fused CPU kernels (rms_norm 5, mlp 2, rotary 2)"     # the run header
     fp32 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=None)
     assert fp32.fused_kernel_counts == bf16.fused_kernel_counts          # the float32 kernels
     off = build_policy(lm_config(tiny_dir, model={"cpu_kernels": False}), tiny_dir, device=cpu, autocast_dtype=BF16)
-    assert fused_modules(off) == 0
+    assert fused_modules(off) == 0 and _kernels_note(off) == ""
