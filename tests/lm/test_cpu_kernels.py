@@ -241,6 +241,29 @@ def test_float32_kernels_agree_with_pytorch_float32_graphs():
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_splits_work_on_threads_of_its_own():
+    from ppokit.lm.kernels import functions
+
+    x = torch.randn(4 * functions.PARALLEL_MIN_ELEMENTS // 128, 128).to(BF16)
+    w = torch.ones(128, dtype=BF16)
+    torch.set_num_threads(2)
+    expected = RMSNormFunction.apply(x, w, 1e-6)                  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:                        # the child (compared in numpy: torch's own threads are not ours to test)
+        got = RMSNormFunction.apply(x, w, 1e-6)
+        os._exit(0 if (got.view(torch.int16).numpy() == expected.view(torch.int16).numpy()).all() else 3)
+    deadline = __import__("time").monotonic() + 60
+    while __import__("time").monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, f"the child exited with {os.waitstatus_to_exitcode(status)}"
+            return
+        __import__("time").sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the forked child hung on the kernels' thread pool")
+
+
 # ----------------------------------------------------------------------------- fusing a model
 def tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM

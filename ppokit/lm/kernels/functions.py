@@ -19,6 +19,7 @@ releases the GIL during the call), so the kernels use the cores PyTorch is told 
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -36,6 +37,16 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     if _POOL is None or _POOL_SIZE < workers:
         _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ppokit-kernel"), workers
     return _POOL
+
+
+def _forget_pool_after_fork() -> None:
+    """A forked child has none of the pool's threads: it makes a pool of its own."""
+    global _POOL, _POOL_SIZE
+    _POOL, _POOL_SIZE = None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def in_parallel(rows: int, elements_per_row: int, run: Callable[[int, int], None]) -> None:
