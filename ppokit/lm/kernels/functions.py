@@ -57,7 +57,8 @@ def in_parallel(rows: int, elements_per_row: int, run: Callable[[int, int], None
         run(0, rows)
         return
     bounds = [rows * i // parts for i in range(parts + 1)]
-    futures = [_pool(parts - 1).submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+    pool = _pool(parts - 1)
+    futures = [pool.submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
     run(bounds[0], bounds[1])
     for f in futures:
         f.result()

@@ -7,10 +7,10 @@
 - attention layers whose module calls ``apply_rotary_pos_emb``: the rotary embedding.
 
 A module class is fused only after a probe: its own forward, run on random bf16 inputs,
-must give what the kernel gives (to one bf16 rounding; float32 runs the same formula). So a norm with another formula
-(Gemma's ``1 + w``), another activation or another rotary layout keeps its own forward,
-and the fused path computes the same thing as transformers, only in fewer passes over
-memory. Even in a fused module each call checks its inputs (CPU, bf16 or float32 alike,
+must give what the kernel gives (to one bf16 rounding; float32 runs the same formula).
+So a norm with another formula (Gemma's ``1 + w``), another activation or another
+rotary layout keeps its own forward, and the fused path computes the same thing as
+transformers, only in fewer passes over memory. Even in a fused module each call checks its inputs (CPU, bf16 or float32 alike,
 contiguous, frozen norm weight) and falls back to the module's own forward otherwise, so
 GPUs, mixed dtypes and full fine-tuning's trained norm weights are unaffected.
 
@@ -100,7 +100,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     up = self.up_proj(x)                                                            # [..., F]
     if gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous() and eligible(gate, up):
         return self.down_proj(SiluMulFunction.apply(gate, up))
-    return self.down_proj(self.act_fn(gate) * up)
+    return self.down_proj(self.act_fn(gate) * up)     # the probed forward, without projecting twice
 
 
 # ----------------------------------------------------------------------------- rotary
