@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,13 +201,21 @@ def iteration_flops(s: dict, n: int, prompt_len: int, response_len: int, mode: s
     return {"generate": gen, "score": score, "update": update, "total": gen + score + update}
 
 
+@lru_cache(maxsize=None)
+def square_operands(device, dtype, size: int):
+    """Two random (size x size) matrices in the precision in use, made once for every
+    ceiling measurement."""
+    import torch
+
+    dt = dtype or torch.float32
+    return torch.randn(size, size, device=device).to(dt), torch.randn(size, size, device=device).to(dt)
+
+
 def matmul_ceiling(device, dtype, size: int = 2048, repeats: int = 10) -> float:
     """Best FLOP/s of a (size x size) @ (size x size) matmul in the precision in use."""
     import torch
 
-    dt = dtype or torch.float32
-    x = torch.randn(size, size, device=device).to(dt)
-    y = torch.randn(size, size, device=device).to(dt)
+    x, y = square_operands(device, dtype, size)
     best = float("inf")
     for _ in range(repeats + 2):
         sync(device)
@@ -226,9 +235,7 @@ def sustained_matmul(device, dtype, seconds: float, size: int = 2048) -> tuple[f
     run right after it (see :func:`child_perf`)."""
     import torch
 
-    dt = dtype or torch.float32
-    x = torch.randn(size, size, device=device).to(dt)
-    y = torch.randn(size, size, device=device).to(dt)
+    x, y = square_operands(device, dtype, size)
     torch.matmul(x, y)                                 # first-call set-up is not the machine's rate
     sync(device)
     n, start = 0, time.perf_counter()
