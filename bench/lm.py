@@ -248,31 +248,31 @@ def sustained_matmul(device, dtype, seconds: float, size: int = 2048) -> tuple[f
             return 2 * size ** 3 * n, elapsed
 
 
-def layer_matmul_shapes(policy) -> list[tuple[int, int]]:
-    """(out, in) of every frozen linear layer in the first decoder layer (LoRA factors apart)."""
+def layer_matmul_weights(policy) -> list:
+    """The frozen weights of every linear layer in the first decoder layer (LoRA factors
+    apart), [out, in] each, in the layout the policy stores them (see ppokit.lm.weight_layout)."""
     from torch import nn
 
     base = policy.lm.get_base_model() if hasattr(policy.lm, "get_base_model") else policy.lm
     layer = base.model.layers[0]
-    return [tuple(m.weight.shape) for name, m in layer.named_modules()
+    return [m.weight.detach() for name, m in layer.named_modules()
             if isinstance(m, nn.Linear) and "lora_" not in name]
 
 
-def layer_matmul_rate(shapes: list[tuple[int, int]], rows: int, device, dtype, ceiling_size: int = 2048,
+def layer_matmul_rate(weights: list, rows: int, device, dtype, ceiling_size: int = 2048,
                       repeats: int = 30) -> tuple[float, float]:
     """(FLOP/s of the update's layer matmuls alone, FLOP/s of the ceiling matmul), best of
     ``repeats``, measured alternately so that both see the same load on the machine.
 
-    The update's layer matmuls, per linear layer of shape (out, in) and micro-batch of
-    ``rows`` tokens: the forward ``x W^T`` and the input gradient ``g W`` (the backbone
-    is frozen, so there is no weight gradient). Nothing else: no LoRA, no elementwise
-    work. Its rate is about the most an update made of these layers can reach (the
-    attention and lm_head matmuls, a few per cent of the FLOPs, are left out)."""
+    The update's layer matmuls, per frozen weight W [out, in] (as the policy stores it)
+    and micro-batch of ``rows`` tokens: the forward ``x W^T`` and the input gradient
+    ``g W`` (the backbone is frozen, so there is no weight gradient). Nothing else: no
+    LoRA, no elementwise work. Its rate is about the most an update made of these layers
+    can reach (the attention and lm_head matmuls, a few per cent of the FLOPs, are left out)."""
     import torch
 
     dt = dtype or torch.float32
-    weights = [torch.randn(o, i, device=device).to(dt) for o, i in shapes]
-    inputs = {n: torch.randn(rows, n, device=device).to(dt) for shape in shapes for n in shape}
+    inputs = {n: torch.randn(rows, n, device=device).to(dt) for w in weights for n in w.shape}
 
     def layer():
         for w in weights:
@@ -287,7 +287,7 @@ def layer_matmul_rate(shapes: list[tuple[int, int]], rows: int, device, dtype, c
         layer()
         sync(device)
         layer_time = min(layer_time, time.perf_counter() - start)
-    flops = sum(2 * 2 * rows * o * i for o, i in shapes)
+    flops = sum(2 * 2 * rows * w.numel() for w in weights)
     return flops / layer_time, ceiling
 
 
@@ -343,7 +343,7 @@ def child_perf(a: argparse.Namespace) -> dict:
     sustained["total"] = sum(f for w in windows.values() for f, _ in w) / \
         sum(sec for w in windows.values() for _, sec in w)
     rows = a.perf_micro * (ro.prompt_length + ro.responses.shape[1])
-    matmuls, matmul_ceiling_ = layer_matmul_rate(layer_matmul_shapes(pieces.policy), rows, pieces.device,
+    matmuls, matmul_ceiling_ = layer_matmul_rate(layer_matmul_weights(pieces.policy), rows, pieces.device,
                                                  pieces.dtype)
     return {"ceiling_flops": max(peaks), "sustained_flops": sustained, "flops": flops, "times": t, "shapes": s,
             "layer_matmuls": {"rows": rows, "fraction": matmuls / matmul_ceiling_},

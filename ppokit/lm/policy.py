@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from ppokit import algo
 from ppokit.errors import UserError
 from ppokit.lm.fused_lora import fuse_lora_layers
+from ppokit.lm.weight_layout import transpose_wide_weights
 
 ACTOR, CRITIC = "actor", "critic"
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -328,7 +329,9 @@ class LMPolicy(nn.Module):
         and the residual stream between frozen layers is bf16 too, so the inputs of the
         next matmuls need no cast either (as with FSDP's bf16 ``param_dtype``). Trained
         weights (LoRA, value head, full-mode actor and critic) stay fp32 master weights;
-        buffers (rotary frequencies) stay fp32. Returns the number of tensors cast.
+        buffers (rotary frequencies) stay fp32. On a CPU, frozen bf16 weights with more
+        outputs than inputs are then stored column-major, which oneDNN's bf16 matmul runs
+        1.3-1.5x faster (:mod:`ppokit.lm.weight_layout`). Returns the number of tensors cast.
         """
         if dtype is None:
             return 0
@@ -344,6 +347,9 @@ class LMPolicy(nn.Module):
                 # nothing. Every pass runs under autocast, which handles the dtypes.
                 if hasattr(module, "cast_input_dtype_enabled"):
                     module.cast_input_dtype_enabled = False
+            if dtype == torch.bfloat16:
+                # oneDNN's bf16 matmul wants wide weights column-major (ppokit.lm.weight_layout).
+                transpose_wide_weights(lm, dtype)
         return count
 
     def fuse_cpu_kernels(self) -> dict[str, int]:
