@@ -37,6 +37,8 @@ one configuration only. Reported, each against its goal:
               and with peft's own forward, alternating in one process.
 ``kernels``   (``--only kernels``) the same with ppokit's fused CPU kernels (RMSNorm,
               SwiGLU, rotary; ``ppokit/lm/kernels``) and with transformers' layers.
+``layout``    (``--only layout``) the same with the wide frozen bf16 weights stored
+              column-major (``ppokit/lm/weight_layout.py``) and row-major.
 
 Responses are forced to full length (``min_new_tokens``), so every run does the same work.
 
@@ -47,6 +49,7 @@ Examples::
     python bench/lm.py --precision fp32 --threads 2
     python bench/lm.py --threads 1 --only lora --repeats 4   # fused LoRA layers against peft's
     python bench/lm.py --threads 1 --only kernels --repeats 4   # fused CPU kernels against transformers' layers
+    python bench/lm.py --threads 1 --only layout --repeats 6    # column-major wide weights against row-major
     python bench/lm.py --threads 1 --only perf --hidden 896 --layers 4 --mlp 4864   # Qwen2.5-0.5B's layer shape
 """
 
@@ -407,8 +410,25 @@ def child_kernels(a: argparse.Namespace) -> dict:
                          "plain": lambda policy: unfuse_cpu_kernels(policy.lm)})
 
 
+def child_layout(a: argparse.Namespace) -> dict:
+    """Wide frozen bf16 weights stored column-major (ppokit.lm.weight_layout) against row-major."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from ppokit.lm.weight_layout import transpose_wide_weights
+
+    def row_major(policy) -> None:
+        for module in policy.lm.modules():
+            if isinstance(module, LoraLinear):
+                weight = module.get_base_layer().weight
+                weight.data = weight.data.contiguous()
+
+    return alternate(a, {"column-major": lambda policy: transpose_wide_weights(policy.lm), "row-major": row_major})
+
+
 CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora,
-            "kernels": child_kernels}
+            "kernels": child_kernels, "layout": child_layout}
+# --only lora / kernels / layout: (ppokit's path, the path it is compared with)
+ALTERNATIVES = {"lora": ("fused", "plain"), "kernels": ("fused", "plain"), "layout": ("column-major", "row-major")}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -490,12 +510,13 @@ def main(argv=None) -> int:
         print(f"iteration   {r['times']['total']:.3f} s = {over:.2f}x its compute floor at the sustained ceiling "
               f"({r['flops']['total'] / sustained['total']:.3f} s), {peak / rate['total']:.2f}x at the peak   "
               f"(goal <= 2)")
-    if a.only in ("lora", "kernels"):
+    if a.only in ALTERNATIVES:
         t = run_child(a, a.only)
-        plain = "peft" if a.only == "lora" else "transformers"
+        ours, other = ALTERNATIVES[a.only]
+        label = {"lora": "peft", "kernels": "transformers"}.get(a.only, other)
         for phase in ("score", "update"):
-            print(f"{a.only:11s} {phase:6s} fused {t['fused'][phase]:7.3f} s   {plain} {t['plain'][phase]:7.3f} s   "
-                  f"{plain}/fused {t['plain'][phase] / t['fused'][phase]:.2f}x")
+            print(f"{a.only:11s} {phase:6s} {ours} {t[ours][phase]:7.3f} s   {label} {t[other][phase]:7.3f} s   "
+                  f"{label}/{ours} {t[other][phase] / t[ours][phase]:.2f}x")
     if a.only in (None, "gen"):
         g = run_child(a, "gen")
         print(f"kv-cache    {g['cache']:8.0f} tokens/s with the cache, {g['no_cache']:8.0f} without: "

@@ -35,7 +35,8 @@ scoring pass and of the first update pass are then the same computation, which i
 what makes the first importance ratio exactly 1.
 
 Precision: with bf16 autocast the frozen weights (lora backbone, full-mode reference)
-are stored in bf16 (:meth:`LMPolicy.cast_frozen_weights`); trained weights stay fp32.
+are stored in bf16 (:meth:`LMPolicy.cast_frozen_weights`), on a CPU the wide ones
+column-major (:mod:`ppokit.lm.weight_layout`); trained weights stay fp32.
 """
 
 from __future__ import annotations
