@@ -137,8 +137,10 @@ class Pieces:
         self.policy = build_policy(cfg, path, device=self.device, autocast_dtype=self.dtype, seed=0)
         self.engine = RolloutEngine(self.policy, self.tok, cfg.rollout,
                                     generation_kwargs={"min_new_tokens": a.response_len})
-        self.scorer = Scorer(self.policy, cfg.train.infer_micro_batch_size, need_reference=True)
         self.learner = Learner(cfg, self.policy, 1)
+        # as train_lm: a fully on-policy update (one epoch, one mini-batch) computes its own old log-probs
+        self.scorer = Scorer(self.policy, cfg.train.infer_micro_batch_size, need_reference=True,
+                             need_old_log_prob=not self.learner.trainer.fully_on_policy(a.batch))
         self.prompts = prompts(a)
 
     def training_batch(self, ro, scored: dict) -> dict:
@@ -189,13 +191,16 @@ def forward_flops(s: dict, n: int, length: int, head_positions: int) -> float:
     return linear + attention + 2 * s["hidden"] * s["vocab"] * n * head_positions
 
 
-def iteration_flops(s: dict, n: int, prompt_len: int, response_len: int, mode: str) -> dict:
+def iteration_flops(s: dict, n: int, prompt_len: int, response_len: int, mode: str,
+                    old_log_prob_pass: bool = True) -> dict:
+    """FLOPs of each phase; ``old_log_prob_pass``: whether scoring ran the actor (a fully
+    on-policy update computes the old log-probs in its own forward instead)."""
     L = prompt_len + response_len
     actor = forward_flops(s, n, L, response_len)
     critic = forward_flops(s, n, L, 0)
     backward = 1.0 if mode == "lora" else 2.0        # frozen backbone: input gradients only
     update = (actor + critic) * (1 + backward)
-    score = 2 * actor + critic                         # old log-probs, reference, values
+    score = (2 if old_log_prob_pass else 1) * actor + critic   # [old log-probs,] reference, values
     # generation: prefill of the prompts, then one token per step against the cache
     gen = forward_flops(s, n, prompt_len, 1)
     for t in range(1, response_len):
@@ -340,7 +345,8 @@ def child_perf(a: argparse.Namespace) -> dict:
         peaks.append(matmul_ceiling(pieces.device, pieces.dtype))
     ro = runs[-1]["rollout"]
     s = model_shapes(pieces.policy)
-    flops = iteration_flops(s, len(ro), ro.prompt_length, ro.responses.shape[1], "lora")
+    flops = iteration_flops(s, len(ro), ro.prompt_length, ro.responses.shape[1], "lora",
+                            old_log_prob_pass=pieces.scorer.need_old_log_prob)
     t = {k: sum(r["times"][k] for r in runs) / len(runs) for k in ("generate", "score", "update", "total")}
     sustained = {phase: sum(f for f, _ in w) / sum(sec for _, sec in w) for phase, w in windows.items()}
     sustained["total"] = sum(f for w in windows.values() for f, _ in w) / \
@@ -351,7 +357,7 @@ def child_perf(a: argparse.Namespace) -> dict:
     return {"ceiling_flops": max(peaks), "sustained_flops": sustained, "flops": flops, "times": t, "shapes": s,
             "layer_matmuls": {"rows": rows, "fraction": matmuls / matmul_ceiling_},
             "precision": "bf16" if pieces.dtype is not None else "fp32", "device": str(pieces.device),
-            "threads": __import__("torch").get_num_threads(),
+            "threads": __import__("torch").get_num_threads(), "old_log_prob_pass": pieces.scorer.need_old_log_prob,
             "tokens": {"n": len(ro), "prompt": ro.prompt_length, "response": ro.responses.shape[1]}}
 
 
@@ -497,7 +503,10 @@ def main(argv=None) -> int:
         print(f"ceiling     {r['precision']} matmul, {r['device']}, {r['threads']} threads: peak {peak / 1e12:.3f} "
               f"TFLOP/s (best single matmul); sustained {sustained['total'] / 1e12:.3f} TFLOP/s (back to back, "
               f"after each phase for as long as it took)")
-        print(f"            body {params / 1e6:.1f} M parameters; tokens {r['tokens']}; mean of {a.repeats} iterations")
+        passes = "old log-probs, reference, values" if r["old_log_prob_pass"] else \
+            "reference, values (one epoch of one mini-batch: the update computes the old log-probs)"
+        print(f"            body {params / 1e6:.1f} M parameters; tokens {r['tokens']}; mean of {a.repeats} iterations; "
+              f"scoring passes: {passes}")
         for phase in ("generate", "score", "update"):
             print(f"  {phase:9s} {r['times'][phase]:7.3f} s  {r['flops'][phase] / 1e9:9.1f} GFLOP  "
                   f"{rate[phase] / 1e12:.3f} TFLOP/s = {rate[phase] / sustained[phase]:6.1%} of the sustained ceiling "

@@ -23,7 +23,14 @@ rollout's (or scorer's) old log-probs are still read there: their largest differ
 from that forward pass is the metric ``old_log_prob_gap`` (0 on the CPU, < 1e-4 on a GPU,
 whose kernels depend on the batch shape; a large gap means the rollout and the update
 compute different policies: a temperature, tokenisation or normalisation mismatch).
-Later mini-batches use the rollout's old log-probs as they are.
+Later mini-batches use the rollout's old log-probs as they are. The first mini-batch's
+own log-probs are kept as :attr:`PPOTrainer.on_policy_log_prob`.
+
+An update is *fully on-policy* when it makes one optimizer step: one epoch of one
+mini-batch (:meth:`PPOTrainer.fully_on_policy`). Every micro-batch then takes its old
+log-probs from its own forward, so the batch may leave ``old_log_prob`` out and the
+rollout skip the forward pass that would compute it (the language-model scorer does);
+``old_log_prob_gap`` is then not reported.
 
 The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
 ``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
@@ -43,6 +50,7 @@ from ppokit.optim import AdamW, LRSchedule, lr_lambda
 from ppokit.resume import BadStepGuard
 
 REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
+OPTIONAL_WHEN_ON_POLICY = ("old_log_prob",)     # see "fully on-policy" in the module docstring
 
 
 class TrainablePolicy(Protocol):
@@ -93,15 +101,24 @@ class PPOTrainer:
         # after train.max_bad_steps skipped steps in a row: TrainingDiverged (the workload says where
         # the last good checkpoint is)
         self.bad_steps = BadStepGuard(cfg.train.max_bad_steps)
+        # (N, T) float32: the last update's log-probs of its first mini-batch's rows, from
+        # the policy that sampled them (0 on the other rows); None before the first update
+        self.on_policy_log_prob: Tensor | None = None
+
+    def fully_on_policy(self, n: int) -> bool:
+        """Whether an update of ``n`` samples makes one optimizer step (one epoch of one
+        mini-batch), so that all of it is on-policy."""
+        return self.cfg.train.epochs == 1 and self.cfg.mini_batch_size >= n
 
     # ------------------------------------------------------------------------ update
     def update(self, batch: dict[str, Tensor], iteration: int = 0) -> dict[str, float]:
         """Epochs over shuffled mini-batches; returns the iteration's mean metrics."""
+        n = batch["mask"].shape[0] if "mask" in batch else 0
         for key in REQUIRED_KEYS:
-            if key not in batch:
-                raise KeyError(f"batch is missing '{key}' (needs {', '.join(REQUIRED_KEYS)})")
+            if key not in batch and not (key in OPTIONAL_WHEN_ON_POLICY and self.fully_on_policy(n)):
+                raise KeyError(f"batch is missing '{key}' (needs {', '.join(REQUIRED_KEYS)}; "
+                               f"{', '.join(OPTIONAL_WHEN_ON_POLICY)} only when the update is not fully on-policy)")
         cfg, a = self.cfg, self.cfg.algo
-        n = batch["mask"].shape[0]
         mini = min(self.cfg.mini_batch_size, n)
         micro = min(self.cfg.micro_batch_size, mini)
         critic_only = iteration < cfg.train.critic_warmup
@@ -110,13 +127,17 @@ class PPOTrainer:
         weights: dict[str, float] = {}
         epochs_done = 0
         skipped_before = self.skipped_steps
+        self.on_policy_log_prob = torch.zeros(batch["mask"].shape, dtype=torch.float32, device=batch["mask"].device)
         for epoch in range(cfg.train.epochs):
             epoch_kl = []
             order = torch.randperm(n, generator=self.generator)
             for step, mb_index in enumerate(order.split(mini)):
                 mb = {k: v[mb_index] for k, v in batch.items()}
                 on_policy = epoch == 0 and step == 0
-                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy)
+                current: list[Tensor] = []
+                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current)
+                if on_policy:
+                    self.on_policy_log_prob[mb_index] = torch.cat(current).float()
                 for k, v in step_metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                     weights[k] = weights.get(k, 0.0) + 1.0
@@ -138,8 +159,10 @@ class PPOTrainer:
                 batch["old_values"], batch["returns"], batch["mask"]).item()
         return out
 
-    def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int,
-                        critic_only: bool, on_policy: bool = False) -> dict[str, Tensor]:
+    def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
+                        on_policy: bool = False, current_out: list[Tensor] | None = None) -> dict[str, Tensor]:
+        """One optimizer step over mini-batch ``mb``; with ``on_policy``, its micro-batches'
+        detached log-probs (n, T) are appended to ``current_out``."""
         a = self.cfg.algo
         mode = a.loss_agg_mode
         normalizer = algo.aggregation_normalizer(mb["mask"], mode)
@@ -150,6 +173,8 @@ class PPOTrainer:
             part = {k: v[start:start + micro] for k, v in mb.items()}
             out = self.policy.evaluate(part)
             mask = part["mask"]
+            if on_policy and current_out is not None:
+                current_out.append(out["log_prob"].detach())
             share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
             v_loss, v_metrics = algo.value_loss(
                 out["values"], part["old_values"], part["returns"], mask, clip_value=a.clip_value,
@@ -161,11 +186,12 @@ class PPOTrainer:
             losses = {"value_loss": v_loss.detach()}
             metrics = {"vf_clipfrac": v_metrics["vf_clipfrac"]}
             if not critic_only:
-                old_log_prob = part["old_log_prob"]
+                old_log_prob = part.get("old_log_prob")
                 if on_policy:       # the policy that sampled this data: the ratio is exactly 1
                     current = out["log_prob"].detach()
-                    gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
-                    totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)
+                    if old_log_prob is not None:
+                        gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
+                        totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)
                     old_log_prob = current
                 pg_loss, pg_metrics = algo.policy_loss(
                     out["log_prob"], old_log_prob, part["advantages"], mask,

@@ -118,6 +118,36 @@ def test_first_mini_batch_is_on_policy_and_reports_the_old_log_prob_gap(monkeypa
     assert metrics["old_log_prob_gap"] <= expected_gap + 1e-6
 
 
+def test_a_fully_on_policy_update_needs_no_old_log_prob_and_keeps_its_own():
+    batch = make_batch()
+    with torch.no_grad():
+        before = ToyPolicy().evaluate(batch)["log_prob"]                   # (N, T) the sampling policy
+    results = {}
+    for name in ("with", "without"):
+        policy = ToyPolicy()
+        trainer = PPOTrainer(lm_like_config(micro_batch_size=5), policy, total_iterations=1)  # one step
+        assert trainer.fully_on_policy(12) and not trainer.fully_on_policy(13)
+        part = dict(batch) if name == "with" else {k: v for k, v in batch.items() if k != "old_log_prob"}
+        metrics = trainer.update(part)
+        results[name] = ([p.detach().clone() for p in policy.parameters()], metrics, trainer.on_policy_log_prob)
+    (p_with, m_with, lp_with), (p_without, m_without, lp_without) = results["with"], results["without"]
+    for a, b in zip(p_with, p_without):
+        assert torch.equal(a, b)                       # the batch's old log-probs were not used
+    assert "old_log_prob_gap" in m_with and "old_log_prob_gap" not in m_without
+    assert m_without["policy_loss"] == m_with["policy_loss"] and m_without["clipfrac"] == 0.0
+    torch.testing.assert_close(lp_without, before, rtol=0, atol=1e-6)   # every row, in batch order
+    assert torch.equal(lp_with, lp_without)
+
+
+@pytest.mark.parametrize("train", [{"epochs": 2}, {"mini_batch_size": 6}])
+def test_an_update_with_several_steps_needs_old_log_prob(train):
+    batch = {k: v for k, v in make_batch().items() if k != "old_log_prob"}
+    trainer = PPOTrainer(lm_like_config(**train), ToyPolicy(), total_iterations=1)
+    assert not trainer.fully_on_policy(12)
+    with pytest.raises(KeyError, match="old_log_prob"):
+        trainer.update(batch)
+
+
 def test_update_improves_the_surrogate():
     batch = make_batch()
     policy = ToyPolicy()

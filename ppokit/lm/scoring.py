@@ -14,6 +14,12 @@
                           prompts are shuffled, so the K rows are a random sample)
     old_values    (N, R)  critic: V(state before response token t)
 
+Without ``need_old_log_prob`` the actor pass is skipped and ``old_log_prob`` left out:
+for an update that is fully on-policy (one epoch, one mini-batch: see
+:mod:`ppokit.trainer`) whose rewards carry no KL term, the update's own forward pass
+computes the same log-probs. That saves one of the three passes, or the only one in
+GRPO-style runs without a critic or a KL term.
+
 :func:`token_rewards` puts each sequence's reward on its last real response token
 (the EOS, or the last token of a truncated response; never on padding) and, with
 ``algo.use_kl_in_reward``, subtracts ``kl_coef * KL_t`` on every response token, the
@@ -32,12 +38,13 @@ from ppokit.lm.rollout import RolloutBatch
 
 
 class Scorer:
-    """``score(rollout) -> {"old_log_prob", "old_values", ["ref_log_prob" | "ref_log_prob_metric"]}``."""
+    """``score(rollout) -> {["old_log_prob"], "old_values", ["ref_log_prob" | "ref_log_prob_metric"]}``."""
 
     def __init__(self, policy, infer_micro_batch_size: int, *, need_reference: bool,
-                 metric_rows: Optional[int] = None):
+                 metric_rows: Optional[int] = None, need_old_log_prob: bool = True):
         self.policy = policy
         self.chunk = infer_micro_batch_size
+        self.need_old_log_prob = need_old_log_prob
         self.need_reference = need_reference and policy.has_reference
         # no KL term: reference log-probs of a few rows only, for the kl_ref metric
         self.metric_rows = metric_rows if policy.has_reference and not self.need_reference else None
@@ -46,12 +53,15 @@ class Scorer:
     def score(self, rollout: RolloutBatch) -> dict[str, Tensor]:
         tensors = rollout.tensors()
         n = len(rollout)
-        parts: dict[str, list[Tensor]] = {"old_log_prob": [], "old_values": []}
+        parts: dict[str, list[Tensor]] = {"old_values": []}
+        if self.need_old_log_prob:
+            parts["old_log_prob"] = []
         if self.need_reference:
             parts["ref_log_prob"] = []
         for s in range(0, n, self.chunk):
             mb = {k: v[s:s + self.chunk] for k, v in tensors.items()}
-            parts["old_log_prob"].append(self.policy.log_probs(mb)["log_prob"])
+            if self.need_old_log_prob:
+                parts["old_log_prob"].append(self.policy.log_probs(mb)["log_prob"])
             parts["old_values"].append(self.policy.values(mb))
             if self.need_reference:
                 parts["ref_log_prob"].append(self.policy.ref_log_probs(mb))

@@ -269,9 +269,12 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         one_thread_if_small(cfg, policy, device)
         kl_in_loss_or_reward = a.beta > 0 or a.use_kl_in_reward
         engine = RolloutEngine(policy, tokenizer, cfg.rollout)
-        scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=kl_in_loss_or_reward,
-                        metric_rows=KL_METRIC_ROWS)
         learner = Learner(cfg, policy, cfg.iterations)
+        # one optimizer step per iteration: the update's own forward gives the old log-probs
+        # (unless the rewards need them first), so the scorer skips the actor pass
+        scorer_old_log_prob = a.use_kl_in_reward or not learner.trainer.fully_on_policy(cfg.train.batch_size)
+        scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=kl_in_loss_or_reward,
+                        metric_rows=KL_METRIC_ROWS, need_old_log_prob=scorer_old_log_prob)
         kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
                                           a.kl_ctrl.horizon) if a.use_kl_in_reward else None
         prompts = PromptIterator(train_items, cfg.train.batch_size // a.group_size, seed=cfg.seed)
@@ -322,6 +325,8 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
                     metrics = learner.update(batch, it)
                 except resume.TrainingDiverged as exc:
                     raise resume.diverged_message(exc, run_dir, marker=MARKER) from None
+                if "old_log_prob" not in scored:     # fully on-policy: the update computed them
+                    scored["old_log_prob"] = learner.trainer.on_policy_log_prob * rollout.mask
                 metrics.update(rollout_metrics(rollout, scores, scored))
                 metrics.update(time_reward=time_reward, time_score=time_score,
                                score_tokens_per_s=float(rollout.attention_mask.sum()) / max(time_score, 1e-9))

@@ -65,6 +65,26 @@ def test_ppo_raises_the_reward(tiny_dir, tmp_path, sevens):
                 "response_length", "reward_std", "gen_tokens_per_s", "train_tokens_per_s"):
         assert key in rows[-1], key
     assert rows[-1]["kl_ref"] > rows[0]["kl_ref"]        # it moved away from the reference
+    assert rows[-1]["old_log_prob_gap"] == 0.0            # two epochs: the scorer's log-probs, checked
+
+
+def test_a_fully_on_policy_run_takes_its_old_log_probs_from_the_update(tiny_dir, tmp_path, sevens, monkeypatch):
+    from ppokit.lm import scoring
+    from ppokit.lm.workload import train_lm
+
+    built = []
+    scorer_class = scoring.Scorer
+    monkeypatch.setattr(scoring, "Scorer", lambda *a, **kw: built.append(kw) or scorer_class(*a, **kw))
+    cfg = config(tiny_dir, tmp_path, data={"reward": sevens, "eval_size": 0},
+                 train={"iterations": 3, "batch_size": 16, "mini_batch_size": 16, "micro_batch_size": 8,
+                        "epochs": 1})
+    train_lm(cfg, tmp_path / "run")
+    assert built[0]["need_old_log_prob"] is False
+    rows = read_metrics(tmp_path / "run")
+    assert all("old_log_prob_gap" not in r for r in rows)
+    assert all(r["clipfrac"] == 0.0 for r in rows)            # one step: every ratio is 1
+    # kl_ref from the update's own log-probs: 0 before the first step, then growing
+    assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[-1]["kl_ref"] > 1e-4
 
 
 def test_group_estimator_with_adaptive_kl_in_reward(tiny_dir, tmp_path, sevens):

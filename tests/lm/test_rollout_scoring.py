@@ -330,3 +330,16 @@ def test_without_a_kl_term_the_reference_scores_only_the_metric_rows(tiny_dir, t
     expected = ((full["old_log_prob"][:3] - full["ref_log_prob"][:3]) * ro.mask[:3]).sum(1).mean().item()
     assert metrics["kl_ref"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
     assert metrics["kl_ref"] != 0
+
+
+def test_a_scorer_for_a_fully_on_policy_update_skips_the_actor_pass(tiny_dir, tok):
+    policy, ro = random_policy_rollout(tiny_dir, tok, seed=6, group_size=2)
+    full = Scorer(policy, 5, need_reference=True).score(ro)
+    calls = []
+    log_probs = policy.log_probs
+    policy.log_probs = lambda mb, **kw: calls.append(len(mb["mask"])) or log_probs(mb, **kw)
+    lean = Scorer(policy, 5, need_reference=True, need_old_log_prob=False).score(ro)
+    assert calls == [] and "old_log_prob" not in lean
+    assert set(lean) == set(full) - {"old_log_prob"}
+    for key in lean:
+        assert torch.equal(lean[key], full[key]), key
