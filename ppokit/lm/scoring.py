@@ -17,8 +17,8 @@
 Without ``need_old_log_prob`` the actor pass is skipped and ``old_log_prob`` left out:
 for an update that is fully on-policy (one epoch, one mini-batch: see
 :mod:`ppokit.trainer`) whose rewards carry no KL term, the update's own forward pass
-computes the same log-probs. That saves one of the three passes, or the only one in
-GRPO-style runs without a critic or a KL term.
+computes the same log-probs. That saves one of the three passes; a GRPO-style run
+without a critic or a KL term is left with the reference on the ``metric_rows`` sample.
 
 :func:`token_rewards` puts each sequence's reward on its last real response token
 (the EOS, or the last token of a truncated response; never on padding) and, with
