@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ppokit.config import STATIC_CACHE_FULL_BF16
 from ppokit.errors import UserError
+from ppokit.lm.kv_cache import preallocated_cache
 
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask")
 
@@ -130,6 +131,10 @@ class RolloutEngine:
         self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, self.model)
         self.pad_id = int(tokenizer.pad_token_id)
+        # where ppokit's decoding-attention kernel reads the cache in place (CPU): a cache
+        # that writes each step into a preallocated buffer instead of concatenating
+        self.preallocate = (rollout_cfg.use_cache and rollout_cfg.cache_implementation == "dynamic"
+                            and getattr(policy, "fused_kernel_counts", {}).get("decode_attention", 0) > 0)
 
     def generation_config(self, *, greedy: bool, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -162,9 +167,14 @@ class RolloutEngine:
         chunks = []
         with self.policy.use("actor"), self.policy.autocast():
             for s in range(0, ids.shape[0], self.cfg.micro_batch_size):
+                extra = {}
+                if self.preallocate:
+                    cache = preallocated_cache(self.model, P + max_new)
+                    if cache is not None:
+                        extra["past_key_values"] = cache
                 out = self.model.generate(input_ids=ids[s:s + self.cfg.micro_batch_size],
                                           attention_mask=am[s:s + self.cfg.micro_batch_size],
-                                          generation_config=gen_cfg)
+                                          generation_config=gen_cfg, **extra)
                 chunks.append(out[:, P:])                                          # (n, R_chunk)
         R = max(c.shape[1] for c in chunks)
         raw = torch.cat([torch.nn.functional.pad(c, (0, R - c.shape[1]), value=self.pad_id)

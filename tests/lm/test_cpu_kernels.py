@@ -16,7 +16,7 @@ from torch import nn
 from transformers.models.llama import modeling_llama
 
 from ppokit.lm.kernels import cpu_library
-from ppokit.lm.kernels.functions import RMSNormFunction, RotaryFunction, SiluMulFunction
+from ppokit.lm.kernels.functions import RMSNormFunction, RotaryFunction, SiluMulFunction, decode_attention
 from ppokit.lm.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,6 +264,91 @@ def test_a_forked_child_splits_work_on_threads_of_its_own():
     pytest.fail("the forked child hung on the kernels' thread pool")
 
 
+# ----------------------------------------------------------------------------- decoding attention
+def naive_decode_attention(q, k, v, mask, scale):
+    """float64: softmax(q k^T * scale + mask) v per head, kv head h // (H / Hkv); [B, 1, H, D]."""
+    B, H, _, D = q.shape
+    rep = H // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)     # [B, H, T, D]
+    s = (q.double() @ k.transpose(2, 3)) * scale                                     # [B, H, 1, T]
+    if mask is not None:
+        s = s + mask.double()
+    return (torch.softmax(s, -1) @ v).transpose(1, 2)                               # [B, 1, H, D]
+
+
+def decode_inputs(seed, B=3, H=4, Hkv=2, T=9, D=16, dtype=BF16, mask="min"):
+    g = gen(seed)
+    q = torch.randn(B, 1, H, D, generator=g).to(dtype).transpose(1, 2)             # [B, H, 1, D], strided
+    k = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    m = None
+    if mask is not None:
+        m = torch.zeros(B, 1, 1, T, dtype=dtype if mask == "min" else torch.float32)
+        m[0, ..., :3] = torch.finfo(m.dtype).min if mask == "min" else float("-inf")   # left padding
+        if B > 1:
+            m[1, ..., :1] = m[0, 0, 0, 0]
+    return q, k, v, m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 4, 2, 9, 16), (2, 6, 6, 1, 64), (2, 8, 1, 40, 128), (1, 2, 2, 5, 24)])
+@pytest.mark.parametrize("mask", ["min", "-inf", None])
+def test_decode_attention_matches_its_float64_formula(dtype, shape, mask):
+    B, H, Hkv, T, D = shape
+    q, k, v, m = decode_inputs(20, B, H, Hkv, T, D, dtype, mask if T > 3 else None)
+    got = decode_attention(q, k, v, m, D ** -0.5)
+    assert got.shape == (B, 1, H, D) and got.dtype == dtype and got.is_contiguous()
+    assert_close_to_float64(got, naive_decode_attention(q, k, v, m, D ** -0.5))
+    if m is not None:                                   # one mask row for the whole batch
+        got = decode_attention(q, k, v, m[:1], D ** -0.5)
+        assert_close_to_float64(got, naive_decode_attention(q, k, v, m[:1], D ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_rounds_like_transformers_eager_attention(dtype):
+    from types import SimpleNamespace
+
+    original = getattr(modeling_llama.eager_attention_forward, "__wrapped__", modeling_llama.eager_attention_forward)
+    for seed, mask in ((21, "min"), (22, None)):
+        q, k, v, m = decode_inputs(seed, B=4, H=8, Hkv=4, T=33, D=64, dtype=dtype, mask=mask)
+        with torch.no_grad():
+            theirs, _ = original(SimpleNamespace(num_key_value_groups=2, training=False), q, k, v, m,
+                                 scaling=0.125, dropout=0.0)
+        mine = decode_attention(q, k, v, m, 0.125)
+        if dtype == BF16:
+            assert_same_bf16(mine, theirs, max_fraction_off=0.01)
+        else:
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_generation_through_the_decoding_kernel_equals_transformers(monkeypatch):
+    from ppokit.lm.kernels import fuse
+
+    model = tiny_llama(3)
+    ids = torch.randint(0, 50, (3, 6), generator=gen(23))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0                                                # a left-padded row
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                               output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    fuse_cpu_kernels(model)
+    calls = []
+    kernel = fuse.decode_attention
+    monkeypatch.setattr(fuse, "decode_attention", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    with torch.no_grad():
+        fused = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                               output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    assert len(calls) == 2 * 5 and all(shape[2] == 1 for shape in calls)   # 2 layers x 5 decoding steps
+    assert torch.equal(fused.sequences, plain.sequences)
+    for a, b in zip(fused.scores, plain.scores):
+        torch.testing.assert_close(a, b, rtol=0, atol=0.05)
+    calls.clear()
+    model(ids, attention_mask=mask)                                # a whole sequence: eager attention
+    with torch.no_grad():
+        model(ids[:, :1], attention_mask=mask[:, :1])              # no cache, one token: the kernel
+    assert len(calls) == 2
+
+
 # ----------------------------------------------------------------------------- fusing a model
 def tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -287,14 +372,14 @@ def test_fused_model_computes_what_transformers_computes():
     ids = torch.randint(0, 50, (3, 11), generator=gen(9))
     plain_logits, plain_grad = forward_and_input_gradient(model, ids)
     counts = fuse_cpu_kernels(model)
-    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 2}     # 2 per layer + the final norm
+    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 2, "decode_attention": 2}   # 2 per layer + the final norm
     assert type(model.model.norm).__name__ == "FusedLlamaRMSNorm"
     fused_logits, fused_grad = forward_and_input_gradient(model, ids)
     # one bf16 rounding apart here and there, carried through two layers
     torch.testing.assert_close(fused_logits, plain_logits, rtol=0, atol=0.05)
     torch.testing.assert_close(fused_grad.float(), plain_grad.float(), rtol=0.05,
                                atol=0.05 * plain_grad.float().abs().max().item())
-    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0}    # already fused
+    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "decode_attention": 0}   # already fused
     assert unfuse_cpu_kernels(model) == 9
     assert torch.equal(forward_and_input_gradient(model, ids)[0], plain_logits)
 
@@ -369,7 +454,7 @@ class GeluMLP(nn.Module):
 
 def test_probe_leaves_other_formulas_alone():
     model = nn.Sequential(OnePlusWeightNorm(16), GeluMLP(16, 24)).to(BF16)
-    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0}
+    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "decode_attention": 0}
     assert type(model[0]) is OnePlusWeightNorm and type(model[1]) is GeluMLP
 
 
@@ -418,11 +503,12 @@ def test_policy_fuses_on_cpu_when_configured(tiny_dir):
     cpu = torch.device("cpu")
     bf16 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=BF16)
     layers = 2                                                   # the test model's
-    assert bf16.fused_kernel_counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers}
+    assert bf16.fused_kernel_counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers,
+                                        "decode_attention": layers}
     assert fused_modules(bf16) == 4 * layers + 1
     from ppokit.lm.workload import _kernels_note
 
-    assert _kernels_note(bf16) == " + fused CPU kernels (rms_norm 5, mlp 2, rotary 2)"     # the run header
+    assert _kernels_note(bf16) == " + fused CPU kernels (rms_norm 5, mlp 2, rotary 2, decode_attention 2)"
     fp32 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=None)
     assert fp32.fused_kernel_counts == bf16.fused_kernel_counts          # the float32 kernels
     off = build_policy(lm_config(tiny_dir, model={"cpu_kernels": False}), tiny_dir, device=cpu, autocast_dtype=BF16)

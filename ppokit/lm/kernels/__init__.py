@@ -47,6 +47,7 @@ KERNEL_ARGS = {
     "silu_mul_forward": [_P, _P, _P, _L],
     "silu_mul_backward": [_P, _P, _P, _P, _P, _L],
     "rotary": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _L, _I],
+    "decode_attention": [_P, _P, _P, _P, _P, _P] + [_L] * 15 + [_F, _I],
 }
 TYPE_SUFFIXES = ("bf16", "f32")          # each kernel is built for bf16 and for float32
 SIGNATURES = {f"{name}_{suffix}": args for name, args in KERNEL_ARGS.items() for suffix in TYPE_SUFFIXES}

@@ -173,4 +173,69 @@ void NAME(rotary)(const ELEM *q, const ELEM *cos_, const ELEM *sin_, ELEM *out, 
             }
 }
 
+/* Attention for one new token per sequence (a decoding step), for one (b, h), as eager
+ * attention computes it:
+ *   s_j = R(R(q . k_j) * scale)  (+ m_j: rounded when round_mask, as a same-dtype add is),
+ *   p_j = R(softmax(s)_j)  (float32),   out = R(sum_j p_j v_j)
+ * q [D], k and v T rows of D (row strides sk_t, sv_t), mask [T] float32 or NULL, out [D];
+ * scratch holds T + D floats. Inlined with D a constant for the common head sizes. */
+static inline __attribute__((always_inline)) void NAME(decode_row)(
+        const ELEM *qr, const ELEM *kb, const ELEM *vb, const float *m, ELEM *o, float *scratch, long T, long D,
+        long sk_t, long sv_t, float scale, int round_mask) {
+    float *s = scratch, *acc = scratch + T;
+    float top = -INFINITY;
+    for (long j = 0; j < T; j++) {
+        const ELEM *kr = kb + j * sk_t;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (long d = 0; d < D; d++) dot += LOAD(qr[d]) * LOAD(kr[d]);
+        float x = ROUND(ROUND(dot) * scale);
+        if (m) x = round_mask ? ROUND(x + m[j]) : x + m[j];
+        s[j] = x;
+        top = x > top ? x : top;
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (long j = 0; j < T; j++) {
+        float e = s[j] - top;
+        e = e > -87.f ? exp_approx(e) : 0.f;    /* masked positions (-inf or the dtype's min) */
+        s[j] = e;
+        sum += e;
+    }
+    float inv = 1.f / sum;
+#pragma omp simd
+    for (long d = 0; d < D; d++) acc[d] = 0.f;
+    for (long j = 0; j < T; j++) {
+        float p = ROUND(s[j] * inv);
+        const ELEM *vr = vb + j * sv_t;
+#pragma omp simd
+        for (long d = 0; d < D; d++) acc[d] += p * LOAD(vr[d]);
+    }
+#pragma omp simd
+    for (long d = 0; d < D; d++) o[d] = STORE(acc[d]);
+}
+
+/* decode_row for the rows [start, stop) of B x H: q [B, H, D] (strides sq_b, sq_h), k and v
+ * [B, Hkv, T, D] (strides sk_*, sv_*), head h reads kv head h / (H / Hkv); mask [B, T]
+ * float32 (row stride sm_b, 0 when broadcast) or NULL; out contiguous [B, H, D]. */
+void NAME(decode_attention)(const ELEM *q, const ELEM *k, const ELEM *v, const float *mask, ELEM *out, float *scratch,
+                      long start, long stop, long H, long Hkv, long T, long D, long sq_b, long sq_h,
+                      long sk_b, long sk_h, long sk_t, long sv_b, long sv_h, long sv_t, long sm_b,
+                      float scale, int round_mask) {
+    long rep = H / Hkv;
+    for (long row = start; row < stop; row++) {
+        long b = row / H, h = row % H, g = h / rep;
+        const ELEM *qr = q + b * sq_b + h * sq_h;
+        const ELEM *kb = k + b * sk_b + g * sk_h, *vb = v + b * sv_b + g * sv_h;
+        const float *m = mask ? mask + b * sm_b : 0;
+        ELEM *o = out + row * D;
+        if (D == 64)
+            NAME(decode_row)(qr, kb, vb, m, o, scratch, T, 64, sk_t, sv_t, scale, round_mask);
+        else if (D == 128)
+            NAME(decode_row)(qr, kb, vb, m, o, scratch, T, 128, sk_t, sv_t, scale, round_mask);
+        else
+            NAME(decode_row)(qr, kb, vb, m, o, scratch, T, D, sk_t, sv_t, scale, round_mask);
+    }
+}
+
 #endif /* KERNEL_BODY */

@@ -171,3 +171,33 @@ class RotaryFunction(torch.autograd.Function):
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
         return _rotary(grad_out, cos, sin, backward=True), None, None
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+                     scaling: float) -> torch.Tensor:
+    """Eager attention for one new token per sequence, in one pass over the cache, no grad.
+
+    query [B, H, 1, D], key and value [B, Hkv, T, D] (H a multiple of Hkv; any strides with
+    a contiguous last dimension); mask None or additive [B or 1, 1, 1, T] (float32 or the
+    query's dtype). Returns attn_output [B, 1, H, D] contiguous, as eager attention does.
+    """
+    B, H, _, D = query.shape
+    Hkv, T = key.shape[1], key.shape[2]
+    out = torch.empty(B, 1, H, D, dtype=query.dtype)                                # [B, 1, H, D]
+    round_mask = 0
+    mask_ptr, sm_b = None, 0
+    if mask is not None:
+        m = mask[:, 0, 0, :].float().contiguous()                                  # [B or 1, T]
+        round_mask = int(mask.dtype == query.dtype and query.dtype != torch.float32)
+        mask_ptr, sm_b = _ptr(m), (T if m.shape[0] > 1 else 0)
+    kernel, size = _kernel("decode_attention", query.dtype), query.element_size()
+    qp, kp, vp, op = _ptr(query), _ptr(key), _ptr(value), _ptr(out)
+    (sq_b, sq_h), (sk_b, sk_h, sk_t), (sv_b, sv_h, sv_t) = query.stride()[:2], key.stride()[:3], value.stride()[:3]
+
+    def run(a: int, b: int) -> None:
+        scratch = torch.empty(T + D, dtype=torch.float32)
+        kernel(qp, kp, vp, mask_ptr, op, _ptr(scratch), a, b, H, Hkv, T, D, sq_b, sq_h, sk_b, sk_h, sk_t,
+               sv_b, sv_h, sv_t, sm_b, scaling, round_mask)
+
+    in_parallel(B * H, 2 * T * D, run)
+    return out

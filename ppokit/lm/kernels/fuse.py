@@ -17,7 +17,11 @@ GPUs, mixed dtypes and full fine-tuning's trained norm weights are unaffected.
 Rotary embeddings are a module-level function in transformers, not a module: the
 attention module's file gets a dispatcher in place of its ``apply_rotary_pos_emb`` that
 calls the kernel only inside a fused attention module's forward (a context variable
-says so) and the original function everywhere else.
+says so) and the original function everywhere else. Eager attention is one too
+(``eager_attention_forward``): inside a fused attention module, a decoding step (one
+new token per sequence, no grad, no dropout) runs the ``decode_attention`` kernel, one
+pass over the KV cache where eager attention makes five (two batched matmuls of one
+row each, the scaling, the mask, the softmax); its own probe must agree first.
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ from torch import nn
 
 from ppokit.lm.class_swap import fused_subclass, restore_classes
 from ppokit.lm.kernels import cpu_library
-from ppokit.lm.kernels.functions import RMSNormFunction, RotaryFunction, SiluMulFunction, eligible
+from ppokit.lm.kernels.functions import RMSNormFunction, RotaryFunction, SiluMulFunction, decode_attention, eligible
 
 _ROTARY_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("ppokit_rotary_kernel", default=False)
 _FUSED: dict[type, type] = {}              # original class -> fused subclass
 _PROBED: dict[type, bool] = {}             # original class -> does the probe agree
 _DISPATCHERS: dict[str, Callable] = {}     # module name -> installed rotary dispatcher
+_ATTENTION_DISPATCHERS: dict[str, Callable] = {}   # module name -> installed eager-attention dispatcher
+_UNSUPPORTED_ATTENTION_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks")
 
 
 def _agrees(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
@@ -164,6 +170,82 @@ def _install_dispatcher(cls: type) -> None:
         module.apply_rotary_pos_emb = _DISPATCHERS[name]
 
 
+# ----------------------------------------------------------------------------- decoding attention
+def _eager_attention_function(cls: type) -> Optional[Callable]:
+    return getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+
+
+def _fast_decode_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """attn_output [B, 1, H, D] by the kernel, or None when this call cannot take it."""
+    if (torch.is_grad_enabled() or dropout or getattr(module, "training", False) or scaling is None
+            or any(kwargs.get(k) is not None for k in _UNSUPPORTED_ATTENTION_KWARGS)):
+        return None
+    if query.dim() != 4 or key.dim() != 4 or query.shape[2] != 1 or key.shape != value.shape \
+            or not eligible(query, key, value):
+        return None
+    B, H, _, D = query.shape
+    Hkv, T = key.shape[1], key.shape[2]
+    if key.shape[0] != B or key.shape[3] != D or Hkv == 0 or H % Hkv \
+            or H // Hkv != getattr(module, "num_key_value_groups", H // Hkv):
+        return None
+    if attention_mask is not None:
+        m = attention_mask
+        if not isinstance(m, torch.Tensor) or m.dim() != 4 or m.shape[1:3] != (1, 1) or m.shape[3] != T \
+                or m.shape[0] not in (1, B) or m.dtype not in (query.dtype, torch.float32) or m.device.type != "cpu":
+            return None
+    return decode_attention(query, key, value, attention_mask, float(scaling))
+
+
+def _make_attention_dispatcher(original: Callable) -> Callable:
+    def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if _ROTARY_ON.get():
+            fast = _fast_decode_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+            if fast is not None:
+                return fast, None
+        return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+    eager_attention_forward.__wrapped__ = original
+    eager_attention_forward.__doc__ = "ppokit's dispatcher: the fused CPU kernel for a decoding step inside " \
+        "fused attention, else:\n\n" + (original.__doc__ or "")
+    return eager_attention_forward
+
+
+def _probe_decode_attention(cls: type) -> bool:
+    """Whether the kernel gives what the model file's eager attention gives: bf16, two
+    query heads per KV head, a padding mask."""
+    original = _eager_attention_function(cls)
+    if original is None:
+        return False
+    original = getattr(original, "__wrapped__", original)
+    g = _probe_generator()
+    q = torch.randn(2, 1, 4, 8, generator=g).bfloat16().transpose(1, 2)             # [B, H, 1, D], strided
+    k = torch.randn(2, 2, 5, 8, generator=g).bfloat16()                             # [B, Hkv, T, D]
+    v = torch.randn(2, 2, 5, 8, generator=g).bfloat16()
+    mask = torch.zeros(2, 1, 1, 5).bfloat16()
+    mask[0, ..., :2] = torch.finfo(torch.bfloat16).min
+    stand_in = SimpleNamespace(num_key_value_groups=2, training=False)
+    with torch.no_grad():
+        theirs = original(stand_in, q, k, v, mask, scaling=8 ** -0.5, dropout=0.0)
+        mine = _fast_decode_attention(stand_in, q, k, v, mask, 8 ** -0.5, 0.0, {})
+    return mine is not None and isinstance(theirs, tuple) and _agrees(mine, theirs[0])
+
+
+def _install_attention_dispatcher(cls: type) -> bool:
+    """Put the dispatcher into the file of ``cls`` (once) when its probe agrees."""
+    name = cls.__module__
+    if name not in _ATTENTION_DISPATCHERS:
+        try:
+            agrees = _probe_decode_attention(cls)
+        except Exception:               # an eager function the stand-in cannot run: leave it
+            agrees = False
+        if not agrees:
+            return False
+        module = sys.modules[name]
+        _ATTENTION_DISPATCHERS[name] = _make_attention_dispatcher(module.eager_attention_forward)
+        module.eager_attention_forward = _ATTENTION_DISPATCHERS[name]
+    return True
+
+
 def _attention_forward(self, *args, **kwargs):
     token = _ROTARY_ON.set(True)
     try:
@@ -188,8 +270,10 @@ _KINDS = (
 def fuse_cpu_kernels(model: nn.Module) -> dict[str, int]:
     """Give ``model``'s RMSNorm, SwiGLU MLP and rotary attention modules the fused kernels;
     returns how many modules of each kind were fused (all zero when the kernels are not
-    built). State dicts, parameters and ``save_pretrained`` are unchanged."""
+    built), and as ``decode_attention`` how many of those attention modules also take the
+    decoding kernel. State dicts, parameters and ``save_pretrained`` are unchanged."""
     counts = {kind: 0 for kind, *_ in _KINDS}
+    counts["decode_attention"] = 0
     if cpu_library() is None:
         return counts
     fused_classes = set(_FUSED.values())
@@ -208,6 +292,7 @@ def fuse_cpu_kernels(model: nn.Module) -> dict[str, int]:
             if _PROBED[cls]:
                 if kind == "rotary":
                     _install_dispatcher(cls)
+                    counts["decode_attention"] += _install_attention_dispatcher(cls)
                 module.__class__ = fused_subclass(_FUSED, cls, forward, __name__)
                 counts[kind] += 1
             break
