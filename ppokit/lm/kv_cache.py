@@ -94,7 +94,8 @@ def _layer_class():
 
         def batch_repeat_interleave(self, repeats: int) -> None:
             if self.get_seq_length() > 0:
-                self._replace(self.keys.repeat_interleave(repeats, dim=0), self.values.repeat_interleave(repeats, dim=0))
+                self._replace(self.keys.repeat_interleave(repeats, dim=0),
+                              self.values.repeat_interleave(repeats, dim=0))
 
         def batch_select_indices(self, indices: Tensor) -> None:
             if self.get_seq_length() > 0:

@@ -1,4 +1,5 @@
-"""Fused CPU kernels for a decoder layer's elementwise work (RMSNorm, SwiGLU, rotary).
+"""Fused CPU kernels for a decoder layer's elementwise work (RMSNorm, SwiGLU, rotary) and
+for the attention of a decoding step.
 
 PyTorch's elementwise operations are bound by memory, one pass per operation, and on a
 CPU with bf16 matrix units a layer's matmuls run about 8x faster than in float32, so
