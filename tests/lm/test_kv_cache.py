@@ -82,3 +82,26 @@ def test_the_rollout_engine_preallocates_where_the_decoding_kernel_runs(tiny_dir
     assert fused.preallocate is (cpu_library() is not None)
     batch = fused.generate(["12+3=", "7="], group_size=2)
     assert batch.responses.shape[0] == 4 and batch.mask.sum() > 0
+
+
+def test_batch_operations_and_crop_act_on_the_filled_part():
+    from transformers.cache_utils import DynamicLayer
+
+    cache = preallocated_cache(tiny_llama(torch.float32), 8)
+    ours, theirs = cache.layers[0], DynamicLayer()
+    g = torch.Generator().manual_seed(2)
+    for n in (3, 1, 1):                                       # a prompt of 3, then two decoding steps
+        k, v = torch.randn(2, 2, n, 4, generator=g), torch.randn(2, 2, n, 4, generator=g)
+        ours.update(k, v)
+        theirs.update(k, v)
+    checks = [lambda layer: layer.batch_repeat_interleave(2),
+              lambda layer: layer.batch_select_indices(torch.tensor([3, 0, 1])),
+              lambda layer: layer.reorder_cache(torch.tensor([2, 2, 0])),
+              lambda layer: layer.crop(-2)]
+    for change in checks:
+        change(ours)
+        change(theirs)
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+    k, v = torch.randn(3, 2, 1, 4, generator=g), torch.randn(3, 2, 1, 4, generator=g)
+    assert all(torch.equal(a, b) for a, b in zip(ours.update(k, v), theirs.update(k, v)))   # and it goes on
