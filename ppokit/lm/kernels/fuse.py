@@ -38,11 +38,13 @@ from ppokit.lm.class_swap import fused_subclass, restore_classes
 from ppokit.lm.kernels import cpu_library
 from ppokit.lm.kernels.functions import RMSNormFunction, RotaryFunction, SiluMulFunction, decode_attention, eligible
 
-_ROTARY_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("ppokit_rotary_kernel", default=False)
+# set while a fused attention module runs its forward: the dispatchers below call the kernels then
+_IN_FUSED_ATTENTION: contextvars.ContextVar[bool] = contextvars.ContextVar("ppokit_fused_attention", default=False)
 _FUSED: dict[type, type] = {}              # original class -> fused subclass
 _PROBED: dict[type, bool] = {}             # original class -> does the probe agree
 _DISPATCHERS: dict[str, Callable] = {}     # module name -> installed rotary dispatcher
 _ATTENTION_DISPATCHERS: dict[str, Callable] = {}   # module name -> installed eager-attention dispatcher
+_ATTENTION_PROBED: dict[str, bool] = {}            # module name -> does the decoding probe agree
 _UNSUPPORTED_ATTENTION_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks")
 
 
@@ -134,7 +136,7 @@ def _fast_rotary(q, k, cos, sin, args, kwargs):
 
 def _make_dispatcher(original: Callable) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if _ROTARY_ON.get():
+        if _IN_FUSED_ATTENTION.get():
             fast = _fast_rotary(q, k, cos, sin, args, kwargs)
             if fast is not None:
                 return fast
@@ -198,7 +200,7 @@ def _fast_decode_attention(module, query, key, value, attention_mask, scaling, d
 
 def _make_attention_dispatcher(original: Callable) -> Callable:
     def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if _ROTARY_ON.get():
+        if _IN_FUSED_ATTENTION.get():
             fast = _fast_decode_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
             if fast is not None:
                 return fast, None
@@ -233,13 +235,14 @@ def _probe_decode_attention(cls: type) -> bool:
 def _install_attention_dispatcher(cls: type) -> bool:
     """Put the dispatcher into the file of ``cls`` (once) when its probe agrees."""
     name = cls.__module__
-    if name not in _ATTENTION_DISPATCHERS:
+    if name not in _ATTENTION_PROBED:
         try:
-            agrees = _probe_decode_attention(cls)
+            _ATTENTION_PROBED[name] = _probe_decode_attention(cls)
         except Exception:               # an eager function the stand-in cannot run: leave it
-            agrees = False
-        if not agrees:
-            return False
+            _ATTENTION_PROBED[name] = False
+    if not _ATTENTION_PROBED[name]:
+        return False
+    if name not in _ATTENTION_DISPATCHERS:
         module = sys.modules[name]
         _ATTENTION_DISPATCHERS[name] = _make_attention_dispatcher(module.eager_attention_forward)
         module.eager_attention_forward = _ATTENTION_DISPATCHERS[name]
@@ -247,11 +250,11 @@ def _install_attention_dispatcher(cls: type) -> bool:
 
 
 def _attention_forward(self, *args, **kwargs):
-    token = _ROTARY_ON.set(True)
+    token = _IN_FUSED_ATTENTION.set(True)
     try:
         return self._unfused_forward(*args, **kwargs)
     finally:
-        _ROTARY_ON.reset(token)
+        _IN_FUSED_ATTENTION.reset(token)
 
 
 def _is_rotary_attention(module: nn.Module) -> bool:
