@@ -132,9 +132,12 @@ class RolloutEngine:
         self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, self.model)
         self.pad_id = int(tokenizer.pad_token_id)
         # where ppokit's decoding-attention kernel reads the cache in place (CPU): a cache
-        # that writes each step into a preallocated buffer instead of concatenating
+        # that writes each step into a preallocated buffer instead of concatenating. Not in
+        # full mode under bf16 autocast, whose fp32 keys beside bf16 values the kernel does
+        # not take (eager attention would read the buffer's views, and copy them)
         self.preallocate = (rollout_cfg.use_cache and rollout_cfg.cache_implementation == "dynamic"
-                            and getattr(policy, "fused_kernel_counts", {}).get("decode_attention", 0) > 0)
+                            and getattr(policy, "fused_kernel_counts", {}).get("decode_attention", 0) > 0
+                            and (policy.mode == "lora" or not policy.autocast_dtype))
 
     def generation_config(self, *, greedy: bool, max_new_tokens: int):
         from transformers import GenerationConfig

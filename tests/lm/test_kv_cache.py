@@ -71,13 +71,15 @@ def test_the_rollout_engine_preallocates_where_the_decoding_kernel_runs(tiny_dir
     from ppokit.lm.policy import build_policy, load_tokenizer
     from ppokit.lm.rollout import RolloutEngine
 
-    def engine(**model):
+    def engine(dtype=torch.bfloat16, **model):
         cfg = build_config([{"workload": "lm", "model": {"path": str(tiny_dir), **model},
                              "rollout": {"max_new_tokens": 4}, "run": {"progress": False, "tensorboard": False}}])
-        policy = build_policy(cfg, tiny_dir, device=torch.device("cpu"), autocast_dtype=torch.bfloat16)
+        policy = build_policy(cfg, tiny_dir, device=torch.device("cpu"), autocast_dtype=dtype)
         return RolloutEngine(policy, load_tokenizer(tiny_dir), cfg.rollout)
 
     assert engine(cpu_kernels=False).preallocate is False
+    assert engine(mode="full").preallocate is False              # fp32 keys beside bf16 values: eager
+    assert engine(None, mode="full").preallocate is (cpu_library() is not None)
     fused = engine()
     assert fused.preallocate is (cpu_library() is not None)
     batch = fused.generate(["12+3=", "7="], group_size=2)

@@ -229,7 +229,9 @@ void NAME(decode_attention)(const ELEM *q, const ELEM *k, const ELEM *v, const f
         const ELEM *kb = k + b * sk_b + g * sk_h, *vb = v + b * sv_b + g * sv_h;
         const float *m = mask ? mask + b * sm_b : 0;
         ELEM *o = out + row * D;
-        if (D == 64)
+        if (D == 32)
+            NAME(decode_row)(qr, kb, vb, m, o, scratch, T, 32, sk_t, sv_t, scale, round_mask);
+        else if (D == 64)
             NAME(decode_row)(qr, kb, vb, m, o, scratch, T, 64, sk_t, sv_t, scale, round_mask);
         else if (D == 128)
             NAME(decode_row)(qr, kb, vb, m, o, scratch, T, 128, sk_t, sv_t, scale, round_mask);
