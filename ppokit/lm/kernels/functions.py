@@ -190,7 +190,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         m = mask[:, 0, 0, :].float().contiguous()                                  # [B or 1, T]
         round_mask = int(mask.dtype == query.dtype and query.dtype != torch.float32)
         mask_ptr, sm_b = _ptr(m), (T if m.shape[0] > 1 else 0)
-    kernel, size = _kernel("decode_attention", query.dtype), query.element_size()
+    kernel = _kernel("decode_attention", query.dtype)
     qp, kp, vp, op = _ptr(query), _ptr(key), _ptr(value), _ptr(out)
     (sq_b, sq_h), (sk_b, sk_h, sk_t), (sv_b, sv_h, sv_t) = query.stride()[:2], key.stride()[:3], value.stride()[:3]
 
