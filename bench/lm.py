@@ -140,7 +140,7 @@ class Pieces:
         self.learner = Learner(cfg, self.policy, 1)
         # as train_lm: a fully on-policy update (one epoch, one mini-batch) computes its own old log-probs
         self.scorer = Scorer(self.policy, cfg.train.infer_micro_batch_size, need_reference=True,
-                             need_old_log_prob=not self.learner.trainer.fully_on_policy(a.batch))
+                             need_old_log_prob=self.learner.needs_scored_old_log_prob(cfg))
         self.prompts = prompts(a)
 
     def training_batch(self, ro, scored: dict) -> dict:

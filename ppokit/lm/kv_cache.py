@@ -2,14 +2,14 @@
 
 transformers' ``DynamicCache`` appends a decoding step's keys and values with
 ``torch.cat``: every step copies the whole cache of every layer, O(T^2) memory traffic
-over a response (a fifth of a CPU generation profile here). :class:`PreallocatedCache`
-keeps one buffer per layer, sized for the prompt plus ``max_new_tokens``, writes each
-step's keys and values into it and hands attention a view of the filled part. The
-prompt's own pass gets its keys and values back as they came (contiguous, for eager
-attention's batched matmuls); decoding steps get the views, which ppokit's decoding
-kernel (:mod:`ppokit.lm.kernels.fuse`) reads in place. Eager attention reads them too,
-only slower (it copies a strided view), so the rollout engine uses this cache only
-where that kernel is installed.
+over a response (a fifth of a CPU generation profile here). :func:`preallocated_cache`
+builds a cache whose layers each keep one buffer, sized for the prompt plus
+``max_new_tokens``, write each step's keys and values into it and hand attention a view
+of the filled part. The prompt's own pass gets its keys and values back as they came
+(contiguous, for eager attention's batched matmuls); decoding steps get the views, which
+ppokit's decoding kernel (:mod:`ppokit.lm.kernels.fuse`) reads in place. Eager attention
+reads them too, only slower (it copies a strided view), so the rollout engine uses this
+cache only where that kernel is installed.
 
 Unlike transformers' ``StaticCache`` it attends to the filled positions only and needs
 no mask over the empty ones; a buffer that fills up grows (twice the size), so a longer
@@ -18,13 +18,16 @@ generation than planned stays correct.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 
+@lru_cache(maxsize=None)
 def _layer_class():
+    """``PreallocatedLayer``, defined on first use (transformers is imported lazily)."""
     from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):

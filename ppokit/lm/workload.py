@@ -82,6 +82,12 @@ class Learner:
     def state_dict(self) -> dict[str, Any]:
         return self.trainer.state_dict()
 
+    def needs_scored_old_log_prob(self, cfg: Config) -> bool:
+        """Whether the scorer must run the actor pass: not when the update makes one
+        optimizer step (its own forward gives the old log-probs) and the rewards carry no
+        KL term that needs them before the update."""
+        return cfg.algo.use_kl_in_reward or not self.trainer.fully_on_policy(cfg.train.batch_size)
+
 
 def _kernels_note(policy) -> str:
     """``" + fused CPU kernels (rms_norm 21, mlp 10, rotary 10)"`` when any layer took them."""
@@ -270,11 +276,8 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         kl_in_loss_or_reward = a.beta > 0 or a.use_kl_in_reward
         engine = RolloutEngine(policy, tokenizer, cfg.rollout)
         learner = Learner(cfg, policy, cfg.iterations)
-        # one optimizer step per iteration: the update's own forward gives the old log-probs
-        # (unless the rewards need them first), so the scorer skips the actor pass
-        scorer_old_log_prob = a.use_kl_in_reward or not learner.trainer.fully_on_policy(cfg.train.batch_size)
         scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=kl_in_loss_or_reward,
-                        metric_rows=KL_METRIC_ROWS, need_old_log_prob=scorer_old_log_prob)
+                        metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(cfg))
         kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
                                           a.kl_ctrl.horizon) if a.use_kl_in_reward else None
         prompts = PromptIterator(train_items, cfg.train.batch_size // a.group_size, seed=cfg.seed)

@@ -112,8 +112,23 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- rotary
+def _file_function(cls: type, name: str) -> Optional[Callable]:
+    """The module-level function ``name`` of the file that defines ``cls``, if any."""
+    return getattr(sys.modules.get(cls.__module__), name, None)
+
+
+def _install_into_file(cls: type, name: str, installed: dict[str, Callable],
+                       make_dispatcher: Callable[[Callable], Callable]) -> None:
+    """Replace the function ``name`` of the file of ``cls`` by ``make_dispatcher(original)``,
+    once per file (``installed``: file -> dispatcher)."""
+    if cls.__module__ not in installed:
+        module = sys.modules[cls.__module__]
+        installed[cls.__module__] = make_dispatcher(getattr(module, name))
+        setattr(module, name, installed[cls.__module__])
+
+
 def _rotary_function(cls: type) -> Optional[Callable]:
-    return getattr(sys.modules.get(cls.__module__), "apply_rotary_pos_emb", None)
+    return _file_function(cls, "apply_rotary_pos_emb")
 
 
 def _fast_rotary(q, k, cos, sin, args, kwargs):
@@ -165,18 +180,10 @@ def _probe_rotary(cls: type, module: nn.Module) -> bool:
 
 
 def _install_dispatcher(cls: type) -> None:
-    name = cls.__module__
-    if name not in _DISPATCHERS:
-        module = sys.modules[name]
-        _DISPATCHERS[name] = _make_dispatcher(module.apply_rotary_pos_emb)
-        module.apply_rotary_pos_emb = _DISPATCHERS[name]
+    _install_into_file(cls, "apply_rotary_pos_emb", _DISPATCHERS, _make_dispatcher)
 
 
 # ----------------------------------------------------------------------------- decoding attention
-def _eager_attention_function(cls: type) -> Optional[Callable]:
-    return getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
-
-
 def _fast_decode_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs):
     """attn_output [B, 1, H, D] by the kernel, or None when this call cannot take it."""
     if (torch.is_grad_enabled() or dropout or getattr(module, "training", False) or scaling is None
@@ -215,7 +222,7 @@ def _make_attention_dispatcher(original: Callable) -> Callable:
 def _probe_decode_attention(cls: type) -> bool:
     """Whether the kernel gives what the model file's eager attention gives: bf16, two
     query heads per KV head, a padding mask."""
-    original = _eager_attention_function(cls)
+    original = _file_function(cls, "eager_attention_forward")
     if original is None:
         return False
     original = getattr(original, "__wrapped__", original)
@@ -242,10 +249,7 @@ def _install_attention_dispatcher(cls: type) -> bool:
             _ATTENTION_PROBED[name] = False
     if not _ATTENTION_PROBED[name]:
         return False
-    if name not in _ATTENTION_DISPATCHERS:
-        module = sys.modules[name]
-        _ATTENTION_DISPATCHERS[name] = _make_attention_dispatcher(module.eager_attention_forward)
-        module.eager_attention_forward = _ATTENTION_DISPATCHERS[name]
+    _install_into_file(cls, "eager_attention_forward", _ATTENTION_DISPATCHERS, _make_attention_dispatcher)
     return True
 
 
