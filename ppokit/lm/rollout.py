@@ -136,7 +136,7 @@ class RolloutEngine:
         # full mode under bf16 autocast, whose fp32 keys beside bf16 values the kernel does
         # not take (eager attention would read the buffer's views, and copy them)
         self.preallocate = (rollout_cfg.use_cache and rollout_cfg.cache_implementation == "dynamic"
-                            and getattr(policy, "fused_kernel_counts", {}).get("decode_attention", 0) > 0
+                            and getattr(policy, "fused_kernel_counts", {}).get("attention", 0) > 0
                             and (policy.mode == "lora" or not policy.autocast_dtype))
 
     def generation_config(self, *, greedy: bool, max_new_tokens: int):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from torch import nn
 from transformers.models.llama import modeling_llama
 
 from ppokit.lm.kernels import cpu_library
-from ppokit.lm.kernels.functions import RMSNormFunction, RotaryFunction, SiluMulFunction, decode_attention
+from ppokit.lm.kernels.functions import (AttentionFunction, RMSNormFunction, RotaryFunction, SiluMulFunction,
+                                         decode_attention)
 from ppokit.lm.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,11 +198,13 @@ def test_threads_split_the_work_without_changing_a_bit():
     gate, up = torch.randn(rows, d, generator=g).to(BF16).requires_grad_(), torch.randn(rows, d, generator=g).to(BF16)
     q, cos, sin = rotary_inputs(14, batch=64, heads=4, length=16, dim=64)      # 262144 values
     q.requires_grad_()
+    aq, ak, av, am = attention_inputs(15, B=8, H=4, Hkv=2, T=16, S=16, D=32)    # 16 KV groups of 32768 products
     calls = []
 
     def everything():
-        outs = [RMSNormFunction.apply(x, w, 1e-6), SiluMulFunction.apply(gate, up), RotaryFunction.apply(q, cos, sin)]
-        grads = torch.autograd.grad([o.float().square().sum() for o in outs], [x, gate, q])
+        outs = [RMSNormFunction.apply(x, w, 1e-6), SiluMulFunction.apply(gate, up), RotaryFunction.apply(q, cos, sin),
+                AttentionFunction.apply(aq, ak, av, am, 0.25)]
+        grads = torch.autograd.grad([o.float().square().sum() for o in outs], [x, gate, q, aq, ak, av])
         return [o.detach() for o in outs] + list(grads)
 
     original = functions.in_parallel
@@ -343,10 +347,140 @@ def test_generation_through_the_decoding_kernel_equals_transformers(monkeypatch)
     for a, b in zip(fused.scores, plain.scores):
         torch.testing.assert_close(a, b, rtol=0, atol=0.05)
     calls.clear()
-    model(ids, attention_mask=mask)                                # a whole sequence: eager attention
+    model(ids, attention_mask=mask)                                # a whole sequence: the other kernel
     with torch.no_grad():
         model(ids[:, :1], attention_mask=mask[:, :1])              # no cache, one token: the kernel
     assert len(calls) == 2
+
+
+# ----------------------------------------------------------------------------- attention (training, scoring)
+def naive_attention(q, k, v, mask, scale):
+    """float64: softmax(q k^T * scale + mask) v per head, kv head h // (H / Hkv); [B, T, H, D]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)     # [B, H, S, D]
+    s = (q.double() @ k.transpose(2, 3)) * scale                                     # [B, H, T, S]
+    if mask is not None:
+        s = s + mask.double()
+    return (torch.softmax(s, -1) @ v).transpose(1, 2)                               # [B, T, H, D]
+
+
+def attention_inputs(seed, B=3, H=4, Hkv=2, T=9, S=9, D=16, dtype=BF16, mask="min"):
+    """q [B, H, T, D], k, v [B, Hkv, S, D] as strided views of projections, leaves with
+    grad; a causal mask (the last T of S positions are the queries) with left padding
+    in the first sequences: the dtype's minimum or -inf (float32), or None."""
+    g = gen(seed)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, S, Hkv, D, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+    v = torch.randn(B, S, Hkv, D, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+    m = None
+    if mask is not None:
+        mdtype = dtype if mask == "min" else torch.float32
+        low = torch.finfo(mdtype).min if mask == "min" else float("-inf")
+        m = torch.zeros(B, 1, T, S, dtype=mdtype)
+        m[:, :, torch.arange(T)[:, None] + (S - T) < torch.arange(S)[None, :]] = low    # causal
+        m[0, ..., :3] = low                                                          # left padding
+        if B > 1:
+            m[1, ..., :1] = low
+        rows = torch.arange(T)
+        m[:, 0, rows, rows + S - T] = 0                    # each query sees itself: no row is all masked
+    return q, k, v, m
+
+
+def attention_and_grads(fn, q, k, v, upstream):
+    out = fn(q, k, v)
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), upstream)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 4, 2, 9, 9, 16), (2, 6, 6, 5, 5, 64), (2, 8, 1, 40, 40, 128),
+                                   (1, 2, 2, 7, 19, 24), (2, 2, 1, 33, 33, 32)])
+@pytest.mark.parametrize("mask", ["min", "-inf", None])
+def test_attention_matches_its_float64_formula_and_gradients(dtype, shape, mask):
+    B, H, Hkv, T, S, D = shape
+    q, k, v, m = attention_inputs(30, B, H, Hkv, T, S, D, dtype, mask)
+    upstream = torch.randn(B, T, H, D, generator=gen(31)).to(dtype)
+    got = attention_and_grads(lambda *a: AttentionFunction.apply(*a, m, D ** -0.5), q, k, v, upstream)
+    assert got[0].shape == (B, T, H, D) and got[0].dtype == dtype and got[0].is_contiguous()
+    assert [t.shape for t in got[1:]] == [q.shape, k.shape, v.shape]
+    want = attention_and_grads(lambda *a: naive_attention(*a, m, D ** -0.5), *(t.detach().double().requires_grad_()
+                                                                               for t in (q, k, v)), upstream.double())
+    for a, b in zip(got, want):
+        assert_close_to_float64(a, b)
+    if m is not None:                                   # one mask for the whole batch
+        got = AttentionFunction.apply(q, k, v, m[:1], D ** -0.5)
+        assert_close_to_float64(got, naive_attention(q, k, v, m[:1], D ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rounds_like_transformers_eager_attention(dtype):
+    """Forward bit for bit (bf16); gradients too without grouped heads. With two query
+    heads per KV head autograd rounds each head's key and value gradient before their
+    sum, the kernel sums in float32 and rounds once: one rounding of the largest value."""
+    from types import SimpleNamespace
+
+    original = getattr(modeling_llama.eager_attention_forward, "__wrapped__", modeling_llama.eager_attention_forward)
+    for seed, (H, Hkv), mask in ((32, (8, 8), "min"), (33, (8, 4), "min"), (34, (4, 4), None)):
+        q, k, v, m = attention_inputs(seed, B=4, H=H, Hkv=Hkv, T=33, S=33, D=64, dtype=dtype, mask=mask)
+        upstream = torch.randn(4, 33, H, 64, generator=gen(seed)).to(dtype)
+        stand_in = SimpleNamespace(num_key_value_groups=H // Hkv, training=True)
+        theirs = attention_and_grads(lambda *a: original(stand_in, *a, m, scaling=0.125, dropout=0.0)[0],
+                                     q, k, v, upstream)
+        mine = attention_and_grads(lambda *a: AttentionFunction.apply(*a, m, 0.125), q, k, v, upstream)
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if dtype == torch.float32:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+            elif i < 2 or H == Hkv:                     # output and dq; dk, dv without groups
+                assert_same_bf16(a, b, max_fraction_off=0.01)
+            else:
+                assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
+
+
+def test_attention_rows_that_mask_everything_give_what_eager_attention_gives():
+    """A row masked to the dtype's minimum everywhere: eager's softmax is uniform there
+    (nothing may be skipped); a row of -inf: NaN, as in eager attention."""
+    from types import SimpleNamespace
+
+    original = getattr(modeling_llama.eager_attention_forward, "__wrapped__", modeling_llama.eager_attention_forward)
+    q, k, v, _ = attention_inputs(35, B=2, H=2, Hkv=2, T=4, S=4, D=8, mask=None)
+    stand_in = SimpleNamespace(num_key_value_groups=1, training=True)
+    m = torch.zeros(2, 1, 4, 4, dtype=BF16)
+    m[0, 0, 1] = torch.finfo(BF16).min
+    with torch.no_grad():
+        theirs = original(stand_in, q, k, v, m, scaling=0.5, dropout=0.0)[0]
+        mine = AttentionFunction.apply(q, k, v, m, 0.5)
+    assert_same_bf16(mine, theirs)
+    m = m.float()
+    m[0, 0, 1] = float("-inf")
+    with torch.no_grad():
+        mine = AttentionFunction.apply(q, k, v, m, 0.5)
+    assert torch.isnan(mine[0, 1]).all() and not torch.isnan(mine[0, [0, 2, 3]]).any()
+
+
+def test_attention_dispatcher_takes_the_kernels_only_where_they_apply(monkeypatch):
+    """Inside fused attention: training passes up to ATTENTION_MAX_KEYS keys take the
+    kernel; longer ones, dropout, or a sliding window take eager attention."""
+    from ppokit.lm.kernels import fuse
+
+    model = tiny_llama()
+    fuse_cpu_kernels(model)
+    calls = []
+    kernel = fuse.AttentionFunction.apply
+    monkeypatch.setattr(fuse.AttentionFunction, "apply", lambda *a: calls.append(a[0].shape[2]) or kernel(*a))
+    model.train()
+    ids = torch.randint(0, 50, (2, 7), generator=gen(36))
+    model(ids).logits.float().sum().backward()
+    assert calls == [7, 7]                                           # one per layer
+    calls.clear()
+    monkeypatch.setattr(fuse, "ATTENTION_MAX_KEYS", 6)
+    model(ids)
+    assert calls == []
+    monkeypatch.setattr(fuse, "ATTENTION_MAX_KEYS", 64)
+    q, k, v, m = attention_inputs(37, B=1, H=4, Hkv=2, T=5, S=5, D=16)
+    stand_in = SimpleNamespace(num_key_value_groups=2, training=True)
+    assert fuse._fast_attention(stand_in, q, k, v, m, 0.25, 0.1, {}) is None        # dropout
+    assert fuse._fast_attention(stand_in, q, k, v, m, 0.25, 0.0, {"sliding_window": 4}) is None
+    assert fuse._fast_attention(stand_in, q, k, v, m.float()[:, :, :2], 0.25, 0.0, {}) is None   # wrong shape
+    assert fuse._fast_attention(stand_in, q, k, v, m, 0.25, 0.0, {}) is not None
 
 
 # ----------------------------------------------------------------------------- fusing a model
@@ -372,14 +506,14 @@ def test_fused_model_computes_what_transformers_computes():
     ids = torch.randint(0, 50, (3, 11), generator=gen(9))
     plain_logits, plain_grad = forward_and_input_gradient(model, ids)
     counts = fuse_cpu_kernels(model)
-    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 2, "decode_attention": 2}   # 2 per layer + the final norm
+    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 2, "attention": 2}   # 2 per layer + the final norm
     assert type(model.model.norm).__name__ == "FusedLlamaRMSNorm"
     fused_logits, fused_grad = forward_and_input_gradient(model, ids)
     # one bf16 rounding apart here and there, carried through two layers
     torch.testing.assert_close(fused_logits, plain_logits, rtol=0, atol=0.05)
     torch.testing.assert_close(fused_grad.float(), plain_grad.float(), rtol=0.05,
                                atol=0.05 * plain_grad.float().abs().max().item())
-    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "decode_attention": 0}   # already fused
+    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "attention": 0}   # already fused
     assert unfuse_cpu_kernels(model) == 9
     assert torch.equal(forward_and_input_gradient(model, ids)[0], plain_logits)
 
@@ -454,7 +588,7 @@ class GeluMLP(nn.Module):
 
 def test_probe_leaves_other_formulas_alone():
     model = nn.Sequential(OnePlusWeightNorm(16), GeluMLP(16, 24)).to(BF16)
-    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "decode_attention": 0}
+    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "attention": 0}
     assert type(model[0]) is OnePlusWeightNorm and type(model[1]) is GeluMLP
 
 
@@ -504,11 +638,11 @@ def test_policy_fuses_on_cpu_when_configured(tiny_dir):
     bf16 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=BF16)
     layers = 2                                                   # the test model's
     assert bf16.fused_kernel_counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers,
-                                        "decode_attention": layers}
+                                        "attention": layers}
     assert fused_modules(bf16) == 4 * layers + 1
     from ppokit.lm.workload import _kernels_note
 
-    assert _kernels_note(bf16) == " + fused CPU kernels (rms_norm 5, mlp 2, rotary 2, decode_attention 2)"
+    assert _kernels_note(bf16) == " + fused CPU kernels (rms_norm 5, mlp 2, rotary 2, attention 2)"
     fp32 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=None)
     assert fp32.fused_kernel_counts == bf16.fused_kernel_counts          # the float32 kernels
     off = build_policy(lm_config(tiny_dir, model={"cpu_kernels": False}), tiny_dir, device=cpu, autocast_dtype=BF16)

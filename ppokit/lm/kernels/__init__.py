@@ -1,5 +1,5 @@
 """Fused CPU kernels for a decoder layer's elementwise work (RMSNorm, SwiGLU, rotary) and
-for the attention of a decoding step.
+for its attention (training and scoring passes, and decoding steps).
 
 PyTorch's elementwise operations are bound by memory, one pass per operation, and on a
 CPU with bf16 matrix units a layer's matmuls run about 8x faster than in float32, so
@@ -49,6 +49,8 @@ KERNEL_ARGS = {
     "silu_mul_backward": [_P, _P, _P, _P, _P, _L],
     "rotary": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _L, _I],
     "decode_attention": [_P, _P, _P, _P, _P, _P] + [_L] * 15 + [_F, _I],
+    "attention_forward": [_P] * 7 + [_L] * 17 + [_F, _I],
+    "attention_backward": [_P] * 9 + [_L] * 19 + [_F],
 }
 TYPE_SUFFIXES = ("bf16", "f32")          # each kernel is built for bf16 and for float32
 SIGNATURES = {f"{name}_{suffix}": args for name, args in KERNEL_ARGS.items() for suffix in TYPE_SUFFIXES}

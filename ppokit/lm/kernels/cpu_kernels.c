@@ -61,6 +61,41 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+#define KEY_BLOCK 32         /* keys per vector of sums in dots_with_columns */
+#define MAX_HEAD_DIM 256     /* the attention kernels' largest head size */
+
+/* out[j] = sum_d x[d] xt[d, j] for j < S, xt [D, Sp] float32 columns (Sp a multiple of
+ * KEY_BLOCK, zero padded): per block of KEY_BLOCK keys, four register sums over every
+ * fourth d (four independent chains of vector FMAs), added at the end. */
+static void dots_with_columns(const float *x, const float *xt, long D, long S, long Sp, float *out) {
+    for (long j0 = 0; j0 < Sp; j0 += KEY_BLOCK) {
+        float a0[KEY_BLOCK], a1[KEY_BLOCK], a2[KEY_BLOCK], a3[KEY_BLOCK];
+#pragma omp simd
+        for (long j = 0; j < KEY_BLOCK; j++) a0[j] = a1[j] = a2[j] = a3[j] = 0.f;
+        const float *col = xt + j0;
+        long d = 0;
+        for (; d + 4 <= D; d += 4) {
+            float v0 = x[d], v1 = x[d + 1], v2 = x[d + 2], v3 = x[d + 3];
+            const float *r0 = col + d * Sp, *r1 = r0 + Sp, *r2 = r1 + Sp, *r3 = r2 + Sp;
+#pragma omp simd
+            for (long j = 0; j < KEY_BLOCK; j++) {
+                a0[j] += v0 * r0[j];
+                a1[j] += v1 * r1[j];
+                a2[j] += v2 * r2[j];
+                a3[j] += v3 * r3[j];
+            }
+        }
+        for (; d < D; d++) {
+            float v = x[d];
+            const float *r = col + d * Sp;
+#pragma omp simd
+            for (long j = 0; j < KEY_BLOCK; j++) a0[j] += v * r[j];
+        }
+        long n = S - j0 < KEY_BLOCK ? S - j0 : KEY_BLOCK;
+        for (long j = 0; j < n; j++) out[j0 + j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
+    }
+}
+
 #define KERNEL_BODY
 #define ELEM bf16
 #define LOAD bf2f
@@ -237,6 +272,221 @@ void NAME(decode_attention)(const ELEM *q, const ELEM *k, const ELEM *v, const f
             NAME(decode_row)(qr, kb, vb, m, o, scratch, T, 128, sk_t, sv_t, scale, round_mask);
         else
             NAME(decode_row)(qr, kb, vb, m, o, scratch, T, D, sk_t, sv_t, scale, round_mask);
+    }
+}
+
+/* Masked positions: an additive mask value at or below this is -inf or the dtype's
+ * minimum, whose softmax probability is exactly 0 whenever the row has one position
+ * above it. */
+#ifndef MASKED_BELOW
+#define MASKED_BELOW -1e30f
+#endif
+
+/* Rows x [S, D] (row stride sx) as float32 columns xt [D, Sp], zero beyond S. */
+static void NAME(load_columns)(const ELEM *x, long sx, long S, long D, long Sp, float *xt) {
+    for (long d = 0; d < D; d++)
+        for (long j = S; j < Sp; j++) xt[d * Sp + j] = 0.f;
+    for (long j = 0; j < S; j++)
+        for (long d = 0; d < D; d++) xt[d * Sp + j] = LOAD(x[j * sx + d]);
+}
+
+/* Attention over all T queries of the heads of one KV group (b, g), as eager attention
+ * computes it (see decode_row for the roundings):
+ *   s_tj = R(R(q_t . k_j) * scale) (+ m_tj),  p_tj = softmax_j(s_t)  (float32),
+ *   out_t = R(sum_j R(p_tj) v_j)
+ * Keys are read once into float32 columns kt [D, S] and values into rows vf [S, D], so
+ * that the scores of a query are D vector updates over the S keys and its output S
+ * vector updates over D. Positions a row masks to -inf or the dtype's minimum get p = 0
+ * without a score (what the softmax gives them), unless the whole row is masked. */
+static inline __attribute__((always_inline)) void NAME(attention_group)(
+        const ELEM *q, const ELEM *kb, const ELEM *vb, const float *mask, ELEM *out, float *probs,
+        float *scratch, long b, long g, long H, long rep, long T, long S, long D, long sq_b, long sq_h,
+        long sq_t, long sk_t, long sv_t, long sm_b, float scale, int round_mask) {
+    long Sp = (S + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;     /* key columns, zero padded */
+    float *kt = scratch, *vf = kt + D * Sp, *qf = vf + S * D;
+    NAME(load_columns)(kb, sk_t, S, D, Sp, kt);
+    for (long j = 0; j < S; j++)
+#pragma omp simd
+        for (long d = 0; d < D; d++) vf[j * D + d] = LOAD(vb[j * sv_t + d]);
+    for (long h = g * rep; h < (g + 1) * rep; h++)
+        for (long t = 0; t < T; t++) {
+            const ELEM *qr = q + b * sq_b + h * sq_h + t * sq_t;
+            const float *m = mask ? mask + b * sm_b + t * S : 0;
+            float *p = probs + ((b * H + h) * T + t) * S;
+#pragma omp simd
+            for (long d = 0; d < D; d++) qf[d] = LOAD(qr[d]);
+            dots_with_columns(qf, kt, D, S, Sp, p);
+            int skip = 0;                           /* skip masked positions: some are not */
+            if (m)
+                for (long j = 0; j < S; j++)
+                    if (m[j] > MASKED_BELOW) { skip = 1; break; }
+            float top = -INFINITY;
+            if (m) {
+#pragma omp simd reduction(max : top)
+                for (long j = 0; j < S; j++) {
+                    float x = ROUND(ROUND(p[j]) * scale), xm = x + m[j];
+                    x = round_mask ? ROUND(xm) : xm;
+                    x = skip && m[j] <= MASKED_BELOW ? -INFINITY : x;
+                    p[j] = x;
+                    top = x > top ? x : top;
+                }
+            } else {
+#pragma omp simd reduction(max : top)
+                for (long j = 0; j < S; j++) {
+                    float x = ROUND(ROUND(p[j]) * scale);
+                    p[j] = x;
+                    top = x > top ? x : top;
+                }
+            }
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (long j = 0; j < S; j++) {
+                float e = p[j] - top;
+                e = e > -87.f ? exp_approx(e) : 0.f;
+                p[j] = e;
+                sum += e;
+            }
+            float inv = 1.f / sum, acc[MAX_HEAD_DIM];
+#pragma omp simd
+            for (long d = 0; d < D; d++) acc[d] = 0.f;
+            for (long j = 0; j < S; j++) {
+                float pj = p[j] * inv;
+                p[j] = pj;
+                if (pj == 0.f) continue;
+                float pr = ROUND(pj);
+                const float *vr = vf + j * D;
+#pragma omp simd
+                for (long d = 0; d < D; d++) acc[d] += pr * vr[d];
+            }
+            ELEM *o = out + ((b * T + t) * H + h) * D;
+#pragma omp simd
+            for (long d = 0; d < D; d++) o[d] = STORE(acc[d]);
+        }
+}
+
+/* attention_group for the KV groups [start, stop) of B x Hkv (head h reads kv head
+ * h / (H / Hkv)): q [B, H, T, D] (strides sq_b, sq_h, sq_t), k and v [B, Hkv, S, D]
+ * (strides sk_*, sv_*); mask [B or 1, T, S] float32 (batch stride sm_b, 0 when
+ * broadcast) or NULL; out [B, T, H, D] contiguous (eager's layout after its transpose);
+ * probs [B, H, T, S] float32 receives the softmax, which the backward needs. scratch
+ * holds D (2 S + KEY_BLOCK) + D floats; D <= MAX_HEAD_DIM. */
+void NAME(attention_forward)(const ELEM *q, const ELEM *k, const ELEM *v, const float *mask, ELEM *out,
+                             float *probs, float *scratch, long start, long stop, long H, long Hkv, long T,
+                             long S, long D, long sq_b, long sq_h, long sq_t, long sk_b, long sk_h, long sk_t,
+                             long sv_b, long sv_h, long sv_t, long sm_b, float scale, int round_mask) {
+    long rep = H / Hkv;
+    for (long grp = start; grp < stop; grp++) {
+        long b = grp / Hkv, g = grp % Hkv;
+        const ELEM *kb = k + b * sk_b + g * sk_h, *vb = v + b * sv_b + g * sv_h;
+        if (D == 32)
+            NAME(attention_group)(q, kb, vb, mask, out, probs, scratch, b, g, H, rep, T, S, 32, sq_b, sq_h, sq_t,
+                                  sk_t, sv_t, sm_b, scale, round_mask);
+        else if (D == 64)
+            NAME(attention_group)(q, kb, vb, mask, out, probs, scratch, b, g, H, rep, T, S, 64, sq_b, sq_h, sq_t,
+                                  sk_t, sv_t, sm_b, scale, round_mask);
+        else if (D == 128)
+            NAME(attention_group)(q, kb, vb, mask, out, probs, scratch, b, g, H, rep, T, S, 128, sq_b, sq_h, sq_t,
+                                  sk_t, sv_t, sm_b, scale, round_mask);
+        else
+            NAME(attention_group)(q, kb, vb, mask, out, probs, scratch, b, g, H, rep, T, S, D, sq_b, sq_h, sq_t,
+                                  sk_t, sv_t, sm_b, scale, round_mask);
+    }
+}
+
+/* The backward of attention_group for one KV group, as autograd differentiates eager
+ * attention:
+ *   dP_tj = R(go_t . v_j),  ds_tj = R(p_tj (dP_tj - sum_i dP_ti p_ti)),  dz_tj = R(ds_tj * scale),
+ *   dq_t = R(sum_j dz_tj k_j),  dk_j = R(sum_{h,t} dz_tj q_t),  dv_j = R(sum_{h,t} R(p_tj) go_t)
+ * (summed over the group's heads in float32 before the one rounding). Positions with
+ * p = 0 contribute nothing and are skipped. Values are read once into float32 columns
+ * vt [D, S], keys into rows kf [S, D]. */
+static inline __attribute__((always_inline)) void NAME(attention_group_backward)(
+        const ELEM *q, const ELEM *kb, const ELEM *vb, const float *probs, const ELEM *go, ELEM *dq, ELEM *dk,
+        ELEM *dv, float *scratch, long b, long g, long H, long Hkv, long rep, long T, long S, long D, long sq_b,
+        long sq_h, long sq_t, long sk_t, long sv_t, long sg_b, long sg_t, long sg_h, float scale) {
+    long Sp = (S + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;     /* value columns, zero padded */
+    float *vt = scratch, *kf = vt + D * Sp, *dk_acc = kf + S * D, *dv_acc = dk_acc + S * D,
+          *dp = dv_acc + S * D, *qf = dp + S, *gf = qf + D;
+    NAME(load_columns)(vb, sv_t, S, D, Sp, vt);
+    for (long j = 0; j < S; j++)
+#pragma omp simd
+        for (long d = 0; d < D; d++) {
+            kf[j * D + d] = LOAD(kb[j * sk_t + d]);
+            dk_acc[j * D + d] = 0.f;
+            dv_acc[j * D + d] = 0.f;
+        }
+    for (long h = g * rep; h < (g + 1) * rep; h++)
+        for (long t = 0; t < T; t++) {
+            const float *p = probs + ((b * H + h) * T + t) * S;
+            const ELEM *gr = go + b * sg_b + t * sg_t + h * sg_h;
+            const ELEM *qr = q + b * sq_b + h * sq_h + t * sq_t;
+            float dq_acc[MAX_HEAD_DIM];
+#pragma omp simd
+            for (long d = 0; d < D; d++) {
+                qf[d] = LOAD(qr[d]);
+                gf[d] = LOAD(gr[d]);
+                dq_acc[d] = 0.f;
+            }
+            dots_with_columns(gf, vt, D, S, Sp, dp);
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (long j = 0; j < S; j++) {
+                dp[j] = ROUND(dp[j]);
+                dot += p[j] == 0.f ? 0.f : dp[j] * p[j];
+            }
+            for (long j = 0; j < S; j++) {
+                if (p[j] == 0.f) continue;
+                float z = ROUND(ROUND(p[j] * (dp[j] - dot)) * scale);
+                float pr = ROUND(p[j]);
+                const float *kr = kf + j * D;
+                float *dkr = dk_acc + j * D, *dvr = dv_acc + j * D;
+#pragma omp simd
+                for (long d = 0; d < D; d++) {
+                    dq_acc[d] += z * kr[d];
+                    dkr[d] += z * qf[d];
+                    dvr[d] += pr * gf[d];
+                }
+            }
+            ELEM *dqr = dq + ((b * H + h) * T + t) * D;
+#pragma omp simd
+            for (long d = 0; d < D; d++) dqr[d] = STORE(dq_acc[d]);
+        }
+    ELEM *dkb = dk + (b * Hkv + g) * S * D;
+    for (long j = 0; j < S; j++) {
+        ELEM *dkr = dkb + j * D, *dvr = dv + ((b * S + j) * Hkv + g) * D;
+#pragma omp simd
+        for (long d = 0; d < D; d++) {
+            dkr[d] = STORE(dk_acc[j * D + d]);
+            dvr[d] = STORE(dv_acc[j * D + d]);
+        }
+    }
+}
+
+/* attention_group_backward for the KV groups [start, stop) of B x Hkv: go (the output's
+ * gradient) [B, T, H, D] (strides sg_b, sg_t, sg_h); probs as the forward saved them; dq
+ * [B, H, T, D] and dk [B, Hkv, S, D] contiguous; dv [B, S, Hkv, D] contiguous (the value
+ * projection's layout); scratch holds D (4 S + KEY_BLOCK) + S + 2 D floats; D <= MAX_HEAD_DIM. */
+void NAME(attention_backward)(const ELEM *q, const ELEM *k, const ELEM *v, const float *probs, const ELEM *go,
+                              ELEM *dq, ELEM *dk, ELEM *dv, float *scratch, long start, long stop, long H,
+                              long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t, long sk_b,
+                              long sk_h, long sk_t, long sv_b, long sv_h, long sv_t, long sg_b, long sg_t,
+                              long sg_h, float scale) {
+    long rep = H / Hkv;
+    for (long grp = start; grp < stop; grp++) {
+        long b = grp / Hkv, g = grp % Hkv;
+        const ELEM *kb = k + b * sk_b + g * sk_h, *vb = v + b * sv_b + g * sv_h;
+        if (D == 32)
+            NAME(attention_group_backward)(q, kb, vb, probs, go, dq, dk, dv, scratch, b, g, H, Hkv, rep, T, S, 32,
+                                           sq_b, sq_h, sq_t, sk_t, sv_t, sg_b, sg_t, sg_h, scale);
+        else if (D == 64)
+            NAME(attention_group_backward)(q, kb, vb, probs, go, dq, dk, dv, scratch, b, g, H, Hkv, rep, T, S, 64,
+                                           sq_b, sq_h, sq_t, sk_t, sv_t, sg_b, sg_t, sg_h, scale);
+        else if (D == 128)
+            NAME(attention_group_backward)(q, kb, vb, probs, go, dq, dk, dv, scratch, b, g, H, Hkv, rep, T, S, 128,
+                                           sq_b, sq_h, sq_t, sk_t, sv_t, sg_b, sg_t, sg_h, scale);
+        else
+            NAME(attention_group_backward)(q, kb, vb, probs, go, dq, dk, dv, scratch, b, g, H, Hkv, rep, T, S, D,
+                                           sq_b, sq_h, sq_t, sk_t, sv_t, sg_b, sg_t, sg_h, scale);
     }
 }
 

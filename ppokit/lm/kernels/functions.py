@@ -7,7 +7,9 @@ dtype (``R`` rounds to it):
 - :class:`RMSNormFunction`  ``y = w * R(x * rstd)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``
   (a frozen weight: no weight gradient);
 - :class:`SiluMulFunction`  ``out = R(silu(gate)) * up`` (SwiGLU's product);
-- :class:`RotaryFunction`   ``out = q * cos + rotate_half(q) * sin``.
+- :class:`RotaryFunction`   ``out = q * cos + rotate_half(q) * sin``;
+- :class:`AttentionFunction` eager attention, ``out = R(softmax(R(R(q k^T) * scale) + mask)) v``,
+  forward and backward (:func:`decode_attention`: its decoding step, reading the KV cache).
 
 :func:`eligible` says whether tensors can take this path; callers fall back to
 PyTorch's operations otherwise.
@@ -27,6 +29,8 @@ import torch
 
 from ppokit.lm.kernels import cpu_library
 
+KEY_BLOCK = 32                           # keys per block in the attention kernels (cpu_kernels.c)
+MAX_HEAD_DIM = 256                       # their largest head size
 PARALLEL_MIN_ELEMENTS = 1 << 17          # below this a thread hand-off costs more than it saves
 _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_SIZE = 0
@@ -201,3 +205,70 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     in_parallel(B * H, 2 * T * D, run)
     return out
+
+
+def _mask_rows(mask: Optional[torch.Tensor], query: torch.Tensor, T: int, S: int):
+    """The additive mask as float32 [B or 1, T, S] rows, its batch stride, and whether the
+    add rounds (a mask of the query's dtype, as eager attention adds it)."""
+    if mask is None:
+        return None, 0, 0
+    m = mask[:, 0].float().expand(mask.shape[0], T, S).contiguous()                # [B or 1, T, S]
+    round_mask = int(mask.dtype == query.dtype and query.dtype != torch.float32)
+    return m, (T * S if m.shape[0] > 1 else 0), round_mask
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Eager attention (no dropout) over every query position, forward and backward.
+
+    query [B, H, T, D], key and value [B, Hkv, S, D] (H a multiple of Hkv; any strides
+    with a contiguous last dimension); mask None or additive [B or 1, 1, T, S] (float32
+    or the query's dtype), no gradient. Returns attn_output [B, T, H, D] contiguous, as
+    eager attention returns it after its transpose. One pass per query row where eager
+    attention makes two batched matmuls, the scaling, the mask add, the softmax and the
+    cast; it keeps the float32 softmax for the backward, as autograd keeps eager's.
+    Gradients: dq [B, H, T, D] and dk [B, Hkv, S, D] contiguous, dv a [B, Hkv, S, D]
+    view of a contiguous [B, S, Hkv, D] (the value projection's own layout).
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scaling: float):
+        B, H, T, D = query.shape
+        Hkv, S = key.shape[1], key.shape[2]
+        out = torch.empty(B, T, H, D, dtype=query.dtype)                             # [B, T, H, D]
+        probs = torch.empty(B, H, T, S, dtype=torch.float32)                        # [B, H, T, S]
+        m, sm_b, round_mask = _mask_rows(mask, query, T, S)
+        kernel = _kernel("attention_forward", query.dtype)
+        ptrs = [_ptr(t) for t in (query, key, value)] + [_ptr(m) if m is not None else None, _ptr(out), _ptr(probs)]
+        strides = [*query.stride()[:3], *key.stride()[:3], *value.stride()[:3]]
+
+        def run(a: int, b: int) -> None:
+            scratch = torch.empty(D * (2 * S + KEY_BLOCK) + D, dtype=torch.float32)
+            kernel(*ptrs, _ptr(scratch), a, b, H, Hkv, T, S, D, *strides, sm_b, scaling, round_mask)
+
+        in_parallel(B * Hkv, 2 * (H // Hkv) * T * S * D, run)
+        ctx.save_for_backward(query, key, value, probs)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, probs = ctx.saved_tensors
+        B, H, T, D = query.shape
+        Hkv, S = key.shape[1], key.shape[2]
+        grad_out = grad_out.to(query.dtype)
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        dq = torch.empty(B, H, T, D, dtype=query.dtype)                              # [B, H, T, D]
+        dk = torch.empty(B, Hkv, S, D, dtype=query.dtype)                            # [B, Hkv, S, D]
+        dv = torch.empty(B, S, Hkv, D, dtype=query.dtype)                            # [B, S, Hkv, D]
+        kernel = _kernel("attention_backward", query.dtype)
+        ptrs = [_ptr(t) for t in (query, key, value, probs, grad_out, dq, dk, dv)]
+        strides = [*query.stride()[:3], *key.stride()[:3], *value.stride()[:3], grad_out.stride(0),
+                   grad_out.stride(1), grad_out.stride(2)]
+
+        def run(a: int, b: int) -> None:
+            scratch = torch.empty(D * (4 * S + KEY_BLOCK) + S + 2 * D, dtype=torch.float32)
+            kernel(*ptrs, _ptr(scratch), a, b, H, Hkv, T, S, D, *strides, ctx.scaling)
+
+        in_parallel(B * Hkv, 4 * (H // Hkv) * T * S * D, run)
+        return dq, dk, dv.transpose(1, 2), None, None
