@@ -36,9 +36,11 @@ one configuration only. Reported, each against its goal:
 ``lora``      (``--only lora``) score and update times with ppokit's fused LoRA layers
               and with peft's own forward, alternating in one process.
 ``kernels``   (``--only kernels``) the same with ppokit's fused CPU kernels (RMSNorm,
-              SwiGLU, rotary; ``ppokit/lm/kernels``) and with transformers' layers.
+              SwiGLU, rotary, attention; ``ppokit/lm/kernels``) and with transformers' layers.
 ``layout``    (``--only layout``) the same with the wide frozen bf16 weights stored
               column-major (``ppokit/lm/weight_layout.py``) and row-major.
+``attention`` (``--only attention``) the same with the attention kernel of training and
+              scoring passes and with eager attention (the other kernels on in both).
 
 Responses are forced to full length (``min_new_tokens``), so every run does the same work.
 
@@ -50,6 +52,7 @@ Examples::
     python bench/lm.py --threads 1 --only lora --repeats 4   # fused LoRA layers against peft's
     python bench/lm.py --threads 1 --only kernels --repeats 4   # fused CPU kernels against transformers' layers
     python bench/lm.py --threads 1 --only layout --repeats 6    # column-major wide weights against row-major
+    python bench/lm.py --threads 1 --only attention --repeats 6 # the attention kernel against eager attention
     python bench/lm.py --threads 1 --only perf --hidden 896 --layers 4 --mlp 4864   # Qwen2.5-0.5B's layer shape
 """
 
@@ -67,6 +70,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import ppokit  # noqa: E402,F401  (before torch: its OpenMP settings, as in the CLI)
 
 
 # ----------------------------------------------------------------------------- shared
@@ -431,10 +435,25 @@ def child_layout(a: argparse.Namespace) -> dict:
     return alternate(a, {"column-major": lambda policy: transpose_wide_weights(policy.lm), "row-major": row_major})
 
 
+def child_attention(a: argparse.Namespace) -> dict:
+    """The attention kernel of training and scoring passes against eager attention (the
+    other fused kernels on in both)."""
+    from ppokit.lm.kernels import fuse
+
+    def up_to(keys: int):
+        def switch(policy) -> None:
+            fuse.ATTENTION_MAX_KEYS = keys
+
+        return switch
+
+    return alternate(a, {"kernel": up_to(fuse.ATTENTION_MAX_KEYS), "eager": up_to(0)})
+
+
 CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora,
-            "kernels": child_kernels, "layout": child_layout}
-# --only lora / kernels / layout: (ppokit's path, the path it is compared with)
-ALTERNATIVES = {"lora": ("fused", "plain"), "kernels": ("fused", "plain"), "layout": ("column-major", "row-major")}
+            "kernels": child_kernels, "layout": child_layout, "attention": child_attention}
+# --only lora / kernels / layout / attention: (ppokit's path, the path it is compared with)
+ALTERNATIVES = {"lora": ("fused", "plain"), "kernels": ("fused", "plain"), "layout": ("column-major", "row-major"),
+                "attention": ("kernel", "eager")}
 
 
 # ----------------------------------------------------------------------------- parent

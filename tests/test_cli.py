@@ -20,6 +20,19 @@ def test_help_and_config_commands_do_not_import_torch():
     assert proc.stdout.strip().splitlines()[-1] == "False False"
 
 
+def test_import_lets_idle_openmp_workers_sleep_unless_the_user_chose():
+    """The fused CPU kernels' threads need the cores PyTorch's OpenMP workers spin on."""
+    import os
+
+    code = "import os, ppokit; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for preset, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env=env if preset is None else {**env, "OMP_WAIT_POLICY": preset})
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == expected
+
+
 def test_help_lists_the_commands():
     proc = subprocess.run([sys.executable, "-m", "ppokit", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0

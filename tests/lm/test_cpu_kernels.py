@@ -435,6 +435,18 @@ def test_attention_rounds_like_transformers_eager_attention(dtype):
                 assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
 
 
+def test_attention_scratch_sizes_follow_the_c_constants():
+    """The Python side sizes the kernels' scratch from KEY_BLOCK and checks MAX_HEAD_DIM,
+    both defined in cpu_kernels.c: they must agree, or the kernels write past a buffer."""
+    import re
+
+    from ppokit.lm.kernels import SOURCE, functions
+
+    source = SOURCE.read_text()
+    for name in ("KEY_BLOCK", "MAX_HEAD_DIM"):
+        assert int(re.search(rf"#define {name} (\d+)", source).group(1)) == getattr(functions, name)
+
+
 def test_attention_rows_that_mask_everything_give_what_eager_attention_gives():
     """A row masked to the dtype's minimum everywhere: eager's softmax is uniform there
     (nothing may be skipped); a row of -inf: NaN, as in eager attention."""

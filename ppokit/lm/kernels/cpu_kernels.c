@@ -61,8 +61,8 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
-#define KEY_BLOCK 32         /* keys per vector of sums in dots_with_columns */
-#define MAX_HEAD_DIM 256     /* the attention kernels' largest head size */
+#define KEY_BLOCK 32         /* keys per block of sums in dots_with_columns (functions.py: KEY_BLOCK) */
+#define MAX_HEAD_DIM 256     /* the attention kernels' largest head size (functions.py: MAX_HEAD_DIM) */
 
 /* out[j] = sum_d x[d] xt[d, j] for j < S, xt [D, Sp] float32 columns (Sp a multiple of
  * KEY_BLOCK, zero padded): per block of KEY_BLOCK keys, four register sums over every

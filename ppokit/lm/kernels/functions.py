@@ -177,6 +177,16 @@ class RotaryFunction(torch.autograd.Function):
         return _rotary(grad_out, cos, sin, backward=True), None, None
 
 
+def _mask_rows(mask: Optional[torch.Tensor], query: torch.Tensor, T: int, S: int):
+    """The additive mask as float32 [B or 1, T, S] rows, its batch stride, and whether the
+    add rounds (a mask of the query's dtype, as eager attention adds it)."""
+    if mask is None:
+        return None, 0, 0
+    m = mask[:, 0].float().expand(mask.shape[0], T, S).contiguous()                # [B or 1, T, S]
+    round_mask = int(mask.dtype == query.dtype and query.dtype != torch.float32)
+    return m, (T * S if m.shape[0] > 1 else 0), round_mask
+
+
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
                      scaling: float) -> torch.Tensor:
     """Eager attention for one new token per sequence, in one pass over the cache, no grad.
@@ -188,12 +198,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     B, H, _, D = query.shape
     Hkv, T = key.shape[1], key.shape[2]
     out = torch.empty(B, 1, H, D, dtype=query.dtype)                                # [B, 1, H, D]
-    round_mask = 0
-    mask_ptr, sm_b = None, 0
-    if mask is not None:
-        m = mask[:, 0, 0, :].float().contiguous()                                  # [B or 1, T]
-        round_mask = int(mask.dtype == query.dtype and query.dtype != torch.float32)
-        mask_ptr, sm_b = _ptr(m), (T if m.shape[0] > 1 else 0)
+    m, sm_b, round_mask = _mask_rows(mask, query, 1, T)                            # [B or 1, 1, T]
+    mask_ptr = _ptr(m) if m is not None else None
     kernel = _kernel("decode_attention", query.dtype)
     qp, kp, vp, op = _ptr(query), _ptr(key), _ptr(value), _ptr(out)
     (sq_b, sq_h), (sk_b, sk_h, sk_t), (sv_b, sv_h, sv_t) = query.stride()[:2], key.stride()[:3], value.stride()[:3]
@@ -205,16 +211,6 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     in_parallel(B * H, 2 * T * D, run)
     return out
-
-
-def _mask_rows(mask: Optional[torch.Tensor], query: torch.Tensor, T: int, S: int):
-    """The additive mask as float32 [B or 1, T, S] rows, its batch stride, and whether the
-    add rounds (a mask of the query's dtype, as eager attention adds it)."""
-    if mask is None:
-        return None, 0, 0
-    m = mask[:, 0].float().expand(mask.shape[0], T, S).contiguous()                # [B or 1, T, S]
-    round_mask = int(mask.dtype == query.dtype and query.dtype != torch.float32)
-    return m, (T * S if m.shape[0] > 1 else 0), round_mask
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -234,6 +230,8 @@ class AttentionFunction(torch.autograd.Function):
     def forward(ctx, query, key, value, mask, scaling: float):
         B, H, T, D = query.shape
         Hkv, S = key.shape[1], key.shape[2]
+        if D > MAX_HEAD_DIM:
+            raise ValueError(f"AttentionFunction takes head sizes up to {MAX_HEAD_DIM}, not {D}")
         out = torch.empty(B, T, H, D, dtype=query.dtype)                             # [B, T, H, D]
         probs = torch.empty(B, H, T, S, dtype=torch.float32)                        # [B, H, T, S]
         m, sm_b, round_mask = _mask_rows(mask, query, T, S)
