@@ -61,6 +61,20 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+/* s[j] = exp(s[j] - top) for j < n (0 for masked positions, whose scores are -inf or
+ * the dtype's minimum); returns their sum: the softmax's numerators and denominator. */
+static inline float exp_shifted(float *s, long n, float top) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (long j = 0; j < n; j++) {
+        float e = s[j] - top;
+        e = e > -87.f ? exp_approx(e) : 0.f;
+        s[j] = e;
+        sum += e;
+    }
+    return sum;
+}
+
 #define KEY_BLOCK 32         /* keys per block of sums in dots_with_columns (functions.py: KEY_BLOCK) */
 #define MAX_HEAD_DIM 256     /* the attention kernels' largest head size (functions.py: MAX_HEAD_DIM) */
 
@@ -229,15 +243,7 @@ static inline __attribute__((always_inline)) void NAME(decode_row)(
         s[j] = x;
         top = x > top ? x : top;
     }
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (long j = 0; j < T; j++) {
-        float e = s[j] - top;
-        e = e > -87.f ? exp_approx(e) : 0.f;    /* masked positions (-inf or the dtype's min) */
-        s[j] = e;
-        sum += e;
-    }
-    float inv = 1.f / sum;
+    float inv = 1.f / exp_shifted(s, T, top);
 #pragma omp simd
     for (long d = 0; d < D; d++) acc[d] = 0.f;
     for (long j = 0; j < T; j++) {
@@ -338,15 +344,7 @@ static inline __attribute__((always_inline)) void NAME(attention_group)(
                     top = x > top ? x : top;
                 }
             }
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (long j = 0; j < S; j++) {
-                float e = p[j] - top;
-                e = e > -87.f ? exp_approx(e) : 0.f;
-                p[j] = e;
-                sum += e;
-            }
-            float inv = 1.f / sum, acc[MAX_HEAD_DIM];
+            float inv = 1.f / exp_shifted(p, S, top), acc[MAX_HEAD_DIM];
 #pragma omp simd
             for (long d = 0; d < D; d++) acc[d] = 0.f;
             for (long j = 0; j < S; j++) {
