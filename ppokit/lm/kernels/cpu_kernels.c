@@ -110,13 +110,46 @@ static void dots_with_columns(const float *x, const float *xt, long D, long S, l
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+
+/* Transpose the 16 x 16 float32 matrix held in r[0..15] (row i -> column i). */
+static inline void transpose16x16(__m512 r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(_mm512_castps_si512(r[i]), _mm512_castps_si512(r[i + 1]));
+        t[i + 1] = _mm512_unpackhi_epi32(_mm512_castps_si512(r[i]), _mm512_castps_si512(r[i + 1]));
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {        /* 128-bit lanes: (rows 0-3, 4-7, 8-11, 12-15) of one column */
+        __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), w = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        __m512i w2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        r[j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v, v2, 0x88));
+        r[8 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v, v2, 0xDD));
+        r[4 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(w, w2, 0x88));
+        r[12 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(w, w2, 0xDD));
+    }
+}
+#else
+#define HAVE_AVX512 0
+#endif
+
 #define KERNEL_BODY
 #define ELEM bf16
 #define LOAD bf2f
 #define STORE f2bf
 #define ROUND round_bf
 #define NAME(name) name##_bf16
+#define ELEM_IS_BF16 1
 #include __FILE__
+#undef ELEM_IS_BF16
 #undef ELEM
 #undef LOAD
 #undef STORE
@@ -128,6 +161,7 @@ static void dots_with_columns(const float *x, const float *xt, long D, long S, l
 #define STORE same
 #define ROUND same
 #define NAME(name) name##_f32
+#define ELEM_IS_BF16 0
 #include __FILE__
 
 #else /* KERNEL_BODY: the kernels, for the element type ELEM */
@@ -288,12 +322,38 @@ void NAME(decode_attention)(const ELEM *q, const ELEM *k, const ELEM *v, const f
 #define MASKED_BELOW -1e30f
 #endif
 
-/* Rows x [S, D] (row stride sx) as float32 columns xt [D, Sp], zero beyond S. */
+#if HAVE_AVX512
+/* The first min(n, 16) ELEMs at p as float32 lanes, zero beyond. */
+static inline __m512 NAME(load16)(const ELEM *p, long n) {
+    __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+#if ELEM_IS_BF16
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#else
+    return _mm512_maskz_loadu_ps(m, p);
+#endif
+}
+#endif
+
+/* Rows x [S, D] (row stride sx) as float32 columns xt [D, Sp], zero beyond S (Sp a
+ * multiple of 16). */
 static void NAME(load_columns)(const ELEM *x, long sx, long S, long D, long Sp, float *xt) {
+#if HAVE_AVX512
+    /* 16 x 16 blocks: 16 rows loaded, transposed in registers, stored as 16 columns */
+    for (long j0 = 0; j0 < Sp; j0 += 16)
+        for (long d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (long i = 0; i < 16; i++)
+                r[i] = j0 + i < S ? NAME(load16)(x + (j0 + i) * sx + d0, D - d0) : _mm512_setzero_ps();
+            transpose16x16(r);
+            for (long i = 0; i < 16 && d0 + i < D; i++) _mm512_storeu_ps(xt + (d0 + i) * Sp + j0, r[i]);
+        }
+#else
     for (long d = 0; d < D; d++)
         for (long j = S; j < Sp; j++) xt[d * Sp + j] = 0.f;
     for (long j = 0; j < S; j++)
         for (long d = 0; d < D; d++) xt[d * Sp + j] = LOAD(x[j * sx + d]);
+#endif
 }
 
 /* Attention over all T queries of the heads of one KV group (b, g), as eager attention
