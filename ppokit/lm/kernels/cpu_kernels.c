@@ -1,4 +1,5 @@
-/* Fused CPU kernels for the elementwise work of a Llama-style decoder layer.
+/* Fused CPU kernels for the elementwise work and the attention of a Llama-style decoder
+ * layer.
  *
  * Each kernel makes one pass over its rows where PyTorch makes one pass per operation.
  * Every kernel exists twice, for bf16 (name_bf16) and float32 (name_f32) tensors: this
@@ -7,7 +8,8 @@
  * exactly where PyTorch's graph of the same computation rounds it, so the results match
  * transformers' modules (forward: bit for bit but for sums taken in another order;
  * backward: to one rounding). Built by ppokit/lm/kernels/__init__.py with the system C
- * compiler; plain C, vectorized by the compiler (`#pragma omp simd`), no PyTorch headers.
+ * compiler; plain C, vectorized by the compiler (`#pragma omp simd`), no PyTorch headers,
+ * with one AVX-512 routine (a register transpose) where the build targets AVX-512.
  *
  * bf16 values are passed as uint16_t; all arrays are row-major with a contiguous last
  * dimension.
