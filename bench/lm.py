@@ -409,7 +409,7 @@ def child_lora(a: argparse.Namespace) -> dict:
     from ppokit.lm.fused_lora import fuse_lora_layers, unfuse_lora_layers
 
     return alternate(a, {"fused": lambda policy: fuse_lora_layers(policy.lm),
-                         "plain": lambda policy: unfuse_lora_layers(policy.lm)})
+                         "peft": lambda policy: unfuse_lora_layers(policy.lm)})
 
 
 def child_kernels(a: argparse.Namespace) -> dict:
@@ -417,7 +417,7 @@ def child_kernels(a: argparse.Namespace) -> dict:
     from ppokit.lm.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
 
     return alternate(a, {"fused": lambda policy: fuse_cpu_kernels(policy.lm),
-                         "plain": lambda policy: unfuse_cpu_kernels(policy.lm)})
+                         "transformers": lambda policy: unfuse_cpu_kernels(policy.lm)})
 
 
 def child_layout(a: argparse.Namespace) -> dict:
@@ -452,8 +452,8 @@ def child_attention(a: argparse.Namespace) -> dict:
 CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora,
             "kernels": child_kernels, "layout": child_layout, "attention": child_attention}
 # --only lora / kernels / layout / attention: (ppokit's path, the path it is compared with)
-ALTERNATIVES = {"lora": ("fused", "plain"), "kernels": ("fused", "plain"), "layout": ("column-major", "row-major"),
-                "attention": ("kernel", "eager")}
+ALTERNATIVES = {"lora": ("fused", "peft"), "kernels": ("fused", "transformers"),
+                "layout": ("column-major", "row-major"), "attention": ("kernel", "eager")}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -541,10 +541,9 @@ def main(argv=None) -> int:
     if a.only in ALTERNATIVES:
         t = run_child(a, a.only)
         ours, other = ALTERNATIVES[a.only]
-        label = {"lora": "peft", "kernels": "transformers"}.get(a.only, other)
         for phase in ("score", "update"):
-            print(f"{a.only:11s} {phase:6s} {ours} {t[ours][phase]:7.3f} s   {label} {t[other][phase]:7.3f} s   "
-                  f"{label}/{ours} {t[other][phase] / t[ours][phase]:.2f}x")
+            print(f"{a.only:11s} {phase:6s} {ours} {t[ours][phase]:7.3f} s   {other} {t[other][phase]:7.3f} s   "
+                  f"{other}/{ours} {t[other][phase] / t[ours][phase]:.2f}x")
     if a.only in (None, "gen"):
         g = run_child(a, "gen")
         print(f"kv-cache    {g['cache']:8.0f} tokens/s with the cache, {g['no_cache']:8.0f} without: "

@@ -173,8 +173,9 @@ class PPOTrainer:
             part = {k: v[start:start + micro] for k, v in mb.items()}
             out = self.policy.evaluate(part)
             mask = part["mask"]
-            if on_policy and current_out is not None:
-                current_out.append(out["log_prob"].detach())
+            current = out["log_prob"].detach() if on_policy else None   # the sampling policy's log-probs
+            if current is not None and current_out is not None:
+                current_out.append(current)
             share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
             v_loss, v_metrics = algo.value_loss(
                 out["values"], part["old_values"], part["returns"], mask, clip_value=a.clip_value,
@@ -187,8 +188,7 @@ class PPOTrainer:
             metrics = {"vf_clipfrac": v_metrics["vf_clipfrac"]}
             if not critic_only:
                 old_log_prob = part.get("old_log_prob")
-                if on_policy:       # the policy that sampled this data: the ratio is exactly 1
-                    current = out["log_prob"].detach()
+                if current is not None:     # the policy that sampled this data: the ratio is exactly 1
                     if old_log_prob is not None:
                         gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
                         totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)

@@ -6,10 +6,10 @@ over a response (a fifth of a CPU generation profile here). :func:`preallocated_
 builds a cache whose layers each keep one buffer, sized for the prompt plus
 ``max_new_tokens``, write each step's keys and values into it and hand attention a view
 of the filled part. The prompt's own pass gets its keys and values back as they came
-(contiguous, for eager attention's batched matmuls); decoding steps get the views, which
-ppokit's decoding kernel (:mod:`ppokit.lm.kernels.fuse`) reads in place. Eager attention
-reads them too, only slower (it copies a strided view), so the rollout engine uses this
-cache only where that kernel is installed.
+(contiguous, as attention over many positions wants them); decoding steps get the views,
+which ppokit's decoding kernel (:mod:`ppokit.lm.kernels.fuse`) reads in place. Eager
+attention reads them too, only slower (it copies a strided view), so the rollout engine
+uses this cache only where that kernel is installed.
 
 Unlike transformers' ``StaticCache`` it attends to the filled positions only and needs
 no mask over the empty ones; a buffer that fills up grows (twice the size), so a longer

@@ -57,17 +57,20 @@ _UNSUPPORTED_ATTENTION_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks")
 ATTENTION_MAX_KEYS = 64
 
 
+def _alike(mine: torch.Tensor, theirs) -> bool:
+    """A tensor of the same shape and dtype."""
+    return isinstance(theirs, torch.Tensor) and mine.shape == theirs.shape and mine.dtype == theirs.dtype
+
+
 def _agrees(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
     """Equal to one bf16 rounding (2^-7 relative), shapes and dtypes alike."""
-    if not isinstance(theirs, torch.Tensor) or mine.shape != theirs.shape or mine.dtype != theirs.dtype:
-        return False
-    return bool(torch.allclose(mine.float(), theirs.float(), rtol=2 ** -7, atol=1e-6))
+    return _alike(mine, theirs) and bool(torch.allclose(mine.float(), theirs.float(), rtol=2 ** -7, atol=1e-6))
 
 
 def _agrees_to_scale(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
     """Equal to one bf16 rounding of the tensor's largest value: sums of rounded terms
     (a gradient summed over heads) differ by that much from one rounded sum."""
-    if not isinstance(theirs, torch.Tensor) or mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+    if not _alike(mine, theirs):
         return False
     scale = theirs.float().abs().max().item()
     return bool((mine.float() - theirs.float()).abs().max().item() <= 2 ** -7 * scale + 1e-6)
