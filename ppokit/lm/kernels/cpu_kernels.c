@@ -80,11 +80,14 @@ static inline float exp_shifted(float *s, long n, float top) {
 #define KEY_BLOCK 32         /* keys per block of sums in dots_with_columns (functions.py: KEY_BLOCK) */
 #define MAX_HEAD_DIM 256     /* the attention kernels' largest head size (functions.py: MAX_HEAD_DIM) */
 
-/* out[j] = sum_d x[d] xt[d, j] for j < S, xt [D, Sp] float32 columns (Sp a multiple of
- * KEY_BLOCK, zero padded): per block of KEY_BLOCK keys, four register sums over every
- * fourth d (four independent chains of vector FMAs), added at the end. */
-static void dots_with_columns(const float *x, const float *xt, long D, long S, long Sp, float *out) {
-    for (long j0 = 0; j0 < Sp; j0 += KEY_BLOCK) {
+/* out[j] = sum_d x[d] xt[d, j] for the blocks of KEY_BLOCK keys that hold the keys
+ * [first, stop), xt [D, Sp] float32 columns (Sp a multiple of KEY_BLOCK, zero padded);
+ * out is written from the block of key `first` up to key stop - 1. Per block, four
+ * register sums over every fourth d (four independent chains of vector FMAs), added at
+ * the end. */
+static void dots_with_columns(const float *x, const float *xt, long D, long first, long stop, long Sp,
+                              float *out) {
+    for (long j0 = first / KEY_BLOCK * KEY_BLOCK; j0 < stop; j0 += KEY_BLOCK) {
         float a0[KEY_BLOCK], a1[KEY_BLOCK], a2[KEY_BLOCK], a3[KEY_BLOCK];
 #pragma omp simd
         for (long j = 0; j < KEY_BLOCK; j++) a0[j] = a1[j] = a2[j] = a3[j] = 0.f;
@@ -107,7 +110,7 @@ static void dots_with_columns(const float *x, const float *xt, long D, long S, l
 #pragma omp simd
             for (long j = 0; j < KEY_BLOCK; j++) a0[j] += v * r[j];
         }
-        long n = S - j0 < KEY_BLOCK ? S - j0 : KEY_BLOCK;
+        long n = stop - j0 < KEY_BLOCK ? stop - j0 : KEY_BLOCK;
         for (long j = 0; j < n; j++) out[j0 + j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
     }
 }
@@ -383,11 +386,21 @@ static inline __attribute__((always_inline)) void NAME(attention_group)(
             float *p = probs + ((b * H + h) * T + t) * S;
 #pragma omp simd
             for (long d = 0; d < D; d++) qf[d] = LOAD(qr[d]);
-            dots_with_columns(qf, kt, D, S, Sp, p);
+            /* keys [lo, hi) hold every position the row does not mask (all of them when
+             * it masks them all): only their blocks get scores */
+            long lo = 0, hi = S;
             int skip = 0;                           /* skip masked positions: some are not */
-            if (m)
-                for (long j = 0; j < S; j++)
-                    if (m[j] > MASKED_BELOW) { skip = 1; break; }
+            if (m) {
+                while (lo < S && m[lo] <= MASKED_BELOW) lo++;
+                if (lo == S) lo = 0;
+                else {
+                    skip = 1;
+                    while (m[hi - 1] <= MASKED_BELOW) hi--;
+                }
+            }
+#pragma omp simd
+            for (long j = 0; j < S; j++) p[j] = 0.f;
+            dots_with_columns(qf, kt, D, lo, hi, Sp, p);
             float top = -INFINITY;
             if (m) {
 #pragma omp simd reduction(max : top)
@@ -409,9 +422,10 @@ static inline __attribute__((always_inline)) void NAME(attention_group)(
             float inv = 1.f / exp_shifted(p, S, top), acc[MAX_HEAD_DIM];
 #pragma omp simd
             for (long d = 0; d < D; d++) acc[d] = 0.f;
-            for (long j = 0; j < S; j++) {
-                float pj = p[j] * inv;
-                p[j] = pj;
+#pragma omp simd
+            for (long j = 0; j < S; j++) p[j] *= inv;
+            for (long j = lo; j < hi; j++) {
+                float pj = p[j];
                 if (pj == 0.f) continue;
                 float pr = ROUND(pj);
                 const float *vr = vf + j * D;
@@ -487,14 +501,19 @@ static inline __attribute__((always_inline)) void NAME(attention_group_backward)
                 gf[d] = LOAD(gr[d]);
                 dq_acc[d] = 0.f;
             }
-            dots_with_columns(gf, vt, D, S, Sp, dp);
+            long lo = 0, hi = S;                    /* the keys [lo, hi) hold every p != 0 */
+            while (lo < S && p[lo] == 0.f) lo++;
+            while (hi > lo && p[hi - 1] == 0.f) hi--;
+#pragma omp simd
+            for (long j = 0; j < S; j++) dp[j] = 0.f;
+            dots_with_columns(gf, vt, D, lo, hi, Sp, dp);
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (long j = 0; j < S; j++) {
                 dp[j] = ROUND(dp[j]);
                 dot += p[j] == 0.f ? 0.f : dp[j] * p[j];
             }
-            for (long j = 0; j < S; j++) {
+            for (long j = lo; j < hi; j++) {
                 if (p[j] == 0.f) continue;
                 float z = ROUND(ROUND(p[j] * (dp[j] - dot)) * scale);
                 float pr = ROUND(p[j]);
