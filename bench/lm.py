@@ -46,7 +46,8 @@ Responses are forced to full length (``min_new_tokens``), so every run does the 
 
 Examples::
 
-    python bench/lm.py                       # ~50 M parameters, 64 sequences, bf16 where supported
+    python bench/lm.py                       # ~50 M parameters, 256 sequences, bf16 where supported
+    python bench/lm.py --batch 64 --perf-micro 16   # the earlier, smaller iteration
     python bench/lm.py --quick               # ~6 M parameters: a smoke run in about a minute
     python bench/lm.py --precision fp32 --threads 2
     python bench/lm.py --threads 1 --only lora --repeats 4   # fused LoRA layers against peft's
@@ -477,10 +478,11 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 640; quick 256)")
     p.add_argument("--layers", type=int, default=None, help="layers (default 10; quick 6)")
     p.add_argument("--mlp", type=int, default=None, help="MLP size (default 8/3 x hidden, the Llama ratio)")
-    p.add_argument("--batch", type=int, default=None, help="sequences per iteration (default 64; quick 16)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per iteration, all in one generate call (default 256, the issue's 32 prompts x 8 "
+                   "samples; quick 16)")
     p.add_argument("--micro", type=int, default=None, help="sequences per forward/backward (default 4, the seed-000 scale)")
     p.add_argument("--perf-micro", type=int, default=None,
-                   help="sequences per forward/backward in the FLOP/s and time measurements (default 16)")
+                   help="sequences per forward/backward in the FLOP/s and time measurements (default 32)")
     p.add_argument("--prompt-repeat", type=int, default=2, help="prompt = an arithmetic problem repeated k times")
     p.add_argument("--response-len", type=int, default=None, help="response tokens (default 32; quick 16)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
@@ -492,7 +494,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="lora", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     quick = {"hidden": 256, "layers": 6, "batch": 16, "micro": 4, "perf_micro": 8, "response_len": 16}
-    full = {"hidden": 640, "layers": 10, "batch": 64, "micro": 4, "perf_micro": 16, "response_len": 32}
+    full = {"hidden": 640, "layers": 10, "batch": 256, "micro": 4, "perf_micro": 32, "response_len": 32}
     for key, value in (quick if a.quick else full).items():
         if getattr(a, key) is None:
             setattr(a, key, value)
