@@ -374,7 +374,7 @@ static inline __attribute__((always_inline)) void NAME(attention_group)(
         float *scratch, long b, long g, long H, long rep, long T, long S, long D, long sq_b, long sq_h,
         long sq_t, long sk_t, long sv_t, long sm_b, float scale, int round_mask) {
     long Sp = (S + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;     /* key columns, zero padded */
-    float *kt = scratch, *vf = kt + D * Sp, *qf = vf + S * D;
+    float *kt = scratch, *vf = kt + D * Sp, *qf = vf + S * D, *pr = qf + D;
     NAME(load_columns)(kb, sk_t, S, D, Sp, kt);
     for (long j = 0; j < S; j++)
 #pragma omp simd
@@ -423,14 +423,16 @@ static inline __attribute__((always_inline)) void NAME(attention_group)(
 #pragma omp simd
             for (long d = 0; d < D; d++) acc[d] = 0.f;
 #pragma omp simd
-            for (long j = 0; j < S; j++) p[j] *= inv;
+            for (long j = 0; j < S; j++) {
+                p[j] *= inv;
+                pr[j] = ROUND(p[j]);
+            }
             for (long j = lo; j < hi; j++) {
-                float pj = p[j];
-                if (pj == 0.f) continue;
-                float pr = ROUND(pj);
+                if (p[j] == 0.f) continue;
+                float pj = pr[j];
                 const float *vr = vf + j * D;
 #pragma omp simd
-                for (long d = 0; d < D; d++) acc[d] += pr * vr[d];
+                for (long d = 0; d < D; d++) acc[d] += pj * vr[d];
             }
             ELEM *o = out + ((b * T + t) * H + h) * D;
 #pragma omp simd
@@ -443,7 +445,7 @@ static inline __attribute__((always_inline)) void NAME(attention_group)(
  * (strides sk_*, sv_*); mask [B or 1, T, S] float32 (batch stride sm_b, 0 when
  * broadcast) or NULL; out [B, T, H, D] contiguous (eager's layout after its transpose);
  * probs [B, H, T, S] float32 receives the softmax, which the backward needs. scratch
- * holds D (2 S + KEY_BLOCK) + D floats; D <= MAX_HEAD_DIM. */
+ * holds D (2 S + KEY_BLOCK) + D + S floats; D <= MAX_HEAD_DIM. */
 void NAME(attention_forward)(const ELEM *q, const ELEM *k, const ELEM *v, const float *mask, ELEM *out,
                              float *probs, float *scratch, long start, long stop, long H, long Hkv, long T,
                              long S, long D, long sq_b, long sq_h, long sq_t, long sk_b, long sk_h, long sk_t,
@@ -480,7 +482,7 @@ static inline __attribute__((always_inline)) void NAME(attention_group_backward)
         long sq_h, long sq_t, long sk_t, long sv_t, long sg_b, long sg_t, long sg_h, float scale) {
     long Sp = (S + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;     /* value columns, zero padded */
     float *vt = scratch, *kf = vt + D * Sp, *dk_acc = kf + S * D, *dv_acc = dk_acc + S * D,
-          *dp = dv_acc + S * D, *qf = dp + S, *gf = qf + D;
+          *dp = dv_acc + S * D, *qf = dp + S, *gf = qf + D, *pr = gf + D;
     NAME(load_columns)(vb, sv_t, S, D, Sp, vt);
     for (long j = 0; j < S; j++)
 #pragma omp simd
@@ -513,17 +515,22 @@ static inline __attribute__((always_inline)) void NAME(attention_group_backward)
                 dp[j] = ROUND(dp[j]);
                 dot += p[j] == 0.f ? 0.f : dp[j] * p[j];
             }
+            /* the per-key factors, vectorized over the keys: dz (in dp) and R(p) */
+#pragma omp simd
+            for (long j = lo; j < hi; j++) {
+                dp[j] = ROUND(ROUND(p[j] * (dp[j] - dot)) * scale);
+                pr[j] = ROUND(p[j]);
+            }
             for (long j = lo; j < hi; j++) {
                 if (p[j] == 0.f) continue;
-                float z = ROUND(ROUND(p[j] * (dp[j] - dot)) * scale);
-                float pr = ROUND(p[j]);
+                float z = dp[j], pj = pr[j];
                 const float *kr = kf + j * D;
                 float *dkr = dk_acc + j * D, *dvr = dv_acc + j * D;
 #pragma omp simd
                 for (long d = 0; d < D; d++) {
                     dq_acc[d] += z * kr[d];
                     dkr[d] += z * qf[d];
-                    dvr[d] += pr * gf[d];
+                    dvr[d] += pj * gf[d];
                 }
             }
             ELEM *dqr = dq + ((b * H + h) * T + t) * D;
@@ -544,7 +551,7 @@ static inline __attribute__((always_inline)) void NAME(attention_group_backward)
 /* attention_group_backward for the KV groups [start, stop) of B x Hkv: go (the output's
  * gradient) [B, T, H, D] (strides sg_b, sg_t, sg_h); probs as the forward saved them; dq
  * [B, H, T, D] and dk [B, Hkv, S, D] contiguous; dv [B, S, Hkv, D] contiguous (the value
- * projection's layout); scratch holds D (4 S + KEY_BLOCK) + S + 2 D floats; D <= MAX_HEAD_DIM. */
+ * projection's layout); scratch holds D (4 S + KEY_BLOCK) + 2 S + 2 D floats; D <= MAX_HEAD_DIM. */
 void NAME(attention_backward)(const ELEM *q, const ELEM *k, const ELEM *v, const float *probs, const ELEM *go,
                               ELEM *dq, ELEM *dk, ELEM *dv, float *scratch, long start, long stop, long H,
                               long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t, long sk_b,

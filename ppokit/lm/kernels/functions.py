@@ -240,7 +240,7 @@ class AttentionFunction(torch.autograd.Function):
         strides = [*query.stride()[:3], *key.stride()[:3], *value.stride()[:3]]
 
         def run(a: int, b: int) -> None:
-            scratch = torch.empty(D * (2 * S + KEY_BLOCK) + D, dtype=torch.float32)
+            scratch = torch.empty(D * (2 * S + KEY_BLOCK) + D + S, dtype=torch.float32)
             kernel(*ptrs, _ptr(scratch), a, b, H, Hkv, T, S, D, *strides, sm_b, scaling, round_mask)
 
         in_parallel(B * Hkv, 2 * (H // Hkv) * T * S * D, run)
@@ -265,7 +265,7 @@ class AttentionFunction(torch.autograd.Function):
                    grad_out.stride(1), grad_out.stride(2)]
 
         def run(a: int, b: int) -> None:
-            scratch = torch.empty(D * (4 * S + KEY_BLOCK) + S + 2 * D, dtype=torch.float32)
+            scratch = torch.empty(D * (4 * S + KEY_BLOCK) + 2 * S + 2 * D, dtype=torch.float32)
             kernel(*ptrs, _ptr(scratch), a, b, H, Hkv, T, S, D, *strides, ctx.scaling)
 
         in_parallel(B * Hkv, 4 * (H // Hkv) * T * S * D, run)
