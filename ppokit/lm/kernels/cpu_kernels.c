@@ -79,6 +79,8 @@ static inline float exp_shifted(float *s, long n, float top) {
 
 #define KEY_BLOCK 32         /* keys per block of sums in dots_with_columns (functions.py: KEY_BLOCK) */
 #define MAX_HEAD_DIM 256     /* the attention kernels' largest head size (functions.py: MAX_HEAD_DIM) */
+#define LANES 16             /* floats in the widest vector a build uses (AVX-512): loops over keys
+                              * that start at a multiple of it put each key in the same lane */
 
 /* out[j] = sum_d x[d] xt[d, j] for the blocks of KEY_BLOCK keys that hold the keys
  * [first, stop), xt [D, Sp] float32 columns (Sp a multiple of KEY_BLOCK, zero padded);
@@ -398,13 +400,18 @@ static inline __attribute__((always_inline)) void NAME(attention_group)(
                     while (m[hi - 1] <= MASKED_BELOW) hi--;
                 }
             }
+            /* the per-key loops run over [lo16, hi16) only: [lo, hi) widened to whole
+             * vectors of a loop over all S keys, so that each sum adds the same terms in the
+             * same vector lanes as over all S (the keys left out would add exact zeros) */
+            long lo16 = lo / LANES * LANES, hi16 = (hi + LANES - 1) / LANES * LANES;
+            hi16 = hi16 < S ? hi16 : S;
 #pragma omp simd
-            for (long j = 0; j < S; j++) p[j] = 0.f;
+            for (long j = lo16; j < hi16; j++) p[j] = 0.f;
             dots_with_columns(qf, kt, D, lo, hi, Sp, p);
             float top = -INFINITY;
             if (m) {
 #pragma omp simd reduction(max : top)
-                for (long j = 0; j < S; j++) {
+                for (long j = lo16; j < hi16; j++) {
                     float x = ROUND(ROUND(p[j]) * scale), xm = x + m[j];
                     x = round_mask ? ROUND(xm) : xm;
                     x = skip && m[j] <= MASKED_BELOW ? -INFINITY : x;
@@ -419,11 +426,15 @@ static inline __attribute__((always_inline)) void NAME(attention_group)(
                     top = x > top ? x : top;
                 }
             }
-            float inv = 1.f / exp_shifted(p, S, top), acc[MAX_HEAD_DIM];
+            float inv = 1.f / exp_shifted(p + lo16, hi16 - lo16, top), acc[MAX_HEAD_DIM];
 #pragma omp simd
             for (long d = 0; d < D; d++) acc[d] = 0.f;
 #pragma omp simd
-            for (long j = 0; j < S; j++) {
+            for (long j = 0; j < lo16; j++) p[j] = 0.f;
+#pragma omp simd
+            for (long j = hi16; j < S; j++) p[j] = 0.f;
+#pragma omp simd
+            for (long j = lo16; j < hi16; j++) {
                 p[j] *= inv;
                 pr[j] = ROUND(p[j]);
             }
@@ -506,12 +517,15 @@ static inline __attribute__((always_inline)) void NAME(attention_group_backward)
             long lo = 0, hi = S;                    /* the keys [lo, hi) hold every p != 0 */
             while (lo < S && p[lo] == 0.f) lo++;
             while (hi > lo && p[hi - 1] == 0.f) hi--;
+            /* as in the forward: [lo, hi) widened to whole vectors of the loop over S */
+            long lo16 = lo / LANES * LANES, hi16 = (hi + LANES - 1) / LANES * LANES;
+            hi16 = hi16 < S ? hi16 : S;
 #pragma omp simd
-            for (long j = 0; j < S; j++) dp[j] = 0.f;
+            for (long j = lo16; j < hi16; j++) dp[j] = 0.f;
             dots_with_columns(gf, vt, D, lo, hi, Sp, dp);
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (long j = 0; j < S; j++) {
+            for (long j = lo16; j < hi16; j++) {
                 dp[j] = ROUND(dp[j]);
                 dot += p[j] == 0.f ? 0.f : dp[j] * p[j];
             }
