@@ -191,8 +191,9 @@ class ModelConfig(Section):
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = field(
         "auto", "attention kernel (auto = eager on CPU, the model's default elsewhere)")
     cpu_kernels: bool = field(
-        True, "on a CPU (bf16 or fp32): fused C kernels for RMSNorm, SwiGLU and rotary embeddings (built with "
-        "the system C compiler on first use, about a second; without one, transformers' layers are used)")
+        True, "on a CPU (bf16 or fp32): fused C kernels for RMSNorm, SwiGLU, rotary embeddings and attention, "
+        "and in bf16 on a CPU with AMX LoRA's rank-r products (built with the system C compiler on first use, "
+        "about a second; without one, transformers' layers and PyTorch's matmuls are used)")
 
 
 STATIC_CACHE_FULL_BF16 = ("rollout.cache_implementation=static does not work with model.mode=full under bf16 "

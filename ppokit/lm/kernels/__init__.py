@@ -53,7 +53,14 @@ KERNEL_ARGS = {
     "attention_backward": [_P] * 9 + [_L] * 19 + [_F],
 }
 TYPE_SUFFIXES = ("bf16", "f32")          # each kernel is built for bf16 and for float32
+# LoRA's rank-r products on AMX: bf16 only, and stubs in a build without AMX
+BF16_KERNEL_ARGS = {
+    "lora_down": [_P, _L, _P, _P, _L, _L, _L, _L, _P],
+    "lora_up_add": [_P, _L, _P, _P, _L, _L, _L, _L, _F, _P],
+    "lora_outer": [_P, _P, _L, _P, _L, _L, _L, _L, _L, _F, _P],
+}
 SIGNATURES = {f"{name}_{suffix}": args for name, args in KERNEL_ARGS.items() for suffix in TYPE_SUFFIXES}
+SIGNATURES.update({f"{name}_bf16": args for name, args in BF16_KERNEL_ARGS.items()})
 
 
 def cache_dir() -> Path:
@@ -129,6 +136,7 @@ def _load(path: Path) -> tuple[Optional[ctypes.CDLL], str]:
         for name, argtypes in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        lib.lora_amx_available.argtypes, lib.lora_amx_available.restype = [], ctypes.c_int
     except (OSError, AttributeError) as exc:       # unloadable, or a stale build without a kernel
         return None, f"loading {path} failed ({exc})"
     return lib, ""

@@ -148,6 +148,256 @@ static inline void transpose16x16(__m512 r[16]) {
 #define HAVE_AVX512 0
 #endif
 
+/* ------------------------------------------------------------ LoRA's rank-r products on AMX
+ * LoRA's products with its rank-r factors are too thin for oneDNN's matmuls to run well
+ * (about 200-600 us each at 1,568 x 640, where the data takes about 100 us to read), and
+ * r multiply-adds per output element bound any vector code. These three run them on the
+ * AMX tile units (bf16 products, float32 sums, one rounding), one pass over the big
+ * operand each:
+ *   lora_down_bf16     h = R(x m^T)            x [N, d], m [r, d]  ->  h [N, r]
+ *   lora_up_add_bf16   y = R(y + s h m)        y [N, d], h [N, r], m [r, d]   (in place)
+ *   lora_outer_bf16    out = R(s p^T x)        p [N, r], x [N, d]  ->  out [r, d]
+ * for r <= 16 (up_add: r even). Each configures the tiles on entry and releases them on
+ * exit, so that oneDNN's AMX kernels in the same thread find them as they left them.
+ * lora_amx_available() says whether the build has AMX and Linux granted the tile state;
+ * builds without AMX compile the three to nothing, and they are never called. */
+#if HAVE_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <unistd.h>
+#include <sys/syscall.h>
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+int lora_amx_available(void) {
+    static int granted = -1;     /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18), once */
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return granted;
+}
+
+static inline __mmask32 mask32(long n) { return n >= 32 ? 0xffffffffu : (n <= 0 ? 0u : (__mmask32)((1u << n) - 1)); }
+static inline __mmask16 mask16(long n) { return n >= 16 ? (__mmask16)0xffff : (n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1)); }
+
+/* Tiles 0-7 as `rows` rows of `colsb` bytes each. */
+static void configure_tiles(const uint8_t rows[8], const uint16_t colsb[8]) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = rows[t]; cfg.colsb[t] = colsb[t]; }
+    _tile_loadconfig(&cfg);
+}
+
+static const uint8_t FULL_ROWS[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+static const uint16_t FULL_COLSB[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+
+/* Two rows a, b of 32 bf16 interleaved into pairs (a_i, b_i), the VNNI layout of a B tile's row:
+ * pairs 0-15 (lo) and 16-31 (hi). */
+static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *hi) {
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    *lo = _mm512_permutex2var_epi16(a, first, b);
+    *hi = _mm512_permutex2var_epi16(a, _mm512_add_epi16(first, _mm512_set1_epi16(16)), b);
+}
+
+/* h[n, j] = R(sum_c x[n, c] m[j, c]) for j < r (<= 16) and the rows [start, stop): x [N, d] (row
+ * stride sx), m [r, d] contiguous, h [N, r] contiguous. 32 rows at a time: x's rows are the A
+ * tiles, read in place (a partial last chunk of columns, and the last rows, from zero-padded
+ * copies); m, packed once into B tiles (pairs of columns x 16 ranks), the B tile.
+ * scratch: Kc * 512 + 32 * Kc * 32 bf16 + 512 floats (Kc = d rounded up to 32, over 32). */
+void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, long stop, long d, long r,
+                    void *scratch) {
+    long Kc = (d + 31) / 32, dp = Kc * 32, full = d / 32;
+    bf16 *mp = (bf16 *)scratch;                  /* [Kc][16 pairs][16 ranks][2] */
+    bf16 *xpad = mp + Kc * 512;                  /* [32, dp] */
+    float *cbuf = (float *)(xpad + 32 * dp);     /* [32, 16] */
+    for (long k = 0; k < Kc; k++) {
+        __m512 rows[16];                         /* rank j's 16 pairs of columns, as 32-bit lanes */
+        __mmask32 km = mask32(d - 32 * k);
+        for (long j = 0; j < 16; j++)
+            rows[j] = _mm512_castsi512_ps(j < r ? _mm512_maskz_loadu_epi16(km, m + j * d + 32 * k)
+                                                : _mm512_setzero_si512());
+        transpose16x16(rows);                    /* -> pair q's 16 ranks */
+        for (long q = 0; q < 16; q++) _mm512_storeu_ps((float *)(mp + k * 512 + q * 32), rows[q]);
+    }
+    configure_tiles(FULL_ROWS, FULL_COLSB);
+    for (long n0 = start; n0 < stop; n0 += 32) {
+        long rows_here = stop - n0 < 32 ? stop - n0 : 32, lda = sx, in_place = full;
+        const bf16 *a = x + n0 * sx;
+        if (rows_here < 32) {                    /* the last rows: a zero-padded copy of them all */
+            for (long i = 0; i < 32; i++)
+                for (long c = 0; c < dp; c += 32)
+                    _mm512_storeu_si512(xpad + i * dp + c, i < rows_here ? _mm512_maskz_loadu_epi16(mask32(d - c), a + i * sx + c)
+                                                                          : _mm512_setzero_si512());
+            a = xpad;
+            lda = dp;
+            in_place = Kc;
+        } else if (full < Kc) {                  /* the partial last chunk, zero padded ([32, 32]) */
+            for (long i = 0; i < 32; i++)
+                _mm512_storeu_si512(xpad + i * 32, _mm512_maskz_loadu_epi16(mask32(d - 32 * full), a + i * sx + 32 * full));
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        for (long k = 0; k < in_place; k++) {
+            _tile_loadd(2, a + 32 * k, lda * sizeof(bf16));
+            _tile_loadd(3, a + 16 * lda + 32 * k, lda * sizeof(bf16));
+            _tile_loadd(4, mp + k * 512, 64);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 3, 4);
+        }
+        if (in_place < Kc) {
+            _tile_loadd(2, xpad, 64);
+            _tile_loadd(3, xpad + 16 * 32, 64);
+            _tile_loadd(4, mp + full * 512, 64);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 3, 4);
+        }
+        _tile_stored(0, cbuf, 64);
+        _tile_stored(1, cbuf + 256, 64);
+        for (long i = 0; i < rows_here; i++)
+            _mm256_mask_storeu_epi16(h + (n0 + i) * r, mask16(r), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cbuf + i * 16)));
+    }
+    _tile_release();
+}
+
+/* y[n, c] = R(y[n, c] + s sum_j h[n, j] m[j, c]) for the rows [start, stop): y [N, d] (row stride
+ * sy), h [N, r] contiguous (r even, <= 16), m [r, d] contiguous. 16 rows at a time: h's rows
+ * (r values) are the A tile; m, packed once into B tiles of r/2 pair rows x 16 columns, four per
+ * 64 columns; the products go to float32 and are added to y there (the sum's one rounding).
+ * scratch: Cc * 1024 + 256 bf16 + 1024 floats (Cc = d rounded up to 64, over 64). */
+void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start, long stop, long d, long r,
+                      float s, void *scratch) {
+    long Cc = (d + 63) / 64, pairs = r / 2;
+    bf16 *mp = (bf16 *)scratch;                  /* [Cc][4 tiles][pairs][16 columns][2] */
+    bf16 *hpad = mp + Cc * 1024;                 /* [16, r] */
+    float *cbuf = (float *)(hpad + 256);         /* [16, 64] */
+    for (long cc = 0; cc < Cc; cc++)
+        for (long q = 0; q < pairs; q++) {
+            const bf16 *ra = m + 2 * q * d + 64 * cc, *rb = ra + d;
+            __mmask32 k0 = mask32(d - 64 * cc), k1 = mask32(d - 64 * cc - 32);
+            __m512i t0, t1, t2, t3;
+            interleave_pairs(_mm512_maskz_loadu_epi16(k0, ra), _mm512_maskz_loadu_epi16(k0, rb), &t0, &t1);
+            interleave_pairs(_mm512_maskz_loadu_epi16(k1, ra + 32), _mm512_maskz_loadu_epi16(k1, rb + 32), &t2, &t3);
+            bf16 *dst = mp + cc * 1024 + q * 32;
+            _mm512_storeu_si512(dst, t0);
+            _mm512_storeu_si512(dst + pairs * 32, t1);
+            _mm512_storeu_si512(dst + 2 * pairs * 32, t2);
+            _mm512_storeu_si512(dst + 3 * pairs * 32, t3);
+        }
+    uint8_t rows[8] = {16, 16, 16, 16, 16, (uint8_t)pairs, (uint8_t)pairs, 16};
+    uint16_t colsb[8] = {64, 64, 64, 64, (uint16_t)(2 * r), 64, 64, 64};
+    configure_tiles(rows, colsb);
+    const __m512 vs = _mm512_set1_ps(s);
+    for (long n0 = start; n0 < stop; n0 += 16) {
+        long rows_here = stop - n0 < 16 ? stop - n0 : 16;
+        const bf16 *a = h + n0 * r;
+        if (rows_here < 16) {                    /* the last rows, zero padded */
+            memset(hpad, 0, 16 * r * sizeof(bf16));
+            memcpy(hpad, a, rows_here * r * sizeof(bf16));
+            a = hpad;
+        }
+        _tile_loadd(4, a, r * sizeof(bf16));
+        for (long cc = 0; cc < Cc; cc++) {
+            const bf16 *b = mp + cc * 1024;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(5, b, 64);
+            _tile_loadd(6, b + pairs * 32, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, b + 2 * pairs * 32, 64);
+            _tile_loadd(6, b + 3 * pairs * 32, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(3, 4, 6);
+            _tile_stored(0, cbuf, 256);
+            _tile_stored(1, cbuf + 16, 256);
+            _tile_stored(2, cbuf + 32, 256);
+            _tile_stored(3, cbuf + 48, 256);
+            for (long i = 0; i < rows_here; i++) {
+                bf16 *yr = y + (n0 + i) * sy + 64 * cc;
+                for (long t = 0; t < 4; t++) {
+                    __mmask16 k = mask16(d - 64 * cc - 16 * t);
+                    if (!k) break;
+                    __m512 yv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, yr + 16 * t)), 16));
+                    __m512 o = _mm512_fmadd_ps(_mm512_loadu_ps(cbuf + i * 64 + 16 * t), vs, yv);
+                    _mm256_mask_storeu_epi16(yr + 16 * t, k, (__m256i)_mm512_cvtneps_pbh(o));
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* out[j, c] = R(s sum_n p[n, j] x[n, c]) for j < r (<= 16) and the columns [c0, c1) (c0 a multiple
+ * of 64): p [N, r] contiguous, x [N, d] (row stride sx), out [r, d] contiguous. Per 64 columns,
+ * 32 rows at a time: p^T [16, 32] is the A tile, x's rows interleaved in pairs the four B tiles.
+ * scratch: 16 * Np + 2048 bf16 + 1024 floats (Np = N rounded up to 32). */
+void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, long d, long r, long c0, long c1,
+                     float s, void *scratch) {
+    long Np = (N + 31) / 32 * 32;
+    bf16 *pt = (bf16 *)scratch;                  /* p^T [16, Np], zero padded */
+    bf16 *vnni = pt + 16 * Np;                   /* [4 tiles][16 pairs of rows][16 columns][2] */
+    float *cbuf = (float *)(vnni + 2048);        /* [16, 64] */
+    memset(pt, 0, 16 * Np * sizeof(bf16));
+    for (long n = 0; n < N; n++)
+        for (long j = 0; j < r; j++) pt[j * Np + n] = p[n * r + j];
+    configure_tiles(FULL_ROWS, FULL_COLSB);
+    const __m512 vs = _mm512_set1_ps(s);
+    for (long c = c0; c < c1; c += 64) {
+        __mmask32 k0 = mask32(c1 - c), k1 = mask32(c1 - c - 32);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long n0 = 0; n0 < Np; n0 += 32) {
+            for (long q = 0; q < 16; q++) {
+                long na = n0 + 2 * q, nb = na + 1;
+                const bf16 *ra = x + na * sx + c, *rb = x + nb * sx + c;
+                __m512i a0 = na < N ? _mm512_maskz_loadu_epi16(k0, ra) : _mm512_setzero_si512();
+                __m512i b0 = nb < N ? _mm512_maskz_loadu_epi16(k0, rb) : _mm512_setzero_si512();
+                __m512i a1 = na < N ? _mm512_maskz_loadu_epi16(k1, ra + 32) : _mm512_setzero_si512();
+                __m512i b1 = nb < N ? _mm512_maskz_loadu_epi16(k1, rb + 32) : _mm512_setzero_si512();
+                __m512i t0, t1, t2, t3;
+                interleave_pairs(a0, b0, &t0, &t1);
+                interleave_pairs(a1, b1, &t2, &t3);
+                _mm512_storeu_si512(vnni + q * 32, t0);
+                _mm512_storeu_si512(vnni + 512 + q * 32, t1);
+                _mm512_storeu_si512(vnni + 1024 + q * 32, t2);
+                _mm512_storeu_si512(vnni + 1536 + q * 32, t3);
+            }
+            _tile_loadd(4, pt + n0, Np * sizeof(bf16));
+            _tile_loadd(5, vnni, 64);
+            _tile_loadd(6, vnni + 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, vnni + 1024, 64);
+            _tile_loadd(6, vnni + 1536, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, cbuf, 256);
+        _tile_stored(1, cbuf + 16, 256);
+        _tile_stored(2, cbuf + 32, 256);
+        _tile_stored(3, cbuf + 48, 256);
+        for (long j = 0; j < r; j++)
+            for (long t = 0; t < 4; t++) {
+                __mmask16 k = mask16(c1 - c - 16 * t);
+                if (!k) break;
+                __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(cbuf + j * 64 + 16 * t), vs));
+                _mm256_mask_storeu_epi16(out + j * d + c + 16 * t, k, v);
+            }
+    }
+    _tile_release();
+}
+#else
+int lora_amx_available(void) { return 0; }
+void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, long stop, long d, long r,
+                    void *scratch) {}
+void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start, long stop, long d, long r,
+                      float s, void *scratch) {}
+void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, long d, long r, long c0, long c1,
+                     float s, void *scratch) {}
+#endif
+
 #define KERNEL_BODY
 #define ELEM bf16
 #define LOAD bf2f

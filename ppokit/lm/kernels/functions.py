@@ -270,3 +270,77 @@ class AttentionFunction(torch.autograd.Function):
 
         in_parallel(B * Hkv, 4 * (H // Hkv) * T * S * D, run)
         return dq, dk, dv.transpose(1, 2), None, None
+
+
+# ----------------------------------------------------------------------------- LoRA on AMX
+LORA_MAX_RANK = 16                       # the AMX LoRA kernels' largest rank (one tile of ranks)
+
+
+def lora_amx_ready() -> bool:
+    """True when the kernels are built with AMX and Linux granted this process the tile state."""
+    lib = cpu_library()
+    return lib is not None and bool(lib.lora_amx_available())
+
+
+def lora_amx_eligible(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """Whether LoRA's rank-r products for input x [N, d_in], A [r, d_in] and B [d_out, r] can
+    run on the AMX kernels: bf16 CPU tensors, an even rank up to ``LORA_MAX_RANK``."""
+    r = lora_a.shape[0]
+    return (x.dtype == lora_a.dtype == lora_b.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and 0 < r <= LORA_MAX_RANK and r % 2 == 0 and lora_amx_ready())
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [N, d] with a contiguous last dimension (a copy only when it has none)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def lora_down(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """h = R(x m^T): x [N, d] bf16, m [r, d] -> h [N, r] bf16 (one float32 sum per element)."""
+    x, m = _rows(x), m.contiguous()
+    N, d = x.shape
+    r = m.shape[0]
+    h = torch.empty(N, r, dtype=torch.bfloat16)
+    kernel, chunks = cpu_library().lora_down_bf16, (d + 31) // 32
+    scratch_bytes = 2 * (chunks * 512 + 32 * chunks * 32) + 4 * 512
+
+    def run(a: int, b: int) -> None:
+        scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+        kernel(_ptr(x), x.stride(0), _ptr(m), _ptr(h), a, b, d, r, _ptr(scratch))
+
+    in_parallel(N, d, run)
+    return h
+
+
+def lora_up_add_(y: torch.Tensor, h: torch.Tensor, m: torch.Tensor, scale: float) -> torch.Tensor:
+    """y = R(y + scale h m) in place: y [N, d] bf16 (contiguous last dimension), h [N, r], m [r, d]."""
+    assert y.stride(-1) == 1
+    h, m = h.contiguous(), m.contiguous()
+    N, d = y.shape
+    r = m.shape[0]
+    kernel, chunks = cpu_library().lora_up_add_bf16, (d + 63) // 64
+    scratch_bytes = 2 * (chunks * 1024 + 256) + 4 * 1024
+
+    def run(a: int, b: int) -> None:
+        scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+        kernel(_ptr(y), y.stride(0), _ptr(h), _ptr(m), a, b, d, r, scale, _ptr(scratch))
+
+    in_parallel(N, d, run)
+    return y
+
+
+def lora_outer(p: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """R(scale p^T x): p [N, r] bf16, x [N, d] bf16 -> [r, d] bf16 (a LoRA weight gradient)."""
+    p, x = p.contiguous(), _rows(x)
+    N, d = x.shape
+    r = p.shape[1]
+    out = torch.empty(r, d, dtype=torch.bfloat16)
+    kernel, chunks = cpu_library().lora_outer_bf16, (d + 63) // 64
+    scratch_bytes = 2 * (16 * ((N + 31) // 32 * 32) + 2048) + 4 * 1024
+
+    def run(a: int, b: int) -> None:
+        scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+        kernel(_ptr(p), _ptr(x), x.stride(0), _ptr(out), N, d, r, 64 * a, min(64 * b, d), scale, _ptr(scratch))
+
+    in_parallel(chunks, 64 * N, run)
+    return out

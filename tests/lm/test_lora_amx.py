@@ -1,0 +1,163 @@
+"""LoRA's rank-r products on AMX (ppokit/lm/kernels, ``lora_*_bf16``): each kernel against
+its float64 formula on ragged shapes, the threads, oneDNN's matmuls in the same thread,
+and the fused LoRA layer's AMX path against its matmul path and peft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ppokit.lm.fused_lora import LoRALinearFunction, enable_amx_lora, fuse_lora_layers
+from ppokit.lm.kernels.functions import (lora_amx_eligible, lora_amx_ready, lora_down, lora_outer,
+                                         lora_up_add_)
+
+pytestmark = pytest.mark.skipif(not lora_amx_ready(), reason="no AMX here (or no C compiler)")
+BF16 = torch.bfloat16
+# (rows, width, rank): whole tiles, and ragged rows, columns and ranks
+SHAPES = [(64, 128, 8), (1568, 640, 8), (37, 100, 6), (5, 1712, 16), (33, 70, 2), (300, 96, 14)]
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def assert_bf16_of(got: torch.Tensor, want: torch.Tensor):
+    """got (bf16) is want (float64) to a bf16 rounding of a float32 sum: within 2^-7 of the
+    values' scale (the sum's terms are exact products, summed in another order)."""
+    assert got.dtype == BF16 and got.shape == want.shape
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=2 ** -7 * scale)
+
+
+@pytest.mark.parametrize("n,d,r", SHAPES)
+def test_down_is_x_times_m_transposed(n, d, r):
+    g = gen(n + d + r)
+    x, m = torch.randn(n, d, generator=g).to(BF16), torch.randn(r, d, generator=g).to(BF16)
+    assert_bf16_of(lora_down(x, m), x.double() @ m.double().T)
+
+
+@pytest.mark.parametrize("n,d,r", SHAPES)
+def test_up_add_adds_the_scaled_product_in_place_as_addmm_does(n, d, r):
+    g = gen(n * d * r)
+    y, h, m = (torch.randn(*s, generator=g).to(BF16) for s in ((n, d), (n, r), (r, d)))
+    want = y.double() + 1.7 * h.double() @ m.double()
+    theirs = y.clone().addmm_(h, m, alpha=1.7)
+    out = lora_up_add_(y, h, m, 1.7)
+    assert out.data_ptr() == y.data_ptr()
+    assert_bf16_of(y, want)
+    off = (y.view(torch.int16).int() - theirs.view(torch.int16).int()).abs()
+    assert int(off.max()) <= 1 and float((off > 0).float().mean()) <= 1e-3   # oneDNN's sums, one rounding
+
+
+@pytest.mark.parametrize("n,d,r", SHAPES)
+def test_outer_is_the_scaled_weight_gradient(n, d, r):
+    g = gen(n + 2 * d + 3 * r)
+    p, x = torch.randn(n, r, generator=g).to(BF16), torch.randn(n, d, generator=g).to(BF16)
+    assert_bf16_of(lora_outer(p, x, 0.25), 0.25 * p.double().T @ x.double())
+
+
+def test_strided_rows_are_read_in_place():
+    g = gen(7)
+    wide = torch.randn(50, 200, generator=g).to(BF16)
+    x, m, p = wide[:, 30:130], torch.randn(4, 100, generator=g).to(BF16), torch.randn(50, 4, generator=g).to(BF16)
+    assert x.stride(0) == 200
+    assert torch.equal(lora_down(x, m), lora_down(x.contiguous(), m))
+    assert torch.equal(lora_outer(p, x, 1.0), lora_outer(p, x.contiguous(), 1.0))
+
+
+def test_two_threads_give_one_threads_numbers():
+    g = gen(8)
+    x, m, p = (torch.randn(*s, generator=g).to(BF16) for s in ((1000, 640), (8, 640), (1000, 8)))
+    y = torch.randn(1000, 640, generator=g).to(BF16)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append((lora_down(x, m), lora_up_add_(y.clone(), p, m, 2.0), lora_outer(p, x, 0.5)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_onednn_bf16_matmuls_between_the_kernels_stay_right():
+    """Both use the tile registers of one thread: each kernel configures them on entry and
+    releases them on exit, and oneDNN's matmuls before and after give their numbers."""
+    g = gen(9)
+    a, b = torch.randn(512, 640, generator=g).to(BF16), torch.randn(640, 640, generator=g).to(BF16)
+    x, m = torch.randn(300, 640, generator=g).to(BF16), torch.randn(8, 640, generator=g).to(BF16)
+    product, h = a @ b, lora_down(x, m)
+    for _ in range(3):
+        assert torch.equal(a @ b, product)
+        assert torch.equal(lora_down(x, m), h)
+        assert torch.equal(x @ m.T, x @ m.T)
+
+
+def test_eligibility():
+    x, a, b = torch.zeros(4, 8, dtype=BF16), torch.zeros(2, 8, dtype=BF16), torch.zeros(6, 2, dtype=BF16)
+    assert lora_amx_eligible(x, a, b)
+    assert not lora_amx_eligible(x.float(), a.float(), b.float())                  # float32: the matmuls
+    assert not lora_amx_eligible(x, torch.zeros(3, 8, dtype=BF16), torch.zeros(6, 3, dtype=BF16))   # odd rank
+    assert not lora_amx_eligible(x, torch.zeros(32, 8, dtype=BF16), torch.zeros(6, 32, dtype=BF16))  # rank > 16
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_on_amx_matches_its_matmul_path_and_the_float64_formula(with_bias):
+    g = gen(10)
+    n, d_in, d_out, r, s = 70, 96, 200, 8, 2.0
+    x = torch.randn(n, d_in, generator=g).to(BF16)
+    w = (torch.randn(d_out, d_in, generator=g) / d_in ** 0.5).to(BF16)
+    bias = torch.randn(d_out, generator=g).to(BF16) if with_bias else None
+    a = (torch.randn(r, d_in, generator=g) / d_in ** 0.5).to(BF16)
+    b = torch.randn(d_out, r, generator=g).to(BF16)
+    upstream = torch.randn(n, d_out, generator=g).to(BF16)
+    results = {}
+    for amx in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, a, b)]
+        y = LoRALinearFunction.apply(leaves[0], w, bias, leaves[1], leaves[2], s, amx)
+        y.backward(upstream)
+        results[amx] = [y.detach()] + [t.grad for t in leaves]
+    x64, a64, b64 = (t.double().requires_grad_() for t in (x, a, b))
+    y64 = x64 @ w.double().T + s * (x64 @ a64.T) @ b64.T + (bias.double() if with_bias else 0)
+    y64.backward(upstream.double())
+    for amx in (False, True):
+        for got, want in zip(results[amx], [y64.detach(), x64.grad, a64.grad, b64.grad]):
+            assert_bf16_of(got, want)
+    for mine, theirs in zip(results[True], results[False]):       # the two paths agree as closely
+        scale = theirs.double().abs().max().item()
+        assert (mine.double() - theirs.double()).abs().max().item() <= 2 ** -7 * scale
+
+
+def test_peft_layers_on_amx_stay_as_close_to_fp32_as_peft_under_bf16_autocast():
+    from peft import LoraConfig, get_peft_model
+
+    def model(seed=0):
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 48))
+        peft = get_peft_model(net, LoraConfig(r=8, lora_alpha=16, target_modules=["0", "2"]))
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.2)
+        return peft
+
+    x = torch.randn(40, 64, generator=gen(11))
+    weights = torch.linspace(-1, 1, 40 * 48).view(40, 48)
+
+    def run(net, autocast):
+        net.zero_grad()
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            y = net(x)
+        (y.float() * weights).sum().backward()
+        return [y.float().detach()] + [p.grad.clone() for n, p in net.named_parameters() if "lora_" in n]
+
+    exact = run(model(), autocast=False)
+    errors = {}
+    for kind in ("peft", "amx"):
+        net = model()
+        if kind == "amx":
+            fuse_lora_layers(net)
+            assert enable_amx_lora(net) == 2
+        got = run(net, autocast=True)
+        errors[kind] = max((a - b).abs().max().item() for a, b in zip(got, exact))
+    assert errors["amx"] <= 2 * errors["peft"] + 1e-6
