@@ -26,7 +26,7 @@ The frozen weight W (and bias b) get no gradient. Casting to the autocast dtype
 happens once, outside the function, so the fp32 master weights A and B receive
 fp32 gradients through autograd's own cast backward.
 
-On a CPU with AMX, in bf16 and for an even rank up to 16, the rank-r products run on
+On a CPU with AMX, in bf16 and for an even rank up to 64, the rank-r products run on
 ppokit's AMX kernels instead of oneDNN's matmuls (:func:`enable_amx_lora`, switched on
 with ``model.cpu_kernels``): ``h`` and ``g_h`` one pass over ``x`` and ``g`` each, the
 two ``addmm_`` one pass over ``y`` and ``dx`` each, and the weight gradients one pass

@@ -14,7 +14,8 @@ from ppokit.lm.kernels.functions import (lora_amx_eligible, lora_amx_ready, lora
 pytestmark = pytest.mark.skipif(not lora_amx_ready(), reason="no AMX here (or no C compiler)")
 BF16 = torch.bfloat16
 # (rows, width, rank): whole tiles, and ragged rows, columns and ranks
-SHAPES = [(64, 128, 8), (1568, 640, 8), (37, 100, 6), (5, 1712, 16), (33, 70, 2), (300, 96, 14)]
+SHAPES = [(64, 128, 8), (1568, 640, 8), (37, 100, 6), (5, 1712, 16), (33, 70, 2), (300, 96, 14),
+          (100, 130, 32), (40, 64, 20), (70, 200, 36), (33, 96, 64)]
 
 
 def gen(seed):
@@ -98,7 +99,8 @@ def test_eligibility():
     assert lora_amx_eligible(x, a, b)
     assert not lora_amx_eligible(x.float(), a.float(), b.float())                  # float32: the matmuls
     assert not lora_amx_eligible(x, torch.zeros(3, 8, dtype=BF16), torch.zeros(6, 3, dtype=BF16))   # odd rank
-    assert not lora_amx_eligible(x, torch.zeros(32, 8, dtype=BF16), torch.zeros(6, 32, dtype=BF16))  # rank > 16
+    assert lora_amx_eligible(x, torch.zeros(64, 8, dtype=BF16), torch.zeros(6, 64, dtype=BF16))
+    assert not lora_amx_eligible(x, torch.zeros(66, 8, dtype=BF16), torch.zeros(6, 66, dtype=BF16))  # rank > 64
 
 
 @pytest.mark.parametrize("with_bias", [True, False])

@@ -157,7 +157,7 @@ static inline void transpose16x16(__m512 r[16]) {
  *   lora_down_bf16     h = R(x m^T)            x [N, d], m [r, d]  ->  h [N, r]
  *   lora_up_add_bf16   y = R(y + s h m)        y [N, d], h [N, r], m [r, d]   (in place)
  *   lora_outer_bf16    out = R(s p^T x)        p [N, r], x [N, d]  ->  out [r, d]
- * for r <= 16 (up_add: r even). Each configures the tiles on entry and releases them on
+ * for r <= 64 (up_add: r even). Each configures the tiles on entry and releases them on
  * exit, so that oneDNN's AMX kernels in the same thread find them as they left them.
  * lora_amx_available() says whether the build has AMX and Linux granted the tile state;
  * builds without AMX compile the three to nothing, and they are never called. */
@@ -197,26 +197,28 @@ static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *
     *hi = _mm512_permutex2var_epi16(a, _mm512_add_epi16(first, _mm512_set1_epi16(16)), b);
 }
 
-/* h[n, j] = R(sum_c x[n, c] m[j, c]) for j < r (<= 16) and the rows [start, stop): x [N, d] (row
+/* h[n, j] = R(sum_c x[n, c] m[j, c]) for j < r (<= 64) and the rows [start, stop): x [N, d] (row
  * stride sx), m [r, d] contiguous, h [N, r] contiguous. 32 rows at a time: x's rows are the A
  * tiles, read in place (a partial last chunk of columns, and the last rows, from zero-padded
- * copies); m, packed once into B tiles (pairs of columns x 16 ranks), the B tile.
- * scratch: Kc * 512 + 32 * Kc * 32 bf16 + 512 floats (Kc = d rounded up to 32, over 32). */
+ * copies); m, packed once per call into B tiles (pairs of columns x 16 ranks), one per 32 columns
+ * and 16 ranks. scratch: Rb * Kc * 512 + 32 * Kc * 32 bf16 + 512 floats (Kc = d rounded up to 32,
+ * over 32; Rb = r rounded up to 16, over 16). */
 void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, long stop, long d, long r,
                     void *scratch) {
-    long Kc = (d + 31) / 32, dp = Kc * 32, full = d / 32;
-    bf16 *mp = (bf16 *)scratch;                  /* [Kc][16 pairs][16 ranks][2] */
-    bf16 *xpad = mp + Kc * 512;                  /* [32, dp] */
+    long Kc = (d + 31) / 32, dp = Kc * 32, full = d / 32, Rb = (r + 15) / 16;
+    bf16 *mp = (bf16 *)scratch;                  /* [Rb][Kc][16 pairs][16 ranks][2] */
+    bf16 *xpad = mp + Rb * Kc * 512;             /* [32, dp] */
     float *cbuf = (float *)(xpad + 32 * dp);     /* [32, 16] */
-    for (long k = 0; k < Kc; k++) {
-        __m512 rows[16];                         /* rank j's 16 pairs of columns, as 32-bit lanes */
-        __mmask32 km = mask32(d - 32 * k);
-        for (long j = 0; j < 16; j++)
-            rows[j] = _mm512_castsi512_ps(j < r ? _mm512_maskz_loadu_epi16(km, m + j * d + 32 * k)
-                                                : _mm512_setzero_si512());
-        transpose16x16(rows);                    /* -> pair q's 16 ranks */
-        for (long q = 0; q < 16; q++) _mm512_storeu_ps((float *)(mp + k * 512 + q * 32), rows[q]);
-    }
+    for (long jb = 0; jb < Rb; jb++)
+        for (long k = 0; k < Kc; k++) {
+            __m512 rows[16];                     /* rank j's 16 pairs of columns, as 32-bit lanes */
+            __mmask32 km = mask32(d - 32 * k);
+            for (long j = 0; j < 16; j++)
+                rows[j] = _mm512_castsi512_ps(16 * jb + j < r ? _mm512_maskz_loadu_epi16(km, m + (16 * jb + j) * d + 32 * k)
+                                                              : _mm512_setzero_si512());
+            transpose16x16(rows);                /* -> pair q's 16 ranks */
+            for (long q = 0; q < 16; q++) _mm512_storeu_ps((float *)(mp + (jb * Kc + k) * 512 + q * 32), rows[q]);
+        }
     configure_tiles(FULL_ROWS, FULL_COLSB);
     for (long n0 = start; n0 < stop; n0 += 32) {
         long rows_here = stop - n0 < 32 ? stop - n0 : 32, lda = sx, in_place = full;
@@ -233,56 +235,59 @@ void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, 
             for (long i = 0; i < 32; i++)
                 _mm512_storeu_si512(xpad + i * 32, _mm512_maskz_loadu_epi16(mask32(d - 32 * full), a + i * sx + 32 * full));
         }
-        _tile_zero(0);
-        _tile_zero(1);
-        for (long k = 0; k < in_place; k++) {
-            _tile_loadd(2, a + 32 * k, lda * sizeof(bf16));
-            _tile_loadd(3, a + 16 * lda + 32 * k, lda * sizeof(bf16));
-            _tile_loadd(4, mp + k * 512, 64);
-            _tile_dpbf16ps(0, 2, 4);
-            _tile_dpbf16ps(1, 3, 4);
+        for (long jb = 0; jb < Rb; jb++) {
+            const bf16 *b = mp + jb * Kc * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (long k = 0; k < in_place; k++) {
+                _tile_loadd(2, a + 32 * k, lda * sizeof(bf16));
+                _tile_loadd(3, a + 16 * lda + 32 * k, lda * sizeof(bf16));
+                _tile_loadd(4, b + k * 512, 64);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(1, 3, 4);
+            }
+            if (in_place < Kc) {
+                _tile_loadd(2, xpad, 64);
+                _tile_loadd(3, xpad + 16 * 32, 64);
+                _tile_loadd(4, b + full * 512, 64);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(1, 3, 4);
+            }
+            _tile_stored(0, cbuf, 64);
+            _tile_stored(1, cbuf + 256, 64);
+            for (long i = 0; i < rows_here; i++)
+                _mm256_mask_storeu_epi16(h + (n0 + i) * r + 16 * jb, mask16(r - 16 * jb),
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cbuf + i * 16)));
         }
-        if (in_place < Kc) {
-            _tile_loadd(2, xpad, 64);
-            _tile_loadd(3, xpad + 16 * 32, 64);
-            _tile_loadd(4, mp + full * 512, 64);
-            _tile_dpbf16ps(0, 2, 4);
-            _tile_dpbf16ps(1, 3, 4);
-        }
-        _tile_stored(0, cbuf, 64);
-        _tile_stored(1, cbuf + 256, 64);
-        for (long i = 0; i < rows_here; i++)
-            _mm256_mask_storeu_epi16(h + (n0 + i) * r, mask16(r), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cbuf + i * 16)));
     }
     _tile_release();
 }
 
 /* y[n, c] = R(y[n, c] + s sum_j h[n, j] m[j, c]) for the rows [start, stop): y [N, d] (row stride
- * sy), h [N, r] contiguous (r even, <= 16), m [r, d] contiguous. 16 rows at a time: h's rows
- * (r values) are the A tile; m, packed once into B tiles of r/2 pair rows x 16 columns, four per
- * 64 columns; the products go to float32 and are added to y there (the sum's one rounding).
- * scratch: Cc * 1024 + 256 bf16 + 1024 floats (Cc = d rounded up to 64, over 64). */
+ * sy), h [N, r] contiguous (r even, <= 64), m [r, d] contiguous. 16 rows at a time: h's rows are
+ * the A tiles (ranks 0-31, and 32 on in a second one); m, packed once per call into B tiles of
+ * pairs of ranks x 16 columns, four per 64 columns for each A tile; the products go to float32
+ * and are added to y there (the sum's one rounding).
+ * scratch: Cc * 64 * r + 1024 bf16 + 1024 floats (Cc = d rounded up to 64, over 64). */
 void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start, long stop, long d, long r,
                       float s, void *scratch) {
-    long Cc = (d + 63) / 64, pairs = r / 2;
-    bf16 *mp = (bf16 *)scratch;                  /* [Cc][4 tiles][pairs][16 columns][2] */
-    bf16 *hpad = mp + Cc * 1024;                 /* [16, r] */
-    float *cbuf = (float *)(hpad + 256);         /* [16, 64] */
+    long Cc = (d + 63) / 64, r1 = r < 32 ? r : 32, r2 = r - r1, p1 = r1 / 2, p2 = r2 / 2;
+    bf16 *mp = (bf16 *)scratch;                  /* [Cc][4 tiles][p1][16 columns][2], then [4][p2][16][2] */
+    bf16 *hpad = mp + Cc * 64 * r;               /* [16, r] */
+    float *cbuf = (float *)(hpad + 1024);        /* [16, 64] */
     for (long cc = 0; cc < Cc; cc++)
-        for (long q = 0; q < pairs; q++) {
+        for (long q = 0; q < p1 + p2; q++) {
             const bf16 *ra = m + 2 * q * d + 64 * cc, *rb = ra + d;
             __mmask32 k0 = mask32(d - 64 * cc), k1 = mask32(d - 64 * cc - 32);
-            __m512i t0, t1, t2, t3;
-            interleave_pairs(_mm512_maskz_loadu_epi16(k0, ra), _mm512_maskz_loadu_epi16(k0, rb), &t0, &t1);
-            interleave_pairs(_mm512_maskz_loadu_epi16(k1, ra + 32), _mm512_maskz_loadu_epi16(k1, rb + 32), &t2, &t3);
-            bf16 *dst = mp + cc * 1024 + q * 32;
-            _mm512_storeu_si512(dst, t0);
-            _mm512_storeu_si512(dst + pairs * 32, t1);
-            _mm512_storeu_si512(dst + 2 * pairs * 32, t2);
-            _mm512_storeu_si512(dst + 3 * pairs * 32, t3);
+            __m512i t[4];
+            interleave_pairs(_mm512_maskz_loadu_epi16(k0, ra), _mm512_maskz_loadu_epi16(k0, rb), &t[0], &t[1]);
+            interleave_pairs(_mm512_maskz_loadu_epi16(k1, ra + 32), _mm512_maskz_loadu_epi16(k1, rb + 32), &t[2], &t[3]);
+            long pairs = q < p1 ? p1 : p2, row = q < p1 ? q : q - p1;
+            bf16 *base = mp + cc * 64 * r + (q < p1 ? 0 : 4 * p1 * 32);
+            for (int u = 0; u < 4; u++) _mm512_storeu_si512(base + (u * pairs + row) * 32, t[u]);
         }
-    uint8_t rows[8] = {16, 16, 16, 16, 16, (uint8_t)pairs, (uint8_t)pairs, 16};
-    uint16_t colsb[8] = {64, 64, 64, 64, (uint16_t)(2 * r), 64, 64, 64};
+    uint8_t rows[8] = {16, 16, 16, 16, 16, (uint8_t)p1, (uint8_t)p2, (uint8_t)(p2 ? 16 : 0)};
+    uint16_t colsb[8] = {64, 64, 64, 64, (uint16_t)(2 * r1), 64, (uint16_t)(p2 ? 64 : 0), (uint16_t)(2 * r2)};
     configure_tiles(rows, colsb);
     const __m512 vs = _mm512_set1_ps(s);
     for (long n0 = start; n0 < stop; n0 += 16) {
@@ -294,20 +299,25 @@ void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start
             a = hpad;
         }
         _tile_loadd(4, a, r * sizeof(bf16));
+        if (p2) _tile_loadd(7, a + 32, r * sizeof(bf16));
         for (long cc = 0; cc < Cc; cc++) {
-            const bf16 *b = mp + cc * 1024;
+            const bf16 *b1 = mp + cc * 64 * r, *b2 = b1 + 4 * p1 * 32;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            _tile_loadd(5, b, 64);
-            _tile_loadd(6, b + pairs * 32, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(5, b + 2 * pairs * 32, 64);
-            _tile_loadd(6, b + 3 * pairs * 32, 64);
-            _tile_dpbf16ps(2, 4, 5);
-            _tile_dpbf16ps(3, 4, 6);
+#define UP_ADD_TILE(t)                                        \
+            _tile_loadd(5, b1 + (t) * p1 * 32, 64);           \
+            _tile_dpbf16ps(t, 4, 5);                          \
+            if (p2) {                                         \
+                _tile_loadd(6, b2 + (t) * p2 * 32, 64);       \
+                _tile_dpbf16ps(t, 7, 6);                      \
+            }
+            UP_ADD_TILE(0)
+            UP_ADD_TILE(1)
+            UP_ADD_TILE(2)
+            UP_ADD_TILE(3)
+#undef UP_ADD_TILE
             _tile_stored(0, cbuf, 256);
             _tile_stored(1, cbuf + 16, 256);
             _tile_stored(2, cbuf + 32, 256);
@@ -327,65 +337,67 @@ void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start
     _tile_release();
 }
 
-/* out[j, c] = R(s sum_n p[n, j] x[n, c]) for j < r (<= 16) and the columns [c0, c1) (c0 a multiple
- * of 64): p [N, r] contiguous, x [N, d] (row stride sx), out [r, d] contiguous. Per 64 columns,
- * 32 rows at a time: p^T [16, 32] is the A tile, x's rows interleaved in pairs the four B tiles.
- * scratch: 16 * Np + 2048 bf16 + 1024 floats (Np = N rounded up to 32). */
+/* out[j, c] = R(s sum_n p[n, j] x[n, c]) for j < r (<= 64) and the columns [c0, c1) (c0 a multiple
+ * of 64): p [N, r] contiguous, x [N, d] (row stride sx), out [r, d] contiguous. Per 64 columns
+ * and 16 ranks, 32 rows at a time: p^T [16, 32] is the A tile, x's rows interleaved in pairs the
+ * four B tiles. scratch: Rb * 16 * Np + 2048 bf16 + 1024 floats (Np = N rounded up to 32, Rb = r
+ * rounded up to 16, over 16). */
 void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, long d, long r, long c0, long c1,
                      float s, void *scratch) {
-    long Np = (N + 31) / 32 * 32;
-    bf16 *pt = (bf16 *)scratch;                  /* p^T [16, Np], zero padded */
-    bf16 *vnni = pt + 16 * Np;                   /* [4 tiles][16 pairs of rows][16 columns][2] */
+    long Np = (N + 31) / 32 * 32, Rb = (r + 15) / 16;
+    bf16 *pt = (bf16 *)scratch;                  /* p^T [16 Rb, Np], zero padded */
+    bf16 *vnni = pt + Rb * 16 * Np;              /* [4 tiles][16 pairs of rows][16 columns][2] */
     float *cbuf = (float *)(vnni + 2048);        /* [16, 64] */
-    memset(pt, 0, 16 * Np * sizeof(bf16));
+    memset(pt, 0, Rb * 16 * Np * sizeof(bf16));
     for (long n = 0; n < N; n++)
         for (long j = 0; j < r; j++) pt[j * Np + n] = p[n * r + j];
     configure_tiles(FULL_ROWS, FULL_COLSB);
     const __m512 vs = _mm512_set1_ps(s);
-    for (long c = c0; c < c1; c += 64) {
-        __mmask32 k0 = mask32(c1 - c), k1 = mask32(c1 - c - 32);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (long n0 = 0; n0 < Np; n0 += 32) {
-            for (long q = 0; q < 16; q++) {
-                long na = n0 + 2 * q, nb = na + 1;
-                const bf16 *ra = x + na * sx + c, *rb = x + nb * sx + c;
-                __m512i a0 = na < N ? _mm512_maskz_loadu_epi16(k0, ra) : _mm512_setzero_si512();
-                __m512i b0 = nb < N ? _mm512_maskz_loadu_epi16(k0, rb) : _mm512_setzero_si512();
-                __m512i a1 = na < N ? _mm512_maskz_loadu_epi16(k1, ra + 32) : _mm512_setzero_si512();
-                __m512i b1 = nb < N ? _mm512_maskz_loadu_epi16(k1, rb + 32) : _mm512_setzero_si512();
-                __m512i t0, t1, t2, t3;
-                interleave_pairs(a0, b0, &t0, &t1);
-                interleave_pairs(a1, b1, &t2, &t3);
-                _mm512_storeu_si512(vnni + q * 32, t0);
-                _mm512_storeu_si512(vnni + 512 + q * 32, t1);
-                _mm512_storeu_si512(vnni + 1024 + q * 32, t2);
-                _mm512_storeu_si512(vnni + 1536 + q * 32, t3);
+    for (long c = c0; c < c1; c += 64)
+        for (long jb = 0; jb < Rb; jb++) {
+            __mmask32 k0 = mask32(c1 - c), k1 = mask32(c1 - c - 32);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (long n0 = 0; n0 < Np; n0 += 32) {
+                for (long q = 0; q < 16; q++) {
+                    long na = n0 + 2 * q, nb = na + 1;
+                    const bf16 *ra = x + na * sx + c, *rb = x + nb * sx + c;
+                    __m512i a0 = na < N ? _mm512_maskz_loadu_epi16(k0, ra) : _mm512_setzero_si512();
+                    __m512i b0 = nb < N ? _mm512_maskz_loadu_epi16(k0, rb) : _mm512_setzero_si512();
+                    __m512i a1 = na < N ? _mm512_maskz_loadu_epi16(k1, ra + 32) : _mm512_setzero_si512();
+                    __m512i b1 = nb < N ? _mm512_maskz_loadu_epi16(k1, rb + 32) : _mm512_setzero_si512();
+                    __m512i t0, t1, t2, t3;
+                    interleave_pairs(a0, b0, &t0, &t1);
+                    interleave_pairs(a1, b1, &t2, &t3);
+                    _mm512_storeu_si512(vnni + q * 32, t0);
+                    _mm512_storeu_si512(vnni + 512 + q * 32, t1);
+                    _mm512_storeu_si512(vnni + 1024 + q * 32, t2);
+                    _mm512_storeu_si512(vnni + 1536 + q * 32, t3);
+                }
+                _tile_loadd(4, pt + jb * 16 * Np + n0, Np * sizeof(bf16));
+                _tile_loadd(5, vnni, 64);
+                _tile_loadd(6, vnni + 512, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, vnni + 1024, 64);
+                _tile_loadd(6, vnni + 1536, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_dpbf16ps(3, 4, 6);
             }
-            _tile_loadd(4, pt + n0, Np * sizeof(bf16));
-            _tile_loadd(5, vnni, 64);
-            _tile_loadd(6, vnni + 512, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(5, vnni + 1024, 64);
-            _tile_loadd(6, vnni + 1536, 64);
-            _tile_dpbf16ps(2, 4, 5);
-            _tile_dpbf16ps(3, 4, 6);
+            _tile_stored(0, cbuf, 256);
+            _tile_stored(1, cbuf + 16, 256);
+            _tile_stored(2, cbuf + 32, 256);
+            _tile_stored(3, cbuf + 48, 256);
+            for (long j = 16 * jb; j < r && j < 16 * jb + 16; j++)
+                for (long t = 0; t < 4; t++) {
+                    __mmask16 k = mask16(c1 - c - 16 * t);
+                    if (!k) break;
+                    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(cbuf + (j - 16 * jb) * 64 + 16 * t), vs);
+                    _mm256_mask_storeu_epi16(out + j * d + c + 16 * t, k, (__m256i)_mm512_cvtneps_pbh(v));
+                }
         }
-        _tile_stored(0, cbuf, 256);
-        _tile_stored(1, cbuf + 16, 256);
-        _tile_stored(2, cbuf + 32, 256);
-        _tile_stored(3, cbuf + 48, 256);
-        for (long j = 0; j < r; j++)
-            for (long t = 0; t < 4; t++) {
-                __mmask16 k = mask16(c1 - c - 16 * t);
-                if (!k) break;
-                __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(cbuf + j * 64 + 16 * t), vs));
-                _mm256_mask_storeu_epi16(out + j * d + c + 16 * t, k, v);
-            }
-    }
     _tile_release();
 }
 #else

@@ -273,7 +273,7 @@ class AttentionFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- LoRA on AMX
-LORA_MAX_RANK = 16                       # the AMX LoRA kernels' largest rank (one tile of ranks)
+LORA_MAX_RANK = 64                       # the AMX LoRA kernels' largest rank
 
 
 def lora_amx_ready() -> bool:
@@ -302,7 +302,7 @@ def lora_down(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     r = m.shape[0]
     h = torch.empty(N, r, dtype=torch.bfloat16)
     kernel, chunks = cpu_library().lora_down_bf16, (d + 31) // 32
-    scratch_bytes = 2 * (chunks * 512 + 32 * chunks * 32) + 4 * 512
+    scratch_bytes = 2 * ((r + 15) // 16 * chunks * 512 + 32 * chunks * 32) + 4 * 512
 
     def run(a: int, b: int) -> None:
         scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
@@ -319,7 +319,7 @@ def lora_up_add_(y: torch.Tensor, h: torch.Tensor, m: torch.Tensor, scale: float
     N, d = y.shape
     r = m.shape[0]
     kernel, chunks = cpu_library().lora_up_add_bf16, (d + 63) // 64
-    scratch_bytes = 2 * (chunks * 1024 + 256) + 4 * 1024
+    scratch_bytes = 2 * (chunks * 64 * r + 1024) + 4 * 1024
 
     def run(a: int, b: int) -> None:
         scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
@@ -336,7 +336,7 @@ def lora_outer(p: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
     r = p.shape[1]
     out = torch.empty(r, d, dtype=torch.bfloat16)
     kernel, chunks = cpu_library().lora_outer_bf16, (d + 63) // 64
-    scratch_bytes = 2 * (16 * ((N + 31) // 32 * 32) + 2048) + 4 * 1024
+    scratch_bytes = 2 * ((r + 15) // 16 * 16 * ((N + 31) // 32 * 32) + 2048) + 4 * 1024
 
     def run(a: int, b: int) -> None:
         scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
