@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from ppokit.lm.class_swap import fused_subclass, restore_classes
-from ppokit.lm.kernels.functions import lora_amx_eligible, lora_down, lora_outer, lora_up_add_
+from ppokit.lm.kernels.functions import lora_amx_eligible, lora_amx_ready, lora_down, lora_outer, lora_up_add_
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -181,8 +181,6 @@ def enable_amx_lora(model: nn.Module, enabled: bool = True) -> int:
     where they apply (see the module doc); returns how many layers can. Without AMX (or
     without the kernels) none can, and nothing changes."""
     from peft.tuners.lora import Linear as LoraLinear
-
-    from ppokit.lm.kernels.functions import lora_amx_ready
 
     if enabled and not lora_amx_ready():
         return 0
