@@ -43,6 +43,8 @@ Reported, each against its goal:
               column-major (``ppokit/lm/weight_layout.py``) and row-major.
 ``attention`` (``--only attention``) the same with the attention kernel of training and
               scoring passes and with eager attention (the other kernels on in both).
+``amx``       (``--only amx``) the same with LoRA's rank-r products on ppokit's AMX kernels
+              and on oneDNN's matmuls (CPUs with AMX, bf16).
 
 Responses are forced to full length (``min_new_tokens``), so every run does the same work.
 
@@ -56,6 +58,7 @@ Examples::
     python bench/lm.py --threads 1 --only kernels --repeats 4   # fused CPU kernels against transformers' layers
     python bench/lm.py --threads 1 --only layout --repeats 6    # column-major wide weights against row-major
     python bench/lm.py --threads 1 --only attention --repeats 6 # the attention kernel against eager attention
+    python bench/lm.py --threads 1 --only amx --repeats 6       # LoRA's products on AMX against oneDNN's matmuls
     python bench/lm.py --threads 1 --only perf --hidden 896 --layers 4 --mlp 4864   # Qwen2.5-0.5B's layer shape
 """
 
@@ -452,11 +455,22 @@ def child_attention(a: argparse.Namespace) -> dict:
     return alternate(a, {"kernel": up_to(fuse.ATTENTION_MAX_KEYS), "eager": up_to(0)})
 
 
+def child_amx(a: argparse.Namespace) -> dict:
+    """LoRA's rank-r products on ppokit's AMX kernels against oneDNN's matmuls."""
+    from ppokit.lm.fused_lora import enable_amx_lora
+
+    def amx(policy) -> None:
+        if not enable_amx_lora(policy.lm, True):
+            raise SystemExit("--only amx: this CPU (or this build) has no AMX kernels for LoRA")
+
+    return alternate(a, {"amx": amx, "oneDNN": lambda policy: enable_amx_lora(policy.lm, False)})
+
+
 CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora,
-            "kernels": child_kernels, "layout": child_layout, "attention": child_attention}
-# --only lora / kernels / layout / attention: (ppokit's path, the path it is compared with)
+            "kernels": child_kernels, "layout": child_layout, "attention": child_attention, "amx": child_amx}
+# --only lora / kernels / layout / attention / amx: (ppokit's path, the path it is compared with)
 ALTERNATIVES = {"lora": ("fused", "peft"), "kernels": ("fused", "transformers"),
-                "layout": ("column-major", "row-major"), "attention": ("kernel", "eager")}
+                "layout": ("column-major", "row-major"), "attention": ("kernel", "eager"), "amx": ("amx", "oneDNN")}
 
 
 # ----------------------------------------------------------------------------- parent
