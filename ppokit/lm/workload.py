@@ -90,7 +90,8 @@ class Learner:
 
 
 def _kernels_note(policy) -> str:
-    """``" + fused CPU kernels (rms_norm 21, mlp 10, rotary 10)"`` when any layer took them."""
+    """``" + fused CPU kernels (rms_norm 21, mlp 10, rotary 10, attention 10, lora_amx 70)"`` when
+    any layer took them."""
     counts = {kind: n for kind, n in policy.fused_kernel_counts.items() if n}
     if not counts:
         return ""
