@@ -1,5 +1,6 @@
-"""Fused CPU kernels for a decoder layer's elementwise work (RMSNorm, SwiGLU, rotary) and
-for its attention (training and scoring passes, and decoding steps).
+"""Fused CPU kernels for a decoder layer's elementwise work (RMSNorm, SwiGLU, rotary), for
+its attention (training and scoring passes, and decoding steps), and, on CPUs with AMX,
+for LoRA's rank-r products (used by :mod:`ppokit.lm.fused_lora`).
 
 PyTorch's elementwise operations are bound by memory, one pass per operation, and on a
 CPU with bf16 matrix units a layer's matmuls run about 8x faster than in float32, so

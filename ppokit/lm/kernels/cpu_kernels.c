@@ -2,14 +2,16 @@
  * layer.
  *
  * Each kernel makes one pass over its rows where PyTorch makes one pass per operation.
- * Every kernel exists twice, for bf16 (name_bf16) and float32 (name_f32) tensors: this
+ * Every kernel exists twice, for bf16 (name_bf16) and float32 (name_f32) tensors (but LoRA's
+ * rank-r products on AMX, lora_*_bf16, bf16 only): this
  * file includes itself once per element type ELEM (the second half, KERNEL_BODY). Math is in float32;
  * R(v) in the formulas is the rounding of an intermediate to the tensor type, done
  * exactly where PyTorch's graph of the same computation rounds it, so the results match
  * transformers' modules (forward: bit for bit but for sums taken in another order;
  * backward: to one rounding). Built by ppokit/lm/kernels/__init__.py with the system C
  * compiler; plain C, vectorized by the compiler (`#pragma omp simd`), no PyTorch headers,
- * with one AVX-512 routine (a register transpose) where the build targets AVX-512.
+ * with AVX-512 and AMX intrinsics where the build targets them (a register transpose, and
+ * the LoRA kernels).
  *
  * bf16 values are passed as uint16_t; all arrays are row-major with a contiguous last
  * dimension.
