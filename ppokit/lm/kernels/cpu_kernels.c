@@ -81,8 +81,16 @@ static inline float exp_shifted(float *s, long n, float top) {
 
 #define KEY_BLOCK 32         /* keys per block of sums in dots_with_columns (functions.py: KEY_BLOCK) */
 #define MAX_HEAD_DIM 256     /* the attention kernels' largest head size (functions.py: MAX_HEAD_DIM) */
-#define LANES 16             /* floats in the widest vector a build uses (AVX-512): loops over keys
-                              * that start at a multiple of it put each key in the same lane */
+#define LANES 16             /* floats in the widest vector a build uses (AVX-512) */
+
+/* [lo, hi) widened to [lo16, hi16), whole vectors of a loop over all S keys: a loop over it
+ * adds each key in the same vector lane as a loop over all S, so that its sums take the
+ * same terms in the same order (the keys left out would add exact zeros). */
+static inline void whole_vectors(long lo, long hi, long S, long *lo16, long *hi16) {
+    long end = (hi + LANES - 1) / LANES * LANES;
+    *lo16 = lo / LANES * LANES;
+    *hi16 = end < S ? end : S;
+}
 
 /* out[j] = sum_d x[d] xt[d, j] for the blocks of KEY_BLOCK keys that hold the keys
  * [first, stop), xt [D, Sp] float32 columns (Sp a multiple of KEY_BLOCK, zero padded);
@@ -189,6 +197,21 @@ static void configure_tiles(const uint8_t rows[8], const uint16_t colsb[8]) {
 
 static const uint8_t FULL_ROWS[8] = {16, 16, 16, 16, 16, 16, 16, 16};
 static const uint16_t FULL_COLSB[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+
+/* Tiles 0-3, four [16, 16] float32 accumulators side by side: zeroed, and stored as c [16, 64]. */
+static inline void zero_accumulators(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+static inline void store_accumulators(float *c) {
+    _tile_stored(0, c, 256);
+    _tile_stored(1, c + 16, 256);
+    _tile_stored(2, c + 32, 256);
+    _tile_stored(3, c + 48, 256);
+}
 
 /* Two rows a, b of 32 bf16 interleaved into pairs (a_i, b_i), the VNNI layout of a B tile's row:
  * pairs 0-15 (lo) and 16-31 (hi). */
@@ -304,10 +327,7 @@ void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start
         if (p2) _tile_loadd(7, a + 32, r * sizeof(bf16));
         for (long cc = 0; cc < Cc; cc++) {
             const bf16 *b1 = mp + cc * 64 * r, *b2 = b1 + 4 * p1 * 32;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_accumulators();
 #define UP_ADD_TILE(t)                                        \
             _tile_loadd(5, b1 + (t) * p1 * 32, 64);           \
             _tile_dpbf16ps(t, 4, 5);                          \
@@ -320,10 +340,7 @@ void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start
             UP_ADD_TILE(2)
             UP_ADD_TILE(3)
 #undef UP_ADD_TILE
-            _tile_stored(0, cbuf, 256);
-            _tile_stored(1, cbuf + 16, 256);
-            _tile_stored(2, cbuf + 32, 256);
-            _tile_stored(3, cbuf + 48, 256);
+            store_accumulators(cbuf);
             for (long i = 0; i < rows_here; i++) {
                 bf16 *yr = y + (n0 + i) * sy + 64 * cc;
                 for (long t = 0; t < 4; t++) {
@@ -358,10 +375,7 @@ void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, l
     for (long c = c0; c < c1; c += 64)
         for (long jb = 0; jb < Rb; jb++) {
             __mmask32 k0 = mask32(c1 - c), k1 = mask32(c1 - c - 32);
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_accumulators();
             for (long n0 = 0; n0 < Np; n0 += 32) {
                 for (long q = 0; q < 16; q++) {
                     long na = n0 + 2 * q, nb = na + 1;
@@ -388,10 +402,7 @@ void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, l
                 _tile_dpbf16ps(2, 4, 5);
                 _tile_dpbf16ps(3, 4, 6);
             }
-            _tile_stored(0, cbuf, 256);
-            _tile_stored(1, cbuf + 16, 256);
-            _tile_stored(2, cbuf + 32, 256);
-            _tile_stored(3, cbuf + 48, 256);
+            store_accumulators(cbuf);
             for (long j = 16 * jb; j < r && j < 16 * jb + 16; j++)
                 for (long t = 0; t < 4; t++) {
                     __mmask16 k = mask16(c1 - c - 16 * t);
@@ -664,11 +675,8 @@ static inline __attribute__((always_inline)) void NAME(attention_group)(
                     while (m[hi - 1] <= MASKED_BELOW) hi--;
                 }
             }
-            /* the per-key loops run over [lo16, hi16) only: [lo, hi) widened to whole
-             * vectors of a loop over all S keys, so that each sum adds the same terms in the
-             * same vector lanes as over all S (the keys left out would add exact zeros) */
-            long lo16 = lo / LANES * LANES, hi16 = (hi + LANES - 1) / LANES * LANES;
-            hi16 = hi16 < S ? hi16 : S;
+            long lo16, hi16;                        /* the per-key loops run over these only */
+            whole_vectors(lo, hi, S, &lo16, &hi16);
 #pragma omp simd
             for (long j = lo16; j < hi16; j++) p[j] = 0.f;
             dots_with_columns(qf, kt, D, lo, hi, Sp, p);
@@ -781,9 +789,8 @@ static inline __attribute__((always_inline)) void NAME(attention_group_backward)
             long lo = 0, hi = S;                    /* the keys [lo, hi) hold every p != 0 */
             while (lo < S && p[lo] == 0.f) lo++;
             while (hi > lo && p[hi - 1] == 0.f) hi--;
-            /* as in the forward: [lo, hi) widened to whole vectors of the loop over S */
-            long lo16 = lo / LANES * LANES, hi16 = (hi + LANES - 1) / LANES * LANES;
-            hi16 = hi16 < S ? hi16 : S;
+            long lo16, hi16;                        /* the per-key loops run over these only */
+            whole_vectors(lo, hi, S, &lo16, &hi16);
 #pragma omp simd
             for (long j = lo16; j < hi16; j++) dp[j] = 0.f;
             dots_with_columns(gf, vt, D, lo, hi, Sp, dp);
