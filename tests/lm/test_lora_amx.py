@@ -4,6 +4,9 @@ and the fused LoRA layer's AMX path against its matmul path and peft."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -92,6 +95,17 @@ def test_onednn_bf16_matmuls_between_the_kernels_stay_right():
         assert torch.equal(a @ b, product)
         assert torch.equal(lora_down(x, m), h)
         assert torch.equal(x @ m.T, x @ m.T)
+
+
+def test_kernels_ask_for_the_tile_state_in_a_fresh_process():
+    """A tile instruction before Linux grants the AMX state is an illegal instruction: the
+    kernels' entry points ask for it first, whatever ran before them in the process."""
+    code = ("import torch\n"
+            "from ppokit.lm.kernels.functions import lora_down\n"
+            "x, m = torch.ones(40, 64, dtype=torch.bfloat16), torch.ones(8, 64, dtype=torch.bfloat16)\n"
+            "assert bool((lora_down(x, m) == 64).all())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_eligibility():

@@ -290,6 +290,15 @@ def lora_amx_eligible(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tenso
             and 0 < r <= LORA_MAX_RANK and r % 2 == 0 and lora_amx_ready())
 
 
+def _amx_library():
+    """The kernels, once Linux has granted this process the AMX tile state (a tile
+    instruction before that is an illegal instruction); RuntimeError without AMX."""
+    if not lora_amx_ready():
+        raise RuntimeError("the AMX LoRA kernels need a CPU with AMX and the fused CPU kernels built "
+                           "(check lora_amx_ready() first)")
+    return cpu_library()
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t [N, d] with a contiguous last dimension (a copy only when it has none)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -301,7 +310,7 @@ def lora_down(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     N, d = x.shape
     r = m.shape[0]
     h = torch.empty(N, r, dtype=torch.bfloat16)
-    kernel, chunks = cpu_library().lora_down_bf16, (d + 31) // 32
+    kernel, chunks = _amx_library().lora_down_bf16, (d + 31) // 32
     scratch_bytes = 2 * ((r + 15) // 16 * chunks * 512 + 32 * chunks * 32) + 4 * 512
 
     def run(a: int, b: int) -> None:
@@ -318,7 +327,7 @@ def lora_up_add_(y: torch.Tensor, h: torch.Tensor, m: torch.Tensor, scale: float
     h, m = h.contiguous(), m.contiguous()
     N, d = y.shape
     r = m.shape[0]
-    kernel, chunks = cpu_library().lora_up_add_bf16, (d + 63) // 64
+    kernel, chunks = _amx_library().lora_up_add_bf16, (d + 63) // 64
     scratch_bytes = 2 * (chunks * 64 * r + 1024) + 4 * 1024
 
     def run(a: int, b: int) -> None:
@@ -335,7 +344,7 @@ def lora_outer(p: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
     N, d = x.shape
     r = p.shape[1]
     out = torch.empty(r, d, dtype=torch.bfloat16)
-    kernel, chunks = cpu_library().lora_outer_bf16, (d + 63) // 64
+    kernel, chunks = _amx_library().lora_outer_bf16, (d + 63) // 64
     scratch_bytes = 2 * ((r + 15) // 16 * 16 * ((N + 31) // 32 * 32) + 2048) + 4 * 1024
 
     def run(a: int, b: int) -> None:
