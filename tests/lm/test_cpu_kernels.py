@@ -309,6 +309,22 @@ def test_decode_attention_matches_its_float64_formula(dtype, shape, mask):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("masked", ["-inf", "min"])
+def test_decode_attention_masks_keys_in_every_lane(dtype, masked):
+    """Masked keys anywhere in a row (every position of a 16-key block, across blocks), not
+    only a left padding: each row's own random mask."""
+    B, H, T, D = 5, 2, 37, 64
+    q, k, v, _ = decode_inputs(24, B, H, H, T, D, dtype, mask=None)
+    m = torch.zeros(B, 1, 1, T, dtype=dtype if masked == "min" else torch.float32)
+    hide = torch.rand(B, 1, 1, T, generator=gen(25)) < 0.4
+    hide[..., 0] = False                                        # every row keeps a key
+    hide[0, ..., 15] = hide[1, ..., 31] = hide[2, ..., 16] = True
+    m[hide] = torch.finfo(m.dtype).min if masked == "min" else float("-inf")
+    got = decode_attention(q, k, v, m, D ** -0.5)
+    assert_close_to_float64(got, naive_decode_attention(q, k, v, m, D ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_rounds_like_transformers_eager_attention(dtype):
     from types import SimpleNamespace
 

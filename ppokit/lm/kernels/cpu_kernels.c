@@ -538,6 +538,44 @@ void NAME(rotary)(const ELEM *q, const ELEM *cos_, const ELEM *sin_, ELEM *out, 
             }
 }
 
+#if HAVE_AVX512
+/* The first min(n, 16) ELEMs at p as float32 lanes, zero beyond. */
+static inline __m512 NAME(load16)(const ELEM *p, long n) {
+    __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+#if ELEM_IS_BF16
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#else
+    return _mm512_maskz_loadu_ps(m, p);
+#endif
+}
+
+/* v's lanes rounded to ELEM (bf16: to nearest even, NaN to the quiet NaN, as f2bf). */
+static inline __m512 NAME(round16)(__m512 v) {
+#if ELEM_IS_BF16
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+#else
+    return v;
+#endif
+}
+
+/* The first min(n, 16) lanes of v stored at p as ELEMs, rounded as STORE rounds. */
+static inline void NAME(store16)(ELEM *p, __m512 v, long n) {
+    __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+#if ELEM_IS_BF16
+    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(NAME(round16)(v)), 16));
+    _mm256_mask_storeu_epi16(p, m, h);
+#else
+    _mm512_mask_storeu_ps(p, m, v);
+#endif
+}
+#endif
+
 /* Attention for one new token per sequence (a decoding step), for one (b, h), as eager
  * attention computes it:
  *   s_j = R(R(q . k_j) * scale)  (+ m_j: rounded when round_mask, as a same-dtype add is),
@@ -572,6 +610,58 @@ static inline __attribute__((always_inline)) void NAME(decode_row)(
     for (long d = 0; d < D; d++) o[d] = STORE(acc[d]);
 }
 
+#if HAVE_AVX512
+/* decode_row with AVX-512 (D <= MAX_HEAD_DIM), the same formulas and roundings: the scores
+ * 16 keys at a time (one vector of partial sums over d per key, a register transpose, a
+ * sum: no horizontal sum per key), the weighted sum of values in registers. The dots add
+ * their terms in another order than decode_row's loop, as any two builds may. */
+static inline __attribute__((always_inline)) void NAME(decode_row16)(
+        const ELEM *qr, const ELEM *kb, const ELEM *vb, const float *m, ELEM *o, float *scratch, long T, long D,
+        long sk_t, long sv_t, float scale, int round_mask) {
+    long nc = (D + 15) / 16;
+    __m512 qv[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];
+    for (long c = 0; c < nc; c++) qv[c] = NAME(load16)(qr + 16 * c, D - 16 * c);
+    float *s = scratch;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 vtop = _mm512_set1_ps(-INFINITY);
+    for (long j0 = 0; j0 < T; j0 += 16) {
+        long n = T - j0 < 16 ? T - j0 : 16;
+        __mmask16 km = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+        __m512 part[16];
+        for (long i = 0; i < 16; i++) {
+            __m512 a = _mm512_setzero_ps();
+            if (i < n) {
+                const ELEM *kr = kb + (j0 + i) * sk_t;
+                for (long c = 0; c < nc; c++) a = _mm512_fmadd_ps(qv[c], NAME(load16)(kr + 16 * c, D - 16 * c), a);
+            }
+            part[i] = a;
+        }
+        transpose16x16(part);               /* part[l]: lane l's partial sums of the 16 keys */
+        for (long w = 8; w >= 1; w /= 2)
+            for (long l = 0; l < w; l++) part[l] = _mm512_add_ps(part[l], part[l + w]);
+        __m512 x = NAME(round16)(_mm512_mul_ps(NAME(round16)(part[0]), vscale));
+        if (m) {
+            x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(km, m + j0));
+            if (round_mask) x = NAME(round16)(x);
+        }
+        _mm512_mask_storeu_ps(s + j0, km, x);
+        vtop = _mm512_mask_max_ps(vtop, km, vtop, x);
+    }
+    float top = _mm512_reduce_max_ps(vtop);
+    float inv = 1.f / exp_shifted(s, T, top);
+    for (long c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
+    for (long j = 0; j < T; j++) {
+        const __m512 p = _mm512_set1_ps(ROUND(s[j] * inv));
+        const ELEM *vr = vb + j * sv_t;
+        for (long c = 0; c < nc; c++) acc[c] = _mm512_fmadd_ps(p, NAME(load16)(vr + 16 * c, D - 16 * c), acc[c]);
+    }
+    for (long c = 0; c < nc; c++) NAME(store16)(o + 16 * c, acc[c], D - 16 * c);
+}
+#define DECODE_ROW NAME(decode_row16)
+#else
+#define DECODE_ROW NAME(decode_row)
+#endif
+
 /* decode_row for the rows [start, stop) of B x H: q [B, H, D] (strides sq_b, sq_h), k and v
  * [B, Hkv, T, D] (strides sk_*, sv_*), head h reads kv head h / (H / Hkv); mask [B, T]
  * float32 (row stride sm_b, 0 when broadcast) or NULL; out contiguous [B, H, D]. */
@@ -587,34 +677,22 @@ void NAME(decode_attention)(const ELEM *q, const ELEM *k, const ELEM *v, const f
         const float *m = mask ? mask + b * sm_b : 0;
         ELEM *o = out + row * D;
         if (D == 32)
-            NAME(decode_row)(qr, kb, vb, m, o, scratch, T, 32, sk_t, sv_t, scale, round_mask);
+            DECODE_ROW(qr, kb, vb, m, o, scratch, T, 32, sk_t, sv_t, scale, round_mask);
         else if (D == 64)
-            NAME(decode_row)(qr, kb, vb, m, o, scratch, T, 64, sk_t, sv_t, scale, round_mask);
+            DECODE_ROW(qr, kb, vb, m, o, scratch, T, 64, sk_t, sv_t, scale, round_mask);
         else if (D == 128)
-            NAME(decode_row)(qr, kb, vb, m, o, scratch, T, 128, sk_t, sv_t, scale, round_mask);
+            DECODE_ROW(qr, kb, vb, m, o, scratch, T, 128, sk_t, sv_t, scale, round_mask);
         else
-            NAME(decode_row)(qr, kb, vb, m, o, scratch, T, D, sk_t, sv_t, scale, round_mask);
+            DECODE_ROW(qr, kb, vb, m, o, scratch, T, D, sk_t, sv_t, scale, round_mask);
     }
 }
+#undef DECODE_ROW
 
 /* Masked positions: an additive mask value at or below this is -inf or the dtype's
  * minimum, whose softmax probability is exactly 0 whenever the row has one position
  * above it. */
 #ifndef MASKED_BELOW
 #define MASKED_BELOW -1e30f
-#endif
-
-#if HAVE_AVX512
-/* The first min(n, 16) ELEMs at p as float32 lanes, zero beyond. */
-static inline __m512 NAME(load16)(const ELEM *p, long n) {
-    __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-#if ELEM_IS_BF16
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-#else
-    return _mm512_maskz_loadu_ps(m, p);
-#endif
-}
 #endif
 
 /* Rows x [S, D] (row stride sx) as float32 columns xt [D, Sp], zero beyond S (Sp a
