@@ -451,6 +451,21 @@ def test_attention_rounds_like_transformers_eager_attention(dtype):
                 assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
 
 
+def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention():
+    """A bf16 mask of arbitrary values (a bias, not only 0 and the minimum): eager rounds
+    scores + mask to bf16 before its float32 softmax, and so must the kernel."""
+    from types import SimpleNamespace
+
+    original = getattr(modeling_llama.eager_attention_forward, "__wrapped__", modeling_llama.eager_attention_forward)
+    q, k, v, _ = attention_inputs(36, B=4, H=4, Hkv=4, T=33, S=33, D=64, mask=None)
+    bias = (torch.randn(4, 1, 33, 33, generator=gen(37)) * 3).to(BF16)
+    with torch.no_grad():
+        theirs = original(SimpleNamespace(num_key_value_groups=1, training=False), q, k, v, bias, scaling=0.125,
+                          dropout=0.0)[0]
+        mine = AttentionFunction.apply(q, k, v, bias, 0.125)
+    assert_same_bf16(mine, theirs, max_fraction_off=0.01)
+
+
 def test_attention_scratch_sizes_follow_the_c_constants():
     """The Python side sizes the kernels' scratch from KEY_BLOCK and checks MAX_HEAD_DIM,
     both defined in cpu_kernels.c: they must agree, or the kernels write past a buffer."""

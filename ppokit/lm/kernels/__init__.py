@@ -138,6 +138,8 @@ def _load(path: Path) -> tuple[Optional[ctypes.CDLL], str]:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         lib.lora_amx_available.argtypes, lib.lora_amx_available.restype = [], ctypes.c_int
+        lib.attention_amx_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
+        lib.attention_amx_scratch_floats.restype = ctypes.c_long
     except (OSError, AttributeError) as exc:       # unloadable, or a stale build without a kernel
         return None, f"loading {path} failed ({exc})"
     return lib, ""

@@ -81,6 +81,10 @@ static inline float exp_shifted(float *s, long n, float top) {
 
 #define KEY_BLOCK 32         /* keys per block of sums in dots_with_columns (functions.py: KEY_BLOCK) */
 #define MAX_HEAD_DIM 256     /* the attention kernels' largest head size (functions.py: MAX_HEAD_DIM) */
+/* Masked positions: an additive mask value at or below this is -inf or the dtype's
+ * minimum, whose softmax probability is exactly 0 whenever the row has one position
+ * above it. */
+#define MASKED_BELOW -1e30f
 #define LANES 16             /* floats in the widest vector a build uses (AVX-512) */
 
 /* [lo, hi) widened to [lo16, hi16), whole vectors of a loop over all S keys: a loop over it
@@ -413,8 +417,300 @@ void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, l
         }
     _tile_release();
 }
+
+/* ------------------------------------------------------------ attention on AMX
+ * The attention kernels' products for bf16 on the AMX tile units, one KV group (b, g) at
+ * a time, for up to 64 queries and 64 keys and head sizes a multiple of 32 up to 128:
+ * each product a few tile instructions where the vector kernels make a pass per query
+ * row. The formulas and roundings are those of attention_group and
+ * attention_group_backward (see there); float32 sums of exact bf16 products, in another
+ * order than the vector kernels add them. The per-row work (rounding, mask, softmax) runs
+ * on whole AVX-512 vectors. The callers configure the tiles once per call. */
+#define HAVE_AMX 1
+#define ATT_AMX_KEYS 64              /* the most keys (and queries) a group may have here */
+
+/* v's lanes rounded to bf16 (to nearest even; NaN to the quiet NaN, as f2bf) and back. */
+static inline __m512 round_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+
+/* exp_approx on 16 lanes, the same operations. */
+static inline __m512 exp_approx16(__m512 x) {
+    __m512 n = _mm512_floor_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    __m512i e = _mm512_cvttps_epi32(n);
+    e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(-126)), _mm512_set1_epi32(127));
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23)));
+}
+
+/* The rows x [n, D] (row stride sx; D a multiple of 32) as B tiles whose 16 columns are
+ * rows of x and whose 16 rows are pairs of x's columns: out[(c * 4 + t) * 512], t = row
+ * tile (rows 16 t..), c = chunk of 32 columns; rows from n up to 64 are zero. */
+static void pack_rows_as_columns(const bf16 *x, long sx, long n, long D, bf16 *out) {
+    for (long t = 0; t < 4; t++)
+        for (long c = 0; c < D / 32; c++) {
+            __m512 rows[16];
+            for (long i = 0; i < 16; i++)
+                rows[i] = 16 * t + i < n ? _mm512_castsi512_ps(_mm512_loadu_si512(x + (16 * t + i) * sx + 32 * c))
+                                         : _mm512_setzero_ps();
+            transpose16x16(rows);
+            for (long p = 0; p < 16; p++) _mm512_storeu_ps((float *)(out + (c * 4 + t) * 512 + p * 32), rows[p]);
+        }
+}
+
+/* The rows x [n, D] (row stride sx; D a multiple of 32) as B tiles whose rows are pairs of
+ * x's rows (the contraction runs over them) and whose columns are 16 of x's columns:
+ * out[(s * (D / 16) + c) * 512], s = step of 32 rows, c = 16 columns; rows from n up to
+ * 64 are zero. */
+static void pack_row_pairs(const bf16 *x, long sx, long n, long D, bf16 *out) {
+    long DT = D / 16;
+    for (long s = 0; s < 2; s++)
+        for (long p = 0; p < 16; p++) {
+            long ra = 32 * s + 2 * p, rb = ra + 1;
+            for (long c = 0; c < D; c += 32) {
+                __m512i a = ra < n ? _mm512_loadu_si512(x + ra * sx + c) : _mm512_setzero_si512();
+                __m512i b = rb < n ? _mm512_loadu_si512(x + rb * sx + c) : _mm512_setzero_si512();
+                __m512i lo, hi;
+                interleave_pairs(a, b, &lo, &hi);
+                _mm512_storeu_si512(out + (s * DT + c / 16) * 512 + p * 32, lo);
+                _mm512_storeu_si512(out + (s * DT + c / 16 + 1) * 512 + p * 32, hi);
+            }
+        }
+}
+
+/* The next 16 rows of an A operand: rows [0, n) of x (row stride sx, `cols` bf16 wide) in
+ * place when there are 16 of them, else copied into pad [16, cols] with zero rows. */
+static const bf16 *a_rows(const bf16 *x, long sx, long n, long cols, bf16 *pad, long *stride) {
+    if (n >= 16) {
+        *stride = sx;
+        return x;
+    }
+    for (long i = 0; i < 16; i++)
+        for (long c = 0; c < cols; c += 32)
+            _mm512_storeu_si512(pad + i * cols + c, i < n ? _mm512_loadu_si512(x + i * sx + c) : _mm512_setzero_si512());
+    *stride = cols;
+    return pad;
+}
+
+/* c[16, 64] (float32, row stride 64) = the sum over `heads` x `steps` products of an A tile
+ * [16, 32] (at a + h a_head + s a_step, row stride sa bf16) with the B tiles for column
+ * tiles t < nt (<= 4) at b[h b_head + (s bstep + t) 512]. */
+static inline void tile_products(long heads, const bf16 *a, long a_head, long a_step, long sa, long steps,
+                                 const bf16 *b, long b_head, long bstep, long nt, float *c) {
+    zero_accumulators();
+    for (long h = 0; h < heads; h++)
+        for (long s = 0; s < steps; s++) {
+            _tile_loadd(4, a + h * a_head + s * a_step, sa * sizeof(bf16));
+            const bf16 *bs = b + h * b_head + s * bstep * 512;
+            _tile_loadd(5, bs, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nt > 1) { _tile_loadd(6, bs + 512, 64); _tile_dpbf16ps(1, 4, 6); }
+            if (nt > 2) { _tile_loadd(7, bs + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
+            if (nt > 3) { _tile_loadd(5, bs + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+        }
+    store_accumulators(c);
+}
+
+/* c [16, D] float32 (row stride D) = rows of A [16, 32 steps] (row stride sa, in place)
+ * times the B tiles b[(step (D / 16) + t) 512], four column tiles at a time (c64: [16, 64]). */
+static inline void tile_product_wide(const bf16 *a, long sa, long steps, const bf16 *b, long D, float *c, float *c64) {
+    long DT = D / 16;
+    for (long t0 = 0; t0 < DT; t0 += 4) {
+        long nt = DT - t0 < 4 ? DT - t0 : 4;
+        tile_products(1, a, 0, 32, sa, steps, b + t0 * 512, 0, DT, nt, c64);
+        for (long i = 0; i < 16; i++)
+            for (long t = 0; t < nt; t++) _mm512_storeu_ps(c + i * D + 16 * (t0 + t), _mm512_loadu_ps(c64 + i * 64 + 16 * t));
+    }
+}
+
+static inline void store_bf16x16(bf16 *p, __m512 v, long n) {
+    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16x16(v)), 16));
+    _mm256_mask_storeu_epi16(p, mask16(n), h);
+}
+
+/* attention_group on AMX (see there): T, S <= 64, D a multiple of 32 up to 128. */
+static void attention_group_amx(const bf16 *q, const bf16 *kb, const bf16 *vb, const float *mask, bf16 *out,
+                                float *probs, float *scratch, long b, long g, long H, long rep, long T, long S, long D,
+                                long sq_b, long sq_h, long sq_t, long sk_t, long sv_t, long sm_b, float scale,
+                                int round_mask) {
+    long DT = D / 16, CT = (S + 15) / 16, KS = D / 32, JS = (S + 31) / 32, nv = (S + 15) / 16;
+    bf16 *kp = (bf16 *)scratch;                          /* keys as columns: [KS][4][512] */
+    bf16 *vp = kp + KS * 4 * 512;                        /* values in row pairs: [2][DT][512] */
+    bf16 *apad = vp + 2 * DT * 512;                      /* [16, D] */
+    bf16 *pb = apad + 16 * 128;                          /* R(p) [16, 64] */
+    float *sc = (float *)(pb + 16 * 64);                 /* scores [16, 64] */
+    float *ob = sc + 16 * 64;                            /* [16, D] */
+    pack_rows_as_columns(kb, sk_t, S, D, kp);
+    pack_row_pairs(vb, sv_t, S, D, vp);
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (long h = g * rep; h < (g + 1) * rep; h++)
+        for (long t0 = 0; t0 < T; t0 += 16) {
+            long rows = T - t0 < 16 ? T - t0 : 16, sa;
+            const bf16 *a = a_rows(q + b * sq_b + h * sq_h + t0 * sq_t, sq_t, rows, D, apad, &sa);
+            tile_products(1, a, 0, 32, sa, KS, kp, 0, 4, CT, sc);                               /* q k^T [16, 64] */
+            for (long i = 0; i < 16; i++) {
+                long t = t0 + i;
+                if (i >= rows) {
+                    for (long c = 0; c < 2; c++) _mm512_storeu_si512(pb + i * 64 + 32 * c, _mm512_setzero_si512());
+                    continue;
+                }
+                const float *m = mask ? mask + b * sm_b + t * S : 0;
+                __m512 x[4];                             /* keys past S: -inf, p = 0 */
+                for (long c = 0; c < nv; c++) {
+                    __mmask16 k = mask16(S - 16 * c);
+                    x[c] = round_bf16x16(_mm512_mul_ps(round_bf16x16(_mm512_loadu_ps(sc + i * 64 + 16 * c)), vscale));
+                    if (m) {
+                        x[c] = _mm512_add_ps(x[c], _mm512_maskz_loadu_ps(k, m + 16 * c));
+                        if (round_mask) x[c] = round_bf16x16(x[c]);
+                    }
+                    x[c] = _mm512_mask_mov_ps(x[c], ~k, ninf);
+                }
+                __m512 top = x[0];
+                for (long c = 1; c < nv; c++) top = _mm512_max_ps(top, x[c]);
+                __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top)), sum = _mm512_setzero_ps();
+                for (long c = 0; c < nv; c++) {
+                    __m512 e = _mm512_sub_ps(x[c], vtop);
+                    x[c] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(e, _mm512_set1_ps(-87.f), _CMP_GT_OQ), exp_approx16(e));
+                    sum = _mm512_add_ps(sum, x[c]);
+                }
+                __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+                float *pr = probs + ((b * H + h) * T + t) * S;
+                for (long c = 0; c < 4; c++) {
+                    __m512 p = c < nv ? _mm512_mul_ps(x[c], inv) : _mm512_setzero_ps();
+                    if (c < nv) _mm512_mask_storeu_ps(pr + 16 * c, mask16(S - 16 * c), p);
+                    store_bf16x16(pb + i * 64 + 16 * c, _mm512_maskz_mov_ps(mask16(S - 16 * c), p), 16);
+                }
+            }
+            tile_product_wide(pb, 64, JS, vp, D, ob, sc);                         /* R(p) v [16, D] */
+            for (long i = 0; i < rows; i++) {
+                bf16 *o = out + ((b * T + t0 + i) * H + h) * D;
+                for (long c = 0; c < DT; c++) store_bf16x16(o + 16 * c, _mm512_loadu_ps(ob + i * D + 16 * c), 16);
+            }
+        }
+}
+
+/* The 16 x 16 blocks of pairs that pack_row_pairs made of x [n <= 64, 64] (4 column tiles,
+ * 2 steps) transposed: aT[(c * 2 + s) * 512] is x^T's rows 16 c.. (x's columns) over x's
+ * rows 32 s.., an A tile [16, 32] of row stride 32. */
+static void transpose_pairs(const bf16 *pairs, bf16 *aT) {
+    for (long s = 0; s < 2; s++)
+        for (long c = 0; c < 4; c++) {
+            __m512 r[16];
+            for (long i = 0; i < 16; i++) r[i] = _mm512_loadu_ps((const float *)(pairs + (s * 4 + c) * 512 + i * 32));
+            transpose16x16(r);
+            for (long i = 0; i < 16; i++) _mm512_storeu_ps((float *)(aT + (c * 2 + s) * 512 + i * 32), r[i]);
+        }
+}
+
+/* attention_group_backward on AMX (see there): T, S <= 64, D a multiple of 32 up to 128. */
+static void attention_group_backward_amx(const bf16 *q, const bf16 *kb, const bf16 *vb, const float *probs,
+                                         const bf16 *go, bf16 *dq, bf16 *dk, bf16 *dv, float *scratch, long b,
+                                         long g, long H, long Hkv, long rep, long T, long S, long D, long sq_b,
+                                         long sq_h, long sq_t, long sk_t, long sv_t, long sg_b, long sg_t, long sg_h,
+                                         float scale) {
+    long DT = D / 16, KS = D / 32, CT = (S + 15) / 16, JS = (S + 31) / 32, TS = (T + 31) / 32, nv = (S + 15) / 16;
+    long per_head = 4 * DT * 512 + 2 * 4096;
+    bf16 *vc = (bf16 *)scratch;                          /* values as columns [KS][4][512] (dP = go v^T) */
+    bf16 *kpairs = vc + KS * 4 * 512;                    /* keys in row pairs [2][DT][512] (dq = dz k) */
+    bf16 *heads = kpairs + 2 * DT * 512;                 /* per head: q and go in row pairs, dz^T, R(p)^T */
+    bf16 *apad = heads + rep * per_head;                 /* [16, D] */
+    bf16 *dz = apad + 16 * 128;                          /* dz rows [64, 64] */
+    bf16 *pr = dz + 4096;                                /* R(p) rows [64, 64] */
+    bf16 *tmp = pr + 4096;                               /* [2][4][512] */
+    float *sc = (float *)(tmp + 4096);                   /* [16, 64] */
+    float *ob = sc + 16 * 64;                            /* [16, D] */
+    pack_rows_as_columns(vb, sv_t, S, D, vc);
+    pack_row_pairs(kb, sk_t, S, D, kpairs);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (long hi = 0; hi < rep; hi++) {
+        long h = g * rep + hi;
+        bf16 *qpairs = heads + hi * per_head, *gpairs = qpairs + 2 * DT * 512, *dzT = gpairs + 2 * DT * 512,
+             *prT = dzT + 4096;
+        const bf16 *qh = q + b * sq_b + h * sq_h, *gh = go + b * sg_b + h * sg_h;
+        pack_row_pairs(qh, sq_t, T, D, qpairs);
+        pack_row_pairs(gh, sg_t, T, D, gpairs);
+        for (long t0 = 0; t0 < T; t0 += 16) {
+            long rows = T - t0 < 16 ? T - t0 : 16, sa;
+            const bf16 *a = a_rows(gh + t0 * sg_t, sg_t, rows, D, apad, &sa);
+            tile_products(1, a, 0, 32, sa, KS, vc, 0, 4, CT, sc);                 /* go v^T [16, 64] */
+            for (long i = 0; i < rows; i++) {
+                long t = t0 + i;
+                const float *p = probs + ((b * H + h) * T + t) * S;
+                __m512 pv[4], dp[4], acc = _mm512_setzero_ps();   /* keys past S: p = 0, dP = 0 */
+                for (long c = 0; c < nv; c++) {
+                    pv[c] = _mm512_maskz_loadu_ps(mask16(S - 16 * c), p + 16 * c);
+                    dp[c] = round_bf16x16(_mm512_loadu_ps(sc + i * 64 + 16 * c));
+                    acc = _mm512_fmadd_ps(dp[c], pv[c], acc);
+                }
+                __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+                for (long c = 0; c < 4; c++) {
+                    __m512 z = _mm512_setzero_ps(), r = _mm512_setzero_ps();
+                    if (c < nv) {
+                        z = round_bf16x16(_mm512_mul_ps(round_bf16x16(_mm512_mul_ps(pv[c], _mm512_sub_ps(dp[c], dot))), vscale));
+                        r = pv[c];
+                    }
+                    store_bf16x16(dz + t * 64 + 16 * c, z, 16);
+                    store_bf16x16(pr + t * 64 + 16 * c, r, 16);
+                }
+            }
+            tile_product_wide(dz + t0 * 64, 64, JS, kpairs, D, ob, sc);             /* dz k [16, D] */
+            for (long i = 0; i < rows; i++) {
+                bf16 *o = dq + ((b * H + h) * T + t0 + i) * D;
+                for (long c = 0; c < DT; c++) store_bf16x16(o + 16 * c, _mm512_loadu_ps(ob + i * D + 16 * c), 16);
+            }
+        }
+        pack_row_pairs(dz, 64, T, 64, tmp);
+        transpose_pairs(tmp, dzT);
+        pack_row_pairs(pr, 64, T, 64, tmp);
+        transpose_pairs(tmp, prT);
+    }
+    /* dk = sum over the heads of dz^T q, dv = sum of R(p)^T go: [16 keys, 64 columns] at a time */
+    for (long c = 0; c < CT; c++) {
+        long rows = S - 16 * c < 16 ? S - 16 * c : 16;
+        for (long t0 = 0; t0 < DT; t0 += 4) {
+            long nt = DT - t0 < 4 ? DT - t0 : 4;
+            for (long which = 0; which < 2; which++) {
+                const bf16 *a = heads + 4 * DT * 512 + (which ? 4096 : 0) + c * 1024;
+                const bf16 *bt = heads + (which ? 2 * DT * 512 : 0) + t0 * 512;
+                tile_products(rep, a, per_head, 512, 32, TS, bt, per_head, DT, nt, sc);
+                for (long i = 0; i < rows; i++) {
+                    long j = 16 * c + i;
+                    bf16 *o = which ? dv + ((b * S + j) * Hkv + g) * D : dk + ((b * Hkv + g) * S + j) * D;
+                    for (long t = 0; t < nt; t++) store_bf16x16(o + 16 * (t0 + t), _mm512_loadu_ps(sc + i * 64 + 16 * t), 16);
+                }
+            }
+        }
+    }
+}
+
+/* Whether the attention kernels run a call on AMX: the tile state granted, at most 64
+ * queries and keys, a head size a multiple of 32 up to 128. */
+static int attention_on_amx(long T, long S, long D) {
+    return T <= ATT_AMX_KEYS && S <= ATT_AMX_KEYS && D % 32 == 0 && D <= 128 && lora_amx_available();
+}
+
+/* Floats of scratch attention_group_amx and attention_group_backward_amx need (per
+ * thread) for a group of `rep` heads of head size D. */
+long attention_amx_scratch_floats(long rep, long D) {
+    long DT = D / 16, bf16s = (D / 32) * 4 * 512 + 2 * DT * 512 + rep * (4 * DT * 512 + 2 * 4096) + 16 * 128
+                              + 3 * 4096 + 16 * 64;
+    return bf16s / 2 + 16 * 64 + 16 * 128 + 64;
+}
 #else
 int lora_amx_available(void) { return 0; }
+long attention_amx_scratch_floats(long rep, long D) { return 0; }
 void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, long stop, long d, long r,
                     void *scratch) {}
 void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start, long stop, long d, long r,
@@ -688,12 +984,6 @@ void NAME(decode_attention)(const ELEM *q, const ELEM *k, const ELEM *v, const f
 }
 #undef DECODE_ROW
 
-/* Masked positions: an additive mask value at or below this is -inf or the dtype's
- * minimum, whose softmax probability is exactly 0 whenever the row has one position
- * above it. */
-#ifndef MASKED_BELOW
-#define MASKED_BELOW -1e30f
-#endif
 
 /* Rows x [S, D] (row stride sx) as float32 columns xt [D, Sp], zero beyond S (Sp a
  * multiple of 16). */
@@ -812,6 +1102,18 @@ void NAME(attention_forward)(const ELEM *q, const ELEM *k, const ELEM *v, const 
                              long S, long D, long sq_b, long sq_h, long sq_t, long sk_b, long sk_h, long sk_t,
                              long sv_b, long sv_h, long sv_t, long sm_b, float scale, int round_mask) {
     long rep = H / Hkv;
+#if ELEM_IS_BF16 && defined(HAVE_AMX)
+    if (attention_on_amx(T, S, D)) {
+        configure_tiles(FULL_ROWS, FULL_COLSB);
+        for (long grp = start; grp < stop; grp++) {
+            long b = grp / Hkv, g = grp % Hkv;
+            attention_group_amx(q, k + b * sk_b + g * sk_h, v + b * sv_b + g * sv_h, mask, out, probs, scratch, b, g, H,
+                                rep, T, S, D, sq_b, sq_h, sq_t, sk_t, sv_t, sm_b, scale, round_mask);
+        }
+        _tile_release();
+        return;
+    }
+#endif
     for (long grp = start; grp < stop; grp++) {
         long b = grp / Hkv, g = grp % Hkv;
         const ELEM *kb = k + b * sk_b + g * sk_h, *vb = v + b * sv_b + g * sv_h;
@@ -921,6 +1223,19 @@ void NAME(attention_backward)(const ELEM *q, const ELEM *k, const ELEM *v, const
                               long sk_h, long sk_t, long sv_b, long sv_h, long sv_t, long sg_b, long sg_t,
                               long sg_h, float scale) {
     long rep = H / Hkv;
+#if ELEM_IS_BF16 && defined(HAVE_AMX)
+    if (attention_on_amx(T, S, D)) {
+        configure_tiles(FULL_ROWS, FULL_COLSB);
+        for (long grp = start; grp < stop; grp++) {
+            long b = grp / Hkv, g = grp % Hkv;
+            attention_group_backward_amx(q, k + b * sk_b + g * sk_h, v + b * sv_b + g * sv_h, probs, go, dq, dk, dv,
+                                         scratch, b, g, H, Hkv, rep, T, S, D, sq_b, sq_h, sq_t, sk_t, sv_t, sg_b,
+                                         sg_t, sg_h, scale);
+        }
+        _tile_release();
+        return;
+    }
+#endif
     for (long grp = start; grp < stop; grp++) {
         long b = grp / Hkv, g = grp % Hkv;
         const ELEM *kb = k + b * sk_b + g * sk_h, *vb = v + b * sv_b + g * sv_h;

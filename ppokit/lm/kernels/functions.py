@@ -239,8 +239,10 @@ class AttentionFunction(torch.autograd.Function):
         ptrs = [_ptr(t) for t in (query, key, value)] + [_ptr(m) if m is not None else None, _ptr(out), _ptr(probs)]
         strides = [*query.stride()[:3], *key.stride()[:3], *value.stride()[:3]]
 
+        floats = max(D * (2 * S + KEY_BLOCK) + D + S, cpu_library().attention_amx_scratch_floats(H // Hkv, D))
+
         def run(a: int, b: int) -> None:
-            scratch = torch.empty(D * (2 * S + KEY_BLOCK) + D + S, dtype=torch.float32)
+            scratch = torch.empty(floats, dtype=torch.float32)
             kernel(*ptrs, _ptr(scratch), a, b, H, Hkv, T, S, D, *strides, sm_b, scaling, round_mask)
 
         in_parallel(B * Hkv, 2 * (H // Hkv) * T * S * D, run)
@@ -264,8 +266,10 @@ class AttentionFunction(torch.autograd.Function):
         strides = [*query.stride()[:3], *key.stride()[:3], *value.stride()[:3], grad_out.stride(0),
                    grad_out.stride(1), grad_out.stride(2)]
 
+        floats = max(D * (4 * S + KEY_BLOCK) + 2 * S + 2 * D, cpu_library().attention_amx_scratch_floats(H // Hkv, D))
+
         def run(a: int, b: int) -> None:
-            scratch = torch.empty(D * (4 * S + KEY_BLOCK) + 2 * S + 2 * D, dtype=torch.float32)
+            scratch = torch.empty(floats, dtype=torch.float32)
             kernel(*ptrs, _ptr(scratch), a, b, H, Hkv, T, S, D, *strides, ctx.scaling)
 
         in_parallel(B * Hkv, 4 * (H // Hkv) * T * S * D, run)
