@@ -158,6 +158,26 @@ static inline void transpose16x16(__m512 r[16]) {
         r[12 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(w, w2, 0xDD));
     }
 }
+
+/* Masks of the first n lanes (none for n <= 0, all from the width on). */
+static inline __mmask32 mask32(long n) { return n >= 32 ? 0xffffffffu : (n <= 0 ? 0u : (__mmask32)((1u << n) - 1)); }
+static inline __mmask16 mask16(long n) { return n >= 16 ? (__mmask16)0xffff : (n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1)); }
+
+/* v's lanes rounded to bf16 (to nearest even; NaN to the quiet NaN, as f2bf) and back. */
+static inline __m512 round_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+
+/* The first min(n, 16) lanes of v stored at p as bf16, rounded as f2bf rounds. */
+static inline void store_bf16x16(bf16 *p, __m512 v, long n) {
+    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16x16(v)), 16));
+    _mm256_mask_storeu_epi16(p, mask16(n), h);
+}
 #else
 #define HAVE_AVX512 0
 #endif
@@ -187,8 +207,6 @@ int lora_amx_available(void) {
     return granted;
 }
 
-static inline __mmask32 mask32(long n) { return n >= 32 ? 0xffffffffu : (n <= 0 ? 0u : (__mmask32)((1u << n) - 1)); }
-static inline __mmask16 mask16(long n) { return n >= 16 ? (__mmask16)0xffff : (n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1)); }
 
 /* Tiles 0-7 as `rows` rows of `colsb` bytes each. */
 static void configure_tiles(const uint8_t rows[8], const uint16_t colsb[8]) {
@@ -429,16 +447,6 @@ void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, l
 #define HAVE_AMX 1
 #define ATT_AMX_KEYS 64              /* the most keys (and queries) a group may have here */
 
-/* v's lanes rounded to bf16 (to nearest even; NaN to the quiet NaN, as f2bf) and back. */
-static inline __m512 round_bf16x16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-    return _mm512_castsi512_ps(r);
-}
-
 /* exp_approx on 16 lanes, the same operations. */
 static inline __m512 exp_approx16(__m512 x) {
     __m512 n = _mm512_floor_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
@@ -535,10 +543,6 @@ static inline void tile_product_wide(const bf16 *a, long sa, long steps, const b
     }
 }
 
-static inline void store_bf16x16(bf16 *p, __m512 v, long n) {
-    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16x16(v)), 16));
-    _mm256_mask_storeu_epi16(p, mask16(n), h);
-}
 
 /* attention_group on AMX (see there): T, S <= 64, D a multiple of 32 up to 128. */
 static void attention_group_amx(const bf16 *q, const bf16 *kb, const bf16 *vb, const float *mask, bf16 *out,
@@ -837,7 +841,7 @@ void NAME(rotary)(const ELEM *q, const ELEM *cos_, const ELEM *sin_, ELEM *out, 
 #if HAVE_AVX512
 /* The first min(n, 16) ELEMs at p as float32 lanes, zero beyond. */
 static inline __m512 NAME(load16)(const ELEM *p, long n) {
-    __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    __mmask16 m = mask16(n);
 #if ELEM_IS_BF16
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -846,15 +850,10 @@ static inline __m512 NAME(load16)(const ELEM *p, long n) {
 #endif
 }
 
-/* v's lanes rounded to ELEM (bf16: to nearest even, NaN to the quiet NaN, as f2bf). */
+/* v's lanes rounded to ELEM (bf16: as f2bf rounds; float32: unchanged). */
 static inline __m512 NAME(round16)(__m512 v) {
 #if ELEM_IS_BF16
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-    return _mm512_castsi512_ps(r);
+    return round_bf16x16(v);
 #else
     return v;
 #endif
@@ -862,12 +861,10 @@ static inline __m512 NAME(round16)(__m512 v) {
 
 /* The first min(n, 16) lanes of v stored at p as ELEMs, rounded as STORE rounds. */
 static inline void NAME(store16)(ELEM *p, __m512 v, long n) {
-    __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
 #if ELEM_IS_BF16
-    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(NAME(round16)(v)), 16));
-    _mm256_mask_storeu_epi16(p, m, h);
+    store_bf16x16(p, v, n);
 #else
-    _mm512_mask_storeu_ps(p, m, v);
+    _mm512_mask_storeu_ps(p, mask16(n), v);
 #endif
 }
 #endif
