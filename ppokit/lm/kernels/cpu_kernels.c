@@ -512,6 +512,13 @@ static const bf16 *a_rows(const bf16 *x, long sx, long n, long cols, bf16 *pad, 
     return pad;
 }
 
+/* Ask for `rows` rows of `bytes` bytes (row stride `stride` elements of `size` bytes) to be
+ * brought into the caches: the next KV group's operands, while this one computes. */
+static inline void prefetch_rows(const void *base, long rows, long stride, long size, long bytes) {
+    for (long r = 0; r < rows; r++)
+        for (long c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)base + r * stride * size + c);
+}
+
 /* c[16, 64] (float32, row stride 64) = the sum over `heads` x `steps` products of an A tile
  * [16, 32] (at a + h a_head + s a_step, row stride sa bf16) with the B tiles for column
  * tiles t < nt (<= 4) at b[h b_head + (s bstep + t) 512]. */
@@ -1104,6 +1111,13 @@ void NAME(attention_forward)(const ELEM *q, const ELEM *k, const ELEM *v, const 
         configure_tiles(FULL_ROWS, FULL_COLSB);
         for (long grp = start; grp < stop; grp++) {
             long b = grp / Hkv, g = grp % Hkv;
+            if (grp + 1 < stop) {
+                long b2 = (grp + 1) / Hkv, g2 = (grp + 1) % Hkv;
+                for (long h = g2 * rep; h < (g2 + 1) * rep; h++)
+                    prefetch_rows(q + b2 * sq_b + h * sq_h, T, sq_t, 2, 2 * D);
+                prefetch_rows(k + b2 * sk_b + g2 * sk_h, S, sk_t, 2, 2 * D);
+                prefetch_rows(v + b2 * sv_b + g2 * sv_h, S, sv_t, 2, 2 * D);
+            }
             attention_group_amx(q, k + b * sk_b + g * sk_h, v + b * sv_b + g * sv_h, mask, out, probs, scratch, b, g, H,
                                 rep, T, S, D, sq_b, sq_h, sq_t, sk_t, sv_t, sm_b, scale, round_mask);
         }
@@ -1225,6 +1239,16 @@ void NAME(attention_backward)(const ELEM *q, const ELEM *k, const ELEM *v, const
         configure_tiles(FULL_ROWS, FULL_COLSB);
         for (long grp = start; grp < stop; grp++) {
             long b = grp / Hkv, g = grp % Hkv;
+            if (grp + 1 < stop) {
+                long b2 = (grp + 1) / Hkv, g2 = (grp + 1) % Hkv;
+                for (long h = g2 * rep; h < (g2 + 1) * rep; h++) {
+                    prefetch_rows(q + b2 * sq_b + h * sq_h, T, sq_t, 2, 2 * D);
+                    prefetch_rows(go + b2 * sg_b + h * sg_h, T, sg_t, 2, 2 * D);
+                    prefetch_rows(probs + ((b2 * H + h) * T) * S, 1, 0, 4, 4 * T * S);
+                }
+                prefetch_rows(k + b2 * sk_b + g2 * sk_h, S, sk_t, 2, 2 * D);
+                prefetch_rows(v + b2 * sv_b + g2 * sv_h, S, sv_t, 2, 2 * D);
+            }
             attention_group_backward_amx(q, k + b * sk_b + g * sk_h, v + b * sv_b + g * sv_h, probs, go, dq, dk, dv,
                                          scratch, b, g, H, Hkv, rep, T, S, D, sq_b, sq_h, sq_t, sk_t, sv_t, sg_b,
                                          sg_t, sg_h, scale);
