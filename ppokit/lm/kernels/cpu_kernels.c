@@ -383,6 +383,9 @@ void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start
  * and 16 ranks, 32 rows at a time: p^T [16, 32] is the A tile, x's rows interleaved in pairs the
  * four B tiles. scratch: Rb * 16 * Np + 2048 bf16 + 1024 floats (Np = N rounded up to 32, Rb = r
  * rounded up to 16, over 16). */
+#ifndef OUTER_AHEAD
+#define OUTER_AHEAD 64
+#endif
 void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, long d, long r, long c0, long c1,
                      float s, void *scratch) {
     long Np = (N + 31) / 32 * 32, Rb = (r + 15) / 16;
@@ -402,6 +405,12 @@ void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, l
                 for (long q = 0; q < 16; q++) {
                     long na = n0 + 2 * q, nb = na + 1;
                     const bf16 *ra = x + na * sx + c, *rb = x + nb * sx + c;
+                    if (na + OUTER_AHEAD + 1 < N) {      /* rows further down this column strip */
+                        __builtin_prefetch(ra + OUTER_AHEAD * sx);
+                        __builtin_prefetch(ra + OUTER_AHEAD * sx + 32);
+                        __builtin_prefetch(rb + OUTER_AHEAD * sx);
+                        __builtin_prefetch(rb + OUTER_AHEAD * sx + 32);
+                    }
                     __m512i a0 = na < N ? _mm512_maskz_loadu_epi16(k0, ra) : _mm512_setzero_si512();
                     __m512i b0 = nb < N ? _mm512_maskz_loadu_epi16(k0, rb) : _mm512_setzero_si512();
                     __m512i a1 = na < N ? _mm512_maskz_loadu_epi16(k1, ra + 32) : _mm512_setzero_si512();
