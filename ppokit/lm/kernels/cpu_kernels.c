@@ -10,8 +10,9 @@
  * transformers' modules (forward: bit for bit but for sums taken in another order;
  * backward: to one rounding). Built by ppokit/lm/kernels/__init__.py with the system C
  * compiler; plain C, vectorized by the compiler (`#pragma omp simd`), no PyTorch headers,
- * with AVX-512 and AMX intrinsics where the build targets them (a register transpose, and
- * the LoRA kernels).
+ * with AVX-512 and AMX intrinsics where the build targets them (a register transpose, the
+ * decoding attention's rows, the LoRA kernels, and the attention kernels' products on the
+ * tile units for bf16: attention_group_amx and its backward).
  *
  * bf16 values are passed as uint16_t; all arrays are row-major with a contiguous last
  * dimension.
