@@ -457,7 +457,7 @@ void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, l
 #define HAVE_AMX 1
 #define ATT_AMX_KEYS 64              /* the most keys (and queries) a group may have here */
 
-/* exp_approx on 16 lanes, the same operations. */
+/* exp_approx on 16 lanes: the same reduction and polynomial. */
 static inline __m512 exp_approx16(__m512 x) {
     __m512 n = _mm512_floor_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
     __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
@@ -527,6 +527,24 @@ static const bf16 *a_rows(const bf16 *x, long sx, long n, long cols, bf16 *pad, 
 static inline void prefetch_rows(const void *base, long rows, long stride, long size, long bytes) {
     for (long r = 0; r < rows; r++)
         for (long c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)base + r * stride * size + c);
+}
+
+/* KV group grp's operands asked into the caches (while the group before it computes): its
+ * heads' query rows, its keys and values, and for the backward (go not NULL) the heads'
+ * upstream gradient rows and softmax probabilities. */
+static void prefetch_group(long grp, long H, long Hkv, long T, long S, long D, const bf16 *q, long sq_b, long sq_h,
+                           long sq_t, const bf16 *k, long sk_b, long sk_h, long sk_t, const bf16 *v, long sv_b,
+                           long sv_h, long sv_t, const bf16 *go, long sg_b, long sg_h, long sg_t, const float *probs) {
+    long b = grp / Hkv, g = grp % Hkv, rep = H / Hkv;
+    for (long h = g * rep; h < (g + 1) * rep; h++) {
+        prefetch_rows(q + b * sq_b + h * sq_h, T, sq_t, 2, 2 * D);
+        if (go) {
+            prefetch_rows(go + b * sg_b + h * sg_h, T, sg_t, 2, 2 * D);
+            prefetch_rows(probs + (b * H + h) * T * S, 1, 0, 4, 4 * T * S);
+        }
+    }
+    prefetch_rows(k + b * sk_b + g * sk_h, S, sk_t, 2, 2 * D);
+    prefetch_rows(v + b * sv_b + g * sv_h, S, sv_t, 2, 2 * D);
 }
 
 /* c[16, 64] (float32, row stride 64) = the sum over `heads` x `steps` products of an A tile
@@ -1121,13 +1139,9 @@ void NAME(attention_forward)(const ELEM *q, const ELEM *k, const ELEM *v, const 
         configure_tiles(FULL_ROWS, FULL_COLSB);
         for (long grp = start; grp < stop; grp++) {
             long b = grp / Hkv, g = grp % Hkv;
-            if (grp + 1 < stop) {
-                long b2 = (grp + 1) / Hkv, g2 = (grp + 1) % Hkv;
-                for (long h = g2 * rep; h < (g2 + 1) * rep; h++)
-                    prefetch_rows(q + b2 * sq_b + h * sq_h, T, sq_t, 2, 2 * D);
-                prefetch_rows(k + b2 * sk_b + g2 * sk_h, S, sk_t, 2, 2 * D);
-                prefetch_rows(v + b2 * sv_b + g2 * sv_h, S, sv_t, 2, 2 * D);
-            }
+            if (grp + 1 < stop)
+                prefetch_group(grp + 1, H, Hkv, T, S, D, q, sq_b, sq_h, sq_t, k, sk_b, sk_h, sk_t, v, sv_b, sv_h, sv_t,
+                               0, 0, 0, 0, 0);
             attention_group_amx(q, k + b * sk_b + g * sk_h, v + b * sv_b + g * sv_h, mask, out, probs, scratch, b, g, H,
                                 rep, T, S, D, sq_b, sq_h, sq_t, sk_t, sv_t, sm_b, scale, round_mask);
         }
@@ -1249,16 +1263,9 @@ void NAME(attention_backward)(const ELEM *q, const ELEM *k, const ELEM *v, const
         configure_tiles(FULL_ROWS, FULL_COLSB);
         for (long grp = start; grp < stop; grp++) {
             long b = grp / Hkv, g = grp % Hkv;
-            if (grp + 1 < stop) {
-                long b2 = (grp + 1) / Hkv, g2 = (grp + 1) % Hkv;
-                for (long h = g2 * rep; h < (g2 + 1) * rep; h++) {
-                    prefetch_rows(q + b2 * sq_b + h * sq_h, T, sq_t, 2, 2 * D);
-                    prefetch_rows(go + b2 * sg_b + h * sg_h, T, sg_t, 2, 2 * D);
-                    prefetch_rows(probs + ((b2 * H + h) * T) * S, 1, 0, 4, 4 * T * S);
-                }
-                prefetch_rows(k + b2 * sk_b + g2 * sk_h, S, sk_t, 2, 2 * D);
-                prefetch_rows(v + b2 * sv_b + g2 * sv_h, S, sv_t, 2, 2 * D);
-            }
+            if (grp + 1 < stop)
+                prefetch_group(grp + 1, H, Hkv, T, S, D, q, sq_b, sq_h, sq_t, k, sk_b, sk_h, sk_t, v, sv_b, sv_h, sv_t,
+                               go, sg_b, sg_h, sg_t, probs);
             attention_group_backward_amx(q, k + b * sk_b + g * sk_h, v + b * sv_b + g * sv_h, probs, go, dq, dk, dv,
                                          scratch, b, g, H, Hkv, rep, T, S, D, sq_b, sq_h, sq_t, sk_t, sv_t, sg_b,
                                          sg_t, sg_h, scale);
