@@ -466,6 +466,17 @@ def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention():
     assert_same_bf16(mine, theirs, max_fraction_off=0.01)
 
 
+def test_attention_runs_on_the_tile_units_where_the_cpu_has_them():
+    """On a CPU with AMX, bf16 attention of the training shapes takes the tile path (the
+    tests above then check its numbers); other shapes, and CPUs without AMX, the vectors."""
+    from ppokit.lm.kernels import cpu_library
+
+    lib = cpu_library()
+    amx = lora_amx_ready()
+    assert bool(lib.attention_on_amx(49, 49, 64)) == amx and bool(lib.attention_on_amx(64, 64, 128)) == amx
+    assert not any(lib.attention_on_amx(*shape) for shape in ((49, 49, 24), (65, 65, 64), (49, 49, 256)))
+
+
 def test_attention_scratch_sizes_follow_the_c_constants():
     """The Python side sizes the kernels' scratch from KEY_BLOCK and checks MAX_HEAD_DIM,
     both defined in cpu_kernels.c: they must agree, or the kernels write past a buffer."""

@@ -140,6 +140,7 @@ def _load(path: Path) -> tuple[Optional[ctypes.CDLL], str]:
         lib.lora_amx_available.argtypes, lib.lora_amx_available.restype = [], ctypes.c_int
         lib.attention_amx_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
         lib.attention_amx_scratch_floats.restype = ctypes.c_long
+        lib.attention_on_amx.argtypes, lib.attention_on_amx.restype = [ctypes.c_long] * 3, ctypes.c_int
     except (OSError, AttributeError) as exc:       # unloadable, or a stale build without a kernel
         return None, f"loading {path} failed ({exc})"
     return lib, ""

@@ -736,7 +736,7 @@ static void attention_group_backward_amx(const bf16 *q, const bf16 *kb, const bf
 
 /* Whether the attention kernels run a call on AMX: the tile state granted, at most 64
  * queries and keys, a head size a multiple of 32 up to 128. */
-static int attention_on_amx(long T, long S, long D) {
+int attention_on_amx(long T, long S, long D) {
     return T <= ATT_AMX_KEYS && S <= ATT_AMX_KEYS && D % 32 == 0 && D <= 128 && lora_amx_available();
 }
 
@@ -750,6 +750,7 @@ long attention_amx_scratch_floats(long rep, long D) {
 #else
 int lora_amx_available(void) { return 0; }
 long attention_amx_scratch_floats(long rep, long D) { return 0; }
+int attention_on_amx(long T, long S, long D) { return 0; }
 void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, long stop, long d, long r,
                     void *scratch) {}
 void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start, long stop, long d, long r,
