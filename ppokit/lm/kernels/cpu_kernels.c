@@ -245,6 +245,23 @@ static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *
     *hi = _mm512_permutex2var_epi16(a, _mm512_add_epi16(first, _mm512_set1_epi16(16)), b);
 }
 
+/* The rows x [n, cols] (row stride sx) as B tiles whose 16 columns are rows of x and whose 16
+ * rows are pairs of x's columns: out[(c * tiles + t) * 512], t < tiles a tile of 16 rows
+ * (rows 16 t..), c a chunk of 32 columns; rows from n on and columns from cols on are zero.
+ * LoRA's down factor (rows = ranks) and the attention's keys (rows = keys) are packed so. */
+static void pack_rows_as_columns(const bf16 *x, long sx, long n, long cols, long tiles, bf16 *out) {
+    for (long c = 0; c < (cols + 31) / 32; c++)
+        for (long t = 0; t < tiles; t++) {
+            __m512 rows[16];
+            __mmask32 k = mask32(cols - 32 * c);
+            for (long i = 0; i < 16; i++)
+                rows[i] = 16 * t + i < n ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(k, x + (16 * t + i) * sx + 32 * c))
+                                         : _mm512_setzero_ps();
+            transpose16x16(rows);                /* -> pair p's 16 rows */
+            for (long p = 0; p < 16; p++) _mm512_storeu_ps((float *)(out + (c * tiles + t) * 512 + p * 32), rows[p]);
+        }
+}
+
 /* h[n, j] = R(sum_c x[n, c] m[j, c]) for j < r (<= 64) and the rows [start, stop): x [N, d] (row
  * stride sx), m [r, d] contiguous, h [N, r] contiguous. 32 rows at a time: x's rows are the A
  * tiles, read in place (a partial last chunk of columns, and the last rows, from zero-padded
@@ -254,19 +271,10 @@ static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *
 void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, long stop, long d, long r,
                     void *scratch) {
     long Kc = (d + 31) / 32, dp = Kc * 32, full = d / 32, Rb = (r + 15) / 16;
-    bf16 *mp = (bf16 *)scratch;                  /* [Rb][Kc][16 pairs][16 ranks][2] */
+    bf16 *mp = (bf16 *)scratch;                  /* [Kc][Rb][16 pairs][16 ranks][2] */
     bf16 *xpad = mp + Rb * Kc * 512;             /* [32, dp] */
     float *cbuf = (float *)(xpad + 32 * dp);     /* [32, 16] */
-    for (long jb = 0; jb < Rb; jb++)
-        for (long k = 0; k < Kc; k++) {
-            __m512 rows[16];                     /* rank j's 16 pairs of columns, as 32-bit lanes */
-            __mmask32 km = mask32(d - 32 * k);
-            for (long j = 0; j < 16; j++)
-                rows[j] = _mm512_castsi512_ps(16 * jb + j < r ? _mm512_maskz_loadu_epi16(km, m + (16 * jb + j) * d + 32 * k)
-                                                              : _mm512_setzero_si512());
-            transpose16x16(rows);                /* -> pair q's 16 ranks */
-            for (long q = 0; q < 16; q++) _mm512_storeu_ps((float *)(mp + (jb * Kc + k) * 512 + q * 32), rows[q]);
-        }
+    pack_rows_as_columns(m, d, r, d, Rb, mp);
     configure_tiles(FULL_ROWS, FULL_COLSB);
     for (long n0 = start; n0 < stop; n0 += 32) {
         long rows_here = stop - n0 < 32 ? stop - n0 : 32, lda = sx, in_place = full;
@@ -284,20 +292,20 @@ void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, 
                 _mm512_storeu_si512(xpad + i * 32, _mm512_maskz_loadu_epi16(mask32(d - 32 * full), a + i * sx + 32 * full));
         }
         for (long jb = 0; jb < Rb; jb++) {
-            const bf16 *b = mp + jb * Kc * 512;
+            const bf16 *b = mp + jb * 512;       /* chunk k's tile at b + k Rb 512 */
             _tile_zero(0);
             _tile_zero(1);
             for (long k = 0; k < in_place; k++) {
                 _tile_loadd(2, a + 32 * k, lda * sizeof(bf16));
                 _tile_loadd(3, a + 16 * lda + 32 * k, lda * sizeof(bf16));
-                _tile_loadd(4, b + k * 512, 64);
+                _tile_loadd(4, b + k * Rb * 512, 64);
                 _tile_dpbf16ps(0, 2, 4);
                 _tile_dpbf16ps(1, 3, 4);
             }
             if (in_place < Kc) {
                 _tile_loadd(2, xpad, 64);
                 _tile_loadd(3, xpad + 16 * 32, 64);
-                _tile_loadd(4, b + full * 512, 64);
+                _tile_loadd(4, b + full * Rb * 512, 64);
                 _tile_dpbf16ps(0, 2, 4);
                 _tile_dpbf16ps(1, 3, 4);
             }
@@ -473,21 +481,6 @@ static inline __m512 exp_approx16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23)));
 }
 
-/* The rows x [n, D] (row stride sx; D a multiple of 32) as B tiles whose 16 columns are
- * rows of x and whose 16 rows are pairs of x's columns: out[(c * 4 + t) * 512], t = row
- * tile (rows 16 t..), c = chunk of 32 columns; rows from n up to 64 are zero. */
-static void pack_rows_as_columns(const bf16 *x, long sx, long n, long D, bf16 *out) {
-    for (long t = 0; t < 4; t++)
-        for (long c = 0; c < D / 32; c++) {
-            __m512 rows[16];
-            for (long i = 0; i < 16; i++)
-                rows[i] = 16 * t + i < n ? _mm512_castsi512_ps(_mm512_loadu_si512(x + (16 * t + i) * sx + 32 * c))
-                                         : _mm512_setzero_ps();
-            transpose16x16(rows);
-            for (long p = 0; p < 16; p++) _mm512_storeu_ps((float *)(out + (c * 4 + t) * 512 + p * 32), rows[p]);
-        }
-}
-
 /* The rows x [n, D] (row stride sx; D a multiple of 32) as B tiles whose rows are pairs of
  * x's rows (the contraction runs over them) and whose columns are 16 of x's columns:
  * out[(s * (D / 16) + c) * 512], s = step of 32 rows, c = 16 columns; rows from n up to
@@ -591,7 +584,7 @@ static void attention_group_amx(const bf16 *q, const bf16 *kb, const bf16 *vb, c
     bf16 *pb = apad + 16 * 128;                          /* R(p) [16, 64] */
     float *sc = (float *)(pb + 16 * 64);                 /* scores [16, 64] */
     float *ob = sc + 16 * 64;                            /* [16, D] */
-    pack_rows_as_columns(kb, sk_t, S, D, kp);
+    pack_rows_as_columns(kb, sk_t, S, D, 4, kp);
     pack_row_pairs(vb, sv_t, S, D, vp);
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (long h = g * rep; h < (g + 1) * rep; h++)
@@ -670,7 +663,7 @@ static void attention_group_backward_amx(const bf16 *q, const bf16 *kb, const bf
     bf16 *tmp = pr + 4096;                               /* [2][4][512] */
     float *sc = (float *)(tmp + 4096);                   /* [16, 64] */
     float *ob = sc + 16 * 64;                            /* [16, D] */
-    pack_rows_as_columns(vb, sv_t, S, D, vc);
+    pack_rows_as_columns(vb, sv_t, S, D, 4, vc);
     pack_row_pairs(kb, sk_t, S, D, kpairs);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (long hi = 0; hi < rep; hi++) {
