@@ -380,6 +380,19 @@ def naive_attention(q, k, v, mask, scale):
     return (torch.softmax(s, -1) @ v).transpose(1, 2)                               # [B, T, H, D]
 
 
+def assert_same_attention_output(mine, theirs, q, k, v, mask, scale):
+    """The kernel's bf16 attention output against eager attention's: bit for bit, except
+    where a float32 probability lands on the other side of a bf16 rounding boundary (the
+    two softmaxes' exp functions differ in the last bits, and where depends on the CPU's
+    vector code): at most 1% of the elements, each off by no more than one rounding of
+    the probabilities it sums, 2^-8 sum_j p_j |v_j|, plus one rounding of its own."""
+    assert mine.dtype == theirs.dtype == BF16 and mine.shape == theirs.shape
+    assert float((mine != theirs).float().mean()) <= 0.01
+    weighted_abs = naive_attention(q.detach(), k.detach(), v.detach().abs(), mask, scale)      # [B, T, H, D]
+    bound = 2 ** -8 * (weighted_abs + theirs.double().abs())
+    assert bool(((mine.double() - theirs.double()).abs() <= bound).all())
+
+
 def attention_inputs(seed, B=3, H=4, Hkv=2, T=9, S=9, D=16, dtype=BF16, mask="min"):
     """q [B, H, T, D], k, v [B, Hkv, S, D] as strided views of projections, leaves with
     grad; a causal mask (the last T of S positions are the queries) with left padding
@@ -429,7 +442,8 @@ def test_attention_matches_its_float64_formula_and_gradients(dtype, shape, mask)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_rounds_like_transformers_eager_attention(dtype):
-    """Forward bit for bit (bf16); gradients too without grouped heads. With two query
+    """Forward bit for bit (bf16) up to probabilities that round the other way (see
+    assert_same_attention_output); gradients too without grouped heads. With two query
     heads per KV head autograd rounds each head's key and value gradient before their
     sum, the kernel sums in float32 and rounds once: one rounding of the largest value."""
     from types import SimpleNamespace
@@ -445,7 +459,9 @@ def test_attention_rounds_like_transformers_eager_attention(dtype):
         for i, (a, b) in enumerate(zip(mine, theirs)):
             if dtype == torch.float32:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
-            elif i < 2 or H == Hkv:                     # output and dq; dk, dv without groups
+            elif i == 0:
+                assert_same_attention_output(a, b, q, k, v, m, 0.125)
+            elif i == 1 or H == Hkv:                    # dq; dk, dv without groups
                 assert_same_bf16(a, b, max_fraction_off=0.01)
             else:
                 assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
@@ -463,7 +479,7 @@ def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention():
         theirs = original(SimpleNamespace(num_key_value_groups=1, training=False), q, k, v, bias, scaling=0.125,
                           dropout=0.0)[0]
         mine = AttentionFunction.apply(q, k, v, bias, 0.125)
-    assert_same_bf16(mine, theirs, max_fraction_off=0.01)
+    assert_same_attention_output(mine, theirs, q, k, v, bias, 0.125)
 
 
 def test_attention_runs_on_the_tile_units_where_the_cpu_has_them():
