@@ -329,14 +329,15 @@ def test_decode_attention_rounds_like_transformers_eager_attention(dtype):
     from types import SimpleNamespace
 
     original = getattr(modeling_llama.eager_attention_forward, "__wrapped__", modeling_llama.eager_attention_forward)
-    for seed, mask in ((21, "min"), (22, None)):
+    # 1/8 is a power of two (scaling a rounded score is exact); 128^-0.5 is not
+    for seed, mask, scale in ((21, "min", 0.125), (22, None, 0.125), (23, "min", 128 ** -0.5)):
         q, k, v, m = decode_inputs(seed, B=4, H=8, Hkv=4, T=33, D=64, dtype=dtype, mask=mask)
         with torch.no_grad():
             theirs, _ = original(SimpleNamespace(num_key_value_groups=2, training=False), q, k, v, m,
-                                 scaling=0.125, dropout=0.0)
-        mine = decode_attention(q, k, v, m, 0.125)
+                                 scaling=scale, dropout=0.0)
+        mine = decode_attention(q, k, v, m, scale)
         if dtype == BF16:
-            assert_same_bf16(mine, theirs, max_fraction_off=0.01)
+            assert_same_attention_output(mine, theirs, q, k, v, m, scale)
         else:
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
@@ -449,18 +450,20 @@ def test_attention_rounds_like_transformers_eager_attention(dtype):
     from types import SimpleNamespace
 
     original = getattr(modeling_llama.eager_attention_forward, "__wrapped__", modeling_llama.eager_attention_forward)
-    for seed, (H, Hkv), mask in ((32, (8, 8), "min"), (33, (8, 4), "min"), (34, (4, 4), None)):
+    # 1/8 is a power of two (scaling a rounded score is exact); 128^-0.5 is not
+    for seed, (H, Hkv), mask, scale in ((32, (8, 8), "min", 0.125), (33, (8, 4), "min", 0.125),
+                                        (34, (4, 4), None, 0.125), (38, (4, 4), "min", 128 ** -0.5)):
         q, k, v, m = attention_inputs(seed, B=4, H=H, Hkv=Hkv, T=33, S=33, D=64, dtype=dtype, mask=mask)
         upstream = torch.randn(4, 33, H, 64, generator=gen(seed)).to(dtype)
         stand_in = SimpleNamespace(num_key_value_groups=H // Hkv, training=True)
-        theirs = attention_and_grads(lambda *a: original(stand_in, *a, m, scaling=0.125, dropout=0.0)[0],
+        theirs = attention_and_grads(lambda *a: original(stand_in, *a, m, scaling=scale, dropout=0.0)[0],
                                      q, k, v, upstream)
-        mine = attention_and_grads(lambda *a: AttentionFunction.apply(*a, m, 0.125), q, k, v, upstream)
+        mine = attention_and_grads(lambda *a: AttentionFunction.apply(*a, m, scale), q, k, v, upstream)
         for i, (a, b) in enumerate(zip(mine, theirs)):
             if dtype == torch.float32:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
             elif i == 0:
-                assert_same_attention_output(a, b, q, k, v, m, 0.125)
+                assert_same_attention_output(a, b, q, k, v, m, scale)
             elif i == 1 or H == Hkv:                    # dq; dk, dv without groups
                 assert_same_bf16(a, b, max_fraction_off=0.01)
             else:
