@@ -35,12 +35,13 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
-def assert_same_bf16(mine: torch.Tensor, theirs: torch.Tensor, max_fraction_off: float = 0.0):
+def assert_same_bf16(mine: torch.Tensor, theirs: torch.Tensor, max_fraction_off: float = 0.0, max_ulps: int = 1):
     """Equal bit for bit, except a fraction of elements one rounding apart (sums taken in
-    another order round differently now and then)."""
+    another order round differently now and then; ``max_ulps`` 2 where two roundings
+    follow each other, so that one falling the other way can move the second by two)."""
     assert mine.dtype == theirs.dtype == BF16 and mine.shape == theirs.shape
     off = ulps(mine, theirs)
-    assert int(off.max()) <= 1
+    assert int(off.max()) <= max_ulps
     assert float((off > 0).float().mean()) <= max_fraction_off
 
 
@@ -97,7 +98,10 @@ def test_rms_norm_rounds_like_transformers_bf16_graph():
     theirs = transformers_rms_norm(theirs_x, w, 1e-6)
     mine.backward(upstream)
     theirs.backward(upstream)
-    assert_same_bf16(mine, theirs, max_fraction_off=1e-3)
+    # y = R(w R(x r)): where the row's float32 r = rsqrt(mean x^2 + eps) comes out one step
+    # apart (its sum runs in the order of the build's vectors), the inner rounding may fall
+    # the other way, and the outer one then lands up to two steps apart
+    assert_same_bf16(mine, theirs, max_fraction_off=1e-3, max_ulps=2)
     assert_same_bf16(mine_x.grad, theirs_x.grad, max_fraction_off=1e-3)
 
 
@@ -337,7 +341,7 @@ def test_decode_attention_rounds_like_transformers_eager_attention(dtype):
                                  scaling=scale, dropout=0.0)
         mine = decode_attention(q, k, v, m, scale)
         if dtype == BF16:
-            assert_same_attention_output(mine, theirs, q, k, v, m, scale)
+            assert_same_up_to_rounding(mine, theirs, attention_rounding_bounds(q, k, v, m, scale)[0])
         else:
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
@@ -381,17 +385,45 @@ def naive_attention(q, k, v, mask, scale):
     return (torch.softmax(s, -1) @ v).transpose(1, 2)                               # [B, T, H, D]
 
 
-def assert_same_attention_output(mine, theirs, q, k, v, mask, scale):
-    """The kernel's bf16 attention output against eager attention's: bit for bit, except
-    where a float32 probability lands on the other side of a bf16 rounding boundary (the
-    two softmaxes' exp functions differ in the last bits, and where depends on the CPU's
-    vector code): at most 1% of the elements, each off by no more than one rounding of
-    the probabilities it sums, 2^-8 sum_j p_j |v_j|, plus one rounding of its own."""
+def attention_rounding_bounds(q, k, v, mask, scale, go=None):
+    """How far a bf16 rounding that falls the other way can move each element of eager
+    attention's output and gradients (float64): one bf16 step (at most 2^-7 of a value)
+    on every term the element sums, plus one on the element itself. The terms are
+    out_t = sum_j R(p_tj) v_j;  dq_t = scale sum_j ds_tj k_j;  dk_j = scale sum_t ds_tj q_t;
+    dv_j = sum_t R(p_tj) go_t, with ds_tj = p_tj (dP_tj - sum_i p_ti dP_ti), dP = R(go v^T),
+    so |ds_tj| is bounded by p_tj (|dP_tj| + sum_i p_ti |dP_ti|). Returns the bounds for
+    out [B, T, H, D] and, given the upstream gradient go [B, T, H, D], for dq [B, H, T, D]
+    and dk, dv [B, Hkv, S, D] (grouped heads summed)."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    q64 = q.detach().double()
+    k64, v64 = (t.detach().double().repeat_interleave(rep, 1) for t in (k, v))          # [B, H, S, D]
+    s = (q64 @ k64.transpose(2, 3)) * scale
+    p = torch.softmax(s + mask.double() if mask is not None else s, -1)               # [B, H, T, S]
+    step = 2 ** -7
+    bounds = [step * (p @ v64.abs()).transpose(1, 2)]                                 # out [B, T, H, D]
+    if go is not None:
+        go64 = go.double().transpose(1, 2)                                           # [B, H, T, D]
+        dp = (go64 @ v64.transpose(2, 3)).abs()
+        ds = p * (dp + (p * dp).sum(-1, keepdim=True))                               # >= |ds|
+        group = lambda x: x.view(B, Hkv, rep, S, D).sum(2)                            # noqa: E731
+        bounds += [step * scale * (ds @ k64.abs()),                                  # dq
+                   group(step * scale * (ds.transpose(2, 3) @ q64.abs())),           # dk
+                   group(step * (p.transpose(2, 3) @ go64.abs()))]                   # dv
+    return bounds
+
+
+def assert_same_up_to_rounding(mine, theirs, bound, max_fraction_off=0.01):
+    """The kernel's bf16 attention results against eager attention's: bit for bit, except
+    where a float32 value lands on the other side of a bf16 rounding boundary (the two
+    softmaxes' exp functions differ in the last bits, and sums run in an order that
+    depends on the CPU's vector code): at most ``max_fraction_off`` of the elements, each
+    within ``bound`` (attention_rounding_bounds) plus one step of its own."""
     assert mine.dtype == theirs.dtype == BF16 and mine.shape == theirs.shape
-    assert float((mine != theirs).float().mean()) <= 0.01
-    weighted_abs = naive_attention(q.detach(), k.detach(), v.detach().abs(), mask, scale)      # [B, T, H, D]
-    bound = 2 ** -8 * (weighted_abs + theirs.double().abs())
-    assert bool(((mine.double() - theirs.double()).abs() <= bound).all())
+    assert float((mine != theirs).float().mean()) <= max_fraction_off
+    off = (mine.double() - theirs.double()).abs()
+    assert bool((off <= bound + 2 ** -7 * theirs.double().abs()).all())
 
 
 def attention_inputs(seed, B=3, H=4, Hkv=2, T=9, S=9, D=16, dtype=BF16, mask="min"):
@@ -443,8 +475,8 @@ def test_attention_matches_its_float64_formula_and_gradients(dtype, shape, mask)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_rounds_like_transformers_eager_attention(dtype):
-    """Forward bit for bit (bf16) up to probabilities that round the other way (see
-    assert_same_attention_output); gradients too without grouped heads. With two query
+    """Forward bit for bit (bf16) up to values that round the other way (see
+    assert_same_up_to_rounding); gradients too without grouped heads. With two query
     heads per KV head autograd rounds each head's key and value gradient before their
     sum, the kernel sums in float32 and rounds once: one rounding of the largest value."""
     from types import SimpleNamespace
@@ -459,13 +491,12 @@ def test_attention_rounds_like_transformers_eager_attention(dtype):
         theirs = attention_and_grads(lambda *a: original(stand_in, *a, m, scaling=scale, dropout=0.0)[0],
                                      q, k, v, upstream)
         mine = attention_and_grads(lambda *a: AttentionFunction.apply(*a, m, scale), q, k, v, upstream)
+        bounds = attention_rounding_bounds(q, k, v, m, scale, upstream)
         for i, (a, b) in enumerate(zip(mine, theirs)):
             if dtype == torch.float32:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
-            elif i == 0:
-                assert_same_attention_output(a, b, q, k, v, m, scale)
-            elif i == 1 or H == Hkv:                    # dq; dk, dv without groups
-                assert_same_bf16(a, b, max_fraction_off=0.01)
+            elif i < 2 or H == Hkv:                     # output and dq; dk, dv without groups
+                assert_same_up_to_rounding(a, b, bounds[i])
             else:
                 assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
 
@@ -482,7 +513,7 @@ def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention():
         theirs = original(SimpleNamespace(num_key_value_groups=1, training=False), q, k, v, bias, scaling=0.125,
                           dropout=0.0)[0]
         mine = AttentionFunction.apply(q, k, v, bias, 0.125)
-    assert_same_attention_output(mine, theirs, q, k, v, bias, 0.125)
+    assert_same_up_to_rounding(mine, theirs, attention_rounding_bounds(q, k, v, bias, 0.125)[0])
 
 
 def test_attention_runs_on_the_tile_units_where_the_cpu_has_them():
