@@ -229,6 +229,29 @@ def square_operands(device, dtype, size: int):
     return torch.randn(size, size, device=device).to(dt), torch.randn(size, size, device=device).to(dt)
 
 
+def describe_machine() -> str:
+    """The hardware the ratios belong to: the CPU's model and what runs its bf16 matmuls
+    (AMX tiles on recent Intel CPUs, AVX512-BF16 vector instructions on AMD's Zen 4),
+    and the GPU if there is one."""
+    import platform
+
+    import torch
+
+    info = {}                                   # the first CPU's "model name" and "flags"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    model = info.get("model name") or platform.processor() or platform.machine()
+    flags = f" {info['flags']} " if "flags" in info else ""
+    units = ("AMX tiles" if " amx_bf16 " in flags else "AVX512-BF16 vector instructions" if " avx512_bf16 " in flags
+             else "no bf16 instructions (fp32 is the default there)" if flags else "unknown units")
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"machine: {model}, {os.cpu_count()} CPU cores, bf16 matmuls on {units}{gpu}"
+
+
 def matmul_ceiling(device, dtype, size: int = 2048, repeats: int = 10) -> float:
     """Best FLOP/s of a (size x size) @ (size x size) matmul in the precision in use."""
     import torch
@@ -520,6 +543,7 @@ def main(argv=None) -> int:
         return 0
 
     model_dir(a)            # build once, before the children race to it
+    print(describe_machine())
     print(f"model: hidden {a.hidden}, {a.layers} layers; {a.batch} sequences, responses of "
           f"{a.response_len} tokens; micro-batch {a.micro} (memory) / {a.perf_micro} (speed); "
           f"precision {a.precision}, device {a.device}")
