@@ -43,8 +43,8 @@ Reported, each against its goal:
               column-major (``ppokit/lm/weight_layout.py``) and row-major.
 ``attention`` (``--only attention``) the same with the attention kernel of training and
               scoring passes and with eager attention (the other kernels on in both).
-``amx``       (``--only amx``) the same with LoRA's rank-r products on ppokit's AMX kernels
-              and on oneDNN's matmuls (CPUs with AMX, bf16).
+``amx``       (``--only amx``) the same with LoRA's rank-r products on ppokit's kernels (AMX,
+              or AVX512-BF16 vectors on CPUs without it) and on oneDNN's matmuls (bf16).
 
 Responses are forced to full length (``min_new_tokens``), so every run does the same work.
 
@@ -411,9 +411,9 @@ def child_gen(a: argparse.Namespace) -> dict:
 
 
 def alternate(a: argparse.Namespace, paths: dict) -> dict:
-    """Score and update times for each of ``paths`` (name -> function that switches the
-    policy to it), best of ``a.repeats`` rounds, alternating in one process (this machine's
-    speed drifts more between processes than the paths differ)."""
+    """Generation, score and update times for each of ``paths`` (name -> function that
+    switches the policy to it), best of ``a.repeats`` rounds, alternating in one process
+    (this machine's speed drifts more between processes than the paths differ)."""
     a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})
     pieces = Pieces(a, "lora")
     ro = pieces.engine.generate(pieces.prompts, group_size=1)
@@ -422,7 +422,8 @@ def alternate(a: argparse.Namespace, paths: dict) -> dict:
     for round_ in range(a.repeats + 1):                 # round 0 warms every path up
         for name, switch in paths.items():
             switch(pieces.policy)
-            for phase, run in (("score", lambda: pieces.scorer.score(ro)),
+            for phase, run in (("generate", lambda: pieces.engine.generate(pieces.prompts, group_size=1)),
+                               ("score", lambda: pieces.scorer.score(ro)),
                                ("update", lambda: pieces.learner.update(batch, 0))):
                 start = time.perf_counter()
                 run()
@@ -479,21 +480,21 @@ def child_attention(a: argparse.Namespace) -> dict:
 
 
 def child_amx(a: argparse.Namespace) -> dict:
-    """LoRA's rank-r products on ppokit's AMX kernels against oneDNN's matmuls."""
-    from ppokit.lm.fused_lora import enable_amx_lora
+    """LoRA's rank-r products on ppokit's kernels (AMX or AVX512-BF16) against oneDNN's matmuls."""
+    from ppokit.lm.fused_lora import enable_lora_kernels
 
-    def amx(policy) -> None:
-        if not enable_amx_lora(policy.lm, True):
-            raise SystemExit("--only amx: this CPU (or this build) has no AMX kernels for LoRA")
+    def kernels(policy) -> None:
+        if not enable_lora_kernels(policy.lm, True):
+            raise SystemExit("--only amx: this CPU (or this build) has no LoRA kernels (AMX or AVX512-BF16)")
 
-    return alternate(a, {"amx": amx, "oneDNN": lambda policy: enable_amx_lora(policy.lm, False)})
+    return alternate(a, {"kernels": kernels, "oneDNN": lambda policy: enable_lora_kernels(policy.lm, False)})
 
 
 CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora,
             "kernels": child_kernels, "layout": child_layout, "attention": child_attention, "amx": child_amx}
 # --only lora / kernels / layout / attention / amx: (ppokit's path, the path it is compared with)
 ALTERNATIVES = {"lora": ("fused", "peft"), "kernels": ("fused", "transformers"),
-                "layout": ("column-major", "row-major"), "attention": ("kernel", "eager"), "amx": ("amx", "oneDNN")}
+                "layout": ("column-major", "row-major"), "attention": ("kernel", "eager"), "amx": ("kernels", "oneDNN")}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -584,8 +585,8 @@ def main(argv=None) -> int:
     if a.only in ALTERNATIVES:
         t = run_child(a, a.only)
         ours, other = ALTERNATIVES[a.only]
-        for phase in ("score", "update"):
-            print(f"{a.only:11s} {phase:6s} {ours} {t[ours][phase]:7.3f} s   {other} {t[other][phase]:7.3f} s   "
+        for phase in ("generate", "score", "update"):
+            print(f"{a.only:11s} {phase:8s} {ours} {t[ours][phase]:7.3f} s   {other} {t[other][phase]:7.3f} s   "
                   f"{other}/{ours} {t[other][phase] / t[ours][phase]:.2f}x")
     if a.only in (None, "gen"):
         g = run_child(a, "gen")

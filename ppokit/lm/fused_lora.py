@@ -27,11 +27,13 @@ happens once, outside the function, so the fp32 master weights A and B receive
 fp32 gradients through autograd's own cast backward.
 
 On a CPU with AMX, in bf16 and for an even rank up to 64, the rank-r products run on
-ppokit's AMX kernels instead of oneDNN's matmuls (:func:`enable_amx_lora`, switched on
-with ``model.cpu_kernels``): ``h`` and ``g_h`` one pass over ``x`` and ``g`` each, the
-two ``addmm_`` one pass over ``y`` and ``dx`` each, and the weight gradients one pass
-over ``g`` and ``x`` (each a single rounding of a float32 sum, where the matmul path
-rounds ``g B`` and ``h^T g`` before scaling them: a rounding less).
+ppokit's tile kernels instead of oneDNN's matmuls (:func:`enable_lora_kernels`, switched
+on with ``model.cpu_kernels``): ``h`` and ``g_h`` one pass over ``x`` and ``g`` each, the
+two ``addmm_`` one pass over ``y`` and ``dx`` each, and the weight gradients one pass over
+``g`` and ``x`` (each a single rounding of a float32 sum, where the matmul path rounds
+``g B`` and ``h^T g`` before scaling them: a rounding less). On a CPU with AVX512-BF16
+but no AMX, vector versions of the same kernels run the decoding steps of generation
+only (see :func:`enable_lora_kernels`).
 
 :func:`fuse_lora_layers` switches every plain ``nn.Linear`` LoRA layer of a peft model
 to this path. A layer falls back to peft's own forward whenever the fused path does
@@ -47,7 +49,7 @@ import torch
 from torch import nn
 
 from ppokit.lm.class_swap import fused_subclass, restore_classes
-from ppokit.lm.kernels.functions import lora_amx_eligible, lora_amx_ready, lora_down, lora_outer, lora_up_add_
+from ppokit.lm.kernels.functions import lora_down, lora_kernels_eligible, lora_kernels_kind, lora_outer, lora_up_add_
 
 
 def _matmul_down(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -68,37 +70,37 @@ def _matmul_outer(p: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tenso
     return out.mul_(scale) if scale != 1.0 else out
 
 
-# LoRA's rank-r products (down, up_add_, outer): oneDNN's matmuls, or ppokit's AMX kernels
+# LoRA's rank-r products (down, up_add_, outer): oneDNN's matmuls, or ppokit's kernels
 MATMUL_PRODUCTS = (_matmul_down, _matmul_up_add_, _matmul_outer)
-AMX_PRODUCTS = (lora_down, lora_up_add_, lora_outer)
+KERNEL_PRODUCTS = (lora_down, lora_up_add_, lora_outer)
 
 
 class LoRALinearFunction(torch.autograd.Function):
     """``y = x W^T + b + s (x A^T) B^T`` with a matmul-only backward (see the module doc).
 
     Shapes: x [N, d_in], W [d_out, d_in], b [d_out] or None, A [r, d_in], B [d_out, r];
-    all in one dtype. Returns y [N, d_out]. ``amx``: the rank-r products on the AMX
-    kernels where :func:`lora_amx_eligible` says they apply.
+    all in one dtype. Returns y [N, d_out]. ``kernels``: the rank-r products on ppokit's
+    kernels where :func:`lora_kernels_eligible` says they apply.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, amx: bool = False):
-        amx = amx and lora_amx_eligible(x, lora_a, lora_b)
-        down, up_add_, _ = AMX_PRODUCTS if amx else MATMUL_PRODUCTS
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, kernels: bool = False):
+        kernels = kernels and lora_kernels_eligible(x, lora_a, lora_b)
+        down, up_add_, _ = KERNEL_PRODUCTS if kernels else MATMUL_PRODUCTS
         # The order keeps x in cache between the two products that read it (measured
         # 1-11% faster per layer than h first).
         y = torch.addmm(bias, x, weight.t()) if bias is not None else x @ weight.t()   # [N, d_out]
         h = down(x, lora_a)                                                 # [N, r]
         up_add_(y, h, lora_b.t(), scaling)
         ctx.save_for_backward(x, weight, lora_a, lora_b, h)
-        ctx.scaling, ctx.amx = scaling, amx
+        ctx.scaling, ctx.kernels = scaling, kernels
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, lora_a, lora_b, h = ctx.saved_tensors
         s = ctx.scaling
-        down, up_add_, outer = AMX_PRODUCTS if ctx.amx else MATMUL_PRODUCTS
+        down, up_add_, outer = KERNEL_PRODUCTS if ctx.kernels else MATMUL_PRODUCTS
         # Ordered by the tensor each product reads, so that it is still in cache: the two
         # passes over g first, then the input gradient, then the pass over x (measured
         # 4-14% faster per layer than the order of the formulas).
@@ -153,7 +155,7 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)                                 # [N, d_in]
     with torch.autocast(device_type, enabled=False):
         y = LoRALinearFunction.apply(x2, weight, bias, lora_a.to(dtype), lora_b.to(dtype),
-                                     float(self.scaling[name]), getattr(self, "ppokit_amx", False))
+                                     float(self.scaling[name]), _use_kernels(self, x))
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -177,20 +179,41 @@ def fuse_lora_layers(model: nn.Module) -> int:
     return count
 
 
-def enable_amx_lora(model: nn.Module, enabled: bool = True) -> int:
-    """Let ``model``'s fused LoRA layers run their rank-r products on ppokit's AMX kernels
-    where they apply (see the module doc); returns how many layers can. Without AMX (or
-    without the kernels) none can, and nothing changes."""
+KERNELS_ALWAYS, KERNELS_WHEN_DECODING = "always", "decoding"     # a layer's ppokit_lora_kernels
+
+
+def enable_lora_kernels(model: nn.Module, enabled: bool = True) -> int:
+    """Let ``model``'s fused LoRA layers run their rank-r products on ppokit's kernels where
+    they apply (see the module doc; :func:`lora_kernels_kind` says which); returns how many
+    layers can. Without AMX or AVX512-BF16 (or without the kernels) none can, and nothing
+    changes.
+
+    On AMX the kernels run every pass. On AVX512-BF16 vectors they run only the decoding
+    steps of generation (one new position per sequence, no gradient), where oneDNN's fixed
+    cost per call dominates: on the update's thousands of rows its ``addmm_`` runs at the
+    memory bound and the vector kernels do not win (README). Training and scoring passes
+    then both take oneDNN's matmuls, so they round alike and the first ratio stays exactly
+    1; no ratio reads a decoding step's numbers."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    if enabled and not lora_amx_ready():
+    kind = lora_kernels_kind()
+    if enabled and kind is None:
         return 0
+    mode = (KERNELS_ALWAYS if kind == "amx" else KERNELS_WHEN_DECODING) if enabled else None
     count = 0
     for module in model.modules():
         if isinstance(module, LoraLinear) and type(module) in _FUSED_CLASSES.values():
-            module.ppokit_amx = enabled
+            module.ppokit_lora_kernels = mode
             count += 1
     return count if enabled else 0
+
+
+def _use_kernels(layer, x: torch.Tensor) -> bool:
+    """Whether this call of a fused layer runs its rank-r products on ppokit's kernels."""
+    mode = getattr(layer, "ppokit_lora_kernels", None)
+    if mode == KERNELS_WHEN_DECODING:           # x [B, 1, d_in]: one new position per sequence
+        return x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled()
+    return mode == KERNELS_ALWAYS
 
 
 def unfuse_lora_layers(model: nn.Module) -> int:

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from ppokit import algo
 from ppokit.errors import UserError
-from ppokit.lm.fused_lora import enable_amx_lora, fuse_lora_layers
+from ppokit.lm.fused_lora import enable_lora_kernels, fuse_lora_layers
 from ppokit.lm.weight_layout import transpose_wide_weights
 
 ACTOR, CRITIC = "actor", "critic"
@@ -355,8 +355,9 @@ class LMPolicy(nn.Module):
 
     def fuse_cpu_kernels(self) -> dict[str, int]:
         """On a CPU, give the models' RMSNorm, SwiGLU and rotary layers ppokit's fused
-        kernels (:mod:`ppokit.lm.kernels`; bf16 and fp32), and in LoRA mode on a CPU with
-        AMX the LoRA layers' rank-r products (``lora_amx``); returns how many of each kind.
+        kernels (:mod:`ppokit.lm.kernels`; bf16 and fp32), and in LoRA mode in bf16 on a CPU
+        with AMX or AVX512-BF16 the LoRA layers' rank-r products (``lora_amx`` or
+        ``lora_avx512``); returns how many of each kind.
         On other devices nothing changes and the counts are empty."""
         from ppokit.lm.kernels.fuse import fuse_cpu_kernels
 
@@ -367,9 +368,11 @@ class LMPolicy(nn.Module):
             for kind, n in fuse_cpu_kernels(lm).items():
                 counts[kind] = counts.get(kind, 0) + n
         if self.mode == "lora" and self.autocast_dtype == torch.bfloat16:
-            amx = enable_amx_lora(self.lm)            # LoRA's rank-r products on AMX, where it exists
-            if amx:
-                counts["lora_amx"] = amx
+            from ppokit.lm.kernels.functions import lora_kernels_kind
+
+            layers = enable_lora_kernels(self.lm)     # LoRA's rank-r products on AMX or AVX512-BF16
+            if layers:
+                counts[f"lora_{lora_kernels_kind()}"] = layers
         self.fused_kernel_counts = counts
         return counts
 

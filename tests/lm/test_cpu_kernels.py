@@ -18,7 +18,7 @@ from transformers.models.llama import modeling_llama
 
 from ppokit.lm.kernels import cpu_library
 from ppokit.lm.kernels.functions import (AttentionFunction, RMSNormFunction, RotaryFunction, SiluMulFunction,
-                                         decode_attention, lora_amx_ready)
+                                         decode_attention, lora_amx_ready, lora_kernels_kind)
 from ppokit.lm.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -741,16 +741,17 @@ def test_policy_fuses_on_cpu_when_configured(tiny_dir):
     cpu = torch.device("cpu")
     bf16 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=BF16)
     layers = 2                                                   # the test model's
-    amx = {"lora_amx": 7 * layers} if lora_amx_ready() else {}        # every linear layer's LoRA
+    kind = lora_kernels_kind()                                   # amx, avx512 or None
+    lora = {f"lora_{kind}": 7 * layers} if kind else {}          # every linear layer's LoRA
     assert bf16.fused_kernel_counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers,
-                                        "attention": layers, **amx}
+                                        "attention": layers, **lora}
     assert fused_modules(bf16) == 4 * layers + 1
     from ppokit.lm.workload import _kernels_note
 
     assert _kernels_note(bf16) == (" + fused CPU kernels (rms_norm 5, mlp 2, rotary 2, attention 2"
-                                   + (", lora_amx 14)" if amx else ")"))
+                                   + (f", lora_{kind} 14)" if kind else ")"))
     fp32 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=None)
-    fp32_counts = {kind: n for kind, n in bf16.fused_kernel_counts.items() if kind != "lora_amx"}
+    fp32_counts = {name: n for name, n in bf16.fused_kernel_counts.items() if not name.startswith("lora_")}
     assert fp32.fused_kernel_counts == fp32_counts          # the float32 kernels; LoRA's are bf16 only
     off = build_policy(lm_config(tiny_dir, model={"cpu_kernels": False}), tiny_dir, device=cpu, autocast_dtype=BF16)
     assert fused_modules(off) == 0 and _kernels_note(off) == ""

@@ -138,6 +138,7 @@ def _load(path: Path) -> tuple[Optional[ctypes.CDLL], str]:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         lib.lora_amx_available.argtypes, lib.lora_amx_available.restype = [], ctypes.c_int
+        lib.lora_vector_available.argtypes, lib.lora_vector_available.restype = [], ctypes.c_int
         lib.attention_amx_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
         lib.attention_amx_scratch_floats.restype = ctypes.c_long
         lib.attention_on_amx.argtypes, lib.attention_on_amx.restype = [ctypes.c_long] * 3, ctypes.c_int

@@ -179,6 +179,15 @@ static inline void store_bf16x16(bf16 *p, __m512 v, long n) {
     __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16x16(v)), 16));
     _mm256_mask_storeu_epi16(p, mask16(n), h);
 }
+/* Two rows a, b of 32 bf16 interleaved into pairs (a_i, b_i), the VNNI layout of a B tile's row:
+ * pairs 0-15 (lo) and 16-31 (hi). */
+static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *hi) {
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    *lo = _mm512_permutex2var_epi16(a, first, b);
+    *hi = _mm512_permutex2var_epi16(a, _mm512_add_epi16(first, _mm512_set1_epi16(16)), b);
+}
+
 #else
 #define HAVE_AVX512 0
 #endif
@@ -194,8 +203,10 @@ static inline void store_bf16x16(bf16 *p, __m512 v, long n) {
  *   lora_outer_bf16    out = R(s p^T x)        p [N, r], x [N, d]  ->  out [r, d]
  * for r <= 64 (up_add: r even). Each configures the tiles on entry and releases them on
  * exit, so that oneDNN's AMX kernels in the same thread find them as they left them.
- * lora_amx_available() says whether the build has AMX and Linux granted the tile state;
- * builds without AMX compile the three to nothing, and they are never called. */
+ * lora_amx_available() says whether the build has AMX and Linux granted the tile state.
+ * Builds without AMX but with AVX512-BF16 get vector versions of the three instead
+ * (lora_vector_available(), below); other builds compile them to nothing, and they are
+ * never called. */
 #if HAVE_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <unistd.h>
 #include <sys/syscall.h>
@@ -234,15 +245,6 @@ static inline void store_accumulators(float *c) {
     _tile_stored(1, c + 16, 256);
     _tile_stored(2, c + 32, 256);
     _tile_stored(3, c + 48, 256);
-}
-
-/* Two rows a, b of 32 bf16 interleaved into pairs (a_i, b_i), the VNNI layout of a B tile's row:
- * pairs 0-15 (lo) and 16-31 (hi). */
-static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *hi) {
-    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    *lo = _mm512_permutex2var_epi16(a, first, b);
-    *hi = _mm512_permutex2var_epi16(a, _mm512_add_epi16(first, _mm512_set1_epi16(16)), b);
 }
 
 /* The rows x [n, cols] (row stride sx) as B tiles whose 16 columns are rows of x and whose 16
@@ -740,16 +742,146 @@ long attention_amx_scratch_floats(long rep, long D) {
                               + 3 * 4096 + 16 * 64;
     return bf16s / 2 + 16 * 64 + 16 * 128 + 64;
 }
+int lora_vector_available(void) { return 0; }    /* the tile kernels above take their place */
 #else
 int lora_amx_available(void) { return 0; }
 long attention_amx_scratch_floats(long rep, long D) { return 0; }
 int attention_on_amx(long T, long S, long D) { return 0; }
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+/* ------------------------------------------------------------ LoRA's rank-r products on vectors
+ * The same three products and roundings as the AMX kernels above, for CPUs with
+ * AVX512-BF16 but no tile units (AMD's Zen 4): each vdpbf16ps multiplies 16 pairs of bf16
+ * and adds them to float32 sums, one pass over the big operand per call. At a decoding
+ * step's few hundred rows oneDNN's bf16 matmuls pay a fixed cost per call that these do
+ * not; on the update's thousands of rows oneDNN's addmm_ runs at the memory bound and
+ * these do not win, so ppokit calls them for decoding steps only (fused_lora.py). (On
+ * Intel's CPUs vdpbf16ps runs at half the rate of float32 FMAs: there the AMX ones run.)
+ * r even, at most LORA_VEC_MAX_RANK. */
+#define LORA_VEC_MAX_RANK 64
+#define OUTER_AHEAD 64       /* rows ahead that lora_outer_bf16 prefetches */
+
+int lora_vector_available(void) { return 1; }
+
+/* The 8 lanes' horizontal sums of a[0..7]. */
+static inline __m256 sum_lanes8(const __m512 a[8]) {
+    __m256 b[8];
+    for (int i = 0; i < 8; i++) b[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+    __m256 s01 = _mm256_hadd_ps(b[0], b[1]), s23 = _mm256_hadd_ps(b[2], b[3]);
+    __m256 s45 = _mm256_hadd_ps(b[4], b[5]), s67 = _mm256_hadd_ps(b[6], b[7]);
+    __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67);   /* [0-3 low, 0-3 high] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20), _mm256_permute2f128_ps(s03, s47, 0x31));
+}
+
+/* h = R(x m^T) for the rows [start, stop): m copied into scratch as [8 groups, dp] rows
+ * zero padded to dp = d rounded up to 32 and to a multiple of 8 rows (scratch: 2 * 8
+ * ceil(r / 8) dp bytes). */
+void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, long stop, long d, long r,
+                    void *scratch) {
+    long dp = (d + 31) / 32 * 32, groups = (r + 7) / 8;
+    bf16 *mp = (bf16 *)scratch;
+    memset(mp, 0, groups * 8 * dp * sizeof(bf16));
+    for (long j = 0; j < r; j++) memcpy(mp + j * dp, m + j * d, d * sizeof(bf16));
+    for (long i = start; i < stop; i++) {
+        const bf16 *xr = x + i * sx;
+        for (long g = 0; g < groups; g++) {
+            __m512 acc[8];
+            for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
+            for (long c = 0; c < dp; c += 32) {
+                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask32(d - c), xr + c);
+                for (int k = 0; k < 8; k++)
+                    acc[k] = _mm512_dpbf16_ps(acc[k], xv, (__m512bh)_mm512_loadu_si512(mp + (g * 8 + k) * dp + c));
+            }
+            float sums[8];
+            _mm256_storeu_ps(sums, sum_lanes8(acc));
+            for (long k = 0; k < 8 && g * 8 + k < r; k++) h[i * r + g * 8 + k] = f2bf(sums[k]);
+        }
+    }
+}
+
+/* y = R(y + s h m) in place for the rows [start, stop): m's rows interleaved in pairs into
+ * scratch as [r / 2, dp] 32-bit words (m[2k, c], m[2k + 1, c]), dp = d rounded up to 16
+ * (scratch: 2 r dp bytes). */
+void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start, long stop, long d, long r,
+                      float s, void *scratch) {
+    long dp = (d + 15) / 16 * 16, pairs = r / 2;
+    uint32_t *mp = (uint32_t *)scratch;
+    for (long k = 0; k < pairs; k++)
+        for (long c = 0; c < dp; c++)
+            mp[k * dp + c] = c < d ? (uint32_t)m[2 * k * d + c] | (uint32_t)m[(2 * k + 1) * d + c] << 16 : 0u;
+    const __m512 vs = _mm512_set1_ps(s);
+    for (long i = start; i < stop; i++) {
+        uint32_t hp[LORA_VEC_MAX_RANK / 2];
+        memcpy(hp, h + i * r, r * sizeof(bf16));
+        bf16 *yr = y + i * sy;
+        for (long c0 = 0; c0 < d; c0 += 64) {      /* four independent sums in flight */
+            __m512 acc[4];
+            for (int t = 0; t < 4; t++) acc[t] = _mm512_setzero_ps();
+            long nt = (d - c0 + 15) / 16 < 4 ? (d - c0 + 15) / 16 : 4;
+            for (long k = 0; k < pairs; k++) {
+                __m512bh hv = (__m512bh)_mm512_set1_epi32((int)hp[k]);
+                for (int t = 0; t < 4; t++)
+                    if (t < nt) acc[t] = _mm512_dpbf16_ps(acc[t], hv, (__m512bh)_mm512_loadu_si512(mp + k * dp + c0 + 16 * t));
+            }
+            for (int t = 0; t < nt; t++) {
+                long c = c0 + 16 * t;
+                __mmask16 mk = mask16(d - c);
+                __m512 yv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, yr + c)), 16));
+                _mm256_mask_storeu_epi16(yr + c, mk, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[t], vs, yv)));
+            }
+        }
+    }
+}
+
+/* out = R(s p^T x) for the columns [c0, c1): strips of 32 columns, ranks 8 at a time, the
+ * rows of x in pairs interleaved as vdpbf16ps takes them (scratch unused). */
+void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, long d, long r, long c0, long c1,
+                     float s, void *scratch) {
+    const __m512 vs = _mm512_set1_ps(s);
+    for (long c = c0; c < c1; c += 32) {
+        __mmask32 kc = mask32(c1 - c);
+        for (long g = 0; g < r; g += 8) {
+            long nk = r - g < 8 ? r - g : 8;
+            __m512 acc[8][2];
+            for (int k = 0; k < 8; k++) acc[k][0] = acc[k][1] = _mm512_setzero_ps();
+            for (long n = 0; n < N; n += 2) {
+                const bf16 *ra = x + n * sx + c, *pa = p + n * r + g;
+                int second = n + 1 < N;
+                if (n + OUTER_AHEAD + 1 < N) {          /* rows further down this column strip */
+                    __builtin_prefetch(ra + OUTER_AHEAD * sx);
+                    __builtin_prefetch(ra + (OUTER_AHEAD + 1) * sx);
+                }
+                __m512i a = _mm512_maskz_loadu_epi16(kc, ra);
+                __m512i b = second ? _mm512_maskz_loadu_epi16(kc, ra + sx) : _mm512_setzero_si512();
+                __m512i lo, hi;
+                interleave_pairs(a, b, &lo, &hi);
+                for (int k = 0; k < 8; k++) {
+                    if (k >= nk) break;
+                    uint32_t w = (uint32_t)pa[k] | (second ? (uint32_t)pa[r + k] << 16 : 0u);
+                    __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
+                    acc[k][0] = _mm512_dpbf16_ps(acc[k][0], pw, (__m512bh)lo);
+                    acc[k][1] = _mm512_dpbf16_ps(acc[k][1], pw, (__m512bh)hi);
+                }
+            }
+            for (long k = 0; k < nk; k++)
+                for (int t = 0; t < 2; t++) {
+                    __mmask16 mk = mask16(c1 - c - 16 * t);
+                    if (mk)
+                        _mm256_mask_storeu_epi16(out + (g + k) * d + c + 16 * t, mk,
+                                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[k][t], vs)));
+                }
+        }
+    }
+}
+#else
+int lora_vector_available(void) { return 0; }
 void lora_down_bf16(const bf16 *x, long sx, const bf16 *m, bf16 *h, long start, long stop, long d, long r,
                     void *scratch) {}
 void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start, long stop, long d, long r,
                       float s, void *scratch) {}
 void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, long d, long r, long c0, long c1,
                      float s, void *scratch) {}
+#endif
 #endif
 
 #define KERNEL_BODY

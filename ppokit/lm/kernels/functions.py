@@ -278,8 +278,8 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv.transpose(1, 2), None, None
 
 
-# ----------------------------------------------------------------------------- LoRA on AMX
-LORA_MAX_RANK = 64                       # the AMX LoRA kernels' largest rank
+# ----------------------------------------------------------------------------- LoRA's kernels
+LORA_MAX_RANK = 64                       # the LoRA kernels' largest rank (AMX and vectors)
 
 
 def lora_amx_ready() -> bool:
@@ -288,20 +288,30 @@ def lora_amx_ready() -> bool:
     return lib is not None and bool(lib.lora_amx_available())
 
 
-def lora_amx_eligible(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+def lora_kernels_kind() -> Optional[str]:
+    """Which kernels run LoRA's rank-r products here: ``"amx"`` (the tile units), ``"avx512"``
+    (AVX512-BF16 vectors, on CPUs without tiles) or None (oneDNN's matmuls)."""
+    if lora_amx_ready():                     # asks Linux for the tile state first
+        return "amx"
+    lib = cpu_library()
+    return "avx512" if lib is not None and lib.lora_vector_available() else None
+
+
+def lora_kernels_eligible(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
     """Whether LoRA's rank-r products for input x [N, d_in], A [r, d_in] and B [d_out, r] can
-    run on the AMX kernels: bf16 CPU tensors, an even rank up to ``LORA_MAX_RANK``."""
+    run on ppokit's kernels: bf16 CPU tensors, an even rank up to ``LORA_MAX_RANK``."""
     r = lora_a.shape[0]
     return (x.dtype == lora_a.dtype == lora_b.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and 0 < r <= LORA_MAX_RANK and r % 2 == 0 and lora_amx_ready())
+            and 0 < r <= LORA_MAX_RANK and r % 2 == 0 and lora_kernels_kind() is not None)
 
 
-def _amx_library():
-    """The kernels, once Linux has granted this process the AMX tile state (a tile
-    instruction before that is an illegal instruction); RuntimeError without AMX."""
-    if not lora_amx_ready():
-        raise RuntimeError("the AMX LoRA kernels need a CPU with AMX and the fused CPU kernels built "
-                           "(check lora_amx_ready() first)")
+def _lora_library():
+    """The kernels, once Linux has granted this process the AMX tile state where they run on
+    AMX (a tile instruction before that is an illegal instruction); RuntimeError where
+    neither AMX nor AVX512-BF16 runs them."""
+    if lora_kernels_kind() is None:
+        raise RuntimeError("the LoRA kernels need a CPU with AMX or AVX512-BF16 and the fused CPU kernels "
+                           "built (check lora_kernels_kind() first)")
     return cpu_library()
 
 
@@ -316,8 +326,9 @@ def lora_down(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     N, d = x.shape
     r = m.shape[0]
     h = torch.empty(N, r, dtype=torch.bfloat16)
-    kernel, chunks = _amx_library().lora_down_bf16, (d + 31) // 32
-    scratch_bytes = 2 * ((r + 15) // 16 * chunks * 512 + 32 * chunks * 32) + 4 * 512
+    kernel, chunks = _lora_library().lora_down_bf16, (d + 31) // 32
+    scratch_bytes = max(2 * ((r + 15) // 16 * chunks * 512 + 32 * chunks * 32) + 4 * 512,     # AMX
+                        2 * ((r + 7) // 8 * 8) * (32 * chunks))                             # vectors
 
     def run(a: int, b: int) -> None:
         scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
@@ -333,8 +344,8 @@ def lora_up_add_(y: torch.Tensor, h: torch.Tensor, m: torch.Tensor, scale: float
     h, m = h.contiguous(), m.contiguous()
     N, d = y.shape
     r = m.shape[0]
-    kernel, chunks = _amx_library().lora_up_add_bf16, (d + 63) // 64
-    scratch_bytes = 2 * (chunks * 64 * r + 1024) + 4 * 1024
+    kernel, chunks = _lora_library().lora_up_add_bf16, (d + 63) // 64
+    scratch_bytes = max(2 * (chunks * 64 * r + 1024) + 4 * 1024, 2 * r * ((d + 15) // 16 * 16))   # AMX, vectors
 
     def run(a: int, b: int) -> None:
         scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
@@ -350,7 +361,7 @@ def lora_outer(p: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
     N, d = x.shape
     r = p.shape[1]
     out = torch.empty(r, d, dtype=torch.bfloat16)
-    kernel, chunks = _amx_library().lora_outer_bf16, (d + 63) // 64
+    kernel, chunks = _lora_library().lora_outer_bf16, (d + 63) // 64
     scratch_bytes = 2 * ((r + 15) // 16 * 16 * ((N + 31) // 32 * 32) + 2048) + 4 * 1024
 
     def run(a: int, b: int) -> None:

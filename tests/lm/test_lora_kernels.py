@@ -1,6 +1,7 @@
-"""LoRA's rank-r products on AMX (ppokit/lm/kernels, ``lora_*_bf16``): each kernel against
-its float64 formula on ragged shapes, the threads, oneDNN's matmuls in the same thread,
-and the fused LoRA layer's AMX path against its matmul path and peft."""
+"""LoRA's rank-r products on ppokit's kernels (ppokit/lm/kernels, ``lora_*_bf16``: AMX
+tiles, or AVX512-BF16 vectors on CPUs without them): each kernel against its float64
+formula on ragged shapes, the threads, oneDNN's matmuls in the same thread (AMX), and the
+fused LoRA layer's kernel path against its matmul path and peft."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import sys
 import pytest
 import torch
 
-from ppokit.lm.fused_lora import LoRALinearFunction, enable_amx_lora, fuse_lora_layers
-from ppokit.lm.kernels.functions import (lora_amx_eligible, lora_amx_ready, lora_down, lora_outer,
-                                         lora_up_add_)
+from ppokit.lm.fused_lora import LoRALinearFunction, enable_lora_kernels, fuse_lora_layers
+from ppokit.lm.kernels.functions import (lora_amx_ready, lora_down, lora_kernels_eligible, lora_kernels_kind,
+                                         lora_outer, lora_up_add_)
 
-pytestmark = pytest.mark.skipif(not lora_amx_ready(), reason="no AMX here (or no C compiler)")
+pytestmark = pytest.mark.skipif(lora_kernels_kind() is None, reason="no AMX or AVX512-BF16 here (or no C compiler)")
+amx_only = pytest.mark.skipif(not lora_amx_ready(), reason="no AMX here")
 BF16 = torch.bfloat16
 # (rows, width, rank): whole tiles, and ragged rows, columns and ranks
 SHAPES = [(64, 128, 8), (1568, 640, 8), (37, 100, 6), (5, 1712, 16), (33, 70, 2), (300, 96, 14),
@@ -84,6 +86,7 @@ def test_two_threads_give_one_threads_numbers():
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+@amx_only
 def test_onednn_bf16_matmuls_between_the_kernels_stay_right():
     """Both use the tile registers of one thread: each kernel configures them on entry and
     releases them on exit, and oneDNN's matmuls before and after give their numbers."""
@@ -97,6 +100,7 @@ def test_onednn_bf16_matmuls_between_the_kernels_stay_right():
         assert torch.equal(x @ m.T, x @ m.T)
 
 
+@amx_only
 def test_kernels_ask_for_the_tile_state_in_a_fresh_process():
     """A tile instruction before Linux grants the AMX state is an illegal instruction: the
     kernels' entry points ask for it first, whatever ran before them in the process."""
@@ -110,15 +114,15 @@ def test_kernels_ask_for_the_tile_state_in_a_fresh_process():
 
 def test_eligibility():
     x, a, b = torch.zeros(4, 8, dtype=BF16), torch.zeros(2, 8, dtype=BF16), torch.zeros(6, 2, dtype=BF16)
-    assert lora_amx_eligible(x, a, b)
-    assert not lora_amx_eligible(x.float(), a.float(), b.float())                  # float32: the matmuls
-    assert not lora_amx_eligible(x, torch.zeros(3, 8, dtype=BF16), torch.zeros(6, 3, dtype=BF16))   # odd rank
-    assert lora_amx_eligible(x, torch.zeros(64, 8, dtype=BF16), torch.zeros(6, 64, dtype=BF16))
-    assert not lora_amx_eligible(x, torch.zeros(66, 8, dtype=BF16), torch.zeros(6, 66, dtype=BF16))  # rank > 64
+    assert lora_kernels_eligible(x, a, b)
+    assert not lora_kernels_eligible(x.float(), a.float(), b.float())                  # float32: the matmuls
+    assert not lora_kernels_eligible(x, torch.zeros(3, 8, dtype=BF16), torch.zeros(6, 3, dtype=BF16))   # odd rank
+    assert lora_kernels_eligible(x, torch.zeros(64, 8, dtype=BF16), torch.zeros(6, 64, dtype=BF16))
+    assert not lora_kernels_eligible(x, torch.zeros(66, 8, dtype=BF16), torch.zeros(6, 66, dtype=BF16))  # rank > 64
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_layer_on_amx_matches_its_matmul_path_and_the_float64_formula(with_bias):
+def test_layer_on_the_kernels_matches_its_matmul_path_and_the_float64_formula(with_bias):
     g = gen(10)
     n, d_in, d_out, r, s = 70, 96, 200, 8, 2.0
     x = torch.randn(n, d_in, generator=g).to(BF16)
@@ -128,23 +132,23 @@ def test_layer_on_amx_matches_its_matmul_path_and_the_float64_formula(with_bias)
     b = torch.randn(d_out, r, generator=g).to(BF16)
     upstream = torch.randn(n, d_out, generator=g).to(BF16)
     results = {}
-    for amx in (False, True):
+    for kernels in (False, True):
         leaves = [t.clone().requires_grad_() for t in (x, a, b)]
-        y = LoRALinearFunction.apply(leaves[0], w, bias, leaves[1], leaves[2], s, amx)
+        y = LoRALinearFunction.apply(leaves[0], w, bias, leaves[1], leaves[2], s, kernels)
         y.backward(upstream)
-        results[amx] = [y.detach()] + [t.grad for t in leaves]
+        results[kernels] = [y.detach()] + [t.grad for t in leaves]
     x64, a64, b64 = (t.double().requires_grad_() for t in (x, a, b))
     y64 = x64 @ w.double().T + s * (x64 @ a64.T) @ b64.T + (bias.double() if with_bias else 0)
     y64.backward(upstream.double())
-    for amx in (False, True):
-        for got, want in zip(results[amx], [y64.detach(), x64.grad, a64.grad, b64.grad]):
+    for kernels in (False, True):
+        for got, want in zip(results[kernels], [y64.detach(), x64.grad, a64.grad, b64.grad]):
             assert_bf16_of(got, want)
     for mine, theirs in zip(results[True], results[False]):       # the two paths agree as closely
         scale = theirs.double().abs().max().item()
         assert (mine.double() - theirs.double()).abs().max().item() <= 2 ** -7 * scale
 
 
-def test_peft_layers_on_amx_stay_as_close_to_fp32_as_peft_under_bf16_autocast():
+def test_peft_layers_on_the_kernels_stay_as_close_to_fp32_as_peft_under_bf16_autocast():
     from peft import LoraConfig, get_peft_model
 
     def model(seed=0):
@@ -169,11 +173,59 @@ def test_peft_layers_on_amx_stay_as_close_to_fp32_as_peft_under_bf16_autocast():
 
     exact = run(model(), autocast=False)
     errors = {}
-    for kind in ("peft", "amx"):
+    for kind in ("peft", "kernels"):
         net = model()
-        if kind == "amx":
+        if kind == "kernels":
             fuse_lora_layers(net)
-            assert enable_amx_lora(net) == 2
+            assert enable_lora_kernels(net) == 2
         got = run(net, autocast=True)
         errors[kind] = max((a - b).abs().max().item() for a, b in zip(got, exact))
-    assert errors["amx"] <= 2 * errors["peft"] + 1e-6
+    assert errors["kernels"] <= 2 * errors["peft"] + 1e-6
+
+
+def test_the_kernels_take_every_pass_on_amx_and_only_decoding_steps_on_vectors():
+    """On AVX512-BF16 vectors the kernels run only where no ratio reads the numbers: a
+    decoding step (one new position per sequence) without gradient. Training and scoring
+    passes keep oneDNN's matmuls, alike, so the first ratio stays exactly 1."""
+    from peft import LoraConfig, get_peft_model
+
+    from ppokit.lm.fused_lora import _use_kernels
+
+    net = get_peft_model(torch.nn.Sequential(torch.nn.Linear(64, 96)), LoraConfig(r=8, target_modules=["0"]))
+    fuse_lora_layers(net)
+    layer = net.base_model.model[0]
+    step, sequence = torch.zeros(5, 1, 64, dtype=BF16), torch.zeros(5, 7, 64, dtype=BF16)
+    assert not _use_kernels(layer, step)                        # not enabled yet
+    assert enable_lora_kernels(net) == 1
+    on_amx = lora_kernels_kind() == "amx"
+    with torch.no_grad():
+        assert _use_kernels(layer, step)
+        assert _use_kernels(layer, sequence) == on_amx          # scoring and prefill
+    assert _use_kernels(layer, step) == on_amx                  # with gradient
+    assert _use_kernels(layer, sequence) == on_amx              # training
+    enable_lora_kernels(net, False)
+    with torch.no_grad():
+        assert not _use_kernels(layer, step)
+
+
+def test_a_decoding_step_through_the_kernels_is_the_layers_formula():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(12)
+    net = get_peft_model(torch.nn.Sequential(torch.nn.Linear(64, 96)), LoraConfig(r=8, lora_alpha=16,
+                                                                                target_modules=["0"]))
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.2)
+    layer = net.base_model.model[0]
+    x = torch.randn(256, 1, 64, generator=gen(13)).to(BF16)
+    fuse_lora_layers(net)
+    assert enable_lora_kernels(net) == 1
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        got = net(x)
+    w, b = (t.detach().to(BF16).double() for t in (layer.base_layer.weight, layer.base_layer.bias))
+    a, bb = (t.detach().to(BF16).double() for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight))
+    x64 = x.double()
+    h = (x64 @ a.T).to(BF16).double()                       # h is rounded once, as the kernel stores it
+    assert_bf16_of(got, (x64 @ w.T + b).to(BF16).double() + 2.0 * h @ bb.T)
