@@ -229,3 +229,14 @@ def test_a_decoding_step_through_the_kernels_is_the_layers_formula():
     x64 = x.double()
     h = (x64 @ a.T).to(BF16).double()                       # h is rounded once, as the kernel stores it
     assert_bf16_of(got, (x64 @ w.T + b).to(BF16).double() + 2.0 * h @ bb.T)
+
+
+def test_ranks_the_kernels_cannot_take_are_refused():
+    x, y = torch.zeros(4, 16, dtype=BF16), torch.zeros(4, 16, dtype=BF16)
+    with pytest.raises(ValueError, match="rank 66"):
+        lora_down(x, torch.zeros(66, 16, dtype=BF16))
+    with pytest.raises(ValueError, match="rank 66"):
+        lora_outer(torch.zeros(4, 66, dtype=BF16), x, 1.0)
+    with pytest.raises(ValueError, match="rank 3 is not an even number"):
+        lora_up_add_(y, torch.zeros(4, 3, dtype=BF16), torch.zeros(3, 16, dtype=BF16), 1.0)
+    assert torch.equal(y, torch.zeros(4, 16, dtype=BF16))          # nothing written

@@ -315,6 +315,14 @@ def _lora_library():
     return cpu_library()
 
 
+def _check_rank(r: int, even: bool = False) -> None:
+    """The kernels' ranks: 1 to LORA_MAX_RANK (up_add: even); beyond that they would read
+    and write past their buffers, so they refuse."""
+    if not 0 < r <= LORA_MAX_RANK or (even and r % 2):
+        raise ValueError(f"LoRA kernels: rank {r} is not {'an even number' if even else 'a number'} from "
+                         f"{2 if even else 1} to {LORA_MAX_RANK} (use oneDNN's matmuls for it)")
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t [N, d] with a contiguous last dimension (a copy only when it has none)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -325,6 +333,7 @@ def lora_down(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     x, m = _rows(x), m.contiguous()
     N, d = x.shape
     r = m.shape[0]
+    _check_rank(r)
     h = torch.empty(N, r, dtype=torch.bfloat16)
     kernel, chunks = _lora_library().lora_down_bf16, (d + 31) // 32
     scratch_bytes = max(2 * ((r + 15) // 16 * chunks * 512 + 32 * chunks * 32) + 4 * 512,     # AMX
@@ -344,6 +353,7 @@ def lora_up_add_(y: torch.Tensor, h: torch.Tensor, m: torch.Tensor, scale: float
     h, m = h.contiguous(), m.contiguous()
     N, d = y.shape
     r = m.shape[0]
+    _check_rank(r, even=True)
     kernel, chunks = _lora_library().lora_up_add_bf16, (d + 63) // 64
     scratch_bytes = max(2 * (chunks * 64 * r + 1024) + 4 * 1024, 2 * r * ((d + 15) // 16 * 16))   # AMX, vectors
 
@@ -360,6 +370,7 @@ def lora_outer(p: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
     p, x = p.contiguous(), _rows(x)
     N, d = x.shape
     r = p.shape[1]
+    _check_rank(r)
     out = torch.empty(r, d, dtype=torch.bfloat16)
     kernel, chunks = _lora_library().lora_outer_bf16, (d + 63) // 64
     scratch_bytes = 2 * ((r + 15) // 16 * 16 * ((N + 31) // 32 * 32) + 2048) + 4 * 1024
