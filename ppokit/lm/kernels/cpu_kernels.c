@@ -207,6 +207,9 @@ static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *
  * Builds without AMX but with AVX512-BF16 get vector versions of the three instead
  * (lora_vector_available(), below); other builds compile them to nothing, and they are
  * never called. */
+#ifndef OUTER_AHEAD
+#define OUTER_AHEAD 64       /* rows ahead that lora_outer_bf16 prefetches (both versions) */
+#endif
 #if HAVE_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <unistd.h>
 #include <sys/syscall.h>
@@ -394,9 +397,6 @@ void lora_up_add_bf16(bf16 *y, long sy, const bf16 *h, const bf16 *m, long start
  * and 16 ranks, 32 rows at a time: p^T [16, 32] is the A tile, x's rows interleaved in pairs the
  * four B tiles. scratch: Rb * 16 * Np + 2048 bf16 + 1024 floats (Np = N rounded up to 32, Rb = r
  * rounded up to 16, over 16). */
-#ifndef OUTER_AHEAD
-#define OUTER_AHEAD 64
-#endif
 void lora_outer_bf16(const bf16 *p, const bf16 *x, long sx, bf16 *out, long N, long d, long r, long c0, long c1,
                      float s, void *scratch) {
     long Np = (N + 31) / 32 * 32, Rb = (r + 15) / 16;
@@ -758,7 +758,6 @@ int attention_on_amx(long T, long S, long D) { return 0; }
  * Intel's CPUs vdpbf16ps runs at half the rate of float32 FMAs: there the AMX ones run.)
  * r even, at most LORA_VEC_MAX_RANK. */
 #define LORA_VEC_MAX_RANK 64
-#define OUTER_AHEAD 64       /* rows ahead that lora_outer_bf16 prefetches */
 
 int lora_vector_available(void) { return 1; }
 
