@@ -20,17 +20,21 @@ def test_help_and_config_commands_do_not_import_torch():
     assert proc.stdout.strip().splitlines()[-1] == "False False"
 
 
-def test_import_lets_idle_openmp_workers_sleep_unless_the_user_chose():
+def test_import_lets_idle_openmp_workers_sleep_soon_unless_the_user_chose():
     """The fused CPU kernels' threads need the cores PyTorch's OpenMP workers spin on."""
     import os
 
-    code = "import os, ppokit; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    for preset, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+    code = "import os, ppokit; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    cases = (({}, "PASSIVE 5000"),
+             ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE None"),            # the user's policy, OpenMP's spin
+             ({"GOMP_SPINCOUNT": "100"}, "PASSIVE 100"),                # the user's spin count
+             ({"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "7"}, " 7"))     # OpenMP's default policy
+    for preset, expected in cases:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                              env=env if preset is None else {**env, "OMP_WAIT_POLICY": preset})
+                              env={**env, **preset})
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.strip() == expected
+        assert proc.stdout.rstrip("\n") == expected, preset
 
 
 def test_help_lists_the_commands():
