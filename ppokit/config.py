@@ -352,6 +352,16 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 # ----------------------------------------------------------------------------- loading
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, but floats in exponent form without a dot or an exponent sign
+    (``2e5``, ``1e-4``, ``-3E2``: YAML 1.2 floats that YAML 1.1 reads as strings) are numbers."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+                              list("-+0123456789."))
+
+
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
@@ -412,7 +422,7 @@ def _read_source(source: str) -> tuple[dict[str, Any], str]:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -435,7 +445,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override '{item}' must look like section.key=value, e.g. algo.gamma=0.99")
         try:
-            value = yaml.safe_load(text) if text != "" else ""
+            value = yaml.load(text, Loader=_Loader) if text != "" else ""
         except yaml.YAMLError:
             value = text
         node = result

@@ -160,3 +160,18 @@ def test_config_show_prints_resolved_yaml():
     assert proc.returncode == 0, proc.stderr
     shown = yaml.safe_load(proc.stdout)
     assert shown["algo"]["gamma"] == 0.97 and shown["env"]["id"] == "CartPole-v1"
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    # YAML 1.1 reads 2e5 and 1e-4 as strings; the CLI's own example uses train.total_steps=2e5.
+    cfg = C.load_config("cartpole", ["train.total_steps=2e5", "train.learning_rate=1e-4",
+                                     "algo.entropy_coeff=-3E2", "network.hidden_sizes=[1e2, 64]"])
+    assert cfg.train.total_steps == 200_000 and isinstance(cfg.train.total_steps, int)
+    assert cfg.train.learning_rate == 1e-4 and cfg.algo.entropy_coeff == -300.0
+    assert cfg.network.hidden_sizes == [100, 64]
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  learning_rate: 3e-4\n")
+    assert C.load_config(str(path)).train.learning_rate == 3e-4
+    with pytest.raises(ConfigError, match="train.total_steps: .*fractional part"):
+        C.load_config("cartpole", ["train.total_steps=2.5e0"])
+    assert C.load_config("cartpole", ["run.name=1.0.0"]).run.name == "1.0.0"   # not a number
