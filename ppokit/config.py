@@ -24,10 +24,10 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args
+from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ppokit.errors import ConfigError, did_you_mean
 
@@ -53,9 +53,24 @@ def field(default: Any, description: str, *aliases: str, **constraints: Any) -> 
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignment re-validates."""
+    """Base of every config section: unknown keys are errors, assignment re-validates,
+    numbers are finite and true/false is not a number."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(v, bool) for v in items) and _takes_numbers(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
+
+
+def _takes_numbers(annotation: Any) -> bool:
+    """``int``, ``Optional[float]``, ``list[int]``, ...: does a field of this type hold numbers?"""
+    return annotation in (int, float) or any(_takes_numbers(arg) for arg in get_args(annotation))
 
 
 class KLControlConfig(Section):
@@ -168,7 +183,7 @@ class EnvConfig(Section):
 class NetworkConfig(Section):
     """MLP actor-critic (control workload)."""
 
-    hidden_sizes: list[int] = field([64, 64], "hidden layer widths", min_length=1)
+    hidden_sizes: list[Annotated[int, Field(ge=1)]] = field([64, 64], "hidden layer widths", min_length=1)
     activation: Literal["tanh", "relu", "gelu"] = field("tanh", "hidden activation")
     shared_trunk: bool = field(False, "actor and critic share the hidden layers")
     init_log_std: float = field(0.0, "continuous actions: initial log standard deviation")
@@ -240,7 +255,7 @@ class Config(Section):
     workload: Literal["control", "lm"] = field("control", "which workload trains: control (Gymnasium) or lm "
                                                "(a causal language model)")
     preset: Optional[str] = field(None, "the preset or file this config came from (informational)")
-    seed: int = field(1, "random seed of everything", ge=0)
+    seed: int = field(1, "random seed of everything", ge=0, le=2**63 - 1)   # torch takes up to 2**64 - 1
     run: RunConfig = field(RunConfig(), "output and reporting")
     algo: AlgoConfig = field(AlgoConfig(), "PPO objective and advantage estimation")
     train: TrainConfig = field(TrainConfig(), "update loop and optimizer")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +176,30 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     with pytest.raises(ConfigError, match="train.total_steps: .*fractional part"):
         C.load_config("cartpole", ["train.total_steps=2.5e0"])
     assert C.load_config("cartpole", ["run.name=1.0.0"]).run.name == "1.0.0"   # not a number
+
+
+@pytest.mark.parametrize("override, message", [
+    ("network.hidden_sizes=[-4]", "network.hidden_sizes.0: Input should be greater than or equal to 1"),
+    ("network.hidden_sizes=[64, 0]", "network.hidden_sizes.1: Input should be greater than or equal to 1"),
+    ("seed=99999999999999999999999", "seed: Input should be less than or equal to 9223372036854775807"),
+    ("train.learning_rate=.inf", "train.learning_rate: Input should be a finite number"),
+    ("algo.entropy_coeff=.nan", "algo.entropy_coeff: Input should be a finite number"),
+    ("network.init_log_std=.nan", "network.init_log_std: Input should be a finite number"),
+    ("rollout.temperature=.inf", "rollout.temperature: Input should be a finite number"),
+    ("algo.clip_ratio_c=-.inf", "algo.clip_ratio_c: Input should be a finite number"),
+    ("train.epochs=true", "train.epochs: expected a number, got true"),
+    ("algo.gamma=false", "algo.gamma: expected a number, got false"),
+    ("network.hidden_sizes=[true]", "network.hidden_sizes: expected a number"),
+])
+def test_numbers_are_in_range_finite_and_not_booleans(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        C.load_config("cartpole", [override])
+
+
+def test_every_float_field_rejects_non_finite_values():
+    for path, *_ in C.describe_fields():
+        section, _, name = path.rpartition(".")
+        model = C._model_at(tuple(section.split("."))) if section else C.Config
+        if C._takes_numbers(model.model_fields[name].annotation) and "list" not in str(model.model_fields[name].annotation):
+            with pytest.raises(ConfigError, match="finite number"):
+                C.load_config("cartpole", [f"{path}=.nan"])
