@@ -8,6 +8,7 @@ status 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Optional
 
@@ -23,6 +24,32 @@ examples:
   ppokit config show cartpole                 print the resolved configuration
   ppokit config fields                        every field with its default and meaning
 """
+
+
+SEED_MAX = 2**63 - 1   # as config.seed: torch.manual_seed takes no more
+
+
+def int_at_least(low: int, high: Optional[int] = None):
+    """An argparse type: an int in ``[low, high]``; "invalid int value: 'abc'" for a non-number."""
+    def convert(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"must be {bound} (got {value})")
+        return value
+    convert.__name__ = "int"
+    return convert
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (got {text})")
+    return value
+
+
+positive_float.__name__ = "float"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "print the mean and std of the episode return. Language-model run: print "
                                     "the greedy held-out accuracy (mean reward) of the trained actor.")
     ev.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or one of its checkpoint directories")
-    ev.add_argument("--episodes", type=int, default=10, help="control: episodes to run (default 10)")
-    ev.add_argument("--prompts", type=int, default=None,
+    ev.add_argument("--episodes", type=int_at_least(1), default=10, help="control: episodes to run (default 10)")
+    ev.add_argument("--prompts", type=int_at_least(1), default=None,
                     help="language model: held-out prompts to score (default: the run's data.eval_size)")
-    ev.add_argument("--seed", type=int, default=None, help="evaluation seed (default: the run's seed + 10000)")
+    ev.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=None, help="evaluation seed (default: the run's seed + 10000)")
 
     demo = sub.add_parser("demo", help="the built-in demonstration run (arith: SFT, then PPO with a verifier)",
                           description="Build the built-in tiny Llama, warm-start it on a few worked two-digit "
@@ -71,16 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "prompt + completion per line")
     sft.add_argument("--out", required=True, help="directory for the fine-tuned model (new or empty)")
     sft.add_argument("--model", default="tiny", help="model directory, or tiny (the built-in tiny Llama)")
-    sft.add_argument("--examples", type=int, default=None, help="number of training examples (task default 300)")
+    sft.add_argument("--examples", type=int_at_least(1), default=None, help="number of training examples (task default 300)")
     sft.add_argument("--eval-prompts", default=None, help="held-out JSONL (required with a JSONL training file)")
-    sft.add_argument("--eval-size", type=int, default=256, help="held-out problems to evaluate (default 256)")
+    sft.add_argument("--eval-size", type=int_at_least(1), default=256, help="held-out problems to evaluate (default 256)")
     sft.add_argument("--reward", default=None, help="exact_match, numeric_match, module:fn or file.py:fn")
-    sft.add_argument("--epochs-max", type=int, default=300)
-    sft.add_argument("--batch-size", type=int, default=32)
-    sft.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    sft.add_argument("--patience", type=int, default=8, help="evaluations without improvement before stopping")
+    sft.add_argument("--epochs-max", type=int_at_least(1), default=300)
+    sft.add_argument("--batch-size", type=int_at_least(1), default=32)
+    sft.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    sft.add_argument("--patience", type=int_at_least(1), default=8, help="evaluations without improvement before stopping")
     sft.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
-    sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=0)
 
     plot = sub.add_parser("plot", help="draw the training curves of one or more runs into a PNG",
                           description="Read RUN_DIR/metrics.jsonl of each run and draw return (or reward), KL, "
@@ -257,7 +284,6 @@ def _demo(overrides: list[str]) -> int:
 def _eval(run_dir: str, episodes: int, seed: Optional[int], prompts: Optional[int] = None) -> int:
     from pathlib import Path
 
-    from ppokit.errors import UserError
     from ppokit.lm.evaluate import find_lm_checkpoint
 
     if Path(run_dir).is_dir() and find_lm_checkpoint(Path(run_dir)) is not None:
@@ -267,8 +293,6 @@ def _eval(run_dir: str, episodes: int, seed: Optional[int], prompts: Optional[in
         print(f"held-out accuracy over {result['prompts']} prompts: {result['accuracy']:.1%} "
               f"({result['checkpoint']})")
         return 0
-    if episodes < 1:
-        raise UserError(f"--episodes must be at least 1 (got {episodes})")
     from ppokit.control.evaluate import evaluate_run
 
     mean, std = evaluate_run(run_dir, episodes, seed=seed)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -53,3 +55,29 @@ def test_config_fields_describes_every_field():
     proc = subprocess.run([sys.executable, "-m", "ppokit", "config", "fields"], capture_output=True, text=True)
     assert proc.returncode == 0
     assert "algo.gae_lambda = 0.95" in proc.stdout and "aliases: lam" in proc.stdout
+
+
+def cli(capsys, *argv: str) -> tuple[int, str]:
+    """Run ``ppokit ARGV`` in-process: (exit status, stderr)."""
+    from ppokit.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "RUN", "--seed", "-1"], "argument --seed: must be between 0 and 9223372036854775807 (got -1)"),
+    (["eval", "RUN", "--seed", str(2**63)], "argument --seed: must be between 0"),
+    (["eval", "RUN", "--episodes", "0"], "argument --episodes: must be >= 1 (got 0)"),
+    (["eval", "RUN", "--prompts", "-3"], "argument --prompts: must be >= 1 (got -3)"),
+    (["sft", "arithmetic", "--out", "o", "--batch-size", "0"], "argument --batch-size: must be >= 1 (got 0)"),
+    (["sft", "arithmetic", "--out", "o", "--lr", "nan"], "argument --lr: must be a finite number > 0 (got nan)"),
+    (["sft", "arithmetic", "--out", "o", "--lr=-1e-3"], "argument --lr: must be a finite number > 0"),
+    (["sft", "arithmetic", "--out", "o", "--seed", "-2"], "argument --seed: must be between 0"),
+])
+def test_numeric_options_are_checked_before_anything_runs(capsys, argv, message):
+    code, err = cli(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err
