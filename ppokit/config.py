@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -560,37 +560,69 @@ def _model_at(loc: tuple[Any, ...]) -> Optional[type[Section]]:
     return model
 
 
+_TYPE_NAMES = {"str": "a string", "list[str]": "a list of strings", "int": "an integer", "float": "a number"}
+
+
 def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``algo.gamma: Input should be <= 1 (got 1.5)``."""
-    lines = []
+    """All problems on one line, "; " between them: ``algo.gamma: Input should be <= 1 (got 1.5)``.
+
+    The branches of a union field (``model.lora_target_modules``: a string or a list of
+    strings) make one problem: ``must be a string or a list of strings (got 5)``.
+    """
+    problems = []
+    unions: dict[tuple[Any, ...], dict[str, Any]] = {}   # field -> its branches and the value given
     for err in exc.errors():
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
-        path = ".".join(str(p) for p in loc)
-        kind = err["type"]
-        if kind == "extra_forbidden":
-            parent = _model_at(loc[:-1])
-            names = list(parent.model_fields) if parent else []
-            names += list(_aliases(parent)) if parent else []
-            hint = did_you_mean(str(loc[-1]), names)
-            if hint and len(loc) > 1:
-                hint = hint.replace("'", "'" + ".".join(str(p) for p in loc[:-1]) + ".", 1)
-            valid = f" valid keys: {', '.join(parent.model_fields)}" if parent and not hint else ""
-            lines.append(f"unknown key '{path}'{hint}{valid}")
-        elif kind == "value_error":
-            msg = str(err.get("ctx", {}).get("error", err["msg"]))
-            lines.append(f"{path + ': ' if path else ''}{msg}")
-        elif kind == "literal_error":
-            got = err.get("input")
-            expected = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
-            hint = did_you_mean(str(got), expected) if isinstance(got, str) else ""
-            lines.append(f"{path}: got {got!r}{hint or ';'} allowed: {', '.join(expected)}")
-        elif kind == "string_pattern_mismatch" and path == "run.device":
-            lines.append(f"run.device: got {err.get('input')!r}; allowed: auto, cpu, cuda, cuda:N, mps")
-        else:
-            got = err.get("input")
-            got_text = f" (got {got!r})" if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else ""
-            lines.append(f"{path}: {err['msg']}{got_text}")
-    return "\n".join(lines)
+        field_loc = _union_field(loc)
+        if field_loc is None:
+            problems.append(_describe_error(err, loc))
+            continue
+        union = unions.setdefault(field_loc, {"branches": []})
+        union["branches"] += [loc[len(field_loc)]] if loc[len(field_loc)] not in union["branches"] else []
+        if len(loc) == len(field_loc) + 1:   # an error about the whole value, not one of its items
+            union.setdefault("got", err.get("input"))
+    for field_loc, union in unions.items():
+        got = f" (got {union['got']!r})" if "got" in union else ""
+        kinds = " or ".join(_TYPE_NAMES.get(b, b) for b in union["branches"])
+        problems.append(f"{'.'.join(field_loc)}: must be {kinds}{got}")
+    return "; ".join(problems)
+
+
+def _union_field(loc: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
+    """The location of the union-typed field when ``loc`` points into one of its branches."""
+    for n in range(1, len(loc)):
+        model = _model_at(loc[:n - 1])
+        info = model.model_fields.get(loc[n - 1]) if model else None
+        if info is not None and get_origin(info.annotation) is Union and isinstance(loc[n], str):
+            return loc[:n]
+    return None
+
+
+def _describe_error(err: Any, loc: tuple[Any, ...]) -> str:
+    path = ".".join(str(p) for p in loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        names = list(parent.model_fields) if parent else []
+        names += list(_aliases(parent)) if parent else []
+        hint = did_you_mean(str(loc[-1]), names)
+        if hint and len(loc) > 1:
+            hint = hint.replace("'", "'" + ".".join(str(p) for p in loc[:-1]) + ".", 1)
+        valid = f" valid keys: {', '.join(parent.model_fields)}" if parent and not hint else ""
+        return f"unknown key '{path}'{hint}{valid}"
+    if kind == "value_error":
+        msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        return f"{path + ': ' if path else ''}{msg}"
+    if kind == "literal_error":
+        got = err.get("input")
+        expected = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
+        hint = did_you_mean(str(got), expected) if isinstance(got, str) else ""
+        return f"{path}: got {got!r}{hint or ';'} allowed: {', '.join(expected)}"
+    if kind == "string_pattern_mismatch" and path == "run.device":
+        return f"run.device: got {err.get('input')!r}; allowed: auto, cpu, cuda, cuda:N, mps"
+    got = err.get("input")
+    got_text = f" (got {got!r})" if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else ""
+    return f"{path}: {err['msg']}{got_text}"
 
 
 def describe_fields(model: type[Section] = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:

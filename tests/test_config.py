@@ -203,3 +203,16 @@ def test_every_float_field_rejects_non_finite_values():
         if C._takes_numbers(model.model_fields[name].annotation) and "list" not in str(model.model_fields[name].annotation):
             with pytest.raises(ConfigError, match="finite number"):
                 C.load_config("cartpole", [f"{path}=.nan"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.gamma=5", "algo.gae_lambda=7"], "algo.gamma: Input should be less than or equal to 1 (got 5); "
+                                           "algo.gae_lambda: Input should be less than or equal to 1 (got 7)"),
+    (["model.lora_target_modules=5"], "model.lora_target_modules: must be a string or a list of strings (got 5)"),
+    (["model.lora_target_modules=[q_proj, 5]"],
+     "model.lora_target_modules: must be a string or a list of strings (got ['q_proj', 5])"),
+])
+def test_validation_errors_make_one_line(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        C.load_config("cartpole", overrides)
+    assert str(info.value) == message
