@@ -47,7 +47,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -120,26 +120,86 @@ def load_causal_lm(path: str | Path, what: str = "model.path", dtype: torch.dtyp
     """``AutoModelForCausalLM.from_pretrained`` of a local directory; UserError on bad input.
 
     ``attn_implementation``: None keeps the model's default (sdpa where supported).
+    Weights that are truncated, corrupt or do not fit config.json are a UserError naming
+    the directory (and transformers' load report is not printed then).
     """
     from transformers import AutoModelForCausalLM
 
     config = causal_lm_config(path, what)
-    from ppokit.lm.tiny import quiet_transformers
-
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    try:
-        with quiet_transformers():
+    with held_load_report() as report:
+        try:
             model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
                                                          local_files_only=True, **kwargs)
-    except ValueError as exc:
-        if "Unrecognized configuration class" in str(exc) or "AutoModelForCausalLM" in str(exc):
-            raise UserError(f"{what}={path}: a {type(config).__name__} is not a causal language model "
-                            "(AutoModelForCausalLM cannot load it)") from None
-        raise UserError(f"{what}={path}: cannot load the model ({_first_line(exc)})") from None
-    except OSError as exc:
-        raise UserError(f"{what}={path}: cannot load the model weights ({_first_line(exc)})") from None
+        except ImportError as exc:
+            raise UserError(f"model.attn_implementation={attn_implementation}: {_first_line(exc).rstrip('.')}; install the "
+                            "package it needs or use auto, sdpa or eager") from None
+        except ValueError as exc:
+            if "Unrecognized configuration class" in str(exc) or "AutoModelForCausalLM" in str(exc):
+                raise UserError(f"{what}={path}: a {type(config).__name__} is not a causal language model "
+                                "(AutoModelForCausalLM cannot load it)") from None
+            raise UserError(f"{what}={path}: cannot load the model ({_first_line(exc)})") from None
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, RuntimeError: the files are bad
+            raise UserError(f"{what}={path}: {weights_problem(exc, report)}") from None
     model.eval()   # no dropout anywhere: scoring and update passes must agree exactly
     return model
+
+
+@contextlib.contextmanager
+def held_load_report() -> Iterator[list[str]]:
+    """Hold back transformers' log messages (its weight-loading report) during the block.
+
+    Yields the list the messages collect in; they are printed as usual when the block
+    succeeds and dropped when it raises (the error then says what the report said).
+    Progress bars are hidden too (:func:`ppokit.lm.tiny.quiet_transformers`).
+    """
+    import logging
+
+    from ppokit.lm.tiny import quiet_transformers
+
+    messages: list[str] = []
+    held: list[logging.LogRecord] = []
+    logger = logging.getLogger("transformers")
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+            messages.append(record.getMessage())
+
+    handlers, hold = list(logger.handlers), Hold()
+    for handler in handlers:
+        logger.removeHandler(handler)
+    logger.addHandler(hold)
+    try:
+        with quiet_transformers():
+            yield messages
+    finally:
+        logger.removeHandler(hold)
+        for handler in handlers:
+            logger.addHandler(handler)
+    for record in held:          # only reached when the block succeeded
+        logger.handle(record)
+
+
+_MISMATCH = re.compile(r"^([^|\n]+?)\s*\|\s*MISMATCH\b.*?ckpt: torch\.Size\((\[[^\]]*\])\) vs model: ?torch\.Size\((\[[^\]]*\])\)",
+                       re.MULTILINE)
+
+
+def weights_problem(exc: BaseException, report: Sequence[str] = ()) -> str:
+    """Why a model directory's weights did not load, as one clause with the fix (no path)."""
+    from safetensors import SafetensorError
+
+    mismatch = next((m for text in report for m in [_MISMATCH.search(text)] if m), None)
+    if mismatch:
+        name, saved, configured = mismatch.groups()
+        return (f"the weights do not fit config.json ({name} is {saved} in the weights, {configured} by "
+                "config.json); fix config.json or save the model again with save_pretrained")
+    if "size mismatch" in str(exc) or "ignore_mismatched_sizes" in str(exc):
+        return "the weights do not fit config.json; fix config.json or save the model again with save_pretrained"
+    if isinstance(exc, SafetensorError) or "safetensors" in str(exc).lower():
+        return (f"the weight file is corrupt or truncated ({_first_line(exc)}); copy or save the model "
+                "again")
+    return f"cannot load the model weights ({type(exc).__name__}: {_first_line(exc)})"
 
 
 def _check_local_dir(path: str | Path, what: str) -> None:
@@ -688,16 +748,28 @@ def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_
         from peft import get_peft_model
 
         lm.requires_grad_(False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)   # peft asks a deprecated transformers property
-            peft_model = get_peft_model(lm, lora_config(m), adapter_name=ACTOR)
-            peft_model.add_adapter(CRITIC, lora_config(m))
+        names = linear_module_names(lm)      # before peft wraps them
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)   # peft asks a deprecated transformers property
+                peft_model = get_peft_model(lm, lora_config(m), adapter_name=ACTOR)
+                peft_model.add_adapter(CRITIC, lora_config(m))
+        except ValueError as exc:
+            if "not found in the base model" not in str(exc):
+                raise
+            raise UserError(f"model.lora_target_modules={m.lora_target_modules}: no such module in {model_path}; "
+                            f"its linear layers are {', '.join(names)} (or use all-linear)") from None
         policy = LMPolicy(peft_model, ValueHead(hidden), mode="lora", temperature=cfg.rollout.temperature,
                           autocast_dtype=autocast_dtype)
     else:
         critic_path = m.critic_path or model_path
         critic = load_causal_lm(critic_path, "model.critic_path" if m.critic_path else "model.path",
                                 attn_implementation=attn)
+        vocab, critic_vocab = _vocab_size(lm), _vocab_size(critic)
+        if critic_vocab < vocab:
+            raise UserError(f"model.critic_path={critic_path}: the critic embeds {critic_vocab} tokens but the "
+                            f"policy (model.path={model_path}) and its tokenizer use {vocab}; give a critic with "
+                            "the policy's tokenizer and vocabulary (or leave model.critic_path null)")
         out_emb = critic.get_output_embeddings()
         if out_emb is not None and out_emb.weight is not critic.get_input_embeddings().weight:
             out_emb.requires_grad_(False)   # the critic's LM head is unused
@@ -718,6 +790,17 @@ def attention_implementation(name: str, device: torch.device) -> Optional[str]:
     if name == "auto":
         return "eager" if torch.device(device).type == "cpu" else None
     return name
+
+
+def linear_module_names(lm: nn.Module) -> list[str]:
+    """The distinct names of a model's linear layers: what ``model.lora_target_modules`` can name."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in lm.named_modules()
+                   if name and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")})
+
+
+def _vocab_size(lm: nn.Module) -> int:
+    """Rows of the input embedding: the token ids a model can read."""
+    return int(lm.get_input_embeddings().weight.shape[0])
 
 
 def _hidden_size(lm: nn.Module) -> int:

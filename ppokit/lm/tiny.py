@@ -233,6 +233,8 @@ def load_model_and_tokenizer(model_dir: str | os.PathLike, *, padding_side: str 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ppokit.lm.policy import held_load_report, weights_problem
+
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise UserError(f"{path} is not a model directory (no config.json); build one with "
@@ -240,9 +242,15 @@ def load_model_and_tokenizer(model_dir: str | os.PathLike, *, padding_side: str 
     try:
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(path, padding_side=padding_side)
-            model = AutoModelForCausalLM.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load the model in {path}: {str(exc).splitlines()[0]}") from None
+    with held_load_report() as report:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path)
+        except ValueError as exc:
+            raise UserError(f"cannot load the model in {path}: {str(exc).splitlines()[0]}") from None
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, RuntimeError: the files are bad
+            raise UserError(f"cannot load the model in {path}: {weights_problem(exc, report)}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.float()      # master weights in float32; autocast handles bf16 compute

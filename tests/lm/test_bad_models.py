@@ -1,0 +1,93 @@
+"""Model directories that cannot work: each is a one-line UserError naming the directory and the fix."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from ppokit.errors import UserError
+from ppokit.lm.policy import build_policy, load_causal_lm
+from ppokit.lm.tiny import build_tiny_model, load_model_and_tokenizer
+from test_policy import lm_config
+
+CPU = torch.device("cpu")
+
+
+def copy_model(tiny_dir, tmp_path, name="model"):
+    out = tmp_path / name
+    shutil.copytree(tiny_dir, out)
+    return out
+
+
+def truncated(tiny_dir, tmp_path):
+    model = copy_model(tiny_dir, tmp_path)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    return model
+
+
+def edit_config(tiny_dir, tmp_path, **changes):
+    model = copy_model(tiny_dir, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    config.update(changes)
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def one_line(info) -> str:
+    text = str(info.value)
+    assert "\n" not in text
+    return text
+
+
+@pytest.mark.parametrize("load", [load_causal_lm, load_model_and_tokenizer], ids=["policy", "sft"])
+def test_truncated_weights(tiny_dir, tmp_path, load, capfd):
+    model = truncated(tiny_dir, tmp_path)
+    with pytest.raises(UserError, match="corrupt or truncated") as info:
+        load(model)
+    assert str(model) in one_line(info)
+
+
+@pytest.mark.parametrize("change, weight", [({"intermediate_size": 100}, "mlp"),
+                                            ({"vocab_size": 20}, "embed_tokens|lm_head")])
+@pytest.mark.parametrize("load", [load_causal_lm, load_model_and_tokenizer], ids=["policy", "sft"])
+def test_config_that_does_not_fit_the_weights(tiny_dir, tmp_path, load, change, weight, capfd):
+    model = edit_config(tiny_dir, tmp_path, **change)
+    capfd.readouterr()
+    with pytest.raises(UserError, match="do not fit config.json") as info:
+        load(model)
+    text = one_line(info)
+    assert str(model) in text
+    assert re.search(weight, text), text
+    assert "LOAD REPORT" not in capfd.readouterr().err      # transformers' table is not printed
+
+
+def test_full_mode_critic_with_a_smaller_vocabulary(tiny_dir, tmp_path):
+    small = build_tiny_model(tmp_path / "small", hidden_size=32, num_layers=1, num_heads=2, alphabet="0123456789")
+    cfg = lm_config(tiny_dir, model={"mode": "full", "critic_path": str(small)})
+    with pytest.raises(UserError, match="model.critic_path=.*embeds 14 tokens.*use 56") as info:
+        build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
+    one_line(info)
+
+
+def test_lora_target_modules_that_do_not_exist(tiny_dir):
+    cfg = lm_config(tiny_dir, model={"lora_target_modules": ["nonexistent_proj"]})
+    with pytest.raises(UserError, match=r"model.lora_target_modules=\['nonexistent_proj'\]: no such module") as info:
+        build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
+    assert "q_proj" in one_line(info) and "down_proj" in str(info.value)
+
+
+def test_flash_attention_without_flash_attn(tiny_dir):
+    try:
+        import flash_attn  # noqa: F401
+        pytest.skip("flash-attn is installed")
+    except ImportError:
+        pass
+    with pytest.raises(UserError, match="model.attn_implementation=flash_attention_2:.*use auto, sdpa or eager") \
+            as info:
+        load_causal_lm(tiny_dir, attn_implementation="flash_attention_2")
+    one_line(info)
