@@ -52,8 +52,26 @@ def positive_float(text: str) -> float:
 positive_float.__name__ = "float"
 
 
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:
+    """Parse ``argv``; KEY=VALUE overrides may also come after options (``train cartpole --name x seed=3``)."""
+    args, extra = parser.parse_known_args(argv)
+    if hasattr(args, "overrides"):
+        args.overrides = args.overrides + [arg for arg in extra if not arg.startswith("-")]
+        extra = [arg for arg in extra if arg.startswith("-")]
+    if extra:
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ppokit", description="Proximal Policy Optimization for language models and Gymnasium agents.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -63,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Train a policy. CONFIG is a preset name (see `ppokit config list`) "
                                        "or a YAML file; KEY=VALUE pairs override fields (dotted paths).")
     train.add_argument("config", metavar="CONFIG", nargs="?", help="preset name or path to a YAML file")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.gamma=0.99 seed=3")
+    train.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="e.g. algo.gamma=0.99 seed=3")
     train.add_argument("--output-dir", help="parent directory of the run directory (run.output_dir)")
     train.add_argument("--name", help="run directory name (run.name)")
     train.add_argument("--no-progress", action="store_true", help="no live progress bar")
@@ -87,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "additions, then train it with PPO and an exact-match reward; print the "
                                       "held-out accuracy before and after PPO and draw the reward curve. "
                                       "KEY=VALUE pairs override fields of the arith preset.")
-    demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    demo.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                       help="e.g. train.iterations=5 seed=2 run.output_dir=/tmp/runs run.progress=false")
 
     sft = sub.add_parser("sft", help="supervised warm start of a language model (before PPO)",
@@ -128,15 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")
     show = cfg_sub.add_parser("show", help="print the resolved config of a preset or YAML file")
     show.add_argument("config", metavar="NAME", help="preset name or YAML path")
-    show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    show.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE")
     cfg_sub.add_parser("list", help="list the built-in presets")
     cfg_sub.add_parser("fields", help="every config field with its default, aliases and description")
+    for command_parser in [*sub.choices.values(), *cfg_sub.choices.values()]:
+        command_parser.set_defaults(command_parser=command_parser)   # whose usage an error names
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     from ppokit.errors import Interrupted, UserError
 
     try:

@@ -81,3 +81,26 @@ def cli(capsys, *argv: str) -> tuple[int, str]:
 def test_numeric_options_are_checked_before_anything_runs(capsys, argv, message):
     code, err = cli(capsys, *argv)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_overrides_may_follow_options(capsys):
+    from ppokit.cli import build_parser, parse_args
+
+    args = parse_args(build_parser(), ["train", "cartpole", "seed=1", "--name", "x", "algo.gamma=0.9", "seed=2"])
+    assert (args.config, args.name, args.overrides) == ("cartpole", "x", ["seed=1", "algo.gamma=0.9", "seed=2"])
+    code, err = cli(capsys, "config", "show", "cartpole", "--no-such-option", "algo.gamma=0.9")
+    assert code == 2 and err == ("ppokit config show: unrecognized arguments: --no-such-option "
+                                 "(see ppokit config show --help)\n")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["eval", "RUN", "--episodes", "abc"],
+     "ppokit eval: argument --episodes: invalid int value: 'abc' (see ppokit eval --help)"),
+    (["demo", "--foo"], "ppokit demo: unrecognized arguments: --foo (see ppokit demo --help)"),
+    (["eval", "RUN", "extra"], "ppokit eval: unrecognized arguments: extra (see ppokit eval --help)"),
+    (["frob"], "ppokit: argument COMMAND: invalid choice: 'frob'"),
+    (["config", "show"], "ppokit config show: the following arguments are required: NAME (see"),
+])
+def test_usage_errors_are_one_line(capsys, argv, line):
+    code, err = cli(capsys, *argv)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith(line), err
