@@ -422,17 +422,21 @@ def build_config(layers: list[dict[str, Any]], label: Optional[str] = None) -> C
 
 
 def _read_source(source: str) -> tuple[dict[str, Any], str]:
+    """A YAML file, else a preset name; a directory of the same name does not hide a preset."""
     path = Path(source)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"config file '{source}' does not exist; give a YAML path or a preset "
-                              f"({', '.join(preset_names())})")
+    if path.is_file():
         return read_yaml(path), path.stem
-    preset = PRESET_DIR / f"{source}.yaml"
-    if not preset.is_file():
-        raise ConfigError(f"unknown preset '{source}'{did_you_mean(source, preset_names())} "
-                          f"presets: {', '.join(preset_names())}; or give a path to a YAML file")
-    return read_yaml(preset), source
+    if source in preset_names():
+        return read_yaml(PRESET_DIR / f"{source}.yaml"), source
+    choices = f"a preset ({', '.join(preset_names())})"
+    if path.is_dir():
+        raise ConfigError(f"config '{source}' is a directory; give a YAML file or {choices}")
+    if path.exists():
+        raise ConfigError(f"config '{source}' is not a regular file; give a YAML file or {choices}")
+    if path.suffix in (".yaml", ".yml"):
+        raise ConfigError(f"config file '{source}' does not exist; give a YAML path or {choices}")
+    raise ConfigError(f"unknown preset '{source}'{did_you_mean(source, preset_names())} "
+                      f"presets: {', '.join(preset_names())}; or give a path to a YAML file")
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

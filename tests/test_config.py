@@ -216,3 +216,14 @@ def test_validation_errors_make_one_line(overrides, message):
     with pytest.raises(ConfigError) as info:
         C.load_config("cartpole", overrides)
     assert str(info.value) == message
+
+
+def test_a_directory_neither_hides_a_preset_nor_passes_for_a_missing_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cartpole").mkdir()
+    (tmp_path / "adir.yaml").mkdir()
+    assert C.load_config("cartpole").preset == "cartpole"
+    with pytest.raises(ConfigError, match="config 'adir.yaml' is a directory; give a YAML file or a preset"):
+        C.load_config("adir.yaml")
+    with pytest.raises(ConfigError, match="config 'cartpole/' is a directory"):
+        C.load_config("cartpole/")
