@@ -112,6 +112,33 @@ def eos_token_ids(tokenizer, model=None) -> list[int]:
     return ids
 
 
+def max_positions(model) -> Optional[int]:
+    """The longest sequence the model's config declares (``max_position_embeddings``), or None."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_context(model, prompts: Sequence[str], prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
+    """UserError when the longest prompt plus ``max_new_tokens`` exceeds the model's positions."""
+    limit = max_positions(model)
+    if limit is None or not len(prompt_lengths):
+        return
+    longest = max(range(len(prompt_lengths)), key=lambda i: int(prompt_lengths[i]))
+    n = int(prompt_lengths[longest])
+    if n + max_new_tokens > limit:
+        raise UserError(f"the prompt {prompts[longest]!r} is {n} tokens and up to {max_new_tokens} more are "
+                        f"generated (rollout.max_new_tokens), but the model takes at most {limit} positions "
+                        f"(max_position_embeddings); lower rollout.max_new_tokens to {max(limit - n, 0)} or "
+                        "shorten the prompts")
+
+
+def check_prompts_fit(model, tokenizer, prompts: Sequence[str], max_new_tokens: int) -> None:
+    """:func:`check_context` for all ``prompts`` at once (to call before any generation)."""
+    if max_positions(model) is not None and prompts:
+        lengths = [len(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+        check_context(model, prompts, lengths, max_new_tokens)
+
+
 class RolloutEngine:
     """Generates responses with the policy's actor: ``generate(prompts) -> RolloutBatch``."""
 
@@ -166,6 +193,7 @@ class RolloutEngine:
         am = enc["attention_mask"].repeat_interleave(group_size, 0).to(device)     # (N, P)
         group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)       # (N,)
         P = ids.shape[1]
+        check_context(self.model, list(prompts), enc["attention_mask"].sum(1).tolist(), max_new)
         gen_cfg = self.generation_config(greedy=greedy, max_new_tokens=max_new)
         chunks = []
         with self.policy.use("actor"), self.policy.autocast():

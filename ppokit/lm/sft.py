@@ -168,6 +168,8 @@ def generate_responses(model, tokenizer, prompts: Sequence[str], *, batch_size: 
     """Responses (decoded text up to the first EOS) to ``prompts``, left-padded batches, KV cache."""
     from transformers import GenerationConfig
 
+    from ppokit.lm.rollout import check_context
+
     if tokenizer.padding_side != "left":
         raise ValueError("generation needs a left-padding tokenizer (build it with padding_side='left')")
     device = next(model.parameters()).device
@@ -186,6 +188,8 @@ def generate_responses(model, tokenizer, prompts: Sequence[str], *, batch_size: 
                 torch.manual_seed(seed)
             for start in range(0, len(prompts), batch_size):
                 enc = tokenizer(list(prompts[start:start + batch_size]), return_tensors="pt", padding=True)
+                check_context(model, prompts[start:start + batch_size], enc["attention_mask"].sum(1).tolist(),
+                              max_new_tokens)
                 enc = {k: v.to(device) for k, v in enc.items()}
                 with autocast(precision, device):
                     out = model.generate(**enc, generation_config=config)   # (B, T_prompt + T_new)

@@ -91,3 +91,54 @@ def test_flash_attention_without_flash_attn(tiny_dir):
             as info:
         load_causal_lm(tiny_dir, attn_implementation="flash_attention_2")
     one_line(info)
+
+
+# ----------------------------------------------------------------------------- context length
+@pytest.fixture
+def short_gpt2(tiny_dir, tmp_path):
+    """A GPT-2 that takes at most 8 positions, with the tiny model's tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ppokit.lm.policy import load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    config = GPT2Config(n_positions=8, vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    out = tmp_path / "gpt2short"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_prompt_plus_response_longer_than_the_model_takes(short_gpt2):
+    from ppokit.lm.policy import load_tokenizer
+    from ppokit.lm.rollout import RolloutEngine, check_prompts_fit
+    from ppokit.lm.sft import evaluate_accuracy
+
+    cfg = lm_config(short_gpt2, rollout={"max_new_tokens": 6})
+    policy = build_policy(cfg, short_gpt2, device=CPU, autocast_dtype=None)
+    tok = load_tokenizer(short_gpt2)
+    prompts = ["1+2=", "12+30="]                        # 5 and 7 tokens with <bos>
+    message = r"'12\+30=' is 7 tokens .* at most 8 positions .* lower rollout.max_new_tokens to 1"
+    with pytest.raises(UserError, match=message):
+        check_prompts_fit(policy.actor_model, tok, prompts, 6)
+    with pytest.raises(UserError, match=message):
+        RolloutEngine(policy, tok, cfg.rollout).generate(prompts)
+    with pytest.raises(UserError, match=message):
+        evaluate_accuracy(policy.actor_model.get_base_model(), tok, [{"prompt": p, "answer": "3"} for p in prompts],
+                          max_new_tokens=6)
+    check_prompts_fit(policy.actor_model, tok, prompts, 1)              # fits: no error
+    assert len(RolloutEngine(policy, tok, cfg.rollout).generate(prompts, max_new_tokens=1)) == 2
+
+
+def test_train_with_a_model_too_short_for_the_rollouts(short_gpt2, tmp_path, monkeypatch, capsys):
+    from ppokit import cli
+
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", "arith", f"model.path={short_gpt2}", "train.iterations=1", "train.batch_size=8",
+                     "train.mini_batch_size=8", "train.micro_batch_size=8", "train.infer_micro_batch_size=8",
+                     "rollout.micro_batch_size=8", "data.sft_epochs=0", "data.eval_size=4", "run.tensorboard=false",
+                     "--output-dir", "runs", "--no-progress", "--name", "short"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "max_position_embeddings" in err[0], err
