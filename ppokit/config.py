@@ -513,15 +513,15 @@ def canonicalize(raw: dict[str, Any], model: type[Section], prefix: str) -> dict
     aliases = _aliases(model)
     out: dict[str, Any] = {}
     source_of: dict[str, str] = {}
-    items = list(raw.items())
+    items = [(key, key, value) for key, value in raw.items()]   # (key as given, key, value)
     if model is AlgoConfig:
         items = _expand_algo_shorthands(items, prefix)
-    for key, value in items:
+    for given, key, value in items:
         if not isinstance(key, str):
             raise ConfigError(f"{prefix}{key!r}: config keys must be strings")
         name = aliases.get(key, key)
         if name in out:
-            raise ConfigError(f"{prefix}{name} is given twice (as '{source_of[name]}' and '{key}'); keep one")
+            raise ConfigError(f"{prefix}{name} is given twice (as '{source_of[name]}' and '{given}'); keep one")
         info = model.model_fields.get(name)
         if info is not None:
             sub = _section_type(info.annotation)
@@ -530,27 +530,29 @@ def canonicalize(raw: dict[str, Any], model: type[Section], prefix: str) -> dict
             elif name in _VALUE_ALIASES and isinstance(value, str):
                 value = _VALUE_ALIASES[name].get(value, value)
         out[name] = value
-        source_of[name] = key
+        source_of[name] = given
     return out
 
 
-def _expand_algo_shorthands(items: list[tuple[Any, Any]], prefix: str) -> list[tuple[Any, Any]]:
-    """``clip_ratio``/``clip_coef`` set both clip bounds; verl's ``use_kl_loss: false`` means beta 0."""
+def _expand_algo_shorthands(items: list[tuple[Any, Any, Any]], prefix: str) -> list[tuple[Any, Any, Any]]:
+    """``clip_ratio``/``clip_coef`` set both clip bounds; verl's ``use_kl_loss: false`` means beta 0.
+
+    ``items`` and the result are ``(key as given, key, value)``."""
     out = []
     use_kl_loss = None
-    for key, value in items:
+    for given, key, value in items:
         if key in ("clip_ratio", "clip_coef", "clip_range", "cliprange"):
-            out += [("lower_clip_ratio", value), ("upper_clip_ratio", value)]
+            out += [(given, "lower_clip_ratio", value), (given, "upper_clip_ratio", value)]
         elif key == "use_kl_loss":
             if not isinstance(value, bool):
                 raise ConfigError(f"{prefix}use_kl_loss: expected true or false, got {value!r}")
             use_kl_loss = value
         else:
-            out.append((key, value))
+            out.append((given, key, value))
     if use_kl_loss is False:
-        out = [(k, v) for k, v in out if k not in ("beta", "kl_loss_coef")] + [("beta", 0.0)]
-    elif use_kl_loss is True and not any(k in ("beta", "kl_loss_coef") for k, _ in out):
-        out.append(("beta", 0.001))  # verl's default kl_loss_coef
+        out = [item for item in out if item[1] not in ("beta", "kl_loss_coef")] + [("use_kl_loss", "beta", 0.0)]
+    elif use_kl_loss is True and not any(key in ("beta", "kl_loss_coef") for _, key, _ in out):
+        out.append(("use_kl_loss", "beta", 0.001))  # verl's default kl_loss_coef
     return out
 
 

@@ -227,3 +227,9 @@ def test_a_directory_neither_hides_a_preset_nor_passes_for_a_missing_file(tmp_pa
         C.load_config("adir.yaml")
     with pytest.raises(ConfigError, match="config 'cartpole/' is a directory"):
         C.load_config("cartpole/")
+
+
+def test_a_bound_given_by_clip_ratio_and_by_name_names_clip_ratio():
+    with pytest.raises(ConfigError, match=re.escape(
+            "algo.lower_clip_ratio is given twice (as 'clip_ratio' and 'lower_clip_ratio'); keep one")):
+        C.load_config("cartpole", ["algo.clip_ratio=0.3", "algo.lower_clip_ratio=0.1"])
