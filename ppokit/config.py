@@ -367,9 +367,29 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 # ----------------------------------------------------------------------------- loading
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A key given twice in one mapping of a YAML document."""
+
+
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, but floats in exponent form without a dot or an exponent sign
-    (``2e5``, ``1e-4``, ``-3E2``: YAML 1.2 floats that YAML 1.1 reads as strings) are numbers."""
+    """PyYAML's safe loader, but a key given twice in one mapping is an error (not "the last
+    wins"), and floats in exponent form without a dot or an exponent sign (``2e5``, ``1e-4``,
+    ``-3E2``: YAML 1.2 floats that YAML 1.1 reads as strings) are numbers."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in first_line:
+                    raise DuplicateKeyError(None, None, f"key '{key}' is given twice (first on line "
+                                            f"{first_line[key]}); keep one", key_node.start_mark)
+                first_line[key] = key_node.start_mark.line + 1
+            except TypeError:   # an unhashable key: SafeLoader says so
+                continue
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float",
@@ -446,6 +466,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if isinstance(exc, DuplicateKeyError):
+            raise ConfigError(f"{path}{where}: {problem}") from None
         raise ConfigError(f"{path}{where}: not valid YAML ({problem})") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
@@ -465,6 +487,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise ConfigError(f"override '{item}' must look like section.key=value, e.g. algo.gamma=0.99")
         try:
             value = yaml.load(text, Loader=_Loader) if text != "" else ""
+        except DuplicateKeyError as exc:
+            raise ConfigError(f"override '{item}': {exc.problem}") from None
         except yaml.YAMLError:
             value = text
         node = result

@@ -233,3 +233,17 @@ def test_a_bound_given_by_clip_ratio_and_by_name_names_clip_ratio():
     with pytest.raises(ConfigError, match=re.escape(
             "algo.lower_clip_ratio is given twice (as 'clip_ratio' and 'lower_clip_ratio'); keep one")):
         C.load_config("cartpole", ["algo.clip_ratio=0.3", "algo.lower_clip_ratio=0.1"])
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("algo: {gamma: 0.9}\nseed: 2\nalgo: {gamma: 0.8}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path} line 3: key 'algo' is given twice (first on line 1)")):
+        C.load_config(str(path))
+    path.write_text("algo:\n  gamma: 0.9\n  gamma: 0.8\n")
+    with pytest.raises(ConfigError, match="line 3: key 'gamma' is given twice"):
+        C.load_config(str(path))
+    with pytest.raises(ConfigError, match="key 'a' is given twice"):
+        C.load_config("cartpole", ["env.kwargs={a: 1, a: 2}"])
+    path.write_text("defaults: &d {gamma: 0.9, gae_lambda: 0.5}\nalgo:\n  <<: *d\n  gamma: 0.8\n")
+    assert C.read_yaml(path)["algo"] == {"gamma": 0.8, "gae_lambda": 0.5}   # a merge key may be overridden
