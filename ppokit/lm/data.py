@@ -28,6 +28,9 @@ import numpy as np
 from ppokit.errors import UserError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonlines", ".ndjson")
+# The reward function is called as fn(prompt, response, **fields): no field may be named response
+# (a "prompt" key is the record's prompt itself and is not passed as a field).
+RESERVED_FIELD = "response"
 SPLIT_ALIASES = {"train": "train", "rl": "train", "sft": "sft", "eval": "eval", "test": "eval", "heldout": "eval"}
 
 
@@ -69,6 +72,9 @@ def read_jsonl(path: str | Path, *, require: Sequence[str] = ("prompt",)) -> lis
         if not isinstance(record, dict):
             raise UserError(f'{path} line {number}: expected a JSON object like {{"prompt": "..."}}, '
                             f"got a {type(record).__name__}")
+        if RESERVED_FIELD in record:
+            raise UserError(f'{path} line {number}: the field "{RESERVED_FIELD}" is reserved (the reward function '
+                            "gets the model's response under that name); rename the field, e.g. to \"reference\"")
         for key in require:
             if key not in record:
                 raise UserError(f"{path} line {number}: missing \"{key}\" (keys: {', '.join(record) or 'none'})")

@@ -79,8 +79,13 @@ class RewardFunction:
         self.fn = fn
         self.spec = spec
         self.name = spec
+        if any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
+               for f in (fn, getattr(fn, "__call__", None))):
+            raise UserError(f"reward function '{spec}' is an async def; rewards are called synchronously, "
+                            "so make it a plain def that returns a float")
         try:
-            params = inspect.signature(fn).parameters.values()
+            signature = inspect.signature(fn)
+            params = signature.parameters.values()
         except (TypeError, ValueError):          # some builtins/C callables have no signature
             params = None
         if params is None:
@@ -90,8 +95,8 @@ class RewardFunction:
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         has_varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
         if len(positional) < 2 and not has_varargs:
-            raise UserError(f"reward function '{spec}' must take (prompt, response, **fields); "
-                            f"it takes ({', '.join(str(p) for p in params)})")
+            raise UserError(f"reward function '{spec}' must take (prompt, response, **fields), prompt and "
+                            f"response as its first two positional parameters; it takes {signature}")
         rest = positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY]
         self._accepted = {p.name for p in rest}
         self._required = {p.name for p in rest if p.default is p.empty}
@@ -160,7 +165,7 @@ def _import_module(spec: str, name: str):
             raise UserError(f"reward function '{spec}': cannot import module '{name}' (no module named "
                             f"'{exc.name}'); check the name, install it, or give path/to/file.py:function") from None
         raise UserError(f"reward function '{spec}': importing '{name}' failed: {_one_line(exc)}") from None
-    except Exception as exc:  # noqa: BLE001 - any error in the user's module is the user's
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error in the user's module is the user's
         raise UserError(f"reward function '{spec}': importing '{name}' failed: {_one_line(exc)}") from None
 
 
@@ -176,13 +181,15 @@ def _import_file(spec: str, path_text: str):
     sys.modules[module_name] = module          # lets dataclasses/pickle inside the file work
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
         sys.modules.pop(module_name, None)
         raise UserError(f"reward function '{spec}': running {path} failed: {_one_line(exc)}") from None
     return module
 
 
 def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
     message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     text = message.strip().splitlines()
     where = ""
@@ -211,7 +218,7 @@ def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses:
         fields = {k: v for k, v in fields.items() if k != "prompt"}
         try:
             value = reward(prompt, response, **fields)
-        except Exception as exc:  # noqa: BLE001 - the user's function failed
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed
             raise UserError(f"reward function '{reward.name}' failed on sample {i} (prompt {_short(prompt)}): "
                             f"{_one_line(exc)}") from None
         scores.append(_as_score(value, reward.name, i, prompt))
@@ -219,14 +226,18 @@ def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses:
 
 
 def _as_score(value: Any, name: str, index: int, prompt: str) -> float:
-    if isinstance(value, numbers.Real):
-        score = float(value)
-    elif getattr(value, "ndim", None) == 0 and hasattr(value, "item"):     # numpy / torch scalar
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):       # numpy / torch scalar
         item = value.item()
         if not isinstance(item, numbers.Real):
             raise UserError(f"reward function '{name}' returned {value!r} on sample {index} "
                             f"(prompt {_short(prompt)}); it must return a number")
-        score = float(item)
+        value = item
+    if isinstance(value, numbers.Real):
+        try:
+            score = float(value)
+        except OverflowError:
+            raise UserError(f"reward function '{name}' returned a number too large for a float on sample {index} "
+                            f"(prompt {_short(prompt)}); rewards must be finite floats") from None
     else:
         raise UserError(f"reward function '{name}' returned {type(value).__name__} {_short(repr(value))} on sample "
                         f"{index} (prompt {_short(prompt)}); it must return a float")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -176,3 +178,51 @@ def test_prompt_iterator_is_deterministic_and_resumes_exactly():
     with pytest.raises(UserError, match="prompt data changed"):
         PromptIterator(items[:9], 4, seed=5).load_state_dict(state)
     assert [x["prompt"] for x in PromptIterator(items, 3, shuffle=False).next_batch()] == ["0", "1", "2"]
+
+
+def test_rewards_that_overflow_or_exit_are_user_errors(tmp_path):
+    def huge(prompt, response, **fields):
+        return 10 ** 400
+
+    def exits(prompt, response, **fields):
+        sys.exit(3)
+
+    with pytest.raises(UserError, match="'.*huge' returned a number too large for a float on sample 0"):
+        score_responses(huge, ["a"], ["x"], [{}])
+    with pytest.raises(UserError, match=r"'.*exits' failed on sample 0 .*it called sys.exit\(3\)"):
+        score_responses(exits, ["a"], ["x"], [{}])
+    path = tmp_path / "exits_at_import.py"
+    path.write_text("import sys\nsys.exit(1)\ndef f(prompt, response):\n    return 1.0\n")
+    with pytest.raises(UserError, match=r"running .*exits_at_import.py failed: it called sys.exit\(1\)"):
+        load_reward_fn(f"{path}:f")
+    module = tmp_path / "exits_module_xyz.py"
+    module.write_text("raise SystemExit(2)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(UserError, match=r"importing 'exits_module_xyz' failed: it called sys.exit\(2\)"):
+            load_reward_fn("exits_module_xyz:f")
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_keyword_only_and_async_rewards_are_refused_up_front():
+    def kwonly(*, prompt, response):
+        return 0.0
+
+    async def coro(prompt, response, **fields):
+        return 1.0
+
+    with pytest.raises(UserError, match=r"prompt and response as its first two positional parameters; "
+                                        r"it takes \(\*, prompt, response\)"):
+        load_reward_fn(kwonly)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # no "coroutine was never awaited"
+        with pytest.raises(UserError, match="is an async def; .* make it a plain def"):
+            load_reward_fn(coro)
+
+
+def test_a_prompt_file_field_named_response_is_refused(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2=", "answer": "3", "response": "x"}\n')
+    with pytest.raises(UserError, match='data.jsonl line 2: the field "response" is reserved.*rename the field'):
+        load_prompts(str(path))
