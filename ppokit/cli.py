@@ -8,6 +8,7 @@ status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from typing import Optional
@@ -184,10 +185,11 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     if args.command == "train":
         extra = list(args.overrides)
-        if args.output_dir:
-            extra.append(f"run.output_dir={args.output_dir}")
-        if args.name:
-            extra.append(f"run.name={args.name}")
+        # quoted: the value is a string as given (--name 2024, --name yes), and --name "" is an error
+        if args.output_dir is not None:
+            extra.append(f"run.output_dir={json.dumps(args.output_dir)}")
+        if args.name is not None:
+            extra.append(f"run.name={json.dumps(args.name)}")
         if args.no_progress:
             extra.append("run.progress=false")
         return _train(args.config, extra, resume=args.resume)

@@ -22,6 +22,7 @@ This module imports neither torch nor gymnasium: ``ppokit config`` stays fast.
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
@@ -157,6 +158,14 @@ class RunConfig(Section):
     resume: Literal["never", "auto"] = field(
         "never", "auto: continue from the newest checkpoint in output_dir/name when there is one, else start "
         "fresh (needs run.name); never: a run directory that holds a run is refused")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_directory_name(cls, name: Optional[str]) -> Optional[str]:
+        if name is not None and (name in ("", ".", "..") or "/" in name or os.sep in name):
+            raise ValueError(f"must be a plain directory name (got {name!r}); set the directory it goes in "
+                             "with run.output_dir (--output-dir)")
+        return name
 
 
 class EnvConfig(Section):

@@ -104,3 +104,16 @@ def test_overrides_may_follow_options(capsys):
 def test_usage_errors_are_one_line(capsys, argv, line):
     code, err = cli(capsys, *argv)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith(line), err
+
+
+def test_name_and_output_dir_options_are_strings_as_given(capsys, monkeypatch):
+    from ppokit import cli as cli_mod
+    from ppokit.config import load_config
+
+    given = []
+    monkeypatch.setattr(cli_mod, "_train", lambda source, overrides, resume: given.append(overrides) or 0)
+    assert cli_mod.main(["train", "cartpole", "--name", "2024", "--output-dir", "yes"]) == 0
+    cfg = load_config("cartpole", given[-1])
+    assert (cfg.run.name, cfg.run.output_dir) == ("2024", "yes")
+    cli_mod.main(["train", "cartpole", "--name", ""])
+    assert given[-1] == ['run.name=""']   # an error in load_config, not "no name"

@@ -247,3 +247,9 @@ def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path):
         C.load_config("cartpole", ["env.kwargs={a: 1, a: 2}"])
     path.write_text("defaults: &d {gamma: 0.9, gae_lambda: 0.5}\nalgo:\n  <<: *d\n  gamma: 0.8\n")
     assert C.read_yaml(path)["algo"] == {"gamma": 0.8, "gae_lambda": 0.5}   # a merge key may be overridden
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../x", "/tmp/x"])
+def test_run_name_is_a_plain_directory_name(name):
+    with pytest.raises(ConfigError, match="run.name: must be a plain directory name .*run.output_dir"):
+        C.load_config("cartpole", [f"run.name={name!r}"])
