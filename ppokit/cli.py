@@ -27,7 +27,7 @@ examples:
 """
 
 
-SEED_MAX = 2**63 - 1   # as config.seed: torch.manual_seed takes no more
+SEED_MAX = 2**63 - 1   # = ppokit.config.SEED_MAX (not imported: pydantic would slow `ppokit --help`)
 
 
 def int_at_least(low: int, high: Optional[int] = None):
@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--episodes", type=int_at_least(1), default=10, help="control: episodes to run (default 10)")
     ev.add_argument("--prompts", type=int_at_least(1), default=None,
                     help="language model: held-out prompts to score (default: the run's data.eval_size)")
-    ev.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=None, help="evaluation seed (default: the run's seed + 10000)")
+    ev.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=None,
+                    help="evaluation seed (default: the run's seed + 10000)")
 
     demo = sub.add_parser("demo", help="the built-in demonstration run (arith: SFT, then PPO with a verifier)",
                           description="Build the built-in tiny Llama, warm-start it on a few worked two-digit "
@@ -117,14 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "prompt + completion per line")
     sft.add_argument("--out", required=True, help="directory for the fine-tuned model (new or empty)")
     sft.add_argument("--model", default="tiny", help="model directory, or tiny (the built-in tiny Llama)")
-    sft.add_argument("--examples", type=int_at_least(1), default=None, help="number of training examples (task default 300)")
+    sft.add_argument("--examples", type=int_at_least(1), default=None,
+                     help="number of training examples (task default 300)")
     sft.add_argument("--eval-prompts", default=None, help="held-out JSONL (required with a JSONL training file)")
-    sft.add_argument("--eval-size", type=int_at_least(1), default=256, help="held-out problems to evaluate (default 256)")
+    sft.add_argument("--eval-size", type=int_at_least(1), default=256,
+                     help="held-out problems to evaluate (default 256)")
     sft.add_argument("--reward", default=None, help="exact_match, numeric_match, module:fn or file.py:fn")
     sft.add_argument("--epochs-max", type=int_at_least(1), default=300)
     sft.add_argument("--batch-size", type=int_at_least(1), default=32)
     sft.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
-    sft.add_argument("--patience", type=int_at_least(1), default=8, help="evaluations without improvement before stopping")
+    sft.add_argument("--patience", type=int_at_least(1), default=8,
+                     help="evaluations without improvement before stopping")
     sft.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     sft.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=0)
 

@@ -40,6 +40,8 @@ AdvEstimatorName = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_
 AggModeName = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimatorName = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+# Seeds go to torch.manual_seed (at most 2**64 - 1) and, plus offsets, to Gymnasium (>= 0).
+SEED_MAX = 2**63 - 1
 
 # Names that mean the same thing in other frameworks, with the estimator names they use.
 _VALUE_ALIASES = {
@@ -264,7 +266,7 @@ class Config(Section):
     workload: Literal["control", "lm"] = field("control", "which workload trains: control (Gymnasium) or lm "
                                                "(a causal language model)")
     preset: Optional[str] = field(None, "the preset or file this config came from (informational)")
-    seed: int = field(1, "random seed of everything", ge=0, le=2**63 - 1)   # torch takes up to 2**64 - 1
+    seed: int = field(1, "random seed of everything", ge=0, le=SEED_MAX)
     run: RunConfig = field(RunConfig(), "output and reporting")
     algo: AlgoConfig = field(AlgoConfig(), "PPO objective and advantage estimation")
     train: TrainConfig = field(TrainConfig(), "update loop and optimizer")

@@ -68,6 +68,12 @@ def cli(capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+def test_seed_options_have_the_config_bound():
+    from ppokit import cli as cli_mod, config
+
+    assert cli_mod.SEED_MAX == config.SEED_MAX
+
+
 @pytest.mark.parametrize("argv, message", [
     (["eval", "RUN", "--seed", "-1"], "argument --seed: must be between 0 and 9223372036854775807 (got -1)"),
     (["eval", "RUN", "--seed", str(2**63)], "argument --seed: must be between 0"),

@@ -200,7 +200,8 @@ def test_every_float_field_rejects_non_finite_values():
     for path, *_ in C.describe_fields():
         section, _, name = path.rpartition(".")
         model = C._model_at(tuple(section.split("."))) if section else C.Config
-        if C._takes_numbers(model.model_fields[name].annotation) and "list" not in str(model.model_fields[name].annotation):
+        annotation = model.model_fields[name].annotation
+        if C._takes_numbers(annotation) and "list" not in str(annotation):
             with pytest.raises(ConfigError, match="finite number"):
                 C.load_config("cartpole", [f"{path}=.nan"])
 
