@@ -62,7 +62,7 @@ from ppokit.errors import Interrupted, TrainingDiverged, UserError
 __all__ = [
     "FINAL_DIR", "PERIODIC_DIR", "BadStepGuard", "GracefulStop", "Interrupted", "TrainingDiverged",
     "capture_rng", "restore_rng", "find_checkpoints", "latest_checkpoint", "periodic_checkpoint_path",
-    "truncate_metrics", "find_resume_checkpoint", "check_resumable_config", "all_finite", "PRESENTATION_FIELDS",
+    "truncate_metrics", "find_resume_checkpoint", "checked_iteration", "check_resumable_config", "all_finite", "PRESENTATION_FIELDS",
     "prepare_run_dir", "open_run_for_resume", "diverged_message", "generator_state", "set_generator_state",
 ]
 
@@ -284,6 +284,28 @@ def _iteration_of(path: Path, marker: str) -> Optional[int]:
     if not isinstance(value, int):
         raise UserError(f"checkpoint file {meta} has no iteration count")
     return value
+
+
+def checked_iteration(meta: Mapping[str, Any], path: Path | str, iterations: int, run_dir: Path | str,
+                      *, marker: str = "meta.json") -> int:
+    """The checkpoint's count of completed iterations, checked to be sane.
+
+    It must be an integer in ``[0, iterations]`` and, for ``iter-N``, equal ``N``. Anything
+    else means the checkpoint is corrupt: a :class:`UserError` naming its ``marker`` file
+    and the newest other checkpoint of ``run_dir`` to resume from instead.
+    """
+    path = Path(path)
+    value = meta.get("iteration")
+    named = int(path.name[5:]) if path.name.startswith("iter-") and path.name[5:].isdigit() else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= iterations \
+            and named in (None, value):
+        return value
+    expected = f"{named}" if named is not None else f"0..{iterations}"
+    others = [p for _, p in find_checkpoints(run_dir, marker=marker) if p != path] if Path(run_dir).is_dir() else []
+    instead = (f"move it out of the run directory to resume from {others[-1]}" if others
+               else "no other checkpoint to resume from: start the run over")
+    raise UserError(f"checkpoint {path} is corrupt: {path / marker} says iteration {value!r} "
+                    f"(expected {expected}); {instead}")
 
 
 def find_checkpoints(run_dir: Path | str, *, marker: str = "meta.json") -> list[tuple[int, Path]]:

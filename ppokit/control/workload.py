@@ -248,7 +248,9 @@ def load_training_state(path: Path, cfg: Config, policy: ActorCritic, trainer: A
     notes: list[str] = []
     if ckpt.meta.get("workload") != "control":
         raise UserError(f"checkpoint file {meta_file} is not a control-workload checkpoint")
-    resume.check_resumable_config(ckpt.meta.get("config", {}), cfg.to_dict(), run_dir or path)
+    run_dir = Path(run_dir) if run_dir is not None else Path(path).parent
+    resume.check_resumable_config(ckpt.meta.get("config", {}), cfg.to_dict(), run_dir)
+    iteration = resume.checked_iteration(ckpt.meta, path, cfg.iterations, run_dir, marker=checkpoint.META)
     missing = [k for k in ("model", "normalizer", "trainer", "rng", "venv") if k not in ckpt.parts]
     if missing:
         raise UserError(f"checkpoint {path} cannot be resumed from: it has no {', '.join(missing)} state "
@@ -265,7 +267,6 @@ def load_training_state(path: Path, cfg: Config, policy: ActorCritic, trainer: A
         if evaluator is not None and "eval_venv" in ckpt.parts:
             evaluator.venv.load_state_dict(ckpt.parts["eval_venv"])
         resume.restore_rng(ckpt.parts["rng"])
-        iteration = int(ckpt.meta["iteration"])
         history = list(ckpt.meta.get("eval_history", []))
     except UserError:
         raise

@@ -261,14 +261,14 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
     if resume_from is not None:
         resume_from = Path(resume_from)
         saved = read_training_state(resume_from, cfg, run_dir)   # checked before anything is built
-        resume.truncate_metrics(run_dir, int(saved.meta["iteration"]))
-        if saved.meta.get("finished") or int(saved.meta["iteration"]) >= cfg.iterations:
+        if saved.meta.get("finished") or saved.meta["iteration"] >= cfg.iterations:
+            resume.truncate_metrics(run_dir, saved.meta["iteration"])
             return _finished_result(run_dir, resume_from, saved.meta)
-    # TensorBoard steps are iterations: the resumed run logs the checkpoint's iteration first
-    tracker = Tracker(run_dir, cfg, cfg.iterations,
-                      purge_step=int(saved.meta["iteration"]) if saved is not None else None)
+    # The tracker (metrics.jsonl, TensorBoard's purge of the steps logged again) comes once the
+    # run is built and any checkpoint loaded: a resume that fails leaves the run as it was.
+    tracker = None
     try:
-        model_path = prepare_model(cfg, run_dir, eval_items, reward_fn, tracker.message)
+        model_path = prepare_model(cfg, run_dir, eval_items, reward_fn, _print)
         causal_lm_config(model_path, "model.path")            # a clear error before anything heavy
         tokenizer = load_tokenizer(model_path, "model.path")
         policy = build_policy(cfg, model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
@@ -282,16 +282,20 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
                                           a.kl_ctrl.horizon) if a.use_kl_in_reward else None
         prompts = PromptIterator(train_items, cfg.train.batch_size // a.group_size, seed=cfg.seed)
-        precision = "bf16" if autocast_dtype is not None else "fp32"
-        tracker.message(f"lm: {model_path} ({cfg.model.mode}, {_count(policy):,} trainable parameters), "
-                        f"{device}, {precision}{_kernels_note(policy)}, {cfg.iterations} iterations of "
-                        f"{cfg.train.batch_size} sequences")
         summary: dict[str, Any] = {}
         eval_history: list[dict[str, float]] = []
         start_it = 0
         if saved is not None:
             start_it, summary, eval_history = load_training_state(saved, resume_from, policy, learner, prompts,
                                                                   kl_ctrl)
+            resume.truncate_metrics(run_dir, start_it)    # only now: the resume goes ahead
+        # TensorBoard steps are iterations: the resumed run logs the checkpoint's iteration first
+        tracker = Tracker(run_dir, cfg, cfg.iterations, purge_step=start_it if saved is not None else None)
+        precision = "bf16" if autocast_dtype is not None else "fp32"
+        tracker.message(f"lm: {model_path} ({cfg.model.mode}, {_count(policy):,} trainable parameters), "
+                        f"{device}, {precision}{_kernels_note(policy)}, {cfg.iterations} iterations of "
+                        f"{cfg.train.batch_size} sequences")
+        if saved is not None:
             tracker.message(f"resumed from {resume_from} at iteration {start_it}")
         elif eval_items:
             acc = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
@@ -371,7 +375,8 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
             _check_weights(policy, run_dir, cfg.iterations)
             ckpt = save_run_checkpoint(run_dir / CHECKPOINT_DIR, **state, iteration=cfg.iterations, finished=True)
     finally:
-        tracker.close()
+        if tracker is not None:
+            tracker.close()
     result = {k: v for k, v in metrics.items()}
     result.update(summary)
     result["eval_history"] = eval_history
@@ -417,9 +422,10 @@ def read_training_state(path: Path, cfg: Config, run_dir: Path):
     missing = [k for k in ("trainer", "prompts", "rng") if k not in ckpt.parts]
     if cfg.algo.use_kl_in_reward and "kl_ctrl" not in ckpt.parts:
         missing.append("kl_ctrl")
-    if missing or not isinstance(ckpt.meta.get("iteration"), int) or "workload" not in ckpt.meta:
+    if missing or "workload" not in ckpt.meta:
         raise UserError(f"checkpoint {path} cannot be resumed from: it has no "
                         f"{', '.join(missing) or 'workload'} state (written by an older ppokit?)")
+    resume.checked_iteration(ckpt.meta, path, cfg.iterations, run_dir, marker=MARKER)
     return ckpt
 
 
@@ -457,6 +463,11 @@ def _finished_result(run_dir: Path, path: Path, meta: dict[str, Any]) -> dict[st
     result.update(iterations=int(meta["iteration"]), eval_history=meta.get("eval_history", []),
                   checkpoint=str(path), run_dir=str(run_dir), already_finished=True)
     return result
+
+
+def _print(text: str) -> None:
+    """Progress lines before the tracker (and its progress bar) exists."""
+    print(text, flush=True)
 
 
 def _count(policy) -> int:
