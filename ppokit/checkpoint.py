@@ -151,12 +151,29 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (``os.kill(pid, 0)``; one we may not signal counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 def recover_interrupted(directory: Path | str) -> None:
     """Clean up after a writer killed inside :func:`save_checkpoint` (call before reading).
 
     ``.NAME.tmp-PID`` (an unfinished new checkpoint) is removed; ``.NAME.old-PID`` (the
     previous checkpoint, moved aside just before the new one was renamed into place) is
-    moved back to ``NAME`` when ``NAME`` is missing, and removed otherwise.
+    moved back to ``NAME`` when ``NAME`` is missing, and removed otherwise. Only the
+    leftovers of dead processes: a live writer's (another process still training, PID
+    alive) stay as they are, and readers ignore them (their names start with a dot).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -167,10 +184,11 @@ def recover_interrupted(directory: Path | str) -> None:
             continue
         base, sep, pid = name[1:].rpartition(".tmp-")
         if sep and pid.isdigit():
-            shutil.rmtree(entry, ignore_errors=True)
+            if not pid_alive(int(pid)):
+                shutil.rmtree(entry, ignore_errors=True)
             continue
         base, sep, pid = name[1:].rpartition(".old-")
-        if sep and pid.isdigit():
+        if sep and pid.isdigit() and not pid_alive(int(pid)):
             target = directory / base
             if target.exists():
                 shutil.rmtree(entry, ignore_errors=True)

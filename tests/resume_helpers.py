@@ -83,3 +83,9 @@ def sigterm_run(cmd: list[str], run_dir: Path, rows: int, marker: str = "meta.js
     saved = resume.latest_checkpoint(run_dir, marker=marker)
     assert saved is not None and saved.parent.name == "checkpoints" and str(saved) in line
     return saved
+
+
+def dead_pid() -> int:
+    """The PID of a process that has exited (and been reaped): a killed checkpoint writer's."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)

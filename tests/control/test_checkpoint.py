@@ -106,3 +106,19 @@ def test_prune_keeps_the_newest(tmp_path):
         checkpoint.save_checkpoint(tmp_path / f"iter-{i:06d}", {"a": {"x": torch.zeros(1)}}, {})
     checkpoint.prune_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-000003", "iter-000004"]
+
+
+def test_a_live_writers_temporary_directories_are_left_alone(tmp_path):
+    """`ppokit eval RUN_DIR` while the run is training must not delete the checkpoint it is writing."""
+    import os
+
+    from resume_helpers import dead_pid
+
+    live, dead = os.getpid(), dead_pid()
+    checkpoint.save_checkpoint(tmp_path / "iter-000001", {"a": {"x": torch.zeros(1)}}, {"iteration": 1})
+    (tmp_path / f".iter-000002.tmp-{live}").mkdir()                 # being written
+    (tmp_path / "iter-000001").rename(tmp_path / f".iter-000001.old-{live}")   # being replaced
+    (tmp_path / f".iter-000003.tmp-{dead}").mkdir()                 # a killed writer's
+    checkpoint.recover_interrupted(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".iter-000001.old-{live}", f".iter-000002.tmp-{live}"]
+    assert checkpoint.pid_alive(live) and not checkpoint.pid_alive(dead)

@@ -265,15 +265,18 @@ def test_truncate_metrics_keeps_rows_before_the_checkpoint(tmp_path):
 
 
 def test_leftovers_of_a_killed_writer_are_recovered(tmp_path):
+    from resume_helpers import dead_pid
+
     ck = tmp_path / "checkpoints"
+    pid = dead_pid()   # the killed writer's
     for i in (1, 2):
         checkpoint.save_checkpoint(ck / f"iter-{i:06d}", {"a": {"x": torch.full((2,), float(i))}}, {"iteration": i})
     # killed while writing iter-3 (temp dir only) ...
-    (ck / ".iter-000003.tmp-4242").mkdir()
-    (ck / ".iter-000003.tmp-4242" / "a.safetensors").write_bytes(b"partial")
+    (ck / f".iter-000003.tmp-{pid}").mkdir()
+    (ck / f".iter-000003.tmp-{pid}" / "a.safetensors").write_bytes(b"partial")
     # ... and while replacing iter-2: moved aside, new one not yet renamed into place
-    (ck / "iter-000002").rename(ck / ".iter-000002.old-4242")
-    (ck / ".iter-000002.tmp-4242").mkdir()
+    (ck / "iter-000002").rename(ck / f".iter-000002.old-{pid}")
+    (ck / f".iter-000002.tmp-{pid}").mkdir()
     assert resume.latest_checkpoint(tmp_path) == ck / "iter-000002"
     assert sorted(p.name for p in ck.iterdir()) == ["iter-000001", "iter-000002"]
     assert checkpoint.load_checkpoint(ck / "iter-000002").meta["iteration"] == 2
