@@ -33,12 +33,11 @@ def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
 
 def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the actor as a standalone model (+ tokenizer) to ``out_dir`` (new or empty)."""
-    from ppokit.lm.tiny import quiet_transformers
+    from ppokit.lm.tiny import check_output_dir, quiet_transformers, writing_to
 
     ckpt = checkpoint_dir(run_dir)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out} exists and is not empty; choose a new directory for the export")
+    check_output_dir(out, "choose a new directory for the export")
     meta = read_policy_meta(ckpt)
     tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
     if meta["mode"] == "lora":
@@ -46,16 +45,17 @@ def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
         model = load_adapter(base, ckpt, ACTOR).merge_and_unload()
     else:
         model = load_causal_lm(ckpt / ACTOR, "the checkpoint's actor")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        with quiet_transformers():
-            model.save_pretrained(str(tmp), safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writing_to(out):        # a full disk: a UserError, and no half-written export
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            with quiet_transformers():
+                model.save_pretrained(str(tmp), safe_serialization=True)
+                tokenizer.save_pretrained(str(tmp))
+            if out.exists():
+                out.rmdir()
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out

@@ -252,7 +252,7 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
     ``train_accuracy`` (of the best model on up to 256 SFT examples), ``stopped``
     (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s`` and ``settings``.
     """
-    from ppokit.lm.tiny import load_model_and_tokenizer
+    from ppokit.lm.tiny import check_output_dir, load_model_and_tokenizer, writing_to
 
     _check_positive(epochs_max=epochs_max, batch_size=batch_size, patience=patience, eval_every=eval_every,
                     eval_batch_size=eval_batch_size)
@@ -263,8 +263,7 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
     if not eval_set:
         raise UserError("no held-out examples to evaluate SFT on")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise UserError(f"{out} is not empty; choose a new output directory (or pass overwrite)")
+    check_output_dir(out, "choose a new or empty output directory", replace=overwrite)   # before the work
     reward = load_reward_fn(reward_fn)
     settings = {"model_dir": str(model_dir), "examples": len(examples), "eval_examples": len(eval_set),
                 "epochs_max": epochs_max, "batch_size": batch_size, "learning_rate": learning_rate,
@@ -299,7 +298,8 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
     summary = {**{k: summary[k] for k in ("best_epoch", "best_accuracy", "best_heldout_loss", "train_accuracy",
                                           "stopped", "epochs_run", "wall_time_s")},
                "settings": settings, "curve": summary["curve"]}
-    _save(model, tokenizer, out, summary)
+    with writing_to(out):
+        _save(model, tokenizer, out, summary)
     (log or (lambda _msg: None))(
         f"sft: best held-out accuracy {summary['best_accuracy']:.1%} at epoch {summary['best_epoch']} "
         f"({summary['stopped']}); train accuracy {summary['train_accuracy']:.1%}; "
@@ -323,6 +323,9 @@ def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", e
     """
     from ppokit.lm.data import is_file_source, load_prompts
 
+    for flag, value in (("--examples", examples), ("--eval-size", eval_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"sft {flag} must be a positive integer (got {value!r})")
     from_file = is_file_source(prompts)
     if reward is None:
         if from_file:
