@@ -385,13 +385,19 @@ def check_resumable_config(saved: Mapping[str, Any], given: Mapping[str, Any], w
                            hint: Optional[str] = None) -> None:
     """Raise :class:`UserError` when ``given`` differs from the run's ``saved`` config beyond
     :data:`PRESENTATION_FIELDS` (resuming with other settings would not be the same run)."""
+    diff = config_differences(saved, given)
+    if diff:
+        hint = hint or f"resume with the run's own config: ppokit train --resume {where}"
+        raise UserError(f"cannot resume {where}: the config differs from the run's in {diff}; {hint}")
+
+
+def config_differences(saved: Mapping[str, Any], given: Mapping[str, Any]) -> str:
+    """``"seed (1 in the run, 5 now), ..."``: the fields beyond :data:`PRESENTATION_FIELDS` where
+    ``given`` differs from ``saved`` (the first three); ``""`` when there are none."""
     a, b = _leaves(saved), _leaves(given)
     diff = [k for k in sorted(set(a) | set(b)) if k not in PRESENTATION_FIELDS and a.get(k) != b.get(k)]
-    if diff:
-        shown = ", ".join(f"{k} ({a.get(k)!r} in the run, {b.get(k)!r} now)" for k in diff[:3])
-        more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
-        hint = hint or f"resume with the run's own config: ppokit train --resume {where}"
-        raise UserError(f"cannot resume {where}: the config differs from the run's in {shown}{more}; {hint}")
+    shown = ", ".join(f"{k} ({a.get(k)!r} in the run, {b.get(k)!r} now)" for k in diff[:3])
+    return shown + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
 
 
 # Where each workload's checkpoint keeps the JSON with "iteration" and "config" (written last).
@@ -407,9 +413,7 @@ def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Optional
     checkpoint when there is one and else starts over in that directory (rows of an
     attempt that never reached a checkpoint are dropped).
     """
-    import yaml
-
-    from ppokit.track import create_run_dir
+    from ppokit.track import create_run_dir, has_started, read_run_config
 
     if not required and cfg.run.resume == "never":
         return create_run_dir(cfg), None
@@ -421,17 +425,12 @@ def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Optional
     found = find_resume_checkpoint(run_dir, required=required, marker=marker)
     if found is not None:
         return run_dir, found
-    if not (run_dir / "metrics.jsonl").exists():
-        return create_run_dir(cfg), None
+    if not has_started(run_dir):
+        return create_run_dir(cfg), None    # new, or a run that never got to its first iteration
     config_file = run_dir / "config.yaml"
-    if config_file.is_file():
-        try:
-            saved = yaml.safe_load(config_file.read_text())
-        except yaml.YAMLError:
-            saved = None
-        if isinstance(saved, dict):
-            check_resumable_config(saved, cfg.to_dict(), run_dir,
-                                   hint="choose another run.name or delete the directory")
+    saved = read_run_config(config_file)
+    if saved is not None:
+        check_resumable_config(saved, cfg.to_dict(), run_dir, hint="choose another run.name or delete the directory")
     truncate_metrics(run_dir, 0)
     config_file.write_text(cfg.to_yaml())
     return run_dir, None
@@ -475,5 +474,6 @@ def find_resume_checkpoint(run_dir: Path | str, *, required: bool, marker: str =
     last = latest_checkpoint(run_dir, marker=marker)
     if last is None and required:
         raise UserError(f"cannot resume: run directory {run_dir} has no checkpoint (one is written every "
-                        "run.checkpoint_every iterations, on SIGINT/SIGTERM and at the end)")
+                        "run.checkpoint_every iterations, on SIGINT/SIGTERM and at the end); to start it over "
+                        "in the same directory, run its config with run.resume=auto")
     return last

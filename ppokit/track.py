@@ -30,17 +30,78 @@ from ppokit.errors import UserError
 HEADLINE_KEYS = ("return_mean", "reward_mean")
 
 
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` looks like a ppokit run directory (metrics, checkpoints, or ppokit's config.yaml)."""
+    path = Path(path)
+    if any((path / name).exists() for name in ("metrics.jsonl", "checkpoint", "checkpoints")):
+        return True
+    saved = read_run_config(path / "config.yaml")
+    return saved is not None and "workload" in saved
+
+
+def has_started(run_dir: Path) -> bool:
+    """Whether a run got anywhere: a ``metrics.jsonl`` row or a checkpoint (complete or not)."""
+    run_dir = Path(run_dir)
+    periodic = run_dir / "checkpoints"
+    return bool(read_metrics(run_dir)) or (run_dir / "checkpoint").exists() or \
+        (periodic.is_dir() and any(periodic.iterdir()))
+
+
+def check_reusable(run_dir: Path, cfg: Config) -> None:
+    """Refuse an explicit ``run.name`` whose directory holds anything worth keeping.
+
+    A missing or empty directory is fine, and so is a run that never got to its first
+    iteration (a failed or interrupted setup: no metrics row, no checkpoint) when its
+    config is this one. Anything else (another run, files that are not a run) is a
+    :class:`UserError` that says how to go on.
+    """
+    from ppokit.resume import config_differences
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return
+    if not is_run_dir(run_dir):
+        raise UserError(f"{run_dir} is not empty and is not a ppokit run directory; choose another run.name "
+                        "or delete it")
+    if has_started(run_dir):
+        rows = len(read_metrics(run_dir))
+        if (run_dir / "checkpoint").exists():
+            how = "it has finished"
+        elif (run_dir / "checkpoints").is_dir():
+            how = f"resume it with: ppokit train --resume {run_dir}"
+        else:
+            how = f"it has no checkpoint: start it over (dropping its {rows} metrics rows) with run.resume=auto"
+        raise UserError(f"run directory {run_dir} already holds a run ({rows} iterations logged); {how}; "
+                        "or choose another run.name or delete it")
+    saved = read_run_config(run_dir / "config.yaml")
+    diff = config_differences(saved, cfg.to_dict()) if saved is not None else ""
+    if diff:
+        raise UserError(f"run directory {run_dir} holds a run that stopped before its first iteration, with "
+                        f"another config ({diff}); choose another run.name or delete it")
+
+
+def read_run_config(path: Path) -> Optional[dict]:
+    """A run's config.yaml as a dict; None when it is missing, empty or not a mapping."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
 def create_run_dir(cfg: Config) -> Path:
     """Create a fresh run directory and write the resolved config into it.
 
-    An explicit ``run.name`` that already holds a run is refused rather than overwritten.
+    An explicit ``run.name`` whose directory holds a run or other files is refused rather
+    than overwritten (:func:`check_reusable`); a run of the same config that never got to
+    its first iteration is reused.
     """
     root = Path(cfg.run.output_dir)
     if cfg.run.name:
         run_dir = root / cfg.run.name
-        if (run_dir / "metrics.jsonl").exists():
-            raise UserError(f"run directory {run_dir} already holds a run; choose another run.name "
-                            "or delete it")
+        check_reusable(run_dir, cfg)
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         base = f"{cfg.preset or cfg.workload}-s{cfg.seed}-{stamp}"

@@ -48,3 +48,57 @@ def test_a_corrupt_iteration_count_is_refused_and_names_another_checkpoint(inter
     assert f"checkpoint {latest} is corrupt" in err and "\n" not in err, err
     assert str(interrupted / "checkpoints" / "iter-000002") in err
     assert (interrupted / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_directory_that_is_not_a_run_is_refused(tmp_path, capsys):
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "config.yaml").write_text("notes\n")
+    assert main(["train", *_small(tmp_path, "run.name=userdir")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{user} is not empty and is not a ppokit run directory" in err and "\n" not in err, err
+    assert (user / "config.yaml").read_text() == "notes\n" and sorted(p.name for p in user.iterdir()) == ["config.yaml"]
+    # the same with run.resume=auto; an empty directory is fine
+    assert main(["train", *_small(tmp_path, "run.name=userdir", "run.resume=auto")]) == 2
+    assert "not a ppokit run directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["train", *_small(tmp_path, "run.name=empty", "train.total_steps=32")]) == 0
+
+
+def test_a_run_that_failed_before_its_first_iteration_can_be_run_again(tmp_path, capsys, monkeypatch):
+    from ppokit.control.rollout import Rollout
+
+    def interrupted(self, policy):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(Rollout, "collect", interrupted)     # Ctrl-C during the first rollout
+        assert main(["train", *_small(tmp_path, "run.name=r")]) == 130
+    run_dir = tmp_path / "r"
+    assert (run_dir / "config.yaml").is_file() and read_metrics(run_dir) == []
+    capsys.readouterr()
+    # --resume: no checkpoint; the message says what works
+    assert main(["train", *_small(tmp_path, "run.name=r"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "has no checkpoint" in err and "run.resume=auto" in err
+    # another config: refused (its directory may hold what that config built)
+    assert main(["train", *_small(tmp_path, "run.name=r", "seed=7")]) == 2
+    err = capsys.readouterr().err
+    assert "stopped before its first iteration, with another config (seed (1 in the run, 7 now))" in err
+    # the same config: the run starts in that directory
+    assert main(["train", *_small(tmp_path, "run.name=r")]) == 0
+    assert len(read_metrics(run_dir)) == 4
+    # now it holds a finished run
+    assert main(["train", *_small(tmp_path, "run.name=r")]) == 2
+    assert "already holds a run (4 iterations logged); it has finished" in capsys.readouterr().err
+
+
+def test_a_run_with_rows_but_no_checkpoint_points_to_run_resume_auto(finished_run, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoint")
+    shutil.rmtree(run_dir / "checkpoints")
+    assert main(["train", *_small(tmp_path, "run.name=run", "run.checkpoint_every=1", "run.keep_checkpoints=3")]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run (4 iterations logged); it has no checkpoint" in err and "run.resume=auto" in err
+    assert len(read_metrics(run_dir)) == 4
