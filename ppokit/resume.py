@@ -52,6 +52,7 @@ import json
 import os
 import random
 import signal
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -443,21 +444,35 @@ def open_run_for_resume(run_dir: Path | str, overrides: list[str]) -> tuple[Any,
     :data:`PRESENTATION_FIELDS` (e.g. ``run.progress=false``).
     """
     from ppokit.config import build_config, parse_overrides, read_yaml
+    from ppokit.track import read_run_config
 
     run_dir = Path(run_dir)
     config_file = run_dir / "config.yaml"
     if not run_dir.is_dir() or not config_file.is_file():
         raise UserError(f"--resume {run_dir}: not a run directory (no config.yaml); to resume the run.name of a "
                         "config, write: ppokit train CONFIG --resume")
-    workload = read_yaml(config_file).get("workload", "control")
-    marker = CHECKPOINT_MARKERS.get(workload, "meta.json")
-    found = find_resume_checkpoint(run_dir, required=True, marker=marker)
+    workload = (read_run_config(config_file) or {}).get("workload")
+    if workload in CHECKPOINT_MARKERS:
+        marker = CHECKPOINT_MARKERS[workload]
+        found = find_resume_checkpoint(run_dir, required=True, marker=marker)
+    else:   # an empty or damaged config.yaml: the checkpoint's own copy of the config can stand in
+        found, marker = None, ""
+        for candidate in CHECKPOINT_MARKERS.values():
+            found, marker = find_resume_checkpoint(run_dir, required=False, marker=candidate), candidate
+            if found is not None:
+                break
+        if found is None:
+            raise UserError(f"cannot resume: run directory {run_dir} has no checkpoint, and its {config_file} is "
+                            "empty or not a ppokit config")
     try:
         saved = json.loads((found / marker).read_text()).get("config")
     except (OSError, ValueError, AttributeError):
         raise UserError(f"checkpoint file {found / marker} is corrupt or truncated") from None
     if not isinstance(saved, dict):
         saved = read_yaml(config_file)
+    elif workload not in CHECKPOINT_MARKERS:
+        print(f"ppokit: warning: {config_file} is empty or not a ppokit config; using the config saved in "
+              f"{found / marker}", file=sys.stderr, flush=True)
     cfg = build_config([saved, parse_overrides(overrides)])
     check_resumable_config(saved, cfg.to_dict(), run_dir,
                            hint=f"with --resume RUN_DIR only these may change: {', '.join(PRESENTATION_FIELDS[3:])}")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ppokit.cli import main
+from ppokit.track import read_metrics
 
 ITERATIONS = 4
 
@@ -124,3 +125,21 @@ def test_a_corrupt_final_checkpoint_iteration_is_refused(finished_run, tmp_path,
     err = capsys.readouterr().err.strip()
     assert f"checkpoint {run_dir / 'checkpoint'} is corrupt" in err and "had already finished" not in err, err
     assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("text", ["", "workload: [lm\n", "- a list\n"])
+def test_resume_with_a_damaged_config_yaml_uses_the_checkpoints_config(run, capsys, text):
+    (run / "config.yaml").write_text(text)
+    assert main(["train", "--resume", str(run), "run.progress=false"]) == 0
+    captured = capsys.readouterr()
+    assert f"{run / 'config.yaml'} is empty or not a ppokit config; using the config saved in " \
+           f"{run / LATEST / 'trainer' / 'meta.json'}" in captured.err, captured.err
+    assert [r["iteration"] for r in read_metrics(run)] == list(range(ITERATIONS))
+
+
+def test_resume_with_a_damaged_config_yaml_and_no_checkpoint_says_so(run, capsys):
+    shutil.rmtree(run / "checkpoints")
+    (run / "config.yaml").write_text("")
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no checkpoint, and its" in err and "config.yaml is empty or not a ppokit config" in err, err
