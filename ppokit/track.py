@@ -28,6 +28,9 @@ from ppokit.errors import UserError
 
 # The progress bar shows the first of these present in an iteration's metrics.
 HEADLINE_KEYS = ("return_mean", "reward_mean")
+# What a run that never got to its first iteration may hold besides things built from its
+# config (an LM run's base_model/, say): with only these it may start over with another config.
+NOT_BUILT = ("config.yaml", "metrics.jsonl", "tb")
 
 
 def is_run_dir(path: Path) -> bool:
@@ -52,8 +55,9 @@ def check_reusable(run_dir: Path, cfg: Config) -> None:
 
     A missing or empty directory is fine, and so is a run that never got to its first
     iteration (a failed or interrupted setup: no metrics row, no checkpoint) when its
-    config is this one. Anything else (another run, files that are not a run) is a
-    :class:`UserError` that says how to go on.
+    config is this one or it holds nothing built from its config (only :data:`NOT_BUILT`).
+    Anything else (another run, files that are not a run) is a :class:`UserError` that
+    says how to go on.
     """
     from ppokit.resume import config_differences
 
@@ -75,9 +79,11 @@ def check_reusable(run_dir: Path, cfg: Config) -> None:
                         "or choose another run.name or delete it")
     saved = read_run_config(run_dir / "config.yaml")
     diff = config_differences(saved, cfg.to_dict()) if saved is not None else ""
-    if diff:
+    built = sorted(p.name for p in run_dir.iterdir() if p.name not in NOT_BUILT)
+    if diff and built:
         raise UserError(f"run directory {run_dir} holds a run that stopped before its first iteration, with "
-                        f"another config ({diff}); choose another run.name or delete it")
+                        f"another config ({diff}) and what it built ({', '.join(built)}); choose another run.name "
+                        "or delete it")
 
 
 def read_run_config(path: Path) -> Optional[dict]:

@@ -82,8 +82,14 @@ def evaluate_policy(cfg: Config, policy: ActorCritic, normalizer_state: Optional
 
 
 def evaluate_run(run_dir: str | Path, episodes: int, seed: Optional[int] = None) -> tuple[float, float]:
-    """Load ``RUN_DIR``'s config and checkpoint, run the deterministic policy: (mean, std)."""
+    """Load ``RUN_DIR``'s config and checkpoint, run the deterministic policy: (mean, std).
+
+    The checkpoint is ``RUN_DIR/checkpoint`` (the end of training), else the newest periodic
+    one (an interrupted or running run; a note says which), or RUN_DIR itself when it is a
+    checkpoint directory.
+    """
     from ppokit.control.workload import CHECKPOINT_DIR, load_policy
+    from ppokit.resume import latest_checkpoint
 
     from ppokit.checkpoint import META
 
@@ -95,6 +101,14 @@ def evaluate_run(run_dir: str | Path, episodes: int, seed: Optional[int] = None)
     if (ckpt_dir / "policy.json").is_file() or (run_dir / "policy.json").is_file():
         raise UserError(f"{run_dir} is a language-model run; `ppokit eval` runs control policies in their "
                         "environment (an LM run prints its held-out accuracy; `ppokit export` writes the model)")
+    if not ckpt_dir.exists() and ckpt_dir != run_dir:
+        newest = latest_checkpoint(run_dir)
+        if newest is None:
+            raise UserError(f"run directory {run_dir} has no checkpoint (the final one is written when training "
+                            "finishes, others every run.checkpoint_every iterations and on SIGINT/SIGTERM)")
+        print(f"note: {run_dir} has not finished training (no {CHECKPOINT_DIR}/); evaluating its newest "
+              f"checkpoint, {newest} (to finish the run: ppokit train --resume {run_dir})", flush=True)
+        ckpt_dir = newest
     cfg, policy, normalizer_state = load_policy(ckpt_dir)
     torch.set_num_threads(cfg.run.torch_threads or 1)
     return evaluate_policy(cfg, policy, normalizer_state, episodes, seed)

@@ -81,10 +81,12 @@ def test_a_run_that_failed_before_its_first_iteration_can_be_run_again(tmp_path,
     assert main(["train", *_small(tmp_path, "run.name=r"), "--resume"]) == 2
     err = capsys.readouterr().err
     assert "has no checkpoint" in err and "run.resume=auto" in err
-    # another config: refused (its directory may hold what that config built)
+    # another config, when the attempt built something from its config (as an LM run's base_model): refused
+    (run_dir / "base_model").mkdir()
     assert main(["train", *_small(tmp_path, "run.name=r", "seed=7")]) == 2
     err = capsys.readouterr().err
-    assert "stopped before its first iteration, with another config (seed (1 in the run, 7 now))" in err
+    assert "stopped before its first iteration, with another config (seed (1 in the run, 7 now)) and what it " \
+           "built (base_model)" in err
     # the same config: the run starts in that directory
     assert main(["train", *_small(tmp_path, "run.name=r")]) == 0
     assert len(read_metrics(run_dir)) == 4
@@ -102,3 +104,13 @@ def test_a_run_with_rows_but_no_checkpoint_points_to_run_resume_auto(finished_ru
     err = capsys.readouterr().err
     assert "already holds a run (4 iterations logged); it has no checkpoint" in err and "run.resume=auto" in err
     assert len(read_metrics(run_dir)) == 4
+
+
+def test_eval_of_an_interrupted_run_uses_its_newest_checkpoint(interrupted, capsys):
+    latest = interrupted / "checkpoints" / "iter-000003"
+    assert main(["eval", str(latest), "--episodes", "2"]) == 0
+    direct = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main(["eval", str(interrupted), "--episodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"evaluating its newest checkpoint, {latest}" in out and f"ppokit train --resume {interrupted}" in out
+    assert out.strip().splitlines()[-1] == direct
