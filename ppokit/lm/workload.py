@@ -99,11 +99,12 @@ def _kernels_note(policy) -> str:
 
 
 def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
+    """Threads and every global RNG seeded; (device, autocast dtype or None) from ``run.device``/``run.precision``."""
     import random
 
     import numpy as np
 
-    from ppokit.lm.policy import resolve_device, resolve_precision
+    from ppokit.lm.policy import resolve_precision
 
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
@@ -111,7 +112,7 @@ def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
     torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.run.device)
+    device = resolve_device_name(cfg)
     return device, resolve_precision(cfg.run.precision, device)
 
 
@@ -198,10 +199,26 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
     return Path(path)
 
 
+def available_devices() -> list[str]:
+    """The ``run.device`` values this machine can run: auto, cpu, then cuda, cuda:N and mps when present."""
+    names = ["auto", "cpu"]
+    if torch.cuda.is_available():
+        names += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        names.append("mps")
+    return names
+
+
 def resolve_device_name(cfg: Config) -> torch.device:
+    """``run.device`` as a ``torch.device``; one this machine lacks is a :class:`UserError` naming the choices."""
     from ppokit.lm.policy import resolve_device
 
-    return resolve_device(cfg.run.device)
+    name = cfg.run.device
+    choices = available_devices()
+    if name not in choices:
+        raise UserError(f"run.device={name}: no such device on this machine; available: {', '.join(choices)}")
+    return resolve_device(name)
 
 
 def evaluate(policy, tokenizer, items: list[dict], reward_fn, cfg: Config) -> float:
