@@ -63,7 +63,8 @@ from ppokit.errors import Interrupted, TrainingDiverged, UserError
 __all__ = [
     "FINAL_DIR", "PERIODIC_DIR", "BadStepGuard", "GracefulStop", "Interrupted", "TrainingDiverged",
     "capture_rng", "restore_rng", "find_checkpoints", "latest_checkpoint", "periodic_checkpoint_path",
-    "truncate_metrics", "find_resume_checkpoint", "checked_iteration", "check_resumable_config", "all_finite", "PRESENTATION_FIELDS",
+    "truncate_metrics", "find_resume_checkpoint", "checked_iteration", "check_resumable_config",
+    "config_differences", "all_finite", "PRESENTATION_FIELDS",
     "prepare_run_dir", "open_run_for_resume", "diverged_message", "generator_state", "set_generator_state",
 ]
 
