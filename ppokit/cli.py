@@ -57,7 +57,9 @@ class Parser(argparse.ArgumentParser):
     """An argparse parser whose usage errors are one line and exit status 2."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        command = self.prog.partition(" ")[2]     # "eval" for "ppokit eval", "" for ppokit itself
+        where = f"{command}: " if command else ""
+        self.exit(2, f"ppokit: error: {where}{message} (see {self.prog} --help)\n")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:

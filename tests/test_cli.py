@@ -95,17 +95,17 @@ def test_overrides_may_follow_options(capsys):
     args = parse_args(build_parser(), ["train", "cartpole", "seed=1", "--name", "x", "algo.gamma=0.9", "seed=2"])
     assert (args.config, args.name, args.overrides) == ("cartpole", "x", ["seed=1", "algo.gamma=0.9", "seed=2"])
     code, err = cli(capsys, "config", "show", "cartpole", "--no-such-option", "algo.gamma=0.9")
-    assert code == 2 and err == ("ppokit config show: unrecognized arguments: --no-such-option "
+    assert code == 2 and err == ("ppokit: error: config show: unrecognized arguments: --no-such-option "
                                  "(see ppokit config show --help)\n")
 
 
 @pytest.mark.parametrize("argv, line", [
     (["eval", "RUN", "--episodes", "abc"],
-     "ppokit eval: argument --episodes: invalid int value: 'abc' (see ppokit eval --help)"),
-    (["demo", "--foo"], "ppokit demo: unrecognized arguments: --foo (see ppokit demo --help)"),
-    (["eval", "RUN", "extra"], "ppokit eval: unrecognized arguments: extra (see ppokit eval --help)"),
-    (["frob"], "ppokit: argument COMMAND: invalid choice: 'frob'"),
-    (["config", "show"], "ppokit config show: the following arguments are required: NAME (see"),
+     "ppokit: error: eval: argument --episodes: invalid int value: 'abc' (see ppokit eval --help)"),
+    (["demo", "--foo"], "ppokit: error: demo: unrecognized arguments: --foo (see ppokit demo --help)"),
+    (["eval", "RUN", "extra"], "ppokit: error: eval: unrecognized arguments: extra (see ppokit eval --help)"),
+    (["frob"], "ppokit: error: argument COMMAND: invalid choice: 'frob'"),
+    (["config", "show"], "ppokit: error: config show: the following arguments are required: NAME (see"),
 ])
 def test_usage_errors_are_one_line(capsys, argv, line):
     code, err = cli(capsys, *argv)

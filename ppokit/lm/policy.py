@@ -196,6 +196,9 @@ def weights_problem(exc: BaseException, report: Sequence[str] = ()) -> str:
                 "config.json); fix config.json or save the model again with save_pretrained")
     if "size mismatch" in str(exc) or "ignore_mismatched_sizes" in str(exc):
         return "the weights do not fit config.json; fix config.json or save the model again with save_pretrained"
+    if isinstance(exc, OSError) and "no file named" in str(exc):
+        return (f"cannot load the model weights: the directory holds no weight file ({_first_line(exc)}); "
+                "save the model there with save_pretrained")
     if isinstance(exc, SafetensorError) or "safetensors" in str(exc).lower():
         return (f"the weight file is corrupt or truncated ({_first_line(exc)}); copy or save the model "
                 "again")
