@@ -264,7 +264,7 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
     from ppokit.lm.data import PromptIterator
     from ppokit.lm.policy import build_policy, causal_lm_config, load_tokenizer
     from ppokit.lm.rewards import score_responses
-    from ppokit.lm.rollout import RolloutEngine
+    from ppokit.lm.rollout import RolloutEngine, check_prompts_fit
     from ppokit.lm.scoring import Scorer, kl_to_reference, token_rewards
     from ppokit.trainer import compute_advantages
     from ppokit.track import Tracker
@@ -293,6 +293,8 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         one_thread_if_small(cfg, policy, device)
         kl_in_loss_or_reward = a.beta > 0 or a.use_kl_in_reward
         engine = RolloutEngine(policy, tokenizer, cfg.rollout)
+        check_prompts_fit(policy.actor_model, tokenizer, [x["prompt"] for x in train_items + eval_items],
+                          cfg.rollout.max_new_tokens)     # every prompt, before the first rollout
         learner = Learner(cfg, policy, cfg.iterations)
         scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=kl_in_loss_or_reward,
                         metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(cfg))

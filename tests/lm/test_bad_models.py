@@ -142,3 +142,25 @@ def test_train_with_a_model_too_short_for_the_rollouts(short_gpt2, tmp_path, mon
                      "--output-dir", "runs", "--no-progress", "--name", "short"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "max_position_embeddings" in err[0], err
+
+
+def test_train_checks_every_prompt_before_the_first_rollout(short_gpt2, tmp_path, monkeypatch, capsys):
+    """A too-long prompt anywhere in the prompt file stops the run before anything is generated."""
+    from ppokit import cli
+    from ppokit.lm import rollout
+
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{i}+1="}}\n' for i in range(8)) + '{"prompt": "12+30=12+30="}\n')
+    calls = []
+    generate = rollout.RolloutEngine.generate
+    monkeypatch.setattr(rollout.RolloutEngine, "generate",
+                        lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
+    code = cli.main(["train", "arith", f"model.path={short_gpt2}", f"data.prompts={prompts}",
+                     "rollout.max_new_tokens=1",
+                     "train.iterations=1", "train.batch_size=8", "train.mini_batch_size=8", "train.micro_batch_size=8",
+                     "train.infer_micro_batch_size=8", "rollout.micro_batch_size=8", "data.sft_epochs=0",
+                     "run.tensorboard=false", "--output-dir", "runs", "--no-progress", "--name", "long"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "'12+30=12+30='" in err[0] and "max_position_embeddings" in err[0], err
+    assert calls == []
