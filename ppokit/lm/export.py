@@ -27,6 +27,12 @@ def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
         return p
     if (p / "checkpoint" / POLICY_META_FILE).is_file():
         return p / "checkpoint"
+    from ppokit.resume import latest_checkpoint
+
+    newest = latest_checkpoint(p, marker=POLICY_META_FILE)
+    if newest is not None:
+        raise UserError(f"{p} has no final checkpoint (training has not finished): finish it with "
+                        f"ppokit train --resume {p}, or export its newest checkpoint, {newest}")
     raise UserError(f"{p} holds no LM checkpoint (expected {p}/checkpoint/{POLICY_META_FILE}); "
                     "a run writes it when training finishes")
 

@@ -125,3 +125,14 @@ def test_full_mode_round_trip(tiny_dir, tmp_path):
 def test_export_of_a_directory_without_checkpoint(tmp_path):
     with pytest.raises(UserError, match="holds no LM checkpoint"):
         export_merged(tmp_path, tmp_path / "out")
+
+
+def test_export_of_an_unfinished_run_names_its_newest_checkpoint(lora_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run[1], run / "checkpoints" / "iter-000002")   # a periodic one, no final one
+    with pytest.raises(UserError, match=r"has no final checkpoint .*--resume .*checkpoints/iter-000002"):
+        export_merged(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
