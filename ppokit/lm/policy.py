@@ -132,8 +132,8 @@ def load_causal_lm(path: str | Path, what: str = "model.path", dtype: torch.dtyp
             model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
                                                          local_files_only=True, **kwargs)
         except ImportError as exc:
-            raise UserError(f"model.attn_implementation={attn_implementation}: {_first_line(exc).rstrip('.')}; install the "
-                            "package it needs or use auto, sdpa or eager") from None
+            raise UserError(f"model.attn_implementation={attn_implementation}: {_first_line(exc).rstrip('.')}; "
+                            "install the package it needs or use auto, sdpa or eager") from None
         except ValueError as exc:
             if "Unrecognized configuration class" in str(exc) or "AutoModelForCausalLM" in str(exc):
                 raise UserError(f"{what}={path}: a {type(config).__name__} is not a causal language model "
@@ -181,8 +181,9 @@ def held_load_report() -> Iterator[list[str]]:
         logger.handle(record)
 
 
-_MISMATCH = re.compile(r"^([^|\n]+?)\s*\|\s*MISMATCH\b.*?ckpt: torch\.Size\((\[[^\]]*\])\) vs model: ?torch\.Size\((\[[^\]]*\])\)",
-                       re.MULTILINE)
+# a row of transformers' load report: "NAME | MISMATCH | ... ckpt: torch.Size([..]) vs model: torch.Size([..])"
+_MISMATCH = re.compile(r"^([^|\n]+?)\s*\|\s*MISMATCH\b.*?"
+                       r"ckpt: torch\.Size\((\[[^\]]*\])\) vs model: ?torch\.Size\((\[[^\]]*\])\)", re.MULTILINE)
 
 
 def weights_problem(exc: BaseException, report: Sequence[str] = ()) -> str:
