@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Optional
 
@@ -65,8 +66,12 @@ class Parser(argparse.ArgumentParser):
 def parse_args(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:
     """Parse ``argv``; KEY=VALUE overrides may also come after options (``train cartpole --name x seed=3``)."""
     args, extra = parser.parse_known_args(argv)
+    swallowed = []      # `train CONFIG --resume seed=3`: --resume took the override as its RUN_DIR
+    resume = getattr(args, "resume", None)
+    if isinstance(resume, str) and "=" in resume and not os.path.exists(resume):
+        swallowed, args.resume = [resume], True
     if hasattr(args, "overrides"):
-        args.overrides = args.overrides + [arg for arg in extra if not arg.startswith("-")]
+        args.overrides = args.overrides + swallowed + [arg for arg in extra if not arg.startswith("-")]
         extra = [arg for arg in extra if arg.startswith("-")]
     if extra:
         getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")

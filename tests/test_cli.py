@@ -94,6 +94,9 @@ def test_overrides_may_follow_options(capsys):
 
     args = parse_args(build_parser(), ["train", "cartpole", "seed=1", "--name", "x", "algo.gamma=0.9", "seed=2"])
     assert (args.config, args.name, args.overrides) == ("cartpole", "x", ["seed=1", "algo.gamma=0.9", "seed=2"])
+    args = parse_args(build_parser(), ["train", "cartpole", "seed=1", "--resume", "seed=2", "algo.gamma=0.9"])
+    assert (args.resume, args.overrides) == (True, ["seed=1", "seed=2", "algo.gamma=0.9"])   # not RUN_DIR seed=2
+    assert parse_args(build_parser(), ["train", "--resume", "runs/x"]).resume == "runs/x"
     code, err = cli(capsys, "config", "show", "cartpole", "--no-such-option", "algo.gamma=0.9")
     assert code == 2 and err == ("ppokit: error: config show: unrecognized arguments: --no-such-option "
                                  "(see ppokit config show --help)\n")
