@@ -89,3 +89,12 @@ def dead_pid() -> int:
     """The PID of a process that has exited (and been reaped): a killed checkpoint writer's."""
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     return int(proc.stdout)
+
+
+def copy_without_final_checkpoint(finished_run: Path, dest: Path) -> Path:
+    """A copy of a finished run as if stopped after its last periodic checkpoint."""
+    import shutil
+
+    shutil.copytree(finished_run, dest)
+    shutil.rmtree(dest / "checkpoint")
+    return dest

@@ -11,6 +11,7 @@ import pytest
 
 from ppokit.cli import main
 from ppokit.track import read_metrics
+from resume_helpers import copy_without_final_checkpoint
 
 
 def _small(tmp_path, *extra):
@@ -30,10 +31,7 @@ def finished_run(tmp_path_factory) -> Path:
 @pytest.fixture
 def interrupted(finished_run, tmp_path) -> Path:
     """A copy of the run without its final checkpoint (stopped after 3 iterations)."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(finished_run, run_dir)
-    shutil.rmtree(run_dir / "checkpoint")
-    return run_dir
+    return copy_without_final_checkpoint(finished_run, tmp_path / "run")
 
 
 @pytest.mark.parametrize("value", [-5, 99, 2, "3", True])
@@ -96,9 +94,7 @@ def test_a_run_that_failed_before_its_first_iteration_can_be_run_again(tmp_path,
 
 
 def test_a_run_with_rows_but_no_checkpoint_points_to_run_resume_auto(finished_run, tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    shutil.copytree(finished_run, run_dir)
-    shutil.rmtree(run_dir / "checkpoint")
+    run_dir = copy_without_final_checkpoint(finished_run, tmp_path / "run")
     shutil.rmtree(run_dir / "checkpoints")
     assert main(["train", *_small(tmp_path, "run.name=run", "run.checkpoint_every=1", "run.keep_checkpoints=3")]) == 2
     err = capsys.readouterr().err

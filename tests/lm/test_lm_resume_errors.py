@@ -15,6 +15,7 @@ import pytest
 
 from ppokit.cli import main
 from ppokit.track import read_metrics
+from resume_helpers import copy_without_final_checkpoint
 
 ITERATIONS = 4
 
@@ -45,10 +46,7 @@ def _has_tensorboard() -> bool:
 @pytest.fixture
 def run(finished_run, tmp_path) -> Path:
     """A copy of the run, interrupted after 3 iterations (no final checkpoint)."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(finished_run, run_dir)
-    shutil.rmtree(run_dir / "checkpoint")
-    return run_dir
+    return copy_without_final_checkpoint(finished_run, tmp_path / "run")
 
 
 def _snapshot(run_dir: Path) -> dict[str, bytes]:
