@@ -39,7 +39,8 @@ def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
 
 def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the actor as a standalone model (+ tokenizer) to ``out_dir`` (new or empty)."""
-    from ppokit.lm.tiny import check_output_dir, quiet_transformers, writing_to
+    from ppokit.lm.tiny import quiet_transformers
+    from ppokit.output_paths import check_output_dir, writing_to
 
     ckpt = checkpoint_dir(run_dir)
     out = Path(out_dir)

@@ -252,7 +252,8 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
     ``train_accuracy`` (of the best model on up to 256 SFT examples), ``stopped``
     (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s`` and ``settings``.
     """
-    from ppokit.lm.tiny import check_output_dir, load_model_and_tokenizer, writing_to
+    from ppokit.lm.tiny import load_model_and_tokenizer
+    from ppokit.output_paths import check_output_dir, writing_to
 
     _check_positive(epochs_max=epochs_max, batch_size=batch_size, patience=patience, eval_every=eval_every,
                     eval_batch_size=eval_batch_size)

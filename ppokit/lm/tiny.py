@@ -21,10 +21,8 @@ cores.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ppokit.errors import UserError
+from ppokit.output_paths import writing_to
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 PAD, UNK, BOS, EOS = SPECIAL_TOKENS
@@ -40,8 +39,6 @@ PAD, UNK, BOS, EOS = SPECIAL_TOKENS
 DEFAULT_ALPHABET = "0123456789+-*/=()., :;?!'\n" + "abcdefghijklmnopqrstuvwxyz"
 SPEC_FILE = "ppokit_tiny.json"
 SPEC_FORMAT = 1
-# Failures to write that are the user's to fix (where the output goes), not bugs.
-WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR}
 
 
 @dataclass(frozen=True)
@@ -207,41 +204,6 @@ def build_tiny_model_from_spec(out_dir: str | os.PathLike, spec: TinySpec = DEFA
                 return out
             raise
     return out
-
-
-def check_output_dir(out: Path, fix: str, *, replace: bool = False) -> None:
-    """UserError unless a directory can be written to ``out``: new or empty (any contents with
-    ``replace``), not a file, on a writable file system. Call it before the work, so that a bad
-    output path fails at once rather than after the work is done; ``fix`` says what to do instead."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file, not a directory; {fix}")
-    if not replace and out.is_dir() and any(out.iterdir()):
-        raise UserError(f"{out} is not empty; {fix}")
-    parent = next((p for p in out.absolute().parents if p.exists()), Path("/"))   # where the first new entry goes
-    with writing_to(out):
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-
-
-@contextlib.contextmanager
-def writing_to(out: Path) -> Iterator[None]:
-    """Turn a read-only file system, a permission error or a full disk inside the block into a
-    UserError naming ``out`` (the block is a write of ``out``)."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except (OSError, SafetensorError) as exc:
-        code = exc.errno if isinstance(exc, OSError) else _os_error_code(str(exc))
-        if code not in WRITE_ERRNOS:
-            raise
-        raise UserError(f"cannot write {out}: {os.strerror(code)}; choose a writable location with free space") \
-            from None
-
-
-def _os_error_code(text: str) -> Optional[int]:
-    """The errno of an I/O error reported as text, e.g. by safetensors ("... (os error 28)")."""
-    match = re.search(r"os error (\d+)", text)
-    return int(match.group(1)) if match else None
 
 
 def read_tiny_spec(model_dir: str | os.PathLike) -> Optional[TinySpec]:
