@@ -55,7 +55,9 @@ def check_reusable(run_dir: Path, cfg: Config) -> None:
 
     A missing or empty directory is fine, and so is a run that never got to its first
     iteration (a failed or interrupted setup: no metrics row, no checkpoint) when its
-    config is this one or it holds nothing built from its config (only :data:`NOT_BUILT`).
+    config is this one, or it holds nothing built from its config (only :data:`NOT_BUILT`)
+    and its ``metrics.jsonl`` shows that ppokit started it (else the config.yaml may be the
+    user's own).
     Anything else (another run, files that are not a run) is a :class:`UserError` that
     says how to go on.
     """
@@ -80,10 +82,12 @@ def check_reusable(run_dir: Path, cfg: Config) -> None:
     saved = read_run_config(run_dir / "config.yaml")
     diff = config_differences(saved, cfg.to_dict()) if saved is not None else ""
     built = sorted(p.name for p in run_dir.iterdir() if p.name not in NOT_BUILT)
-    if diff and built:
-        raise UserError(f"run directory {run_dir} holds a run that stopped before its first iteration, with "
-                        f"another config ({diff}) and what it built ({', '.join(built)}); choose another run.name "
-                        "or delete it")
+    started_here = (run_dir / "metrics.jsonl").exists()   # without it the config.yaml may be the user's own
+    if diff and (built or not started_here):
+        what = (f"holds a run that stopped before its first iteration, with another config ({diff}) and what it "
+                f"built ({', '.join(built)})" if started_here else
+                f"holds a config.yaml of another config ({diff}) and no run")
+        raise UserError(f"run directory {run_dir} {what}; choose another run.name or delete it")
 
 
 def read_run_config(path: Path) -> Optional[dict]:

@@ -48,6 +48,34 @@ def test_a_corrupt_iteration_count_is_refused_and_names_another_checkpoint(inter
     assert (interrupted / "metrics.jsonl").read_bytes() == before
 
 
+def test_a_damaged_checkpoint_file_says_which_checkpoint_to_resume_from(interrupted, capsys):
+    latest = interrupted / "checkpoints" / "iter-000003"
+    damaged = sorted(latest.glob("*.safetensors"))[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    before = (interrupted / "metrics.jsonl").read_bytes()
+    assert main(["train", "--resume", str(interrupted)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"checkpoint file {damaged} is corrupt or truncated" in err and "\n" not in err, err
+    assert err.endswith(f"; move it out of the run directory to resume from {interrupted / 'checkpoints'}"
+                        "/iter-000002"), err
+    assert (interrupted / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_config_yaml_the_user_wrote_is_never_overwritten(tmp_path, capsys):
+    """A directory holding only a full config (``ppokit config show ... > config.yaml``) that
+    differs from the run's: no ppokit run ever started there, so nothing of it is replaced."""
+    from ppokit.config import load_config
+
+    user = tmp_path / "myexp"
+    user.mkdir()
+    text = load_config("cartpole", ["algo.gamma=0.95"]).to_yaml()
+    (user / "config.yaml").write_text(text)
+    assert main(["train", *_small(tmp_path, "run.name=myexp")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "another config" in err and "algo.gamma" in err and "\n" not in err, err
+    assert (user / "config.yaml").read_text() == text and sorted(p.name for p in user.iterdir()) == ["config.yaml"]
+
+
 def test_a_directory_that_is_not_a_run_is_refused(tmp_path, capsys):
     user = tmp_path / "userdir"
     user.mkdir()
