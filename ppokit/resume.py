@@ -48,13 +48,14 @@ This module imports torch and numpy lazily (the CLI imports it for argument hand
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,7 +64,8 @@ from ppokit.errors import Interrupted, TrainingDiverged, UserError
 __all__ = [
     "FINAL_DIR", "PERIODIC_DIR", "BadStepGuard", "GracefulStop", "Interrupted", "TrainingDiverged",
     "capture_rng", "restore_rng", "find_checkpoints", "latest_checkpoint", "periodic_checkpoint_path",
-    "truncate_metrics", "find_resume_checkpoint", "checked_iteration", "check_resumable_config",
+    "truncate_metrics", "find_resume_checkpoint", "checked_iteration", "resume_instead", "advising_on_damage",
+    "check_resumable_config",
     "config_differences", "all_finite", "PRESENTATION_FIELDS",
     "prepare_run_dir", "open_run_for_resume", "diverged_message", "generator_state", "set_generator_state",
 ]
@@ -303,11 +305,28 @@ def checked_iteration(meta: Mapping[str, Any], path: Path | str, iterations: int
             and named in (None, value):
         return value
     expected = f"{named}" if named is not None else f"0..{iterations}"
-    others = [p for _, p in find_checkpoints(run_dir, marker=marker) if p != path] if Path(run_dir).is_dir() else []
-    instead = (f"move it out of the run directory to resume from {others[-1]}" if others
-               else "no other checkpoint to resume from: start the run over")
     raise UserError(f"checkpoint {path} is corrupt: {path / marker} says iteration {value!r} "
-                    f"(expected {expected}); {instead}")
+                    f"(expected {expected}); {resume_instead(path, run_dir, marker=marker)}")
+
+
+def resume_instead(path: Path | str, run_dir: Path | str, *, marker: str = "meta.json") -> str:
+    """What to do about a damaged checkpoint ``path``: resume from the newest other one."""
+    path = Path(path)
+    others = [p for _, p in find_checkpoints(run_dir, marker=marker) if p != path] if Path(run_dir).is_dir() else []
+    return (f"move it out of the run directory to resume from {others[-1]}" if others
+            else "no other checkpoint to resume from: start the run over")
+
+
+@contextlib.contextmanager
+def advising_on_damage(path: Path | str, run_dir: Path | str, *, marker: str = "meta.json") -> Iterator[None]:
+    """A damaged file of checkpoint ``path`` found inside the block ("checkpoint file ... is
+    corrupt or truncated"): its error also says what to do (:func:`resume_instead`)."""
+    try:
+        yield
+    except UserError as exc:
+        if not str(exc).startswith("checkpoint file "):
+            raise
+        raise UserError(f"{exc}; {resume_instead(path, run_dir, marker=marker)}") from None
 
 
 def find_checkpoints(run_dir: Path | str, *, marker: str = "meta.json") -> list[tuple[int, Path]]:

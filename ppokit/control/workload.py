@@ -243,12 +243,13 @@ def load_training_state(path: Path, cfg: Config, policy: ActorCritic, trainer: A
     """
     from ppokit import resume
 
-    ckpt = checkpoint.load_checkpoint(path)
+    run_dir = Path(run_dir) if run_dir is not None else Path(path).parent
+    with resume.advising_on_damage(path, run_dir, marker=checkpoint.META):
+        ckpt = checkpoint.load_checkpoint(path)
     meta_file = Path(path) / checkpoint.META
     notes: list[str] = []
     if ckpt.meta.get("workload") != "control":
         raise UserError(f"checkpoint file {meta_file} is not a control-workload checkpoint")
-    run_dir = Path(run_dir) if run_dir is not None else Path(path).parent
     resume.check_resumable_config(ckpt.meta.get("config", {}), cfg.to_dict(), run_dir)
     iteration = resume.checked_iteration(ckpt.meta, path, cfg.iterations, run_dir, marker=checkpoint.META)
     missing = [k for k in ("model", "normalizer", "trainer", "rng", "venv") if k not in ckpt.parts]

@@ -305,8 +305,9 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         eval_history: list[dict[str, float]] = []
         start_it = 0
         if saved is not None:
-            start_it, summary, eval_history = load_training_state(saved, resume_from, policy, learner, prompts,
-                                                                  kl_ctrl)
+            with resume.advising_on_damage(resume_from, run_dir, marker=MARKER):
+                start_it, summary, eval_history = load_training_state(saved, resume_from, policy, learner,
+                                                                      prompts, kl_ctrl)
             resume.truncate_metrics(run_dir, start_it)    # only now: the resume goes ahead
         # TensorBoard steps are iterations: the resumed run logs the checkpoint's iteration first
         tracker = Tracker(run_dir, cfg, cfg.iterations, purge_step=start_it if saved is not None else None)
@@ -433,7 +434,8 @@ def read_training_state(path: Path, cfg: Config, run_dir: Path):
     """The ``trainer/`` checkpoint of ``path``, checked to be a resumable checkpoint of this run."""
     from ppokit import checkpoint, resume
 
-    ckpt = checkpoint.load_checkpoint(Path(path) / TRAINER_DIR)
+    with resume.advising_on_damage(path, run_dir, marker=MARKER):
+        ckpt = checkpoint.load_checkpoint(Path(path) / TRAINER_DIR)
     meta_file = Path(path) / MARKER
     if ckpt.meta.get("workload", "lm") != "lm":
         raise UserError(f"checkpoint file {meta_file} is not a language-model checkpoint")

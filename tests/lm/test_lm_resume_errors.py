@@ -100,6 +100,9 @@ def test_a_failing_resume_keeps_metrics_and_tensorboard(run, capsys, case):
             _restore_prompts(run)
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
+    if case in ("adapter truncated", "value head empty"):     # a damaged file: what to do about it
+        assert err.endswith(f"; move it out of the run directory to resume from {run / 'checkpoints'}"
+                            "/iter-000002"), err
     assert _snapshot(run) == before
 
 
