@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 from ppokit.errors import UserError
 
 # Failures to write that are the user's to fix (where the output goes), not bugs.
-WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR}
+WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EBUSY}
 
 
 def check_output_dir(out: Path, fix: str, *, replace: bool = False) -> None:
@@ -30,6 +30,8 @@ def check_output_dir(out: Path, fix: str, *, replace: bool = False) -> None:
         raise UserError(f"{out} is a file, not a directory; {fix}")
     if not replace and out.is_dir() and any(out.iterdir()):
         raise UserError(f"{out} is not empty; {fix}")
+    if out.is_dir() and os.path.ismount(out):        # the finished output replaces `out`: a mount point stays
+        raise UserError(f"{out} is a mount point, which the output cannot replace; give a new directory inside it")
     parent = next((p for p in out.absolute().parents if p.exists()), Path("/"))   # where the first new entry goes
     with writing_to(out):
         os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))

@@ -104,6 +104,16 @@ def test_full_disk_leaves_nothing_half_written(tiny_dir, checkpoint, mount):
     assert list(full.iterdir()) == []
 
 
+def test_a_mount_point_as_output_fails_before_the_work(tiny_dir, checkpoint, mount, no_training):
+    for options in ("ro,size=64k", "size=64k"):
+        point = mount(options)
+        for make in (lambda: run_sft(tiny_dir, point), lambda: export_merged(checkpoint, point)):
+            with pytest.raises(UserError, match="is a mount point, which the output cannot replace; give a new "
+                                                "directory inside it"):
+                make()
+        assert list(point.iterdir()) == []
+
+
 def test_sft_counts_that_must_be_positive_name_their_flag(tmp_path):
     for options, flag in (({"examples": 0}, "--examples"), ({"eval_size": 0}, "--eval-size")):
         with pytest.raises(UserError, match=f"^sft {flag} must be a positive integer \\(got 0\\)$"):
