@@ -756,6 +756,8 @@ def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)   # peft asks a deprecated transformers property
+                # GPT-2's Conv1D layers: peft says it sets fan_in_fan_out itself, which it does
+                warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
                 peft_model = get_peft_model(lm, lora_config(m), adapter_name=ACTOR)
                 peft_model.add_adapter(CRITIC, lora_config(m))
         except ValueError as exc:

@@ -164,3 +164,14 @@ def test_train_checks_every_prompt_before_the_first_rollout(short_gpt2, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "'12+30=12+30='" in err[0] and "max_position_embeddings" in err[0], err
     assert calls == []
+
+
+def test_lora_on_conv1d_layers_prints_no_peft_note(short_gpt2):
+    """GPT-2's Conv1D layers: peft's note that it sets fan_in_fan_out would precede any one-line error."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_policy(lm_config(short_gpt2), short_gpt2, device=CPU, autocast_dtype=None)
+    assert not [w for w in caught if "fan_in_fan_out" in str(w.message)], [str(w.message) for w in caught]
+
