@@ -123,6 +123,7 @@ def create_run_dir(cfg: Config) -> Path:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        (run_dir / "metrics.jsonl").touch()     # ppokit's mark: a run of this config started here
     except OSError as exc:
         raise UserError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from None
     return run_dir
