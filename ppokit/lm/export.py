@@ -10,9 +10,6 @@ re-saved with the tokenizer. The critic and the value head are not part of the e
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from ppokit.errors import UserError
@@ -39,6 +36,7 @@ def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
 
 def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the actor as a standalone model (+ tokenizer) to ``out_dir`` (new or empty)."""
+    from ppokit.checkpoint import atomic_directory
     from ppokit.lm.tiny import quiet_transformers
     from ppokit.output_paths import check_output_dir, writing_to
 
@@ -52,17 +50,8 @@ def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
         model = load_adapter(base, ckpt, ACTOR).merge_and_unload()
     else:
         model = load_causal_lm(ckpt / ACTOR, "the checkpoint's actor")
-    with writing_to(out):        # a full disk: a UserError, and no half-written export
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
-            with quiet_transformers():
-                model.save_pretrained(str(tmp), safe_serialization=True)
-                tokenizer.save_pretrained(str(tmp))
-            if out.exists():
-                out.rmdir()
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    # a full disk: a UserError, and no half-written export
+    with writing_to(out), atomic_directory(out) as tmp, quiet_transformers():
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
     return out

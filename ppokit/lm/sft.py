@@ -33,7 +33,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -447,11 +446,10 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 
 def _save(model, tokenizer, out: Path, summary: dict[str, Any]) -> None:
     """Write model, tokenizer and curve into a sibling temp dir, then move it into place."""
+    from ppokit.checkpoint import atomic_directory
     from ppokit.lm.tiny import quiet_transformers
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         with quiet_transformers():
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
@@ -462,17 +460,6 @@ def _save(model, tokenizer, out: Path, summary: dict[str, Any]) -> None:
                 config["tokenizer_class"] = "PreTrainedTokenizerFast"
                 config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         (tmp / CURVE_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_curve(out_dir: str | os.PathLike) -> dict[str, Any]:
