@@ -191,7 +191,7 @@ def enable_lora_kernels(model: nn.Module, enabled: bool = True) -> int:
     On AMX the kernels run every pass. On AVX512-BF16 vectors they run only the decoding
     steps of generation (one new position per sequence, no gradient), where oneDNN's fixed
     cost per call dominates: on the update's thousands of rows its ``addmm_`` runs at the
-    memory bound and the vector kernels do not win (README). Training and scoring passes
+    memory bound and the vector kernels do not win (docs/performance.md). Training and scoring passes
     then both take oneDNN's matmuls, so they round alike and the first ratio stays exactly
     1; no ratio reads a decoding step's numbers."""
     from peft.tuners.lora import Linear as LoraLinear
