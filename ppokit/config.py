@@ -321,6 +321,9 @@ class Config(Section):
         if self.workload == "lm":
             if t.iterations is None:
                 raise ValueError("set train.iterations (PPO iterations) for the lm workload")
+            if t.critic_warmup and not self.uses_critic:
+                raise ValueError(f"train.critic_warmup={t.critic_warmup} trains the critic, but "
+                                 f"algo.adv_estimator={a.adv_estimator} has none; set train.critic_warmup=0")
             if t.critic_warmup >= t.iterations:
                 raise ValueError(f"train.critic_warmup={t.critic_warmup} leaves no actor updates in "
                                  f"train.iterations={t.iterations}")
@@ -340,6 +343,12 @@ class Config(Section):
         if self.train.total_steps is None:
             raise ConfigError("set train.iterations or train.total_steps")
         return max(1, self.train.total_steps // self.train.batch_size)
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the advantage estimator needs values (``gae``); GRPO, RLOO and REINFORCE++
+        take their baseline from the rewards, and their lm runs build no critic."""
+        return self.algo.adv_estimator == "gae"
 
     @property
     def mini_batch_size(self) -> int:

@@ -9,7 +9,7 @@ serves::
         for mini_batch in shuffled(batch, mini_batch_size):
             normalizer = aggregation_normalizer(mini_batch.mask)   # whole mini-batch
             for micro_batch in split(mini_batch, micro_batch_size):
-                out = policy.evaluate(micro_batch)      # log_prob, values, entropy (n, T)
+                out = policy.evaluate(micro_batch)      # log_prob, [values], entropy (n, T)
                 loss = L_policy + value_coeff * L_value - entropy_coeff * H + beta * KL
                 loss.backward()                         # losses share the normalizer,
             clip_grad_norm(grad_clip); optimizer.step() # so the sum over micro-batches is
@@ -34,7 +34,10 @@ rollout skip the forward pass that would compute it (the language-model scorer d
 
 The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
 ``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
-Every other key is sliced along dim 0 and handed to ``policy.evaluate``.
+Every other key is sliced along dim 0 and handed to ``policy.evaluate``. A policy
+without a critic (a language model trained with GRPO, RLOO or REINFORCE++) returns no
+``values``: the loss then has no value term, and the metrics no ``value_loss``,
+``vf_clipfrac`` or ``explained_variance``.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class TrainablePolicy(Protocol):
         """Optimizer parameter groups, each with ``params``, ``lr`` and ``name``."""
 
     def evaluate(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``log_prob``, ``values`` and ``entropy``, each (n, T), under the current parameters."""
+        """``log_prob``, ``values`` (none without a critic) and ``entropy``, each (n, T), under the
+        current parameters."""
 
 
 def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Tensor | None = None,
@@ -154,9 +158,10 @@ class PPOTrainer:
             out[f"lr/{group.get('name', 'group')}" if len(self.optimizer.param_groups) > 1 else "lr"] = group["lr"]
         if len(self.optimizer.param_groups) > 1:
             out["lr"] = self.optimizer.param_groups[0]["lr"]
-        with torch.no_grad():
-            out["explained_variance"] = algo.explained_variance(
-                batch["old_values"], batch["returns"], batch["mask"]).item()
+        if "value_loss" in out:       # the critic's fit (a policy without one has no values)
+            with torch.no_grad():
+                out["explained_variance"] = algo.explained_variance(
+                    batch["old_values"], batch["returns"], batch["mask"]).item()
         return out
 
     def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
@@ -177,15 +182,19 @@ class PPOTrainer:
             if current is not None and current_out is not None:
                 current_out.append(current)
             share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
-            v_loss, v_metrics = algo.value_loss(
-                out["values"], part["old_values"], part["returns"], mask, clip_value=a.clip_value,
-                huber_delta=a.huber_delta, agg_mode=mode, normalizer=normalizer, horizon=horizon,
-                diagnostics=False)
-            loss = a.value_coeff * v_loss
             # Losses computed with the mini-batch normalizer add up over micro-batches;
             # rates (clipfrac, approx_kl) are means over this micro-batch: weight by its share.
-            losses = {"value_loss": v_loss.detach()}
-            metrics = {"vf_clipfrac": v_metrics["vf_clipfrac"]}
+            loss = out["log_prob"].new_zeros(())
+            losses: dict[str, Tensor] = {}
+            metrics: dict[str, Tensor] = {}
+            if "values" in out:         # a policy without a critic (critic-free estimators) has none
+                v_loss, v_metrics = algo.value_loss(
+                    out["values"], part["old_values"], part["returns"], mask, clip_value=a.clip_value,
+                    huber_delta=a.huber_delta, agg_mode=mode, normalizer=normalizer, horizon=horizon,
+                    diagnostics=False)
+                loss = loss + a.value_coeff * v_loss
+                losses["value_loss"] = v_loss.detach()
+                metrics["vf_clipfrac"] = v_metrics["vf_clipfrac"]
             if not critic_only:
                 old_log_prob = part.get("old_log_prob")
                 if current is not None:     # the policy that sampled this data: the ratio is exactly 1

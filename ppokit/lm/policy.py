@@ -14,6 +14,11 @@ Two modes (``model.mode``):
     (initialised from ``model.critic_path`` or the policy path) with a value head, and
     a frozen reference copy is loaded only when a KL term needs one.
 
+The critic-free estimators (GRPO, RLOO, REINFORCE++: ``algo.adv_estimator`` other than
+``gae``) build no critic in either mode: no ``critic`` adapter or critic model, no value
+head, no optimizer state for them (in full mode a whole model and its Adam moments),
+and checkpoints hold the actor alone (``policy.json``: ``"critic": false``).
+
 For a batch laid out as ``[left-padded prompt (P) | right-padded response (R)]``
 (see :mod:`ppokit.lm.rollout`), response token ``j`` sits at position ``P + j`` and
 is predicted from the hidden state at ``P + j - 1``; the value of the state before
@@ -286,27 +291,28 @@ class LMPolicy(nn.Module):
         responses       (n, R)      the response tokens (pad after EOS)
     """
 
-    def __init__(self, lm: nn.Module, value_head: ValueHead, *, mode: str, temperature: float = 1.0,
+    def __init__(self, lm: nn.Module, value_head: Optional[ValueHead], *, mode: str, temperature: float = 1.0,
                  autocast_dtype: Optional[torch.dtype] = None, critic_lm: Optional[nn.Module] = None,
                  ref_lm: Optional[nn.Module] = None, compute_entropy: bool = True):
         super().__init__()
         if mode not in ("lora", "full"):
             raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
         self.mode = mode
-        self.lm = lm                      # lora: a PeftModel with adapters actor + critic
-        self.value_head = value_head
-        self.critic_lm = critic_lm        # full mode only
+        self.lm = lm                      # lora: a PeftModel with adapters actor (+ critic)
+        self.value_head = value_head      # None: no critic (critic-free estimators)
+        self.critic_lm = critic_lm        # full mode with a critic only
         self.ref_lm = ref_lm              # full mode only, frozen, None unless a KL term needs it
         self.temperature = float(temperature)
         self.autocast_dtype = autocast_dtype
         self.compute_entropy = compute_entropy
         self.trainable = True             # False: adapters stay frozen across swaps (inference)
-        self.use_critic = True            # False (critic-free estimators): values are zeros, no critic pass
         self._active: Optional[str] = None
         self._adapter_params: dict[str, list[nn.Parameter]] = {}
         self.fused_kernel_counts: dict[str, int] = {}   # filled by fuse_cpu_kernels
+        if mode == "full" and (critic_lm is None) != (value_head is None):
+            raise ValueError("full mode takes a critic model and a value head together, or neither")
         if mode == "lora":
-            for name in (ACTOR, CRITIC):
+            for name in self.adapter_names:
                 params = [p for n, p in lm.named_parameters() if "lora_" in n and f".{name}." in n]
                 if not params:
                     raise ValueError(f"the peft model has no LoRA weights for adapter '{name}'")
@@ -327,8 +333,19 @@ class LMPolicy(nn.Module):
         return [m for m in (self.lm, self.critic_lm, self.ref_lm) if m is not None]
 
     @property
+    def has_critic(self) -> bool:
+        """Whether there is a critic (adapter or model, and value head). The critic-free
+        estimators (GRPO, RLOO, REINFORCE++) build none: no memory, no optimizer state."""
+        return self.value_head is not None
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """lora: the trained adapters, ``("actor", "critic")`` or ``("actor",)``."""
+        return (ACTOR, CRITIC) if self.has_critic else (ACTOR,)
+
+    @property
     def device(self) -> torch.device:
-        return self.value_head.linear.weight.device
+        return next(self.lm.parameters()).device
 
     @property
     def actor_model(self) -> nn.Module:
@@ -493,8 +510,8 @@ class LMPolicy(nn.Module):
             return self._token_log_probs(lm, mb, entropy=False)["log_prob"]
 
     def values(self, mb: dict[str, Tensor]) -> Tensor:
-        """Token-level values (n, R) float32 from the critic pass."""
-        if not self.use_critic:
+        """Token-level values (n, R) float32 from the critic pass (zeros without a critic)."""
+        if not self.has_critic:
             return torch.zeros(mb["responses"].shape, dtype=torch.float32, device=mb["responses"].device)
         lm = self.lm if self.mode == "lora" else self.critic_lm
         with self.use(CRITIC), self.autocast():
@@ -503,9 +520,10 @@ class LMPolicy(nn.Module):
 
     # ------------------------------------------------------------------ trainer protocol
     def evaluate(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``log_prob``, ``values`` (and ``entropy``), each (n, R) float32."""
+        """``log_prob``, ``values`` (with a critic) and ``entropy``, each (n, R) float32."""
         out = self.log_probs(micro_batch, entropy=self.compute_entropy)
-        out["values"] = self.values(micro_batch)
+        if self.has_critic:
+            out["values"] = self.values(micro_batch)
         return out
 
     def param_groups(self, cfg) -> list[dict[str, Any]]:
@@ -513,17 +531,22 @@ class LMPolicy(nn.Module):
         critic_lr = t.critic_learning_rate or t.learning_rate
         if self.mode == "lora":
             actor = list(self._adapter_params[ACTOR])
-            critic = list(self._adapter_params[CRITIC])
         else:
             actor = [p for p in self.lm.parameters() if p.requires_grad]
-            critic = [p for p in _decoder(self.critic_lm).parameters() if p.requires_grad]
-        critic += list(self.value_head.parameters())
-        return [{"params": actor, "lr": t.learning_rate, "name": "actor"},
-                {"params": critic, "lr": critic_lr, "name": "critic"}]
+        groups = [{"params": actor, "lr": t.learning_rate, "name": "actor"}]
+        if self.has_critic:
+            if self.mode == "lora":
+                critic = list(self._adapter_params[CRITIC])
+            else:
+                critic = [p for p in _decoder(self.critic_lm).parameters() if p.requires_grad]
+            critic += list(self.value_head.parameters())
+            groups.append({"params": critic, "lr": critic_lr, "name": "critic"})
+        return groups
 
     # ------------------------------------------------------------------ saving
     def save(self, out_dir: str | Path, *, base_model: str, tokenizer=None) -> Path:
-        """Adapters (peft format, ``actor/`` and ``critic/``) or full models, plus the value head.
+        """Adapters (peft format, ``actor/`` and ``critic/``) or full models, plus the value head
+        (the actor alone without a critic; ``policy.json`` says which).
 
         ``base_model`` is the directory the backbone came from (recorded in
         ``policy.json`` so that the checkpoint can be reloaded and exported).
@@ -535,16 +558,21 @@ class LMPolicy(nn.Module):
         if self.mode == "lora":
             # peft writes an adapter not named "default" into a sub-folder of its name:
             # out/actor/adapter_model.safetensors, out/critic/...
-            self.lm.save_pretrained(str(out), selected_adapters=[ACTOR, CRITIC], save_embedding_layers=False)
+            self.lm.save_pretrained(str(out), selected_adapters=list(self.adapter_names),
+                                    save_embedding_layers=False)
         else:
             self.lm.save_pretrained(str(out / ACTOR))
-            self.critic_lm.save_pretrained(str(out / CRITIC))
-        save_file({k: v.detach().float().contiguous().cpu() for k, v in self.value_head.state_dict().items()},
-                  str(out / VALUE_HEAD_FILE))
+            if self.has_critic:
+                self.critic_lm.save_pretrained(str(out / CRITIC))
+        if self.has_critic:
+            save_file({k: v.detach().float().contiguous().cpu() for k, v in self.value_head.state_dict().items()},
+                      str(out / VALUE_HEAD_FILE))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(out))
         meta = {"mode": self.mode, "base_model": _portable_path(Path(base_model), out),
-                "temperature": self.temperature, "hidden_size": self.value_head.linear.in_features}
+                "temperature": self.temperature, "critic": self.has_critic}
+        if self.has_critic:
+            meta["hidden_size"] = self.value_head.linear.in_features
         (out / POLICY_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return out
 
@@ -563,6 +591,9 @@ class LMPolicy(nn.Module):
         meta = read_policy_meta(ckpt)
         if meta["mode"] != self.mode:
             raise UserError(f"checkpoint {ckpt} holds a {meta['mode']} policy, this run trains a {self.mode} one")
+        if self.has_critic and not meta["critic"]:
+            raise UserError(f"checkpoint {ckpt} has no critic (it was trained with a critic-free "
+                            "algo.adv_estimator), but this run trains one (gae); resume it with its own estimator")
 
         def read(file: Path) -> dict[str, Tensor]:
             if not file.is_file():
@@ -577,7 +608,7 @@ class LMPolicy(nn.Module):
                 if self.mode == "lora":
                     from peft import set_peft_model_state_dict
 
-                    for name in (ACTOR, CRITIC):
+                    for name in self.adapter_names:     # a checkpoint's unused critic is left out
                         file = ckpt / name / "adapter_model.safetensors"
                         state = read(file)
                         with warnings.catch_warnings():
@@ -589,8 +620,10 @@ class LMPolicy(nn.Module):
                                             f"({loaded} of {len(self._adapter_params[name])} LoRA tensors)")
                 else:
                     for name, lm in ((ACTOR, self.lm), (CRITIC, self.critic_lm)):
-                        _load_hf_weights(lm, ckpt / name, read)
-                self.value_head.load_state_dict(read(ckpt / VALUE_HEAD_FILE))
+                        if lm is not None:
+                            _load_hf_weights(lm, ckpt / name, read)
+                if self.has_critic:
+                    self.value_head.load_state_dict(read(ckpt / VALUE_HEAD_FILE))
         except (RuntimeError, KeyError, ValueError) as exc:
             raise UserError(f"checkpoint {ckpt} does not fit this run's model ({_first_line(exc)})") from None
         # the adapter swaps of a fresh policy: actor active, every trained weight requires grad
@@ -637,6 +670,25 @@ def _portable_path(target: Path, ckpt: Path) -> str:
     return str(target)
 
 
+def _load_value_head(ckpt: Path, hidden_size: int) -> ValueHead:
+    """The checkpoint's value head; a missing, damaged or ill-fitting file is a UserError naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    head = ValueHead(hidden_size)
+    head_file = ckpt / VALUE_HEAD_FILE
+    if not head_file.is_file():
+        raise UserError(f"checkpoint file {head_file} is missing")
+    try:
+        head.load_state_dict(load_file(str(head_file)))
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"checkpoint file {head_file} is corrupt or truncated ({_first_line(exc)})") from None
+    except (RuntimeError, KeyError) as exc:
+        raise UserError(f"checkpoint file {head_file} does not fit hidden_size={hidden_size} "
+                        f"({_first_line(exc)})") from None
+    return head
+
+
 def read_policy_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     """``policy.json`` of a checkpoint, checked; a missing or damaged file is a UserError naming it."""
     ckpt = Path(ckpt_dir)
@@ -654,7 +706,10 @@ def read_policy_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     if meta["mode"] == "lora" and not isinstance(meta.get("base_model"), str):
         raise UserError(f"checkpoint file {path} is corrupt: a lora checkpoint needs base_model (the backbone "
                         "directory)")
-    if isinstance(meta.get("hidden_size"), bool) or not isinstance(meta.get("hidden_size"), int):
+    meta.setdefault("critic", True)          # checkpoints before critic-free policies always had one
+    if not isinstance(meta["critic"], bool):
+        raise UserError(f"checkpoint file {path} is corrupt: critic is {meta['critic']!r}, expected true or false")
+    if meta["critic"] and (isinstance(meta.get("hidden_size"), bool) or not isinstance(meta.get("hidden_size"), int)):
         raise UserError(f"checkpoint file {path} is corrupt: hidden_size is {meta.get('hidden_size')!r}")
     return meta
 
@@ -734,16 +789,21 @@ def lora_config(model_cfg):
 
 
 def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_dtype: Optional[torch.dtype],
-                 need_reference: Optional[bool] = None, seed: Optional[int] = None) -> LMPolicy:
+                 need_reference: Optional[bool] = None, need_critic: Optional[bool] = None,
+                 seed: Optional[int] = None) -> LMPolicy:
     """The configured policy around the model at ``model_path`` (fresh adapters / value head).
 
     ``need_reference`` (full mode): load the frozen reference copy; default: when
-    ``algo.beta > 0`` or ``algo.use_kl_in_reward``.
+    ``algo.beta > 0`` or ``algo.use_kl_in_reward``. ``need_critic``: build the critic
+    (lora: the ``critic`` adapter; full: the critic model) and the value head; default:
+    when the advantage estimator uses values (``gae``), not for GRPO, RLOO or REINFORCE++.
     """
     m = cfg.model
     attn = attention_implementation(m.attn_implementation, device)
     if need_reference is None:
         need_reference = cfg.algo.beta > 0 or cfg.algo.use_kl_in_reward
+    if need_critic is None:
+        need_critic = cfg.uses_critic
     if seed is not None:
         torch.manual_seed(seed)
     lm = load_causal_lm(model_path, "model.path", attn_implementation=attn)
@@ -759,35 +819,43 @@ def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_
                 # GPT-2's Conv1D layers: peft says it sets fan_in_fan_out itself, which it does
                 warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
                 peft_model = get_peft_model(lm, lora_config(m), adapter_name=ACTOR)
-                peft_model.add_adapter(CRITIC, lora_config(m))
+                if need_critic:
+                    peft_model.add_adapter(CRITIC, lora_config(m))
         except ValueError as exc:
             if "not found in the base model" not in str(exc):
                 raise
             raise UserError(f"model.lora_target_modules={m.lora_target_modules}: no such module in {model_path}; "
                             f"its linear layers are {', '.join(names)} (or use all-linear)") from None
-        policy = LMPolicy(peft_model, ValueHead(hidden), mode="lora", temperature=cfg.rollout.temperature,
-                          autocast_dtype=autocast_dtype)
+        policy = LMPolicy(peft_model, ValueHead(hidden) if need_critic else None, mode="lora",
+                          temperature=cfg.rollout.temperature, autocast_dtype=autocast_dtype)
     else:
-        critic_path = m.critic_path or model_path
-        critic = load_causal_lm(critic_path, "model.critic_path" if m.critic_path else "model.path",
-                                attn_implementation=attn)
-        vocab, critic_vocab = _vocab_size(lm), _vocab_size(critic)
-        if critic_vocab < vocab:
-            raise UserError(f"model.critic_path={critic_path}: the critic embeds {critic_vocab} tokens but the "
-                            f"policy (model.path={model_path}) and its tokenizer use {vocab}; give a critic with "
-                            "the policy's tokenizer and vocabulary (or leave model.critic_path null)")
-        out_emb = critic.get_output_embeddings()
-        if out_emb is not None and out_emb.weight is not critic.get_input_embeddings().weight:
-            out_emb.requires_grad_(False)   # the critic's LM head is unused
+        critic = _load_critic(m, model_path, lm, attn) if need_critic else None
         ref = load_causal_lm(model_path, "model.path", attn_implementation=attn).requires_grad_(False) \
             if need_reference else None
-        policy = LMPolicy(lm, ValueHead(_hidden_size(critic)), mode="full", temperature=cfg.rollout.temperature,
-                          autocast_dtype=autocast_dtype, critic_lm=critic, ref_lm=ref)
+        policy = LMPolicy(lm, ValueHead(_hidden_size(critic)) if need_critic else None, mode="full",
+                          temperature=cfg.rollout.temperature, autocast_dtype=autocast_dtype, critic_lm=critic,
+                          ref_lm=ref)
     policy.to(device)
     policy.cast_frozen_weights(autocast_dtype)
     if m.cpu_kernels:
         policy.fuse_cpu_kernels()
     return policy
+
+
+def _load_critic(m, model_path: str | Path, lm: nn.Module, attn: Optional[str]) -> nn.Module:
+    """Full mode's critic model: ``model.critic_path`` (or the policy's path), its LM head frozen."""
+    critic_path = m.critic_path or model_path
+    critic = load_causal_lm(critic_path, "model.critic_path" if m.critic_path else "model.path",
+                            attn_implementation=attn)
+    vocab, critic_vocab = _vocab_size(lm), _vocab_size(critic)
+    if critic_vocab < vocab:
+        raise UserError(f"model.critic_path={critic_path}: the critic embeds {critic_vocab} tokens but the "
+                        f"policy (model.path={model_path}) and its tokenizer use {vocab}; give a critic with "
+                        "the policy's tokenizer and vocabulary (or leave model.critic_path null)")
+    out_emb = critic.get_output_embeddings()
+    if out_emb is not None and out_emb.weight is not critic.get_input_embeddings().weight:
+        out_emb.requires_grad_(False)   # the critic's LM head is unused
+    return critic
 
 
 def attention_implementation(name: str, device: torch.device) -> Optional[str]:
@@ -824,33 +892,22 @@ def load_policy(ckpt_dir: str | Path, *, device: torch.device | str = "cpu",
                 attn_implementation: str = "auto", cpu_kernels: bool = True) -> LMPolicy:
     """Reload a policy saved by :meth:`LMPolicy.save` (the reference of lora mode comes with it);
     ``cpu_kernels`` as ``model.cpu_kernels``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     ckpt = Path(ckpt_dir)
     meta = read_policy_meta(ckpt)
     attn = attention_implementation(attn_implementation, torch.device(device))
+    critic = meta["critic"]
+    policy_kwargs: dict[str, Any] = {}
     if meta["mode"] == "lora":
         base = load_causal_lm(base_model_of(ckpt), "the checkpoint's base model", attn_implementation=attn)
         lm = load_adapter(base, ckpt, ACTOR, trainable=trainable)
-        lm = load_adapter(lm, ckpt, CRITIC, trainable=trainable)
-        head = ValueHead(int(meta["hidden_size"]))
-        policy_kwargs: dict[str, Any] = {}
+        if critic:
+            lm = load_adapter(lm, ckpt, CRITIC, trainable=trainable)
     else:
         lm = load_causal_lm(ckpt / ACTOR, "the checkpoint's actor", attn_implementation=attn)
-        critic = load_causal_lm(ckpt / CRITIC, "the checkpoint's critic", attn_implementation=attn)
-        head = ValueHead(int(meta["hidden_size"]))
-        policy_kwargs = {"critic_lm": critic}
-    head_file = ckpt / VALUE_HEAD_FILE
-    if not head_file.is_file():
-        raise UserError(f"checkpoint file {head_file} is missing")
-    try:
-        head.load_state_dict(load_file(str(head_file)))
-    except (SafetensorError, OSError) as exc:
-        raise UserError(f"checkpoint file {head_file} is corrupt or truncated ({_first_line(exc)})") from None
-    except (RuntimeError, KeyError) as exc:
-        raise UserError(f"checkpoint file {head_file} does not fit hidden_size={meta['hidden_size']} "
-                        f"({_first_line(exc)})") from None
+        if critic:
+            policy_kwargs["critic_lm"] = load_causal_lm(ckpt / CRITIC, "the checkpoint's critic",
+                                                        attn_implementation=attn)
+    head = _load_value_head(ckpt, int(meta["hidden_size"])) if critic else None
     policy = LMPolicy(lm, head, mode=meta["mode"], temperature=meta.get("temperature", 1.0),
                       autocast_dtype=autocast_dtype, **policy_kwargs)
     if not trainable:

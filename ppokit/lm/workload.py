@@ -289,7 +289,6 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         causal_lm_config(model_path, "model.path")            # a clear error before anything heavy
         tokenizer = load_tokenizer(model_path, "model.path")
         policy = build_policy(cfg, model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
-        policy.use_critic = a.adv_estimator == "gae"
         one_thread_if_small(cfg, policy, device)
         kl_in_loss_or_reward = a.beta > 0 or a.use_kl_in_reward
         engine = RolloutEngine(policy, tokenizer, cfg.rollout)
@@ -460,7 +459,7 @@ def load_training_state(ckpt, path: Path, policy, learner, prompts, kl_ctrl) -> 
 
     try:
         policy.load_trained_state(path)
-        learner.trainer.load_state_dict(ckpt.parts["trainer"])
+        learner.trainer.load_state_dict(_actor_only(ckpt.parts["trainer"], policy, learner, path))
         prompts.load_state_dict(ckpt.parts["prompts"])
         if kl_ctrl is not None:
             kl_ctrl.load_state_dict(ckpt.parts["kl_ctrl"])
@@ -473,6 +472,22 @@ def load_training_state(ckpt, path: Path, policy, learner, prompts, kl_ctrl) -> 
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"checkpoint {path} does not match this run ({reason})") from None
     return int(ckpt.meta["iteration"]), summary, history
+
+
+def _actor_only(trainer_state: dict, policy, learner, path: Path) -> dict:
+    """The trainer state for ``policy``: a checkpoint written before critic-free runs built no
+    critic (GRPO, RLOO, REINFORCE++ with an untrained critic) holds optimizer state for the
+    critic's parameters too, after the actor's; a run without a critic drops it."""
+    from ppokit.lm.policy import read_policy_meta
+
+    if policy.has_critic or not read_policy_meta(path)["critic"]:
+        return trainer_state
+    n = len(learner.trainer.optimizer.params)
+    optim = dict(trainer_state["optimizer"])
+    for key in ("steps", "exp_avg", "exp_avg_sq"):
+        optim[key] = list(optim[key])[:n]
+    optim["lr"] = list(optim["lr"])[:1]
+    return {**trainer_state, "optimizer": optim}
 
 
 def _finished_result(run_dir: Path, path: Path, meta: dict[str, Any]) -> dict[str, Any]:

@@ -12,12 +12,15 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 
 def randomize(policy, std=0.1, seed=0):
-    """LoRA B starts at zero (so dL/dA = 0): give every adapter weight a random value."""
+    """LoRA B starts at zero (so dL/dA = 0): give every adapter weight (lora mode) and the
+    value head (if any) a random value."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name in ("actor", "critic"):
+        for name in policy.adapter_names if policy.mode == "lora" else ():
             for p in policy.adapter_parameters(name):
                 p.copy_(torch.randn(p.shape, generator=g) * std)
-        policy.value_head.linear.weight.copy_(torch.randn(policy.value_head.linear.weight.shape, generator=g))
+        if policy.value_head is not None:
+            weight = policy.value_head.linear.weight
+            weight.copy_(torch.randn(weight.shape, generator=g))
 
 

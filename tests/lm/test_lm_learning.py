@@ -98,7 +98,7 @@ def test_group_estimator_with_adaptive_kl_in_reward(tiny_dir, tmp_path, sevens):
     rows = read_metrics(tmp_path / "run")
     assert [r["kl_coef"] for r in rows][0] == 0.05
     assert rows[-1]["kl_coef"] != 0.05                      # the controller reacted
-    assert all(r["value_loss"] >= 0 for r in rows)
+    assert not {"value_loss", "explained_variance"} & set(rows[-1])   # GRPO trains no critic
 
 
 def test_full_mode_with_kl_loss(tiny_dir, tmp_path, sevens):

@@ -1,0 +1,161 @@
+"""Critic-free estimators (GRPO, RLOO, REINFORCE++) build no critic.
+
+No ``critic`` adapter or critic model, no value head, no optimizer state for them; the
+update has no value term; checkpoints hold the actor alone; and a checkpoint written
+when such runs still carried an untrained critic resumes into the run without one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppokit import config as config_mod
+from ppokit.cli import main
+from ppokit.config import ConfigError, build_config
+from ppokit.errors import UserError
+from ppokit.lm.policy import build_policy, load_policy, load_tokenizer
+from ppokit.trainer import PPOTrainer
+from lm_helpers import randomize
+from resume_helpers import assert_same_metrics, copy_without_final_checkpoint, read_rows
+from test_policy import handmade_batch, lm_config
+
+CPU = torch.device("cpu")
+GRPO = {"adv_estimator": "grpo", "group_size": 2}
+VALUE_METRICS = {"value_loss", "vf_clipfrac", "explained_variance"}
+
+
+def n_params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_critic_free_estimators_build_no_critic_adapter(tiny_dir, estimator):
+    cfg = lm_config(tiny_dir, algo={"adv_estimator": estimator, "group_size": 2})
+    policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
+    assert not policy.has_critic and policy.value_head is None
+    assert set(policy.lm.peft_config) == {"actor"}
+    assert not any(".critic." in name for name, _ in policy.lm.named_parameters())
+    [group] = policy.param_groups(cfg)
+    assert group["name"] == "actor"
+    assert {id(p) for p in group["params"]} == {id(p) for p in policy.adapter_parameters("actor")}
+    with_critic = build_policy(lm_config(tiny_dir), tiny_dir, device=CPU, autocast_dtype=None)
+    assert with_critic.has_critic and set(with_critic.lm.peft_config) == {"actor", "critic"}
+    critic_size = sum(p.numel() for p in with_critic.adapter_parameters("critic")) + \
+        n_params(with_critic.value_head)
+    assert n_params(policy) == n_params(with_critic) - critic_size
+
+
+def test_full_mode_grpo_loads_no_critic_model(tiny_dir):
+    gae = build_policy(lm_config(tiny_dir, model={"mode": "full"}), tiny_dir, device=CPU, autocast_dtype=None)
+    cfg = lm_config(tiny_dir, model={"mode": "full"}, algo=GRPO)
+    grpo = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
+    assert gae.critic_lm is not None and grpo.critic_lm is None and grpo.value_head is None
+    assert n_params(grpo) == n_params(gae.lm)          # one model where gae holds two
+    trainer = PPOTrainer(cfg, grpo, total_iterations=1)
+    assert sum(m.numel() for m in trainer.optimizer.exp_avg) == n_params(grpo.lm)
+
+
+def test_critic_free_update_trains_the_actor_and_reports_no_value_metrics(tiny_dir):
+    cfg = lm_config(tiny_dir, algo=GRPO)
+    policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
+    randomize(policy)
+    mb = handmade_batch(load_tokenizer(tiny_dir))
+    with torch.no_grad():
+        old = policy.log_probs(mb)["log_prob"]
+        values = policy.values(mb)
+    assert "values" not in policy.evaluate(mb) and not values.any()
+    mask = mb["mask"]
+    g = torch.Generator().manual_seed(3)
+    batch = {**{k: v for k, v in mb.items() if k != "truncated"}, "old_log_prob": old, "old_values": values,
+             "advantages": torch.randn(mask.shape, generator=g) * mask, "returns": torch.zeros_like(mask)}
+    before = [p.detach().clone() for p in policy.adapter_parameters("actor")]
+    metrics = PPOTrainer(cfg, policy, total_iterations=1).update(batch)
+    assert not VALUE_METRICS & set(metrics)
+    assert {"policy_loss", "approx_kl", "clipfrac", "grad_norm", "lr"} <= set(metrics)
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.adapter_parameters("actor")))
+
+
+def test_critic_warmup_without_a_critic_is_a_config_error(tiny_dir):
+    with pytest.raises(ConfigError, match="train.critic_warmup=2 trains the critic, but "
+                                          "algo.adv_estimator=grpo has none"):
+        lm_config(tiny_dir, algo=GRPO, train={"critic_warmup": 2, "iterations": 5})
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_checkpoint_of_a_critic_free_policy_holds_the_actor_alone(tiny_dir, tmp_path, mode):
+    cfg = lm_config(tiny_dir, model={"mode": mode}, algo=GRPO)
+    policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
+    randomize(policy)
+    policy.save(tmp_path / "ckpt", base_model=str(tiny_dir))
+    files = {p.relative_to(tmp_path / "ckpt").parts[0] for p in (tmp_path / "ckpt").rglob("*")}
+    assert "actor" in files and not {"critic", "value_head.safetensors"} & files
+    assert json.loads((tmp_path / "ckpt" / "policy.json").read_text())["critic"] is False
+    reloaded = load_policy(tmp_path / "ckpt")
+    assert not reloaded.has_critic
+    mb = handmade_batch(load_tokenizer(tiny_dir))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.log_probs(mb)["log_prob"], policy.log_probs(mb)["log_prob"],
+                                   rtol=0, atol=0)
+    # a gae run cannot take this checkpoint's (missing) critic
+    gae = build_policy(lm_config(tiny_dir, model={"mode": mode}), tiny_dir, device=CPU, autocast_dtype=None)
+    with pytest.raises(UserError, match="has no critic"):
+        gae.load_trained_state(tmp_path / "ckpt")
+
+
+# ----------------------------------------------------------------------------- runs
+ITERATIONS = 3
+TIMING = {"time", "time_iteration", "time_generate", "time_score", "time_reward", "time_update",
+          "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s"}
+
+
+def grpo_run(tiny_dir, out: Path, name: str) -> Path:
+    args = ["train", "arith", f"model.path={tiny_dir}", "data.prompts=arithmetic:digits=1",
+            "data.reward=exact_match", "data.sft_epochs=0", "data.eval_size=0", f"train.iterations={ITERATIONS}",
+            "train.batch_size=8", "train.mini_batch_size=4", "train.micro_batch_size=4", "train.epochs=2",
+            "algo.adv_estimator=grpo", "algo.group_size=4", "rollout.max_new_tokens=2", "run.precision=fp32",
+            "run.checkpoint_every=1", "run.keep_checkpoints=3", "run.tensorboard=false",
+            "--output-dir", str(out), "--name", name, "--no-progress"]
+    assert main(args) == 0
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_dir, tmp_path_factory) -> Path:
+    return grpo_run(tiny_dir, tmp_path_factory.mktemp("grpo"), "run")
+
+
+def test_a_grpo_run_resumes_exactly_without_a_critic(finished, tmp_path):
+    assert not (finished / "checkpoint" / "critic").exists()
+    assert not VALUE_METRICS & set(read_rows(finished)[-1])
+    run = copy_without_final_checkpoint(finished, tmp_path / "run")
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert_same_metrics(read_rows(run), read_rows(finished), ITERATIONS, TIMING)
+
+
+def test_a_checkpoint_with_the_old_untrained_critic_resumes_without_it(tiny_dir, finished, tmp_path, monkeypatch):
+    # Before, a GRPO run built the critic adapter and value head (never trained) and saved
+    # them with optimizer state for them. Such a run, made again here:
+    with monkeypatch.context() as patch:
+        patch.setattr(config_mod.Config, "uses_critic", property(lambda self: True))
+        old = grpo_run(tiny_dir, tmp_path, "old")
+    assert (old / "checkpoint" / "critic").is_dir()
+    for meta in old.rglob("policy.json"):          # as then: no "critic" key
+        body = json.loads(meta.read_text())
+        del body["critic"]
+        meta.write_text(json.dumps(body))
+    old_rows = read_rows(old)
+    run = copy_without_final_checkpoint(old, tmp_path / "resumed")
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    rows = read_rows(run)
+    # the iterations before the checkpoint are the old run's rows; the last one is trained
+    # without the critic, and everything but the value metrics equals the old run's
+    assert rows[:-1] == old_rows[:-1]
+    last, want = rows[-1], old_rows[-1]
+    assert not VALUE_METRICS & set(last)
+    critic_only = VALUE_METRICS | {"lr/actor", "lr/critic"}     # one learning rate now: "lr"
+    assert {k: v for k, v in last.items() if k not in TIMING} == \
+        {k: v for k, v in want.items() if k not in TIMING | critic_only}
