@@ -322,7 +322,8 @@ class LMPolicy(nn.Module):
                 if id(p) not in ids:
                     p.requires_grad_(False)          # the backbone is frozen
             fuse_lora_layers(lm)                     # matmul-only LoRA forward/backward
-            self.use(ACTOR)
+            with self.use(ACTOR):                    # the actor active, both adapters trainable
+                pass
         else:
             if ref_lm is not None:
                 ref_lm.requires_grad_(False)

@@ -133,6 +133,9 @@ def test_param_groups_use_the_two_learning_rates(tiny_dir):
     assert {id(p) for p in actor["params"]} == {id(p) for p in policy.adapter_parameters("actor")}
     assert {id(p) for p in critic["params"]} == ({id(p) for p in policy.adapter_parameters("critic")}
                                                  | {id(p) for p in policy.value_head.parameters()})
+    # and exactly those require grad from the start (the run's header counts them)
+    assert {id(p) for p in policy.parameters() if p.requires_grad} == \
+        {id(p) for g in (actor, critic) for p in g["params"]}
 
 
 def test_bf16_keeps_trained_weights_fp32_and_stores_the_frozen_backbone_in_bf16(tiny_dir):
