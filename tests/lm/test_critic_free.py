@@ -114,7 +114,7 @@ TIMING = {"time", "time_iteration", "time_generate", "time_score", "time_reward"
 
 def grpo_run(tiny_dir, out: Path, name: str) -> Path:
     args = ["train", "arith", f"model.path={tiny_dir}", "data.prompts=arithmetic:digits=1",
-            "data.reward=exact_match", "data.sft_epochs=0", "data.eval_size=0", f"train.iterations={ITERATIONS}",
+            "data.reward=exact_match", "data.sft_epochs=0", "data.eval_size=4", f"train.iterations={ITERATIONS}",
             "train.batch_size=8", "train.mini_batch_size=4", "train.micro_batch_size=4", "train.epochs=2",
             "algo.adv_estimator=grpo", "algo.group_size=4", "rollout.max_new_tokens=2", "run.precision=fp32",
             "run.checkpoint_every=1", "run.keep_checkpoints=3", "run.tensorboard=false",
@@ -159,3 +159,24 @@ def test_a_checkpoint_with_the_old_untrained_critic_resumes_without_it(tiny_dir,
     critic_only = VALUE_METRICS | {"lr/actor", "lr/critic"}     # one learning rate now: "lr"
     assert {k: v for k, v in last.items() if k not in TIMING} == \
         {k: v for k, v in want.items() if k not in TIMING | critic_only}
+
+
+def test_eval_and_export_of_a_grpo_run(finished, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.lm.export import export_merged
+
+    assert main(["eval", str(finished), "--prompts", "4"]) == 0
+    assert "held-out accuracy over 4 prompts:" in capsys.readouterr().out
+    out = export_merged(finished, tmp_path / "merged")
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    policy = load_policy(finished / "checkpoint")
+    mb = handmade_batch(load_tokenizer(out))
+    R = mb["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                       position_ids=mb["position_ids"]).logits[:, -R - 1:-1]
+        want = policy.log_probs(mb)["log_prob"]
+    got = torch.log_softmax(logits / policy.temperature, -1).gather(-1, mb["responses"][..., None]).squeeze(-1)
+    mask = mb["mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-4, atol=1e-4)
