@@ -249,6 +249,9 @@ class DataConfig(Section):
                          "'prompt' field per line (other fields are passed to the reward function)", "task", "dataset")
     reward: Optional[str] = field(None, "reward function: a built-in name, 'module:fn' or 'file.py:fn' "
                                   "(null = the task's default)", "reward_fn")
+    chat_template: bool = field(False, "render each prompt with the model's chat template as a user message "
+                                "(or a JSONL prompt given as a list of {role, content} messages), with the "
+                                "generation prompt; the reward function receives the rendered text")
     eval_prompts: Optional[str] = field(None, "JSONL file of held-out prompts (null = the task's held-out split; "
                                         "with a prompt file and no eval file there is no evaluation)")
     eval_size: int = field(64, "held-out prompts of the greedy accuracy evaluation before and after training", ge=0)

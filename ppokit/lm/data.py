@@ -8,6 +8,8 @@ each non-blank line is one record::
     {"prompt": "What is 7*6? ", "answer": "42", "source": "hand-written"}
 
 For supervised warm start the records also need ``"completion"``, the target text.
+With ``data.chat_template`` a prompt may also be a list of chat messages,
+``[{"role": "user", "content": "..."}]``, rendered by :mod:`ppokit.lm.chat`.
 
 A problem with a file (missing, not UTF-8, a line that is not a JSON object, no
 ``"prompt"``, no records at all) is a :class:`UserError` naming the file and the line.
@@ -41,8 +43,10 @@ def is_file_source(source: str) -> bool:
     return path.suffix.lower() in JSONL_SUFFIXES or path.is_file() or "/" in source or "\\" in source
 
 
-def read_jsonl(path: str | Path, *, require: Sequence[str] = ("prompt",)) -> list[dict[str, Any]]:
-    """Records of a JSONL file; every field in ``require`` must be a non-empty string."""
+def read_jsonl(path: str | Path, *, require: Sequence[str] = ("prompt",),
+               chat: bool = False) -> list[dict[str, Any]]:
+    """Records of a JSONL file; every field in ``require`` must be a non-empty string, except
+    that with ``chat`` a ``"prompt"`` may also be a list of chat messages."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"prompt file {path} does not exist" if not path.exists()
@@ -78,7 +82,9 @@ def read_jsonl(path: str | Path, *, require: Sequence[str] = ("prompt",)) -> lis
         for key in require:
             if key not in record:
                 raise UserError(f"{path} line {number}: missing \"{key}\" (keys: {', '.join(record) or 'none'})")
-            if not isinstance(record[key], str) or not record[key]:
+            if key == "prompt" and isinstance(record[key], list):
+                _check_messages(record[key], chat, f"{path} line {number}")
+            elif not isinstance(record[key], str) or not record[key]:
                 raise UserError(f"{path} line {number}: \"{key}\" must be a non-empty string "
                                 f"(got {record[key]!r})")
         records.append(record)
@@ -88,12 +94,24 @@ def read_jsonl(path: str | Path, *, require: Sequence[str] = ("prompt",)) -> lis
     return records
 
 
-def load_prompts(source: str, split: str = "train", n: Optional[int] = None,
+def _check_messages(value: list, chat: bool, where: str) -> None:
+    from ppokit.lm.chat import message_problem
+
+    if not chat:
+        raise UserError(f'{where}: "prompt" is a list of chat messages; set data.chat_template=true to render '
+                        "it with the model's chat template (or give the prompt as a string)")
+    problem = message_problem(value)
+    if problem:
+        raise UserError(f'{where}: "prompt": {problem}')
+
+
+def load_prompts(source: str, split: str = "train", n: Optional[int] = None, *, chat: bool = False,
                  **task_kwargs: Any) -> list[dict[str, Any]]:
     """Records from a JSONL file or a built-in task's split (``train``, ``sft``, ``eval``).
 
     A file is one split: ``split`` only decides whether ``"completion"`` is required
     (``sft``). ``n`` keeps the first ``n`` records (a file must have at least ``n``).
+    ``chat``: a file's prompts may be lists of chat messages (``data.chat_template``).
     ``task_kwargs`` go to the task (``digits=2``); they are an error with a file.
     """
     if split not in SPLIT_ALIASES:
@@ -106,7 +124,8 @@ def load_prompts(source: str, split: str = "train", n: Optional[int] = None,
     if is_file_source(source):
         if task_kwargs:
             raise UserError(f"options {', '.join(task_kwargs)} apply to built-in tasks, not to the file {source}")
-        records = read_jsonl(source, require=("prompt", "completion") if split == "sft" else ("prompt",))
+        records = read_jsonl(source, require=("prompt", "completion") if split == "sft" else ("prompt",),
+                             chat=chat)
         if n is not None:
             if n > len(records):
                 raise UserError(f"{source} has {len(records)} records; asked for {n}")

@@ -70,7 +70,8 @@ def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
     if ckpt is None:
         raise UserError(f"{run_dir} has no language-model checkpoint (no {POLICY_META})")
     cfg = _config_of(ckpt)
-    _, eval_items, reward_fn = load_data(cfg)
+    tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
+    _, eval_items, reward_fn = load_data(cfg, tokenizer, where=f"the checkpoint {ckpt}")
     if size is not None:
         if size < 1:
             raise UserError(f"--prompts must be at least 1 (got {size})")
@@ -81,7 +82,6 @@ def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
     device = resolve_device_name(cfg)
     policy = load_policy(ckpt, device=device, autocast_dtype=resolve_precision(cfg.run.precision, device),
                          cpu_kernels=cfg.model.cpu_kernels)
-    tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     one_thread_if_small(cfg, policy, policy.device)

@@ -127,8 +127,30 @@ def one_thread_if_small(cfg: Config, policy, device: torch.device) -> None:
         torch.set_num_threads(1)
 
 
-def load_data(cfg: Config) -> tuple[list[dict], list[dict], Any]:
-    """(train prompt records, held-out records, reward function), checked before any model loads."""
+def chat_render(cfg: Config, tokenizer=None, where: Optional[str] = None):
+    """``data.chat_template``'s renderer (:func:`ppokit.lm.chat.chat_renderer`) with ``tokenizer``
+    (default: model.path's), or None when prompts are used as they are."""
+    from ppokit.lm.chat import chat_renderer
+    from ppokit.lm.policy import load_tokenizer
+
+    if not cfg.data.chat_template:
+        return None
+    if tokenizer is None:
+        if cfg.model.path == "tiny":
+            raise UserError("data.chat_template=true needs a model with a chat template, and the built-in tiny "
+                            "model has none; set model.path to a chat model's directory")
+        tokenizer = load_tokenizer(cfg.model.path, "model.path")
+        where = f"model.path={cfg.model.path}"
+    return chat_renderer(tokenizer, where or "the model")
+
+
+def load_data(cfg: Config, tokenizer=None, where: Optional[str] = None) -> tuple[list[dict], list[dict], Any]:
+    """(train prompt records, held-out records, reward function), checked before any model loads.
+
+    With ``data.chat_template`` the prompts come rendered with the chat template of
+    ``tokenizer`` (``where`` names it in errors; default: model.path's tokenizer).
+    """
+    from ppokit.lm.chat import render_records
     from ppokit.lm.data import is_file_source, load_prompts
     from ppokit.lm.rewards import load_reward_fn
 
@@ -144,15 +166,19 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict], Any]:
     else:
         reward_spec = d.reward
     reward_fn = load_reward_fn(reward_spec)
-    train_items = load_prompts(d.prompts, "train")
+    chat = d.chat_template
+    train_items = load_prompts(d.prompts, "train", chat=chat)
     if d.eval_size == 0:
         eval_items = []
     elif d.eval_prompts is not None:
-        eval_items = load_prompts(d.eval_prompts, "eval")[:d.eval_size]
+        eval_items = load_prompts(d.eval_prompts, "eval", chat=chat)[:d.eval_size]
     elif not from_file:
         eval_items = load_prompts(d.prompts, "eval", n=d.eval_size)
     else:
         eval_items = []
+    render = chat_render(cfg, tokenizer, where)
+    if render is not None:
+        train_items, eval_items = render_records(train_items, render), render_records(eval_items, render)
     return train_items, eval_items, reward_fn
 
 
@@ -187,7 +213,12 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
         if not eval_items:
             raise UserError("data.sft_epochs > 0 needs held-out prompts to pick the best warm-start model "
                             "(a built-in task, or data.eval_prompts)")
-        examples = load_prompts(cfg.data.prompts, "sft", n=cfg.data.sft_examples)
+        examples = load_prompts(cfg.data.prompts, "sft", n=cfg.data.sft_examples, chat=cfg.data.chat_template)
+        render = chat_render(cfg)
+        if render is not None:
+            from ppokit.lm.chat import render_records
+
+            examples = render_records(examples, render)
         run_sft(path, run_dir / BASE_MODEL_DIR, examples, eval_items, epochs_max=cfg.data.sft_epochs,
                 batch_size=cfg.data.sft_batch_size, learning_rate=cfg.data.sft_learning_rate, seed=cfg.seed,
                 precision=cfg.run.precision, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
