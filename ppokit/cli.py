@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="evaluations without improvement before stopping")
     sft.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     sft.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=0)
+    sft.add_argument("--chat-template", action="store_true",
+                     help="render the prompts with the model's chat template (as data.chat_template)")
 
     plot = sub.add_parser("plot", help="draw the training curves of one or more runs into a PNG",
                           description="Read RUN_DIR/metrics.jsonl of each run and draw return (or reward), KL, "
@@ -288,8 +290,9 @@ def _sft(args: argparse.Namespace) -> int:
 
     summary = sft_main(args.prompts, args.out, model=args.model, examples=args.examples,
                        eval_prompts=args.eval_prompts, eval_size=args.eval_size, reward=args.reward,
-                       seed=args.seed, epochs_max=args.epochs_max, batch_size=args.batch_size,
-                       learning_rate=args.lr, patience=args.patience, precision=args.precision)
+                       seed=args.seed, chat_template=args.chat_template, epochs_max=args.epochs_max,
+                       batch_size=args.batch_size, learning_rate=args.lr, patience=args.patience,
+                       precision=args.precision)
     print(f"held-out accuracy after SFT: {summary['best_accuracy']:.1%} (curve: {args.out}/sft_curve.json)")
     return 0
 

@@ -98,8 +98,9 @@ def _check_messages(value: list, chat: bool, where: str) -> None:
     from ppokit.lm.chat import message_problem
 
     if not chat:
-        raise UserError(f'{where}: "prompt" is a list of chat messages; set data.chat_template=true to render '
-                        "it with the model's chat template (or give the prompt as a string)")
+        raise UserError(f'{where}: "prompt" is a list of chat messages; set data.chat_template=true '
+                        "(ppokit sft: --chat-template) to render it with the model's chat template, or give the "
+                        "prompt as a string")
     problem = message_problem(value)
     if problem:
         raise UserError(f'{where}: "prompt": {problem}')

@@ -309,7 +309,7 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
 
 def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", examples: Optional[int] = None,
              eval_prompts: Optional[str] = None, eval_size: int = 256, reward: Optional[str] = None,
-             seed: int = 0, **options: Any) -> dict[str, Any]:
+             seed: int = 0, chat_template: bool = False, **options: Any) -> dict[str, Any]:
     """What ``ppokit sft`` runs: resolve data, reward and model by name, then :func:`run_sft`.
 
     ``prompts``: a built-in task (``arithmetic:digits=2``; its ``sft`` split trains, its
@@ -318,6 +318,8 @@ def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", e
     300 of a task, all of a file). ``model``: ``tiny`` (the built-in
     model, randomly initialised with ``seed``; its random init is not kept) or a model
     directory. ``reward``: scores the held-out answers (default: the task's own).
+    ``chat_template``: render the prompts with the model's chat template, as
+    ``data.chat_template`` (:mod:`ppokit.lm.chat`; not for the tiny model, which has none).
     ``options`` go to :func:`run_sft` (``epochs_max``, ``batch_size``, ``learning_rate``,
     ``patience``, ``precision``, ``device``, ``log``, ...).
     """
@@ -338,9 +340,18 @@ def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", e
     if from_file and eval_prompts is None:
         raise UserError(f"SFT on the file {prompts} needs held-out prompts to pick the best model: "
                         "give an eval JSONL file (eval_prompts)")
-    train = load_prompts(prompts, "sft", n=examples if examples is not None or from_file else 300)
-    held_out = load_prompts(eval_prompts, "eval")[:eval_size] if eval_prompts is not None \
+    train = load_prompts(prompts, "sft", n=examples if examples is not None or from_file else 300, chat=chat_template)
+    held_out = load_prompts(eval_prompts, "eval", chat=chat_template)[:eval_size] if eval_prompts is not None \
         else load_prompts(prompts, "eval", n=eval_size)
+    if chat_template:
+        from ppokit.lm.chat import chat_renderer, render_records
+        from ppokit.lm.policy import load_tokenizer
+
+        if model == "tiny":
+            raise UserError("--chat-template needs a model with a chat template, and the built-in tiny model "
+                            "has none; give --model a chat model's directory")
+        render = chat_renderer(load_tokenizer(model, "--model"), f"--model {model}")
+        train, held_out = render_records(train, render), render_records(held_out, render)
     if model != "tiny":
         return run_sft(model, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
     from ppokit.lm.tiny import build_tiny_model

@@ -129,3 +129,18 @@ def test_the_warm_start_trains_on_rendered_prompts(chat_dir, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         workload.prepare_model(cfg, tmp_path / "run", [{"prompt": "u:3+3=\na:", "answer": "6"}], None, print)
     assert [(e["prompt"], e["completion"]) for e in seen["examples"]] == [("u:1+1=\na:", "2"), ("u:2+2=\na:", "4")]
+
+
+def test_ppokit_sft_renders_with_chat_template(chat_dir, tmp_path, capsys):
+    records = [{"prompt": [{"role": "user", "content": "1+1="}], "completion": "2", "answer": "2"},
+               {"prompt": "2+2=", "completion": "4", "answer": "4"}]
+    train = write_jsonl(tmp_path / "sft.jsonl", records)
+    held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": "3+3=", "answer": "6"}])
+    base = ["sft", str(train), "--eval-prompts", str(held), "--reward", "exact_match", "--epochs-max", "1",
+            "--precision", "fp32"]
+    assert main([*base, "--model", str(chat_dir), "--out", str(tmp_path / "no")]) == 2
+    assert "--chat-template" in capsys.readouterr().err        # a message list needs the option
+    assert main([*base, "--model", str(chat_dir), "--out", str(tmp_path / "out"), "--chat-template"]) == 0
+    assert load_tokenizer(tmp_path / "out").chat_template == TEMPLATE
+    assert main([*base, "--out", str(tmp_path / "tiny"), "--chat-template"]) == 2
+    assert "the built-in tiny model has none" in capsys.readouterr().err
