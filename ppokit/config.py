@@ -249,6 +249,9 @@ class DataConfig(Section):
                          "'prompt' field per line (other fields are passed to the reward function)", "task", "dataset")
     reward: Optional[str] = field(None, "reward function: a built-in name, 'module:fn' or 'file.py:fn' "
                                   "(null = the task's default)", "reward_fn")
+    reward_model: Optional[str] = field(None, "a Hugging Face sequence-classification model directory (one "
+                                        "output) whose score is the reward; with data.reward too, the sum; the "
+                                        "held-out accuracy still uses data.reward or the task's own", "rm_path")
     chat_template: bool = field(False, "render each prompt with the model's chat template as a user message "
                                 "(or a JSONL prompt given as a list of {role, content} messages), with the "
                                 "generation prompt; the reward function receives the rendered text")

@@ -63,6 +63,12 @@ def chat_renderer(tokenizer, where: str) -> Callable[[Any], str]:
     return render
 
 
+# A record's prompt as written (string or messages), kept beside the rendered one for a
+# reward model with a chat template of its own (ppokit.lm.reward_model); never a reward field.
+RAW_PROMPT = "_ppokit_raw_prompt"
+
+
 def render_records(records: Sequence[dict[str, Any]], render: Callable[[Any], str]) -> list[dict[str, Any]]:
-    """Copies of ``records`` whose ``"prompt"`` is the rendered text (other fields unchanged)."""
-    return [{**record, "prompt": render(record["prompt"])} for record in records]
+    """Copies of ``records`` whose ``"prompt"`` is the rendered text (the prompt as written kept
+    under :data:`RAW_PROMPT`; other fields unchanged)."""
+    return [{**record, "prompt": render(record["prompt"]), RAW_PROMPT: record["prompt"]} for record in records]

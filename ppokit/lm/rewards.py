@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 from ppokit.errors import UserError, did_you_mean
 
 RewardCallable = Callable[..., float]
+INTERNAL_PREFIX = "_ppokit"      # record keys ppokit keeps for itself (ppokit.lm.chat.RAW_PROMPT)
 
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
 
@@ -215,7 +216,7 @@ def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses:
                          f"{len(fields_list)} field dicts must have the same length")
     scores = []
     for i, (prompt, response, fields) in enumerate(zip(prompts, responses, fields_list)):
-        fields = {k: v for k, v in fields.items() if k != "prompt"}
+        fields = {k: v for k, v in fields.items() if k != "prompt" and not k.startswith(INTERNAL_PREFIX)}
         try:
             value = reward(prompt, response, **fields)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed

@@ -4,7 +4,7 @@ One iteration, all of it visible in :func:`train_lm`::
 
     items   = prompts.next_batch()                       # batch_size / group_size prompts
     rollout = engine.generate(items, group_size)         # (N, P + R) tokens, (N, R) mask
-    scores  = score_responses(reward_fn, ...)            # (N,) one reward per sequence
+    scores  = reward_model.score(...) + score_responses(reward_fn, ...)   # (N,) either or both
     scored  = scorer.score(rollout)                      # old/ref log-probs, values (N, R)
     rewards = token_rewards(scores, mask, kl)            # reward on the last real token
     adv, ret = compute_advantages(cfg, rewards, values)  # GAE over tokens, or a group estimator
@@ -147,7 +147,9 @@ def chat_render(cfg: Config, tokenizer=None, where: Optional[str] = None):
 def load_data(cfg: Config, tokenizer=None, where: Optional[str] = None) -> tuple[list[dict], list[dict], Any]:
     """(train prompt records, held-out records, reward function), checked before any model loads.
 
-    With ``data.chat_template`` the prompts come rendered with the chat template of
+    The reward function is ``data.reward``, else the task's own; None for a prompt file
+    scored by ``data.reward_model`` alone (there is then no held-out accuracy). With
+    ``data.chat_template`` the prompts come rendered with the chat template of
     ``tokenizer`` (``where`` names it in errors; default: model.path's tokenizer).
     """
     from ppokit.lm.chat import render_records
@@ -158,14 +160,21 @@ def load_data(cfg: Config, tokenizer=None, where: Optional[str] = None) -> tuple
     from_file = is_file_source(d.prompts)
     if d.reward is None:
         if from_file:
-            raise UserError(f"data.reward: the prompt file {d.prompts} needs a reward function "
-                            "(a built-in name, module:fn or file.py:fn)")
-        from ppokit.lm.tasks import get_task
+            if d.reward_model is None:
+                raise UserError(f"data.reward: the prompt file {d.prompts} needs a reward function "
+                                "(a built-in name, module:fn or file.py:fn) or data.reward_model")
+            if d.eval_prompts is not None and d.eval_size:
+                raise UserError("data.eval_prompts: the held-out accuracy is scored by data.reward (a verifier), "
+                                "and the reward model alone does not say what is correct; set data.reward, or "
+                                "data.eval_size=0")
+            reward_spec = None
+        else:
+            from ppokit.lm.tasks import get_task
 
-        reward_spec = get_task(d.prompts).default_reward
+            reward_spec = get_task(d.prompts).default_reward
     else:
         reward_spec = d.reward
-    reward_fn = load_reward_fn(reward_spec)
+    reward_fn = load_reward_fn(reward_spec) if reward_spec is not None else None
     chat = d.chat_template
     train_items = load_prompts(d.prompts, "train", chat=chat)
     if d.eval_size == 0:
@@ -305,6 +314,9 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
     a = cfg.algo
     device, autocast_dtype = setup(cfg)
     train_items, eval_items, reward_fn = load_data(cfg)
+    # the training reward: the reward model's score and/or a function's (the task's own only
+    # without a reward model; held-out accuracy always uses reward_fn)
+    train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
     saved = None
     if resume_from is not None:
         resume_from = Path(resume_from)
@@ -326,6 +338,12 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         check_prompts_fit(policy.actor_model, tokenizer, [x["prompt"] for x in train_items + eval_items],
                           cfg.rollout.max_new_tokens)     # every prompt, before the first rollout
         learner = Learner(cfg, policy, cfg.iterations)
+        reward_model = None
+        if cfg.data.reward_model is not None:
+            from ppokit.lm.reward_model import RewardModel
+
+            reward_model = RewardModel(cfg.data.reward_model, device=device, autocast_dtype=autocast_dtype,
+                                       batch_size=cfg.train.infer_micro_batch_size)
         scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=kl_in_loss_or_reward,
                         metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(cfg))
         kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
@@ -361,8 +379,19 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
                 items = prompts.next_batch()
                 rollout = engine.generate([x["prompt"] for x in items], group_size=a.group_size, items=items)
                 start = time.perf_counter()
-                scores = torch.tensor(score_responses(reward_fn, rollout.prompts, rollout.texts, rollout.items),
-                                      dtype=torch.float32, device=device)                     # (N,)
+                scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)           # (N,)
+                reward_parts = {}
+                if reward_model is not None:
+                    rm_scores = torch.tensor(reward_model.score(rollout.prompts, rollout.texts, rollout.items),
+                                             dtype=torch.float32, device=device)
+                    scores += rm_scores
+                    reward_parts["reward_model_mean"] = rm_scores.mean().item()
+                if train_reward_fn is not None:
+                    fn_scores = torch.tensor(score_responses(train_reward_fn, rollout.prompts, rollout.texts,
+                                                             rollout.items), dtype=torch.float32, device=device)
+                    scores += fn_scores
+                    if reward_model is not None:
+                        reward_parts["reward_fn_mean"] = fn_scores.mean().item()
                 time_reward = time.perf_counter() - start
                 start = time.perf_counter()
                 scored = scorer.score(rollout)
@@ -385,7 +414,7 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
                     raise resume.diverged_message(exc, run_dir, marker=MARKER) from None
                 if "old_log_prob" not in scored:     # fully on-policy: the update computed them
                     scored["old_log_prob"] = learner.trainer.on_policy_log_prob * rollout.mask
-                metrics.update(rollout_metrics(rollout, scores, scored))
+                metrics.update(rollout_metrics(rollout, scores, scored), **reward_parts)
                 metrics.update(time_reward=time_reward, time_score=time_score,
                                score_tokens_per_s=float(rollout.attention_mask.sum()) / max(time_score, 1e-9))
                 if kl_ctrl is not None:

@@ -1,0 +1,153 @@
+"""A reward model: a Hugging Face sequence-classification model whose one output is the reward.
+
+``data.reward_model: PATH`` loads ``AutoModelForSequenceClassification`` (and its own
+tokenizer) from a local directory, frozen, once per run. Each rollout's sequences are
+scored in chunks of ``train.infer_micro_batch_size``, under the run's autocast::
+
+    reward_i = RM(text_i)[0]      # the logit at the last real token
+
+``text_i`` is the conversation in the reward model's own format: with a chat template,
+``apply_chat_template(prompt messages + [{"role": "assistant", "content": response}])``
+(a string prompt is one user message; the prompt as written in the data, before the
+policy's own template); without one, the prompt the policy saw followed by its response.
+The reward model's tokenizer need not be the policy's: the response is passed as text.
+Inputs longer than the model takes are cut from the left, so the response is kept.
+
+Several PPO settings want a sequence reward plus a rule (a format check, a verifier):
+with ``data.reward`` set as well, the reward is the sum of the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ppokit.errors import UserError
+from ppokit.lm.chat import RAW_PROMPT
+
+
+
+class RewardModel:
+    """``score(prompts, responses, items) -> list[float]`` with a sequence-classification model."""
+
+    def __init__(self, path: str | Path, *, device: torch.device, autocast_dtype: Optional[torch.dtype] = None,
+                 batch_size: int = 8, where: str = "data.reward_model") -> None:
+        path = Path(path)
+        self.where = f"{where}={path}"
+        self.tokenizer = _load_tokenizer(path, where)
+        model = _load_model(path, where)
+        labels = getattr(model.config, "num_labels", None)
+        if labels != 1:
+            raise UserError(f"{self.where}: a reward model has one output (num_labels=1); this one has "
+                            f"{labels} (a classifier, not a reward model?)")
+        if self.tokenizer.pad_token_id is None:          # batched scoring needs a pad id to find the last token
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.tokenizer.pad_token_id is None:
+            raise UserError(f"{self.where}: the tokenizer has neither a pad nor an EOS token; add a pad token "
+                            "to its tokenizer_config.json")
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        model.requires_grad_(False).eval()
+        if autocast_dtype is not None:
+            model.to(autocast_dtype)                     # frozen: stored in the autocast dtype, as the backbone
+        self.model = model.to(device)
+        self.device = torch.device(device)
+        self.autocast_dtype = autocast_dtype
+        self.batch_size = int(batch_size)
+        self.max_length = _max_length(model, self.tokenizer)
+        self.chat = bool(getattr(self.tokenizer, "chat_template", None))
+        bos = self.tokenizer.bos_token
+        self._strip_bos = bool(bos) and self.tokenizer("x")["input_ids"][:1] == [self.tokenizer.bos_token_id]
+
+    def text(self, prompt: str, response: str, item: dict[str, Any]) -> str:
+        """The reward model's input for one sample (see the module docstring)."""
+        if not self.chat:
+            return prompt + response
+        raw = item.get(RAW_PROMPT, item.get("prompt", prompt))
+        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
+        messages.append({"role": "assistant", "content": response})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception as exc:      # jinja errors: the template rejects these messages
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UserError(f"the chat template of {self.where} failed on the prompt {prompt!r}: {first}") from None
+        bos = self.tokenizer.bos_token
+        return text[len(bos):] if self._strip_bos and text.startswith(bos) else text
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[str], responses: Sequence[str],
+              items: Optional[Sequence[dict[str, Any]]] = None) -> list[float]:
+        """One float per sample: the reward model's output at the last real token."""
+        items = list(items) if items is not None else [{}] * len(prompts)
+        texts = [self.text(p, r, it) for p, r, it in zip(prompts, responses, items)]
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(texts[start:start + self.batch_size], padding=True, truncation=True,
+                                 max_length=self.max_length, return_tensors="pt").to(self.device)
+            autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype) \
+                if self.autocast_dtype is not None else contextlib.nullcontext()
+            with autocast:
+                logits = self.model(**enc).logits                 # (n, 1)
+            scores += logits[:, 0].float().cpu().tolist()
+        bad = [i for i, s in enumerate(scores) if s != s or s in (float("inf"), float("-inf"))]
+        if bad:
+            raise UserError(f"{self.where} gave a non-finite score ({scores[bad[0]]}) on sample {bad[0]} "
+                            f"(prompt {prompts[bad[0]]!r}); check the model's weights")
+        return scores
+
+
+def _load_model(path: Path, where: str):
+    """``AutoModelForSequenceClassification`` of a local directory; a UserError names any problem."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    from ppokit.lm.policy import _check_local_dir, _first_line, held_load_report, weights_problem
+
+    _check_local_dir(path, where)
+    if not (path / "config.json").is_file():
+        raise UserError(f"{where}={path}: no config.json there, so not a Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{where}={path}: not a Hugging Face model directory ({_first_line(exc)})") from None
+    if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        raise UserError(f"{where}={path}: a {type(config).__name__} has no sequence-classification head "
+                        "(AutoModelForSequenceClassification cannot load it)")
+    with held_load_report() as report:
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(str(path), config=config,
+                                                                       dtype=torch.float32, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, RuntimeError: the files are bad
+            raise UserError(f"{where}={path}: {weights_problem(exc, report)}") from None
+    if any("score" in line and ("newly initialized" in line or "not initialized" in line) for line in report):
+        raise UserError(f"{where}={path}: the weights have no score head (it would start random): this is a "
+                        "language model, not a trained reward model (AutoModelForSequenceClassification)")
+    return model
+
+
+def _load_tokenizer(path: Path, where: str):
+    """The reward model's own tokenizer, padding on the right."""
+    from transformers import AutoTokenizer
+
+    from ppokit.lm.policy import TOKENIZER_FILES, _check_local_dir, _first_line
+
+    _check_local_dir(path, where)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{where}={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the "
+                        "reward model's tokenizer into the directory (tokenizer.save_pretrained)")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), padding_side="right", truncation_side="left",
+                                             local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{where}={path}: no usable tokenizer there ({_first_line(exc)})") from None
+
+
+def _max_length(model, tokenizer) -> Optional[int]:
+    """The longest input the model takes: its positions, else the tokenizer's (None: no limit)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 0:
+        return limit
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 10**9 else None

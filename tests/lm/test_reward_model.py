@@ -1,0 +1,147 @@
+"""Reward models (``data.reward_model``): batched scores, truncation, chat format, bad models, runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppokit.cli import main
+from ppokit.errors import UserError
+from ppokit.lm.chat import RAW_PROMPT
+from ppokit.lm.reward_model import RewardModel
+from ppokit.lm.tiny import build_char_tokenizer
+from ppokit.track import read_metrics
+
+CPU = torch.device("cpu")
+TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}a:{% endif %}")
+
+
+def make_reward_model(path: Path, *, num_labels: int = 1, positions: int = 64, chat: bool = False,
+                      causal: bool = False) -> Path:
+    """A tiny Llama with a random score head (or an LM head), the character tokenizer, saved."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    tok = build_char_tokenizer(padding_side="right")
+    if chat:
+        tok.chat_template = TEMPLATE
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions,
+                         num_labels=num_labels, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM if causal else LlamaForSequenceClassification)(config)
+    if not causal:
+        with torch.no_grad():
+            model.score.weight.normal_(0, 1.0)      # scores of order 1, different for different texts
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory) -> Path:
+    return make_reward_model(tmp_path_factory.mktemp("rm") / "rm")
+
+
+def one_by_one(rm: RewardModel, texts: list[str]) -> list[float]:
+    """The plain way: each text alone, no padding, the logit at its last token."""
+    out = []
+    for text in texts:
+        ids = rm.tokenizer(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out.append(rm.model(input_ids=ids).logits[0, 0].item())
+    return out
+
+
+def test_batched_scores_equal_each_sequence_alone(rm_dir):
+    rm = RewardModel(rm_dir, device=CPU, batch_size=3)
+    prompts = ["1+1=", "12+30=", "7=", "99+99=", "5+"]
+    responses = ["2", "42", "seven", "198", ""]
+    got = rm.score(prompts, responses)
+    want = one_by_one(rm, [p + r for p, r in zip(prompts, responses)])
+    assert got == pytest.approx(want, abs=1e-5)
+    assert len(set(round(s, 4) for s in got)) == len(got)          # the texts do score differently
+
+
+def test_long_inputs_are_cut_from_the_left_so_the_response_stays(tmp_path):
+    rm = RewardModel(make_reward_model(tmp_path / "short", positions=16), device=CPU)
+    prompt, response = "1+2+3+4+5+6+7+8+9=", "45"
+    [got] = rm.score([prompt], [response])
+    ids = rm.tokenizer(prompt + response)["input_ids"]
+    assert len(ids) > 16 and ids[0] == rm.tokenizer.bos_token_id
+    kept = ids[:1] + ids[-15:]          # the BOS, then the last 15 tokens: the response is kept
+    with torch.no_grad():
+        want = rm.model(input_ids=torch.tensor([kept])).logits[0, 0].item()
+    assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_a_chat_reward_model_reads_the_conversation_in_its_own_format(tmp_path):
+    rm = RewardModel(make_reward_model(tmp_path / "chat", chat=True), device=CPU)
+    item = {RAW_PROMPT: [{"role": "system", "content": "add"}, {"role": "user", "content": "1+1="}]}
+    assert rm.text("policy-rendered text", "2", item) == "s:add\nu:1+1=\na:2\n"
+    assert rm.text("3+3=", "6", {}) == "u:3+3=\na:6\n"      # a plain prompt is one user message
+    assert rm.score(["x"], ["2"], [item]) == pytest.approx(one_by_one(rm, ["s:add\nu:1+1=\na:2\n"]), abs=1e-5)
+
+
+def test_bf16_scores_are_close_to_fp32(rm_dir):
+    fp32 = RewardModel(rm_dir, device=CPU).score(["1+1=", "12+30="], ["2", "42"])
+    bf16 = RewardModel(rm_dir, device=CPU, autocast_dtype=torch.bfloat16).score(["1+1=", "12+30="], ["2", "42"])
+    assert bf16 == pytest.approx(fp32, abs=0.1)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "no such model directory"),
+    ("classifier", r"a reward model has one output \(num_labels=1\); this one has 3"),
+    ("causal", "no score head"),
+])
+def test_models_that_are_not_reward_models(tmp_path, kind, message):
+    path = tmp_path / kind
+    if kind == "classifier":
+        make_reward_model(path, num_labels=3)
+    elif kind == "causal":
+        make_reward_model(path, causal=True)
+    with pytest.raises(UserError, match=message) as info:
+        RewardModel(path, device=CPU)
+    assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- runs
+def train_args(tiny_dir, tmp_path: Path, name: str, *extra: str) -> list[str]:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    return ["train", "arith", f"model.path={tiny_dir}", f"data.prompts={prompts}", "data.sft_epochs=0",
+            "train.iterations=2", "train.batch_size=8", "train.mini_batch_size=8", "train.micro_batch_size=8",
+            "train.infer_micro_batch_size=3", "algo.group_size=4", "rollout.max_new_tokens=2",
+            "run.precision=fp32", "run.tensorboard=false", *extra,
+            "--output-dir", str(tmp_path), "--name", name, "--no-progress"]
+
+
+def test_a_run_scored_by_the_reward_model_alone(tiny_dir, rm_dir, tmp_path):
+    # (the arith preset names exact_match: null leaves the reward model alone)
+    assert main(train_args(tiny_dir, tmp_path, "rm", f"data.reward_model={rm_dir}", "data.reward=null")) == 0
+    rows = read_metrics(tmp_path / "rm")
+    assert len(rows) == 2 and "reward_fn_mean" not in rows[0]
+    for row in rows:
+        assert row["reward_mean"] == pytest.approx(row["reward_model_mean"], abs=1e-6)
+        assert row["reward_std"] > 0                        # real, varying scores
+
+
+def test_a_reward_model_plus_a_verifier_sums_them(tiny_dir, rm_dir, tmp_path):
+    assert main(train_args(tiny_dir, tmp_path, "both", f"data.reward_model={rm_dir}",
+                           "data.reward=exact_match")) == 0
+    for row in read_metrics(tmp_path / "both"):
+        assert row["reward_mean"] == pytest.approx(row["reward_model_mean"] + row["reward_fn_mean"], abs=1e-5)
+
+
+def test_held_out_prompts_with_only_a_reward_model_are_refused(tiny_dir, rm_dir, tmp_path, capsys):
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    assert main(train_args(tiny_dir, tmp_path, "r", f"data.reward_model={rm_dir}", "data.reward=null",
+                           f"data.eval_prompts={held}")) == 2
+    assert "the held-out accuracy is scored by data.reward" in capsys.readouterr().err
+    assert main(train_args(tiny_dir, tmp_path, "r2", f"data.reward_model={tmp_path / 'nope'}")) == 2
+    assert "data.reward_model=" in capsys.readouterr().err
