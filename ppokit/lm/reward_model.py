@@ -39,10 +39,6 @@ class RewardModel:
         self.where = f"{where}={path}"
         self.tokenizer = _load_tokenizer(path, where)
         model = _load_model(path, where)
-        labels = getattr(model.config, "num_labels", None)
-        if labels != 1:
-            raise UserError(f"{self.where}: a reward model has one output (num_labels=1); this one has "
-                            f"{labels} (a classifier, not a reward model?)")
         if self.tokenizer.pad_token_id is None:          # batched scoring needs a pad id to find the last token
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.tokenizer.pad_token_id is None:
@@ -115,15 +111,20 @@ def _load_model(path: Path, where: str):
     if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
         raise UserError(f"{where}={path}: a {type(config).__name__} has no sequence-classification head "
                         "(AutoModelForSequenceClassification cannot load it)")
-    with held_load_report() as report:
+    with held_load_report() as report:      # printed only if the model loads and is a reward model
         try:
-            model = AutoModelForSequenceClassification.from_pretrained(str(path), config=config,
-                                                                       dtype=torch.float32, local_files_only=True)
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                str(path), config=config, dtype=torch.float32, local_files_only=True, output_loading_info=True)
         except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, RuntimeError: the files are bad
             raise UserError(f"{where}={path}: {weights_problem(exc, report)}") from None
-    if any("score" in line and ("newly initialized" in line or "not initialized" in line) for line in report):
-        raise UserError(f"{where}={path}: the weights have no score head (it would start random): this is a "
-                        "language model, not a trained reward model (AutoModelForSequenceClassification)")
+        head = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in ("score", "classifier")]
+        if head:
+            raise UserError(f"{where}={path}: the weights have no score head ({head[0]} would start random): "
+                            "a language model, not a trained reward model (AutoModelForSequenceClassification)")
+        labels = getattr(model.config, "num_labels", None)
+        if labels != 1:
+            raise UserError(f"{where}={path}: a reward model has one output (num_labels=1); this one has "
+                            f"{labels} (a classifier, not a reward model?)")
     return model
 
 

@@ -317,6 +317,12 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
     # the training reward: the reward model's score and/or a function's (the task's own only
     # without a reward model; held-out accuracy always uses reward_fn)
     train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
+    reward_model = None
+    if cfg.data.reward_model is not None:     # loaded first: a bad one fails before a warm start runs
+        from ppokit.lm.reward_model import RewardModel
+
+        reward_model = RewardModel(cfg.data.reward_model, device=device, autocast_dtype=autocast_dtype,
+                                   batch_size=cfg.train.infer_micro_batch_size)
     saved = None
     if resume_from is not None:
         resume_from = Path(resume_from)
@@ -338,12 +344,6 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         check_prompts_fit(policy.actor_model, tokenizer, [x["prompt"] for x in train_items + eval_items],
                           cfg.rollout.max_new_tokens)     # every prompt, before the first rollout
         learner = Learner(cfg, policy, cfg.iterations)
-        reward_model = None
-        if cfg.data.reward_model is not None:
-            from ppokit.lm.reward_model import RewardModel
-
-            reward_model = RewardModel(cfg.data.reward_model, device=device, autocast_dtype=autocast_dtype,
-                                       batch_size=cfg.train.infer_micro_batch_size)
         scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=kl_in_loss_or_reward,
                         metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(cfg))
         kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
