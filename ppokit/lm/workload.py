@@ -303,7 +303,6 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
     from ppokit import algo, checkpoint, resume
     from ppokit.lm.data import PromptIterator
     from ppokit.lm.policy import build_policy, causal_lm_config, load_tokenizer
-    from ppokit.lm.rewards import score_responses
     from ppokit.lm.rollout import RolloutEngine, check_prompts_fit
     from ppokit.lm.scoring import Scorer, kl_to_reference, token_rewards
     from ppokit.trainer import compute_advantages
@@ -379,19 +378,7 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
                 items = prompts.next_batch()
                 rollout = engine.generate([x["prompt"] for x in items], group_size=a.group_size, items=items)
                 start = time.perf_counter()
-                scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)           # (N,)
-                reward_parts = {}
-                if reward_model is not None:
-                    rm_scores = torch.tensor(reward_model.score(rollout.prompts, rollout.texts, rollout.items),
-                                             dtype=torch.float32, device=device)
-                    scores += rm_scores
-                    reward_parts["reward_model_mean"] = rm_scores.mean().item()
-                if train_reward_fn is not None:
-                    fn_scores = torch.tensor(score_responses(train_reward_fn, rollout.prompts, rollout.texts,
-                                                             rollout.items), dtype=torch.float32, device=device)
-                    scores += fn_scores
-                    if reward_model is not None:
-                        reward_parts["reward_fn_mean"] = fn_scores.mean().item()
+                scores, reward_parts = sequence_scores(rollout, reward_model, train_reward_fn, device)   # (N,)
                 time_reward = time.perf_counter() - start
                 start = time.perf_counter()
                 scored = scorer.score(rollout)
@@ -548,6 +535,24 @@ def _actor_only(trainer_state: dict, policy, learner, path: Path) -> dict:
         optim[key] = list(optim[key])[:n]
     optim["lr"] = list(optim["lr"])[:1]
     return {**trainer_state, "optimizer": optim}
+
+
+def sequence_scores(rollout, reward_model, reward_fn, device: torch.device) -> tuple[torch.Tensor, dict]:
+    """(N,) float32 sequence rewards: the reward model's score plus the reward function's
+    (either may be None); with a reward model, the parts' means as metrics."""
+    from ppokit.lm.rewards import score_responses
+
+    parts: dict[str, torch.Tensor] = {}
+    if reward_model is not None:
+        parts["reward_model_mean"] = torch.tensor(reward_model.score(rollout.prompts, rollout.texts, rollout.items))
+    if reward_fn is not None:
+        parts["reward_fn_mean"] = torch.tensor(score_responses(reward_fn, rollout.prompts, rollout.texts,
+                                                               rollout.items))
+    scores = torch.zeros(len(rollout), dtype=torch.float32)
+    for part in parts.values():
+        scores += part
+    metrics = {name: part.mean().item() for name, part in parts.items()} if reward_model is not None else {}
+    return scores.to(device), metrics
 
 
 def _finished_result(run_dir: Path, path: Path, meta: dict[str, Any]) -> dict[str, Any]:
