@@ -157,6 +157,9 @@ class RunConfig(Section):
     tensorboard: bool = field(True, "write TensorBoard events when tensorboard is installed")
     checkpoint_every: int = field(0, "save a checkpoint every N iterations (0 = only at the end)", ge=0)
     keep_checkpoints: int = field(3, "checkpoints kept on disk", ge=1)
+    log_samples: int = field(4, "lm: rollout samples (prompt, response, reward, fields) written to "
+                             "RUN_DIR/samples.jsonl every run.samples_every iterations (0 = none)", ge=0)
+    samples_every: int = field(10, "lm: iterations between the samples.jsonl entries (iteration 0 first)", ge=1)
     resume: Literal["never", "auto"] = field(
         "never", "auto: continue from the newest checkpoint in output_dir/name when there is one, else start "
         "fresh (needs run.name); never: a run directory that holds a run is refused")

@@ -362,13 +362,22 @@ def latest_checkpoint(run_dir: Path | str, *, marker: str = "meta.json") -> Opti
 
 
 # ----------------------------------------------------------------------------- metrics
+# The run's JSONL logs, one row per iteration (metrics) or per logged rollout sample.
+ITERATION_LOGS = ("metrics.jsonl", "samples.jsonl")
+
+
 def truncate_metrics(run_dir: Path | str, iteration: int) -> int:
-    """Keep the ``metrics.jsonl`` rows with ``row["iteration"] < iteration``; returns how many.
+    """Keep the rows of ``metrics.jsonl`` (and ``samples.jsonl``) with ``row["iteration"] <
+    iteration``; returns how many metrics rows.
 
     ``iteration`` is the checkpoint's count of completed iterations (rows are numbered
-    from 0). Rows after it and a torn last line are dropped; the file is replaced atomically.
+    from 0). Rows after it and a torn last line are dropped; each file is replaced atomically.
     """
-    path = Path(run_dir) / "metrics.jsonl"
+    kept = [_truncate_rows(Path(run_dir) / name, iteration) for name in ITERATION_LOGS]
+    return kept[0]
+
+
+def _truncate_rows(path: Path, iteration: int) -> int:
     if not path.exists():
         return 0
     kept = []
@@ -379,7 +388,7 @@ def truncate_metrics(run_dir: Path | str, iteration: int) -> int:
             continue
         if isinstance(row, dict) and isinstance(row.get("iteration"), int) and row["iteration"] < iteration:
             kept.append(line)
-    tmp = path.with_name(f".metrics.jsonl.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
     return len(kept)
@@ -389,7 +398,7 @@ def truncate_metrics(run_dir: Path | str, iteration: int) -> int:
 # Fields that may differ between the saved config and the one a run resumes with: they
 # change how a run reports or where it keeps checkpoints, not what it computes.
 PRESENTATION_FIELDS = ("preset", "run.output_dir", "run.name", "run.progress", "run.tensorboard", "run.resume",
-                       "run.checkpoint_every", "run.keep_checkpoints")
+                       "run.checkpoint_every", "run.keep_checkpoints", "run.log_samples", "run.samples_every")
 
 
 def _leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

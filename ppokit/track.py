@@ -153,6 +153,7 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.total = total_iterations
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._samples = None             # samples.jsonl, opened with the first samples
         self._tb = None
         if cfg.run.tensorboard:
             try:
@@ -171,6 +172,13 @@ class Tracker:
                                                  total=total_iterations, headline="")
             self._progress.start()
         self.start_time = time.time()
+
+    def log_samples(self, iteration: int, samples: list[dict[str, Any]]) -> None:
+        """Append rollout samples to ``samples.jsonl``, one row each, tagged with ``iteration``."""
+        if self._samples is None:
+            self._samples = open(self.run_dir / "samples.jsonl", "a", buffering=1)
+        for sample in samples:
+            self._samples.write(json.dumps({"iteration": iteration, **sample}, default=str) + "\n")
 
     def log(self, iteration: int, metrics: dict[str, Any]) -> None:
         row = {"iteration": iteration, "time": round(time.time() - self.start_time, 3)}
@@ -200,6 +208,8 @@ class Tracker:
             self._tb = None
         if not self._jsonl.closed:
             self._jsonl.close()
+        if self._samples is not None and not self._samples.closed:
+            self._samples.close()
 
     def __enter__(self) -> "Tracker":
         return self

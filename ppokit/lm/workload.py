@@ -288,6 +288,20 @@ def rollout_metrics(rollout, scores: torch.Tensor, scored: dict[str, torch.Tenso
     return out
 
 
+def rollout_samples(rollout, scores: torch.Tensor, k: int) -> list[dict[str, Any]]:
+    """The first ``k`` sequences of a rollout as JSON rows: prompt, response, sequence reward,
+    response tokens, truncated, and the prompt's data fields (``answer``, ...). The prompts
+    are shuffled, so they are a random sample; with ``group_size`` > 1 they are one group."""
+    from ppokit.lm.rewards import INTERNAL_PREFIX
+
+    lengths = rollout.response_lengths
+    return [{"prompt": rollout.prompts[i], "response": rollout.texts[i], "reward": float(scores[i]),
+             "length": int(lengths[i]), "truncated": bool(rollout.truncated[i]),
+             "fields": {key: value for key, value in rollout.items[i].items()
+                        if key != "prompt" and not key.startswith(INTERNAL_PREFIX)}}
+            for i in range(min(k, len(rollout)))]
+
+
 # ----------------------------------------------------------------------------- the loop
 def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str] = None) -> dict[str, Any]:
     """Train; save ``RUN_DIR/checkpoint``; the final metrics with held-out accuracy before/after.
@@ -402,6 +416,8 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
                 if "old_log_prob" not in scored:     # fully on-policy: the update computed them
                     scored["old_log_prob"] = learner.trainer.on_policy_log_prob * rollout.mask
                 metrics.update(rollout_metrics(rollout, scores, scored), **reward_parts)
+                if cfg.run.log_samples and it % cfg.run.samples_every == 0:
+                    tracker.log_samples(it, rollout_samples(rollout, scores, cfg.run.log_samples))
                 metrics.update(time_reward=time_reward, time_score=time_score,
                                score_tokens_per_s=float(rollout.attention_mask.sum()) / max(time_score, 1e-9))
                 if kl_ctrl is not None:

@@ -117,7 +117,8 @@ def grpo_run(tiny_dir, out: Path, name: str) -> Path:
             "data.reward=exact_match", "data.sft_epochs=0", "data.eval_size=4", f"train.iterations={ITERATIONS}",
             "train.batch_size=8", "train.mini_batch_size=4", "train.micro_batch_size=4", "train.epochs=2",
             "algo.adv_estimator=grpo", "algo.group_size=4", "rollout.max_new_tokens=2", "run.precision=fp32",
-            "run.checkpoint_every=1", "run.keep_checkpoints=3", "run.tensorboard=false",
+            "run.checkpoint_every=1", "run.keep_checkpoints=3", "run.tensorboard=false", "run.log_samples=3",
+            "run.samples_every=1",
             "--output-dir", str(out), "--name", name, "--no-progress"]
     assert main(args) == 0
     return out / name
@@ -132,8 +133,20 @@ def test_a_grpo_run_resumes_exactly_without_a_critic(finished, tmp_path):
     assert not (finished / "checkpoint" / "critic").exists()
     assert not VALUE_METRICS & set(read_rows(finished)[-1])
     run = copy_without_final_checkpoint(finished, tmp_path / "run")
+    (run / "samples.jsonl").write_text((run / "samples.jsonl").read_text() + '{"iteration": 2, "torn')
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0
     assert_same_metrics(read_rows(run), read_rows(finished), ITERATIONS, TIMING)
+    # the samples after the checkpoint (and a torn line) are dropped, then written again
+    assert (run / "samples.jsonl").read_text() == (finished / "samples.jsonl").read_text()
+
+
+def test_samples_jsonl_holds_each_iterations_first_sequences_and_their_rewards(finished):
+    rows = [json.loads(line) for line in (finished / "samples.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for r in rows:
+        assert r["reward"] == float(r["response"].strip() == r["fields"]["answer"])      # exact_match
+        assert set(r) == {"iteration", "prompt", "response", "reward", "length", "truncated", "fields"}
+        assert r["prompt"].endswith("=") and 1 <= r["length"] <= 2
 
 
 def test_a_checkpoint_with_the_old_untrained_critic_resumes_without_it(tiny_dir, finished, tmp_path, monkeypatch):
