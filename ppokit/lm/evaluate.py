@@ -76,6 +76,9 @@ def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
         if size < 1:
             raise UserError(f"--prompts must be at least 1 (got {size})")
         eval_items = eval_items[:size]
+    if reward_fn is None:
+        raise UserError(f"{run_dir}: the run is scored by its reward model alone, and held-out accuracy needs a "
+                        "verifier (data.reward); evaluate with a config that names one")
     if not eval_items:
         raise UserError(f"{run_dir}: the run has no held-out prompts (set data.eval_prompts, or use a built-in "
                         "task, and data.eval_size > 0)")

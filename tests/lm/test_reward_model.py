@@ -120,11 +120,14 @@ def train_args(tiny_dir, tmp_path: Path, name: str, *extra: str) -> list[str]:
             "--output-dir", str(tmp_path), "--name", name, "--no-progress"]
 
 
-def test_a_run_scored_by_the_reward_model_alone(tiny_dir, rm_dir, tmp_path):
+def test_a_run_scored_by_the_reward_model_alone(tiny_dir, rm_dir, tmp_path, capsys):
     # (the arith preset names exact_match: null leaves the reward model alone)
     assert main(train_args(tiny_dir, tmp_path, "rm", f"data.reward_model={rm_dir}", "data.reward=null")) == 0
     rows = read_metrics(tmp_path / "rm")
     assert len(rows) == 2 and "reward_fn_mean" not in rows[0]
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "rm")]) == 2          # no verifier: no held-out accuracy
+    assert "scored by its reward model alone" in capsys.readouterr().err
     for row in rows:
         assert row["reward_mean"] == pytest.approx(row["reward_model_mean"], abs=1e-6)
         assert row["reward_std"] > 0                        # real, varying scores
