@@ -148,3 +148,45 @@ def test_held_out_prompts_with_only_a_reward_model_are_refused(tiny_dir, rm_dir,
     assert "the held-out accuracy is scored by data.reward" in capsys.readouterr().err
     assert main(train_args(tiny_dir, tmp_path, "r2", f"data.reward_model={tmp_path / 'nope'}")) == 2
     assert "data.reward_model=" in capsys.readouterr().err
+
+
+def digit_reward_model(path: Path) -> Path:
+    """A reward model that scores 1 when the text ends in a digit and 0 otherwise, by hand:
+    the layer's outputs are zeroed, so the last hidden state is the last token's embedding
+    (normalised), and the score head reads the one direction only digits have."""
+    make_reward_model(path)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    tok = build_char_tokenizer()
+    digits = tok.convert_tokens_to_ids(list("0123456789"))
+    width = model.config.hidden_size
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed.zero_()
+        embed[:, 0] = 1.0                                       # every token: direction 0
+        embed[digits, 0] = 0.0
+        embed[digits, 1] = 1.0                                  # digits alone: direction 1
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.score.weight.zero_()
+        model.score.weight[0, 1] = width ** -0.5                 # RMSNorm scales a unit vector by sqrt(width)
+    model.save_pretrained(path)
+    return path
+
+
+def test_ppo_raises_the_reward_models_score(tiny_dir, tmp_path):
+    from test_lm_learning import config
+
+    from ppokit.lm.workload import train_lm
+
+    rm = digit_reward_model(tmp_path / "digit-rm")
+    scores = RewardModel(rm, device=CPU).score(["1+1="] * 4, ["7", "2x0", "72a", ""])
+    assert scores == pytest.approx([1.0, 1.0, 0.0, 0.0], abs=1e-3)
+    cfg = config(tiny_dir, tmp_path, data={"reward_model": str(rm), "eval_size": 0})
+    train_lm(cfg, tmp_path / "run")
+    rewards = [r["reward_model_mean"] for r in read_metrics(tmp_path / "run")]
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    # a random model ends its answer with a digit about one time in five
+    assert first < 0.4 and last > 0.7 and last > first + 0.35, rewards
