@@ -46,21 +46,37 @@ def chat_renderer(tokenizer, where: str) -> Callable[[Any], str]:
         raise UserError(f"data.chat_template=true, but the tokenizer of {where} has no chat template "
                         "(no chat_template in its tokenizer_config.json or chat_template.jinja); use a chat "
                         "model, or set data.chat_template=false and write the prompts as plain text")
-    bos = tokenizer.bos_token
-    adds_bos = bool(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    strip_bos = encoder_adds_bos(tokenizer)
 
     def render(prompt: Any) -> str:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:      # jinja errors: the template rejects these messages
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UserError(f"the chat template of {where} failed on the prompt {prompt!r}: {first}") from None
-        if adds_bos and text.startswith(bos):
-            text = text[len(bos):]      # the encoder adds it back: exactly one BOS
-        return text
+        return apply_template(tokenizer, as_messages(prompt), strip_bos=strip_bos, generation_prompt=True,
+                              where=where, prompt=prompt)
 
     return render
+
+
+def as_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A prompt as chat messages: a string is one user message, a message list a copy of itself."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def encoder_adds_bos(tokenizer) -> bool:
+    """Whether encoding a text puts a BOS token in front of it."""
+    return bool(tokenizer.bos_token) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+
+
+def apply_template(tokenizer, messages: list[dict[str, Any]], *, strip_bos: bool, generation_prompt: bool,
+                   where: str, prompt: Any) -> str:
+    """``messages`` as text in ``tokenizer``'s chat template; with ``strip_bos`` (the encoder adds
+    one: :func:`encoder_adds_bos`) a leading BOS is dropped, so that encoding gives exactly one.
+    A template that rejects the messages is a UserError naming ``where`` and ``prompt``."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as exc:      # jinja errors: the template rejects these messages
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"the chat template of {where} failed on the prompt {prompt!r}: {first}") from None
+    bos = tokenizer.bos_token
+    return text[len(bos):] if strip_bos and text.startswith(bos) else text
 
 
 # A record's prompt as written (string or messages), kept beside the rendered one for a

@@ -52,7 +52,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -71,20 +71,28 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 # ----------------------------------------------------------------------------- loading
-def load_tokenizer(path: str | Path, what: str = "model.path"):
-    """A tokenizer with left padding, an EOS and a pad token; UserError otherwise."""
+def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bool = True):
+    """A local directory's tokenizer; UserError when there is none.
+
+    ``generation`` (the policy's): left padding, and an EOS and a pad token are required.
+    Otherwise (a reward model's): right padding, truncation from the left, no requirement.
+    """
     from transformers import AutoTokenizer
 
     _check_local_dir(path, what)
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(f"{what}={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the "
                         "model's tokenizer into the directory (tokenizer.save_pretrained)")
+    side = "left" if generation else "right"
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), padding_side="left", local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(path), padding_side=side, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{what}={path}: no usable tokenizer there ({_first_line(exc)}); save the model's "
                         "tokenizer into the directory") from None
-    tok.padding_side = "left"
+    tok.padding_side = side
+    if not generation:
+        tok.truncation_side = "left"          # a scored text keeps its end (the response)
+        return tok
     if tok.eos_token_id is None:
         raise UserError(f"{what}={path}: the tokenizer has no EOS token; set eos_token in its "
                         "tokenizer_config.json so that responses can end")
@@ -96,8 +104,16 @@ def load_tokenizer(path: str | Path, what: str = "model.path"):
 
 def causal_lm_config(path: str | Path, what: str = "model.path"):
     """The model config of a local directory, checked to be a causal LM (no weights loaded)."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return hf_config(path, what, MODEL_FOR_CAUSAL_LM_MAPPING,
+                     "is not a causal language model (AutoModelForCausalLM cannot load it)")
+
+
+def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
+    """The model config of a local directory, checked to be in ``mapping`` (an auto class's
+    configs; otherwise the UserError says the config ``not_loadable``)."""
+    from transformers import AutoConfig
 
     _check_local_dir(path, what)
     if not (Path(path) / "config.json").is_file():
@@ -114,9 +130,8 @@ def causal_lm_config(path: str | Path, what: str = "model.path"):
                             f"{transformers.__version__} does not know; upgrade transformers or fix config.json") \
                 from None
         raise UserError(f"{what}={path}: not a Hugging Face model directory ({_first_line(exc)})") from None
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise UserError(f"{what}={path}: a {type(config).__name__} is not a causal language model "
-                        "(AutoModelForCausalLM cannot load it)")
+    if type(config) not in mapping:
+        raise UserError(f"{what}={path}: a {type(config).__name__} {not_loadable}")
     return config
 
 
@@ -132,20 +147,32 @@ def load_causal_lm(path: str | Path, what: str = "model.path", dtype: torch.dtyp
 
     config = causal_lm_config(path, what)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return load_hf_model(AutoModelForCausalLM, path, what, config, dtype=dtype, **kwargs)
+
+
+def load_hf_model(auto_class, path: str | Path, what: str, config, *,
+                  check: Optional[Callable[[nn.Module, dict], None]] = None, **kwargs) -> nn.Module:
+    """``auto_class.from_pretrained`` of a local directory with a config from :func:`hf_config`,
+    in ``eval()`` mode; any failure is a UserError naming the directory. ``check(model,
+    loading_info)`` may raise one too, before transformers' load report is printed (it is
+    dropped when loading fails)."""
     with held_load_report() as report:
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
-                                                         local_files_only=True, **kwargs)
+            model, info = auto_class.from_pretrained(str(path), config=config, local_files_only=True,
+                                                     output_loading_info=True, **kwargs)
         except ImportError as exc:
-            raise UserError(f"model.attn_implementation={attn_implementation}: {_first_line(exc).rstrip('.')}; "
-                            "install the package it needs or use auto, sdpa or eager") from None
+            raise UserError(f"model.attn_implementation={kwargs.get('attn_implementation')}: "
+                            f"{_first_line(exc).rstrip('.')}; install the package it needs or use auto, sdpa "
+                            "or eager") from None
         except ValueError as exc:
-            if "Unrecognized configuration class" in str(exc) or "AutoModelForCausalLM" in str(exc):
-                raise UserError(f"{what}={path}: a {type(config).__name__} is not a causal language model "
-                                "(AutoModelForCausalLM cannot load it)") from None
+            if "Unrecognized configuration class" in str(exc) or auto_class.__name__ in str(exc):
+                raise UserError(f"{what}={path}: {auto_class.__name__} cannot load a "
+                                f"{type(config).__name__}") from None
             raise UserError(f"{what}={path}: cannot load the model ({_first_line(exc)})") from None
         except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, RuntimeError: the files are bad
             raise UserError(f"{what}={path}: {weights_problem(exc, report)}") from None
+        if check is not None:
+            check(model, info)
     model.eval()   # no dropout anywhere: scoring and update passes must agree exactly
     return model
 

@@ -19,15 +19,15 @@ with ``data.reward`` set as well, the reward is the sum of the two.
 
 from __future__ import annotations
 
-import contextlib
+import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
 from ppokit.errors import UserError
-from ppokit.lm.chat import RAW_PROMPT
-
+from ppokit.lm.chat import RAW_PROMPT, apply_template, as_messages, encoder_adds_bos
+from ppokit.lm.policy import load_tokenizer
 
 
 class RewardModel:
@@ -37,7 +37,7 @@ class RewardModel:
                  batch_size: int = 8, where: str = "data.reward_model") -> None:
         path = Path(path)
         self.where = f"{where}={path}"
-        self.tokenizer = _load_tokenizer(path, where)
+        self.tokenizer = load_tokenizer(path, where, generation=False)   # right padding, cut from the left
         model = _load_model(path, where)
         if self.tokenizer.pad_token_id is None:          # batched scoring needs a pad id to find the last token
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -45,7 +45,7 @@ class RewardModel:
             raise UserError(f"{self.where}: the tokenizer has neither a pad nor an EOS token; add a pad token "
                             "to its tokenizer_config.json")
         model.config.pad_token_id = self.tokenizer.pad_token_id
-        model.requires_grad_(False).eval()
+        model.requires_grad_(False)                      # (load_hf_model leaves it in eval mode)
         if autocast_dtype is not None:
             model.to(autocast_dtype)                     # frozen: stored in the autocast dtype, as the backbone
         self.model = model.to(device)
@@ -54,23 +54,16 @@ class RewardModel:
         self.batch_size = int(batch_size)
         self.max_length = _max_length(model, self.tokenizer)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None))
-        bos = self.tokenizer.bos_token
-        self._strip_bos = bool(bos) and self.tokenizer("x")["input_ids"][:1] == [self.tokenizer.bos_token_id]
+        self._strip_bos = encoder_adds_bos(self.tokenizer)
 
     def text(self, prompt: str, response: str, item: dict[str, Any]) -> str:
         """The reward model's input for one sample (see the module docstring)."""
         if not self.chat:
             return prompt + response
-        raw = item.get(RAW_PROMPT, item.get("prompt", prompt))
-        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
+        messages = as_messages(item.get(RAW_PROMPT, item.get("prompt", prompt)))
         messages.append({"role": "assistant", "content": response})
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-        except Exception as exc:      # jinja errors: the template rejects these messages
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UserError(f"the chat template of {self.where} failed on the prompt {prompt!r}: {first}") from None
-        bos = self.tokenizer.bos_token
-        return text[len(bos):] if self._strip_bos and text.startswith(bos) else text
+        return apply_template(self.tokenizer, messages, strip_bos=self._strip_bos, generation_prompt=False,
+                              where=self.where, prompt=prompt)
 
     @torch.no_grad()
     def score(self, prompts: Sequence[str], responses: Sequence[str],
@@ -82,12 +75,11 @@ class RewardModel:
         for start in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(texts[start:start + self.batch_size], padding=True, truncation=True,
                                  max_length=self.max_length, return_tensors="pt").to(self.device)
-            autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype) \
-                if self.autocast_dtype is not None else contextlib.nullcontext()
-            with autocast:
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                                enabled=self.autocast_dtype is not None):
                 logits = self.model(**enc).logits                 # (n, 1)
             scores += logits[:, 0].float().cpu().tolist()
-        bad = [i for i, s in enumerate(scores) if s != s or s in (float("inf"), float("-inf"))]
+        bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
         if bad:
             raise UserError(f"{self.where} gave a non-finite score ({scores[bad[0]]}) on sample {bad[0]} "
                             f"(prompt {prompts[bad[0]]!r}); check the model's weights")
@@ -95,28 +87,17 @@ class RewardModel:
 
 
 def _load_model(path: Path, where: str):
-    """``AutoModelForSequenceClassification`` of a local directory; a UserError names any problem."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    """``AutoModelForSequenceClassification`` of a local directory, checked to be a reward model
+    (a trained score head with one output); a UserError names any problem."""
+    from transformers import AutoModelForSequenceClassification
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-    from ppokit.lm.policy import _check_local_dir, _first_line, held_load_report, weights_problem
+    from ppokit.lm.policy import hf_config, load_hf_model
 
-    _check_local_dir(path, where)
-    if not (path / "config.json").is_file():
-        raise UserError(f"{where}={path}: no config.json there, so not a Hugging Face model directory")
-    try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{where}={path}: not a Hugging Face model directory ({_first_line(exc)})") from None
-    if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
-        raise UserError(f"{where}={path}: a {type(config).__name__} has no sequence-classification head "
-                        "(AutoModelForSequenceClassification cannot load it)")
-    with held_load_report() as report:      # printed only if the model loads and is a reward model
-        try:
-            model, info = AutoModelForSequenceClassification.from_pretrained(
-                str(path), config=config, dtype=torch.float32, local_files_only=True, output_loading_info=True)
-        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, RuntimeError: the files are bad
-            raise UserError(f"{where}={path}: {weights_problem(exc, report)}") from None
+    config = hf_config(path, where, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+                       "has no sequence-classification head (AutoModelForSequenceClassification cannot load it)")
+
+    def is_reward_model(model, info: dict) -> None:
         head = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in ("score", "classifier")]
         if head:
             raise UserError(f"{where}={path}: the weights have no score head ({head[0]} would start random): "
@@ -125,24 +106,9 @@ def _load_model(path: Path, where: str):
         if labels != 1:
             raise UserError(f"{where}={path}: a reward model has one output (num_labels=1); this one has "
                             f"{labels} (a classifier, not a reward model?)")
-    return model
 
-
-def _load_tokenizer(path: Path, where: str):
-    """The reward model's own tokenizer, padding on the right."""
-    from transformers import AutoTokenizer
-
-    from ppokit.lm.policy import TOKENIZER_FILES, _check_local_dir, _first_line
-
-    _check_local_dir(path, where)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise UserError(f"{where}={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the "
-                        "reward model's tokenizer into the directory (tokenizer.save_pretrained)")
-    try:
-        return AutoTokenizer.from_pretrained(str(path), padding_side="right", truncation_side="left",
-                                             local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{where}={path}: no usable tokenizer there ({_first_line(exc)})") from None
+    return load_hf_model(AutoModelForSequenceClassification, path, where, config, check=is_reward_model,
+                         dtype=torch.float32)
 
 
 def _max_length(model, tokenizer) -> Optional[int]:

@@ -201,6 +201,12 @@ def _one_line(exc: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- scoring
+def reward_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A prompt record's data fields, as the reward function gets them: all but ``prompt``
+    and ppokit's own keys (:data:`INTERNAL_PREFIX`)."""
+    return {k: v for k, v in record.items() if k != "prompt" and not k.startswith(INTERNAL_PREFIX)}
+
+
 def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses: Sequence[str],
                     fields_list: Optional[Sequence[dict[str, Any]]] = None) -> list[float]:
     """Call the reward function on each sample; a list of floats.
@@ -216,7 +222,7 @@ def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses:
                          f"{len(fields_list)} field dicts must have the same length")
     scores = []
     for i, (prompt, response, fields) in enumerate(zip(prompts, responses, fields_list)):
-        fields = {k: v for k, v in fields.items() if k != "prompt" and not k.startswith(INTERNAL_PREFIX)}
+        fields = reward_fields(fields)
         try:
             value = reward(prompt, response, **fields)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed

@@ -292,14 +292,12 @@ def rollout_samples(rollout, scores: torch.Tensor, k: int) -> list[dict[str, Any
     """The first ``k`` sequences of a rollout as JSON rows: prompt, response, sequence reward,
     response tokens, truncated, and the prompt's data fields (``answer``, ...). The prompts
     are shuffled, so they are a random sample; with ``group_size`` > 1 they are one group."""
-    from ppokit.lm.rewards import INTERNAL_PREFIX
+    from ppokit.lm.rewards import reward_fields
 
     lengths = rollout.response_lengths
     return [{"prompt": rollout.prompts[i], "response": rollout.texts[i], "reward": float(scores[i]),
              "length": int(lengths[i]), "truncated": bool(rollout.truncated[i]),
-             "fields": {key: value for key, value in rollout.items[i].items()
-                        if key != "prompt" and not key.startswith(INTERNAL_PREFIX)}}
-            for i in range(min(k, len(rollout)))]
+             "fields": reward_fields(rollout.items[i])} for i in range(min(k, len(rollout)))]
 
 
 # ----------------------------------------------------------------------------- the loop
