@@ -43,6 +43,8 @@ Reported, each against its goal:
               column-major (``ppokit/lm/weight_layout.py``) and row-major.
 ``attention`` (``--only attention``) the same with the attention kernel of training and
               scoring passes and with eager attention (the other kernels on in both).
+``profile``   (``--only profile``) one iteration under torch.profiler: each phase's
+              operators by self time (``--rows`` of them), to see where the time goes.
 ``amx``       (``--only amx``) the same with LoRA's rank-r products on ppokit's kernels (AMX,
               or AVX512-BF16 vectors on CPUs without it) and on oneDNN's matmuls (bf16).
 
@@ -490,7 +492,32 @@ def child_amx(a: argparse.Namespace) -> dict:
     return alternate(a, {"kernels": kernels, "oneDNN": lambda policy: enable_lora_kernels(policy.lm, False)})
 
 
-CHILDREN = {"memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora,
+def child_profile(a: argparse.Namespace) -> dict:
+    """Where each phase's time goes: torch.profiler's operators by self time, per phase."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})
+    pieces = Pieces(a, "lora")
+    pieces.iteration()                               # warm-up
+    ro = pieces.engine.generate(pieces.prompts, group_size=1)
+    phases = {"generate": lambda: pieces.engine.generate(pieces.prompts, group_size=1),
+              "score": lambda: pieces.scorer.score(ro)}
+    scored = pieces.scorer.score(ro)
+    phases["update"] = lambda: pieces.learner.update(pieces.training_batch(ro, scored), 0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pieces.device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if pieces.device.type == "cuda" else "self_cpu_time_total"
+    out = {}
+    for phase, fn in phases.items():
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            fn()
+            sync(pieces.device)
+        out[phase] = {"seconds": time.perf_counter() - start,
+                      "table": prof.key_averages().table(sort_by=sort, row_limit=a.rows or 25)}
+    return out
+
+
+CHILDREN = {"profile": child_profile, "memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora,
             "kernels": child_kernels, "layout": child_layout, "attention": child_attention, "amx": child_amx}
 # --only lora / kernels / layout / attention / amx: (ppokit's path, the path it is compared with)
 ALTERNATIVES = {"lora": ("fused", "peft"), "kernels": ("fused", "transformers"),
@@ -501,7 +528,7 @@ ALTERNATIVES = {"lora": ("fused", "peft"), "kernels": ("fused", "transformers"),
 def run_child(a: argparse.Namespace, kind: str, mode: str = "lora") -> dict:
     args = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--mode", mode]
     for key in ("hidden", "layers", "mlp", "batch", "micro", "perf_micro", "prompt_repeat", "response_len", "precision", "device",
-                "threads", "repeats"):
+                "threads", "repeats", "rows"):
         value = getattr(a, key)
         if value is not None:
             args += [f"--{key.replace('_', '-')}", str(value)]
@@ -531,6 +558,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best counts)")
     p.add_argument("--only", choices=sorted(CHILDREN), help="run one measurement")
+    p.add_argument("--rows", type=int, default=None, help="operators per phase in --only profile (default 25)")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--mode", default="lora", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -582,6 +610,10 @@ def main(argv=None) -> int:
         print(f"iteration   {r['times']['total']:.3f} s = {over:.2f}x its compute floor at the sustained ceiling "
               f"({r['flops']['total'] / sustained['total']:.3f} s), {peak / rate['total']:.2f}x at the peak   "
               f"(goal <= 2)")
+    if a.only == "profile":
+        for phase, r in run_child(a, "profile").items():
+            print(f"profile     {phase}: {r['seconds']:.3f} s under the profiler")
+            print(r["table"])
     if a.only in ALTERNATIVES:
         t = run_child(a, a.only)
         ours, other = ALTERNATIVES[a.only]

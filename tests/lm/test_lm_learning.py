@@ -65,7 +65,11 @@ def test_ppo_raises_the_reward(tiny_dir, tmp_path, sevens):
                 "response_length", "reward_std", "gen_tokens_per_s", "train_tokens_per_s"):
         assert key in rows[-1], key
     assert rows[-1]["kl_ref"] > rows[0]["kl_ref"]        # it moved away from the reference
-    assert rows[-1]["old_log_prob_gap"] == 0.0            # two epochs: the scorer's log-probs, checked
+    # Two epochs: the scorer's log-probs are used, and checked against the update's first
+    # forward. The same kernels on a CPU: equal. A GPU picks kernels by batch shape (the
+    # scorer's chunks of 64 against the update's 32): within 1e-4 (3.8e-6 on an H100).
+    gap_limit = 1e-4 if torch.cuda.is_available() else 0.0
+    assert rows[-1]["old_log_prob_gap"] <= gap_limit
 
 
 def test_a_fully_on_policy_run_takes_its_old_log_probs_from_the_update(tiny_dir, tmp_path, sevens, monkeypatch):
