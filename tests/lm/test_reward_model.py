@@ -184,9 +184,12 @@ def test_ppo_raises_the_reward_models_score(tiny_dir, tmp_path):
     rm = digit_reward_model(tmp_path / "digit-rm")
     scores = RewardModel(rm, device=CPU).score(["1+1="] * 4, ["7", "2x0", "72a", ""])
     assert scores == pytest.approx([1.0, 1.0, 0.0, 0.0], abs=1e-3)
-    cfg = config(tiny_dir, tmp_path, data={"reward_model": str(rm), "eval_size": 0})
+    # 16 iterations: after 12, seeds 1-6 ended at 0.55-0.95 (the last two averaged); after 16,
+    # seeds 1, 7 and 8 at 0.90-0.99
+    cfg = config(tiny_dir, tmp_path, data={"reward_model": str(rm), "eval_size": 0}, train={"iterations": 16})
     train_lm(cfg, tmp_path / "run")
     rewards = [r["reward_model_mean"] for r in read_metrics(tmp_path / "run")]
+    assert len(rewards) == 16
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     # a random model ends its answer with a digit about one time in five
     assert first < 0.4 and last > 0.7 and last > first + 0.35, rewards
