@@ -336,6 +336,14 @@ class Config(Section):
             if t.critic_warmup >= t.iterations:
                 raise ValueError(f"train.critic_warmup={t.critic_warmup} leaves no actor updates in "
                                  f"train.iterations={t.iterations}")
+            critic_path = self.model.critic_path
+            if critic_path and not self.uses_critic:
+                raise ValueError(f"model.critic_path={critic_path} is the critic's model, but "
+                                 f"algo.adv_estimator={a.adv_estimator} trains no critic; remove model.critic_path")
+            if critic_path and self.model.mode == "lora":
+                raise ValueError(f"model.critic_path={critic_path} is full mode's separate critic; in lora mode "
+                                 "the critic is a LoRA adapter on model.path: set model.mode=full, or remove "
+                                 "model.critic_path")
         if self.rollout.cache_implementation == "static" and not self.rollout.use_cache:
             raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
         if (self.rollout.cache_implementation == "static" and self.model.mode == "full"

@@ -85,6 +85,19 @@ def test_critic_warmup_without_a_critic_is_a_config_error(tiny_dir):
         lm_config(tiny_dir, algo=GRPO, train={"critic_warmup": 2, "iterations": 5})
 
 
+def test_a_critic_path_without_a_critic_is_a_config_error(tiny_dir):
+    with pytest.raises(ConfigError, match=r"model.critic_path=/some/critic is the critic's model, but "
+                                          r"algo.adv_estimator=grpo trains no critic; remove model.critic_path"):
+        lm_config(tiny_dir, algo=GRPO, model={"mode": "full", "critic_path": "/some/critic"})
+
+
+def test_a_critic_path_in_lora_mode_is_a_config_error(tiny_dir):
+    with pytest.raises(ConfigError, match=r"in lora mode the critic is a LoRA adapter on model.path: "
+                                          r"set model.mode=full, or remove model.critic_path"):
+        lm_config(tiny_dir, model={"mode": "lora", "critic_path": "/some/critic"})
+    assert lm_config(tiny_dir, model={"mode": "full", "critic_path": "/some/critic"}).model.critic_path
+
+
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_checkpoint_of_a_critic_free_policy_holds_the_actor_alone(tiny_dir, tmp_path, mode):
     cfg = lm_config(tiny_dir, model={"mode": mode}, algo=GRPO)
