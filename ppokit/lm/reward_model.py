@@ -12,6 +12,8 @@ scored in chunks of ``train.infer_micro_batch_size``, under the run's autocast::
 policy's own template); without one, the prompt the policy saw followed by its response.
 The reward model's tokenizer need not be the policy's: the response is passed as text.
 Inputs longer than the model takes are cut from the left, so the response is kept.
+On a CPU (with ``model.cpu_kernels``) the reward model gets the policy's fused kernels
+(RMSNorm, SwiGLU, rotary, attention) and, in bf16, the column-major wide weights.
 
 Several PPO settings want a sequence reward plus a rule (a format check, a verifier):
 with ``data.reward`` set as well, the reward is the sum of the two.
@@ -34,7 +36,7 @@ class RewardModel:
     """``score(prompts, responses, items) -> list[float]`` with a sequence-classification model."""
 
     def __init__(self, path: str | Path, *, device: torch.device, autocast_dtype: Optional[torch.dtype] = None,
-                 batch_size: int = 8, where: str = "data.reward_model") -> None:
+                 batch_size: int = 8, where: str = "data.reward_model", cpu_kernels: bool = True) -> None:
         path = Path(path)
         self.where = f"{where}={path}"
         self.tokenizer = load_tokenizer(path, where, generation=False)   # right padding, cut from the left
@@ -50,6 +52,14 @@ class RewardModel:
             model.to(autocast_dtype)                     # frozen: stored in the autocast dtype, as the backbone
         self.model = model.to(device)
         self.device = torch.device(device)
+        self.fused_kernel_counts: dict[str, int] = {}
+        if cpu_kernels and self.device.type == "cpu":
+            from ppokit.lm.kernels.fuse import fuse_cpu_kernels
+            from ppokit.lm.weight_layout import transpose_wide_weights
+
+            self.fused_kernel_counts = {k: n for k, n in fuse_cpu_kernels(model).items() if n}
+            if autocast_dtype == torch.bfloat16:
+                transpose_wide_weights(model, autocast_dtype)    # oneDNN's bf16 matmul wants them so
         self.autocast_dtype = autocast_dtype
         self.batch_size = int(batch_size)
         self.max_length = _max_length(model, self.tokenizer)

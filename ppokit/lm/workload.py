@@ -333,7 +333,7 @@ def train_lm(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str]
         from ppokit.lm.reward_model import RewardModel
 
         reward_model = RewardModel(cfg.data.reward_model, device=device, autocast_dtype=autocast_dtype,
-                                   batch_size=cfg.train.infer_micro_batch_size)
+                                   batch_size=cfg.train.infer_micro_batch_size, cpu_kernels=cfg.model.cpu_kernels)
     saved = None
     if resume_from is not None:
         resume_from = Path(resume_from)

@@ -93,6 +93,28 @@ def test_bf16_scores_are_close_to_fp32(rm_dir):
     assert bf16 == pytest.approx(fp32, abs=0.1)
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_the_fused_cpu_kernels_score_as_transformers_layers_do(tmp_path, dtype):
+    from ppokit.lm.kernels import cpu_library
+
+    if cpu_library() is None:
+        pytest.skip("the CPU kernels are not built here (no C compiler)")
+    rm = make_reward_model(tmp_path / "rm", positions=64)
+    prompts = ["1+1=", "12+30=", "7+8=", "99+1="]
+    responses = ["2", "42", "15 and some more text", ""]
+    fused = RewardModel(rm, device=CPU, autocast_dtype=dtype)
+    plain = RewardModel(rm, device=CPU, autocast_dtype=dtype, cpu_kernels=False)
+    assert {"rms_norm", "mlp", "rotary", "attention"} <= set(fused.fused_kernel_counts)
+    assert plain.fused_kernel_counts == {}
+    want = plain.score(prompts, responses)
+    assert len(set(want)) == len(want)                       # the texts score apart
+    # right-padded batches of different lengths. bf16: the kernels round as transformers'
+    # layers do but sum in another order, so a score may land one bf16 step (0.4%) apart
+    # (here they are equal; fp32 3e-7 apart)
+    tolerance = dict(abs=1e-5) if dtype is None else dict(rel=1e-2, abs=1e-2)
+    assert fused.score(prompts, responses) == pytest.approx(want, **tolerance)
+
+
 @pytest.mark.parametrize("kind, message", [
     ("missing", "no such model directory"),
     ("classifier", r"a reward model has one output \(num_labels=1\); this one has 3"),
