@@ -10,9 +10,12 @@
  * transformers' modules (forward: bit for bit but for sums taken in another order;
  * backward: to one rounding). Built by ppokit/lm/kernels/__init__.py with the system C
  * compiler; plain C, vectorized by the compiler (`#pragma omp simd`), no PyTorch headers,
- * with AVX-512 and AMX intrinsics where the build targets them (a register transpose, the
- * decoding attention's rows, the LoRA kernels, and the attention kernels' products on the
- * tile units for bf16: attention_group_amx and its backward).
+ * with AVX-512 and AMX intrinsics where the build targets them (RMSNorm, SwiGLU and rotary
+ * on whole vectors, a register transpose, the decoding attention's rows, the LoRA kernels,
+ * and the attention kernels' products on the tile units for bf16: attention_group_amx and
+ * its backward). With AVX512-BF16 the vector code rounds to bf16 with the CPU's conversion
+ * instruction, which flushes values below bf16's smallest normal (1.2e-38) to zero where
+ * PyTorch keeps them (narrow_bf16x16).
  *
  * bf16 values are passed as uint16_t; all arrays are row-major with a contiguous last
  * dimension.
@@ -933,7 +936,7 @@ static inline __m512 NAME(load16)(const ELEM *p, long n) {
 #endif
 }
 
-/* v's lanes rounded to ELEM (bf16: as f2bf rounds; float32: unchanged). */
+/* v's lanes rounded to ELEM (bf16: as narrow_bf16x16 rounds; float32: unchanged). */
 static inline __m512 NAME(round16)(__m512 v) {
 #if ELEM_IS_BF16
     return round_bf16x16(v);
@@ -957,8 +960,8 @@ static inline void NAME(store16)(ELEM *p, __m512 v, long n) {
  * the end of a row): the same formulas and roundings as the plain loops after them, which
  * other builds compile. The compiler vectorizes those loops too, but emulates each bf16
  * rounding with integer operations; here a CPU with AVX512-BF16 rounds with its own
- * conversion instruction (narrow_bf16x16): 1.5-2x faster in bf16. RMSNorm's sum of squares
- * adds its terms in another order. */
+ * conversion instruction (narrow_bf16x16): 1.0-2.0x faster per kernel in bf16
+ * (docs/performance.md). RMSNorm's sum of squares adds its terms in another order. */
 void NAME(rms_norm_forward)(const ELEM *x, const ELEM *w, ELEM *y, float *rstd, long rows, long d, float eps) {
     for (long i = 0; i < rows; i++) {
         const ELEM *xr = x + i * d;
