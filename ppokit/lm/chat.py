@@ -55,6 +55,17 @@ def chat_renderer(tokenizer, where: str) -> Callable[[Any], str]:
     return render
 
 
+def model_chat_renderer(model: str, *, what: str, option: str, fix: str) -> Callable[[Any], str]:
+    """:func:`chat_renderer` with the tokenizer of the model directory ``model`` (``what``
+    names the setting that gave it, ``option`` the one that asked for a template, ``fix``
+    what to do when ``model`` is the built-in tiny model, which has no template)."""
+    from ppokit.lm.policy import load_tokenizer
+
+    if model == "tiny":
+        raise UserError(f"{option} needs a model with a chat template, and the built-in tiny model has none; {fix}")
+    return chat_renderer(load_tokenizer(model, what), f"{what}={model}")
+
+
 def as_messages(prompt: Any) -> list[dict[str, Any]]:
     """A prompt as chat messages: a string is one user message, a message list a copy of itself."""
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)

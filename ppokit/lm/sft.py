@@ -344,13 +344,10 @@ def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", e
     held_out = load_prompts(eval_prompts, "eval", chat=chat_template)[:eval_size] if eval_prompts is not None \
         else load_prompts(prompts, "eval", n=eval_size)
     if chat_template:
-        from ppokit.lm.chat import chat_renderer, render_records
-        from ppokit.lm.policy import load_tokenizer
+        from ppokit.lm.chat import model_chat_renderer, render_records
 
-        if model == "tiny":
-            raise UserError("--chat-template needs a model with a chat template, and the built-in tiny model "
-                            "has none; give --model a chat model's directory")
-        render = chat_renderer(load_tokenizer(model, "--model"), f"--model {model}")
+        render = model_chat_renderer(model, what="--model", option="--chat-template",
+                                     fix="give --model a chat model's directory")
         train, held_out = render_records(train, render), render_records(held_out, render)
     if model != "tiny":
         return run_sft(model, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)

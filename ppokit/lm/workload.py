@@ -130,17 +130,13 @@ def one_thread_if_small(cfg: Config, policy, device: torch.device) -> None:
 def chat_render(cfg: Config, tokenizer=None, where: Optional[str] = None):
     """``data.chat_template``'s renderer (:func:`ppokit.lm.chat.chat_renderer`) with ``tokenizer``
     (default: model.path's), or None when prompts are used as they are."""
-    from ppokit.lm.chat import chat_renderer
-    from ppokit.lm.policy import load_tokenizer
+    from ppokit.lm.chat import chat_renderer, model_chat_renderer
 
     if not cfg.data.chat_template:
         return None
     if tokenizer is None:
-        if cfg.model.path == "tiny":
-            raise UserError("data.chat_template=true needs a model with a chat template, and the built-in tiny "
-                            "model has none; set model.path to a chat model's directory")
-        tokenizer = load_tokenizer(cfg.model.path, "model.path")
-        where = f"model.path={cfg.model.path}"
+        return model_chat_renderer(cfg.model.path, what="model.path", option="data.chat_template=true",
+                                   fix="set model.path to a chat model's directory")
     return chat_renderer(tokenizer, where or "the model")
 
 
