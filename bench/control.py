@@ -49,8 +49,8 @@ TASKS = {
 # ----------------------------------------------------------------------------- children
 def child_ppokit(a: argparse.Namespace) -> dict:
     from ppokit.config import load_config
-    from ppokit.control.workload import train_control
-    from ppokit.track import create_run_dir
+    from ppokit.workloads import train as train_control
+    from ppokit.rundir import create_run_dir
 
     task = TASKS[a.env]
     out = tempfile.mkdtemp(prefix="ppokit-bench-")

@@ -28,7 +28,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ import torch
 from ppokit.errors import UserError
 
 FORMAT = "ppokit-checkpoint"
-VERSION = 1
+VERSION = 2       # 2: one checkpoint per run state (parts "learner", "source", ...), both workloads
 META = "meta.json"
 
 
@@ -89,11 +89,22 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor], where: Path) -> Any:
 
 
 # ----------------------------------------------------------------------------- save
-def save_checkpoint(path: Path | str, parts: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write ``parts`` (name -> state) and ``meta`` (JSON-able) atomically to directory ``path``."""
+def save_checkpoint(path: Path | str, parts: dict[str, Any], meta: dict[str, Any],
+                    files: Optional[Callable[[Path], None]] = None) -> Path:
+    """Write ``parts`` (name -> state) and ``meta`` (JSON-able) atomically to directory ``path``.
+
+    ``files(directory)``, when given, first writes more files into the checkpoint (a
+    language model's adapters in Hugging Face format, say); ``meta.json`` comes last, so a
+    checkpoint with it is complete.
+    """
     from safetensors.torch import save_file
 
     with atomic_directory(path) as tmp:
+        if files is not None:
+            files(tmp)
+            for file in tmp.rglob("*"):
+                if file.is_file():
+                    fsync_path(file)
         skeletons = {}
         for name, state in parts.items():
             tensors: dict[str, torch.Tensor] = {}
@@ -231,13 +242,3 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
             raise UserError(f"checkpoint file {file} is corrupt or truncated ({reason})") from None
         ckpt.parts[name] = _unflatten(skeleton, tensors, file)
     return ckpt
-
-
-def prune_checkpoints(directory: Path | str, keep: int) -> None:
-    """Keep the ``keep`` newest sub-directories of ``directory`` (names sort by age)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return
-    entries = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
-    for stale in entries[:-keep] if keep > 0 else entries:
-        shutil.rmtree(stale, ignore_errors=True)

@@ -229,21 +229,22 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _train(source: Optional[str], overrides: list[str], resume: Optional[bool | str] = None) -> int:
-    from ppokit import resume as resume_mod
+    from ppokit import rundir
     from ppokit.config import load_config
     from ppokit.errors import UserError
+    from ppokit.workloads import check_inputs, train
 
     if isinstance(resume, str):   # ppokit train --resume RUN_DIR [KEY=VALUE ...]: the run's own config
-        cfg, run_dir, resume_from = resume_mod.open_run_for_resume(resume, ([source] if source else []) + overrides)
-        _check_inputs(cfg)
+        cfg, run_dir, resume_from = rundir.open_run_for_resume(resume, ([source] if source else []) + overrides)
+        check_inputs(cfg)
     else:
         if source is None:
             raise UserError("ppokit train needs CONFIG (a preset or YAML file), or --resume RUN_DIR")
         cfg = load_config(source, overrides)
-        _check_inputs(cfg)   # fail on a bad env id or model path before a run directory exists
-        run_dir, resume_from = resume_mod.prepare_run_dir(cfg, required=resume is True)
+        check_inputs(cfg)   # fail on a bad env id or model path before a run directory exists
+        run_dir, resume_from = rundir.prepare_run_dir(cfg, required=resume is True)   # locked from here on
     print(f"run directory: {run_dir}" + (f" (resuming from {resume_from})" if resume_from else ""), flush=True)
-    result = _run_workload(cfg, run_dir, resume_from)
+    result = train(cfg, run_dir, resume_from)
     if result.get("already_finished"):
         print(f"run {run_dir} had already finished ({result['iterations']} iterations): nothing to do")
         return 0
@@ -269,22 +270,6 @@ def _write_curves(run_dir) -> None:
               f"`ppokit plot {run_dir}` retries", file=sys.stderr)
 
 
-def _check_inputs(cfg) -> None:
-    if cfg.workload == "control":
-        from ppokit.control.workload import check_env
-
-        check_env(cfg)
-    elif cfg.workload == "lm":
-        from ppokit.lm.workload import load_data
-
-        load_data(cfg)   # prompts, held-out set and reward function
-        if cfg.model.path != "tiny":
-            from ppokit.lm.policy import causal_lm_config, load_tokenizer
-
-            causal_lm_config(cfg.model.path)
-            load_tokenizer(cfg.model.path)
-
-
 def _sft(args: argparse.Namespace) -> int:
     from ppokit.lm.sft import sft_main
 
@@ -295,18 +280,6 @@ def _sft(args: argparse.Namespace) -> int:
                        precision=args.precision)
     print(f"held-out accuracy after SFT: {summary['best_accuracy']:.1%} (curve: {args.out}/sft_curve.json)")
     return 0
-
-
-def _run_workload(cfg, run_dir, resume_from=None) -> dict:
-    if cfg.workload == "control":
-        from ppokit.control.workload import train_control
-
-        return train_control(cfg, run_dir, resume_from=resume_from)
-    if cfg.workload == "lm":
-        from ppokit.lm.workload import train_lm
-
-        return train_lm(cfg, run_dir, resume_from=resume_from)
-    raise AssertionError(f"unhandled workload {cfg.workload}")
 
 
 def _demo(overrides: list[str]) -> int:

@@ -1,27 +1,5 @@
-"""Exact resume, graceful interruption and divergence guards, shared by the workloads.
-
-The CLI picks the run directory and the checkpoint (:func:`prepare_run_dir` for
-``ppokit train CONFIG [--resume]`` and ``run.resume``, :func:`open_run_for_resume` for
-``ppokit train --resume RUN_DIR``) and hands the checkpoint path to the workload, which
-continues a run bit for bit like this (``ppokit/control/workload.py`` is the example)::
-
-    ...build everything exactly as for a fresh run (same seeds, same construction order)...
-    if resume_from:
-        ckpt = checkpoint.load_checkpoint(resume_from)
-        check_resumable_config(ckpt.meta["config"], cfg.to_dict(), run_dir)
-        load weights, optimizer + schedule, env/data state, counters from ckpt
-        restore_rng(ckpt.parts["rng"], generators)       # last: construction used RNGs too
-        truncate_metrics(run_dir, ckpt.meta["iteration"])
-    with GracefulStop() as stop:
-        for it in range(start, iterations):
-            ...one iteration (trainer.update raises TrainingDiverged -> diverged_message)...
-            tracker.log(it, metrics)                     # the row first, then the checkpoint
-            if periodic or stop.requested:
-                parts = {..., "rng": capture_rng(generators)}
-                path = save_checkpoint(periodic_checkpoint_path(run_dir, it + 1), parts, meta)
-            if stop.requested: raise stop.interrupted(path, run_dir)
-
-The pieces:
+"""Exact resume, graceful interruption and the divergence guard: the pieces the run loop
+(:mod:`ppokit.loop`) uses for every workload.
 
 - :func:`capture_rng` / :func:`restore_rng`: Python ``random``, the numpy global RNG,
   the torch CPU (and initialized CUDA) RNG, plus any ``torch.Generator`` or
@@ -33,46 +11,23 @@ The pieces:
   (``KeyboardInterrupt``; the last checkpoint on disk is intact).
 - :class:`BadStepGuard`: counts consecutive skipped (non-finite) optimizer steps and
   raises :class:`~ppokit.errors.TrainingDiverged` after ``train.max_bad_steps``.
-- :func:`find_checkpoints` / :func:`latest_checkpoint`: the newest complete checkpoint of
-  a run directory (``RUN_DIR/checkpoint`` or ``RUN_DIR/checkpoints/iter-NNNNNN``);
-  leftovers of a writer that was killed mid-write are recovered or removed first.
-- :func:`truncate_metrics`: drop the ``metrics.jsonl`` rows written after the checkpoint.
-- :func:`find_resume_checkpoint` / :func:`check_resumable_config`: what ``run.resume``,
-  ``ppokit train CONFIG --resume`` and ``ppokit train --resume RUN_DIR`` share.
-
-A metrics row is written *before* the checkpoint of the same iteration: a kill between
-the two loses nothing that the resumed run does not write again.
 
 This module imports torch and numpy lazily (the CLI imports it for argument handling).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import random
 import signal
-import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
-from ppokit.errors import Interrupted, TrainingDiverged, UserError
+from ppokit.errors import Interrupted, TrainingDiverged
 
-__all__ = [
-    "FINAL_DIR", "PERIODIC_DIR", "BadStepGuard", "GracefulStop", "Interrupted", "TrainingDiverged",
-    "capture_rng", "restore_rng", "find_checkpoints", "latest_checkpoint", "periodic_checkpoint_path",
-    "truncate_metrics", "find_resume_checkpoint", "checked_iteration", "resume_instead", "advising_on_damage",
-    "check_resumable_config",
-    "config_differences", "all_finite", "PRESENTATION_FIELDS",
-    "prepare_run_dir", "open_run_for_resume", "diverged_message", "generator_state", "set_generator_state",
-]
-
-FINAL_DIR = "checkpoint"      # RUN_DIR/checkpoint: written when training ends
-PERIODIC_DIR = "checkpoints"  # RUN_DIR/checkpoints/iter-NNNNNN: run.checkpoint_every, interruptions
-
+__all__ = ["BadStepGuard", "GracefulStop", "Interrupted", "TrainingDiverged", "all_finite", "capture_rng",
+           "generator_state", "restore_rng", "set_generator_state"]
 
 # ----------------------------------------------------------------------------- RNG
 def _tag_arrays(obj: Any) -> Any:
@@ -227,8 +182,8 @@ class BadStepGuard:
     """Counts consecutive bad (skipped, non-finite) optimizer steps.
 
     ``step(ok)`` after every optimizer step; after ``limit`` bad steps in a row it raises
-    :class:`TrainingDiverged` (``limit=0``: never). The workload re-raises it through
-    :func:`diverged_message`, which adds where the last good checkpoint is. The guard is
+    :class:`TrainingDiverged` (``limit=0``: never). The run loop adds where the last good
+    checkpoint is (:func:`ppokit.loop.diverged_message`). The guard is
     part of the trainer's state (``state_dict``), so a streak survives a resume.
     """
 
@@ -255,269 +210,8 @@ class BadStepGuard:
         self.total = int(state.get("total", 0))
 
 
-def diverged_message(exc: TrainingDiverged, run_dir: Path | str, **lookup: Any) -> TrainingDiverged:
-    """``exc`` with where the last good checkpoint is (nothing newer was written)."""
-    last = latest_checkpoint(run_dir, **lookup)
-    where = (f"the last good checkpoint is {last} (resume with: ppokit train --resume {run_dir}, "
-             "after lowering train.learning_rate)" if last is not None
-             else "no checkpoint was written (set run.checkpoint_every to keep one)")
-    return TrainingDiverged(f"{exc}; {where}")
-
-
 def all_finite(tensors: Any) -> bool:
     """True when every tensor in ``tensors`` (an iterable) holds only finite values."""
     import torch
 
     return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-def periodic_checkpoint_path(run_dir: Path | str, iteration: int) -> Path:
-    """``RUN_DIR/checkpoints/iter-NNNNNN`` for the state after ``iteration`` iterations."""
-    return Path(run_dir) / PERIODIC_DIR / f"iter-{iteration:06d}"
-
-
-def _iteration_of(path: Path, marker: str) -> Optional[int]:
-    if path.name.startswith("iter-") and path.name[5:].isdigit():
-        return int(path.name[5:])
-    meta = path / marker
-    try:
-        value = json.loads(meta.read_text()).get("iteration")
-    except (OSError, ValueError, AttributeError):
-        raise UserError(f"checkpoint file {meta} is corrupt or truncated") from None
-    if not isinstance(value, int):
-        raise UserError(f"checkpoint file {meta} has no iteration count")
-    return value
-
-
-def checked_iteration(meta: Mapping[str, Any], path: Path | str, iterations: int, run_dir: Path | str,
-                      *, marker: str = "meta.json") -> int:
-    """The checkpoint's count of completed iterations, checked to be sane.
-
-    It must be an integer in ``[0, iterations]`` and, for ``iter-N``, equal ``N``. Anything
-    else means the checkpoint is corrupt: a :class:`UserError` naming its ``marker`` file
-    and the newest other checkpoint of ``run_dir`` to resume from instead.
-    """
-    path = Path(path)
-    value = meta.get("iteration")
-    named = int(path.name[5:]) if path.name.startswith("iter-") and path.name[5:].isdigit() else None
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= iterations \
-            and named in (None, value):
-        return value
-    expected = f"{named}" if named is not None else f"0..{iterations}"
-    raise UserError(f"checkpoint {path} is corrupt: {path / marker} says iteration {value!r} "
-                    f"(expected {expected}); {resume_instead(path, run_dir, marker=marker)}")
-
-
-def resume_instead(path: Path | str, run_dir: Path | str, *, marker: str = "meta.json") -> str:
-    """What to do about a damaged checkpoint ``path``: resume from the newest other one."""
-    path = Path(path)
-    others = [p for _, p in find_checkpoints(run_dir, marker=marker) if p != path] if Path(run_dir).is_dir() else []
-    return (f"move it out of the run directory to resume from {others[-1]}" if others
-            else "no other checkpoint to resume from: start the run over")
-
-
-@contextlib.contextmanager
-def advising_on_damage(path: Path | str, run_dir: Path | str, *, marker: str = "meta.json") -> Iterator[None]:
-    """A damaged file of checkpoint ``path`` found inside the block ("checkpoint file ... is
-    corrupt or truncated"): its error also says what to do (:func:`resume_instead`)."""
-    try:
-        yield
-    except UserError as exc:
-        if not str(exc).startswith("checkpoint file "):
-            raise
-        raise UserError(f"{exc}; {resume_instead(path, run_dir, marker=marker)}") from None
-
-
-def find_checkpoints(run_dir: Path | str, *, marker: str = "meta.json") -> list[tuple[int, Path]]:
-    """``(iteration, path)`` of the run's complete checkpoints, oldest first.
-
-    Candidates are ``RUN_DIR/checkpoint`` and ``RUN_DIR/checkpoints/iter-NNNNNN``; a
-    candidate counts when its ``marker`` file (relative to it; written last) exists.
-    Leftovers of a killed writer are recovered first (:func:`ppokit.checkpoint.recover_interrupted`).
-    At equal iterations the final checkpoint sorts last.
-    """
-    from ppokit.checkpoint import recover_interrupted
-
-    run_dir = Path(run_dir)
-    found: list[tuple[int, int, Path]] = []
-    periodic = run_dir / PERIODIC_DIR
-    if periodic.is_dir():
-        recover_interrupted(periodic)
-        for p in periodic.iterdir():
-            if p.is_dir() and p.name.startswith("iter-") and (p / marker).is_file():
-                found.append((_iteration_of(p, marker), 0, p))
-    if run_dir.is_dir():
-        recover_interrupted(run_dir)
-    final = run_dir / FINAL_DIR
-    if (final / marker).is_file():
-        found.append((_iteration_of(final, marker), 1, final))
-    return [(it, p) for it, _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: Path | str, *, marker: str = "meta.json") -> Optional[Path]:
-    """The newest complete checkpoint of ``run_dir`` (see :func:`find_checkpoints`), or None."""
-    found = find_checkpoints(run_dir, marker=marker)
-    return found[-1][1] if found else None
-
-
-# ----------------------------------------------------------------------------- metrics
-# The run's JSONL logs, one row per iteration (metrics) or per logged rollout sample.
-ITERATION_LOGS = ("metrics.jsonl", "samples.jsonl")
-
-
-def truncate_metrics(run_dir: Path | str, iteration: int) -> int:
-    """Keep the rows of ``metrics.jsonl`` (and ``samples.jsonl``) with ``row["iteration"] <
-    iteration``; returns how many metrics rows.
-
-    ``iteration`` is the checkpoint's count of completed iterations (rows are numbered
-    from 0). Rows after it and a torn last line are dropped; each file is replaced atomically.
-    """
-    kept = [_truncate_rows(Path(run_dir) / name, iteration) for name in ITERATION_LOGS]
-    return kept[0]
-
-
-def _truncate_rows(path: Path, iteration: int) -> int:
-    if not path.exists():
-        return 0
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("iteration"), int) and row["iteration"] < iteration:
-            kept.append(line)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return len(kept)
-
-
-# ----------------------------------------------------------------------------- resume policy
-# Fields that may differ between the saved config and the one a run resumes with: they
-# change how a run reports or where it keeps checkpoints, not what it computes.
-PRESENTATION_FIELDS = ("preset", "run.output_dir", "run.name", "run.progress", "run.tensorboard", "run.resume",
-                       "run.checkpoint_every", "run.keep_checkpoints", "run.log_samples", "run.samples_every")
-
-
-def _leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping) and k != "kwargs":
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def check_resumable_config(saved: Mapping[str, Any], given: Mapping[str, Any], where: Path | str,
-                           hint: Optional[str] = None) -> None:
-    """Raise :class:`UserError` when ``given`` differs from the run's ``saved`` config beyond
-    :data:`PRESENTATION_FIELDS` (resuming with other settings would not be the same run)."""
-    diff = config_differences(saved, given)
-    if diff:
-        hint = hint or f"resume with the run's own config: ppokit train --resume {where}"
-        raise UserError(f"cannot resume {where}: the config differs from the run's in {diff}; {hint}")
-
-
-def config_differences(saved: Mapping[str, Any], given: Mapping[str, Any]) -> str:
-    """``"seed (1 in the run, 5 now), ..."``: the fields beyond :data:`PRESENTATION_FIELDS` where
-    ``given`` differs from ``saved`` (the first three); ``""`` when there are none."""
-    a, b = _leaves(saved), _leaves(given)
-    diff = [k for k in sorted(set(a) | set(b)) if k not in PRESENTATION_FIELDS and a.get(k) != b.get(k)]
-    shown = ", ".join(f"{k} ({a.get(k)!r} in the run, {b.get(k)!r} now)" for k in diff[:3])
-    return shown + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
-
-
-# Where each workload's checkpoint keeps the JSON with "iteration" and "config" (written last).
-CHECKPOINT_MARKERS = {"control": "meta.json", "lm": "trainer/meta.json"}
-
-
-def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Optional[Path]]:
-    """The run directory of ``cfg`` and the checkpoint to resume from (None: a fresh start).
-
-    ``required`` (``ppokit train CONFIG --resume``): the run directory ``run.output_dir/run.name``
-    must hold a checkpoint. Otherwise ``run.resume`` decides: ``never`` creates a new run
-    directory (:func:`ppokit.track.create_run_dir`); ``auto`` resumes from the newest
-    checkpoint when there is one and else starts over in that directory (rows of an
-    attempt that never reached a checkpoint are dropped).
-    """
-    from ppokit.track import create_run_dir, has_started, read_run_config
-
-    if not required and cfg.run.resume == "never":
-        return create_run_dir(cfg), None
-    if not cfg.run.name:
-        raise UserError("--resume needs a fixed run directory: set run.name (or --name), or name the "
-                        "directory: ppokit train --resume RUN_DIR")
-    run_dir = Path(cfg.run.output_dir) / cfg.run.name
-    marker = CHECKPOINT_MARKERS.get(cfg.workload, "meta.json")
-    found = find_resume_checkpoint(run_dir, required=required, marker=marker)
-    if found is not None:
-        return run_dir, found
-    if not has_started(run_dir):
-        return create_run_dir(cfg), None    # new, or a run that never got to its first iteration
-    config_file = run_dir / "config.yaml"
-    saved = read_run_config(config_file)
-    if saved is not None:
-        check_resumable_config(saved, cfg.to_dict(), run_dir, hint="choose another run.name or delete the directory")
-    truncate_metrics(run_dir, 0)
-    config_file.write_text(cfg.to_yaml())
-    return run_dir, None
-
-
-def open_run_for_resume(run_dir: Path | str, overrides: list[str]) -> tuple[Any, Path, Path]:
-    """``ppokit train --resume RUN_DIR [KEY=VALUE ...]``: (config, run dir, checkpoint).
-
-    The config is the run's own, from its newest checkpoint; overrides may change only
-    :data:`PRESENTATION_FIELDS` (e.g. ``run.progress=false``).
-    """
-    from ppokit.config import build_config, parse_overrides, read_yaml
-    from ppokit.track import read_run_config
-
-    run_dir = Path(run_dir)
-    config_file = run_dir / "config.yaml"
-    if not run_dir.is_dir() or not config_file.is_file():
-        raise UserError(f"--resume {run_dir}: not a run directory (no config.yaml); to resume the run.name of a "
-                        "config, write: ppokit train CONFIG --resume")
-    workload = (read_run_config(config_file) or {}).get("workload")
-    if workload in CHECKPOINT_MARKERS:
-        marker = CHECKPOINT_MARKERS[workload]
-        found = find_resume_checkpoint(run_dir, required=True, marker=marker)
-    else:   # an empty or damaged config.yaml: the checkpoint's own copy of the config can stand in
-        found, marker = None, ""
-        for candidate in CHECKPOINT_MARKERS.values():
-            found, marker = find_resume_checkpoint(run_dir, required=False, marker=candidate), candidate
-            if found is not None:
-                break
-        if found is None:
-            raise UserError(f"cannot resume: run directory {run_dir} has no checkpoint, and its {config_file} is "
-                            "empty or not a ppokit config")
-    try:
-        saved = json.loads((found / marker).read_text()).get("config")
-    except (OSError, ValueError, AttributeError):
-        raise UserError(f"checkpoint file {found / marker} is corrupt or truncated") from None
-    if not isinstance(saved, dict):
-        saved = read_yaml(config_file)
-    elif workload not in CHECKPOINT_MARKERS:
-        print(f"ppokit: warning: {config_file} is empty or not a ppokit config; using the config saved in "
-              f"{found / marker}", file=sys.stderr, flush=True)
-    cfg = build_config([saved, parse_overrides(overrides)])
-    check_resumable_config(saved, cfg.to_dict(), run_dir,
-                           hint=f"with --resume RUN_DIR only these may change: {', '.join(PRESENTATION_FIELDS[3:])}")
-    return cfg, run_dir, found
-
-
-def find_resume_checkpoint(run_dir: Path | str, *, required: bool, marker: str = "meta.json") -> Optional[Path]:
-    """The checkpoint to resume ``run_dir`` from; None to start fresh (only when not ``required``)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        if required:
-            raise UserError(f"cannot resume: run directory {run_dir} does not exist")
-        return None
-    last = latest_checkpoint(run_dir, marker=marker)
-    if last is None and required:
-        raise UserError(f"cannot resume: run directory {run_dir} has no checkpoint (one is written every "
-                        "run.checkpoint_every iterations, on SIGINT/SIGTERM and at the end); to start it over "
-                        "in the same directory, run its config with run.resume=auto")
-    return last

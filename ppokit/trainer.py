@@ -42,15 +42,19 @@ without a critic (a language model trained with GRPO, RLOO or REINFORCE++) retur
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch import Tensor
 
 from ppokit import algo
 from ppokit.config import Config
-from ppokit.optim import AdamW, LRSchedule, lr_lambda
 from ppokit.resume import BadStepGuard
+
+if TYPE_CHECKING:
+    from ppokit.components import Batch
 
 REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
 OPTIONAL_WHEN_ON_POLICY = ("old_log_prob",)     # see "fully on-policy" in the module docstring
@@ -85,6 +89,46 @@ def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Te
     return advantages, returns
 
 
+def batch_advantages(cfg: Config, batch: "Batch") -> tuple[Tensor, Tensor]:
+    """:func:`compute_advantages` of a :class:`~ppokit.components.Batch` from its rollout:
+    ``rewards``, ``mask``, ``old_values`` (GAE only), ``dones`` and ``extras["last_values"]``
+    (control), ``group_ids`` (lm group estimators)."""
+    t = batch.tensors
+    return compute_advantages(cfg, rewards=t["rewards"], mask=t["mask"],
+                              values=t.get("old_values") if cfg.algo.adv_estimator == "gae" else None,
+                              dones=t.get("dones"), last_values=batch.extras.get("last_values"),
+                              group_ids=t.get("group_ids"))
+
+
+def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """The learning-rate multiplier after ``step`` optimizer steps (for ``LambdaLR``).
+
+    Linear warm-up from 1/warmup to 1 over ``warmup_steps``, then ``constant`` (1),
+    ``linear`` (to 0 at ``total_steps``) or ``cosine`` (half cosine to 0).
+    """
+    total_steps = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if kind == "linear":
+            return 1.0 - progress
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def make_optimizer(groups: list[dict[str, Any]], cfg: Config) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over the policy's parameter groups: fused kernels on CUDA, foreach elsewhere."""
+    params = [p for g in groups for p in g["params"]]
+    on_cuda = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(groups, eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay,
+                             **({"fused": True} if on_cuda else {"foreach": True}))
+
+
 class PPOTrainer:
     """Owns the optimizer and schedule; :meth:`update` runs one iteration's epochs."""
 
@@ -94,15 +138,16 @@ class PPOTrainer:
         self.policy = policy
         groups = [g for g in policy.param_groups(cfg) if g["params"]]
         self.params = [p for g in groups for p in g["params"]]
-        self.optimizer = AdamW(groups, eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay)
+        self.optimizer = make_optimizer(groups, cfg)
         if updates_per_iteration is None:
             updates_per_iteration = cfg.train.epochs * (cfg.train.batch_size // cfg.mini_batch_size)
         total = total_iterations * updates_per_iteration
         warmup = int(cfg.train.lr_warmup_ratio * total)
-        self.scheduler = LRSchedule(self.optimizer, lr_lambda(cfg.train.lr_scheduler_type, warmup, total))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.train.lr_scheduler_type, warmup, total))
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.skipped_steps = 0   # all skipped steps of the run
-        # after train.max_bad_steps skipped steps in a row: TrainingDiverged (the workload says where
+        # after train.max_bad_steps skipped steps in a row: TrainingDiverged (the run loop says where
         # the last good checkpoint is)
         self.bad_steps = BadStepGuard(cfg.train.max_bad_steps)
         # (N, T) float32: the last update's log-probs of its first mini-batch's rows, from
@@ -243,7 +288,9 @@ class PPOTrainer:
             self.skipped_steps += 1
         else:
             self.optimizer.step()
-        self.scheduler.step()   # the schedule advances even when a step is skipped
+        with warnings.catch_warnings():     # "lr_scheduler.step() before optimizer.step()" when a first step is skipped
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()   # the schedule advances even when a step is skipped
         self.bad_steps.step(ok)   # raises TrainingDiverged after max_bad_steps bad steps in a row
         return grad_norm.detach()
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from ppokit.track import read_metrics
+from ppokit.rundir import read_metrics
 
 
 def train_cmd(*args: str) -> list[str]:
@@ -50,6 +50,24 @@ def assert_same_metrics(got: list[dict], want: list[dict], iterations: int, timi
             assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, uninterrupted {w[key]!r}"
 
 
+def assert_same_state(a, b, where: str = "state") -> None:
+    """Two checkpoint states (nested dicts/lists of tensors and plain values) are equal, tensors bit for bit."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, set(a) ^ set(b) if isinstance(b, dict) else b)
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}.{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
 def poison_value_loss(monkeypatch, bad) -> None:
     """Make the trainer's value loss NaN on the calls ``n`` (1-based) where ``bad(n)`` is true."""
     from ppokit import trainer as trainer_mod
@@ -71,7 +89,7 @@ def sigterm_run(cmd: list[str], run_dir: Path, rows: int, marker: str = "meta.js
     Returns the checkpoint written on the signal (the newest one, under ``checkpoints/``)."""
     import signal
 
-    from ppokit import resume
+    from ppokit import resume, rundir
 
     proc = start_and_wait(cmd, run_dir, rows)
     assert proc.poll() is None, "the run ended before it could be interrupted"
@@ -80,7 +98,7 @@ def sigterm_run(cmd: list[str], run_dir: Path, rows: int, marker: str = "meta.js
     assert proc.returncode == 143, err
     line = [x for x in err.splitlines() if "interrupted" in x][-1]
     assert "checkpoint saved at" in line and f"ppokit train --resume {run_dir}" in line
-    saved = resume.latest_checkpoint(run_dir, marker=marker)
+    saved = rundir.latest_checkpoint(run_dir)
     assert saved is not None and saved.parent.name == "checkpoints" and str(saved) in line
     return saved
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ppokit.config import load_config
-from ppokit.track import Tracker, read_metrics
+from ppokit.rundir import read_metrics
+from ppokit.track import Tracker
 
 
 def _tb_scalars(run_dir, tag: str) -> list[tuple[int, float]]:

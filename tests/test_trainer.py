@@ -9,7 +9,7 @@ import torch
 
 from ppokit import algo
 from ppokit.config import build_config
-from ppokit.optim import lr_lambda
+from ppokit.trainer import lr_lambda
 from ppokit.trainer import PPOTrainer, compute_advantages
 
 

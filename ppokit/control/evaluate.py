@@ -81,23 +81,52 @@ def evaluate_policy(cfg: Config, policy: ActorCritic, normalizer_state: Optional
     return float(returns.mean()), float(returns.std())
 
 
+def load_policy(path: Path | str) -> tuple[Config, ActorCritic, dict]:
+    """(config, policy with the checkpoint's weights, normalizer state) from a checkpoint directory."""
+    from ppokit.checkpoint import META, load_checkpoint
+    from ppokit.config import build_config
+
+    ckpt = load_checkpoint(path)
+    meta_file = Path(path) / META
+    parts = ckpt.parts
+    if "learner" in parts:           # the run loop's layout
+        model, norm = parts["learner"].get("model"), parts.get("source", {}).get("normalizer")
+    else:                            # checkpoints written before it
+        model, norm = parts.get("model"), parts.get("normalizer")
+    if ckpt.meta.get("workload") != "control" or model is None or norm is None:
+        raise UserError(f"checkpoint file {meta_file} is not a control-workload checkpoint")
+    try:
+        cfg = build_config([ckpt.meta["config"]])
+        policy = ActorCritic(int(ckpt.meta["obs_dim"]), int(ckpt.meta["action_dim"]), bool(ckpt.meta["discrete"]),
+                             cfg.network)
+        policy.load_named_state(model)
+        for key, shape in (("obs_mean", (policy.obs_dim,)), ("obs_var", (policy.obs_dim,)), ("obs_count", ()),
+                           ("ret_mean", ()), ("ret_var", ()), ("ret_count", ())):
+            if np.shape(norm[key]) != shape:
+                raise ValueError(f"normalizer '{key}' has shape {np.shape(norm[key])}, expected {shape}")
+    except UserError as exc:
+        raise UserError(f"checkpoint file {meta_file}: {exc}") from None
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"checkpoint {Path(path)} does not match its config ({reason})") from None
+    policy.eval()
+    return cfg, policy, norm
+
+
 def evaluate_run(run_dir: str | Path, episodes: int, seed: Optional[int] = None) -> tuple[float, float]:
     """Load ``RUN_DIR``'s config and checkpoint, run the deterministic policy: (mean, std).
 
     The checkpoint is ``RUN_DIR/checkpoint`` (the end of training), else the newest periodic
     one (an interrupted or running run; a note says which), or RUN_DIR itself when it is a
-    checkpoint directory.
+    checkpoint directory. Reads only: a run training in ``RUN_DIR`` is left alone.
     """
-    from ppokit.control.workload import CHECKPOINT_DIR, load_policy
-    from ppokit.resume import latest_checkpoint
-
-    from ppokit.checkpoint import META
+    from ppokit.rundir import FINAL_DIR, META, latest_checkpoint
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
     # RUN_DIR, or a checkpoint directory itself (RUN_DIR/checkpoint, RUN_DIR/checkpoints/iter-N)
-    ckpt_dir = run_dir if (run_dir / META).is_file() else run_dir / CHECKPOINT_DIR
+    ckpt_dir = run_dir if (run_dir / META).is_file() else run_dir / FINAL_DIR
     if (ckpt_dir / "policy.json").is_file() or (run_dir / "policy.json").is_file():
         raise UserError(f"{run_dir} is a language-model run; `ppokit eval` runs control policies in their "
                         "environment (an LM run prints its held-out accuracy; `ppokit export` writes the model)")
@@ -106,7 +135,7 @@ def evaluate_run(run_dir: str | Path, episodes: int, seed: Optional[int] = None)
         if newest is None:
             raise UserError(f"run directory {run_dir} has no checkpoint (the final one is written when training "
                             "finishes, others every run.checkpoint_every iterations and on SIGINT/SIGTERM)")
-        print(f"note: {run_dir} has not finished training (no {CHECKPOINT_DIR}/); evaluating its newest "
+        print(f"note: {run_dir} has not finished training (no {FINAL_DIR}/); evaluating its newest "
               f"checkpoint, {newest} (to finish the run: ppokit train --resume {run_dir})", flush=True)
         ckpt_dir = newest
     cfg, policy, normalizer_state = load_policy(ckpt_dir)

@@ -20,6 +20,8 @@ After the loop, per step t (layout [E, S], time-major per env):
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -52,6 +54,18 @@ class Rollout:
         self._log_probs = torch.from_numpy(self.log_probs)
         self._values = torch.from_numpy(self.values)
         self._started = False
+
+    @property
+    def started(self) -> bool:
+        """Whether the envs were reset: the next collection continues from ``obs[-1]``."""
+        return self._started
+
+    def continue_from(self, last_obs: Optional[np.ndarray]) -> None:
+        """Resume: continue from ``last_obs`` (E, D), the observation after the last collected
+        step (None: the envs were never reset; the next collection resets them)."""
+        if last_obs is not None:
+            self.obs[-1] = np.asarray(last_obs, np.float32)
+            self._started = True
 
     def collect(self, policy: ActorCritic) -> dict[str, Tensor]:
         """Run the policy for ``num_steps`` steps; tensors (E, S[, ...]) plus ``last_values`` (E,)."""

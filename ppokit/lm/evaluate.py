@@ -23,14 +23,13 @@ def is_lm_checkpoint(path: Path) -> bool:
 
 def find_lm_checkpoint(run_dir: Path) -> Optional[Path]:
     """The checkpoint ``ppokit eval`` reads for ``run_dir`` (None: not a language-model run)."""
-    from ppokit.lm.workload import CHECKPOINT_DIR
-    from ppokit.resume import latest_checkpoint
+    from ppokit.rundir import FINAL_DIR, latest_checkpoint
 
     if is_lm_checkpoint(run_dir):
         return run_dir
-    if is_lm_checkpoint(run_dir / CHECKPOINT_DIR):
-        return run_dir / CHECKPOINT_DIR
-    found = latest_checkpoint(run_dir, marker=POLICY_META)
+    if is_lm_checkpoint(run_dir / FINAL_DIR):
+        return run_dir / FINAL_DIR
+    found = latest_checkpoint(run_dir)
     return found if found is not None and is_lm_checkpoint(found) else None
 
 

@@ -29,8 +29,8 @@ def make_cfg(tmp_path):
 @pytest.fixture
 def train(tmp_path):
     """Run ``train_control`` on a config; returns (result, run_dir)."""
-    from ppokit.control.workload import train_control
-    from ppokit.track import create_run_dir
+    from ppokit.workloads import train as train_control
+    from ppokit.rundir import create_run_dir
 
     def run(cfg):
         run_dir = create_run_dir(cfg)

@@ -102,10 +102,12 @@ def test_missing_checkpoint_directory(tmp_path):
 
 
 def test_prune_keeps_the_newest(tmp_path):
+    from ppokit import rundir
+
     for i in range(5):
-        checkpoint.save_checkpoint(tmp_path / f"iter-{i:06d}", {"a": {"x": torch.zeros(1)}}, {})
-    checkpoint.prune_checkpoints(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-000003", "iter-000004"]
+        checkpoint.save_checkpoint(rundir.periodic_checkpoint_path(tmp_path, i), {"a": {"x": torch.zeros(1)}}, {})
+    rundir.prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in (tmp_path / rundir.PERIODIC_DIR).iterdir()) == ["iter-000003", "iter-000004"]
 
 
 def test_a_live_writers_temporary_directories_are_left_alone(tmp_path):

@@ -58,7 +58,7 @@ def test_corrupt_checkpoint_and_a_good_one(tmp_path, capsys):
     run_dir = tmp_path / "tiny"
     code, out, err = cli(capsys, "eval", str(run_dir), "--episodes", "2")
     assert code == 0 and "return over 2 episodes" in out, err
-    model = run_dir / "checkpoint" / "model.safetensors"
+    model = run_dir / "checkpoint" / "learner.safetensors"
     model.write_bytes(model.read_bytes()[:64])
     code, _, err = cli(capsys, "eval", str(run_dir), "--episodes", "2")
     assert code == 2

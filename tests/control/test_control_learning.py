@@ -11,10 +11,11 @@ import torch
 
 from ppokit.control import rollout as rollout_mod
 from ppokit.control.evaluate import evaluate_run
-from ppokit.control.workload import CHECKPOINT_DIR, PERIODIC_DIR, load_policy
-from ppokit.track import read_metrics
+from ppokit.control.evaluate import load_policy
+from ppokit.rundir import FINAL_DIR as CHECKPOINT_DIR, PERIODIC_DIR
+from ppokit.rundir import read_metrics
 
-TIMING_KEYS = {"time", "sps", "collect_time", "update_time", "wall_time"}
+TIMING_KEYS = {"time", "sps", "time_collect", "time_update", "time_iteration", "wall_time"}
 
 
 def _value_of_constant_obs(run_dir) -> float:
@@ -153,4 +154,4 @@ def test_periodic_eval_stops_early_and_periodic_checkpoints_are_pruned(make_cfg,
     assert len(rows) == 2 and "periodic_eval_return_mean" in rows[1] and "eval_return_mean" in rows[1]
     assert [p.name for p in (run_dir / PERIODIC_DIR).iterdir()] == ["iter-000001"]
     assert (run_dir / CHECKPOINT_DIR / "meta.json").exists()
-    assert len(result["eval_history"]) == 1
+    assert [h["phase"] for h in result["eval_history"]] == ["periodic", "final"]

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit import checkpoint, resume
+from ppokit import checkpoint, resume, rundir
 from ppokit.cli import main
-from resume_helpers import (assert_same_metrics, poison_value_loss, read_rows, sigterm_run, start_and_wait,
+from resume_helpers import (assert_same_state, assert_same_metrics, poison_value_loss, read_rows, sigterm_run, start_and_wait,
                             train_cmd)
 from ppokit.errors import UserError
 
-TIMING = {"time", "sps", "collect_time", "update_time", "wall_time"}   # differ between any two runs
+TIMING = {"time", "sps", "time_collect", "time_update", "time_iteration", "wall_time"}   # differ between any two runs
 ITERATIONS = 12
 RUN_ARGS = ["cartpole", "env.num_envs=4", "env.num_steps=32", f"train.total_steps={ITERATIONS * 128}",
             "train.mini_batch_size=64", "train.epochs=2", "env.eval_every=4", "env.eval_episodes=2",
@@ -39,13 +39,7 @@ def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
 
 def _assert_same_weights(a: Path, b: Path) -> None:
     ca, cb = checkpoint.load_checkpoint(a / "checkpoint"), checkpoint.load_checkpoint(b / "checkpoint")
-    assert ca.parts["model"].keys() == cb.parts["model"].keys()
-    for key, value in ca.parts["model"].items():
-        assert torch.equal(value, cb.parts["model"][key]), key
-    opt_a, opt_b = ca.parts["trainer"]["optimizer"], cb.parts["trainer"]["optimizer"]
-    for key in ("exp_avg", "exp_avg_sq"):
-        assert all(torch.equal(x, y) for x, y in zip(opt_a[key], opt_b[key], strict=True)), key
-    assert opt_a["steps"] == opt_b["steps"] and opt_a["lr"] == opt_b["lr"]
+    assert_same_state(ca.parts["learner"], cb.parts["learner"])   # weights, Adam moments and steps, schedule
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +64,7 @@ def test_sigkill_at_several_points_then_resume_matches_the_uninterrupted_run(ref
         proc.communicate(timeout=60)
         assert len(read_rows(run_dir)) >= rows
         # whatever the writer left, the newest complete checkpoint loads
-        latest = resume.latest_checkpoint(run_dir)
+        latest = rundir.latest_checkpoint(run_dir)
         if latest is not None:
             checkpoint.load_checkpoint(latest)
         assert not [p for p in (run_dir / "checkpoints").glob(".*")], "stale temp dirs were not cleaned"
@@ -155,11 +149,11 @@ def test_resume_errors_name_the_problem(tmp_path, capsys):
     import shutil
 
     shutil.rmtree(tmp_path / "c" / "checkpoint")
-    latest = resume.latest_checkpoint(tmp_path / "c")
-    (latest / "model.safetensors").write_bytes(b"\x00garbage")
+    latest = rundir.latest_checkpoint(tmp_path / "c")
+    (latest / "learner.safetensors").write_bytes(b"\x00garbage")
     assert main(["train", "--resume", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err.strip()
-    assert str(latest / "model.safetensors") in err and "\n" not in err
+    assert str(latest / "learner.safetensors") in err and "\n" not in err
 
 
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
@@ -170,8 +164,8 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
     good = tmp_path / "nan" / "checkpoints" / "iter-000002"
     assert "training diverged: 3 optimizer steps in a row" in err and str(good) in err and "\n" not in err
     assert not (tmp_path / "nan" / "checkpoint").exists()
-    assert resume.latest_checkpoint(tmp_path / "nan") == good
-    weights = checkpoint.load_checkpoint(good).parts["model"]
+    assert rundir.latest_checkpoint(tmp_path / "nan") == good
+    weights = checkpoint.load_checkpoint(good).parts["learner"]["model"]
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert [r["skipped_steps"] for r in read_rows(tmp_path / "nan")] == [0.0, 0.0]
 
@@ -259,7 +253,7 @@ def test_async_env_is_not_snapshotted_but_resume_still_works(tmp_path):
 def test_truncate_metrics_keeps_rows_before_the_checkpoint(tmp_path):
     rows = [json.dumps({"iteration": i, "x": i / 3}) for i in range(5)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"iteration": 5, "x"')
-    assert resume.truncate_metrics(tmp_path, 3) == 3
+    assert rundir.truncate_logs(tmp_path, 3) == 3
     assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(rows[:3]) + "\n"
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
 
@@ -277,15 +271,15 @@ def test_leftovers_of_a_killed_writer_are_recovered(tmp_path):
     # ... and while replacing iter-2: moved aside, new one not yet renamed into place
     (ck / "iter-000002").rename(ck / f".iter-000002.old-{pid}")
     (ck / f".iter-000002.tmp-{pid}").mkdir()
-    assert resume.latest_checkpoint(tmp_path) == ck / "iter-000002"
+    assert rundir.latest_checkpoint(tmp_path) == ck / "iter-000002"
     assert sorted(p.name for p in ck.iterdir()) == ["iter-000001", "iter-000002"]
     assert checkpoint.load_checkpoint(ck / "iter-000002").meta["iteration"] == 2
     # the final checkpoint wins at equal iterations; none at all -> None
     checkpoint.save_checkpoint(tmp_path / "checkpoint", {"a": {"x": torch.zeros(1)}}, {"iteration": 2})
-    assert resume.latest_checkpoint(tmp_path) == tmp_path / "checkpoint"
-    assert resume.latest_checkpoint(tmp_path / "nothing") is None
+    assert rundir.latest_checkpoint(tmp_path) == tmp_path / "checkpoint"
+    assert rundir.latest_checkpoint(tmp_path / "nothing") is None
     with pytest.raises(UserError, match="has no checkpoint"):
-        resume.find_resume_checkpoint(ck / "iter-000001", required=True)
+        rundir.find_resume_checkpoint(ck / "iter-000001", required=True)
 
 
 def test_bad_step_guard_counts_consecutive_steps_only():

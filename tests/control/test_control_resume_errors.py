@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ppokit.cli import main
-from ppokit.track import read_metrics
+from ppokit.rundir import read_metrics
 from resume_helpers import copy_without_final_checkpoint
 
 
@@ -50,7 +50,7 @@ def test_a_corrupt_iteration_count_is_refused_and_names_another_checkpoint(inter
 
 def test_a_damaged_checkpoint_file_says_which_checkpoint_to_resume_from(interrupted, capsys):
     latest = interrupted / "checkpoints" / "iter-000003"
-    damaged = sorted(latest.glob("*.safetensors"))[0]
+    damaged = latest / "learner.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:100])
     before = (interrupted / "metrics.jsonl").read_bytes()
     assert main(["train", "--resume", str(interrupted)]) == 2

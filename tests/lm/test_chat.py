@@ -14,7 +14,7 @@ from ppokit.errors import UserError
 from ppokit.lm.chat import chat_renderer
 from ppokit.lm.data import load_prompts
 from ppokit.lm.policy import load_tokenizer
-from ppokit.track import read_metrics
+from ppokit.rundir import read_metrics
 
 # Written with characters of the tiny alphabet; it writes the BOS itself, as Llama 3's does.
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ppokit import checkpoint, resume
+from ppokit import checkpoint, resume, rundir
 from ppokit.cli import main
 from resume_helpers import (assert_same_metrics, poison_value_loss, read_rows, sigterm_run, start_and_wait,
                             train_cmd)
@@ -112,7 +112,7 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
             kills += 1
         _, err = proc.communicate(timeout=60)
         assert len(read_rows(run_dir)) >= rows, err
-        latest = resume.latest_checkpoint(run_dir, marker="trainer/meta.json")
+        latest = rundir.latest_checkpoint(run_dir, marker="trainer/meta.json")
         if latest is not None:   # whatever the writer left, the newest complete checkpoint loads
             checkpoint.load_checkpoint(latest / "trainer")
         assert not list((run_dir / "checkpoints").glob(".*")), "stale temp dirs were not cleaned"
@@ -165,7 +165,7 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(config,
     good = tmp_path / "nan" / "checkpoints" / "iter-000002"
     assert "training diverged: 3 optimizer steps in a row" in err and str(good) in err and "\n" not in err
     assert not (tmp_path / "nan" / "checkpoint").exists()
-    assert resume.latest_checkpoint(tmp_path / "nan", marker="trainer/meta.json") == good
+    assert rundir.latest_checkpoint(tmp_path / "nan", marker="trainer/meta.json") == good
     for name in TRAINED_FILES:
         assert all(torch.isfinite(t).all() for t in load_file(str(good / name)).values())
     assert [r["skipped_steps"] for r in read_rows(tmp_path / "nan")] == [0.0, 0.0]

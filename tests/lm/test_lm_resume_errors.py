@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ppokit.cli import main
-from ppokit.track import read_metrics
+from ppokit.rundir import read_metrics
 from resume_helpers import copy_without_final_checkpoint
 
 ITERATIONS = 4

@@ -13,7 +13,7 @@ from ppokit.errors import UserError
 from ppokit.lm.chat import RAW_PROMPT
 from ppokit.lm.reward_model import RewardModel
 from ppokit.lm.tiny import build_char_tokenizer
-from ppokit.track import read_metrics
+from ppokit.rundir import read_metrics
 
 CPU = torch.device("cpu")
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"

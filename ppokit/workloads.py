@@ -1,0 +1,40 @@
+"""Which workload trains a config: ``workload: control`` or ``workload: lm``.
+
+:func:`train` is the library's entry point for a whole run (what ``ppokit train`` calls)::
+
+    from ppokit.config import load_config
+    from ppokit.rundir import create_run_dir
+    from ppokit.workloads import train
+
+    cfg = load_config("cartpole", ["seed=3"])
+    result = train(cfg, create_run_dir(cfg))
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Optional
+
+from ppokit.config import Config
+
+# workload name -> (module, class); imported on demand (the LM stack is heavy)
+WORKLOADS = {"control": ("ppokit.control.workload", "ControlWorkload"), "lm": ("ppokit.lm.workload", "LMWorkload")}
+
+
+def make_workload(cfg: Config):
+    """The :class:`~ppokit.components.Workload` of ``cfg.workload``, built from ``cfg``."""
+    module, name = WORKLOADS[cfg.workload]
+    return getattr(importlib.import_module(module), name)(cfg)
+
+
+def check_inputs(cfg: Config) -> None:
+    """Fail on a bad env id, model directory, data file or reward function before a run directory exists."""
+    make_workload(cfg).check_inputs()
+
+
+def train(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str] = None) -> dict[str, Any]:
+    """Train ``cfg`` in ``run_dir`` (see :func:`ppokit.loop.run`)."""
+    from ppokit.loop import run
+
+    return run(make_workload(cfg), cfg, run_dir, resume_from)
