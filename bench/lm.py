@@ -38,7 +38,7 @@ Reported, each against its goal:
 ``lora``      (``--only lora``) score and update times with ppokit's fused LoRA layers
               and with peft's own forward, alternating in one process.
 ``kernels``   (``--only kernels``) the same with ppokit's fused CPU kernels (RMSNorm,
-              SwiGLU, rotary, attention; ``ppokit/lm/kernels``) and with transformers' layers.
+              SwiGLU, rotary, attention; ``ppokit/lm/accel/kernels``) and with transformers' layers.
 ``layout``    (``--only layout``) the same with the wide frozen bf16 weights stored
               column-major (``ppokit/lm/weight_layout.py``) and row-major.
 ``attention`` (``--only attention``) the same with the attention kernel of training and
@@ -135,7 +135,8 @@ class Pieces:
     def __init__(self, a: argparse.Namespace, mode: str, use_cache: bool = True, cache: str = "dynamic"):
         import torch
 
-        from ppokit.lm.policy import build_policy, load_tokenizer
+        from ppokit.lm.hf import load_tokenizer
+        from ppokit.lm.policy import build_policy
         from ppokit.lm.rollout import RolloutEngine
         from ppokit.lm.scoring import Scorer
         from ppokit.lm.workload import Learner, setup
@@ -293,7 +294,7 @@ def sustained_matmul(device, dtype, seconds: float, size: int = 2048) -> tuple[f
 
 def layer_matmul_weights(policy) -> list:
     """The frozen weights of every linear layer in the first decoder layer (LoRA factors
-    apart), [out, in] each, in the layout the policy stores them (see ppokit.lm.weight_layout)."""
+    apart), [out, in] each, in the layout the policy stores them (see ppokit.lm.accel.weight_layout)."""
     from torch import nn
 
     base = policy.lm.get_base_model() if hasattr(policy.lm, "get_base_model") else policy.lm
@@ -338,7 +339,7 @@ def layer_matmul_rate(weights: list, rows: int, device, dtype, ceiling_size: int
 def child_memory(a: argparse.Namespace) -> dict:
     import torch
 
-    from ppokit.lm.policy import resolve_device
+    from ppokit.lm.device import resolve_device
 
     device = resolve_device(a.device)
     # Imports, lazily loaded modules and kernels are not the iteration's: warm up on a
@@ -438,7 +439,7 @@ def alternate(a: argparse.Namespace, paths: dict) -> dict:
 
 def child_lora(a: argparse.Namespace) -> dict:
     """ppokit's fused LoRA layers against peft's own forward."""
-    from ppokit.lm.fused_lora import fuse_lora_layers, unfuse_lora_layers
+    from ppokit.lm.accel.fused_lora import fuse_lora_layers, unfuse_lora_layers
 
     return alternate(a, {"fused": lambda policy: fuse_lora_layers(policy.lm),
                          "peft": lambda policy: unfuse_lora_layers(policy.lm)})
@@ -446,17 +447,17 @@ def child_lora(a: argparse.Namespace) -> dict:
 
 def child_kernels(a: argparse.Namespace) -> dict:
     """The fused CPU kernels (RMSNorm, SwiGLU, rotary) against transformers' layers."""
-    from ppokit.lm.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
+    from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
 
     return alternate(a, {"fused": lambda policy: fuse_cpu_kernels(policy.lm),
                          "transformers": lambda policy: unfuse_cpu_kernels(policy.lm)})
 
 
 def child_layout(a: argparse.Namespace) -> dict:
-    """Wide frozen bf16 weights stored column-major (ppokit.lm.weight_layout) against row-major."""
+    """Wide frozen bf16 weights stored column-major (ppokit.lm.accel.weight_layout) against row-major."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    from ppokit.lm.weight_layout import transpose_wide_weights
+    from ppokit.lm.accel.weight_layout import transpose_wide_weights
 
     def row_major(policy) -> None:
         for module in policy.lm.modules():
@@ -470,7 +471,7 @@ def child_layout(a: argparse.Namespace) -> dict:
 def child_attention(a: argparse.Namespace) -> dict:
     """The attention kernel of training and scoring passes against eager attention (the
     other fused kernels on in both)."""
-    from ppokit.lm.kernels import fuse
+    from ppokit.lm.accel.kernels import fuse
 
     def up_to(keys: int):
         def switch(policy) -> None:
@@ -483,7 +484,7 @@ def child_attention(a: argparse.Namespace) -> dict:
 
 def child_amx(a: argparse.Namespace) -> dict:
     """LoRA's rank-r products on ppokit's kernels (AMX or AVX512-BF16) against oneDNN's matmuls."""
-    from ppokit.lm.fused_lora import enable_lora_kernels
+    from ppokit.lm.accel.fused_lora import enable_lora_kernels
 
     def kernels(policy) -> None:
         if not enable_lora_kernels(policy.lm, True):

@@ -4,7 +4,7 @@ import os as _os
 
 __version__ = "0.1.0"
 
-# ppokit's fused CPU kernels (ppokit.lm.kernels) split a large call over Python threads, on
+# ppokit's fused CPU kernels (ppokit.lm.accel.kernels) split a large call over Python threads, on
 # the cores PyTorch's OpenMP workers use too. By default (GNU OpenMP, as in PyTorch's Linux
 # wheels) those workers spin for 300,000 rounds (several ms) after each parallel region and
 # hold the cores, so the kernel's threads ran one after the other. Workers that sleep at once

@@ -52,6 +52,7 @@ def run(workload: Workload, cfg: Config, run_dir: Path | str, resume_from: Optio
     non-finite steps in a row (naming the last good checkpoint).
     """
     run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     with rundir.RunLock(run_dir):
         return _run(workload, cfg, run_dir, Path(resume_from) if resume_from is not None else None)
 

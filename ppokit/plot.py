@@ -31,14 +31,16 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ppokit.errors import UserError
+from ppokit.rundir import CURVES_FILE as PLOT_FILE, METRICS_FILE
 
-PLOT_FILE = "curves.png"
-METRICS_FILE = "metrics.jsonl"
 
 # (panel title, y label, ((metric key, legend name, line style: "-", "--", ":" or "s" for markers), ...))
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
-    ("return / reward", "mean per iteration", (("return_mean", "return", "-"), ("eval_return_mean", "eval return", "s"),
-                                               ("reward_mean", "reward", "-"), ("eval_accuracy", "eval accuracy", "s"))),
+    ("return / reward", "mean per iteration", (("return_mean", "return", "-"),
+                                               ("periodic_eval_return_mean", "eval return", "s"),
+                                               ("eval_return_mean", "final eval return", "s"),
+                                               ("reward_mean", "reward", "-"), ("eval_accuracy", "eval accuracy", "s"),
+                                               ("eval_accuracy_after", "final eval accuracy", "s"))),
     ("KL", "nats", (("approx_kl", "approx_kl", "-"), ("kl_ref", "kl to reference", "--"),
                     ("kl_loss", "kl loss", ":"))),
     ("entropy", "nats", (("entropy", "entropy", "-"),)),
@@ -51,11 +53,11 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
 def read_run_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
     """The rows of ``RUN_DIR/metrics.jsonl``; a missing, empty or corrupt file is a UserError.
 
-    Unlike :func:`ppokit.track.read_metrics` (which a training run uses and which skips
+    Unlike :func:`ppokit.rundir.read_metrics` (which a training run uses and which skips
     anything unreadable), a line that is not a JSON object names the file and the line.
     Only a torn last line (no newline at the end: a run killed mid-write) is skipped.
     """
-    from ppokit.track import read_metrics
+    from ppokit.rundir import read_metrics
 
     run_dir = Path(run_dir)
     if not run_dir.exists():

@@ -59,7 +59,7 @@ def model_chat_renderer(model: str, *, what: str, option: str, fix: str) -> Call
     """:func:`chat_renderer` with the tokenizer of the model directory ``model`` (``what``
     names the setting that gave it, ``option`` the one that asked for a template, ``fix``
     what to do when ``model`` is the built-in tiny model, which has no template)."""
-    from ppokit.lm.policy import load_tokenizer
+    from ppokit.lm.hf import load_tokenizer
 
     if model == "tiny":
         raise UserError(f"{option} needs a model with a chat template, and the built-in tiny model has none; {fix}")

@@ -42,7 +42,7 @@ def plot_curves(run_dir: Path | str, eval_history: Sequence[dict[str, float]] = 
 
     from ppokit.lm.sft import CURVE_FILE
     from ppokit.lm.workload import BASE_MODEL_DIR
-    from ppokit.track import read_metrics
+    from ppokit.rundir import read_metrics
 
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / PLOT_FILE
@@ -68,7 +68,8 @@ def plot_curves(run_dir: Path | str, eval_history: Sequence[dict[str, float]] = 
                       for i in range(len(rewards))]
             ax.plot(its, smooth, color="tab:blue", lw=2, label=f"reward mean ({window}-iteration average)")
     if eval_history:
-        ax.plot([e["iteration"] for e in eval_history], [100 * e["accuracy"] for e in eval_history], "s-",
+        accuracy = [next(v for k, v in e.items() if k.startswith("eval_accuracy")) for e in eval_history]
+        ax.plot([e["iteration"] for e in eval_history], [100 * a for a in accuracy], "s-",
                 color="tab:red", ms=5, label="held-out accuracy (greedy)")
     _percent_axes(ax, "PPO iteration", "% correct", "PPO with a verifier (exact match)")
     fig.tight_layout()
@@ -91,13 +92,13 @@ def _percent_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
 def run_demo(overrides: Sequence[str] = (), echo=print) -> dict[str, Any]:
     """Train the ``arith`` preset with ``overrides``; print the summary; return the result.
 
-    The result is :func:`ppokit.lm.workload.train_lm`'s, plus ``run_dir``, ``plot``,
+    The result is :func:`ppokit.workloads.train`'s, plus ``run_dir``, ``plot``,
     ``wall_time_s`` and ``summary`` (the last line printed).
     """
     from ppokit.config import load_config
     from ppokit.errors import UserError
-    from ppokit.lm.workload import train_lm
-    from ppokit.track import create_run_dir
+    from ppokit.rundir import create_run_dir
+    from ppokit.workloads import train
 
     started = time.perf_counter()
     cfg = load_config(DEMO_PRESET, list(overrides))
@@ -105,9 +106,9 @@ def run_demo(overrides: Sequence[str] = (), echo=print) -> dict[str, Any]:
         raise UserError(f"the demo runs the language-model workload (got workload={cfg.workload})")
     if cfg.data.eval_size == 0:
         raise UserError("the demo reports held-out accuracy; data.eval_size must be > 0")
-    run_dir = create_run_dir(cfg)
+    run_dir = create_run_dir(cfg, lock=True)
     echo(f"run directory: {run_dir}")
-    result = train_lm(cfg, run_dir)
+    result = train(cfg, run_dir)
     plot = plot_curves(run_dir, result.get("eval_history", ()))
     echo(f"reward curve: {plot}")
     try:   # the training curves of `ppokit plot` as well; a drawing failure must not lose the run

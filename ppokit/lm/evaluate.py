@@ -1,20 +1,39 @@
-"""``ppokit eval RUN_DIR`` for a language-model run: greedy held-out accuracy of its actor.
+"""Held-out evaluation of a language model: greedy answers scored by a verifier.
 
-The checkpoint is ``RUN_DIR/checkpoint`` (the end of training), else the newest periodic
-checkpoint, or RUN_DIR itself when it is a checkpoint directory. The held-out prompts
-and the reward function come from the run's config (``data.eval_prompts`` or the
-built-in task's held-out split, ``data.reward``), so the number is the one the run
-printed as "held-out accuracy after PPO" (same prompts, same greedy decoding).
+:func:`heldout_accuracy` generates through the run's one generation path
+(:class:`~ppokit.lm.rollout.RolloutEngine`, greedy) and scores the responses with the
+reward function: the accuracy, for 0/1 verifiers. The PPO run (before, during and after
+training), ``ppokit eval RUN_DIR`` and the supervised warm start all measure it so.
+
+``ppokit eval RUN_DIR`` reads ``RUN_DIR/checkpoint`` (the end of training), else the
+newest periodic checkpoint, or RUN_DIR itself when it is a checkpoint directory. The
+held-out prompts and the reward function come from the run's config
+(``data.eval_prompts`` or the built-in task's held-out split, ``data.reward``), so the
+number is the one the run printed as "held-out accuracy after PPO".
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ppokit.errors import UserError
+from ppokit.lm.rewards import score_responses
 
 POLICY_META = "policy.json"
+
+
+def heldout_accuracy(engine, items: Sequence[dict[str, Any]], reward_fn: str | Callable[..., float], *,
+                     max_new_tokens: Optional[int] = None, return_responses: bool = False):
+    """Mean reward of ``engine``'s greedy responses to ``items`` (prompt records whose other
+    fields go to the reward). With ``return_responses``: ``(accuracy, responses, rewards)``."""
+    if not items:
+        raise UserError("the evaluation set is empty")
+    prompts = [it["prompt"] for it in items]
+    rollout = engine.generate(prompts, greedy=True, max_new_tokens=max_new_tokens, items=list(items))
+    rewards = score_responses(reward_fn, prompts, rollout.texts, list(items))
+    accuracy = sum(rewards) / len(rewards)
+    return (accuracy, rollout.texts, rewards) if return_responses else accuracy
 
 
 def is_lm_checkpoint(path: Path) -> bool:
@@ -34,26 +53,27 @@ def find_lm_checkpoint(run_dir: Path) -> Optional[Path]:
 
 
 def _config_of(ckpt: Path):
-    """The run's config, from the checkpoint's trainer state or the run directory's config.yaml."""
+    """The run's config, from the checkpoint's meta.json or the run directory's config.yaml."""
     import json
 
     from ppokit.config import build_config, read_yaml
-    from ppokit.lm.workload import TRAINER_DIR
+    from ppokit.rundir import CONFIG_FILE, META
 
-    meta = ckpt / TRAINER_DIR / "meta.json"
     saved = None
-    if meta.is_file():
-        try:
-            saved = json.loads(meta.read_text()).get("config")
-        except (OSError, ValueError, AttributeError):
-            raise UserError(f"checkpoint file {meta} is corrupt or truncated") from None
+    for meta in (ckpt / META, ckpt / "trainer" / META):      # (trainer/: checkpoints before the run loop)
+        if meta.is_file():
+            try:
+                saved = json.loads(meta.read_text()).get("config")
+            except (OSError, ValueError, AttributeError):
+                raise UserError(f"checkpoint file {meta} is corrupt or truncated") from None
+            break
     if not isinstance(saved, dict):
-        for candidate in (ckpt / "config.yaml", ckpt.parent / "config.yaml", ckpt.parent.parent / "config.yaml"):
+        for candidate in (ckpt / CONFIG_FILE, ckpt.parent / CONFIG_FILE, ckpt.parent.parent / CONFIG_FILE):
             if candidate.is_file():
                 saved = read_yaml(candidate)
                 break
     if not isinstance(saved, dict):
-        raise UserError(f"{ckpt}: no config found (neither {meta} nor the run's config.yaml)")
+        raise UserError(f"{ckpt}: no config found (neither {ckpt / META} nor the run's config.yaml)")
     return build_config([saved])     # an invalid config is a one-line ConfigError
 
 
@@ -61,8 +81,11 @@ def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
     """``{"accuracy", "prompts", "checkpoint"}``: greedy mean reward over the held-out prompts."""
     import torch
 
-    from ppokit.lm.policy import load_policy, load_tokenizer, resolve_precision
-    from ppokit.lm.workload import evaluate, load_data, one_thread_if_small, resolve_device_name
+    from ppokit.lm.device import one_thread_if_small, resolve_precision, run_device
+    from ppokit.lm.hf import load_tokenizer
+    from ppokit.lm.policy_io import load_policy
+    from ppokit.lm.rollout import RolloutEngine
+    from ppokit.lm.prompts import load_data
 
     run_dir = Path(run_dir)
     ckpt = find_lm_checkpoint(run_dir)
@@ -81,11 +104,16 @@ def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
     if not eval_items:
         raise UserError(f"{run_dir}: the run has no held-out prompts (set data.eval_prompts, or use a built-in "
                         "task, and data.eval_size > 0)")
-    device = resolve_device_name(cfg)
-    policy = load_policy(ckpt, device=device, autocast_dtype=resolve_precision(cfg.run.precision, device),
-                         cpu_kernels=cfg.model.cpu_kernels)
+    device = run_device(cfg)
+    policy = load_policy(ckpt, device=device, autocast_dtype=resolve_precision(cfg.run.precision, device))
+    kv_cache = None
+    if cfg.model.cpu_kernels:
+        from ppokit.lm.accel import accelerate_policy
+
+        kv_cache = accelerate_policy(policy).kv_cache
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     one_thread_if_small(cfg, policy, policy.device)
-    accuracy = evaluate(policy, tokenizer, eval_items, reward_fn, cfg)
+    engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
+    accuracy = heldout_accuracy(engine, eval_items, reward_fn)
     return {"accuracy": accuracy, "prompts": len(eval_items), "checkpoint": str(ckpt)}

@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ppokit.errors import UserError
-from ppokit.lm.policy import (ACTOR, POLICY_META_FILE, base_model_of, load_adapter, load_causal_lm, load_tokenizer,
-                              read_policy_meta)
+from ppokit.lm.hf import load_causal_lm, load_tokenizer, quiet_transformers
+from ppokit.lm.policy import ACTOR
+from ppokit.lm.policy_io import POLICY_META_FILE, base_model_of, load_adapter, read_policy_meta
 
 
 def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
@@ -24,10 +25,10 @@ def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
         return p
     if (p / "checkpoint" / POLICY_META_FILE).is_file():
         return p / "checkpoint"
-    from ppokit.resume import latest_checkpoint
+    from ppokit.rundir import latest_checkpoint
 
-    newest = latest_checkpoint(p, marker=POLICY_META_FILE)
-    if newest is not None:
+    newest = latest_checkpoint(p) if p.is_dir() else None
+    if newest is not None and (newest / POLICY_META_FILE).is_file():
         raise UserError(f"{p} has no final checkpoint (training has not finished): finish it with "
                         f"ppokit train --resume {p}, or export its newest checkpoint, {newest}")
     raise UserError(f"{p} holds no LM checkpoint (expected {p}/checkpoint/{POLICY_META_FILE}); "
@@ -37,7 +38,6 @@ def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
 def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the actor as a standalone model (+ tokenizer) to ``out_dir`` (new or empty)."""
     from ppokit.checkpoint import atomic_directory
-    from ppokit.lm.tiny import quiet_transformers
     from ppokit.output_paths import check_output_dir, writing_to
 
     ckpt = checkpoint_dir(run_dir)

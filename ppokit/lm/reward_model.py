@@ -12,8 +12,8 @@ scored in chunks of ``train.infer_micro_batch_size``, under the run's autocast::
 policy's own template); without one, the prompt the policy saw followed by its response.
 The reward model's tokenizer need not be the policy's: the response is passed as text.
 Inputs longer than the model takes are cut from the left, so the response is kept.
-On a CPU (with ``model.cpu_kernels``) the reward model gets the policy's fused kernels
-(RMSNorm, SwiGLU, rotary, attention) and, in bf16, the column-major wide weights.
+On a CPU (with ``model.cpu_kernels``) the reward model gets the policy's CPU acceleration
+(:mod:`ppokit.lm.accel`: the fused kernels and, in bf16, the column-major wide weights).
 
 Several PPO settings want a sequence reward plus a rule (a format check, a verifier):
 with ``data.reward`` set as well, the reward is the sum of the two.
@@ -29,7 +29,7 @@ import torch
 
 from ppokit.errors import UserError
 from ppokit.lm.chat import RAW_PROMPT, apply_template, as_messages, encoder_adds_bos
-from ppokit.lm.policy import load_tokenizer
+from ppokit.lm.hf import load_tokenizer
 
 
 class RewardModel:
@@ -42,7 +42,7 @@ class RewardModel:
         self.tokenizer = load_tokenizer(path, where, generation=False)   # right padding, cut from the left
         model = _load_model(path, where)
         if self.tokenizer.pad_token_id is None:          # batched scoring needs a pad id to find the last token
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.tokenizer.pad_token = self.tokenizer.eos_token      # (ppokit.lm.hf's rule)
         if self.tokenizer.pad_token_id is None:
             raise UserError(f"{self.where}: the tokenizer has neither a pad nor an EOS token; add a pad token "
                             "to its tokenizer_config.json")
@@ -53,13 +53,10 @@ class RewardModel:
         self.model = model.to(device)
         self.device = torch.device(device)
         self.fused_kernel_counts: dict[str, int] = {}
-        if cpu_kernels and self.device.type == "cpu":
-            from ppokit.lm.kernels.fuse import fuse_cpu_kernels
-            from ppokit.lm.weight_layout import transpose_wide_weights
+        if cpu_kernels:                                  # CPU acceleration (ppokit.lm.accel), CPU only
+            from ppokit.lm.accel import accelerate_model
 
-            self.fused_kernel_counts = {k: n for k, n in fuse_cpu_kernels(model).items() if n}
-            if autocast_dtype == torch.bfloat16:
-                transpose_wide_weights(model, autocast_dtype)    # oneDNN's bf16 matmul wants them so
+            self.fused_kernel_counts = accelerate_model(model, autocast_dtype)
         self.autocast_dtype = autocast_dtype
         self.batch_size = int(batch_size)
         self.max_length = _max_length(model, self.tokenizer)
@@ -102,7 +99,7 @@ def _load_model(path: Path, where: str):
     from transformers import AutoModelForSequenceClassification
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-    from ppokit.lm.policy import hf_config, load_hf_model
+    from ppokit.lm.hf import hf_config, load_hf_model
 
     config = hf_config(path, where, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
                        "has no sequence-classification head (AutoModelForSequenceClassification cannot load it)")

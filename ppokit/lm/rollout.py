@@ -1,9 +1,11 @@
-"""Rollouts: sampled responses to prompts, as padded tensors with masks.
+"""Generation: sampled (or greedy) responses to prompts, as padded tensors with masks.
 
-:class:`RolloutEngine` generates with the actor (the ``actor`` adapter in lora mode)
-using the KV cache (``model.generate``), ``group_size`` samples per prompt, in
-micro-batches of ``rollout.micro_batch_size`` sequences. Every sequence of an
-iteration's batch shares one layout::
+:class:`RolloutEngine` is ppokit's one generation path: rollouts for PPO, the held-out
+evaluation of a run (``ppokit eval`` too) and the supervised warm start's evaluation all
+generate through it. It runs ``model.generate`` with the KV cache, ``group_size``
+samples per prompt, in micro-batches of ``rollout.micro_batch_size`` sequences;
+:meth:`RolloutEngine.for_policy` generates with a policy's actor (the ``actor`` adapter
+in lora mode). Every sequence of a batch shares one layout::
 
     input_ids       (N, P + R)   [pad .. pad prompt | response .. EOS pad .. pad]
     attention_mask  (N, P + R)   1 on prompt tokens and on response tokens up to EOS
@@ -21,16 +23,16 @@ no loss, no reward, no attention. The engine does no scoring: see
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ppokit.config import STATIC_CACHE_FULL_BF16
 from ppokit.errors import UserError
-from ppokit.lm.kv_cache import preallocated_cache
 
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask")
 
@@ -140,31 +142,44 @@ def check_prompts_fit(model, tokenizer, prompts: Sequence[str], max_new_tokens: 
 
 
 class RolloutEngine:
-    """Generates responses with the policy's actor: ``generate(prompts) -> RolloutBatch``."""
+    """Generates responses with a Hugging Face model: ``generate(prompts) -> RolloutBatch``.
 
-    def __init__(self, policy, tokenizer, rollout_cfg, *, eos_ids: Optional[Sequence[int]] = None,
+    ``autocast_dtype``: the precision of the forward passes (None: float32).
+    ``activate``: a context manager factory entered around each generation (a policy's
+    ``use("actor")``). ``kv_cache(model, capacity)``: a generation cache to use instead of
+    transformers' dynamic one (:mod:`ppokit.lm.accel` gives one on a CPU).
+    """
+
+    def __init__(self, model, tokenizer, rollout_cfg, *, autocast_dtype: Optional[torch.dtype] = None,
+                 activate: Optional[Callable[[], ContextManager]] = None,
+                 kv_cache: Optional[Callable[[Any, int], Any]] = None, eos_ids: Optional[Sequence[int]] = None,
                  generation_kwargs: Optional[dict[str, Any]] = None):
-        self.policy = policy
-        self.generation_kwargs = dict(generation_kwargs or {})   # extra GenerationConfig fields
-        self.tokenizer = tokenizer
-        self.cfg = rollout_cfg
         if tokenizer.padding_side != "left":
             raise ValueError("the tokenizer must pad on the left for batched generation")
+        self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.tokenizer = tokenizer
+        self.cfg = rollout_cfg
+        self.autocast_dtype = autocast_dtype
+        self.activate = activate
+        self.generation_kwargs = dict(generation_kwargs or {})   # extra GenerationConfig fields
+        self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, self.model)
+        self.pad_id = int(tokenizer.pad_token_id)
+        self.kv_cache = kv_cache if rollout_cfg.use_cache and rollout_cfg.cache_implementation == "dynamic" else None
+
+    @classmethod
+    def for_policy(cls, policy, tokenizer, rollout_cfg, *, kv_cache: Optional[Callable[[Any, int], Any]] = None,
+                   **kwargs: Any) -> "RolloutEngine":
+        """An engine generating with ``policy``'s actor, in its precision."""
         if rollout_cfg.cache_implementation == "static" and policy.mode == "full" and policy.autocast_dtype:
             # Under autocast the rotary embedding returns fp32 keys (fp32 model) beside bf16
             # values, and a preallocated cache holds one dtype.
             raise UserError(STATIC_CACHE_FULL_BF16)
-        model = policy.actor_model
-        self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, self.model)
-        self.pad_id = int(tokenizer.pad_token_id)
-        # where ppokit's decoding-attention kernel reads the cache in place (CPU): a cache
-        # that writes each step into a preallocated buffer instead of concatenating. Not in
-        # full mode under bf16 autocast, whose fp32 keys beside bf16 values the kernel does
-        # not take (eager attention would read the buffer's views, and copy them)
-        self.preallocate = (rollout_cfg.use_cache and rollout_cfg.cache_implementation == "dynamic"
-                            and getattr(policy, "fused_kernel_counts", {}).get("attention", 0) > 0
-                            and (policy.mode == "lora" or not policy.autocast_dtype))
+        return cls(policy.actor_model, tokenizer, rollout_cfg, autocast_dtype=policy.autocast_dtype,
+                   activate=lambda: policy.use("actor"), kv_cache=kv_cache, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def generation_config(self, *, greedy: bool, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -186,7 +201,7 @@ class RolloutEngine:
                  greedy: bool = False, max_new_tokens: Optional[int] = None) -> RolloutBatch:
         """``group_size`` samples for each prompt (greedy: one deterministic sample each)."""
         start = time.perf_counter()
-        device = self.policy.device
+        device = self.device
         max_new = max_new_tokens or self.cfg.max_new_tokens
         enc = self.tokenizer(list(prompts), padding=True, return_tensors="pt")
         ids = enc["input_ids"].repeat_interleave(group_size, 0).to(device)         # (N, P)
@@ -196,11 +211,13 @@ class RolloutEngine:
         check_context(self.model, list(prompts), enc["attention_mask"].sum(1).tolist(), max_new)
         gen_cfg = self.generation_config(greedy=greedy, max_new_tokens=max_new)
         chunks = []
-        with self.policy.use("actor"), self.policy.autocast():
+        dtype = self.autocast_dtype
+        with (self.activate() if self.activate is not None else contextlib.nullcontext()), \
+                torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             for s in range(0, ids.shape[0], self.cfg.micro_batch_size):
                 extra = {}
-                if self.preallocate:
-                    cache = preallocated_cache(self.model, P + max_new)
+                if self.kv_cache is not None:
+                    cache = self.kv_cache(self.model, P + max_new)
                     if cache is not None:
                         extra["past_key_values"] = cache
                 out = self.model.generate(input_ids=ids[s:s + self.cfg.micro_batch_size],

@@ -1,7 +1,8 @@
 """Scoring a rollout: old log-probs, reference log-probs, values and token rewards.
 
-:class:`Scorer` runs the forward passes PPO needs before an update, in chunks of
-``train.infer_micro_batch_size`` sequences, under no_grad::
+:class:`Scorer` (the run loop's scorer, :class:`ppokit.components.Scorer`) runs the
+forward passes PPO needs before an update, in chunks of ``train.infer_micro_batch_size``
+sequences, under no_grad, and turns the sequence rewards into token rewards::
 
     old_log_prob  (N, R)  actor, sampling temperature applied, under the same autocast
                           and through the same code as the update's forward: the first
@@ -28,49 +29,84 @@ coefficient coming from a fixed or adaptive controller (:mod:`ppokit.algo.kl`).
 
 from __future__ import annotations
 
-from typing import Optional
+import time
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ppokit import algo
-from ppokit.lm.rollout import RolloutBatch
+from ppokit.components import Batch
+
+# the tensors of a batch that the policy's forward passes read
+POLICY_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 class Scorer:
-    """``score(rollout) -> {["old_log_prob"], "old_values", ["ref_log_prob" | "ref_log_prob_metric"]}``."""
+    """``score(batch)``: adds ``old_values``, ``old_log_prob`` (unless the update computes it),
+    ``ref_log_prob`` (with a KL term; else ``extras["ref_log_prob_metric"]`` of the first
+    ``metric_rows`` sequences) and the token ``rewards`` from the sequence ``scores``, minus
+    ``kl_coef * KL_t`` when ``kl_ctrl`` puts the KL into the reward."""
 
     def __init__(self, policy, infer_micro_batch_size: int, *, need_reference: bool,
-                 metric_rows: Optional[int] = None, need_old_log_prob: bool = True):
+                 metric_rows: Optional[int] = None, need_old_log_prob: bool = True,
+                 kl_ctrl=None, kl_penalty: str = "kl"):
         self.policy = policy
         self.chunk = infer_micro_batch_size
-        self.need_old_log_prob = need_old_log_prob
-        self.need_reference = need_reference and policy.has_reference
+        self.need_old_log_prob = need_old_log_prob or kl_ctrl is not None
+        self.need_reference = (need_reference or kl_ctrl is not None) and policy.has_reference
         # no KL term: reference log-probs of a few rows only, for the kl_ref metric
         self.metric_rows = metric_rows if policy.has_reference and not self.need_reference else None
+        self.kl_ctrl, self.kl_penalty = kl_ctrl, kl_penalty
+
+    def score(self, batch: Batch) -> None:
+        start = time.perf_counter()
+        t = batch.tensors
+        scored = self.forward_passes({k: t[k] for k in (*POLICY_INPUTS, "mask")})
+        if "ref_log_prob_metric" in scored:             # (K, R): not per sample
+            batch.extras["ref_log_prob_metric"] = scored.pop("ref_log_prob_metric")
+        t.update(scored)
+        mask = t["mask"]
+        kl = None
+        if self.kl_ctrl is not None:
+            kl = kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)      # (N, R)
+        t["rewards"] = token_rewards(t["scores"], mask, kl=kl, kl_coef=self.kl_ctrl.value if kl is not None else 0.0)
+        if kl is not None:
+            batch.metrics["kl_coef"] = self.kl_ctrl.value
+            self.kl_ctrl.update(kl.sum(1).mean().item(), len(batch))
+        batch.metrics["score_tokens_per_s"] = float(t["attention_mask"].sum()) / max(time.perf_counter() - start,
+                                                                                      1e-9)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_ctrl": self.kl_ctrl.state_dict()} if self.kl_ctrl is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.kl_ctrl is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
     @torch.no_grad()
-    def score(self, rollout: RolloutBatch) -> dict[str, Tensor]:
-        tensors = rollout.tensors()
-        n = len(rollout)
+    def forward_passes(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The passes on a rollout's tensors (``input_ids``, ..., ``mask``), each (N, R) and 0 on padding."""
+        n = tensors["mask"].shape[0]
         parts: dict[str, list[Tensor]] = {"old_values": []}
         if self.need_old_log_prob:
             parts["old_log_prob"] = []
         if self.need_reference:
             parts["ref_log_prob"] = []
+        inputs = {k: tensors[k] for k in POLICY_INPUTS}
         for s in range(0, n, self.chunk):
-            mb = {k: v[s:s + self.chunk] for k, v in tensors.items()}
+            mb = {k: v[s:s + self.chunk] for k, v in inputs.items()}
             if self.need_old_log_prob:
                 parts["old_log_prob"].append(self.policy.log_probs(mb)["log_prob"])
             parts["old_values"].append(self.policy.values(mb))
             if self.need_reference:
                 parts["ref_log_prob"].append(self.policy.ref_log_probs(mb))
-        mask = rollout.mask
+        mask = tensors["mask"]
         out = {k: torch.cat(v) * mask for k, v in parts.items()}   # zeros on padding
         if self.metric_rows:
             k = min(self.metric_rows, n)
             out["ref_log_prob_metric"] = self.policy.ref_log_probs(
-                {key: v[:k] for key, v in tensors.items()}) * mask[:k]               # (K, R)
+                {key: v[:k] for key, v in inputs.items()}) * mask[:k]               # (K, R)
         return out
 
 
@@ -88,6 +124,13 @@ def token_rewards(scores: Tensor, mask: Tensor, *, kl: Optional[Tensor] = None, 
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl * mask
     return rewards
+
+
+def kl_ref_metric(old_log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor) -> float:
+    """The ``kl_ref`` metric: the mean over sequences of ``sum_t (old - ref)`` (k1), over the rows
+    ``ref_log_prob`` (K, R) has (all N, or the first K for the metric alone)."""
+    k = ref_log_prob.shape[0]
+    return ((old_log_prob[:k] - ref_log_prob) * mask[:k]).sum(1).mean().item()
 
 
 def kl_to_reference(log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor, estimator: str) -> Tensor:

@@ -23,8 +23,9 @@ Precision: master weights stay float32; ``precision="bf16"`` runs forward passes
 rule of :func:`ppokit.lm.policy.resolve_precision`). For the tiny model on CPU the two
 run at the same speed: its matmuls are too small for bf16 to pay.
 
-:func:`evaluate_accuracy` and :func:`generate_responses` are the evaluation the PPO
-workload reuses.
+Evaluation generates through ppokit's one generation path
+(:class:`~ppokit.lm.rollout.RolloutEngine`) and scores with
+:func:`~ppokit.lm.evaluate.heldout_accuracy`, as the PPO run's held-out evaluation does.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ CURVE_FILE = "sft_curve.json"
 # -------------------------------------------------------------------------- precision
 def resolve_precision(precision: str, device: torch.device) -> str:
     """``auto``/``bf16``/``fp32`` -> ``"bf16"`` or ``"fp32"``, by the policy's rule (one rule for both)."""
-    from ppokit.lm.policy import resolve_precision as autocast_dtype
+    from ppokit.lm.device import resolve_precision as autocast_dtype
 
     if precision not in ("auto", "bf16", "fp32"):
         raise UserError(f"precision must be auto, bf16 or fp32 (got {precision!r})")
@@ -159,73 +160,30 @@ def mean_answer_loss(model, encoded: Sequence[tuple[list[int], int]], pad_id: in
     return total / max(count, 1)
 
 
-# -------------------------------------------------------------------------- generation
+# -------------------------------------------------------------------------- evaluation
+def eval_engine(model, tokenizer, *, max_new_tokens: int, batch_size: int, precision: str):
+    """A greedy :class:`~ppokit.lm.rollout.RolloutEngine` over ``model`` for held-out evaluation."""
+    from ppokit.config import RolloutConfig
+    from ppokit.lm.rollout import RolloutEngine
+
+    return RolloutEngine(model, tokenizer, RolloutConfig(max_new_tokens=max_new_tokens, micro_batch_size=batch_size),
+                         autocast_dtype=torch.bfloat16 if precision == "bf16" else None)
+
+
 @torch.no_grad()
-def generate_responses(model, tokenizer, prompts: Sequence[str], *, batch_size: int = 64, max_new_tokens: int = 16,
-                       greedy: bool = True, temperature: float = 1.0, precision: str = "fp32",
-                       seed: Optional[int] = None) -> list[str]:
-    """Responses (decoded text up to the first EOS) to ``prompts``, left-padded batches, KV cache."""
-    from transformers import GenerationConfig
+def evaluate(model, tokenizer, items: Sequence[dict[str, Any]], reward_fn, *, max_new_tokens: int,
+             batch_size: int = 64, precision: str = "fp32") -> float:
+    """Greedy held-out accuracy of ``model`` (in eval mode for the evaluation, then as it was)."""
+    from ppokit.lm.evaluate import heldout_accuracy
 
-    from ppokit.lm.rollout import check_context
-
-    if tokenizer.padding_side != "left":
-        raise ValueError("generation needs a left-padding tokenizer (build it with padding_side='left')")
-    device = next(model.parameters()).device
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not greedy, eos_token_id=eos,
-                              pad_token_id=pad if pad is not None else eos, use_cache=True,
-                              **({} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}))
     was_training = model.training
     model.eval()
-    responses: list[str] = []
-    fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None \
-        else contextlib.nullcontext()
     try:
-        with fork:
-            if seed is not None:
-                torch.manual_seed(seed)
-            for start in range(0, len(prompts), batch_size):
-                enc = tokenizer(list(prompts[start:start + batch_size]), return_tensors="pt", padding=True)
-                check_context(model, prompts[start:start + batch_size], enc["attention_mask"].sum(1).tolist(),
-                              max_new_tokens)
-                enc = {k: v.to(device) for k, v in enc.items()}
-                with autocast(precision, device):
-                    out = model.generate(**enc, generation_config=config)   # (B, T_prompt + T_new)
-                new = out[:, enc["input_ids"].shape[1]:].tolist()
-                for ids in new:
-                    if eos in ids:
-                        ids = ids[:ids.index(eos)]
-                    responses.append(tokenizer.decode(ids, skip_special_tokens=True))
+        engine = eval_engine(model, tokenizer, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                             precision=precision)
+        return heldout_accuracy(engine, items, reward_fn)
     finally:
         model.train(was_training)
-    return responses
-
-
-def evaluate_accuracy(model, tokenizer, items: Sequence[dict[str, Any]],
-                      reward_fn: str | Callable[..., float] = "exact_match", *, batch_size: int = 64,
-                      max_new_tokens: int = 16, greedy: bool = True, precision: str = "fp32",
-                      seed: Optional[int] = None, return_responses: bool = False):
-    """Mean reward of the model's responses to ``items`` (the accuracy, for 0/1 rewards).
-
-    ``items`` are prompt records (``{"prompt", **fields}``); the fields go to the reward.
-    With ``return_responses`` returns ``(accuracy, responses, rewards)``.
-    """
-    if not items:
-        raise UserError("the evaluation set is empty")
-    prompts = [it["prompt"] for it in items]
-    responses = generate_responses(model, tokenizer, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                   greedy=greedy, precision=precision, seed=seed)
-    rewards = score_responses(reward_fn, prompts, responses, list(items))
-    accuracy = sum(rewards) / len(rewards)
-    return (accuracy, responses, rewards) if return_responses else accuracy
-
-
-def greedy_accuracy(model, tokenizer, eval_set: Sequence[dict[str, Any]], batch_size: int = 64) -> float:
-    """Exact-match accuracy of greedy answers (max new tokens from the longest answer)."""
-    longest = max(len(tokenizer(completion_of(it) or "", add_special_tokens=False)["input_ids"]) for it in eval_set)
-    return evaluate_accuracy(model, tokenizer, eval_set, "exact_match", batch_size=batch_size,
-                             max_new_tokens=longest + 2)
 
 
 # ---------------------------------------------------------------------------------- SFT
@@ -251,7 +209,8 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
     ``train_accuracy`` (of the best model on up to 256 SFT examples), ``stopped``
     (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s`` and ``settings``.
     """
-    from ppokit.lm.tiny import load_model_and_tokenizer
+    from ppokit.lm.device import resolve_device
+    from ppokit.lm.hf import load_model_and_tokenizer
     from ppokit.output_paths import check_output_dir, writing_to
 
     _check_positive(epochs_max=epochs_max, batch_size=batch_size, patience=patience, eval_every=eval_every,
@@ -270,8 +229,6 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
                 "patience": patience, "eval_every": eval_every, "min_epochs": min_epochs, "seed": seed,
                 "reward_fn": reward.name, "warmup_steps": warmup_steps, "weight_decay": weight_decay,
                 "grad_clip": grad_clip, "eval_batch_size": eval_batch_size}
-
-    from ppokit.lm.policy import resolve_device
 
     started = time.perf_counter()
     dev = resolve_device(device)
@@ -292,8 +249,8 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
         summary = _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, settings,
                          started=started, log=log or (lambda _msg: None))
         probe = list(examples[:256])
-        summary["train_accuracy"] = evaluate_accuracy(model, tokenizer, probe, reward, batch_size=eval_batch_size,
-                                                      max_new_tokens=max_new_tokens, precision=precision)
+        summary["train_accuracy"] = evaluate(model, tokenizer, probe, reward, batch_size=eval_batch_size,
+                                             max_new_tokens=max_new_tokens, precision=precision)
     summary["wall_time_s"] = round(time.perf_counter() - started, 2)
     summary = {**{k: summary[k] for k in ("best_epoch", "best_accuracy", "best_heldout_loss", "train_accuracy",
                                           "stopped", "epochs_run", "wall_time_s")},
@@ -372,14 +329,14 @@ def _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, sett
     warmup = max(1, s["warmup_steps"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
 
-    def evaluate() -> tuple[float, Optional[float]]:
-        accuracy = evaluate_accuracy(model, tokenizer, eval_set, reward, batch_size=s["eval_batch_size"],
-                                     max_new_tokens=s["max_new_tokens"], precision=precision)
+    def evaluate_now() -> tuple[float, Optional[float]]:
+        accuracy = evaluate(model, tokenizer, eval_set, reward, batch_size=s["eval_batch_size"],
+                            max_new_tokens=s["max_new_tokens"], precision=precision)
         loss = None if eval_encoded is None else mean_answer_loss(
             model, eval_encoded, pad_id, batch_size=s["eval_batch_size"], precision=precision)
         return accuracy, loss
 
-    accuracy, heldout_loss = evaluate()
+    accuracy, heldout_loss = evaluate_now()
     curve = [_row(0, None, accuracy, heldout_loss, started)]
     best = {"epoch": 0, "accuracy": accuracy, "loss": heldout_loss, "state": _snapshot(model)}
     log(f"sft: {len(train_encoded)} examples, {len(eval_set)} held out, {model.num_parameters():,} parameters, "
@@ -406,7 +363,7 @@ def _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, sett
                 raise UserError(f"SFT diverged at epoch {epoch} (loss {train_loss}); lower the learning rate")
             if epoch % s["eval_every"] and epoch != s["epochs_max"]:
                 continue
-            accuracy, heldout_loss = evaluate()
+            accuracy, heldout_loss = evaluate_now()
             curve.append(_row(epoch, train_loss, accuracy, heldout_loss, started))
             if _improves(accuracy, heldout_loss, best):
                 best = {"epoch": epoch, "accuracy": accuracy, "loss": heldout_loss, "state": _snapshot(model)}
@@ -455,7 +412,7 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 def _save(model, tokenizer, out: Path, summary: dict[str, Any]) -> None:
     """Write model, tokenizer and curve into a sibling temp dir, then move it into place."""
     from ppokit.checkpoint import atomic_directory
-    from ppokit.lm.tiny import quiet_transformers
+    from ppokit.lm.hf import quiet_transformers
 
     with atomic_directory(out) as tmp:
         with quiet_transformers():

@@ -20,16 +20,16 @@ cores.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from ppokit.errors import UserError
+from ppokit.lm.hf import quiet_transformers
 from ppokit.output_paths import writing_to
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
@@ -224,51 +224,3 @@ def _portable_tokenizer_config(model_dir: Path) -> None:
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-
-
-def load_model_and_tokenizer(model_dir: str | os.PathLike, *, padding_side: str = "left"):
-    """Load a causal LM and its tokenizer from a local directory, float32, eval mode.
-
-    Errors a user can cause (no such directory, not a model) become a UserError.
-    The tokenizer's padding side is set to ``padding_side`` and it must have a pad token
-    (falling back to EOS when it has none, as many hub models do).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ppokit.lm.policy import held_load_report, weights_problem
-
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path} is not a model directory (no config.json); build one with "
-                        "ppokit.lm.tiny.build_tiny_model or give a Hugging Face model directory")
-    try:
-        with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(path, padding_side=padding_side)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load the model in {path}: {str(exc).splitlines()[0]}") from None
-    with held_load_report() as report:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path)
-        except ValueError as exc:
-            raise UserError(f"cannot load the model in {path}: {str(exc).splitlines()[0]}") from None
-        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, RuntimeError: the files are bad
-            raise UserError(f"cannot load the model in {path}: {weights_problem(exc, report)}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.float()      # master weights in float32; autocast handles bf16 compute
-    model.eval()
-    return model, tokenizer
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Hide transformers' per-call progress bars (loading/writing shards) inside the block."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()

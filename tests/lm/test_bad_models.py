@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from ppokit.errors import UserError
-from ppokit.lm.policy import build_policy, load_causal_lm
-from ppokit.lm.tiny import build_tiny_model, load_model_and_tokenizer
+from ppokit.lm.hf import load_causal_lm
+from ppokit.lm.policy import build_policy
+from ppokit.lm.hf import load_model_and_tokenizer
+from ppokit.lm.tiny import build_tiny_model
 from test_policy import lm_config
 
 CPU = torch.device("cpu")
@@ -99,7 +101,7 @@ def short_gpt2(tiny_dir, tmp_path):
     """A GPT-2 that takes at most 8 positions, with the tiny model's tokenizer."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ppokit.lm.policy import load_tokenizer
+    from ppokit.lm.hf import load_tokenizer
 
     tok = load_tokenizer(tiny_dir)
     config = GPT2Config(n_positions=8, vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2,
@@ -112,9 +114,9 @@ def short_gpt2(tiny_dir, tmp_path):
 
 
 def test_prompt_plus_response_longer_than_the_model_takes(short_gpt2):
-    from ppokit.lm.policy import load_tokenizer
+    from ppokit.lm.hf import load_tokenizer
     from ppokit.lm.rollout import RolloutEngine, check_prompts_fit
-    from ppokit.lm.sft import evaluate_accuracy
+    from ppokit.lm.sft import evaluate
 
     cfg = lm_config(short_gpt2, rollout={"max_new_tokens": 6})
     policy = build_policy(cfg, short_gpt2, device=CPU, autocast_dtype=None)
@@ -124,12 +126,12 @@ def test_prompt_plus_response_longer_than_the_model_takes(short_gpt2):
     with pytest.raises(UserError, match=message):
         check_prompts_fit(policy.actor_model, tok, prompts, 6)
     with pytest.raises(UserError, match=message):
-        RolloutEngine(policy, tok, cfg.rollout).generate(prompts)
+        RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(prompts)
     with pytest.raises(UserError, match=message):
-        evaluate_accuracy(policy.actor_model.get_base_model(), tok, [{"prompt": p, "answer": "3"} for p in prompts],
-                          max_new_tokens=6)
+        evaluate(policy.actor_model.get_base_model(), tok, [{"prompt": p, "answer": "3"} for p in prompts],
+                 "exact_match", max_new_tokens=6)
     check_prompts_fit(policy.actor_model, tok, prompts, 1)              # fits: no error
-    assert len(RolloutEngine(policy, tok, cfg.rollout).generate(prompts, max_new_tokens=1)) == 2
+    assert len(RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(prompts, max_new_tokens=1)) == 2
 
 
 def test_train_with_a_model_too_short_for_the_rollouts(short_gpt2, tmp_path, monkeypatch, capsys):

@@ -13,7 +13,7 @@ from ppokit.config import build_config
 from ppokit.errors import UserError
 from ppokit.lm.chat import chat_renderer
 from ppokit.lm.data import load_prompts
-from ppokit.lm.policy import load_tokenizer
+from ppokit.lm.hf import load_tokenizer
 from ppokit.rundir import read_metrics
 
 # Written with characters of the tiny alphabet; it writes the BOS itself, as Llama 3's does.
@@ -76,7 +76,7 @@ def test_malformed_messages_are_named(tmp_path, prompt, problem):
 
 
 def test_a_model_without_a_chat_template_is_a_clear_error(tiny_dir):
-    from ppokit.lm.workload import load_data
+    from ppokit.lm.prompts import load_data
 
     cfg = build_config([{"workload": "lm", "model": {"path": str(tiny_dir)}, "data": {"chat_template": True},
                          "train": {"iterations": 1}}])

@@ -1,4 +1,4 @@
-"""The fused bf16 CPU kernels (ppokit/lm/kernels): each against its float64 formula and
+"""The fused bf16 CPU kernels (ppokit/lm/accel/kernels): each against its float64 formula and
 against transformers' bf16 graph of the same computation, the probes that decide which
 modules take them, the fallbacks, and the build."""
 
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama import modeling_llama
 
-from ppokit.lm.kernels import cpu_library
-from ppokit.lm.kernels.functions import (AttentionFunction, RMSNormFunction, RotaryFunction, SiluMulFunction,
+from ppokit.lm.accel.kernels import cpu_library
+from ppokit.lm.accel.kernels.functions import (AttentionFunction, RMSNormFunction, RotaryFunction, SiluMulFunction,
                                          decode_attention, lora_amx_ready, lora_kernels_kind)
-from ppokit.lm.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
+from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(cpu_library() is None, reason="no C compiler: the kernels are not built")
@@ -193,7 +193,7 @@ def test_rotary_rounds_exactly_like_transformers():
 def test_threads_split_the_work_without_changing_a_bit():
     """Above PARALLEL_MIN_ELEMENTS a call runs on torch.get_num_threads() threads, each on
     its own rows; every kernel is per row (or per element), so the split changes nothing."""
-    from ppokit.lm.kernels import functions
+    from ppokit.lm.accel.kernels import functions
 
     g = gen(13)
     rows, d = 3 * functions.PARALLEL_MIN_ELEMENTS // 256 + 7, 256
@@ -251,7 +251,7 @@ def test_float32_kernels_agree_with_pytorch_float32_graphs():
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_splits_work_on_threads_of_its_own():
-    from ppokit.lm.kernels import functions
+    from ppokit.lm.accel.kernels import functions
 
     x = torch.randn(4 * functions.PARALLEL_MIN_ELEMENTS // 128, 128).to(BF16)
     w = torch.ones(128, dtype=BF16)
@@ -347,7 +347,7 @@ def test_decode_attention_rounds_like_transformers_eager_attention(dtype):
 
 
 def test_generation_through_the_decoding_kernel_equals_transformers(monkeypatch):
-    from ppokit.lm.kernels import fuse
+    from ppokit.lm.accel.kernels import fuse
 
     model = tiny_llama(3)
     ids = torch.randint(0, 50, (3, 6), generator=gen(23))
@@ -519,7 +519,7 @@ def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention():
 def test_attention_runs_on_the_tile_units_where_the_cpu_has_them():
     """On a CPU with AMX, bf16 attention of the training shapes takes the tile path (the
     tests above then check its numbers); other shapes, and CPUs without AMX, the vectors."""
-    from ppokit.lm.kernels import cpu_library
+    from ppokit.lm.accel.kernels import cpu_library
 
     lib = cpu_library()
     amx = lora_amx_ready()
@@ -532,7 +532,7 @@ def test_attention_scratch_sizes_follow_the_c_constants():
     both defined in cpu_kernels.c: they must agree, or the kernels write past a buffer."""
     import re
 
-    from ppokit.lm.kernels import SOURCE, functions
+    from ppokit.lm.accel.kernels import SOURCE, functions
 
     source = SOURCE.read_text()
     for name in ("KEY_BLOCK", "MAX_HEAD_DIM"):
@@ -563,7 +563,7 @@ def test_attention_rows_that_mask_everything_give_what_eager_attention_gives():
 def test_attention_dispatcher_takes_the_kernels_only_where_they_apply(monkeypatch):
     """Inside fused attention: training passes up to ATTENTION_MAX_KEYS keys take the
     kernel; longer ones, dropout, or a sliding window take eager attention."""
-    from ppokit.lm.kernels import fuse
+    from ppokit.lm.accel.kernels import fuse
 
     model = tiny_llama()
     fuse_cpu_kernels(model)
@@ -623,7 +623,7 @@ def test_fused_model_computes_what_transformers_computes():
 
 
 def test_mixed_dtypes_and_trained_norm_weights_take_transformers_path(monkeypatch):
-    from ppokit.lm.kernels import fuse
+    from ppokit.lm.accel.kernels import fuse
 
     model = tiny_llama()
     fuse_cpu_kernels(model)
@@ -706,7 +706,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_path):
     code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
-            "from ppokit.lm.kernels import cpu_library\nlib = cpu_library()\n"
+            "from ppokit.lm.accel.kernels import cpu_library\nlib = cpu_library()\n"
             "print('LIB', None if lib is None else lib._name)")
     cache = tmp_path / "cache"
     first = run_python(code, PPOKIT_CACHE_DIR=str(cache))
@@ -727,8 +727,9 @@ def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_pa
     assert damaged.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_size > 1000
 
 
-def test_policy_fuses_on_cpu_when_configured(tiny_dir):
+def test_the_accel_layer_fuses_a_cpu_policy_in_one_call(tiny_dir):
     from ppokit.config import build_config
+    from ppokit.lm.accel import accelerate_policy
     from ppokit.lm.policy import build_policy
 
     def lm_config(tiny_dir, model=None):
@@ -736,22 +737,21 @@ def test_policy_fuses_on_cpu_when_configured(tiny_dir):
                               "run": {"progress": False, "tensorboard": False}}])
 
     def fused_modules(policy):
-        return sum(type(m).__module__ == "ppokit.lm.kernels.fuse" for m in policy.lm.modules())
+        return sum(type(m).__module__ == "ppokit.lm.accel.kernels.fuse" for m in policy.lm.modules())
 
     cpu = torch.device("cpu")
     bf16 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=BF16)
+    assert fused_modules(bf16) == 0                              # a built policy is plain transformers + peft
+    acceleration = accelerate_policy(bf16)
     layers = 2                                                   # the test model's
     kind = lora_kernels_kind()                                   # amx, avx512 or None
     lora = {f"lora_{kind}": 7 * layers} if kind else {}          # every linear layer's LoRA
-    assert bf16.fused_kernel_counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers,
-                                        "attention": layers, **lora}
+    assert acceleration.counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers,
+                                   "attention": layers, **lora}
     assert fused_modules(bf16) == 4 * layers + 1
-    from ppokit.lm.workload import _kernels_note
-
-    assert _kernels_note(bf16) == (" + fused CPU kernels (rms_norm 5, mlp 2, rotary 2, attention 2"
-                                   + (f", lora_{kind} 14)" if kind else ")"))
+    assert acceleration.kv_cache is not None                     # the decoding kernel reads it in place
+    assert acceleration.describe() == (" + fused CPU kernels (rms_norm 5, mlp 2, rotary 2, attention 2"
+                                       + (f", lora_{kind} 14)" if kind else ")"))
     fp32 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=None)
-    fp32_counts = {name: n for name, n in bf16.fused_kernel_counts.items() if not name.startswith("lora_")}
-    assert fp32.fused_kernel_counts == fp32_counts          # the float32 kernels; LoRA's are bf16 only
-    off = build_policy(lm_config(tiny_dir, model={"cpu_kernels": False}), tiny_dir, device=cpu, autocast_dtype=BF16)
-    assert fused_modules(off) == 0 and _kernels_note(off) == ""
+    fp32_counts = {name: n for name, n in acceleration.counts.items() if not name.startswith("lora_")}
+    assert accelerate_policy(fp32).counts == fp32_counts     # the float32 kernels; LoRA's are bf16 only

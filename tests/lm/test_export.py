@@ -10,7 +10,8 @@ import torch
 from ppokit.config import build_config
 from ppokit.errors import UserError
 from ppokit.lm.export import export_merged
-from ppokit.lm.policy import load_policy, load_tokenizer
+from ppokit.lm.hf import load_tokenizer
+from ppokit.lm.policy_io import load_policy
 from ppokit.lm.rollout import RolloutEngine
 
 
@@ -18,7 +19,7 @@ from ppokit.lm.rollout import RolloutEngine
 
 def train(tiny_dir, out, mode):
     """Two quick PPO iterations at a high learning rate: adapters far from their init."""
-    from ppokit.lm.workload import train_lm
+    from ppokit.workloads import train as train_lm
 
     out.mkdir(parents=True, exist_ok=True)
     reward = out / "length_reward.py"
@@ -43,7 +44,7 @@ def lora_run(tiny_dir, tmp_path_factory):
 def probe_batch(ckpt, policy, cfg):
     torch.manual_seed(0)
     tok = load_tokenizer(ckpt)
-    return RolloutEngine(policy, tok, cfg.rollout).generate(["12+34=", "5+6=", "77+8="], group_size=2)
+    return RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(["12+34=", "5+6=", "77+8="], group_size=2)
 
 
 def test_checkpoint_layout(lora_run):
@@ -55,7 +56,7 @@ def test_checkpoint_layout(lora_run):
     assert (ckpt / "value_head.safetensors").is_file() and (ckpt / "tokenizer_config.json").is_file()
     meta = json.loads((ckpt / "policy.json").read_text())
     assert meta["mode"] == "lora" and meta["temperature"] == cfg.rollout.temperature
-    assert (ckpt / "trainer" / "meta.json").is_file()
+    assert (ckpt / "meta.json").is_file() and (ckpt / "learner.safetensors").is_file()   # the run loop's state
     assert not (ckpt.parent / ".checkpoint.tmp").exists()
 
 
@@ -111,7 +112,7 @@ def test_full_mode_round_trip(tiny_dir, tmp_path):
     with torch.no_grad():
         expected = policy.log_probs(ro.tensors())["log_prob"]
     out = export_merged(tmp_path / "run", tmp_path / "export")
-    from ppokit.lm.policy import load_causal_lm
+    from ppokit.lm.hf import load_causal_lm
 
     model = load_causal_lm(out)
     R = ro.responses.shape[1]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lm_helpers import DEVICES
-from ppokit.lm.fused_lora import LoRALinearFunction, _fusable_adapter, fuse_lora_layers, unfuse_lora_layers
+from ppokit.lm.accel.fused_lora import LoRALinearFunction, _fusable_adapter, fuse_lora_layers, unfuse_lora_layers
 
 
 def naive_lora(x, w, b, a, bb, s):

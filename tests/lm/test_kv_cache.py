@@ -1,11 +1,11 @@
-"""The preallocated KV cache (ppokit.lm.kv_cache) generates what transformers' dynamic cache does."""
+"""The preallocated KV cache (ppokit.lm.accel.kv_cache) generates what transformers' dynamic cache does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ppokit.lm.kv_cache import preallocated_cache
+from ppokit.lm.accel.kv_cache import preallocated_cache
 
 
 def tiny_llama(dtype, seed=0):
@@ -29,8 +29,8 @@ def greedy(model, ids, mask, cache=None, new=7):
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("capacity", [13, 4])            # prompt + new tokens, and a buffer that must grow
 def test_generation_with_the_preallocated_cache_equals_the_dynamic_cache(dtype, kernels, capacity):
-    from ppokit.lm.kernels import cpu_library
-    from ppokit.lm.kernels.fuse import fuse_cpu_kernels
+    from ppokit.lm.accel.kernels import cpu_library
+    from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels
 
     if kernels and cpu_library() is None:
         pytest.skip("no C compiler: the kernels are not built")
@@ -67,21 +67,25 @@ def test_models_with_other_layer_types_keep_transformers_cache():
 
 def test_the_rollout_engine_preallocates_where_the_decoding_kernel_runs(tiny_dir):
     from ppokit.config import build_config
-    from ppokit.lm.kernels import cpu_library
-    from ppokit.lm.policy import build_policy, load_tokenizer
+    from ppokit.lm.accel.kernels import cpu_library
+    from ppokit.lm.hf import load_tokenizer
+    from ppokit.lm.policy import build_policy
     from ppokit.lm.rollout import RolloutEngine
 
-    def engine(dtype=torch.bfloat16, **model):
+    from ppokit.lm.accel import accelerate_policy
+
+    def engine(dtype=torch.bfloat16, accelerate=True, **model):
         cfg = build_config([{"workload": "lm", "model": {"path": str(tiny_dir), **model},
                              "rollout": {"max_new_tokens": 4}, "run": {"progress": False, "tensorboard": False}}])
         policy = build_policy(cfg, tiny_dir, device=torch.device("cpu"), autocast_dtype=dtype)
-        return RolloutEngine(policy, load_tokenizer(tiny_dir), cfg.rollout)
+        kv_cache = accelerate_policy(policy).kv_cache if accelerate else None
+        return RolloutEngine.for_policy(policy, load_tokenizer(tiny_dir), cfg.rollout, kv_cache=kv_cache)
 
-    assert engine(cpu_kernels=False).preallocate is False
-    assert engine(mode="full").preallocate is False              # fp32 keys beside bf16 values: eager
-    assert engine(None, mode="full").preallocate is (cpu_library() is not None)
+    assert engine(accelerate=False).kv_cache is None
+    assert engine(mode="full").kv_cache is None                  # fp32 keys beside bf16 values: eager
+    assert (engine(None, mode="full").kv_cache is not None) is (cpu_library() is not None)
     fused = engine()
-    assert fused.preallocate is (cpu_library() is not None)
+    assert (fused.kv_cache is not None) is (cpu_library() is not None)
     batch = fused.generate(["12+3=", "7="], group_size=2)
     assert batch.responses.shape[0] == 4 and batch.mask.sum() > 0
 

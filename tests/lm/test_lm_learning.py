@@ -50,7 +50,7 @@ def config(tiny_dir, tmp_path, **sections):
 
 
 def test_ppo_raises_the_reward(tiny_dir, tmp_path, sevens):
-    from ppokit.lm.workload import train_lm
+    from ppokit.workloads import train as train_lm
 
     cfg = config(tiny_dir, tmp_path, data={"reward": sevens})
     result = train_lm(cfg, tmp_path / "run")
@@ -73,12 +73,12 @@ def test_ppo_raises_the_reward(tiny_dir, tmp_path, sevens):
 
 
 def test_a_fully_on_policy_run_takes_its_old_log_probs_from_the_update(tiny_dir, tmp_path, sevens, monkeypatch):
-    from ppokit.lm import scoring
-    from ppokit.lm.workload import train_lm
+    from ppokit.lm import workload
+    from ppokit.workloads import train as train_lm
 
     built = []
-    scorer_class = scoring.Scorer
-    monkeypatch.setattr(scoring, "Scorer", lambda *a, **kw: built.append(kw) or scorer_class(*a, **kw))
+    scorer_class = workload.Scorer
+    monkeypatch.setattr(workload, "Scorer", lambda *a, **kw: built.append(kw) or scorer_class(*a, **kw))
     cfg = config(tiny_dir, tmp_path, data={"reward": sevens, "eval_size": 0},
                  train={"iterations": 3, "batch_size": 16, "mini_batch_size": 16, "micro_batch_size": 8,
                         "epochs": 1})
@@ -92,7 +92,7 @@ def test_a_fully_on_policy_run_takes_its_old_log_probs_from_the_update(tiny_dir,
 
 
 def test_group_estimator_with_adaptive_kl_in_reward(tiny_dir, tmp_path, sevens):
-    from ppokit.lm.workload import train_lm
+    from ppokit.workloads import train as train_lm
 
     cfg = config(tiny_dir, tmp_path, data={"reward": sevens, "eval_size": 0},
                  train={"iterations": 3, "batch_size": 16, "mini_batch_size": 16, "micro_batch_size": 8},
@@ -106,7 +106,7 @@ def test_group_estimator_with_adaptive_kl_in_reward(tiny_dir, tmp_path, sevens):
 
 
 def test_full_mode_with_kl_loss(tiny_dir, tmp_path, sevens):
-    from ppokit.lm.workload import train_lm
+    from ppokit.workloads import train as train_lm
 
     cfg = config(tiny_dir, tmp_path, model={"mode": "full"}, data={"reward": sevens, "eval_size": 4},
                  train={"iterations": 2, "batch_size": 8, "mini_batch_size": 8, "micro_batch_size": 4,

@@ -26,7 +26,7 @@ from resume_helpers import (assert_same_metrics, poison_value_loss, read_rows, s
                             train_cmd)
 
 # Differ between any two runs (wall-clock times and rates); every other field must match.
-TIMING = {"time", "time_iteration", "time_generate", "time_score", "time_reward", "time_update",
+TIMING = {"time", "wall_time", "time_collect", "time_iteration", "time_generate", "time_score", "time_reward", "time_update",
           "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s"}
 ITERATIONS = 7
 TRAINED_FILES = ("actor/adapter_model.safetensors", "critic/adapter_model.safetensors", "value_head.safetensors")
@@ -91,12 +91,14 @@ def _assert_same_final_state(a: Path, b: Path) -> None:
         assert ta.keys() == tb.keys() and ta, name
         for key in ta:
             assert torch.equal(ta[key], tb[key]), f"{name}: {key}"
-    ca = checkpoint.load_checkpoint(a / "checkpoint" / "trainer")
-    cb = checkpoint.load_checkpoint(b / "checkpoint" / "trainer")
-    for part in ("trainer", "prompts", "kl_ctrl", "rng"):   # optimizer, schedule, shuffle generator, ...
+    ca = checkpoint.load_checkpoint(a / "checkpoint")
+    cb = checkpoint.load_checkpoint(b / "checkpoint")
+    for part in ("learner", "source", "scorer", "rng"):   # optimizer, schedule, shuffle generator, ...
         _same(ca.parts[part], cb.parts[part], part)
-    for key in ("iteration", "finished", "eval_history", "summary"):
+    for key in ("iteration", "finished", "summary"):
         assert ca.meta[key] == cb.meta[key], key
+    untimed = [[{k: v for k, v in row.items() if k != "time"} for row in c.meta["eval_history"]] for c in (ca, cb)]
+    assert untimed[0] == untimed[1]
     assert ca.meta["finished"] and ca.meta["iteration"] == ITERATIONS
 
 
@@ -112,9 +114,9 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
             kills += 1
         _, err = proc.communicate(timeout=60)
         assert len(read_rows(run_dir)) >= rows, err
-        latest = rundir.latest_checkpoint(run_dir, marker="trainer/meta.json")
+        latest = rundir.latest_checkpoint(run_dir)
         if latest is not None:   # whatever the writer left, the newest complete checkpoint loads
-            checkpoint.load_checkpoint(latest / "trainer")
+            checkpoint.load_checkpoint(latest)
         assert not list((run_dir / "checkpoints").glob(".*")), "stale temp dirs were not cleaned"
     assert kills >= 1   # (2 unless the machine stalls this process for a whole run)
     assert (run_dir / "base_model" / "ppokit_base_model.json").is_file()
@@ -126,7 +128,7 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
     _assert_same_final_state(run_dir, reference)
     # the final checkpoint and a periodic one stay loadable (export, load_policy)
     from ppokit.lm.export import export_merged
-    from ppokit.lm.policy import load_policy
+    from ppokit.lm.policy_io import load_policy
 
     load_policy(run_dir / "checkpoint")
     periodic = sorted((run_dir / "checkpoints").iterdir())
@@ -145,9 +147,8 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(config, reference, tmp_path):
     run_dir = tmp_path / "term"
     # no periodic checkpoints: the one written on SIGTERM is all there is to resume from
-    saved = sigterm_run(train_cmd(str(config), f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 3,
-                        marker="trainer/meta.json")
-    assert len(read_rows(run_dir)) == checkpoint.load_checkpoint(saved / "trainer").meta["iteration"]
+    saved = sigterm_run(train_cmd(str(config), f"run.output_dir={tmp_path}", "run.name=term"), run_dir, 3)
+    assert len(read_rows(run_dir)) == checkpoint.load_checkpoint(saved).meta["iteration"]
     assert not (run_dir / "checkpoint").exists()
     # `ppokit train CONFIG --resume`: the run directory of run.name
     assert main(["train", str(config), f"run.output_dir={tmp_path}", "run.name=term", "--resume"]) == 0
@@ -165,7 +166,7 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(config,
     good = tmp_path / "nan" / "checkpoints" / "iter-000002"
     assert "training diverged: 3 optimizer steps in a row" in err and str(good) in err and "\n" not in err
     assert not (tmp_path / "nan" / "checkpoint").exists()
-    assert rundir.latest_checkpoint(tmp_path / "nan", marker="trainer/meta.json") == good
+    assert rundir.latest_checkpoint(tmp_path / "nan") == good
     for name in TRAINED_FILES:
         assert all(torch.isfinite(t).all() for t in load_file(str(good / name)).values())
     assert [r["skipped_steps"] for r in read_rows(tmp_path / "nan")] == [0.0, 0.0]
@@ -175,7 +176,8 @@ def test_an_incomplete_base_model_is_built_again(config, tmp_path):
     """A run killed during its warm start left a base_model without the completion marker:
     the next start deletes it and warm-starts again (the same model: SFT is seeded)."""
     from ppokit.config import load_config
-    from ppokit.lm.workload import BASE_MODEL_MARKER, load_data, prepare_model
+    from ppokit.lm.prompts import load_data
+    from ppokit.lm.workload import BASE_MODEL_MARKER, prepare_model
 
     cfg = load_config(str(config))
     _, eval_items, reward_fn = load_data(cfg)
@@ -205,9 +207,9 @@ def test_an_lm_checkpoint_without_resume_state_is_refused(config, reference, tmp
     shutil.copytree(reference, run_dir)
     shutil.rmtree(run_dir / "checkpoint")
     shutil.rmtree(run_dir / "checkpoints" / "iter-000006")
-    meta = run_dir / "checkpoints" / "iter-000005" / "trainer" / "meta.json"
+    meta = run_dir / "checkpoints" / "iter-000005" / "meta.json"
     body = json.loads(meta.read_text())
-    del body["parts"]["rng"], body["workload"]
+    del body["parts"]["rng"]
     meta.write_text(json.dumps(body))
     assert main(["train", "--resume", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip()
@@ -217,7 +219,7 @@ def test_an_lm_checkpoint_without_resume_state_is_refused(config, reference, tmp
 def test_eval_of_an_lm_run_reproduces_the_accuracy_it_printed(reference, capsys):
     """`ppokit eval RUN_DIR` scores the final actor on the run's held-out prompts, greedily:
     the same number the run printed as "held-out accuracy after PPO"."""
-    meta = json.loads((reference / "checkpoint" / "trainer" / "meta.json").read_text())
+    meta = json.loads((reference / "checkpoint" / "meta.json").read_text())
     after = meta["summary"]["eval_accuracy_after"]
     capsys.readouterr()
     assert main(["eval", str(reference)]) == 0

@@ -55,7 +55,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 
 
 def _meta(ckpt: Path) -> Path:
-    return ckpt / "trainer" / "meta.json"
+    return ckpt / "meta.json"
 
 
 def _set_iteration(ckpt: Path, value) -> None:
@@ -134,7 +134,7 @@ def test_resume_with_a_damaged_config_yaml_uses_the_checkpoints_config(run, caps
     assert main(["train", "--resume", str(run), "run.progress=false"]) == 0
     captured = capsys.readouterr()
     assert f"{run / 'config.yaml'} is empty or not a ppokit config; using the config saved in " \
-           f"{run / LATEST / 'trainer' / 'meta.json'}" in captured.err, captured.err
+           f"{run / LATEST / 'meta.json'}" in captured.err, captured.err
     assert [r["iteration"] for r in read_metrics(run)] == list(range(ITERATIONS))
 
 

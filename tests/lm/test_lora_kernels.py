@@ -1,4 +1,4 @@
-"""LoRA's rank-r products on ppokit's kernels (ppokit/lm/kernels, ``lora_*_bf16``: AMX
+"""LoRA's rank-r products on ppokit's kernels (ppokit/lm/accel/kernels, ``lora_*_bf16``: AMX
 tiles, or AVX512-BF16 vectors on CPUs without them): each kernel against its float64
 formula on ragged shapes, the threads, oneDNN's matmuls in the same thread (AMX), and the
 fused LoRA layer's kernel path against its matmul path and peft."""
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from ppokit.lm.fused_lora import LoRALinearFunction, enable_lora_kernels, fuse_lora_layers
-from ppokit.lm.kernels.functions import (lora_amx_ready, lora_down, lora_kernels_eligible, lora_kernels_kind,
+from ppokit.lm.accel.fused_lora import LoRALinearFunction, enable_lora_kernels, fuse_lora_layers
+from ppokit.lm.accel.kernels.functions import (lora_amx_ready, lora_down, lora_kernels_eligible, lora_kernels_kind,
                                          lora_outer, lora_up_add_)
 
 pytestmark = pytest.mark.skipif(lora_kernels_kind() is None, reason="no AMX or AVX512-BF16 here (or no C compiler)")
@@ -105,7 +105,7 @@ def test_kernels_ask_for_the_tile_state_in_a_fresh_process():
     """A tile instruction before Linux grants the AMX state is an illegal instruction: the
     kernels' entry points ask for it first, whatever ran before them in the process."""
     code = ("import torch\n"
-            "from ppokit.lm.kernels.functions import lora_down\n"
+            "from ppokit.lm.accel.kernels.functions import lora_down\n"
             "x, m = torch.ones(40, 64, dtype=torch.bfloat16), torch.ones(8, 64, dtype=torch.bfloat16)\n"
             "assert bool((lora_down(x, m) == 64).all())\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -189,7 +189,7 @@ def test_the_kernels_take_every_pass_on_amx_and_only_decoding_steps_on_vectors()
     passes keep oneDNN's matmuls, alike, so the first ratio stays exactly 1."""
     from peft import LoraConfig, get_peft_model
 
-    from ppokit.lm.fused_lora import _use_kernels
+    from ppokit.lm.accel.fused_lora import _use_kernels
 
     net = get_peft_model(torch.nn.Sequential(torch.nn.Linear(64, 96)), LoraConfig(r=8, target_modules=["0"]))
     fuse_lora_layers(net)

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from ppokit.errors import UserError
+from ppokit.lm.policy_io import save_policy
 from ppokit.lm import sft
 from ppokit.lm.export import export_merged
-from ppokit.lm.policy import build_policy, load_tokenizer
+from ppokit.lm.hf import load_tokenizer
+from ppokit.lm.policy import build_policy
 from ppokit.lm.tasks import ArithmeticTask
 from ppokit.lm.tiny import build_tiny_model
 from test_policy import lm_config
@@ -44,7 +46,7 @@ def mount(tmp_path):
 def checkpoint(tiny_dir, tmp_path):
     """An untrained lora checkpoint (what a run saves), made without training."""
     policy = build_policy(lm_config(tiny_dir), tiny_dir, device=torch.device("cpu"), autocast_dtype=None)
-    return policy.save(tmp_path / "run" / "checkpoint", base_model=str(tiny_dir), tokenizer=load_tokenizer(tiny_dir))
+    return save_policy(policy, tmp_path / "run" / "checkpoint", base_model=str(tiny_dir), tokenizer=load_tokenizer(tiny_dir))
 
 
 @pytest.fixture

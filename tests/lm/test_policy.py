@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from ppokit.config import build_config
+from ppokit.lm.policy_io import save_policy
 from ppokit.errors import UserError
-from ppokit.lm.policy import build_policy, load_causal_lm, load_tokenizer
+from ppokit.lm.hf import load_causal_lm, load_tokenizer
+from ppokit.lm.policy import build_policy
 from ppokit.lm.rollout import assemble
 from ppokit.trainer import PPOTrainer
 from lm_helpers import randomize
@@ -151,17 +153,25 @@ def test_bf16_keeps_trained_weights_fp32_and_stores_the_frozen_backbone_in_bf16(
     assert all(p.grad is None or p.grad.dtype == torch.float32 for g in policy.param_groups(cfg) for p in g["params"])
 
 
-def test_lora_policies_train_through_the_fused_lora_layers(tiny_dir, tmp_path):
+def test_lora_layers_are_fused_by_the_cpu_acceleration_alone(tiny_dir, tmp_path):
+    """A policy is plain peft; ppokit.lm.accel (one call, CPU only) swaps in the fused LoRA layers."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    from ppokit.lm.policy import load_policy
+    from ppokit.lm.accel import accelerate_policy
+    from ppokit.lm.policy_io import load_policy
+
+    def kinds(policy):
+        return {type(m).__name__ for m in policy.lm.modules() if isinstance(m, LoraLinear)}
 
     policy = build_policy(lm_config(tiny_dir), tiny_dir, device=CPU, autocast_dtype=None)
-    layers = [m for m in policy.lm.modules() if isinstance(m, LoraLinear)]
-    assert layers and all(type(m).__name__ == "FusedLinear" for m in layers)
-    policy.save(tmp_path / "ckpt", base_model=str(tiny_dir))
+    assert kinds(policy) == {"Linear"}
+    accelerate_policy(policy)
+    assert kinds(policy) == {"FusedLinear"}
+    save_policy(policy, tmp_path / "ckpt", base_model=str(tiny_dir))
     reloaded = load_policy(tmp_path / "ckpt", trainable=True)
-    assert all(type(m).__name__ == "FusedLinear" for m in reloaded.lm.modules() if isinstance(m, LoraLinear))
+    assert kinds(reloaded) == {"Linear"}
+    accelerate_policy(reloaded)
+    assert kinds(reloaded) == {"FusedLinear"}
 
 
 # ----------------------------------------------------------------------------- reference
@@ -228,17 +238,28 @@ def test_directory_that_is_not_a_causal_lm(tmp_path):
         load_causal_lm(empty)
 
 
-@pytest.mark.parametrize("token, message", [("eos_token", "has no EOS token"), ("pad_token", "has no pad token")])
-def test_tokenizer_without_eos_or_pad(tiny_dir, tmp_path, token, message):
+def _without(tiny_dir, tmp_path, token):
     bad = tmp_path / "model"
     shutil.copytree(tiny_dir, bad)
     path = bad / "tokenizer_config.json"
     config = json.loads(path.read_text())
     config.pop(token)
     path.write_text(json.dumps(config))
-    with pytest.raises(UserError, match=message) as info:
-        load_tokenizer(bad)
+    return bad
+
+
+def test_a_tokenizer_without_eos_cannot_generate(tiny_dir, tmp_path):
+    with pytest.raises(UserError, match="has no EOS token") as info:
+        load_tokenizer(_without(tiny_dir, tmp_path, "eos_token"))
     assert "\n" not in str(info.value)
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(tiny_dir, tmp_path):
+    """One rule for every loader: no pad token (Llama's tokenizers ship none) means EOS pads."""
+    tok = load_tokenizer(_without(tiny_dir, tmp_path, "pad_token"))
+    assert tok.pad_token_id == tok.eos_token_id and tok.padding_side == "left"
+    enc = tok(["1+2=", "12+30="], padding=True)
+    assert enc["input_ids"][0][:2] == [tok.eos_token_id] * 2 and enc["attention_mask"][0][:2] == [0, 0]
 
 
 def run_cli(*args, cwd):

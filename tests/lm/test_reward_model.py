@@ -95,7 +95,7 @@ def test_bf16_scores_are_close_to_fp32(rm_dir):
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_the_fused_cpu_kernels_score_as_transformers_layers_do(tmp_path, dtype):
-    from ppokit.lm.kernels import cpu_library
+    from ppokit.lm.accel.kernels import cpu_library
 
     if cpu_library() is None:
         pytest.skip("the CPU kernels are not built here (no C compiler)")
@@ -201,7 +201,7 @@ def digit_reward_model(path: Path) -> Path:
 def test_ppo_raises_the_reward_models_score(tiny_dir, tmp_path):
     from test_lm_learning import config
 
-    from ppokit.lm.workload import train_lm
+    from ppokit.workloads import train as train_lm
 
     rm = digit_reward_model(tmp_path / "digit-rm")
     scores = RewardModel(rm, device=CPU).score(["1+1="] * 4, ["7", "2x0", "72a", ""])

@@ -8,11 +8,9 @@ import pytest
 import torch
 
 from ppokit.errors import UserError
-from ppokit.lm.sft import (CURVE_FILE, IGNORE_INDEX, collate, encode_examples, evaluate_accuracy,
-                           generate_responses, run_sft, sft_main)
+from ppokit.lm.hf import load_model_and_tokenizer
+from ppokit.lm.sft import CURVE_FILE, IGNORE_INDEX, collate, encode_examples, eval_engine, evaluate, run_sft, sft_main
 from ppokit.lm.tasks import ArithmeticTask
-from ppokit.lm.tiny import load_model_and_tokenizer
-
 
 
 def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):
@@ -32,10 +30,14 @@ def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):
 
 
 def test_generation_batches_match_single_prompts(tiny_model_dir):
+    """SFT evaluates through the run's generation engine: greedy, left-padded batches give
+    what each prompt gives alone."""
     model, tok = load_model_and_tokenizer(tiny_model_dir)
     prompts = ["1+2=", "37+48=", "5=", "123+456="]
-    together = generate_responses(model, tok, prompts, batch_size=4, max_new_tokens=5)
-    alone = [generate_responses(model, tok, [p], batch_size=1, max_new_tokens=5)[0] for p in prompts]
+    together = eval_engine(model, tok, max_new_tokens=5, batch_size=4, precision="fp32").generate(
+        prompts, greedy=True).texts
+    alone = [eval_engine(model, tok, max_new_tokens=5, batch_size=1, precision="fp32").generate(
+        [p], greedy=True).texts[0] for p in prompts]
     assert together == alone
     assert all(len(r) <= 5 and "<" not in r for r in together)
 
@@ -56,7 +58,7 @@ def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
     assert saved["best_epoch"] == summary["best_epoch"] and len(saved["curve"]) == len(curve)
     model, tok = load_model_and_tokenizer(out)                                  # the best model, reloadable
     assert tok.padding_side == "left" and not (out / "ppokit_tiny.json").exists()
-    accuracy = evaluate_accuracy(model, tok, examples, "exact_match", batch_size=16, max_new_tokens=4)
+    accuracy = evaluate(model, tok, examples, "exact_match", batch_size=16, max_new_tokens=4)
     assert accuracy == pytest.approx(summary["train_accuracy"])
 
     with pytest.raises(UserError, match="not empty"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ppokit.errors import UserError
-from ppokit.lm.tiny import (DEFAULT_ALPHABET, DEFAULT_TINY_SPEC, SPEC_FILE, TinySpec, build_char_tokenizer,
-                            build_tiny_model, load_model_and_tokenizer, read_tiny_spec)
+from ppokit.lm.hf import load_model_and_tokenizer
+from ppokit.lm.tiny import DEFAULT_ALPHABET, DEFAULT_TINY_SPEC, SPEC_FILE, TinySpec, build_char_tokenizer, build_tiny_model, read_tiny_spec
 
 
 def test_char_tokenizer_round_trip(tmp_path):

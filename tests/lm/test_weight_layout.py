@@ -1,12 +1,13 @@
-"""Column-major storage of wide frozen bf16 weights (ppokit.lm.weight_layout)."""
+"""Column-major storage of wide frozen bf16 weights (ppokit.lm.accel.weight_layout)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ppokit.lm.policy import build_policy, load_tokenizer
-from ppokit.lm.weight_layout import transpose_wide_weights
+from ppokit.lm.hf import load_tokenizer
+from ppokit.lm.policy import build_policy
+from ppokit.lm.accel.weight_layout import transpose_wide_weights
 from test_policy import handmade_batch, lm_config
 
 BF16 = torch.bfloat16
@@ -70,8 +71,11 @@ def test_a_column_major_weight_computes_the_same_linear_and_input_gradient():
 def test_a_bf16_cpu_policy_stores_its_wide_frozen_weights_column_major(tiny_dir):
     from peft.tuners.lora import Linear as LoraLinear
 
+    from ppokit.lm.accel import accelerate_policy
+
     cfg = lm_config(tiny_dir, run={"precision": "bf16"})
     policy = build_policy(cfg, tiny_dir, device=torch.device("cpu"), autocast_dtype=BF16)
+    accelerate_policy(policy)               # the CPU acceleration layer stores them so
     bases = [m.get_base_layer() for m in policy.lm.modules() if isinstance(m, LoraLinear)]
     wide = [b for b in bases if b.out_features > b.in_features]
     assert wide and all(is_column_major(b.weight) for b in wide)
@@ -90,5 +94,8 @@ def test_a_bf16_cpu_policy_stores_its_wide_frozen_weights_column_major(tiny_dir)
 
 
 def test_an_fp32_policy_keeps_every_weight_row_major(tiny_dir):
+    from ppokit.lm.accel import accelerate_policy
+
     policy = build_policy(lm_config(tiny_dir), tiny_dir, device=torch.device("cpu"), autocast_dtype=None)
+    accelerate_policy(policy)
     assert all(p.is_contiguous() for p in policy.lm.parameters())

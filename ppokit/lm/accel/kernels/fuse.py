@@ -37,9 +37,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ppokit.lm.class_swap import fused_subclass, restore_classes
-from ppokit.lm.kernels import cpu_library
-from ppokit.lm.kernels.functions import (MAX_HEAD_DIM, AttentionFunction, RMSNormFunction, RotaryFunction,
+from ppokit.lm.accel.class_swap import fused_subclass, restore_classes
+from ppokit.lm.accel.kernels import cpu_library
+from ppokit.lm.accel.kernels.functions import (MAX_HEAD_DIM, AttentionFunction, RMSNormFunction, RotaryFunction,
                                          SiluMulFunction, decode_attention, eligible)
 
 # set while a fused attention module runs its forward: the dispatchers below call the kernels then

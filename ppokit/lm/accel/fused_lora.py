@@ -48,8 +48,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ppokit.lm.class_swap import fused_subclass, restore_classes
-from ppokit.lm.kernels.functions import lora_down, lora_kernels_eligible, lora_kernels_kind, lora_outer, lora_up_add_
+from ppokit.lm.accel.class_swap import fused_subclass, restore_classes
+from ppokit.lm.accel.kernels.functions import lora_down, lora_kernels_eligible, lora_kernels_kind, lora_outer, lora_up_add_
 
 
 def _matmul_down(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ builds a cache whose layers each keep one buffer, sized for the prompt plus
 ``max_new_tokens``, write each step's keys and values into it and hand attention a view
 of the filled part. The prompt's own pass gets its keys and values back as they came
 (contiguous, as attention over many positions wants them); decoding steps get the views,
-which ppokit's decoding kernel (:mod:`ppokit.lm.kernels.fuse`) reads in place. Eager
+which ppokit's decoding kernel (:mod:`ppokit.lm.accel.kernels.fuse`) reads in place. Eager
 attention reads them too, only slower (it copies a strided view), so the rollout engine
 uses this cache only where that kernel is installed.
 

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ppokit.lm.kernels import cpu_library
+from ppokit.lm.accel.kernels import cpu_library
 
 KEY_BLOCK = 32                           # keys per block in the attention kernels (cpu_kernels.c)
 MAX_HEAD_DIM = 256                       # their largest head size

@@ -8,7 +8,7 @@
  * R(v) in the formulas is the rounding of an intermediate to the tensor type, done
  * exactly where PyTorch's graph of the same computation rounds it, so the results match
  * transformers' modules (forward: bit for bit but for sums taken in another order;
- * backward: to one rounding). Built by ppokit/lm/kernels/__init__.py with the system C
+ * backward: to one rounding). Built by ppokit/lm/accel/kernels/__init__.py with the system C
  * compiler; plain C, vectorized by the compiler (`#pragma omp simd`), no PyTorch headers,
  * with AVX-512 and AMX intrinsics where the build targets them (RMSNorm, SwiGLU and rotary
  * on whole vectors, a register transpose, the decoding attention's rows, the LoRA kernels,

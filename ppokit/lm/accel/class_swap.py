@@ -1,7 +1,7 @@
 """Swapping a module's class for a subclass with another forward, and back.
 
-ppokit speeds up layers of peft and transformers models (:mod:`ppokit.lm.fused_lora`,
-:mod:`ppokit.lm.kernels.fuse`) by giving each module a subclass of its own class whose
+ppokit speeds up layers of peft and transformers models (:mod:`ppokit.lm.accel.fused_lora`,
+:mod:`ppokit.lm.accel.kernels.fuse`) by giving each module a subclass of its own class whose
 forward takes a faster path: parameters, state dicts, ``isinstance`` checks and saving
 stay as they were, and the original forward is one attribute away.
 """

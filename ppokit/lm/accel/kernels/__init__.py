@@ -1,6 +1,6 @@
 """Fused CPU kernels for a decoder layer's elementwise work (RMSNorm, SwiGLU, rotary), for
 its attention (training and scoring passes, and decoding steps), and, on CPUs with AMX,
-for LoRA's rank-r products (used by :mod:`ppokit.lm.fused_lora`).
+for LoRA's rank-r products (used by :mod:`ppokit.lm.accel.fused_lora`).
 
 PyTorch's elementwise operations are bound by memory, one pass per operation, and on a
 CPU with bf16 matrix units a layer's matmuls run about 8x faster than in float32, so
@@ -16,8 +16,8 @@ headers, about a second to build. Without a compiler, or when the build fails, n
 changes: every layer keeps transformers' own forward (:func:`cpu_library` returns None
 and says why once in the log). ``PPOKIT_CPU_KERNELS=0`` switches the kernels off.
 
-:mod:`ppokit.lm.kernels.functions` wraps them as autograd functions and
-:mod:`ppokit.lm.kernels.fuse` puts them into a model's layers.
+:mod:`ppokit.lm.accel.kernels.functions` wraps them as autograd functions and
+:mod:`ppokit.lm.accel.kernels.fuse` puts them into a model's layers.
 """
 
 from __future__ import annotations

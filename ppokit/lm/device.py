@@ -1,0 +1,88 @@
+"""Where and in which precision a language model runs: ``run.device``, ``run.precision``,
+the attention kernel and the number of torch threads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ppokit.errors import UserError
+
+SMALL_MODEL_PARAMS = 20_000_000   # CPU: below this, one torch thread unless run.torch_threads says otherwise
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"run.device={name} but no CUDA device is available; use run.device=cpu")
+    return torch.device(name)
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """True where bf16 matmuls run natively (CUDA with bf16, CPU with AVX512-BF16/AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            try:
+                flags = Path("/proc/cpuinfo").read_text()
+            except OSError:
+                return False
+            return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False
+
+
+def resolve_precision(name: str, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype: ``torch.bfloat16`` or None (fp32). ``auto`` = bf16 where supported."""
+    if name == "fp32":
+        return None
+    if name == "bf16":
+        if device.type == "cpu" or bf16_supported(device):
+            return torch.bfloat16
+        raise UserError(f"run.precision=bf16 is not supported on {device}; use fp32 or auto")
+    return torch.bfloat16 if bf16_supported(device) else None
+
+
+
+def attention_implementation(name: str, device: torch.device) -> Optional[str]:
+    """``auto``: eager attention on CPU (its backward is faster there than the CPU SDPA
+    kernel's at the short lengths a CPU trains), the model's default elsewhere."""
+    if name == "auto":
+        return "eager" if torch.device(device).type == "cpu" else None
+    return name
+
+
+def available_devices() -> list[str]:
+    """The ``run.device`` values this machine can run: auto, cpu, then cuda, cuda:N and mps when present."""
+    names = ["auto", "cpu"]
+    if torch.cuda.is_available():
+        names += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        names.append("mps")
+    return names
+
+
+def run_device(cfg) -> torch.device:
+    """``run.device`` as a ``torch.device``; one this machine lacks is a :class:`UserError` naming the choices."""
+    name = cfg.run.device
+    choices = available_devices()
+    if name not in choices:
+        raise UserError(f"run.device={name}: no such device on this machine; available: {', '.join(choices)}")
+    return resolve_device(name)
+
+
+def one_thread_if_small(cfg, model: torch.nn.Module, device: torch.device) -> None:
+    """CPU, no ``run.torch_threads``, a model under :data:`SMALL_MODEL_PARAMS`: one torch thread.
+
+    Small matmuls gain little from threads, and more threads than free cores (other
+    processes) slow them down many times over.
+    """
+    if cfg.run.torch_threads is None and device.type == "cpu" and \
+            sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+        torch.set_num_threads(1)
