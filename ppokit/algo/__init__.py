@@ -10,7 +10,8 @@ Modules, one job each:
 - :mod:`.stats`       masked sum / mean / var, whiten, explained variance
 - :mod:`.aggregation` per-token loss matrix -> scalar (token-mean, seq-mean-..., Dr. GRPO)
 - :mod:`.advantages`  GAE, GRPO, RLOO, REINFORCE++ (+ baseline)
-- :mod:`.policy_losses` clipped PPO surrogate (asymmetric, dual clip, sequence-level ratio)
+- :mod:`.policy_losses` PPO losses by name: clip (asymmetric, dual clip) and adaptive
+  KL penalty; token, sequence and GSPO-token importance ratios
 - :mod:`.value_losses` clipped / Huber value loss
 - :mod:`.kl`          per-token KL estimators, exact KL, KL-coefficient controllers
 - :mod:`.logits`      chunked log-probs and entropy from logits
@@ -36,7 +37,7 @@ from .kl import (
     make_kl_controller,
 )
 from .logits import entropy_from_logits, log_probs_from_logits
-from .policy_losses import POLICY_LOSSES, policy_loss
+from .policy_losses import POLICY_LOSSES, get_policy_loss, policy_loss, ppo_penalty_loss
 from .registry import Registry, UnknownNameError
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, whiten
 from .value_losses import value_loss
@@ -66,7 +67,9 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     # losses
     "POLICY_LOSSES",
+    "get_policy_loss",
     "policy_loss",
+    "ppo_penalty_loss",
     "value_loss",
     # KL
     "KL_ESTIMATORS",
