@@ -13,7 +13,8 @@ Modules, one job each:
 - :mod:`.policy_losses` PPO losses by name: clip (asymmetric, dual clip) and adaptive
   KL penalty; token, sequence and GSPO-token importance ratios
 - :mod:`.value_losses` clipped / Huber value loss
-- :mod:`.kl`          per-token KL estimators, exact KL, KL-coefficient controllers
+- :mod:`.kl`          per-token KL estimators, exact KL, mean sequence KL, KL-coefficient
+  controllers (in-reward adaptive, PPO-penalty adaptive)
 - :mod:`.logits`      chunked log-probs and entropy from logits
 """
 
@@ -31,10 +32,12 @@ from .aggregation import AGG_MODES, aggregate, aggregation_normalizer
 from .kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
+    AdaptivePenaltyCoef,
     FixedKLController,
     kl_full,
     kl_penalty,
     make_kl_controller,
+    mean_sequence_kl,
 )
 from .logits import entropy_from_logits, log_probs_from_logits
 from .policy_losses import POLICY_LOSSES, get_policy_loss, policy_loss, ppo_penalty_loss
@@ -75,8 +78,10 @@ __all__ = [
     "KL_ESTIMATORS",
     "kl_penalty",
     "kl_full",
+    "mean_sequence_kl",
     "FixedKLController",
     "AdaptiveKLController",
+    "AdaptivePenaltyCoef",
     "make_kl_controller",
     # logits
     "log_probs_from_logits",
