@@ -15,6 +15,7 @@ Modules, one job each:
 - :mod:`.value_losses` clipped / Huber value loss
 - :mod:`.kl`          per-token KL estimators, exact KL, mean sequence KL, KL-coefficient
   controllers (in-reward adaptive, PPO-penalty adaptive)
+- :mod:`.kl_hidden`   exact KL over the vocabulary from hidden states, chunked (no full logits)
 - :mod:`.logits`      chunked log-probs and entropy from logits
 """
 
@@ -39,6 +40,7 @@ from .kl import (
     make_kl_controller,
     mean_sequence_kl,
 )
+from .kl_hidden import kl_full_from_hidden
 from .logits import entropy_from_logits, log_probs_from_logits
 from .policy_losses import POLICY_LOSSES, get_policy_loss, policy_loss, ppo_penalty_loss
 from .registry import Registry, UnknownNameError
@@ -78,6 +80,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "kl_penalty",
     "kl_full",
+    "kl_full_from_hidden",
     "mean_sequence_kl",
     "FixedKLController",
     "AdaptiveKLController",
