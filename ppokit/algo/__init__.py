@@ -10,9 +10,12 @@ Modules, one job each:
 - :mod:`.stats`       masked sum / mean / var, whiten, explained variance
 - :mod:`.aggregation` per-token loss matrix -> scalar (token-mean, seq-mean-..., Dr. GRPO)
 - :mod:`.advantages`  GAE, GRPO, RLOO, REINFORCE++ (+ baseline)
-- :mod:`.policy_losses` clipped PPO surrogate (asymmetric, dual clip, sequence-level ratio)
+- :mod:`.policy_losses` PPO losses by name: clip (asymmetric, dual clip) and adaptive
+  KL penalty; token, sequence and GSPO-token importance ratios
 - :mod:`.value_losses` clipped / Huber value loss
-- :mod:`.kl`          per-token KL estimators, exact KL, KL-coefficient controllers
+- :mod:`.kl`          per-token KL estimators, exact KL, mean sequence KL, KL-coefficient
+  controllers (in-reward adaptive, PPO-penalty adaptive)
+- :mod:`.kl_hidden`   exact KL over the vocabulary from hidden states, chunked (no full logits)
 - :mod:`.logits`      chunked log-probs and entropy from logits
 """
 
@@ -30,13 +33,16 @@ from .aggregation import AGG_MODES, aggregate, aggregation_normalizer
 from .kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
+    AdaptivePenaltyCoef,
     FixedKLController,
     kl_full,
     kl_penalty,
     make_kl_controller,
+    mean_sequence_kl,
 )
+from .kl_hidden import kl_full_from_hidden
 from .logits import entropy_from_logits, log_probs_from_logits
-from .policy_losses import POLICY_LOSSES, policy_loss
+from .policy_losses import POLICY_LOSSES, get_policy_loss, policy_loss, ppo_penalty_loss
 from .registry import Registry, UnknownNameError
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, whiten
 from .value_losses import value_loss
@@ -66,14 +72,19 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     # losses
     "POLICY_LOSSES",
+    "get_policy_loss",
     "policy_loss",
+    "ppo_penalty_loss",
     "value_loss",
     # KL
     "KL_ESTIMATORS",
     "kl_penalty",
     "kl_full",
+    "kl_full_from_hidden",
+    "mean_sequence_kl",
     "FixedKLController",
     "AdaptiveKLController",
+    "AdaptivePenaltyCoef",
     "make_kl_controller",
     # logits
     "log_probs_from_logits",

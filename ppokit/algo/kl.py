@@ -9,7 +9,14 @@ J. Schulman, "Approximating KL Divergence" (2020)::
     mse / k2        0.5 (lp - ref)^2                      >= 0, biased
     low_var_kl / k3 exp(d) - d - 1, d = ref - lp          >= 0, unbiased, low variance
 
-:func:`kl_full` is the exact KL over the vocabulary, from the full logits.
+:func:`kl_full` is the exact KL over the vocabulary, from the full logits
+(:func:`~ppokit.algo.kl_hidden.kl_full_from_hidden` the same from hidden states,
+chunked). :func:`mean_sequence_kl` reduces a per-token KL to the number the
+adaptive in-reward controller reads.
+
+Coefficient controllers: :class:`FixedKLController` and :class:`AdaptiveKLController`
+(the in-reward KL coefficient, Ziegler et al. 2019), :class:`AdaptivePenaltyCoef`
+(the PPO paper's adaptive KL-penalty coefficient for the ``penalty`` policy loss).
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ from .registry import Registry, UnknownNameError
 
 __all__ = [
     "AdaptiveKLController",
+    "AdaptivePenaltyCoef",
     "FixedKLController",
     "KL_ESTIMATORS",
     "kl_full",
     "kl_penalty",
     "make_kl_controller",
+    "mean_sequence_kl",
 ]
 
 KL_ESTIMATORS: Registry = Registry("KL estimator")
@@ -91,6 +100,32 @@ def kl_full(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     p = logp.exp()
     terms = torch.where(p > 0, p * (logp - logq), torch.zeros((), dtype=dtype, device=p.device))
     return terms.sum(-1)
+
+
+def mean_sequence_kl(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean over sequences of each sequence's mean per-token KL (0-dim).
+
+    ``kl`` (B, T) per-token KL estimates, ``mask`` (B, T) bool or 0/1::
+
+        kl_b = sum_t m_bt kl_bt / sum_t m_bt         for rows with sum_t m_bt > 0
+        out  = mean_b kl_b  over those rows           (0 if there is none)
+
+    This is the ``current_kl`` that verl's ``apply_kl_penalty`` feeds to its adaptive
+    KL controller (every sequence weighs the same, whatever its length). verl
+    averages over all rows, counting a row without valid tokens as 0; here such rows
+    are left out (they carry no KL measurement). Padding may hold NaN/inf. No host sync.
+    """
+    if kl.dim() != 2:
+        raise ValueError(f"kl must be 2-D (B, T), got shape {tuple(kl.shape)}")
+    if mask.shape != kl.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} != kl shape {tuple(kl.shape)}")
+    m = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
+    dtype = kl.dtype if kl.dtype.is_floating_point else torch.float32
+    zero = torch.zeros((), dtype=dtype, device=kl.device)
+    n_tok = m.sum(-1)  # (B,)
+    row_mean = torch.where(m, kl.to(dtype), zero).sum(-1) / n_tok.clamp(min=1).to(dtype)  # (B,)
+    has = n_tok > 0  # (B,)
+    return torch.where(has, row_mean, zero).sum() / has.sum().clamp(min=1).to(dtype)
 
 
 # ----------------------------------------------------------------------------- controllers
@@ -190,3 +225,49 @@ def make_kl_controller(
     raise UnknownNameError(
         "KL controller type", type, close[0] if close else None, _CONTROLLER_TYPES, ", ".join(_CONTROLLER_TYPES)
     )
+
+
+class AdaptivePenaltyCoef:
+    """The adaptive KL-penalty coefficient ``beta`` of the PPO paper (Schulman et al., 2017, sec. 4).
+
+    After each iteration's policy update, with ``d`` the measured
+    ``KL(pi_old || pi)`` (e.g. the mean of the ``penalty`` loss's ``kl_old``)::
+
+        d > 1.5 * target_kl   ->  beta *= 2
+        d < target_kl / 1.5   ->  beta /= 2
+        otherwise             ->  beta unchanged
+
+    The paper notes the result is insensitive to 1.5 and 2 and to the initial
+    ``beta``, which adapts quickly. ``value`` is the coefficient to pass as the
+    loss's ``penalty_coef`` in the next iteration.
+    """
+
+    def __init__(self, init_coef: float, target_kl: float):
+        self.value = _positive("init_coef", init_coef)
+        self.target_kl = _positive("target_kl", target_kl)
+
+    def update(self, measured_kl: float) -> float:
+        """Apply the rule above and return the new ``value``; ``measured_kl`` may be a 0-dim tensor (read once)."""
+        if isinstance(measured_kl, torch.Tensor):
+            measured_kl = measured_kl.item()
+        if isinstance(measured_kl, bool) or not isinstance(measured_kl, numbers.Real):
+            raise ValueError(f"measured_kl must be a number, got {measured_kl!r}")
+        measured_kl = float(measured_kl)
+        if not math.isfinite(measured_kl):
+            raise ValueError(f"measured_kl must be finite, got {measured_kl}")
+        if measured_kl > 1.5 * self.target_kl:
+            self.value *= 2.0
+        elif measured_kl < self.target_kl / 1.5:
+            self.value /= 2.0
+        return self.value
+
+    def state_dict(self) -> dict[str, float]:
+        """Plain floats (JSON-serialisable); only ``value`` is state, ``target_kl`` is config."""
+        return {"value": self.value, "target_kl": self.target_kl}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore ``value``; ``target_kl`` stays as constructed (config wins)."""
+        self.value = _positive("value", state["value"])
+
+    def __repr__(self) -> str:
+        return f"AdaptivePenaltyCoef(value={self.value}, target_kl={self.target_kl})"

@@ -1,6 +1,28 @@
-"""The clipped PPO policy loss (Schulman et al., 2017), with dual clip and sequence-level ratios."""
+"""PPO policy losses (the PPO paper, Schulman et al., 2017), one registry entry per variant.
+
+- ``clip`` (:func:`policy_loss`): the clipped surrogate, asymmetric clip range, dual clip.
+- ``penalty`` (:func:`ppo_penalty_loss`): the unclipped surrogate plus a penalty
+  ``beta * KL(pi_old || pi)`` whose coefficient adapts between iterations
+  (:class:`~ppokit.algo.kl.AdaptivePenaltyCoef`).
+
+Every registered loss takes the same leading arguments and returns ``(loss, metrics)``::
+
+    loss_fn = get_policy_loss(name)
+    loss, metrics = loss_fn(log_prob, old_log_prob, advantages, mask, *,
+                            agg_mode=..., normalizer=..., horizon=..., diagnostics=...,
+                            ratio_level=..., **its_own_hyperparameters)
+
+``ratio_level`` picks the importance ratio (the same three for every loss):
+
+- ``"token"``: ``r_t = pi(y_t) / pi_old(y_t)``, one per token, the token's advantage.
+- ``"sequence"``: ``r_i = prod_t r_t``, one per sequence, the sequence's mean advantage.
+- ``"gspo"``: GSPO-token (the GSPO paper, Zheng et al., 2025): the length-normalised
+  sequence ratio ``s_i = (prod_t r_t)^(1/|y_i|)`` on every token, the token's advantage.
+"""
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
@@ -8,12 +30,21 @@ from .aggregation import AGG_MODES, aggregate
 from .registry import Registry
 from .stats import masked_mean
 
-__all__ = ["POLICY_LOSSES", "policy_loss"]
+__all__ = ["POLICY_LOSSES", "get_policy_loss", "policy_loss", "ppo_penalty_loss"]
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 
 LOG_RATIO_CLAMP = 20.0
-RATIO_LEVELS = ("token", "sequence")
+RATIO_LEVELS = ("token", "sequence", "gspo")
+
+
+def get_policy_loss(name: str):
+    """The policy loss registered as ``name`` (``"clip"``/``"ppo"``/``"vanilla"``, ``"penalty"``).
+
+    Unknown names raise :class:`~ppokit.algo.registry.UnknownNameError` (a ValueError)
+    with a did-you-mean hint and the valid names.
+    """
+    return POLICY_LOSSES.get(name)
 
 
 def _masked_extreme(x: torch.Tensor, m: torch.Tensor, largest: bool) -> torch.Tensor:
@@ -24,7 +55,61 @@ def _masked_extreme(x: torch.Tensor, m: torch.Tensor, largest: bool) -> torch.Te
     return torch.where(m.any(), ext, torch.zeros_like(ext))
 
 
-@POLICY_LOSSES.register("ppo", "vanilla")
+def _check_common(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ratio_level: str,
+    agg_mode: str,
+) -> None:
+    """Shape and name checks shared by every loss (cheap, no host sync)."""
+    if log_prob.dim() != 2:
+        raise ValueError(f"log_prob must be 2-D (B, T), got shape {tuple(log_prob.shape)}")
+    if old_log_prob.shape != log_prob.shape:
+        raise ValueError(f"old_log_prob shape {tuple(old_log_prob.shape)} != log_prob shape {tuple(log_prob.shape)}")
+    if mask.shape != log_prob.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} != log_prob shape {tuple(log_prob.shape)}")
+    B = log_prob.shape[0]
+    if advantages.shape not in (log_prob.shape, (B,)):
+        raise ValueError(
+            f"advantages shape {tuple(advantages.shape)} must be log_prob shape {tuple(log_prob.shape)} or (B,) = ({B},)"
+        )
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}, got {ratio_level!r}")
+    AGG_MODES.get(agg_mode)
+
+
+def _importance_ratio(
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    m: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    ratio_level: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ratio, adv, unit_mask)`` at ``ratio_level``.
+
+    ``token_log_ratio`` (B, T) is ``log pi - log pi_old`` with masked-out positions 0.
+    ``token`` and ``gspo`` give (B, T) tensors and ``unit_mask = m``; ``sequence``
+    gives (B,) tensors and ``unit_mask`` = rows with at least one valid token.
+    """
+    if ratio_level == "sequence":
+        log_ratio = token_log_ratio.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B,)
+        adv = advantages if advantages.dim() == 1 else masked_mean(advantages, m, dim=-1)  # (B,)
+        return torch.exp(log_ratio), adv, m.any(-1)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(log_prob)  # (B, T)
+    if ratio_level == "token":
+        log_ratio = token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+        return torch.exp(log_ratio), adv, m
+    # gspo: log s_it = sg[log s_i] + log pi_t - sg[log pi_t]; value log s_i, d/d(log pi_t) = 1
+    row_len = m.sum(-1).clamp(min=1)  # (B,)
+    log_s = (token_log_ratio.detach().sum(-1) / row_len).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B,)
+    lp = torch.where(m, log_prob, log_prob.new_zeros(()))  # (B, T) padding may hold inf
+    log_ratio = log_s[:, None] + (lp - lp.detach())  # (B, T)
+    return torch.exp(log_ratio), adv, m
+
+
+@POLICY_LOSSES.register("clip", "ppo", "vanilla")
 def policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -51,13 +136,31 @@ def policy_loss(
     and the loss is ``aggregate(L, mask, agg_mode, normalizer=..., horizon=...)``.
     The gradient w.r.t. ``log_prob`` is exactly 0 wherever a clip is active.
 
-    ``ratio_level="sequence"`` (GSPO-like / sequence-level importance ratio)::
+    ``ratio_level="sequence"`` (one importance ratio per sequence, the product of
+    its token ratios)::
 
         log r_b = clamp(sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
         A_b     = masked mean of advantages over row b  (or advantages (B,) as given)
 
     the per-sequence loss ``L_b`` is put on every valid token of row b and then
     aggregated; ``seq-mean-token-mean`` gives ``-(1/B) sum_b min(A_b r_b, A_b clip(r_b))``.
+
+    ``ratio_level="gspo"`` (GSPO-token, the GSPO paper, Zheng et al., 2025)::
+
+        log s_b  = clamp((1/|y_b|) sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
+        s_bt     = sg[s_b] * pi_bt / sg[pi_bt]        (sg = stop gradient)
+        L_bt     = max(-A_bt s_bt, -A_bt clip(s_bt, 1 - eps_low, 1 + eps_high))  (+ dual clip)
+
+    ``s_bt`` equals the length-normalised (geometric-mean) sequence ratio ``s_b`` on
+    every token, and ``d s_bt / d log pi_bt = s_b``; the advantage may differ per
+    token. With one advantage per row and ``seq-mean-token-mean`` the value and the
+    gradient equal GSPO's sequence objective ``-(1/B) sum_b min(s_b A_b, clip(s_b) A_b)``
+    (other ``agg_mode`` weight each row by its token count as usual). Because
+    ``s_b`` is a per-token geometric mean it stays much closer to 1 than token
+    ratios: GSPO uses clip ranges about three orders of magnitude smaller than
+    token-level PPO (the GSPO paper: ``lower_clip_ratio=3e-4``,
+    ``upper_clip_ratio=4e-4``); set them accordingly, with the usual 0.2 nothing is
+    ever clipped.
 
     Args:
         log_prob: (B, T) log-probs of the taken tokens/actions under the current policy.
@@ -67,6 +170,7 @@ def policy_loss(
         lower_clip_ratio, upper_clip_ratio: eps_low in [0, 1) and eps_high >= 0.
         clip_ratio_c: dual-clip constant c > 1, or None.
         agg_mode, normalizer, horizon: see :func:`~ppokit.algo.aggregation.aggregate`.
+        ratio_level: ``"token"``, ``"sequence"`` or ``"gspo"`` (see above).
         diagnostics: False returns only ``clipfrac``, ``approx_kl_k1``, ``approx_kl_k3``
             and ``ratio_max`` (what a training loop logs every step; each metric is a
             handful of tiny ops that cost more than the loss itself on small batches).
@@ -76,48 +180,26 @@ def policy_loss(
         ``clipfrac`` (fraction of valid positions where any clip zeroes the
         gradient), ``clipfrac_lower`` (A < 0, r < 1 - eps_low), ``clipfrac_upper``
         (A > 0, r > 1 + eps_high), ``clipfrac_dual`` (A < 0, r > c), ``ratio_mean``,
-        ``ratio_max``, ``ratio_min`` -- over valid tokens, or over rows with at
-        least one valid token at sequence level -- and ``approx_kl_k1``
-        (mean of ``log pi_old - log pi``) and ``approx_kl_k3`` (mean of
-        ``(r - 1) - log r``), always over valid tokens with token-level ratios.
+        ``ratio_max``, ``ratio_min`` -- over valid tokens (``token``, ``gspo``: a
+        row's ratio counts once per valid token), or over rows with at least one
+        valid token (``sequence``) -- and ``approx_kl_k1`` (mean of
+        ``log pi_old - log pi``) and ``approx_kl_k3`` (mean of ``(r - 1) - log r``),
+        always over valid tokens with token-level ratios.
     """
-    # ---- validation (cheap, no host sync)
-    if log_prob.dim() != 2:
-        raise ValueError(f"log_prob must be 2-D (B, T), got shape {tuple(log_prob.shape)}")
-    if old_log_prob.shape != log_prob.shape:
-        raise ValueError(f"old_log_prob shape {tuple(old_log_prob.shape)} != log_prob shape {tuple(log_prob.shape)}")
-    if mask.shape != log_prob.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} != log_prob shape {tuple(log_prob.shape)}")
-    B = log_prob.shape[0]
-    if advantages.shape not in (log_prob.shape, (B,)):
-        raise ValueError(
-            f"advantages shape {tuple(advantages.shape)} must be log_prob shape {tuple(log_prob.shape)} or (B,) = ({B},)"
-        )
+    _check_common(log_prob, old_log_prob, advantages, mask, ratio_level, agg_mode)
     if not 0.0 <= lower_clip_ratio < 1.0:
         raise ValueError(f"lower_clip_ratio must be in [0, 1), got {lower_clip_ratio}")
     if not upper_clip_ratio >= 0.0:
         raise ValueError(f"upper_clip_ratio must be >= 0, got {upper_clip_ratio}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}, got {ratio_level!r}")
-    AGG_MODES.get(agg_mode)
 
     m = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
     zero = log_prob.new_zeros(())
     # masked-out positions may hold garbage (even inf); select them away early
     token_log_ratio = torch.where(m, log_prob - old_log_prob, zero)  # (B, T)
+    ratio, adv, unit_mask = _importance_ratio(log_prob, advantages, m, token_log_ratio, ratio_level)
 
-    if ratio_level == "token":
-        log_ratio = token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
-        adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(log_prob)  # (B, T)
-        unit_mask = m  # (B, T)
-    else:
-        log_ratio = token_log_ratio.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B,)
-        adv = advantages if advantages.dim() == 1 else masked_mean(advantages, m, dim=-1)  # (B,)
-        unit_mask = m.any(-1)  # (B,) rows with at least one valid token
-
-    ratio = torch.exp(log_ratio)  # (B, T) or (B,)
     surr = -adv * ratio
     surr_clipped = -adv * ratio.clamp(1.0 - lower_clip_ratio, 1.0 + upper_clip_ratio)
     loss_per = torch.maximum(surr, surr_clipped)
@@ -158,4 +240,94 @@ def policy_loss(
             "ratio_max": _masked_extreme(r, unit_mask, largest=True),
             "ratio_min": _masked_extreme(r, unit_mask, largest=False),
         }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("penalty", "ppo_penalty")
+def ppo_penalty_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg_mode: str = "token-mean",
+    normalizer: torch.Tensor | float | None = None,
+    horizon: int | None = None,
+    diagnostics: bool = True,
+    ratio_level: str = "token",
+    penalty_coef: torch.Tensor | float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO with an adaptive KL penalty instead of clipping (the PPO paper's second variant).
+
+    Per valid token, with ``beta = penalty_coef``::
+
+        log r_t = clamp(log pi_t - log pi_old_t, -20, 20),   r_t = exp(log r_t)
+        KL_t    = (r_t - 1) - log r_t
+        L_t     = -A_t rho_t + beta * KL_t
+
+    and the loss is ``aggregate(L, mask, agg_mode, normalizer=..., horizon=...)``.
+    ``rho_t`` is the importance ratio at ``ratio_level`` (``token``: ``r_t``;
+    ``sequence``: the row's ``prod_t r_t`` with the row's mean advantage; ``gspo``:
+    the GSPO-token ratio, see :func:`policy_loss`); nothing is clipped. The penalty
+    is always per token.
+
+    ``KL_t`` is Schulman's k3 estimator of ``KL(pi_old || pi)`` from tokens sampled
+    by ``pi_old`` (the rollout policy): ``E_old[r - 1] = 0``, so its mean is the
+    k1 estimate ``E_old[-log r] = KL(pi_old || pi)`` (unbiased), while each term is
+    non-negative (``x - 1 >= log x``) and has far less variance than ``-log r``,
+    so a penalty on it never rewards moving away. Its gradient is
+    ``d KL_t / d log pi_t = r_t - 1``: zero at the start of the update, pulling back
+    as the policy moves. Update ``beta`` between iterations with
+    :class:`~ppokit.algo.kl.AdaptivePenaltyCoef` from the measured ``kl_old``.
+
+    Args:
+        log_prob, old_log_prob, advantages, mask, agg_mode, normalizer, horizon,
+        ratio_level, diagnostics: as in :func:`policy_loss`.
+        penalty_coef: ``beta >= 0``, a number or a 0-dim tensor (read without host sync).
+
+    Returns:
+        ``(loss, metrics)``; detached 0-dim tensors: ``kl_old`` (masked mean of
+        ``KL_t`` over valid tokens: the measurement the adaptive coefficient wants;
+        the same value as ``approx_kl_k3``), ``clipfrac`` (always 0: nothing is
+        clipped), ``approx_kl_k1``, ``approx_kl_k3``, ``ratio_max`` and, with
+        ``diagnostics``, ``ratio_mean`` and ``ratio_min`` (over valid tokens, or
+        rows at sequence level).
+    """
+    _check_common(log_prob, old_log_prob, advantages, mask, ratio_level, agg_mode)
+    if isinstance(penalty_coef, torch.Tensor):
+        if penalty_coef.dim() != 0:
+            raise ValueError(f"penalty_coef must be a number or a 0-dim tensor, got shape {tuple(penalty_coef.shape)}")
+    elif (
+        not isinstance(penalty_coef, numbers.Real)
+        or isinstance(penalty_coef, bool)
+        or not (0.0 <= penalty_coef < float("inf"))
+    ):
+        raise ValueError(f"penalty_coef must be a finite number >= 0, got {penalty_coef!r}")
+
+    m = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
+    zero = log_prob.new_zeros(())
+    token_log_ratio = torch.where(m, log_prob - old_log_prob, zero)  # (B, T)
+    ratio, adv, unit_mask = _importance_ratio(log_prob, advantages, m, token_log_ratio, ratio_level)
+
+    surr = -adv * ratio  # (B, T) or (B,)
+    if ratio_level == "sequence":
+        surr = surr[:, None].expand_as(log_prob)  # (B, T)
+    tlr = token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+    kl = torch.expm1(tlr) - tlr  # (B, T) k3 of KL(pi_old || pi), >= 0
+    loss = aggregate(surr + penalty_coef * kl, m, agg_mode, normalizer=normalizer, horizon=horizon)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        tlr = tlr.detach()
+        kl_old = masked_mean(kl.detach(), m)
+        metrics = {
+            "kl_old": kl_old,
+            "clipfrac": torch.zeros((), dtype=r.dtype, device=r.device),
+            "approx_kl_k1": masked_mean(-tlr, m),
+            "approx_kl_k3": kl_old,
+            "ratio_max": _masked_extreme(r, unit_mask, largest=True),
+        }
+        if diagnostics:
+            metrics["ratio_mean"] = masked_mean(r, unit_mask)
+            metrics["ratio_min"] = _masked_extreme(r, unit_mask, largest=False)
     return loss, metrics

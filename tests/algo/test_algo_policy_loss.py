@@ -1,4 +1,4 @@
-"""The clipped PPO policy loss: values, gradients, dual clip, sequence level, metrics."""
+"""The clipped PPO policy loss: values, gradients, dual clip, sequence and GSPO-token levels, metrics."""
 
 import math
 
@@ -15,9 +15,9 @@ def _t(x):
     return torch.tensor(x, dtype=D)
 
 
-def test_registered_under_ppo_and_vanilla():
-    assert POLICY_LOSSES.get("ppo") is policy_loss
-    assert POLICY_LOSSES.get("vanilla") is policy_loss
+def test_registered_under_clip_ppo_and_vanilla():
+    for name in ("clip", "ppo", "vanilla"):
+        assert POLICY_LOSSES.get(name) is policy_loss
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -262,3 +262,164 @@ def test_without_diagnostics_same_loss_and_logged_subset():
     assert set(small) == {"clipfrac", "approx_kl_k1", "approx_kl_k3", "ratio_max"}
     for key, value in small.items():
         assert torch.equal(value, full[key]), key
+
+
+# ----------------------------------------------------------------------------- GSPO-token
+
+
+def _agg_weights(mask, mode):
+    """w[b][t]: the weight of a valid position's loss in ``mode`` (0 elsewhere), by loops."""
+    B, T = mask.shape
+    lens = [int(sum(bool(mask[b, t]) for t in range(T))) for b in range(B)]
+    n_tok = max(sum(lens), 1)
+    w = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                w[b][t] = {
+                    "token-mean": 1.0 / n_tok,
+                    "seq-mean-token-sum": 1.0 / B,
+                    "seq-mean-token-mean": 1.0 / (B * lens[b]),
+                    "seq-mean-token-sum-norm": 1.0 / (B * T),
+                }[mode]
+    return w
+
+
+def _naive_gspo(logp, old, adv, mask, lo, hi, c, mode):
+    """GSPO-token by loops in float64: loss and its gradient w.r.t. logp, written out.
+
+    s_b = exp(mean over valid t of (logp - old)); L_bt = max(-A s_b, -A clip(s_b)) (dual clip
+    for A < 0); d L_bt / d logp_bt = -A s_b where no clip is active, else 0; d/d logp_bt' = 0.
+    """
+    B, T = logp.shape
+    w = _agg_weights(mask, mode)
+    loss, grad = 0.0, torch.zeros(B, T, dtype=D)
+    for b in range(B):
+        valid = [t for t in range(T) if mask[b, t]]
+        if not valid:
+            continue
+        s = math.exp(sum(logp[b, t].item() - old[b, t].item() for t in valid) / len(valid))
+        for t in valid:
+            a = adv[b, t].item()
+            clipped_s = min(max(s, 1 - lo), 1 + hi)
+            value = max(-a * s, -a * clipped_s)
+            free = (-a * s >= -a * clipped_s) and not ((a > 0 and s > 1 + hi) or (a < 0 and s < 1 - lo))
+            if c is not None and a < 0 and -a * c < value:
+                value, free = -a * c, False
+            loss += w[b][t] * value
+            grad[b, t] = w[b][t] * (-a * s) if free else 0.0
+    return loss, grad
+
+
+def _gspo_case(seed, B=6, T=7, spread=1e-3):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(B, T, generator=g, dtype=D) - 2
+    logp = old + spread * torch.randn(B, T, generator=g, dtype=D)
+    adv = torch.randn(B, T, generator=g, dtype=D)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    mask[0] = True
+    mask[1] = False  # an empty row
+    mask[2] = False
+    mask[2, 3] = True  # a single-token row
+    # padding holds garbage; the loss must not see it
+    logp = torch.where(mask, logp, torch.full_like(logp, float("inf")))
+    old = torch.where(mask, old, torch.full_like(old, float("nan")))
+    return logp.requires_grad_(), old, adv, mask
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("c", [None, 3.0])
+def test_gspo_matches_naive(mode, c):
+    lo, hi = 3e-4, 4e-4  # the GSPO paper's clip range
+    for seed in range(3):
+        logp, old, adv, mask = _gspo_case(seed)
+        loss, m = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi, clip_ratio_c=c,
+                              agg_mode=mode, ratio_level="gspo")
+        (grad,) = torch.autograd.grad(loss, logp)
+        ref_loss, ref_grad = _naive_gspo(logp.detach(), old, adv, mask, lo, hi, c, mode)
+        assert loss.item() == pytest.approx(ref_loss, abs=1e-13)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
+        assert 0.0 < m["clipfrac"].item() < 1.0  # both clipped and free tokens are exercised
+
+
+def test_gspo_with_one_advantage_per_row_has_the_gradient_of_the_sequence_objective():
+    """GSPO: J = -(1/B) sum_b min(s_b A_b, clip(s_b) A_b), s_b = exp(mean_t log-ratio), by autograd per row."""
+    lo, hi = 3e-4, 4e-4
+    logp, old, _, mask = _gspo_case(7, B=8, T=6, spread=4e-3)
+    a = torch.randn(8, generator=torch.Generator().manual_seed(8), dtype=D)
+    B = logp.shape[0]
+
+    def sequence_objective(weight_by_len):
+        total = logp.new_zeros(())
+        for b in range(B):
+            valid = [t for t in range(logp.shape[1]) if mask[b, t]]
+            if not valid:
+                continue
+            s = torch.exp(sum(logp[b, t] - old[b, t] for t in valid) / len(valid))
+            row = torch.maximum(-a[b] * s, -a[b] * s.clamp(1 - lo, 1 + hi))
+            total = total + row * (len(valid) if weight_by_len else 1)
+        return total
+
+    clipped_rows = 0
+    for adv in (a, a[:, None].expand_as(logp).clone()):  # (B,) or equal per-token advantages
+        loss, m = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi,
+                              agg_mode="seq-mean-token-mean", ratio_level="gspo")
+        ref = sequence_objective(False) / B
+        g1, g2 = (torch.autograd.grad(x, logp)[0] for x in (loss, ref))
+        assert loss.item() == pytest.approx(ref.item(), abs=1e-14)
+        torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-16)
+        clipped_rows = (g1.abs().sum(-1) == 0).sum().item() - 1  # minus the empty row
+        # token-mean weighs each row by its token count
+        loss, _ = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi,
+                              agg_mode="token-mean", ratio_level="gspo")
+        ref = sequence_objective(True) / mask.sum()
+        g1, g2 = (torch.autograd.grad(x, logp)[0] for x in (loss, ref))
+        torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-16)
+    assert 0 < clipped_rows < B - 1  # some rows clipped, some free
+
+
+def test_gspo_on_single_token_rows_is_token_level_ppo():
+    g = torch.Generator().manual_seed(12)
+    old = torch.randn(5, 4, generator=g, dtype=D)
+    logp = (old + 0.3 * torch.randn(5, 4, generator=g, dtype=D)).requires_grad_()
+    adv = torch.randn(5, 4, generator=g, dtype=D)
+    mask = torch.zeros(5, 4, dtype=torch.bool)
+    mask[torch.arange(5), torch.tensor([0, 3, 1, 2, 0])] = True
+    for mode in MODES:
+        l1, m1 = policy_loss(logp, old, adv, mask, agg_mode=mode, ratio_level="gspo", clip_ratio_c=2.0)
+        l2, m2 = policy_loss(logp, old, adv, mask, agg_mode=mode, ratio_level="token", clip_ratio_c=2.0)
+        assert l1.item() == pytest.approx(l2.item(), abs=1e-15)
+        torch.testing.assert_close(torch.autograd.grad(l1, logp)[0], torch.autograd.grad(l2, logp)[0],
+                                   rtol=1e-14, atol=0)
+        for k in m1:
+            assert m1[k].item() == pytest.approx(m2[k].item(), abs=1e-14), k
+
+
+def test_gspo_and_sequence_clipfrac_count_tokens_and_rows():
+    hi, lo = 0.1, 0.1
+    x = math.log(1.2)  # every token of row 0: s_0 = 1.2 (gspo), r_0 = 1.2^3 (sequence); both > 1 + hi
+    old = torch.zeros(2, 4, dtype=D)
+    logp = _t([[x, x, x, 0.0], [math.log(1.05), 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    adv = _t([[1.0, -1.0, 2.0, 9.0], [1.0, 0.0, 0.0, 0.0]])
+    _, m = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi, ratio_level="gspo")
+    # tokens: row 0's two A > 0 tokens are clipped above, its A < 0 token is free, row 1 is free
+    assert m["clipfrac"].item() == pytest.approx(2 / 4) and m["clipfrac_upper"].item() == pytest.approx(2 / 4)
+    assert m["clipfrac_lower"].item() == 0.0
+    assert m["ratio_max"].item() == pytest.approx(1.2, rel=1e-14)
+    assert m["ratio_min"].item() == pytest.approx(1.05, rel=1e-14)
+    assert m["ratio_mean"].item() == pytest.approx((3 * 1.2 + 1.05) / 4, rel=1e-14)
+    # the sequence level counts rows: row 0 (mean advantage 2/3 > 0, r = 1.728) is clipped, row 1 is not
+    _, m = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi, ratio_level="sequence")
+    assert m["clipfrac"].item() == pytest.approx(1 / 2) and m["ratio_max"].item() == pytest.approx(1.2**3)
+
+
+def test_gspo_gradient_vanishes_only_where_clipped_and_ignores_padding():
+    logp, old, adv, mask = _gspo_case(3, spread=5e-4)
+    loss, _ = policy_loss(logp, old, adv, mask, lower_clip_ratio=3e-4, upper_clip_ratio=4e-4, ratio_level="gspo")
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert (logp.grad[~mask] == 0).all()
+    s = torch.exp(torch.where(mask, logp.detach() - old, 0.0).sum(-1) / mask.sum(-1).clamp(min=1))  # (B,)
+    clipped = ((adv > 0) & (s[:, None] > 1 + 4e-4)) | ((adv < 0) & (s[:, None] < 1 - 3e-4))
+    assert ((logp.grad == 0) == (clipped | ~mask)).all()

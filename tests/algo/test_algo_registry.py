@@ -29,7 +29,7 @@ def test_kinds():
 
 def test_registered_names():
     assert ADVANTAGE_ESTIMATORS.names() == ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-    assert POLICY_LOSSES.names() == ("ppo",)
+    assert POLICY_LOSSES.names() == ("clip", "penalty")
     assert "vanilla" in POLICY_LOSSES and "vanilla" not in POLICY_LOSSES.names()
     assert "nope" not in ADVANTAGE_ESTIMATORS and 3 not in ADVANTAGE_ESTIMATORS
 
@@ -43,7 +43,9 @@ def test_unknown_name_message_is_one_line_with_suggestion_and_valid_names():
     assert "reinforce_plus_plus" in msg
     assert isinstance(info.value, ValueError) and not isinstance(info.value, KeyError)
     assert info.value.suggestion == "gae" and "grpo" in info.value.valid
-    with pytest.raises(UnknownNameError, match=r"^unknown policy loss 'zzz'; valid: ppo \(aliases: vanilla\)$"):
+    with pytest.raises(
+        UnknownNameError, match=r"^unknown policy loss 'zzz'; valid: clip, penalty \(aliases: ppo, vanilla, ppo_penalty\)$"
+    ):
         POLICY_LOSSES.get("zzz")  # nothing close: no suggestion
 
 
@@ -52,7 +54,9 @@ def test_unknown_name_message_is_one_line_with_suggestion_and_valid_names():
     [
         (ADVANTAGE_ESTIMATORS, "reinforce_plus_plus", "reinforce_pp"),
         (ADVANTAGE_ESTIMATORS, "reinforce_plus_plus_baseline", "reinforce_pp_baseline"),
-        (POLICY_LOSSES, "vanilla", "ppo"),
+        (POLICY_LOSSES, "vanilla", "clip"),
+        (POLICY_LOSSES, "ppo", "clip"),
+        (POLICY_LOSSES, "ppo_penalty", "penalty"),
         (KL_ESTIMATORS, "k1", "kl"),
         (KL_ESTIMATORS, "k2", "mse"),
         (KL_ESTIMATORS, "k3", "low_var_kl"),
