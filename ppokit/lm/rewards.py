@@ -33,7 +33,11 @@ from ppokit.errors import UserError, did_you_mean
 RewardCallable = Callable[..., float]
 INTERNAL_PREFIX = "_ppokit"      # record keys ppokit keeps for itself (ppokit.lm.chat.RAW_PROMPT)
 
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
+# A number: optional sign (only where it cannot be a minus between two operands, as in "3-5"),
+# digits with optional thousands commas, optional decimals and exponent; or a bare ".5".
+_NUMBER = re.compile(r"(?:(?<![\w)\]}.])[-+])?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+_MARKED = re.compile(r"####")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 # --------------------------------------------------------------------------- built-ins
@@ -42,28 +46,82 @@ def exact_match(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
     return float(response.strip() == str(answer).strip())
 
 
+def _to_float(text: str) -> Optional[float]:
+    try:
+        value = float(text.replace(",", ""))
+    except (ValueError, OverflowError):
+        return None
+    return value if math.isfinite(value) else None
+
+
 def parse_first_number(text: str) -> Optional[float]:
     """The first number in ``text`` (``-12``, ``3.5``, ``1,234``, ``2e3``), or None."""
     match = _NUMBER.search(text)
-    if match is None:
-        return None
-    try:
-        return float(match.group().replace(",", ""))
-    except ValueError:
-        return None
+    return None if match is None else _to_float(match.group())
+
+
+def parse_last_number(text: str) -> Optional[float]:
+    """The last number in ``text``, or None."""
+    matches = _NUMBER.findall(text)
+    return _to_float(matches[-1]) if matches else None
+
+
+def last_boxed(text: str) -> Optional[str]:
+    r"""The content of the last ``\boxed{...}`` (or ``\fbox{...}``) in ``text``, nested braces
+    matched (``\boxed{\frac{1}{2}}`` -> ``\frac{1}{2}``); None if there is none or it is unclosed."""
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+    return None
+
+
+def final_number(text: str) -> Optional[float]:
+    r"""The number a chain-of-thought response gives as its final answer, or None.
+
+    The rule, in order:
+
+    1. ``#### N``: the first number after the last ``####`` (GSM8K's answer mark);
+    2. else the last ``\boxed{...}`` (nested braces handled), when its content holds exactly
+       one number (``\boxed{42}``, ``\boxed{x = -3.5}``); ``\boxed{\frac{1}{2}}`` holds two and
+       gives None: the ``math`` reward handles fractions and expressions;
+    3. else the last number in the text.
+
+    Numbers may carry a sign, thousands commas (``1,234``), decimals and an exponent; a ``-``
+    between two operands (``3-5``) is not a sign.
+    """
+    marks = list(_MARKED.finditer(text))
+    if marks:
+        found = _NUMBER.search(text, marks[-1].end())
+        if found is not None:
+            return _to_float(found.group())
+    boxed = last_boxed(text)
+    if boxed is not None:
+        found_in_box = _NUMBER.findall(boxed)
+        return _to_float(found_in_box[0]) if len(found_in_box) == 1 else None
+    return parse_last_number(text)
 
 
 def numeric_match(prompt: str, response: str, *, answer: Any, rel_tol: float = 1e-6,
                   abs_tol: float = 1e-6, **_: Any) -> float:
-    """1.0 when the first number in the response equals ``answer`` numerically.
+    r"""1.0 when the response's final number equals ``answer`` numerically, else 0.0.
 
-    Equal within ``max(abs_tol, rel_tol * |answer|)``; 0.0 when the response has no number.
+    The response's number is :func:`final_number`'s: the one after ``####``, else the single
+    number in the last ``\boxed{...}``, else the last number in the response (a chain of
+    thought ends with its answer). ``answer`` is a number, or a text read by the same rule
+    (``"42"``, ``"... #### 42"``). Equal within ``max(abs_tol, rel_tol * |answer|)``; 0.0 when
+    the response has no number.
     """
-    target = answer if isinstance(answer, (int, float)) and not isinstance(answer, bool) \
-        else parse_first_number(str(answer))
-    if target is None:
+    target = float(answer) if isinstance(answer, numbers.Real) and not isinstance(answer, bool) \
+        else final_number(str(answer))
+    if target is None or not math.isfinite(target):
         raise ValueError(f"the answer field {answer!r} is not a number")
-    got = parse_first_number(response)
+    got = final_number(response)
     if got is None:
         return 0.0
     return float(abs(got - target) <= max(abs_tol, rel_tol * abs(target)))
