@@ -11,9 +11,18 @@ keys. Write one in a file and point at it::
 
     ppokit train ... reward=my_rewards.py:length_penalty     (or reward=pkg.module:fn)
 
-:func:`load_reward_fn` checks the spec when it is loaded; :func:`score_responses` turns
-an exception or a non-finite / non-numeric return into a :class:`UserError` that names
-the function and the sample, so a bug in a user's reward shows as one line.
+A function may also return ``(score, reason)``: the reason (a short string, or None)
+says why a score is low and is counted in the metrics (:func:`split_outcome`).
+
+Built-ins: ``exact_match``, ``numeric_match`` (the final number: ``#### N``, the last
+``\boxed{}``, or the last number), ``math`` (math-verify: equivalent expressions) and
+``code`` (the response's program against the record's tests, in a sandbox).
+
+:func:`load_reward_fn` checks the spec when it is loaded. :func:`score_responses` runs
+a function in this process and turns an exception or a non-finite / non-numeric return
+into a :class:`UserError` that names the function and the sample; the training loop
+runs rewards through :mod:`ppokit.lm.reward_pool` instead, where a failing or hanging
+sample gets ``reward_on_error`` and is counted.
 """
 
 from __future__ import annotations
@@ -127,7 +136,43 @@ def numeric_match(prompt: str, response: str, *, answer: Any, rel_tol: float = 1
     return float(abs(got - target) <= max(abs_tol, rel_tol * abs(target)))
 
 
-BUILTIN_REWARDS: dict[str, RewardCallable] = {"exact_match": exact_match, "numeric_match": numeric_match}
+def math_reward(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
+    r"""1.0 when math-verify finds the response's answer equal to ``answer`` (``\frac{1}{2}`` =
+    ``0.5`` = ``1/2``): :func:`ppokit.lm.rewards_math.math_reward`. Run it in the reward pool,
+    which enforces its time limit."""
+    from ppokit.lm.rewards_math import math_reward as score
+
+    return score(prompt, response, answer=answer)
+
+
+def code_reward(prompt: str, response: str, *, tests: Any, **fields: Any) -> tuple[float, Optional[str]]:
+    """The fraction of ``tests`` the response's Python program passes in a sandbox, and why
+    it failed: :func:`ppokit.lm.sandbox.code_reward` (the test format is documented there)."""
+    from ppokit.lm.sandbox import code_reward as score
+
+    return score(prompt, response, tests=tests, **fields)
+
+
+def _warm_up_math() -> None:
+    from ppokit.lm.rewards_math import warm_up
+
+    warm_up()
+
+
+def _warm_up_code() -> None:
+    from ppokit.lm.sandbox import warm_up
+
+    warm_up()
+
+
+# A reward worker calls fn.warm_up() once before its first sample (ppokit.lm.reward_pool).
+math_reward.warm_up = _warm_up_math          # type: ignore[attr-defined]
+code_reward.warm_up = _warm_up_code          # type: ignore[attr-defined]
+
+BUILTIN_REWARDS: dict[str, RewardCallable] = {"exact_match": exact_match, "numeric_match": numeric_match,
+                                              "math": math_reward, "code": code_reward}
+# Built-ins that cannot hang or fail on any text: cheap enough to score in the trainer's process.
+IN_PROCESS_REWARDS = frozenset({"exact_match", "numeric_match"})
 
 
 # ----------------------------------------------------------------------------- loading
@@ -290,7 +335,17 @@ def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses:
     return scores
 
 
+def split_outcome(value: Any) -> tuple[Any, Optional[str]]:
+    """A reward function's return as ``(score, note)``: a function may return a number, or
+    ``(number, reason)`` where ``reason`` (a string, or None) says why the score is low
+    (the ``code`` reward's "timeout", say); notes are counted, not errors."""
+    if isinstance(value, tuple) and len(value) == 2 and (value[1] is None or isinstance(value[1], str)):
+        return value[0], value[1]
+    return value, None
+
+
 def _as_score(value: Any, name: str, index: int, prompt: str) -> float:
+    value, _ = split_outcome(value)
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):       # numpy / torch scalar
         item = value.item()
         if not isinstance(item, numbers.Real):
