@@ -153,6 +153,15 @@ def code_reward(prompt: str, response: str, *, tests: Any, **fields: Any) -> tup
     return score(prompt, response, tests=tests, **fields)
 
 
+def countdown_reward(prompt: str, response: str, *, numbers: Any, target: Any,
+                     **_: Any) -> tuple[float, Optional[str]]:
+    """1.0 when the response's expression reaches ``target`` from ``numbers`` (each at most
+    once, ``+ - * /``): :func:`ppokit.lm.countdown.countdown_reward`."""
+    from ppokit.lm.countdown import countdown_reward as score
+
+    return score(prompt, response, numbers=numbers, target=target)
+
+
 def _warm_up_math() -> None:
     from ppokit.lm.rewards_math import warm_up
 
@@ -170,9 +179,11 @@ math_reward.warm_up = _warm_up_math          # type: ignore[attr-defined]
 code_reward.warm_up = _warm_up_code          # type: ignore[attr-defined]
 
 BUILTIN_REWARDS: dict[str, RewardCallable] = {"exact_match": exact_match, "numeric_match": numeric_match,
-                                              "math": math_reward, "code": code_reward}
-# Built-ins that cannot hang or fail on any text: cheap enough to score in the trainer's process.
-IN_PROCESS_REWARDS = frozenset({"exact_match", "numeric_match"})
+                                              "math": math_reward, "code": code_reward,
+                                              "countdown": countdown_reward}
+# Built-ins that cannot hang on any text (countdown's expressions are size-limited): cheap
+# enough to score in the trainer's process.
+IN_PROCESS_REWARDS = frozenset({"exact_match", "numeric_match", "countdown"})
 
 
 # ----------------------------------------------------------------------------- loading
