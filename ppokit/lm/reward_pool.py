@@ -9,20 +9,30 @@ number, kills its worker, or runs past ``timeout`` seconds gets ``reward_on_erro
 and the rest of its samples go to the other workers. The errors of a batch are
 counted; more than ``max_reward_errors`` of them (a count, or a fraction of the batch
 when below 1) stops the run with a one-line :class:`UserError` naming the commonest
-reason.
+reason. A function may return ``(score, reason)``: the reasons are counted as notes,
+not errors (the ``code`` reward's ``timeout``, ``memory``...).
 
-Start method: workers are forked from the ``forkserver`` (``spawn`` where there is
-none), a clean single-threaded process started once, never from the trainer itself,
-which has torch loaded and threads running (``fork`` there can deadlock on a lock held
-by another thread). A worker imports the reward function itself, by its spec: a
-built-in name, ``pkg.module:fn`` or ``path/to/file.py:fn`` (the path made absolute, the
-trainer's ``sys.path`` and working directory given to the worker); a callable is sent
-pickled, so it must be importable (a module-level function).
+Workers: each is a fresh interpreter (``python -c`` running :func:`_worker_entry`),
+talking to the trainer over a socket pair. Forking the trainer is out: it has torch
+loaded and threads running, and a forked child can deadlock on a lock another thread
+held. multiprocessing's ``spawn`` and ``forkserver`` start clean interpreters too, but
+each child first re-imports the parent's ``__main__`` module: a user's training script
+without a ``__main__`` guard would run again in every worker. A worker imports ppokit's
+rewards module (no torch) and the reward function by its spec: a built-in name,
+``pkg.module:fn`` or ``path/to/file.py:fn`` (the path made absolute; the trainer's
+``sys.path`` and working directory are given to the worker); a callable is sent
+pickled, so it must be importable (a module-level function). A function with a
+``warm_up()`` attribute gets it called once before the worker reports ready (``math``
+imports SymPy there), so that heavy imports never count against a sample's time limit.
+Workers start in their own session (a terminal's Ctrl-C is the trainer's to handle)
+and exit when the trainer goes.
 
 :class:`InProcessScorer` has the same interface and scores in the calling process (no
-time limit): :func:`make_reward_scorer` uses it for ``exact_match`` and
-``numeric_match``, which cannot hang and cost microseconds, against the pool's
-round trip per batch (docs in the module's tests and the integration notes).
+time limit): :func:`make_reward_scorer` uses it for the cheap built-ins
+(:data:`ppokit.lm.rewards.IN_PROCESS_REWARDS`), which cannot hang. Measured on two
+cores, a batch of 256 ``numeric_match`` samples took 4.0 ms in process against 7.0 ms
+in a pool of 2 workers (13 ms with 1 worker); a worker starts in 75 ms, 0.7 s for
+``math``.
 """
 
 from __future__ import annotations
@@ -111,7 +121,8 @@ def check_error_limit(results: RewardResults, max_reward_errors: Optional[float]
 
 
 def _check_options(timeout: Optional[float], reward_on_error: float, max_reward_errors: Optional[float]) -> None:
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+    if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                    and 0 < timeout < math.inf):
         raise UserError(f"the reward time limit must be a positive number of seconds (got {timeout!r})")
     if not (isinstance(reward_on_error, (int, float)) and math.isfinite(reward_on_error)):
         raise UserError(f"reward_on_error must be a finite number (got {reward_on_error!r})")
@@ -220,6 +231,8 @@ class RewardPool:
             num_workers = max(1, min(8, os.cpu_count() or 1))
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise UserError(f"reward workers must be a positive integer (got {num_workers!r})")
+        if timeout is None:
+            raise UserError("the reward pool needs a time limit per sample (timeout, in seconds)")
         reward = load_reward_fn(spec)           # a bad spec fails here, in one line, before any worker starts
         self.name = reward.name
         self.timeout = float(timeout)

@@ -167,15 +167,30 @@ def _isolation_prefix(kind: str, workdir: str, cgroup: Optional[str]) -> Optiona
         if cgroup is not None:
             prefix += ["--bind", cgroup, cgroup]
         return prefix + ["--"]
+    # setpriv --pdeathsig: the run dies with the process that started it (a reward worker
+    # killed for a time limit leaves nothing behind); bwrap has --die-with-parent for that
+    orphan_guard = ["setpriv", "--pdeathsig", "KILL", "--"] if _has_pdeathsig() else []
     if kind in ("unshare", "unshare-user"):
         if shutil.which("unshare") is None:
             return None
         user = ["--user", "--map-root-user"] if kind == "unshare-user" else []
-        return ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--"]
+        return orphan_guard + ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--"]
     if kind == "none":
-        return []
+        return orphan_guard
     raise ValueError(f"unknown sandbox isolation {kind!r} (PPOKIT_SANDBOX_ISOLATION): bwrap, unshare, "
                      "unshare-user or none")
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdeathsig() -> bool:
+    """Whether util-linux's setpriv can set the parent-death signal here."""
+    if shutil.which("setpriv") is None:
+        return False
+    try:
+        return subprocess.run(["setpriv", "--pdeathsig", "KILL", "--", "true"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 # ------------------------------------------------------------------------ pids cgroup

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -131,3 +132,19 @@ def test_code_through_the_reward_pool_counts_reasons():
     assert results.scores == [1.0, 0.0, 0.0, 0.0] and results.num_errors == 0
     assert results.note_counts() == {"timeout": 1, "memory": 1, "wrong_answer": 1}
     assert results.metrics()["reward_notes/timeout"] == 1.0
+
+
+def test_a_worker_killed_mid_run_leaves_no_sandbox_behind(isolation_kind):
+    """The pool's time limit (1 s) is shorter than the sandbox's (30 s): the worker is killed
+    while its sandboxed program sleeps, and the program dies with it."""
+    sleeper = "import time\ntime.sleep(120)\n" + ADD
+    fields = {"tests": ["assert add(1, 2) == 3"], "timeout": 30.0}
+    with RewardPool("code", num_workers=1, timeout=1.0, max_reward_errors=None) as pool:
+        results = pool.score(["p"], [sleeper], [fields])
+    assert results.errors[0][0] == "timeout"
+    for _ in range(50):                                   # the kernel delivers the parent-death signal
+        leftover = subprocess.run(["pgrep", "-f", "cfg = json.loads"], capture_output=True, text=True).stdout.split()
+        if not leftover:
+            break
+        time.sleep(0.1)
+    assert not leftover
