@@ -65,6 +65,8 @@ def test_bombs_are_contained_and_score_zero_with_their_reason(isolation_kind, li
         "memory": "blob = bytearray(8 * 1024 ** 3)\n" + ADD,
         "processes": "import os\nwhile True:\n    os.fork()\n" + ADD,
     }
+    if sandbox.process_limit() == "none":      # root without a pids cgroup: a real fork bomb; not here
+        del cases["processes"]
     for reason, program in cases.items():
         assert code_reward("p", program, **fields) == (0.0, reason), reason
     network = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')\n" + ADD
