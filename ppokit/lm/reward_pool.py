@@ -426,11 +426,14 @@ def _score_one(reward, index: int, prompt: str, response: str, fields: dict[str,
 def _portable_spec(spec: Any, reward) -> Any:
     """What a worker needs to load the reward: a spec string (file paths made absolute), or
     the pickled callable."""
-    from ppokit.lm.rewards import BUILTIN_REWARDS
+    from ppokit.lm.rewards import BUILTIN_REWARDS, RewardFunction
 
-    text = spec if isinstance(spec, str) else (reward.spec if isinstance(reward.spec, str) else None)
-    if text is not None and (text.strip() in BUILTIN_REWARDS or ":" in text) and not callable(spec):
-        text = text.strip()
+    text = None
+    if isinstance(spec, str):
+        text = spec.strip()
+    elif isinstance(spec, RewardFunction) and (BUILTIN_REWARDS.get(spec.spec) is spec.fn or ":" in spec.spec):
+        text = spec.spec                       # loaded from a spec: the worker loads it the same way
+    if text is not None:
         target, sep, attr = text.rpartition(":")
         if sep and (target.endswith(".py") or "/" in target or "\\" in target):
             text = f"{Path(target).expanduser().resolve()}:{attr}"

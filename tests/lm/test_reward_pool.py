@@ -155,3 +155,13 @@ def test_in_process_scorer_has_the_same_results():
         assert pooled.score(["p"], ["so 42"], [{"answer": "42"}]).scores == [1.0]
     finally:
         pooled.close()
+
+
+def test_loaded_functions_and_importable_callables_reach_the_workers(rewards_file):
+    from ppokit.lm.rewards import exact_match, load_reward_fn
+
+    loaded = load_reward_fn(f"{rewards_file}:length")              # as the workload holds it
+    with RewardPool(loaded, num_workers=1) as pool:
+        assert pool.score(["p"], ["abc"]).scores == [3.0]
+    with RewardPool(exact_match, num_workers=1) as pool:          # a module-level function: pickled by name
+        assert pool.score(["p"], ["2"], [{"answer": "2"}]).scores == [1.0]
