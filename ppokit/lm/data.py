@@ -1,119 +1,79 @@
-"""Prompt data: a built-in task or a JSONL file, and a resumable prompt iterator.
+"""Prompt data: a built-in task or the user's file, and a resumable prompt iterator.
 
 A prompt record is a dict with a ``"prompt"`` string and any other fields; the other
-fields go to the reward function (``answer`` for the built-in tasks). In a JSONL file
-each non-blank line is one record::
+fields go to the reward function (``answer`` for the built-in tasks). A source is
 
-    {"prompt": "12+30=", "answer": "42"}
-    {"prompt": "What is 7*6? ", "answer": "42", "source": "hand-written"}
+- a built-in task by name, with options: ``arithmetic``, ``countdown:num_count=4``,
+  ``gsm8k:path=train.jsonl`` (:mod:`ppokit.lm.tasks`);
+- a JSONL file, each non-blank line one record::
 
+      {"prompt": "12+30=", "answer": "42"}
+      {"prompt": "What is 7*6? ", "answer": "42", "source": "hand-written"}
+
+- a Parquet file, or a directory written by ``datasets``' ``save_to_disk``
+  (:mod:`ppokit.lm.records`; its columns are the fields).
+
+``prompt_key`` and ``answer_key`` name the columns that hold the prompt and the answer
+(``question``/``solution``, say): they become the ``"prompt"`` and the ``"answer"`` field.
 For supervised warm start the records also need ``"completion"``, the target text.
 With ``data.chat_template`` a prompt may also be a list of chat messages,
 ``[{"role": "user", "content": "..."}]``, rendered by :mod:`ppokit.lm.chat`.
+:func:`drop_long_prompts` filters prompts over a token limit.
 
 A problem with a file (missing, not UTF-8, a line that is not a JSON object, no
-``"prompt"``, no records at all) is a :class:`UserError` naming the file and the line.
+``"prompt"``, no records at all) is a :class:`UserError` naming the file and the line
+(the row, for Parquet and dataset directories).
 
-:class:`PromptIterator` deals out batches of fresh prompts: it walks a permutation of
-the records that is fixed by ``(seed, epoch)``, starts a new permutation when one is used
-up, and its position (``state_dict``: plain ints) restores exactly on resume.
+:class:`PromptIterator` deals out batches of fresh prompts, epoch after epoch: it walks a
+permutation of the records that is fixed by ``(seed, epoch)``, starts a new permutation
+when one is used up, and its position (``state_dict``: plain ints) restores exactly on
+resume, at an epoch boundary included.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
 from ppokit.errors import UserError
+from ppokit.lm.records import (JSONL_SUFFIXES, PARQUET_SUFFIXES, RESERVED_FIELD, count_tokens_with,  # noqa: F401
+                               drop_long_prompts, read_jsonl, read_records)
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".jsonlines", ".ndjson")
-# The reward function is called as fn(prompt, response, **fields): no field may be named response
-# (a "prompt" key is the record's prompt itself and is not passed as a field).
-RESERVED_FIELD = "response"
 SPLIT_ALIASES = {"train": "train", "rl": "train", "sft": "sft", "eval": "eval", "test": "eval", "heldout": "eval"}
 
 
 # --------------------------------------------------------------------------- loading
 def is_file_source(source: str) -> bool:
-    """True when ``source`` names a data file rather than a built-in task."""
+    """True when ``source`` names a data file or directory rather than a built-in task.
+
+    ``task:options`` with a built-in task's name is a task even when an option is a path
+    (``gsm8k:path=data/train.jsonl``).
+    """
+    from ppokit.lm.tasks import TASKS
+
+    name, sep, _ = source.strip().partition(":")
     path = Path(source)
-    return path.suffix.lower() in JSONL_SUFFIXES or path.is_file() or "/" in source or "\\" in source
-
-
-def read_jsonl(path: str | Path, *, require: Sequence[str] = ("prompt",),
-               chat: bool = False) -> list[dict[str, Any]]:
-    """Records of a JSONL file; every field in ``require`` must be a non-empty string, except
-    that with ``chat`` a ``"prompt"`` may also be a list of chat messages."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"prompt file {path} does not exist" if not path.exists()
-                        else f"prompt file {path} is not a file")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise UserError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
-    records = []
-    for number, line in enumerate(raw.splitlines(), start=1):
-        try:
-            text = line.decode("utf-8-sig" if number == 1 else "utf-8")
-        except UnicodeDecodeError as exc:
-            raise UserError(f"{path} line {number}: not UTF-8 text (byte {exc.start + 1}); "
-                            "save the file as UTF-8") from None
-        if not text.strip():
-            continue
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
-            if path.suffix.lower() not in JSONL_SUFFIXES:
-                raise UserError(f"{path}: prompt files are JSONL (one JSON object per line, e.g. data.jsonl); "
-                                f"this {path.suffix or 'extension-less'} file is not (line {number}: {exc.msg})") \
-                    from None
-            raise UserError(f"{path} line {number}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                            'each line must be one object like {"prompt": "..."}') from None
-        if not isinstance(record, dict):
-            raise UserError(f'{path} line {number}: expected a JSON object like {{"prompt": "..."}}, '
-                            f"got a {type(record).__name__}")
-        if RESERVED_FIELD in record:
-            raise UserError(f'{path} line {number}: the field "{RESERVED_FIELD}" is reserved (the reward function '
-                            "gets the model's response under that name); rename the field, e.g. to \"reference\"")
-        for key in require:
-            if key not in record:
-                raise UserError(f"{path} line {number}: missing \"{key}\" (keys: {', '.join(record) or 'none'})")
-            if key == "prompt" and isinstance(record[key], list):
-                _check_messages(record[key], chat, f"{path} line {number}")
-            elif not isinstance(record[key], str) or not record[key]:
-                raise UserError(f"{path} line {number}: \"{key}\" must be a non-empty string "
-                                f"(got {record[key]!r})")
-        records.append(record)
-    if not records:
-        raise UserError(f"{path} is empty: it needs one JSON object per line, each with "
-                        + " and ".join(f'"{k}"' for k in require))
-    return records
-
-
-def _check_messages(value: list, chat: bool, where: str) -> None:
-    from ppokit.lm.chat import message_problem
-
-    if not chat:
-        raise UserError(f'{where}: "prompt" is a list of chat messages; set data.chat_template=true '
-                        "(ppokit sft: --chat-template) to render it with the model's chat template, or give the "
-                        "prompt as a string")
-    problem = message_problem(value)
-    if problem:
-        raise UserError(f'{where}: "prompt": {problem}')
+    if name in TASKS and (sep or not path.exists()):
+        return False
+    suffix = path.suffix.lower()
+    return suffix in JSONL_SUFFIXES or suffix in PARQUET_SUFFIXES or path.exists() or "/" in source \
+        or "\\" in source
 
 
 def load_prompts(source: str, split: str = "train", n: Optional[int] = None, *, chat: bool = False,
-                 **task_kwargs: Any) -> list[dict[str, Any]]:
-    """Records from a JSONL file or a built-in task's split (``train``, ``sft``, ``eval``).
+                 prompt_key: str = "prompt", answer_key: str = "answer", **task_kwargs: Any) -> list[dict[str, Any]]:
+    """Records from a file (JSONL, Parquet, ``save_to_disk`` directory) or a built-in task's
+    split (``train``, ``sft``, ``eval``).
 
     A file is one split: ``split`` only decides whether ``"completion"`` is required
-    (``sft``). ``n`` keeps the first ``n`` records (a file must have at least ``n``).
-    ``chat``: a file's prompts may be lists of chat messages (``data.chat_template``).
-    ``task_kwargs`` go to the task (``digits=2``); they are an error with a file.
+    (``sft``); a ``DatasetDict`` directory's split is picked by name (``train``; ``test``,
+    ``validation``... for ``eval``). ``n`` keeps the first ``n`` records (a file must have
+    at least ``n``). ``chat``: a file's prompts may be lists of chat messages
+    (``data.chat_template``). ``prompt_key`` / ``answer_key``: the file's columns that
+    become ``"prompt"`` and ``"answer"``. ``task_kwargs`` go to the task (``digits=2``);
+    they are an error with a file.
     """
     if split not in SPLIT_ALIASES:
         raise UserError(f"unknown split {split!r}; use train, sft or eval")
@@ -121,12 +81,16 @@ def load_prompts(source: str, split: str = "train", n: Optional[int] = None, *, 
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise UserError(f"the number of prompts must be a positive integer (got {n!r})")
     if not isinstance(source, str) or not source.strip():
-        raise UserError("prompt data: give a built-in task name (e.g. arithmetic) or a JSONL file")
+        raise UserError("prompt data: give a built-in task name (e.g. arithmetic), a JSONL or Parquet file, or a "
+                        "datasets directory")
+    for label, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
+        if not isinstance(key, str) or not key:
+            raise UserError(f"{label} must be a non-empty column name (got {key!r})")
     if is_file_source(source):
         if task_kwargs:
             raise UserError(f"options {', '.join(task_kwargs)} apply to built-in tasks, not to the file {source}")
-        records = read_jsonl(source, require=("prompt", "completion") if split == "sft" else ("prompt",),
-                             chat=chat)
+        records = read_records(source, split=split, require=("prompt", "completion") if split == "sft" else ("prompt",),
+                               chat=chat, prompt_key=prompt_key, answer_key=answer_key)
         if n is not None:
             if n > len(records):
                 raise UserError(f"{source} has {len(records)} records; asked for {n}")
@@ -142,8 +106,16 @@ class PromptIterator:
     """Batches of prompt records for successive PPO iterations, resumable exactly.
 
     Epoch ``e`` visits the records in the order ``default_rng([seed, e]).permutation``
-    (or in file order with ``shuffle=False``); a batch that runs past the end of an epoch
-    continues into the next one, so every batch has ``batch_size`` records.
+    (or in file order with ``shuffle=False``); the epochs follow one another without end
+    (the run's iteration count decides how many batches are drawn). A batch that runs
+    past the end of an epoch continues into the next one, so every batch has
+    ``batch_size`` records (and may then hold a record twice when the data is small).
+
+    The state is ``(epoch, position)``: the next batch starts at ``position`` of epoch
+    ``epoch``'s order. A batch that ends exactly at an epoch's end leaves
+    ``(epoch + 1, 0)``, so a run resumed from a checkpoint taken there starts the next
+    epoch with its first batch (a state written as ``position == len(items)`` is read
+    the same way): never an empty epoch.
     """
 
     def __init__(self, items: Sequence[dict[str, Any]], batch_size: int, *, seed: int = 0,
@@ -164,6 +136,11 @@ class PromptIterator:
     def __len__(self) -> int:
         """Batches in one epoch (the last one may borrow from the next epoch)."""
         return -(-len(self.items) // self.batch_size)
+
+    @property
+    def batches_drawn(self) -> int:
+        """Batches handed out since the start (epoch 0, position 0): the run's step count."""
+        return -(-(self.epoch * len(self.items) + self.position) // self.batch_size)
 
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
@@ -206,6 +183,9 @@ class PromptIterator:
         if int(state["seed"]) != self.seed or bool(state.get("shuffle", 1)) != self.shuffle:
             raise UserError("the prompt order changed since the checkpoint (seed or shuffle differ); "
                             "resume with the same seed")
-        if not 0 <= int(state["position"]) < len(self.items) or int(state["epoch"]) < 0:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if not 0 <= position <= len(self.items) or epoch < 0:
             raise ValueError(f"corrupt prompt iterator state: {state}")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        if position == len(self.items):          # saved as "end of epoch": the next one's start
+            epoch, position = epoch + 1, 0
+        self.epoch, self.position = epoch, position

@@ -11,9 +11,18 @@ keys. Write one in a file and point at it::
 
     ppokit train ... reward=my_rewards.py:length_penalty     (or reward=pkg.module:fn)
 
-:func:`load_reward_fn` checks the spec when it is loaded; :func:`score_responses` turns
-an exception or a non-finite / non-numeric return into a :class:`UserError` that names
-the function and the sample, so a bug in a user's reward shows as one line.
+A function may also return ``(score, reason)``: the reason (a short string, or None)
+says why a score is low and is counted in the metrics (:func:`split_outcome`).
+
+Built-ins: ``exact_match``, ``numeric_match`` (the final number: ``#### N``, the last
+``\boxed{}``, or the last number), ``math`` (math-verify: equivalent expressions) and
+``code`` (the response's program against the record's tests, in a sandbox).
+
+:func:`load_reward_fn` checks the spec when it is loaded. :func:`score_responses` runs
+a function in this process and turns an exception or a non-finite / non-numeric return
+into a :class:`UserError` that names the function and the sample; the training loop
+runs rewards through :mod:`ppokit.lm.reward_pool` instead, where a failing or hanging
+sample gets ``reward_on_error`` and is counted.
 """
 
 from __future__ import annotations
@@ -33,7 +42,11 @@ from ppokit.errors import UserError, did_you_mean
 RewardCallable = Callable[..., float]
 INTERNAL_PREFIX = "_ppokit"      # record keys ppokit keeps for itself (ppokit.lm.chat.RAW_PROMPT)
 
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
+# A number: optional sign (only where it cannot be a minus between two operands, as in "3-5"),
+# digits with optional thousands commas, optional decimals and exponent; or a bare ".5".
+_NUMBER = re.compile(r"(?:(?<![\w)\]}.])[-+])?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+_MARKED = re.compile(r"####")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 # --------------------------------------------------------------------------- built-ins
@@ -42,34 +55,135 @@ def exact_match(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
     return float(response.strip() == str(answer).strip())
 
 
+def _to_float(text: str) -> Optional[float]:
+    try:
+        value = float(text.replace(",", ""))
+    except (ValueError, OverflowError):
+        return None
+    return value if math.isfinite(value) else None
+
+
 def parse_first_number(text: str) -> Optional[float]:
     """The first number in ``text`` (``-12``, ``3.5``, ``1,234``, ``2e3``), or None."""
     match = _NUMBER.search(text)
-    if match is None:
-        return None
-    try:
-        return float(match.group().replace(",", ""))
-    except ValueError:
-        return None
+    return None if match is None else _to_float(match.group())
+
+
+def parse_last_number(text: str) -> Optional[float]:
+    """The last number in ``text``, or None."""
+    matches = _NUMBER.findall(text)
+    return _to_float(matches[-1]) if matches else None
+
+
+def last_boxed(text: str) -> Optional[str]:
+    r"""The content of the last ``\boxed{...}`` (or ``\fbox{...}``) in ``text``, nested braces
+    matched (``\boxed{\frac{1}{2}}`` -> ``\frac{1}{2}``); None if there is none or it is unclosed."""
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+    return None
+
+
+def final_number(text: str) -> Optional[float]:
+    r"""The number a chain-of-thought response gives as its final answer, or None.
+
+    The rule, in order:
+
+    1. ``#### N``: the first number after the last ``####`` (GSM8K's answer mark);
+    2. else the last ``\boxed{...}`` (nested braces handled), when its content holds exactly
+       one number (``\boxed{42}``, ``\boxed{x = -3.5}``); ``\boxed{\frac{1}{2}}`` holds two and
+       gives None: the ``math`` reward handles fractions and expressions;
+    3. else the last number in the text.
+
+    Numbers may carry a sign, thousands commas (``1,234``), decimals and an exponent; a ``-``
+    between two operands (``3-5``) is not a sign.
+    """
+    marks = list(_MARKED.finditer(text))
+    if marks:
+        found = _NUMBER.search(text, marks[-1].end())
+        if found is not None:
+            return _to_float(found.group())
+    boxed = last_boxed(text)
+    if boxed is not None:
+        found_in_box = _NUMBER.findall(boxed)
+        return _to_float(found_in_box[0]) if len(found_in_box) == 1 else None
+    return parse_last_number(text)
 
 
 def numeric_match(prompt: str, response: str, *, answer: Any, rel_tol: float = 1e-6,
                   abs_tol: float = 1e-6, **_: Any) -> float:
-    """1.0 when the first number in the response equals ``answer`` numerically.
+    r"""1.0 when the response's final number equals ``answer`` numerically, else 0.0.
 
-    Equal within ``max(abs_tol, rel_tol * |answer|)``; 0.0 when the response has no number.
+    The response's number is :func:`final_number`'s: the one after ``####``, else the single
+    number in the last ``\boxed{...}``, else the last number in the response (a chain of
+    thought ends with its answer). ``answer`` is a number, or a text read by the same rule
+    (``"42"``, ``"... #### 42"``). Equal within ``max(abs_tol, rel_tol * |answer|)``; 0.0 when
+    the response has no number.
     """
-    target = answer if isinstance(answer, (int, float)) and not isinstance(answer, bool) \
-        else parse_first_number(str(answer))
-    if target is None:
+    target = float(answer) if isinstance(answer, numbers.Real) and not isinstance(answer, bool) \
+        else final_number(str(answer))
+    if target is None or not math.isfinite(target):
         raise ValueError(f"the answer field {answer!r} is not a number")
-    got = parse_first_number(response)
+    got = final_number(response)
     if got is None:
         return 0.0
     return float(abs(got - target) <= max(abs_tol, rel_tol * abs(target)))
 
 
-BUILTIN_REWARDS: dict[str, RewardCallable] = {"exact_match": exact_match, "numeric_match": numeric_match}
+def math_reward(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
+    r"""1.0 when math-verify finds the response's answer equal to ``answer`` (``\frac{1}{2}`` =
+    ``0.5`` = ``1/2``): :func:`ppokit.lm.rewards_math.math_reward`. Run it in the reward pool,
+    which enforces its time limit."""
+    from ppokit.lm.rewards_math import math_reward as score
+
+    return score(prompt, response, answer=answer)
+
+
+def code_reward(prompt: str, response: str, *, tests: Any, **fields: Any) -> tuple[float, Optional[str]]:
+    """The fraction of ``tests`` the response's Python program passes in a sandbox, and why
+    it failed: :func:`ppokit.lm.sandbox.code_reward` (the test format is documented there)."""
+    from ppokit.lm.sandbox import code_reward as score
+
+    return score(prompt, response, tests=tests, **fields)
+
+
+def countdown_reward(prompt: str, response: str, *, numbers: Any, target: Any,
+                     **_: Any) -> tuple[float, Optional[str]]:
+    """1.0 when the response's expression reaches ``target`` from ``numbers`` (each at most
+    once, ``+ - * /``): :func:`ppokit.lm.countdown.countdown_reward`."""
+    from ppokit.lm.countdown import countdown_reward as score
+
+    return score(prompt, response, numbers=numbers, target=target)
+
+
+def _warm_up_math() -> None:
+    from ppokit.lm.rewards_math import warm_up
+
+    warm_up()
+
+
+def _warm_up_code() -> None:
+    from ppokit.lm.sandbox import warm_up
+
+    warm_up()
+
+
+# A reward worker calls fn.warm_up() once before its first sample (ppokit.lm.reward_pool).
+math_reward.warm_up = _warm_up_math          # type: ignore[attr-defined]
+code_reward.warm_up = _warm_up_code          # type: ignore[attr-defined]
+
+BUILTIN_REWARDS: dict[str, RewardCallable] = {"exact_match": exact_match, "numeric_match": numeric_match,
+                                              "math": math_reward, "code": code_reward,
+                                              "countdown": countdown_reward}
+# Built-ins that cannot hang on any text (countdown's expressions are size-limited): cheap
+# enough to score in the trainer's process.
+IN_PROCESS_REWARDS = frozenset({"exact_match", "numeric_match", "countdown"})
 
 
 # ----------------------------------------------------------------------------- loading
@@ -232,7 +346,17 @@ def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses:
     return scores
 
 
+def split_outcome(value: Any) -> tuple[Any, Optional[str]]:
+    """A reward function's return as ``(score, note)``: a function may return a number, or
+    ``(number, reason)`` where ``reason`` (a string, or None) says why the score is low
+    (the ``code`` reward's "timeout", say); notes are counted, not errors."""
+    if isinstance(value, tuple) and len(value) == 2 and (value[1] is None or isinstance(value[1], str)):
+        return value[0], value[1]
+    return value, None
+
+
 def _as_score(value: Any, name: str, index: int, prompt: str) -> float:
+    value, _ = split_outcome(value)
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):       # numpy / torch scalar
         item = value.item()
         if not isinstance(item, numbers.Real):

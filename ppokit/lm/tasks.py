@@ -14,6 +14,10 @@ problem's split is a fixed hash of its index (10% held out, 30% SFT, 60% RL by d
 independent of the seed, so the splits are disjoint by construction and the held-out set
 of one seed never leaks into the training set of another. The seed only orders each
 split; ``split(n)`` is a prefix of ``split(m)`` for ``n < m``.
+
+Registered tasks (:data:`TASKS`): ``arithmetic``, ``countdown``
+(:mod:`ppokit.lm.countdown`, verified by the ``countdown`` reward) and ``gsm8k``
+(:mod:`ppokit.lm.gsm8k`: a GSM8K-format file the user gives, verified by ``math``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ppokit.errors import UserError, did_you_mean
+from ppokit.lm.countdown import CountdownTask
+from ppokit.lm.gsm8k import GSM8KTask
 
 SPLITS = ("eval", "sft", "train")
 _ENUMERATE_MAX = 1 << 21          # problem spaces up to this size are enumerated exactly
@@ -165,7 +171,7 @@ class ArithmeticTask:
 
 
 # ------------------------------------------------------------------------- registry
-TASKS: dict[str, type] = {"arithmetic": ArithmeticTask}
+TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "gsm8k": GSM8KTask}
 
 
 def task_names() -> list[str]:
@@ -176,14 +182,15 @@ def get_task(spec: str, **kwargs: Any):
     """A built-in task by name: ``get_task("arithmetic", digits=2)``.
 
     ``spec`` may carry options after a colon, as on a command line:
-    ``"arithmetic:digits=3,op=*"`` (keyword arguments win over them).
+    ``"arithmetic:digits=3,op=*"``, ``"countdown:num_count=3"``,
+    ``"gsm8k:path=train.jsonl,eval_path=test.jsonl"`` (keyword arguments win over them).
     """
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"a task name must be a non-empty string; built-in tasks: {', '.join(task_names())}")
     name, _, options = spec.strip().partition(":")
     if name not in TASKS:
         raise UserError(f"unknown task '{name}'{did_you_mean(name, TASKS)} "
-                        f"built-in tasks: {', '.join(task_names())}; or give a JSONL file of prompts")
+                        f"built-in tasks: {', '.join(task_names())}; or give a JSONL or Parquet file of prompts")
     cls = TASKS[name]
     parsed = _parse_options(spec, options) if options else {}
     parsed.update(kwargs)

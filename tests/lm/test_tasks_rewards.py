@@ -76,7 +76,7 @@ def test_builtin_rewards_on_hand_cases():
     assert exact_match("1+1=", "", answer="2") == 0.0
     assert numeric_match("", "the answer is 85.", answer="85") == 1.0
     assert numeric_match("", "85.0000001", answer=85) == 1.0
-    assert numeric_match("", "-12 then 5", answer="-12") == 1.0
+    assert numeric_match("", "5 then -12", answer="-12") == 1.0          # the last number counts
     assert numeric_match("", "1,234", answer="1234") == 1.0
     assert numeric_match("", "84", answer="85") == 0.0
     assert numeric_match("", "no number", answer="85") == 0.0

@@ -1,0 +1,502 @@
+'''The ``code`` reward: run the response's Python program against the record's tests, sandboxed.
+
+The program is the last fenced block of the response marked ``python`` or ``py``, else
+the last fenced block, else the whole response. The tests are the record's ``tests``
+field (a list, or a JSON string of one), each item one test:
+
+- a string: Python statements (usually ``assert``), run after the program in the same
+  interpreter, as if the program were a module named ``solution``; the test passes when
+  they finish without an exception. ``"assert add(2, 3) == 5"``
+- ``{"input": "2 3\\n", "output": "5\\n"}``: the program runs as ``__main__`` with
+  ``input`` on stdin and passes when its stdout equals ``output``, compared line by line
+  with trailing whitespace and trailing blank lines ignored. APPS-style
+  ``{"inputs": [...], "outputs": [...]}`` (a dict instead of a list) is read the same way.
+
+Score = the fraction of tests passed. Each test runs in a fresh process; after a test
+times out the rest are not run and count as failed (a hanging program costs one time
+limit, not one per test). The reason returned with the score is None when every test
+passed, else the most telling failure: ``no_program``, ``syntax_error``, ``timeout``,
+``memory``, ``processes``, ``network``, ``output_limit``, ``error`` (an exception) or
+``wrong_answer``.
+
+Each run is contained by:
+
+- ``resource.setrlimit``: CPU seconds (``RLIMIT_CPU``), address space
+  (``RLIMIT_AS``, the memory limit), processes (``RLIMIT_NPROC``: the user's processes
+  now plus ``max_processes``), file size (``RLIMIT_FSIZE``, which also caps the output,
+  written to files) and no core files;
+- a wall-clock time limit, after which the run's whole process group is killed;
+- no network: ``bwrap --unshare-net`` where bubblewrap is installed (with a read-only
+  view of the file system, its own ``/tmp`` and process namespace), else ``unshare
+  --net`` (as root, or ``--user --map-root-user`` where unprivileged user namespaces
+  are allowed), each with its own process namespace so that nothing outlives the run;
+  else no isolation at all, which :func:`isolation_warning` reports once;
+- a fresh temporary working directory, removed afterwards.
+
+``RLIMIT_NPROC`` does not bind root. Run as root, the sandbox drops to the ``nobody``
+user when the interpreter is usable by it; otherwise it limits processes with a
+``pids`` cgroup (cgroup v1) where one can be created, and :func:`describe_isolation`
+says when neither is possible. The harness runs in the program's own interpreter: it
+contains accidents and the usual reward hacks (``sys.exit(0)`` before the asserts fails
+the test), not a program that inspects the harness's own frames.
+'''
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+NOBODY = 65534
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+# Failure kinds, most telling first: the reason reported for a sample with several failures.
+FAILURE_ORDER = ("no_program", "syntax_error", "network", "processes", "memory", "timeout", "output_limit",
+                 "error", "wrong_answer")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one run: ``timeout`` wall seconds, ``cpu_seconds`` (default: the timeout,
+    rounded up), ``memory_mb`` of address space, ``max_processes`` besides the program,
+    ``file_size_mb`` for any file it writes (its output included)."""
+
+    timeout: float = 5.0
+    cpu_seconds: Optional[int] = None
+    memory_mb: int = 1024
+    max_processes: int = 8
+    file_size_mb: int = 16
+
+    @property
+    def cpu(self) -> int:
+        return self.cpu_seconds if self.cpu_seconds is not None else max(1, math.ceil(self.timeout))
+
+
+@dataclass
+class RunResult:
+    """One sandboxed run: ``status`` is ``ok`` (exit 0) or a failure kind of
+    :data:`FAILURE_ORDER`; ``stdout`` / ``stderr`` as text (cut at the file-size limit)."""
+
+    status: str
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+
+
+# --------------------------------------------------------------------------- isolation
+@functools.lru_cache(maxsize=None)
+def isolation() -> str:
+    """The network isolation in use: ``bwrap``, ``unshare``, ``unshare-user`` or ``none``
+    (probed once per process: the first that runs a program here wins)."""
+    forced = os.environ.get("PPOKIT_SANDBOX_ISOLATION")
+    if forced:
+        return forced
+    for kind in ("bwrap", "unshare", "unshare-user"):
+        prefix = _isolation_prefix(kind, tempfile.gettempdir(), None)
+        if prefix is None:
+            continue
+        try:
+            done = subprocess.run(prefix + [sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30,
+                                  cwd=tempfile.gettempdir())
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0:
+            return kind
+    return "none"
+
+
+@functools.lru_cache(maxsize=None)
+def _drop_to_nobody() -> bool:
+    """Run as root: whether the program can run as ``nobody`` (the interpreter readable by it)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", "pass"], user=NOBODY, group=NOBODY, extra_groups=[],
+                              capture_output=True, timeout=30, cwd="/")
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def process_limit() -> str:
+    """How the process count is limited: ``rlimit``, ``cgroup`` or ``none``."""
+    if os.geteuid() != 0 or _drop_to_nobody():
+        return "rlimit"
+    return "cgroup" if _pids_cgroup_parent() is not None else "none"
+
+
+def describe_isolation() -> str:
+    """One line for the run's log: what contains the programs the ``code`` reward runs."""
+    network = {"bwrap": "no network (bubblewrap)", "unshare": "no network (unshare --net)",
+               "unshare-user": "no network (unshare --user --net)",
+               "none": "NETWORK NOT ISOLATED (install bubblewrap, or allow unshare)"}[isolation()]
+    processes = {"rlimit": "process limit (RLIMIT_NPROC)", "cgroup": "process limit (pids cgroup)",
+                 "none": "NO PROCESS LIMIT (running as root without a pids cgroup)"}[process_limit()]
+    user = "as nobody" if _drop_to_nobody() else ("as root" if os.geteuid() == 0 else "as this user")
+    files = "read-only file system" if isolation() == "bwrap" else "file system writable " + user
+    return f"code sandbox: {network}, {processes}, CPU/memory/file-size limits, {files}"
+
+
+def isolation_warning() -> Optional[str]:
+    """A warning to print once at start when programs run without network isolation, else None."""
+    if isolation() != "none":
+        return None
+    return ("the code reward runs programs WITHOUT network isolation: neither bubblewrap (bwrap) nor unshare "
+            "works here; install bubblewrap (apt-get install bubblewrap) to cut programs off the network")
+
+
+def _isolation_prefix(kind: str, workdir: str, cgroup: Optional[str]) -> Optional[list[str]]:
+    if kind == "bwrap":
+        if shutil.which("bwrap") is None:
+            return None
+        prefix = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
+                  "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+                  "--bind", workdir, workdir, "--chdir", workdir]
+        if cgroup is not None:
+            prefix += ["--bind", cgroup, cgroup]
+        return prefix + ["--"]
+    # setpriv --pdeathsig: the run dies with the process that started it (a reward worker
+    # killed for a time limit leaves nothing behind); bwrap has --die-with-parent for that
+    orphan_guard = ["setpriv", "--pdeathsig", "KILL", "--"] if _has_pdeathsig() else []
+    if kind in ("unshare", "unshare-user"):
+        if shutil.which("unshare") is None:
+            return None
+        user = ["--user", "--map-root-user"] if kind == "unshare-user" else []
+        return orphan_guard + ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--"]
+    if kind == "none":
+        return orphan_guard
+    raise ValueError(f"unknown sandbox isolation {kind!r} (PPOKIT_SANDBOX_ISOLATION): bwrap, unshare, "
+                     "unshare-user or none")
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdeathsig() -> bool:
+    """Whether util-linux's setpriv can set the parent-death signal here."""
+    if shutil.which("setpriv") is None:
+        return False
+    try:
+        return subprocess.run(["setpriv", "--pdeathsig", "KILL", "--", "true"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# ------------------------------------------------------------------------ pids cgroup
+@functools.lru_cache(maxsize=None)
+def _pids_cgroup_parent() -> Optional[str]:
+    """The writable cgroup-v1 ``pids`` folder of this process, or None."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+        groups = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    root = next((line.split()[1] for line in mounts
+                 if line.split()[2:3] == ["cgroup"] and "pids" in line.split()[3].split(",")), None)
+    own = next((line.split(":", 2)[2] for line in groups if line.split(":")[1:2] == ["pids"]), None)
+    if root is None or own is None:
+        return None
+    parent = os.path.join(root, own.lstrip("/"))
+    probe = os.path.join(parent, f"ppokit-probe-{os.getpid()}")
+    try:
+        os.mkdir(probe)
+        ok = os.path.exists(os.path.join(probe, "pids.max"))
+        os.rmdir(probe)
+    except OSError:
+        return None
+    return parent if ok else None
+
+
+@functools.lru_cache(maxsize=None)
+def _own_cgroup(max_processes: int) -> Optional[str]:
+    """This process's pids cgroup for its sandbox runs (one run at a time per process)."""
+    parent = _pids_cgroup_parent()
+    if parent is None:
+        return None
+    for stale in Path(parent).glob("ppokit-sandbox-*"):       # left by killed reward workers
+        pid = stale.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                stale.rmdir()
+            except OSError:
+                pass
+    path = os.path.join(parent, f"ppokit-sandbox-{os.getpid()}-{max_processes}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        Path(path, "pids.max").write_text(str(max_processes + 3))   # the launcher, its init and the program too
+    except OSError:
+        return None
+    atexit.register(_remove_cgroup, path)
+    return path
+
+
+def _remove_cgroup(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------ running
+LAUNCHER = r'''
+import json, os, resource, signal, sys
+cfg = json.loads(sys.argv[1])
+if cfg["cgroup"]:
+    with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
+        f.write("0")
+if os.getpid() == 1:          # the init of a new process namespace: run the program in a child
+    child = os.fork()
+    if child:
+        while True:
+            pid, status = os.wait()
+            if pid == child:
+                os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+if cfg["uid"] is not None:
+    os.setgroups([])
+    os.setgid(cfg["uid"])
+    os.setuid(cfg["uid"])
+def tasks_of(uid):
+    n = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat("/proc/" + entry).st_uid == uid:
+                    n += len(os.listdir("/proc/" + entry + "/task"))
+            except OSError:
+                pass
+    return n
+limits = [(resource.RLIMIT_CPU, cfg["cpu"], cfg["cpu"] + 1), (resource.RLIMIT_AS, cfg["memory"], cfg["memory"]),
+          (resource.RLIMIT_FSIZE, cfg["fsize"], cfg["fsize"]), (resource.RLIMIT_CORE, 0, 0)]
+if os.getuid() != 0:
+    n = tasks_of(os.getuid()) + cfg["nproc"]
+    limits.append((resource.RLIMIT_NPROC, n, n))
+for which, soft, hard in limits:
+    resource.setrlimit(which, (soft, hard))
+def run(mode):                # locals, not module globals: the program cannot read the nonce from __main__
+    source = open("solution.py", encoding="utf-8").read()
+    if mode == "assert":
+        nonce = sys.stdin.readline().strip()
+        sys.stdin.close()
+        sys.stdin = open(os.devnull)
+        namespace = {"__name__": "solution", "__builtins__": __builtins__}
+        exec(compile(source, "solution.py", "exec"), namespace)
+        exec(compile(open("test.py", encoding="utf-8").read(), "test.py", "exec"), namespace)
+        sys.stdout.flush()
+        os.write(1, ("\n" + nonce + "\n").encode())
+    else:
+        exec(compile(source, "solution.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+mode = cfg["mode"]
+del cfg, limits, json
+run(mode)
+'''
+
+_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "SYSTEMROOT")
+
+
+def run_python(program: str, *, stdin: str = "", test: Optional[str] = None,
+               limits: SandboxLimits = SandboxLimits()) -> RunResult:
+    """Run ``program`` in the sandbox (module docstring): as ``__main__`` with ``stdin``, or,
+    with ``test``, as module ``solution`` followed by the test statements (``ok`` only when
+    the test ran to its end)."""
+    workdir = tempfile.mkdtemp(prefix="ppokit-sandbox-")
+    try:
+        return _run_in(workdir, program, stdin, test, limits)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_in(workdir: str, program: str, stdin: str, test: Optional[str], limits: SandboxLimits) -> RunResult:
+    drop = _drop_to_nobody()
+    Path(workdir, "solution.py").write_text(program, encoding="utf-8")
+    if test is not None:
+        Path(workdir, "test.py").write_text(test, encoding="utf-8")
+    if drop:
+        for path in (workdir, *(os.path.join(workdir, f) for f in os.listdir(workdir))):
+            os.chown(path, NOBODY, NOBODY)
+    cgroup = _own_cgroup(limits.max_processes) if process_limit() == "cgroup" else None
+    cfg = {"cpu": limits.cpu, "memory": limits.memory_mb << 20, "fsize": limits.file_size_mb << 20,
+           "nproc": limits.max_processes, "mode": "assert" if test is not None else "main",
+           "uid": NOBODY if drop else None, "cgroup": cgroup}
+    prefix = _isolation_prefix(isolation(), workdir, cgroup) or []
+    env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
+    env.update(HOME=workdir, TMPDIR=workdir, PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1",
+               PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    nonce = secrets.token_hex(16)
+    out_path, err_path = os.path.join(workdir, ".stdout"), os.path.join(workdir, ".stderr")
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        if drop:
+            os.chown(out_path, NOBODY, NOBODY)
+            os.chown(err_path, NOBODY, NOBODY)
+        # stdin: the program's input from a file (a pipe could block on a program that never reads),
+        # or for a test the nonce through a pipe, which the launcher reads before the program runs
+        in_path = os.path.join(workdir, ".stdin")
+        Path(in_path).write_bytes(stdin.encode("utf-8") if test is None else b"")
+        start = time.monotonic()
+        with open(in_path, "rb") as given:
+            proc = subprocess.Popen(prefix + [sys.executable, "-I", "-c", LAUNCHER, json.dumps(cfg)], cwd=workdir,
+                                    env=env, stdin=subprocess.PIPE if test is not None else given, stdout=out,
+                                    stderr=err, start_new_session=True)
+        timed_out = False
+        try:
+            if test is not None:
+                try:
+                    proc.stdin.write((nonce + "\n").encode())
+                    proc.stdin.close()
+                except (BrokenPipeError, OSError):
+                    pass
+            proc.wait(timeout=limits.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_group(proc)
+        elapsed = time.monotonic() - start
+    stdout = _read_capped(out_path, limits.file_size_mb << 20)
+    stderr = _read_capped(err_path, 64 << 10)
+    code = proc.returncode
+    signum = -code if code is not None and code < 0 else code - 128 if code is not None and code > 128 else None
+    if test is not None and code == 0:
+        lines = stdout.rstrip("\n").split("\n")
+        code = 0 if lines and lines[-1] == nonce else 1        # exited early (sys.exit before the test)
+        stdout = "\n".join(lines[:-1]) if code == 0 else stdout
+        if code:
+            stderr += "\nthe program exited before the test finished"
+    status = "ok" if code == 0 and not timed_out else _classify(timed_out, signum, stderr, elapsed, limits)
+    return RunResult(status, code, stdout, stderr)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _read_capped(path: str, limit: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _classify(timed_out: bool, signum: Optional[int], stderr: str, elapsed: float, limits: SandboxLimits) -> str:
+    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+    if timed_out or signum in (signal.SIGXCPU, signal.SIGKILL) and elapsed >= min(limits.cpu, limits.timeout) * 0.5:
+        return "timeout"
+    if signum == signal.SIGXFSZ or last.startswith("OSError: [Errno 27]"):
+        return "output_limit"
+    if "MemoryError" in last or "Cannot allocate memory" in stderr:
+        return "memory"
+    if "BlockingIOError" in last or "Resource temporarily unavailable" in last:
+        return "processes"
+    if any(marker in last for marker in ("ConnectionRefusedError", "Network is unreachable", "gaierror",
+                                          "Temporary failure in name resolution", "Name or service not known",
+                                          "Errno 101", "Errno 99")):
+        return "network"
+    if last.startswith("AssertionError"):
+        return "wrong_answer"
+    if "SyntaxError" in last and 'File "solution.py"' in stderr or last.startswith("IndentationError"):
+        return "syntax_error"
+    return "error"
+
+
+# ------------------------------------------------------------------------ the reward
+def extract_program(response: str) -> str:
+    """The program in a response: the last ```python (or ```py) block, else the last fenced
+    block, else the whole response."""
+    blocks = _FENCE.findall(response)
+    python = [code for lang, code in blocks if lang.lower() in ("python", "py", "python3")]
+    if python:
+        return python[-1]
+    if blocks:
+        return blocks[-1][1]
+    return response
+
+
+def parse_tests(tests: Any) -> list[dict[str, str] | str]:
+    """The ``tests`` field as a list of tests (module docstring); a ValueError for any other shape."""
+    if isinstance(tests, str):
+        try:
+            tests = json.loads(tests)
+        except json.JSONDecodeError:
+            raise ValueError("code: the tests field is text but not JSON; give a list of assert statements or "
+                             'of {"input": ..., "output": ...}') from None
+    if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
+        if len(tests["inputs"]) != len(tests["outputs"]):
+            raise ValueError("code: tests has different numbers of inputs and outputs")
+        tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"])]
+    if not isinstance(tests, (list, tuple)) or not tests:
+        raise ValueError(f"code: tests must be a non-empty list (got {type(tests).__name__})")
+    parsed: list[dict[str, str] | str] = []
+    for i, test in enumerate(tests):
+        if isinstance(test, str):
+            parsed.append(test)
+        elif isinstance(test, dict) and isinstance(test.get("input"), str) and isinstance(test.get("output"), str):
+            parsed.append({"input": test["input"], "output": test["output"]})
+        else:
+            raise ValueError(f"code: test {i} must be a string of Python statements or "
+                             f'{{"input": str, "output": str}} (got {test!r:.60})')
+    return parsed
+
+
+def same_output(got: str, expected: str) -> bool:
+    """Equal line by line, trailing whitespace and trailing blank lines ignored."""
+    def lines(text: str) -> list[str]:
+        out = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+        while out and not out[-1]:
+            out.pop()
+        return out
+
+    return lines(got) == lines(expected)
+
+
+def code_reward(prompt: str, response: str, *, tests: Any, timeout: float = 5.0, memory_mb: int = 1024,
+                **_: Any) -> tuple[float, Optional[str]]:
+    """``(fraction of tests passed, reason or None)`` for the response's program (module
+    docstring). ``timeout`` (wall seconds per test) and ``memory_mb`` may also come as
+    fields of the record."""
+    cases = parse_tests(tests)
+    program = extract_program(response)
+    if not program.strip():
+        return 0.0, "no_program"
+    limits = SandboxLimits(timeout=float(timeout), memory_mb=int(memory_mb))
+    passed, failures = 0, []
+    for case in cases:
+        if "timeout" in failures:
+            failures.append("timeout")
+            continue
+        if isinstance(case, str):
+            result = run_python(program, test=case, limits=limits)
+            ok = result.status == "ok"
+        else:
+            result = run_python(program, stdin=case["input"], limits=limits)
+            ok = result.status == "ok" and same_output(result.stdout, case["output"])
+        if ok:
+            passed += 1
+        else:
+            failures.append("wrong_answer" if result.status == "ok" else result.status)
+    reason = min(failures, key=FAILURE_ORDER.index) if failures else None
+    return passed / len(cases), reason
+
+
+def warm_up() -> None:
+    """Probe the isolation once (a reward worker does it before its first sample)."""
+    isolation()
+    process_limit()

@@ -1,0 +1,152 @@
+"""The code reward's sandbox: an infinite loop, a memory bomb, a fork bomb and a network call are
+each contained and score 0 with a counted reason; tests in both formats; every isolation kind
+that works on this machine."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from ppokit.lm import sandbox
+from ppokit.lm.reward_pool import RewardPool
+from ppokit.lm.sandbox import code_reward, extract_program, parse_tests, run_python, same_output
+
+ADD = "def add(a, b):\n    return a + b\n"
+LIMITS = sandbox.SandboxLimits(timeout=2.0, memory_mb=512)
+
+
+def _working_isolations():
+    kinds = []
+    for kind in ("bwrap", "unshare", "unshare-user"):
+        prefix = sandbox._isolation_prefix(kind, "/tmp", None)
+        if prefix is not None and subprocess.run(prefix + ["true"], capture_output=True).returncode == 0:
+            kinds.append(kind)
+    return kinds + ["none"]
+
+
+@pytest.fixture(params=_working_isolations())
+def isolation_kind(request, monkeypatch):
+    monkeypatch.setenv("PPOKIT_SANDBOX_ISOLATION", request.param)
+    sandbox.isolation.cache_clear()
+    yield request.param
+    sandbox.isolation.cache_clear()
+
+
+@pytest.fixture()
+def listening_port():
+    """A port on this machine's loopback that accepts connections: a program outside the
+    sandbox can reach it."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.2)
+    yield server
+    server.close()
+
+
+def _connected(server) -> bool:
+    try:
+        conn, _ = server.accept()
+        conn.close()
+        return True
+    except OSError:
+        return False
+
+
+def test_bombs_are_contained_and_score_zero_with_their_reason(isolation_kind, listening_port):
+    port = listening_port.getsockname()[1]
+    fields = {"tests": ["assert add(1, 2) == 3"], "timeout": 2.0, "memory_mb": 512}
+    cases = {
+        "timeout": "while True:\n    pass\n" + ADD,
+        "memory": "blob = bytearray(8 * 1024 ** 3)\n" + ADD,
+        "processes": "import os\nwhile True:\n    os.fork()\n" + ADD,
+    }
+    if sandbox.process_limit() == "none":      # root without a pids cgroup: a real fork bomb; not here
+        del cases["processes"]
+    for reason, program in cases.items():
+        assert code_reward("p", program, **fields) == (0.0, reason), reason
+    network = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')\n" + ADD
+    if isolation_kind == "none":
+        assert code_reward("p", network, **fields) == (1.0, None)       # not contained: said at start instead
+        assert _connected(listening_port) and sandbox.isolation_warning() is not None
+    else:
+        assert code_reward("p", network, **fields) == (0.0, "network")
+        assert not _connected(listening_port) and sandbox.isolation_warning() is None
+    assert code_reward("p", ADD, **fields) == (1.0, None)                # the sandbox still runs good code
+    leftover = subprocess.run(["pgrep", "-f", "cfg = json.loads"], capture_output=True, text=True).stdout.split()
+    assert not leftover                                                    # no sandbox process outlives its run
+
+
+def test_assert_and_stdin_tests_score_the_fraction_passed():
+    tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
+    response = f"Here you go:\n```python\n{ADD}```\nDone."
+    assert code_reward("p", response, tests=tests, timeout=5) == (0.75, "wrong_answer")
+    io = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10"}, {"input": "2 2\n", "output": "5"}]
+    program = "a, b = map(int, input().split())\nprint(a + b)   \n"
+    assert code_reward("p", program, tests=io, timeout=5) == pytest.approx((2 / 3, "wrong_answer"))
+    apps = '{"inputs": ["1 2\\n", "3 4\\n"], "outputs": ["3\\n", "7\\n"]}'
+    assert code_reward("p", program, tests=apps, timeout=5) == (1.0, None)
+
+
+def test_early_exit_syntax_errors_and_timeouts():
+    cheat = "import sys\nsys.exit(0)\n" + ADD
+    assert code_reward("p", cheat, tests=["assert add(1, 2) == 3"], timeout=5) == (0.0, "error")
+    assert code_reward("p", "def add(a, b:\n", tests=["assert add(1, 2) == 3"], timeout=5) == (0.0, "syntax_error")
+    assert code_reward("p", "   ", tests=["assert True"]) == (0.0, "no_program")
+    hang = "import time\ntime.sleep(60)\n" + ADD
+    # after the first timeout the other tests are not run: one time limit, not three
+    assert code_reward("p", hang, tests=["assert add(1, 2) == 3"] * 3, timeout=1) == (0.0, "timeout")
+
+
+def test_output_limit_and_a_clean_working_directory():
+    flood = run_python("while True:\n    print('x' * 10000)\n",
+                       limits=sandbox.SandboxLimits(timeout=5, file_size_mb=1))
+    assert flood.status == "output_limit" and len(flood.stdout) <= 1 << 20
+    first = run_python("import os\nprint(os.getcwd())\nopen('left.txt', 'w').write('x')\n", limits=LIMITS)
+    assert first.status == "ok"
+    workdir = first.stdout.strip()
+    assert not os.path.exists(workdir)                                    # removed afterwards
+    second = run_python("import os\nprint(sorted(os.listdir('.')))\n", limits=LIMITS)
+    assert "left.txt" not in second.stdout
+
+
+def test_extract_program_and_test_formats():
+    assert extract_program("a\n```python\nx = 1\n```\nb\n```py\nx = 2\n```\n") == "x = 2\n"
+    assert extract_program("```\nx = 3\n```") == "x = 3\n"
+    assert extract_program("print(4)") == "print(4)"
+    assert parse_tests('["assert True"]') == ["assert True"]
+    assert parse_tests([{"input": "1", "output": "2", "extra": 0}]) == [{"input": "1", "output": "2"}]
+    for bad in ([], "not json", [{"input": 1, "output": "2"}], {"inputs": ["1"], "outputs": []}, 5):
+        with pytest.raises(ValueError, match="code: "):
+            parse_tests(bad)
+    assert same_output("3  \n\n", "3") and not same_output("3\n4", "3")
+
+
+def test_code_through_the_reward_pool_counts_reasons():
+    responses = [ADD, "while True:\n    pass\n", "blob = bytearray(8 * 1024 ** 3)\n", "def add(a, b):\n    return 0\n"]
+    fields = {"tests": ["assert add(1, 2) == 3"], "timeout": 2.0, "memory_mb": 512}
+    with RewardPool("code", num_workers=2, timeout=30) as pool:
+        results = pool.score(["p"] * 4, responses, [fields] * 4)
+    assert results.scores == [1.0, 0.0, 0.0, 0.0] and results.num_errors == 0
+    assert results.note_counts() == {"timeout": 1, "memory": 1, "wrong_answer": 1}
+    assert results.metrics()["reward_notes/timeout"] == 1.0
+
+
+def test_a_worker_killed_mid_run_leaves_no_sandbox_behind(isolation_kind):
+    """The pool's time limit (1 s) is shorter than the sandbox's (30 s): the worker is killed
+    while its sandboxed program sleeps, and the program dies with it."""
+    sleeper = "import time\ntime.sleep(120)\n" + ADD
+    fields = {"tests": ["assert add(1, 2) == 3"], "timeout": 30.0}
+    with RewardPool("code", num_workers=1, timeout=1.0, max_reward_errors=None) as pool:
+        results = pool.score(["p"], [sleeper], [fields])
+    assert results.errors[0][0] == "timeout"
+    for _ in range(50):                                   # the kernel delivers the parent-death signal
+        leftover = subprocess.run(["pgrep", "-f", "cfg = json.loads"], capture_output=True, text=True).stdout.split()
+        if not leftover:
+            break
+        time.sleep(0.1)
+    assert not leftover
