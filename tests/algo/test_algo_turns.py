@@ -134,8 +134,8 @@ def test_turn_level_gae_closed_form_three_turns():
     v = torch.tensor([[0.2, 0.4, 0.8]], dtype=F64)
     r = torch.tensor([[0.0, -0.1, 0.0]], dtype=F64)
     gamma, lam = 0.9, 0.8
-    adv, ret = turn_level_gae(turn_index=ti, turn_values=v, turn_rewards=r, final_rewards=torch.tensor([1.0], dtype=F64),
-                              gamma=gamma, lam=lam)
+    adv, ret = turn_level_gae(turn_index=ti, turn_values=v, turn_rewards=r,
+                              final_rewards=torch.tensor([1.0], dtype=F64), gamma=gamma, lam=lam)
     a2 = 1.0 - 0.8
     a1 = -0.1 + gamma * 0.8 - 0.4 + gamma * lam * a2
     a0 = 0.0 + gamma * 0.4 - 0.2 + gamma * lam * a1
