@@ -48,6 +48,7 @@ from .turns import (
     turn_end_mask,
     turn_gae,
     turn_gae_advantages,
+    turn_gae_rows,
     turn_group_advantages,
     turn_index_from_mask,
     turn_level_gae,
@@ -104,6 +105,7 @@ __all__ = [
     "place_at_turn_ends",
     "turn_gae",
     "turn_level_gae",
+    "turn_gae_rows",
     "turn_gae_advantages",
     "turn_group_advantages",
 ]

@@ -18,6 +18,9 @@ Two ways to assign credit, both pure tensor math:
   the critic's V of the context that ends with the turn's observation); GAE over the
   turns (:func:`turn_gae`); the turn's advantage and return spread over all of its
   action tokens (:func:`spread_over_turns`). :func:`turn_level_gae` does all three.
+  When each turn is its own row instead (the prompt is the turn's observation, the
+  response its action: environments whose observations are whole states),
+  :func:`turn_gae_rows` does the same from one value and one reward per row.
 
 Normalising per turn index, and why ppokit does not by default
 -------------------------------------------------------------
@@ -59,6 +62,7 @@ __all__ = [
     "turn_gae_advantages",
     "turn_group_advantages",
     "turn_index_from_mask",
+    "turn_gae_rows",
     "turn_level_gae",
     "turn_start_mask",
     "turns_present",
@@ -237,7 +241,8 @@ def turn_level_gae(
 
     Every action token of turn k gets ``A_k`` and ``R_k``; other tokens 0. The value
     loss then pulls every action token's value of turn k toward ``R_k``; to train the
-    value only where it is read, mask it with :func:`turn_start_mask`.
+    value only where it is read, mask it with :func:`turn_start_mask`. Whiten the result
+    over all action tokens, not per turn index (see the module docstring).
     """
     B, K = turn_values.shape
     _check_turn_index(turn_index, K)
@@ -265,6 +270,55 @@ def turn_level_gae(
     adv, ret = turn_gae(rewards, turn_values, gamma=gamma, lam=lam, turn_mask=turn_mask, truncated=truncated,
                         last_values=last_values)
     return spread_over_turns(adv, turn_index), spread_over_turns(ret, turn_index)
+
+
+def turn_gae_rows(
+    *,
+    episode_index: torch.Tensor,
+    turn_number: torch.Tensor,
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    truncated: torch.Tensor | None = None,
+    last_values: torch.Tensor | None = None,
+    num_episodes: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level GAE when every turn is its own row: (N,) advantages and returns, one per row.
+
+    Row i is turn ``turn_number[i]`` of episode ``episode_index[i]`` (both (N,) ints,
+    rows in any order, each (episode, turn) at most once); ``values`` (N,) is the value
+    read at the row's first response token, ``rewards`` (N,) the turn's reward (the
+    episode's final reward on its last turn). ``truncated`` / ``last_values`` are (E,)
+    per episode, as in :func:`turn_gae`; E = ``num_episodes`` (default: max index + 1).
+    The caller broadcasts each row's advantage over that row's response tokens.
+    """
+    for name, x in (("episode_index", episode_index), ("turn_number", turn_number), ("values", values),
+                    ("rewards", rewards)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape != episode_index.shape:
+            raise ValueError(f"{name} must be a 1-D (N,) tensor like episode_index, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    for name, x in (("episode_index", episode_index), ("turn_number", turn_number)):
+        if x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
+        if x.numel() and int(x.min()) < 0:
+            raise ValueError(f"{name} must be >= 0")
+    N = episode_index.shape[0]
+    E = num_episodes if num_episodes is not None else (int(episode_index.max()) + 1 if N else 0)
+    K = int(turn_number.max()) + 1 if N else 0
+    if N and int(episode_index.max()) >= E:
+        raise ValueError(f"episode_index has {int(episode_index.max())} but num_episodes is {E}")
+    flat = episode_index * K + turn_number  # (N,) slot of each row in the (E, K) grid
+    counts = torch.zeros(E * K, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    if N and int(counts.max()) > 1:
+        raise ValueError("two rows have the same (episode_index, turn_number)")
+    dtype = torch.promote_types(values.dtype, rewards.dtype)
+    grid_values = values.new_zeros(E * K, dtype=dtype).index_copy_(0, flat, values.to(dtype)).view(E, K)
+    grid_rewards = values.new_zeros(E * K, dtype=dtype).index_copy_(0, flat, rewards.to(dtype)).view(E, K)
+    present = (counts > 0).view(E, K)  # (E, K)
+    adv, ret = turn_gae(grid_rewards, grid_values, gamma=gamma, lam=lam, turn_mask=present, truncated=truncated,
+                        last_values=None if last_values is None else last_values.to(dtype))
+    return adv.reshape(-1)[flat], ret.reshape(-1)[flat]
 
 
 def turn_gae_advantages(

@@ -74,7 +74,7 @@ def load_env_factory(spec: Any) -> tuple[Callable[..., Any], str]:
         return factory, name
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise EnvError(f"unknown environment '{spec}'{did_you_mean(spec, env_names(True))} built-ins: "
+        raise EnvError(f"unknown environment '{spec}'{did_you_mean(spec, env_names(True)) or ';'} built-ins: "
                        f"{', '.join(env_names())}; or give module:Class or path/to/file.py:Class")
     is_file = target.endswith(".py") or "/" in target or "\\" in target
     module = _import_file(spec, target) if is_file else _import_module(spec, target)
@@ -129,7 +129,7 @@ def _check_kwargs(factory: Callable[..., Any], name: str, kwargs: dict[str, Any]
     for key in kwargs:
         if key not in accepted:
             listing = ", ".join(accepted) if accepted else "none"
-            raise EnvError(f"environment '{name}' does not take '{key}'{did_you_mean(key, accepted)} "
+            raise EnvError(f"environment '{name}' does not take '{key}'{did_you_mean(key, accepted) or ';'} "
                            f"parameters: {listing}")
     try:
         signature.bind(**kwargs)

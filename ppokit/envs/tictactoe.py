@@ -15,7 +15,8 @@ character is in the tiny model's alphabet; the observation is always 22 characte
 
 Action: a cell number. The first digit of the text is the move (``"5"``, ``"5\\n"``,
 ``"i play 5"``); no digit, ``0`` or an occupied cell is illegal: the episode ends with
-``illegal_penalty`` for the mover and ``info["illegal"] = True``.
+``illegal_penalty`` for the mover (outcome ``"loss"``) and ``info["illegal"] = True``;
+the other seat's outcome is ``"win"`` with reward 0 (it did nothing to earn more).
 
 Seats: 0 = x (moves first), 1 = o. ``opponent``:
 

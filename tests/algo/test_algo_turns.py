@@ -16,6 +16,7 @@ from ppokit.algo import (
     turn_end_mask,
     turn_gae,
     turn_gae_advantages,
+    turn_gae_rows,
     turn_group_advantages,
     turn_index_from_mask,
     turn_level_gae,
@@ -208,6 +209,39 @@ def test_turn_gae_with_a_gap_in_the_turn_mask_skips_the_missing_turn():
     adv, ret = turn_gae(r, v, gamma=0.5, lam=1.0, turn_mask=torch.tensor([[True, False, True]]))
     a2 = 2.0 - 0.25
     assert adv.tolist()[0] == pytest.approx([1.0 + 0.5 * 0.25 - 0.5 + 0.5 * a2, 0.0, a2])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_turn_gae_rows_matches_the_stream_layout_for_shuffled_rows(seed):
+    ti, tv, tr, fr, trunc, lv = _random_turn_batch(seed)
+    stream_adv, stream_ret = turn_level_gae(turn_index=ti, turn_values=tv, turn_rewards=tr, final_rewards=fr,
+                                            truncated=trunc, last_values=lv, gamma=0.9, lam=0.7)
+    rows = []  # one row per (episode, turn present), with the final reward on the last turn
+    for b in range(ti.shape[0]):
+        present = sorted({k for k in ti[b].tolist() if k >= 0})
+        for k in present:
+            reward = tr[b, k].item() + (fr[b].item() if k == present[-1] else 0.0)
+            first_token = ti[b].tolist().index(k)
+            rows.append((b, k, tv[b, k].item(), reward, stream_adv[b, first_token].item(),
+                         stream_ret[b, first_token].item()))
+    random.Random(seed).shuffle(rows)
+    columns = list(zip(*rows))
+    adv, ret = turn_gae_rows(episode_index=torch.tensor(columns[0]), turn_number=torch.tensor(columns[1]),
+                             values=torch.tensor(columns[2], dtype=F64), rewards=torch.tensor(columns[3], dtype=F64),
+                             truncated=trunc, last_values=lv, num_episodes=ti.shape[0], gamma=0.9, lam=0.7)
+    torch.testing.assert_close(adv, torch.tensor(columns[4], dtype=F64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ret, torch.tensor(columns[5], dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_turn_gae_rows_errors():
+    one = torch.zeros(2, dtype=F64)
+    with pytest.raises(ValueError, match="same"):
+        turn_gae_rows(episode_index=torch.tensor([0, 0]), turn_number=torch.tensor([1, 1]), values=one, rewards=one)
+    with pytest.raises(ValueError, match="turn_number must be an integer tensor"):
+        turn_gae_rows(episode_index=torch.tensor([0, 0]), turn_number=one, values=one, rewards=one)
+    with pytest.raises(ValueError, match="num_episodes is 1"):
+        turn_gae_rows(episode_index=torch.tensor([0, 1]), turn_number=torch.tensor([0, 0]), values=one,
+                      rewards=one, num_episodes=1)
 
 
 # ----------------------------------------------------------------------------- per-turn group advantages

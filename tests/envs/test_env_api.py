@@ -44,6 +44,8 @@ def test_unknown_name_suggests_the_closest():
     message = _one_line(exc)
     assert "unknown environment 'tictactoo'; did you mean 'tictactoe'?" in message
     assert "module:Class or path/to/file.py:Class" in message
+    with pytest.raises(EnvError, match="unknown environment 'zzz'; built-ins: tictactoe, frozenlake"):
+        make_env("zzz")
     assert issubclass(EnvError, UserError)  # the CLI prints it on one line, exit status 2
 
 
@@ -53,6 +55,16 @@ def test_unknown_keyword_suggests_the_closest_parameter():
     message = _one_line(exc)
     assert "environment 'tictactoe' does not take 'oponent'; did you mean 'opponent'?" in message
     assert "policy_seat" in message
+
+    class NoOptions:
+        def reset(self, seed=None):
+            return "", {}
+
+        def step(self, action):
+            return "", 0.0, True, False, {}
+
+    with pytest.raises(EnvError, match="environment '.*NoOptions' does not take 'level'; parameters: none"):
+        make_env(NoOptions, level=2)
 
 
 def test_bad_builtin_option_is_a_user_error():
