@@ -17,6 +17,7 @@ Modules, one job each:
   controllers (in-reward adaptive, PPO-penalty adaptive)
 - :mod:`.kl_hidden`   exact KL over the vocabulary from hidden states, chunked (no full logits)
 - :mod:`.logits`      chunked log-probs and entropy from logits
+- :mod:`.turns`       multi-turn credit: turn layout, turn-level GAE, per-turn group advantages
 """
 
 from .advantages import (
@@ -45,6 +46,21 @@ from .logits import entropy_from_logits, log_probs_from_logits
 from .policy_losses import POLICY_LOSSES, get_policy_loss, policy_loss, ppo_penalty_loss
 from .registry import Registry, UnknownNameError
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, whiten
+from .turns import (
+    gather_turn_values,
+    place_at_turn_ends,
+    spread_over_turns,
+    sum_turn_rewards,
+    turn_end_mask,
+    turn_gae,
+    turn_gae_advantages,
+    turn_gae_rows,
+    turn_group_advantages,
+    turn_index_from_mask,
+    turn_level_gae,
+    turn_start_mask,
+    turns_present,
+)
 from .value_losses import value_loss
 
 __all__ = [
@@ -89,4 +105,18 @@ __all__ = [
     # logits
     "log_probs_from_logits",
     "entropy_from_logits",
+    # multi-turn credit
+    "turn_index_from_mask",
+    "turn_start_mask",
+    "turn_end_mask",
+    "turns_present",
+    "gather_turn_values",
+    "sum_turn_rewards",
+    "spread_over_turns",
+    "place_at_turn_ends",
+    "turn_gae",
+    "turn_level_gae",
+    "turn_gae_rows",
+    "turn_gae_advantages",
+    "turn_group_advantages",
 ]

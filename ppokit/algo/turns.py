@@ -1,0 +1,431 @@
+"""Credit assignment across the turns of multi-turn episodes.
+
+A multi-turn episode laid out as one row of a (B, T) batch interleaves the model's
+action tokens (turn 0, 1, ...) with environment tokens (observations, tool results)
+and padding. ``turn_index`` (B, T) names the turn of every action token and is -1
+elsewhere; K is the number of turn slots, per-turn tensors are (B, K).
+
+Two ways to assign credit, both pure tensor math:
+
+- **Token level**: :func:`~ppokit.algo.advantages.compute_gae` over the action tokens
+  with ``mask = turn_index >= 0``. It skips the environment tokens (mask 0) and
+  carries the next value and advantage across them, so the last action token of turn
+  k bootstraps from the value at the first action token of turn k+1 and the discount
+  counts action tokens only. A turn's reward must sit on one of its *action* tokens
+  (:func:`place_at_turn_ends`): a reward on a masked position is ignored.
+- **Turn level** (turn-level PPO, as UnstableBaselines trains on text games): one
+  value per turn, read at the turn's first action token (:func:`gather_turn_values`:
+  the critic's V of the context that ends with the turn's observation); GAE over the
+  turns (:func:`turn_gae`); the turn's advantage and return spread over all of its
+  action tokens (:func:`spread_over_turns`). :func:`turn_level_gae` does all three.
+  When each turn is its own row instead (the prompt is the turn's observation, the
+  response its action: environments whose observations are whole states),
+  :func:`turn_gae_rows` does the same from one value and one reward per row.
+
+Normalising per turn index, and why ppokit does not by default
+-------------------------------------------------------------
+When the policy decides how many turns an episode lasts (it answers, stops calling
+tools, resigns), the set of episodes that reach turn k depends on the policy. Two
+consequences:
+
+- Normalising per-turn *rewards* per turn index (subtract the mean of the episodes
+  that reached turn k) and summing them into a return, as MT-GRPO-style estimators do,
+  subtracts from turn t's advantage the sum of the turn means *over the turns the
+  episode itself went on to take*. That baseline depends on the episode's own later
+  actions, including the decision to stop, so the gradient is biased: every "take
+  another turn" action pays a hidden penalty equal to the group mean of the later
+  turns' rewards (the analysis of verl's RFC 7244). :func:`turn_group_advantages` with
+  ``absent="zero"`` (the default) is the unbiased construction: every episode of the
+  group enters every turn index's statistics, a turn it did not take counting as
+  reward 0, so the subtracted sum is the same for every episode of the group.
+  ``absent="skip"`` reproduces the biased construction for comparison.
+- Whitening GAE advantages per turn index subtracts a mean that does not depend on the
+  episode's own actions (no bias beyond the usual 1/N), but divides turn k by a std
+  computed on a policy-dependent and, for late turns, small set of episodes, which
+  reweights turns arbitrarily and noisily. Whiten over all action tokens instead
+  (:func:`~ppokit.algo.stats.whiten` with ``mask = turn_index >= 0``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .advantages import compute_gae
+
+__all__ = [
+    "gather_turn_values",
+    "place_at_turn_ends",
+    "spread_over_turns",
+    "sum_turn_rewards",
+    "turn_end_mask",
+    "turn_gae",
+    "turn_gae_advantages",
+    "turn_group_advantages",
+    "turn_index_from_mask",
+    "turn_gae_rows",
+    "turn_level_gae",
+    "turn_start_mask",
+    "turns_present",
+]
+
+
+# ----------------------------------------------------------------------------- layout
+def _check_turn_index(turn_index: torch.Tensor, num_turns: int | None = None) -> None:
+    if not isinstance(turn_index, torch.Tensor) or turn_index.dim() != 2:
+        shape = tuple(turn_index.shape) if isinstance(turn_index, torch.Tensor) else type(turn_index).__name__
+        raise ValueError(f"turn_index must be a 2-D (B, T) tensor, got {shape}")
+    if turn_index.dtype.is_floating_point or turn_index.dtype == torch.bool:
+        raise ValueError(f"turn_index must be an integer tensor, got {turn_index.dtype}")
+    if turn_index.numel():
+        low, high = int(turn_index.min()), int(turn_index.max())
+        if low < -1:
+            raise ValueError(f"turn_index must be -1 (not an action token) or a turn number >= 0, found {low}")
+        if num_turns is not None and high >= num_turns:
+            raise ValueError(f"turn_index has turn {high} but the per-turn tensors have K = {num_turns} turn slots")
+
+
+def turn_index_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) turn numbers from an action mask: each maximal run of action tokens is a turn.
+
+    ``turn_index[b, t] = (number of runs that start at or before t) - 1`` on action
+    tokens, -1 elsewhere. Two turns must be separated by at least one non-action token
+    (an observation, EOS or padding), which a multi-turn stream always has.
+    """
+    if action_mask.dim() != 2:
+        raise ValueError(f"action_mask must be (B, T), got {tuple(action_mask.shape)}")
+    m = action_mask if action_mask.dtype == torch.bool else action_mask != 0  # (B, T)
+    prev = torch.nn.functional.pad(m[:, :-1], (1, 0), value=False)  # (B, T) mask at t-1
+    starts = m & ~prev  # (B, T)
+    index = torch.cumsum(starts.long(), dim=1) - 1  # (B, T)
+    return torch.where(m, index, torch.full_like(index, -1))
+
+
+def turn_start_mask(turn_index: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the first action token of each turn (where turn values are read)."""
+    _check_turn_index(turn_index)
+    prev = torch.nn.functional.pad(turn_index[:, :-1], (1, 0), value=-1)  # (B, T)
+    return (turn_index >= 0) & (turn_index != prev)
+
+
+def turn_end_mask(turn_index: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the last action token of each turn (where turn rewards go)."""
+    _check_turn_index(turn_index)
+    nxt = torch.nn.functional.pad(turn_index[:, 1:], (0, 1), value=-1)  # (B, T)
+    return (turn_index >= 0) & (turn_index != nxt)
+
+
+def turns_present(turn_index: torch.Tensor, num_turns: int) -> torch.Tensor:
+    """(B, K) bool: turn k of row b has at least one action token."""
+    _check_turn_index(turn_index, num_turns)
+    B = turn_index.shape[0]
+    present = torch.zeros(B, num_turns + 1, dtype=torch.bool, device=turn_index.device)  # slot K = "none"
+    slot = torch.where(turn_index >= 0, turn_index, torch.full_like(turn_index, num_turns))
+    present.scatter_(1, slot, True)
+    return present[:, :num_turns]
+
+
+def gather_turn_values(token_values: torch.Tensor, turn_index: torch.Tensor, num_turns: int) -> torch.Tensor:
+    """(B, K) per-turn values: ``token_values`` at each turn's first action token (0 for absent turns)."""
+    _check_turn_index(turn_index, num_turns)
+    if token_values.shape != turn_index.shape:
+        raise ValueError(f"token_values shape {tuple(token_values.shape)} != turn_index shape "
+                         f"{tuple(turn_index.shape)}")
+    B = turn_index.shape[0]
+    starts = turn_start_mask(turn_index)  # (B, T)
+    slot = torch.where(starts, turn_index, torch.full_like(turn_index, num_turns))  # (B, T)
+    out = token_values.new_zeros(B, num_turns + 1)
+    out.scatter_(1, slot, torch.where(starts, token_values, torch.zeros_like(token_values)))
+    return out[:, :num_turns]
+
+
+def sum_turn_rewards(token_rewards: torch.Tensor, turn_index: torch.Tensor, num_turns: int) -> torch.Tensor:
+    """(B, K) per-turn rewards: the sum of ``token_rewards`` over each turn's action tokens
+    (a KL penalty per token adds up; rewards on non-action tokens are not counted)."""
+    _check_turn_index(turn_index, num_turns)
+    if token_rewards.shape != turn_index.shape:
+        raise ValueError(f"token_rewards shape {tuple(token_rewards.shape)} != turn_index shape "
+                         f"{tuple(turn_index.shape)}")
+    B = turn_index.shape[0]
+    slot = torch.where(turn_index >= 0, turn_index, torch.full_like(turn_index, num_turns))  # (B, T)
+    out = token_rewards.new_zeros(B, num_turns + 1)
+    out.scatter_add_(1, slot, torch.where(turn_index >= 0, token_rewards, torch.zeros_like(token_rewards)))
+    return out[:, :num_turns]
+
+
+def spread_over_turns(per_turn: torch.Tensor, turn_index: torch.Tensor) -> torch.Tensor:
+    """(B, T): ``per_turn[b, turn_index[b, t]]`` on action tokens, 0 elsewhere."""
+    if per_turn.dim() != 2 or per_turn.shape[0] != turn_index.shape[0]:
+        raise ValueError(f"per-turn tensor shape {tuple(per_turn.shape)} does not match turn_index rows "
+                         f"{turn_index.shape[0]}")
+    _check_turn_index(turn_index, per_turn.shape[1])
+    valid = turn_index >= 0  # (B, T)
+    gathered = per_turn.gather(1, turn_index.clamp(min=0))  # (B, T)
+    return torch.where(valid, gathered, torch.zeros_like(gathered))
+
+
+def place_at_turn_ends(per_turn: torch.Tensor, turn_index: torch.Tensor) -> torch.Tensor:
+    """(B, T) token rewards: each turn's reward on its last action token, 0 elsewhere
+    (the input :func:`~ppokit.algo.advantages.compute_gae` needs for multi-turn rows)."""
+    ends = turn_end_mask(turn_index)  # (B, T)
+    spread = spread_over_turns(per_turn, turn_index)  # (B, T)
+    return torch.where(ends, spread, torch.zeros_like(spread))
+
+
+# ----------------------------------------------------------------------------- turn-level GAE
+def turn_gae(
+    turn_rewards: torch.Tensor,
+    turn_values: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    turn_mask: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
+    last_values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over turns: (B, K) advantages and lambda-returns.
+
+    With ``V_k`` the value at turn k and the sums over the turns present in the row::
+
+        delta_k = r_k + gamma * V_{k+1} - V_k
+        A_k     = delta_k + gamma * lam * A_{k+1}
+        R_k     = A_k + V_k
+
+    After the row's last turn ``V_{k+1}`` is ``last_values[b]`` where ``truncated[b]``
+    (the episode was cut short: bootstrap from the value of the state after the last
+    turn) and 0 where it terminated. Turns with ``turn_mask == 0`` are skipped like
+    masked tokens in :func:`~ppokit.algo.advantages.compute_gae` (A and R are 0 there).
+    """
+    if turn_rewards.shape != turn_values.shape:
+        raise ValueError(f"turn_rewards shape {tuple(turn_rewards.shape)} != turn_values shape "
+                         f"{tuple(turn_values.shape)}")
+    B = turn_rewards.shape[0]
+    bootstrap = None
+    if truncated is not None:
+        truncated = torch.as_tensor(truncated, device=turn_rewards.device)
+        if truncated.shape != (B,):
+            raise ValueError(f"truncated shape {tuple(truncated.shape)} != (B,) = ({B},)")
+        if last_values is None:
+            if bool(truncated.any()):
+                raise ValueError("truncated episodes need last_values (B,): the value of the state after the "
+                                 "last turn (pass 0 where the episode terminated)")
+        else:
+            if last_values.shape != (B,):
+                raise ValueError(f"last_values shape {tuple(last_values.shape)} != (B,) = ({B},)")
+            bootstrap = torch.where(truncated.bool(), last_values, torch.zeros_like(last_values))
+    elif last_values is not None:
+        bootstrap = last_values
+    return compute_gae(turn_rewards, turn_values, gamma=gamma, lam=lam, mask=turn_mask, last_values=bootstrap)
+
+
+def turn_level_gae(
+    *,
+    turn_index: torch.Tensor,
+    turn_values: torch.Tensor,
+    turn_rewards: torch.Tensor | None = None,
+    final_rewards: torch.Tensor | None = None,
+    turn_mask: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
+    last_values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level GAE spread onto the action tokens: (B, T) advantages and returns.
+
+    - ``turn_index`` (B, T): the turn of each action token, -1 elsewhere.
+    - ``turn_values`` (B, K): the value at each turn (:func:`gather_turn_values`).
+    - ``turn_rewards`` (B, K) and/or ``final_rewards`` (B,): the reward of each turn;
+      ``final_rewards[b]`` is added to row b's last present turn.
+    - ``turn_mask`` (B, K): the turns present; default: the turns with action tokens.
+      Every action token's turn must be present.
+    - ``truncated`` (B,) bool and ``last_values`` (B,): see :func:`turn_gae`.
+
+    Every action token of turn k gets ``A_k`` and ``R_k``; other tokens 0. The value
+    loss then pulls every action token's value of turn k toward ``R_k``; to train the
+    value only where it is read, mask it with :func:`turn_start_mask`. Whiten the result
+    over all action tokens, not per turn index (see the module docstring).
+    """
+    B, K = turn_values.shape
+    _check_turn_index(turn_index, K)
+    if turn_index.shape[0] != B:
+        raise ValueError(f"turn_index has {turn_index.shape[0]} rows but turn_values has {B}")
+    present = turns_present(turn_index, K)  # (B, K)
+    if turn_mask is None:
+        turn_mask = present
+    else:
+        if turn_mask.shape != (B, K):
+            raise ValueError(f"turn_mask shape {tuple(turn_mask.shape)} != turn_values shape {(B, K)}")
+        turn_mask = turn_mask if turn_mask.dtype == torch.bool else turn_mask != 0
+        if bool((present & ~turn_mask).any()):
+            raise ValueError("turn_mask excludes a turn that has action tokens in turn_index")
+    rewards = turn_values.new_zeros(B, K) if turn_rewards is None else turn_rewards.to(turn_values.dtype)
+    if rewards.shape != (B, K):
+        raise ValueError(f"turn_rewards shape {tuple(rewards.shape)} != turn_values shape {(B, K)}")
+    if final_rewards is not None:
+        if final_rewards.shape != (B,):
+            raise ValueError(f"final_rewards shape {tuple(final_rewards.shape)} != (B,) = ({B},)")
+        position = torch.arange(K, device=turn_mask.device).expand(B, K)  # (B, K)
+        last = torch.where(turn_mask, position, torch.full_like(position, -1)).max(dim=1).values  # (B,)
+        is_last = (position == last[:, None]) & turn_mask  # (B, K); no turn present: none
+        rewards = rewards + torch.where(is_last, final_rewards.to(rewards.dtype)[:, None], rewards.new_zeros(()))
+    adv, ret = turn_gae(rewards, turn_values, gamma=gamma, lam=lam, turn_mask=turn_mask, truncated=truncated,
+                        last_values=last_values)
+    return spread_over_turns(adv, turn_index), spread_over_turns(ret, turn_index)
+
+
+def turn_gae_rows(
+    *,
+    episode_index: torch.Tensor,
+    turn_number: torch.Tensor,
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    truncated: torch.Tensor | None = None,
+    last_values: torch.Tensor | None = None,
+    num_episodes: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level GAE when every turn is its own row: (N,) advantages and returns, one per row.
+
+    Row i is turn ``turn_number[i]`` of episode ``episode_index[i]`` (both (N,) ints,
+    rows in any order, each (episode, turn) at most once); ``values`` (N,) is the value
+    read at the row's first response token, ``rewards`` (N,) the turn's reward (the
+    episode's final reward on its last turn). ``truncated`` / ``last_values`` are (E,)
+    per episode, as in :func:`turn_gae`; E = ``num_episodes`` (default: max index + 1).
+    The caller broadcasts each row's advantage over that row's response tokens.
+    """
+    for name, x in (("episode_index", episode_index), ("turn_number", turn_number), ("values", values),
+                    ("rewards", rewards)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape != episode_index.shape:
+            raise ValueError(f"{name} must be a 1-D (N,) tensor like episode_index, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    for name, x in (("episode_index", episode_index), ("turn_number", turn_number)):
+        if x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
+        if x.numel() and int(x.min()) < 0:
+            raise ValueError(f"{name} must be >= 0")
+    N = episode_index.shape[0]
+    E = num_episodes if num_episodes is not None else (int(episode_index.max()) + 1 if N else 0)
+    K = int(turn_number.max()) + 1 if N else 0
+    if N and int(episode_index.max()) >= E:
+        raise ValueError(f"episode_index has {int(episode_index.max())} but num_episodes is {E}")
+    flat = episode_index * K + turn_number  # (N,) slot of each row in the (E, K) grid
+    counts = torch.zeros(E * K, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    if N and int(counts.max()) > 1:
+        raise ValueError("two rows have the same (episode_index, turn_number)")
+    dtype = torch.promote_types(values.dtype, rewards.dtype)
+    grid_values = values.new_zeros(E * K, dtype=dtype).index_copy_(0, flat, values.to(dtype)).view(E, K)
+    grid_rewards = values.new_zeros(E * K, dtype=dtype).index_copy_(0, flat, rewards.to(dtype)).view(E, K)
+    present = (counts > 0).view(E, K)  # (E, K)
+    adv, ret = turn_gae(grid_rewards, grid_values, gamma=gamma, lam=lam, turn_mask=present, truncated=truncated,
+                        last_values=None if last_values is None else last_values.to(dtype))
+    return adv.reshape(-1)[flat], ret.reshape(-1)[flat]
+
+
+def turn_gae_advantages(
+    *,
+    rewards: torch.Tensor,
+    mask: torch.Tensor | None,
+    values: torch.Tensor | None = None,
+    turn_index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    dones: torch.Tensor | None = None,
+    last_values: torch.Tensor | None = None,
+    **_,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level GAE with the uniform estimator signature of
+    :data:`~ppokit.algo.advantages.ADVANTAGE_ESTIMATORS` (one episode per row), ready to
+    be registered as ``"turn_gae"``.
+
+    Token inputs: ``rewards`` (B, T) summed per turn (:func:`sum_turn_rewards`),
+    ``values`` (B, T) read at each turn's first action token
+    (:func:`gather_turn_values`), ``turn_index`` (B, T) (default: the runs of ``mask``,
+    :func:`turn_index_from_mask`), ``last_values`` (B,) the bootstrap after the last
+    turn (0 where the episode terminated). Returns (B, T).
+    """
+    if values is None:
+        raise ValueError("advantage estimator 'turn_gae' needs values (a critic)")
+    if turn_index is None:
+        if mask is None:
+            raise ValueError("advantage estimator 'turn_gae' needs turn_index (B, T) (the turn of each action "
+                             "token, -1 elsewhere) or a mask whose runs are the turns")
+        turn_index = turn_index_from_mask(mask)
+    if dones is not None and bool((dones != 0).any()):
+        raise ValueError("advantage estimator 'turn_gae' takes one episode per row; dones must be all 0 or None")
+    if mask is not None:
+        m = mask if mask.dtype == torch.bool else mask != 0
+        if bool(((turn_index >= 0) & ~m).any()):
+            raise ValueError("turn_index marks action tokens that the mask excludes")
+    _check_turn_index(turn_index)
+    K = int(turn_index.max()) + 1 if turn_index.numel() else 0
+    K = max(K, 1)
+    turn_rewards = sum_turn_rewards(rewards, turn_index, K)  # (B, K)
+    turn_values = gather_turn_values(values.to(rewards.dtype), turn_index, K)  # (B, K)
+    return turn_level_gae(turn_index=turn_index, turn_values=turn_values, turn_rewards=turn_rewards,
+                          last_values=last_values, gamma=gamma, lam=lam)
+
+
+# ----------------------------------------------------------------------------- critic-free, per turn index
+def turn_group_advantages(
+    turn_rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    turn_mask: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    absent: str = "zero",
+    norm_by_std: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Critic-free per-turn advantages from group statistics per turn index: (B, K).
+
+    Rows with equal ``group_ids`` (B,) are episodes of the same task. ``r_{b,k}`` is the
+    reward of turn k, ``m_{b,k}`` whether row b took turn k (``turn_mask``, default all).
+
+    ``absent="zero"`` (unbiased when the policy decides when to stop)::
+
+        r~_{b,k} = r_{b,k} * m_{b,k}                    (a turn not taken counts as 0)
+        mu_{g,k} = mean over all n_g rows of g of r~_{.,k}
+        A_{b,t}  = sum_{k >= t} gamma^(k-t) (r~_{b,k} - mu_{g,k})
+
+    so the baseline subtracted at turn t, ``sum_{k>=t} gamma^(k-t) mu_{g,k}``, is the same
+    for every row of the group. Since ``r~_b - mean_g(r~) = (n_g-1)/n_g (r~_b - mean of the
+    others)``, its expected gradient is (n_g-1)/n_g times the true policy gradient.
+
+    ``absent="skip"`` (the MT-GRPO-style construction, biased; for comparison): the mean
+    at turn k is over the rows that took turn k only, and the sum runs over the turns
+    row b took, so the baseline depends on when row b stopped.
+
+    ``norm_by_std`` divides each term by the std of its statistics set (+ ``eps``).
+    Single-sample groups get 0. Entries for turns a row did not take are 0.
+    """
+    if turn_rewards.dim() != 2:
+        raise ValueError(f"turn_rewards must be (B, K), got {tuple(turn_rewards.shape)}")
+    if absent not in ("zero", "skip"):
+        raise ValueError(f"absent must be 'zero' (unbiased) or 'skip' (MT-GRPO-style), got {absent!r}")
+    B, K = turn_rewards.shape
+    m = torch.ones_like(turn_rewards, dtype=torch.bool) if turn_mask is None else (
+        turn_mask if turn_mask.dtype == torch.bool else turn_mask != 0)
+    if m.shape != (B, K):
+        raise ValueError(f"turn_mask shape {tuple(m.shape)} != turn_rewards shape {(B, K)}")
+    group_ids = torch.as_tensor(group_ids, device=turn_rewards.device)
+    if group_ids.shape != (B,):
+        raise ValueError(f"group_ids shape {tuple(group_ids.shape)} != (B,) = ({B},)")
+    _, index = torch.unique(group_ids, return_inverse=True)  # (B,)
+    G = int(index.max()) + 1 if B else 0
+    zero = turn_rewards.new_zeros(())
+    r = torch.where(m, turn_rewards, zero)  # (B, K)
+    members = torch.ones_like(r) if absent == "zero" else m.to(r.dtype)  # (B, K) rows in each (g, k) statistic
+    count = r.new_zeros(G, K).index_add(0, index, members)  # (G, K)
+    mean = r.new_zeros(G, K).index_add(0, index, r * members) / count.clamp(min=1)  # (G, K)
+    centered = (r - mean[index]) * members  # (B, K)
+    if norm_by_std:
+        var = r.new_zeros(G, K).index_add(0, index, centered**2) / (count - 1).clamp(min=1)  # (G, K)
+        centered = centered / (var.sqrt()[index] + eps)
+    centered = torch.where(count[index] > 1, centered, zero)  # single-member statistics: no signal
+    # reward-to-go of the centred terms: A_t = c_t + gamma * A_{t+1}
+    adv = torch.zeros_like(centered)
+    running = r.new_zeros(B)
+    for k in range(K - 1, -1, -1):
+        running = centered[:, k] + gamma * running
+        adv[:, k] = running
+    return torch.where(m, adv, zero)

@@ -1,0 +1,167 @@
+"""Environments by name: built-ins, registered ones, and a user's ``module:Class`` or ``file.py:Class``.
+
+::
+
+    make_env("tictactoe", opponent="heuristic")
+    make_env("my_pkg.games:Nim", heaps=3)
+    make_env("envs/nim.py:Nim")
+
+Every problem (unknown name, module not importable, file missing, attribute missing,
+not a class or factory, a keyword the constructor does not take, the constructor
+failing, an object without reset/step) is a one-line :class:`~ppokit.envs.checks.EnvError`
+naming the spec and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ppokit.errors import UserError, did_you_mean
+
+from .checks import EnvError, one_line_error
+
+__all__ = ["env_names", "load_env_factory", "make_env", "register_env"]
+
+# name -> "module:attribute" (imported on first use) or a factory
+_REGISTRY: dict[str, Any] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register_env(name: str, factory: Any, *aliases: str, overwrite: bool = False) -> None:
+    """Register ``factory`` (a class, a callable returning an environment, or a
+    ``"module:attribute"`` string imported on first use) under ``name`` and ``aliases``."""
+    for n in (name, *aliases):
+        if not isinstance(n, str) or not n or ":" in n:
+            raise ValueError(f"environment names must be non-empty strings without ':', got {n!r}")
+        if not overwrite and (n in _REGISTRY or n in _ALIASES):
+            raise ValueError(f"environment {n!r} is already registered")
+    _REGISTRY[name] = factory
+    for alias in aliases:
+        _ALIASES[alias] = name
+
+
+def env_names(include_aliases: bool = False) -> tuple[str, ...]:
+    """The registered names (and aliases if asked), in registration order."""
+    return tuple(_REGISTRY) + (tuple(_ALIASES) if include_aliases else ())
+
+
+register_env("tictactoe", "ppokit.envs.tictactoe:TicTacToeEnv", "tic-tac-toe", "tic_tac_toe")
+register_env("frozenlake", "ppokit.envs.frozenlake:FrozenLakeTextEnv", "frozen-lake", "frozen_lake")
+register_env("guess_number", "ppokit.envs.guess_number:GuessNumberEnv", "guess-number", "guess")
+register_env("calculator", "ppokit.envs.calculator:CalculatorEnv", "calc")
+
+
+def load_env_factory(spec: Any) -> tuple[Callable[..., Any], str]:
+    """``(factory, name)`` for a registered name, ``module:Class``, ``path/to/file.py:Class``,
+    or a class / callable given directly."""
+    if callable(spec) and not isinstance(spec, str):
+        return spec, getattr(spec, "__qualname__", None) or getattr(spec, "__name__", repr(spec))
+    if not isinstance(spec, str) or not spec.strip():
+        raise EnvError(f"an environment must be a built-in name ({', '.join(env_names())}), module:Class or "
+                       f"path/to/file.py:Class (got {spec!r})")
+    spec = spec.strip()
+    name = _ALIASES.get(spec, spec)
+    if name in _REGISTRY:
+        factory = _REGISTRY[name]
+        if isinstance(factory, str):
+            module_name, _, attr = factory.partition(":")
+            factory = getattr(importlib.import_module(module_name), attr)
+        return factory, name
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise EnvError(f"unknown environment '{spec}'{did_you_mean(spec, env_names(True)) or ';'} built-ins: "
+                       f"{', '.join(env_names())}; or give module:Class or path/to/file.py:Class")
+    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    module = _import_file(spec, target) if is_file else _import_module(spec, target)
+    if not hasattr(module, attr):
+        names = [n for n in vars(module) if not n.startswith("_") and inspect.isclass(getattr(module, n))]
+        hint = did_you_mean(attr, names)
+        listing = "" if hint else (f" (classes there: {', '.join(sorted(names)[:10])})" if names else "")
+        raise EnvError(f"environment '{spec}': {target} has no attribute '{attr}'{hint}{listing}")
+    factory = getattr(module, attr)
+    if not callable(factory):
+        raise EnvError(f"environment '{spec}': {attr} is a {type(factory).__name__}, not a class; point at a "
+                       "class with reset(seed=None) and step(action)")
+    return factory, spec
+
+
+def make_env(spec: Any, **kwargs: Any) -> Any:
+    """Build the environment ``spec`` names with keyword arguments ``kwargs``.
+
+    The instance gets ``env_name`` (the name or spec) for error messages, where it
+    accepts attributes.
+    """
+    factory, name = load_env_factory(spec)
+    _check_kwargs(factory, name, kwargs)
+    try:
+        env = factory(**kwargs)
+    except UserError:
+        raise
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the environment's constructor failed
+        raise EnvError(f"environment '{name}': building it failed: {one_line_error(exc)}") from None
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        raise EnvError(f"environment '{name}' built a {type(env).__name__} without {' or '.join(missing)}; an "
+                       "environment needs reset(seed=None) -> (observation, info) and step(action) -> "
+                       "(observation, reward, terminated, truncated, info)")
+    try:
+        env.env_name = name
+    except (AttributeError, TypeError):
+        pass
+    return env
+
+
+def _check_kwargs(factory: Callable[..., Any], name: str, kwargs: dict[str, Any]) -> None:
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items()
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in accepted:
+            listing = ", ".join(accepted) if accepted else "none"
+            raise EnvError(f"environment '{name}' does not take '{key}'{did_you_mean(key, accepted) or ';'} "
+                           f"parameters: {listing}")
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        raise EnvError(f"environment '{name}': {exc}") from None
+
+
+def _import_module(spec: str, module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise EnvError(f"environment '{spec}': cannot import module '{module_name}' (no module named "
+                           f"'{exc.name}'); check the name, install it, or give path/to/file.py:Class") from None
+        raise EnvError(f"environment '{spec}': importing '{module_name}' failed: {one_line_error(exc)}") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error in the user's module is the user's
+        raise EnvError(f"environment '{spec}': importing '{module_name}' failed: {one_line_error(exc)}") from None
+
+
+def _import_file(spec: str, path_text: str):
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise EnvError(f"environment '{spec}': file {path} does not exist")
+    module_name = f"ppokit_env_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise EnvError(f"environment '{spec}': cannot load {path} as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # lets dataclasses inside the file work
+    try:
+        module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
+        sys.modules.pop(module_name, None)
+        raise EnvError(f"environment '{spec}': running {path} failed: {one_line_error(exc)}") from None
+    return module

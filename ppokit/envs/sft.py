@@ -1,0 +1,89 @@
+"""Warm-start data from environments: ``{"prompt", "completion"}`` records of played turns.
+
+The records use the environment's own observations as prompts and the actions as
+completions, byte for byte what the rollout will show and parse, so a supervised warm
+start (``ppokit sft`` with a JSONL file of these records) teaches the format and the
+legal moves before PPO.
+
+- :func:`demonstration_records`: any ``observation_mode="state"`` environment and any
+  policy (e.g. :func:`~ppokit.envs.runner.expert_policy`).
+- :func:`tictactoe_sft_records`: tic-tac-toe games by random legal play (both seats),
+  by the best response to a random opponent, or by perfect play.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from ppokit.errors import UserError
+
+from .checks import env_label
+from .runner import Policy, expert_policy, play_episode, random_legal_policy
+from .tictactoe import TicTacToeEnv
+from .tictactoe_solver import perfect_moves
+
+__all__ = ["TICTACTOE_SFT_POLICIES", "demonstration_records", "tictactoe_sft_records"]
+
+
+def demonstration_records(env: Any, policy: Union[Policy, Mapping[int, Policy]], *, episodes: int, seed: int = 0,
+                          seats: Optional[Sequence[Optional[int]]] = None, legal_only: bool = True,
+                          unique: bool = False) -> list[dict[str, Any]]:
+    """One record per turn of ``episodes`` episodes (seeds ``seed, seed + 1, ...``).
+
+    A record: ``{"prompt": observation, "completion": action, "seat": seat or None,
+    "episode": i}``. ``seats``: whose turns to keep (default: all). ``legal_only``: drop
+    turns the environment called illegal. ``unique``: keep the first record of each
+    distinct (prompt, completion).
+    """
+    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 0:
+        raise UserError(f"episodes must be a non-negative int (got {episodes!r})")
+    records: list[dict[str, Any]] = []
+    seen: set[tuple[str, str]] = set()
+    for i in range(episodes):
+        episode = play_episode(env, policy, seed=seed + i)
+        for turn in episode.turns:
+            if not isinstance(turn.observation, str):
+                raise UserError(f"environment '{env_label(env)}': demonstrations need text observations "
+                                "(observation_mode='state'); this one gives chat messages")
+            if seats is not None and turn.player not in seats:
+                continue
+            if legal_only and turn.info.get("illegal"):
+                continue
+            key = (turn.observation, turn.action)
+            if unique and key in seen:
+                continue
+            seen.add(key)
+            records.append({"prompt": turn.observation, "completion": turn.action, "seat": turn.player,
+                            "episode": i})
+    return records
+
+
+TICTACTOE_SFT_POLICIES = ("random", "best_response", "perfect")
+
+
+def tictactoe_sft_records(games: int, *, policy: str = "random", seed: int = 0, unique: bool = False,
+                          show_cell_numbers: bool = True) -> list[dict[str, Any]]:
+    """Tic-tac-toe warm-start records in :class:`~ppokit.envs.tictactoe.TicTacToeEnv`'s format.
+
+    ``policy``:
+
+    - ``"random"``: both seats play uniformly random legal moves (self-play); every
+      turn of both seats is a record. Teaches the board format and legal moves only.
+    - ``"best_response"``: the learner plays the best response to a random opponent
+      (x and o alternately); the learner's turns are records. The ceiling against the
+      ``random`` opponent.
+    - ``"perfect"``: the learner plays minimax-optimal moves against a random opponent.
+    """
+    if policy == "random":
+        env = TicTacToeEnv(opponent="self", show_cell_numbers=show_cell_numbers)
+        return demonstration_records(env, random_legal_policy(random.Random(seed)), episodes=games, seed=seed,
+                                     unique=unique)
+    if policy in ("best_response", "perfect"):
+        env = TicTacToeEnv(opponent="random", policy_seat="alternate", show_cell_numbers=show_cell_numbers)
+        def perfect(observation: Any, info: dict) -> str:
+            return str(perfect_moves(env.board)[0] + 1)
+
+        expert = perfect if policy == "perfect" else expert_policy(env)
+        return demonstration_records(env, expert, episodes=games, seed=seed, unique=unique)
+    raise UserError(f"tictactoe SFT policy must be one of {', '.join(TICTACTOE_SFT_POLICIES)} (got {policy!r})")
