@@ -29,6 +29,7 @@ temporary module; it is not part of the package. Examples::
     python bench/control_network.py                    # 5 rounds of 4 runs, about 4 minutes
     python bench/control_network.py --loops torch_adamw --nets new new-validated
     python bench/control_network.py --repeats 9 --profile
+    python bench/control_network.py --breakdown         # where a rollout step's time goes
 """
 
 from __future__ import annotations
@@ -177,6 +178,84 @@ def validated_network(net_cls: type) -> type:
     return Validated
 
 
+def rollout_variants(net_cls: type) -> dict[str, type]:
+    """Discrete-action variants of the nn.Module network's ``act``, to split a rollout step's cost.
+
+    - ``gumbel-max``: the same modules, actions sampled by hand (argmax of log-softmax plus
+      Gumbel noise, the old network's sampler) instead of ``Categorical``;
+    - ``multinomial``: the same modules, ``torch.multinomial`` on the softmax and the
+      log-prob gathered from ``log_softmax``: no ``Distribution`` object, no trick;
+    - ``functional``: ``Categorical`` kept, the layers applied with ``F.linear`` / ``tanh``
+      on the same parameters instead of calling the modules.
+    """
+    import torch.nn.functional as F
+    from torch.distributions import Categorical
+
+    class GumbelMax(net_cls):
+        def act(self, obs):
+            logits = self.policy_head(self.actor(obs))  # (E, K)
+            values = self.value_head(self.critic(obs)).squeeze(-1)
+            log_p = torch.log_softmax(logits, dim=-1)
+            actions = (log_p - torch.empty_like(log_p).exponential_().log_()).argmax(-1, keepdim=True)
+            return actions.squeeze(-1), log_p.gather(-1, actions).squeeze(-1), values
+
+    class Multinomial(net_cls):
+        def act(self, obs):
+            logits = self.policy_head(self.actor(obs))  # (E, K)
+            values = self.value_head(self.critic(obs)).squeeze(-1)
+            log_p = torch.log_softmax(logits, dim=-1)
+            actions = torch.multinomial(log_p.exp(), 1)  # (E, 1)
+            return actions.squeeze(-1), log_p.gather(-1, actions).squeeze(-1), values
+
+    class Functional(net_cls):
+        def act(self, obs):
+            def mlp(seq, x):
+                for layer in seq[::2]:
+                    x = torch.tanh(F.linear(x, layer.weight, layer.bias))
+                return x
+
+            logits = F.linear(mlp(self.actor, obs), self.policy_head.weight, self.policy_head.bias)
+            values = F.linear(mlp(self.critic, obs), self.value_head.weight, self.value_head.bias).squeeze(-1)
+            dist = Categorical(logits=logits, validate_args=False)
+            actions = dist.sample()
+            return actions, dist.log_prob(actions), values
+
+    return {"gumbel-max": GumbelMax, "multinomial": Multinomial, "functional": Functional}
+
+
+def rollout_breakdown(nets: dict[str, type], rounds: int, seed: int) -> None:
+    """CPU time per env step of ``Rollout.collect`` on the cartpole preset (8 envs x 32 steps), interleaved."""
+    from ppokit.control.envs import VecEnv
+    from ppokit.control.rollout import Rollout
+
+    with tempfile.TemporaryDirectory(prefix="ppokit-bench-net-") as out:
+        cfg = make_config(100_000, out, seed)
+    e = cfg.env
+    setups = {}
+    for name, cls in nets.items():
+        venv = VecEnv(e, e.num_envs, seed=seed, gamma=cfg.algo.gamma, training=True)
+        torch.manual_seed(seed)
+        setups[name] = (cls(venv.obs_dim, venv.action_dim, venv.discrete, cfg.network), Rollout(venv, e.num_steps))
+    times: dict[str, list[float]] = {name: [] for name in setups}
+    for policy, rollout in setups.values():
+        for _ in range(10):
+            rollout.collect(policy)
+    per_round = 20
+    for r in range(rounds):
+        for name, (policy, rollout) in (list(setups.items()) if r % 2 == 0 else list(setups.items())[::-1]):
+            c0 = time.process_time()
+            for _ in range(per_round):
+                rollout.collect(policy)
+            times[name].append((time.process_time() - c0) / (per_round * e.num_steps) * 1e6)
+    for policy, rollout in setups.values():
+        rollout.venv.close()
+    print(f"\nRollout.collect, CPU us per env step ({e.num_envs} envs; median of {rounds} rounds of {per_round} rollouts)")
+    base = statistics.median(times[next(iter(times))])
+    for name, t in times.items():
+        m = statistics.median(t)
+        print(f"  {name:12s} {m:7.1f}  (x{m / base:.2f})")
+
+
 def profile_loop(net_cls: type, steps: int, seed: int) -> str:
     """cProfile of the torch_adamw loop with ``net_cls``: the top functions by own time."""
     prof = cProfile.Profile()
@@ -193,10 +272,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--old-rev", default=OLD_REV, help="git revision of the flat-parameter network")
     p.add_argument("--loops", nargs="+", choices=sorted(LOOPS), default=["train_control", "torch_adamw"])
-    p.add_argument("--nets", nargs="+", choices=["old", "new", "new-validated"], default=["old", "new"],
-                   help="new-validated: the new network with torch.distributions' validate_args=True; ratios are "
-                        "against the first")
+    p.add_argument("--nets", nargs="+", choices=["old", "new", "new-validated", "new-gumbel", "new-multinomial"], default=["old", "new"],
+                   help="new-validated: the new network with torch.distributions' validate_args=True; new-gumbel: "
+                        "the new network sampling rollout actions by hand (Gumbel-max, see rollout_variants); "
+                        "new-multinomial: with torch.multinomial instead of Categorical in act; "
+                        "ratios are against the first")
     p.add_argument("--profile", action="store_true", help="also cProfile one torch_adamw run of each network")
+    p.add_argument("--breakdown", action="store_true",
+                   help="only time Rollout.collect per env step: old, new, and new with Gumbel-max or "
+                        "torch.multinomial sampling, or with F.linear layers")
     p.add_argument("--json", help="also write every run's timings to this file")
     a = p.parse_args()
 
@@ -205,12 +289,18 @@ def main() -> None:
     from ppokit.control.networks import ActorCritic as ModuleNet
 
     available = {"old": lambda: load_old_network(a.old_rev), "new": lambda: ModuleNet,
-                 "new-validated": lambda: validated_network(ModuleNet)}
+                 "new-validated": lambda: validated_network(ModuleNet),
+                 "new-gumbel": lambda: rollout_variants(ModuleNet)["gumbel-max"],
+                 "new-multinomial": lambda: rollout_variants(ModuleNet)["multinomial"]}
     nets = {name: available[name]() for name in a.nets}
     base = a.nets[0]
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread, CartPole-v1 cartpole preset, {a.steps} steps, seed {a.seed}; "
           f"old = {a.old_rev}:{NETWORK_PATH}", flush=True)
+    if a.breakdown:
+        rollout_breakdown({"old": nets.get("old") or load_old_network(a.old_rev), "new": ModuleNet,
+                           **rollout_variants(ModuleNet)}, max(a.repeats, 5) * 3, a.seed)
+        return
     # warm-up: imports (torch.optim pulls in torch._dynamo), first-call allocations
     for loop in a.loops:
         for net in nets.values():

@@ -7,13 +7,14 @@ state-independent parameter (``network.init_log_std``); log-prob and entropy are
 over the action dimensions. The sample that is stored and trained on is the unclipped
 one; ``VecEnv.step`` clips to the Box bounds.
 
-Layout (the names are the checkpoint's tensor names)::
+Layout (the names are the checkpoint's tensor names: ``actor.0.weight``, ``actor.2.bias``,
+... for the hidden layers, which sit at the even indices of their ``nn.Sequential``)::
 
     separate trunks (default)            shared trunk (network.shared_trunk)
     actor:  Linear, act, Linear, act     trunk: Linear, act, Linear, act
     policy_head: Linear(H, A)            policy_head: Linear(H, A)
     log_std: (A,)  [Box actions only]    log_std: (A,)  [Box actions only]
-    critic: Linear, act, Linear, act     value_head:  Linear(H, 1)
+    critic: Linear, act, Linear, act     value_head: Linear(H, 1)
     value_head: Linear(H, 1)
 
 Init (``network.ortho_init``, CleanRL's ``layer_init``): orthogonal weights with gain
@@ -142,8 +143,9 @@ class ActorCritic(nn.Module):
         out = self.policy_head(h_actor)  # (..., A): logits or mean
         values = self.value_head(h_critic).squeeze(-1)  # (...)
         # validate_args=False: the arguments come from our own layers (always a valid
-        # parameterisation) and the actions from our own sampler, and the checks are extra
-        # ops on every rollout step and mini-batch.
+        # parameterisation) and the actions from our own sampler or rollout buffers, while
+        # the checks add ops to every rollout step and mini-batch (a measurable share of a
+        # CartPole run, see docs/performance.md).
         if self.discrete:
             return Categorical(logits=out, validate_args=False), values
         return Normal(out, self.log_std.exp(), validate_args=False), values
