@@ -122,11 +122,14 @@ def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int],
 
 
 def make_optimizer(groups: list[dict[str, Any]], cfg: Config) -> torch.optim.AdamW:
-    """``torch.optim.AdamW`` over the policy's parameter groups: fused kernels on CUDA, foreach elsewhere."""
+    """``torch.optim.AdamW`` over the policy's parameter groups, with PyTorch's fused kernel
+    (one pass per parameter; on a CPU about 10% faster than ``foreach`` for small networks,
+    docs/performance.md) where it supports the parameters, else ``foreach``."""
     params = [p for g in groups for p in g["params"]]
-    on_cuda = bool(params) and all(p.is_cuda for p in params)
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16,
+                                                                                  torch.bfloat16) for p in params)
     return torch.optim.AdamW(groups, eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay,
-                             **({"fused": True} if on_cuda else {"foreach": True}))
+                             **({"fused": True} if fused else {"foreach": True}))
 
 
 class PPOTrainer:

@@ -21,8 +21,9 @@ Init (``network.ortho_init``, CleanRL's ``layer_init``): orthogonal weights with
 sqrt(2) for hidden layers, 0.01 for the policy head (a near-uniform first policy) and
 1.0 for the value head, biases 0. Without it, PyTorch's default ``nn.Linear`` init.
 
-Sampling draws only from the global torch RNG (``torch.multinomial`` / ``torch.normal``),
-so a run restored with its RNG state continues bit for bit.
+Sampling draws only from the global torch RNG (Gumbel noise for discrete actions, see
+:meth:`ActorCritic.act`; ``torch.normal`` for Box actions), so a run restored with its RNG
+state continues bit for bit.
 """
 
 from __future__ import annotations
@@ -99,9 +100,21 @@ class ActorCritic(nn.Module):
 
     # ------------------------------------------------------------------ rollout API
     def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Sample actions for obs (E, D): ``(actions (E,) or (E, A), log_prob (E,), value (E,))``."""
-        dist, values = self._dist_and_value(obs)
-        actions = dist.sample()  # (E,) int64 or (E, A)
+        """Sample actions for obs (E, D): ``(actions (E,) or (E, A), log_prob (E,), value (E,))``.
+
+        Discrete actions are drawn with the Gumbel-max trick, ``argmax(log p + G)`` with
+        ``G = -log(Exp(1))``: exactly a draw from ``Categorical(logits)``, in one noise tensor
+        and an argmax, where building a ``Categorical`` and its ``multinomial`` draw made a
+        CartPole run 1.2-1.4x slower (docs/performance.md). The update's log-probs and
+        entropy come from ``Categorical`` (:meth:`evaluate`).
+        """
+        out, values = self._head_and_value(obs)
+        if self.discrete:
+            log_p = torch.log_softmax(out, dim=-1)                                   # (E, K)
+            actions = (log_p - torch.empty_like(log_p).exponential_().log_()).argmax(-1)   # (E,)
+            return actions, log_p.gather(-1, actions[:, None]).squeeze(-1), values
+        dist = self._dist(out)
+        actions = dist.sample()  # (E, A)
         return actions, self._log_prob(dist, actions), values
 
     def act_deterministic(self, obs: Tensor) -> Tensor:
@@ -134,21 +147,26 @@ class ActorCritic(nn.Module):
     def _actor_features(self, obs: Tensor) -> Tensor:
         return self.trunk(obs) if self.shared else self.actor(obs)
 
-    def _dist_and_value(self, obs: Tensor) -> tuple[Distribution, Tensor]:
-        """The action distribution and V(obs), batch shape obs.shape[:-1]."""
+    def _head_and_value(self, obs: Tensor) -> tuple[Tensor, Tensor]:
+        """The policy head's output (logits or mean, (..., A)) and V(obs) (...)."""
         if self.shared:
             h_actor = h_critic = self.trunk(obs)  # (..., H)
         else:
             h_actor, h_critic = self.actor(obs), self.critic(obs)
-        out = self.policy_head(h_actor)  # (..., A): logits or mean
-        values = self.value_head(h_critic).squeeze(-1)  # (...)
+        return self.policy_head(h_actor), self.value_head(h_critic).squeeze(-1)
+
+    def _dist(self, out: Tensor) -> Distribution:
         # validate_args=False: the arguments come from our own layers (always a valid
         # parameterisation) and the actions from our own sampler or rollout buffers, while
-        # the checks add ops to every rollout step and mini-batch (a measurable share of a
-        # CartPole run, see docs/performance.md).
+        # the checks add ops to every rollout step and mini-batch (docs/performance.md).
         if self.discrete:
-            return Categorical(logits=out, validate_args=False), values
-        return Normal(out, self.log_std.exp(), validate_args=False), values
+            return Categorical(logits=out, validate_args=False)
+        return Normal(out, self.log_std.exp(), validate_args=False)
+
+    def _dist_and_value(self, obs: Tensor) -> tuple[Distribution, Tensor]:
+        """The action distribution and V(obs), batch shape obs.shape[:-1]."""
+        out, values = self._head_and_value(obs)
+        return self._dist(out), values
 
     def _log_prob(self, dist: Distribution, actions: Tensor) -> Tensor:
         """log pi(a|s), batch shape; Box actions: summed over the action dimensions."""
