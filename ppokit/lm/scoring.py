@@ -23,8 +23,12 @@ without a critic or a KL term is left with the reference on the ``metric_rows`` 
 
 :func:`token_rewards` puts each sequence's reward on its last real response token
 (the EOS, or the last token of a truncated response; never on padding) and, with
-``algo.use_kl_in_reward``, subtracts ``kl_coef * KL_t`` on every response token, the
-coefficient coming from a fixed or adaptive controller (:mod:`ppokit.algo.kl`).
+``algo.use_kl_in_reward``, subtracts ``kl_coef * KL_t`` on every response token (a
+per-token estimator, or with ``algo.kl_penalty: full`` the exact KL over the vocabulary),
+the coefficient coming from a fixed or adaptive controller (:mod:`ppokit.algo.kl`). The
+adaptive controller's input is verl's: the mean over sequences of each sequence's mean
+KL per token (:func:`ppokit.algo.mean_sequence_kl`), so ``algo.kl_ctrl.target_kl`` is a
+KL per token.
 """
 
 from __future__ import annotations
@@ -69,11 +73,14 @@ class Scorer:
         mask = t["mask"]
         kl = None
         if self.kl_ctrl is not None:
-            kl = kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)      # (N, R)
+            kl = t.pop("kl_full") * mask if self.kl_penalty == "full" else \
+                kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)      # (N, R)
         t["rewards"] = token_rewards(t["scores"], mask, kl=kl, kl_coef=self.kl_ctrl.value if kl is not None else 0.0)
         if kl is not None:
-            batch.metrics["kl_coef"] = self.kl_ctrl.value
-            self.kl_ctrl.update(kl.sum(1).mean().item(), len(batch))
+            # verl's controller input: each sequence's mean KL per token, averaged over the batch
+            reward_kl = algo.mean_sequence_kl(kl, mask).item()
+            batch.metrics.update(kl_coef=self.kl_ctrl.value, reward_kl=reward_kl)
+            self.kl_ctrl.update(reward_kl, len(batch))
         batch.metrics["score_tokens_per_s"] = float(t["attention_mask"].sum()) / max(time.perf_counter() - start,
                                                                                       1e-9)
 
@@ -93,6 +100,8 @@ class Scorer:
             parts["old_log_prob"] = []
         if self.need_reference:
             parts["ref_log_prob"] = []
+        if self.kl_ctrl is not None and self.kl_penalty == "full":
+            parts["kl_full"] = []
         inputs = {k: tensors[k] for k in POLICY_INPUTS}
         for s in range(0, n, self.chunk):
             mb = {k: v[s:s + self.chunk] for k, v in inputs.items()}
@@ -101,6 +110,8 @@ class Scorer:
             parts["old_values"].append(self.policy.values(mb))
             if self.need_reference:
                 parts["ref_log_prob"].append(self.policy.ref_log_probs(mb))
+            if "kl_full" in parts:
+                parts["kl_full"].append(self.policy.kl_to_reference(mb))
         mask = tensors["mask"]
         out = {k: torch.cat(v) * mask for k, v in parts.items()}   # zeros on padding
         if self.metric_rows:
