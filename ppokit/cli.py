@@ -101,21 +101,28 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate a trained run's deterministic policy",
                         description="Control run: run the deterministic policy of RUN_DIR's checkpoint and "
                                     "print the mean and std of the episode return. Language-model run: print "
-                                    "the greedy held-out accuracy (mean reward) of the trained actor.")
+                                    "the greedy held-out accuracy (mean reward) of the trained actor; on a text "
+                                    "environment (textenv), its greedy win rates.")
     ev.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or one of its checkpoint directories")
-    ev.add_argument("--episodes", type=int_at_least(1), default=10, help="control: episodes to run (default 10)")
+    ev.add_argument("--episodes", type=int_at_least(1), default=None,
+                    help="control: episodes to run (default 10); text environment: greedy episodes against each "
+                         "evaluation opponent (default: the run's textenv.eval_episodes)")
     ev.add_argument("--prompts", type=int_at_least(1), default=None,
                     help="language model: held-out prompts to score (default: the run's data.eval_size)")
     ev.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=None,
                     help="evaluation seed (default: the run's seed + 10000)")
 
-    demo = sub.add_parser("demo", help="the built-in demonstration run (arith: SFT, then PPO with a verifier)",
-                          description="Build the built-in tiny Llama, warm-start it on a few worked two-digit "
-                                      "additions, then train it with PPO and an exact-match reward; print the "
-                                      "held-out accuracy before and after PPO and draw the reward curve. "
-                                      "KEY=VALUE pairs override fields of the arith preset.")
-    demo.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                      help="e.g. train.iterations=5 seed=2 run.output_dir=/tmp/runs run.progress=false")
+    demo = sub.add_parser("demo", help="a built-in demonstration run (arith: SFT, then PPO with a verifier; "
+                                       "tictactoe: multi-turn PPO against a random player)",
+                          description="Build the built-in tiny Llama, warm-start it, then train it with PPO. "
+                                      "ppokit demo (arith): worked two-digit additions, then an exact-match "
+                                      "reward; prints the held-out accuracy before and after PPO. ppokit demo "
+                                      "tictactoe: random legal games, then multi-turn PPO against a random "
+                                      "player; prints the illegal-move rate and the win rate before and after. "
+                                      "Both draw the reward curve. KEY=VALUE pairs override fields of the preset.")
+    demo.add_argument("overrides", nargs="*", default=[], metavar="[NAME] KEY=VALUE",
+                      help="the demo (arith, tictactoe, frozenlake; default arith), then overrides, e.g. "
+                           "train.iterations=5 seed=2 run.output_dir=/tmp/runs run.progress=false")
 
     sft = sub.add_parser("sft", help="supervised warm start of a language model (before PPO)",
                          description="Fine-tune a causal LM on worked examples (loss on the answer and EOS) "
@@ -283,20 +290,29 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _demo(overrides: list[str]) -> int:
-    """The arith preset (SFT warm start, then PPO); ends with ``held-out accuracy: X% -> Y%``."""
-    from ppokit.lm.demo import run_demo
+    """A demo preset (arith by default: SFT warm start, then PPO); ends with ``held-out accuracy: X% -> Y%``
+    (arith) or ``win rate vs random: X% -> Y%`` (tictactoe)."""
+    from ppokit.lm.demo import DEMO_PRESET, run_demo
 
-    run_demo(overrides)
+    name = DEMO_PRESET
+    if overrides and "=" not in overrides[0]:
+        name, overrides = overrides[0], overrides[1:]
+    run_demo(overrides, name=name)
     return 0
 
 
-def _eval(run_dir: str, episodes: int, seed: Optional[int], prompts: Optional[int] = None) -> int:
+def _eval(run_dir: str, episodes: Optional[int], seed: Optional[int], prompts: Optional[int] = None) -> int:
     from pathlib import Path
 
     from ppokit.lm.evaluate import find_lm_checkpoint
 
     if Path(run_dir).is_dir() and find_lm_checkpoint(Path(run_dir)) is not None:
-        from ppokit.lm.evaluate import evaluate_lm_run
+        from ppokit.lm.evaluate import _config_of, evaluate_lm_run, evaluate_textenv_run
+
+        if _config_of(find_lm_checkpoint(Path(run_dir))).textenv.env is not None:     # a multi-turn run
+            result = evaluate_textenv_run(run_dir, episodes)
+            print(f"{result['message']} ({result['checkpoint']})")
+            return 0
 
         result = evaluate_lm_run(run_dir, prompts)
         print(f"held-out accuracy over {result['prompts']} prompts: {result['accuracy']:.1%} "
@@ -304,6 +320,7 @@ def _eval(run_dir: str, episodes: int, seed: Optional[int], prompts: Optional[in
         return 0
     from ppokit.control.evaluate import evaluate_run
 
+    episodes = episodes or 10
     mean, std = evaluate_run(run_dir, episodes, seed=seed)
     print(f"return over {episodes} episodes: {mean:.2f} +- {std:.2f}")
     return 0

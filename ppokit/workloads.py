@@ -24,6 +24,10 @@ WORKLOADS = {"control": ("ppokit.control.workload", "ControlWorkload"), "lm": ("
 
 def make_workload(cfg: Config):
     """The :class:`~ppokit.components.Workload` of ``cfg.workload``, built from ``cfg``."""
+    if cfg.workload == "lm" and cfg.textenv.env is not None:       # multi-turn episodes with a text environment
+        from ppokit.lm.multiturn_workload import MultiTurnWorkload
+
+        return MultiTurnWorkload(cfg)
     module, name = WORKLOADS[cfg.workload]
     return getattr(importlib.import_module(module), name)(cfg)
 

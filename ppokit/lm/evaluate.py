@@ -117,3 +117,50 @@ def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
     engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
     accuracy = heldout_accuracy(engine, eval_items, reward_fn)
     return {"accuracy": accuracy, "prompts": len(eval_items), "checkpoint": str(ckpt)}
+
+
+def evaluate_textenv_run(run_dir: str | Path, episodes: Optional[int] = None) -> dict:
+    """A multi-turn run's greedy evaluation (:class:`~ppokit.lm.multiturn.TextEnvEvaluator`) of its
+    trained actor: ``{"metrics", "episodes", "opponents", "checkpoint"}``; ``episodes`` per
+    opponent (default: the run's ``textenv.eval_episodes``)."""
+    import torch
+
+    from ppokit.envs import make_env
+    from ppokit.lm.device import one_thread_if_small, resolve_precision, run_device
+    from ppokit.lm.hf import load_tokenizer
+    from ppokit.lm.multiturn import TextEnvEvaluator, check_env_output, engine_generate
+    from ppokit.lm.policy_io import load_policy
+    from ppokit.lm.rollout import RolloutEngine, max_positions
+    from ppokit.lm.streams import StreamCodec
+
+    run_dir = Path(run_dir)
+    ckpt = find_lm_checkpoint(run_dir)
+    if ckpt is None:
+        raise UserError(f"{run_dir} has no language-model checkpoint (no {POLICY_META})")
+    cfg = _config_of(ckpt)
+    if episodes is not None:
+        if episodes < 1:
+            raise UserError(f"--episodes must be at least 1 (got {episodes})")
+        cfg.textenv.eval_episodes = episodes
+    elif not cfg.textenv.eval_episodes:
+        cfg.textenv.eval_episodes = 200
+    tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
+    device = run_device(cfg)
+    policy = load_policy(ckpt, device=device, autocast_dtype=resolve_precision(cfg.run.precision, device))
+    kv_cache = None
+    if cfg.model.cpu_kernels:
+        from ppokit.lm.accel import accelerate_policy
+
+        kv_cache = accelerate_policy(policy).kv_cache
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
+    one_thread_if_small(cfg, policy, policy.device)
+    engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
+    probe = make_env(cfg.textenv.env, **cfg.textenv.kwargs)
+    name = getattr(probe, "env_name", cfg.textenv.env)
+    codec = StreamCodec(tokenizer, mode=check_env_output(probe, name), chat=cfg.data.chat_template,
+                        where=f"the checkpoint {ckpt}", env_name=name, stop_ids=engine.eos_ids)
+    evaluator = TextEnvEvaluator(cfg, engine_generate(engine), codec, max_positions(engine.model), name)
+    metrics = evaluator.evaluate("periodic")
+    return {"metrics": metrics, "episodes": cfg.textenv.eval_episodes, "message": evaluator.message("periodic", metrics),
+            "checkpoint": str(ckpt)}

@@ -102,22 +102,28 @@ class LMSource:
 class LMLearner:
     """The policy's optimizer and the shared PPO update; the policy's files in each checkpoint."""
 
-    def __init__(self, cfg: Config, policy, tokenizer, model_path: Path):
+    def __init__(self, cfg: Config, policy, tokenizer, model_path: Path, *, num_mini_batches: Optional[int] = None,
+                 horizon: Optional[int] = None):
         self.cfg, self.policy, self.tokenizer, self.model_path = cfg, policy, tokenizer, model_path
+        # multi-turn batches have a varying number of rows: a fixed number of mini-batches instead
+        self.num_mini_batches = num_mini_batches
         # Dr.GRPO's constant: the generation budget, whatever the iteration's longest response
-        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations, horizon=cfg.rollout.max_new_tokens)
+        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations,
+                                  horizon=horizon or cfg.rollout.max_new_tokens)
         self.keys = UPDATE_KEYS + (("ref_log_prob",) if needs_ref_log_prob(cfg) else ())
 
     def needs_scored_old_log_prob(self) -> bool:
         """Whether the scorer must run the actor pass: not when the update makes one
         optimizer step (its own forward gives the old log-probs) and the rewards carry no
         KL term that needs them before the update."""
-        return self.cfg.algo.use_kl_in_reward or not self.trainer.fully_on_policy(self.cfg.train.batch_size)
+        return self.cfg.algo.use_kl_in_reward or not self.trainer.fully_on_policy(self.cfg.train.batch_size,
+                                                                                   self.num_mini_batches)
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
         t = batch.tensors
         start = time.perf_counter()
-        metrics = self.trainer.update({k: t[k] for k in self.keys if k in t}, iteration)
+        metrics = self.trainer.update({k: t[k] for k in self.keys if k in t}, iteration,
+                                      num_mini_batches=self.num_mini_batches)
         seconds = time.perf_counter() - start
         metrics["train_tokens_per_s"] = float(t["attention_mask"].sum()) * metrics["epochs"] / max(seconds, 1e-9)
         if "old_log_prob" not in t:      # fully on-policy: the update's own pass gave them
@@ -288,8 +294,13 @@ def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
     return device, resolve_precision(cfg.run.precision, device)
 
 
-def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log) -> Path:
+def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log,
+                  sft_examples: Optional[list[dict]] = None) -> Path:
     """The backbone's directory: model.path, the built-in tiny model, and/or a warm-started copy.
+
+    The warm start trains on ``sft_examples`` (prompt/completion records, rendered with
+    the chat template here when ``data.chat_template`` is on) or, by default, the SFT
+    split of ``data.prompts``.
 
     A complete ``RUN_DIR/base_model`` (its :data:`BASE_MODEL_MARKER` is written last) is
     reused as it is: a resumed run does not warm-start again. An incomplete one (a run
@@ -319,7 +330,8 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
         if not eval_items:
             raise UserError("data.sft_epochs > 0 needs held-out prompts to pick the best warm-start model "
                             "(a built-in task, or data.eval_prompts)")
-        examples = load_prompts(cfg.data.prompts, "sft", n=cfg.data.sft_examples, chat=cfg.data.chat_template)
+        examples = sft_examples if sft_examples is not None else load_prompts(
+            cfg.data.prompts, "sft", n=cfg.data.sft_examples, chat=cfg.data.chat_template)
         render = chat_render(cfg)
         if render is not None:
             from ppokit.lm.chat import render_records
