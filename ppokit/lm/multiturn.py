@@ -124,6 +124,8 @@ class MultiTurnSource:
         tensors, extras = trajectory_tensors(result.trajectories, mode=self.mode, pad_id=self.pad_id,
                                              device=self.device)
         metrics = episode_metrics(learner)
+        # the learner's mean episode return, under the name the progress line and `ppokit plot` read
+        metrics["reward_mean"] = metrics.get("env/return_mean", 0.0)
         metrics.update(self._play_metrics(result, n))
         metrics.update(rows=float(len(tensors["mask"])), trajectories=float(len(result.trajectories)),
                        action_tokens=float(tensors["mask"].sum()), **shift)
