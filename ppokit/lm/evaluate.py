@@ -23,15 +23,36 @@ from ppokit.lm.rewards import score_responses
 POLICY_META = "policy.json"
 
 
-def heldout_accuracy(engine, items: Sequence[dict[str, Any]], reward_fn: str | Callable[..., float], *,
-                     max_new_tokens: Optional[int] = None, return_responses: bool = False):
-    """Mean reward of ``engine``'s greedy responses to ``items`` (prompt records whose other
-    fields go to the reward). With ``return_responses``: ``(accuracy, responses, rewards)``."""
+def score_texts(reward, prompts: Sequence[str], texts: Sequence[str], items: Sequence[dict[str, Any]]):
+    """:class:`~ppokit.lm.reward_pool.RewardResults` of ``texts``: through ``reward.score`` when
+    ``reward`` is a scorer (a :class:`~ppokit.lm.reward_pool.RewardPool`: failures become
+    ``reward_on_error`` and are counted), else by calling the function in this process
+    (a failure is a :class:`UserError`)."""
+    from ppokit.lm.reward_pool import RewardResults
+
+    if hasattr(reward, "score"):
+        return reward.score(list(prompts), list(texts), list(items))
+    scores = score_responses(reward, list(prompts), list(texts), list(items))
+    return RewardResults(scores, [None] * len(scores), [None] * len(scores))
+
+
+def heldout_results(engine, items: Sequence[dict[str, Any]], reward, *, max_new_tokens: Optional[int] = None):
+    """``(rollout, RewardResults)`` of ``engine``'s greedy responses to ``items`` (prompt records
+    whose other fields go to the reward; ``reward``: a scorer or a function, :func:`score_texts`)."""
     if not items:
         raise UserError("the evaluation set is empty")
     prompts = [it["prompt"] for it in items]
     rollout = engine.generate(prompts, greedy=True, max_new_tokens=max_new_tokens, items=list(items))
-    rewards = score_responses(reward_fn, prompts, rollout.texts, list(items))
+    return rollout, score_texts(reward, prompts, rollout.texts, items)
+
+
+def heldout_accuracy(engine, items: Sequence[dict[str, Any]], reward_fn: str | Callable[..., float], *,
+                     max_new_tokens: Optional[int] = None, return_responses: bool = False):
+    """Mean reward of ``engine``'s greedy responses to ``items`` (prompt records whose other
+    fields go to the reward; ``reward_fn``: a function or a scorer, :func:`score_texts`). With
+    ``return_responses``: ``(accuracy, responses, rewards)``."""
+    rollout, results = heldout_results(engine, items, reward_fn, max_new_tokens=max_new_tokens)
+    rewards = results.scores
     accuracy = sum(rewards) / len(rewards)
     return (accuracy, rollout.texts, rewards) if return_responses else accuracy
 
