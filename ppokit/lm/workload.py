@@ -223,10 +223,14 @@ class LMWorkload:
         """Prompts, held-out set, reward function and model directory, before a run directory exists."""
         from ppokit.lm.hf import causal_lm_config, load_tokenizer
 
-        load_data(self.cfg)
-        if self.cfg.model.path != "tiny":
-            causal_lm_config(self.cfg.model.path)
-            load_tokenizer(self.cfg.model.path)
+        cfg = self.cfg
+        train_items, eval_items, _ = load_data(cfg)
+        if cfg.model.path != "tiny":
+            causal_lm_config(cfg.model.path)
+            load_tokenizer(cfg.model.path)
+        if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
+            train_items, _, _ = drop_long(cfg, train_items, eval_items, [])
+            check_token_budget(cfg, prompt_tokenizer(cfg), train_items)
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         from ppokit.lm.policy_io import read_policy_meta
