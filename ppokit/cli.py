@@ -401,7 +401,7 @@ def _eval(args: argparse.Namespace) -> int:
     path = Path(args.run_dir)
     is_model_dir = path.is_dir() and (path / "config.json").is_file()
     if path.is_dir() and (find_lm_checkpoint(path) is not None or is_model_dir):
-        from ppokit.lm.evaluate import evaluate_lm, format_eval_table
+        from ppokit.lm.eval_report import evaluate_lm, format_eval_table
 
         k = args.k if args.k is not None else (sorted({1, args.samples}) if args.samples else [])
         result = evaluate_lm(path, data=args.data, reward=args.reward, size=args.prompts, samples=args.samples,
