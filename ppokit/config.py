@@ -2,8 +2,8 @@
 
 A run's configuration is built from layers, later ones winning key by key:
 
-1. the built-in defaults of each field (the seed-000 hyperparameters, a language-model
-   setting), then the workload's own defaults (:data:`WORKLOAD_DEFAULTS`: what a
+1. the built-in defaults of each field (UnstableBaselines' PPO hyperparameters, a
+   language-model setting), then the workload's own defaults (:data:`WORKLOAD_DEFAULTS`: what a
    Gymnasium task needs instead, e.g. ``learning_rate=3e-4``);
 2. a preset (``ppokit/presets/NAME.yaml``) or a user YAML file;
 3. dotted command-line overrides: ``ppokit train cartpole algo.gamma=0.98 seed=3``.
@@ -256,8 +256,8 @@ class RolloutConfig(Section):
     use_cache: bool = field(True, "KV cache during generation (false only to measure what it saves)")
     cache_implementation: Literal["dynamic", "static"] = field(
         "dynamic", "KV cache kind: dynamic grows step by step; static is preallocated, and on CUDA transformers "
-        "compiles the decoding step around it (a one-time compile of 10-25 s, then 3.9-5.5x faster "
-        "generation on an H100); lora mode, or fp32 in full mode")
+        "compiles the decoding step around it (a one-time compile, then faster generation); lora mode, or "
+        "fp32 in full mode")
 
 
 class DataConfig(Section):
@@ -398,7 +398,7 @@ def _divisors_near(n: int, k: int) -> str:
 
 
 # Defaults that differ by workload. Applied below the preset and user layers, and only
-# to keys the user did not set. The seed-000 defaults are language-model defaults; a
+# to keys the user did not set. The field defaults are language-model defaults; a
 # Gymnasium task wants CleanRL's.
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "control": {
@@ -407,7 +407,7 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
                   "learning_rate": 3e-4, "critic_learning_rate": None, "lr_scheduler_type": "linear",
                   "lr_warmup_ratio": 0.0, "grad_clip": 0.5, "adam_eps": 1e-5},
     },
-    # The field defaults are the seed-000 language-model settings; only a budget is added.
+    # The field defaults are the language-model settings; only a budget is added.
     "lm": {"train": {"iterations": 100}},
 }
 
