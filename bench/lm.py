@@ -549,7 +549,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None,
                    help="sequences per iteration, all in one generate call (default 256: 32 prompts x 8 "
                         "samples, the issue's scale; quick 16)")
-    p.add_argument("--micro", type=int, default=None, help="sequences per forward/backward (default 4, the seed-000 scale)")
+    p.add_argument("--micro", type=int, default=None, help="sequences per forward/backward (default 4, the PPO defaults' scale)")
     p.add_argument("--perf-micro", type=int, default=None,
                    help="sequences per forward/backward in the FLOP/s and time measurements (default 32)")
     p.add_argument("--prompt-repeat", type=int, default=2, help="prompt = an arithmetic problem repeated k times")

@@ -329,6 +329,15 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _train(source: Optional[str], overrides: list[str], resume: Optional[bool | str] = None) -> int:
     from ppokit import rundir
+
+    try:
+        return _train_locked(source, overrides, resume)
+    finally:
+        rundir.release_locks()      # the run directory is free again, whatever happened
+
+
+def _train_locked(source: Optional[str], overrides: list[str], resume: Optional[bool | str]) -> int:
+    from ppokit import rundir
     from ppokit.config import load_config
     from ppokit.errors import UserError
     from ppokit.workloads import check_inputs, train

@@ -2,8 +2,8 @@
 
 A run's configuration is built from layers, later ones winning key by key:
 
-1. the built-in defaults of each field (the seed-000 hyperparameters, a language-model
-   setting), then the workload's own defaults (:data:`WORKLOAD_DEFAULTS`: what a
+1. the built-in defaults of each field (UnstableBaselines' PPO hyperparameters, a
+   language-model setting), then the workload's own defaults (:data:`WORKLOAD_DEFAULTS`: what a
    Gymnasium task needs instead, e.g. ``learning_rate=3e-4``);
 2. a preset (``ppokit/presets/NAME.yaml``) or a user YAML file;
 3. dotted command-line overrides: ``ppokit train cartpole algo.gamma=0.98 seed=3``.
@@ -103,17 +103,29 @@ class AlgoConfig(Section):
     lower_clip_ratio: float = field(0.2, "ratio clipped below at 1 - lower_clip_ratio", "clip_ratio_low", ge=0, lt=1)
     upper_clip_ratio: float = field(0.4, "ratio clipped above at 1 + upper_clip_ratio", "clip_ratio_high", ge=0)
     clip_ratio_c: Optional[float] = field(None, "dual clip: bound of the loss for negative advantages (> 1)", gt=1)
-    ratio_level: Literal["token", "sequence"] = field("token", "importance ratio per token or per sequence")
+    ratio_level: Literal["token", "sequence", "gspo"] = field(
+        "token", "importance ratio per token; per sequence (the sum of its token log-ratios); or gspo, GSPO's "
+        "length-normalised sequence ratio (use clip ratios of about 3e-4 / 4e-4 with it)")
+    loss_mode: Literal["clip", "penalty"] = field(
+        "clip", "policy loss: clip (the clipped surrogate) or penalty (the PPO paper's adaptive KL penalty: "
+        "-r A + penalty_coef * KL(old || new), no clipping)")
+    penalty_coef: float = field(1.0, "loss_mode=penalty: the initial KL coefficient (doubled or halved after each "
+                                "iteration to steer the KL towards penalty_target_kl)", gt=0)
+    penalty_target_kl: float = field(0.01, "loss_mode=penalty: the KL(old || new) per update the coefficient "
+                                     "steers towards (x2 above 1.5 x target, /2 below target / 1.5)", gt=0)
     clip_value: Optional[float] = field(0.2, "value clipping around the old values (null = off)",
                                         "value_clip", "cliprange_value", "clip_range_vf", gt=0)
     huber_delta: Optional[float] = field(None, "Huber value loss with this delta (null = squared error)", gt=0)
     value_coeff: float = field(0.5, "weight of the value loss", "vf_coef", "value_loss_coef", ge=0)
-    entropy_coeff: float = field(0.0, "weight of the entropy bonus", "entropy_bonus", "entropy_coef", "ent_coef")
+    entropy_coeff: float = field(0.0, "weight of the entropy bonus (>= 0: a negative weight would penalise "
+                                 "exploration)", "entropy_bonus", "entropy_coef", "ent_coef", ge=0)
     beta: float = field(0.0, "weight of the KL-to-reference term in the loss (> 0 needs a reference)",
                         "kl_loss_coef", ge=0)
-    kl_loss_type: KLEstimatorName = field("low_var_kl", "KL estimator of the in-loss KL term")
+    kl_loss_type: KLEstimatorName = field("low_var_kl", "KL estimator of the in-loss KL term (full: the exact KL "
+                                          "over the vocabulary, from the logits, computed in chunks)")
     use_kl_in_reward: bool = field(False, "subtract the KL to the reference from the reward")
-    kl_penalty: KLEstimatorName = field("kl", "KL estimator of the in-reward KL penalty")
+    kl_penalty: KLEstimatorName = field("kl", "KL estimator of the in-reward KL penalty (full: the exact KL over "
+                                        "the vocabulary)")
     kl_ctrl: KLControlConfig = field(KLControlConfig(), "in-reward KL coefficient controller")
     loss_agg_mode: AggModeName = field("token-mean", "how per-token losses are averaged", "loss_agg_func")
     target_kl: Optional[float] = field(None, "stop the epochs of an update once approx_kl exceeds this", gt=0)
@@ -137,7 +149,10 @@ class TrainConfig(Section):
                                                   "critic_lr", gt=0)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = field("constant", "learning-rate schedule after warm-up")
     lr_warmup_ratio: float = field(0.01, "fraction of all optimizer steps spent warming up", ge=0, lt=1)
-    grad_clip: Optional[float] = field(0.2, "clip the global gradient norm (null = off)", "max_grad_norm", gt=0)
+    grad_clip: Optional[float] = field(0.2, "clip the norm of the actor's gradient (null = off)", "max_grad_norm",
+                                       gt=0)
+    critic_grad_clip: Optional[float] = field(None, "clip the norm of the critic's gradient, value head included "
+                                              "(null = train.grad_clip)", gt=0)
     adam_eps: float = field(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = field(0.0, "AdamW weight decay", ge=0)
     critic_warmup: int = field(0, "iterations that train only the critic", ge=0)
@@ -254,8 +269,8 @@ class RolloutConfig(Section):
     use_cache: bool = field(True, "KV cache during generation (false only to measure what it saves)")
     cache_implementation: Literal["dynamic", "static"] = field(
         "dynamic", "KV cache kind: dynamic grows step by step; static is preallocated, and on CUDA transformers "
-        "compiles the decoding step around it (a one-time compile of 10-25 s, then 3.9-5.5x faster "
-        "generation on an H100); lora mode, or fp32 in full mode")
+        "compiles the decoding step around it (a one-time compile, then faster generation); lora mode, or "
+        "fp32 in full mode")
 
 
 class ShapingConfig(Section):
@@ -396,12 +411,6 @@ class Config(Section):
                                  f"(got {a.group_size}): a group of one has no baseline")
         if a.adv_estimator == "gae" and a.value_coeff == 0:
             raise ValueError("algo.adv_estimator=gae needs a trained critic; algo.value_coeff must be > 0")
-        if a.beta > 0 and a.kl_loss_type == "full":
-            raise ValueError("algo.kl_loss_type=full needs the reference's full logits, which the update loop "
-                             "does not carry; use low_var_kl, kl, abs or mse")
-        if a.kl_penalty == "full" and a.use_kl_in_reward:
-            raise ValueError("algo.kl_penalty=full is an in-loss estimator over the vocabulary; "
-                             "use kl, abs, mse or low_var_kl in the reward")
         if t.batch_size % a.group_size:
             raise ValueError(f"train.batch_size={t.batch_size} must be a multiple of "
                              f"algo.group_size={a.group_size}")
@@ -488,7 +497,7 @@ def _divisors_near(n: int, k: int) -> str:
 
 
 # Defaults that differ by workload. Applied below the preset and user layers, and only
-# to keys the user did not set. The seed-000 defaults are language-model defaults; a
+# to keys the user did not set. The field defaults are language-model defaults; a
 # Gymnasium task wants CleanRL's.
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "control": {
@@ -497,7 +506,7 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
                   "learning_rate": 3e-4, "critic_learning_rate": None, "lr_scheduler_type": "linear",
                   "lr_warmup_ratio": 0.0, "grad_clip": 0.5, "adam_eps": 1e-5},
     },
-    # The field defaults are the seed-000 language-model settings; only a budget is added.
+    # The field defaults are the language-model settings; only a budget is added.
     "lm": {"train": {"iterations": 100}},
 }
 

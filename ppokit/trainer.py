@@ -12,9 +12,20 @@ serves::
                 out = policy.evaluate(micro_batch)      # log_prob, [values], entropy (n, T)
                 loss = L_policy + value_coeff * L_value - entropy_coeff * H + beta * KL
                 loss.backward()                         # losses share the normalizer,
-            clip_grad_norm(grad_clip); optimizer.step() # so the sum over micro-batches is
-                                                        # exactly the mini-batch gradient
+            clip_grad_norm(actor, grad_clip)            # so the sum over micro-batches is
+            clip_grad_norm(critic, critic_grad_clip)    # exactly the mini-batch gradient
+            optimizer.step()
         stop early when approx_kl > target_kl
+    penalty mode: beta_pen *= 2 or / 2 from the last epoch's KL (PPO paper, adaptive KL penalty)
+
+``L_policy`` is the registered policy loss ``algo.loss_mode`` (:data:`ppokit.algo.POLICY_LOSSES`):
+``clip`` (the clipped surrogate; asymmetric and dual clip; ratios per token, per sequence
+or GSPO's length-normalised sequence ratio, ``algo.ratio_level``) or ``penalty`` (no
+clip, ``-r A + beta_pen KL(old || new)``, the coefficient adapted to
+``algo.penalty_target_kl`` after each iteration). Actor and critic gradients are clipped
+apart (as verl does): a large critic gradient does not shrink the actor's step.
+``seq-mean-token-sum-norm`` (Dr.GRPO) divides by a constant horizon, the generation
+budget of a language model, so that the loss scale does not move between iterations.
 
 The first mini-batch of the first epoch is exactly on-policy: no optimizer step has
 happened since the rollout, so its ``old_log_prob`` is taken from the update's own
@@ -64,6 +75,10 @@ if TYPE_CHECKING:
     from ppokit.components import Batch
 
 REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
+# normalize_adv whitens the advantages of these estimators over the batch; the others
+# (GRPO, Dr.GRPO, RLOO, REINFORCE++) define their own normalisation or baseline, and a
+# second whitening would give a group whose samples all got one reward a non-zero advantage
+WHITENED_ESTIMATORS = ("gae",)
 OPTIONAL_WHEN_ON_POLICY = ("old_log_prob",)     # see "fully on-policy" in the module docstring
 
 
@@ -103,15 +118,16 @@ def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Te
                        group_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Advantages and returns, (B, T) each, with the configured estimator.
 
-    With ``algo.normalize_adv`` the advantages are whitened over the valid positions of
-    the whole batch (the estimators that whiten by definition are not whitened twice).
+    With ``algo.normalize_adv`` the advantages of :data:`WHITENED_ESTIMATORS` (GAE) are
+    whitened over the valid positions of the whole batch; the group estimators and
+    REINFORCE++ keep the normalisation they define (as verl does).
     """
     a = cfg.algo
     estimator = algo.get_advantage_estimator(a.adv_estimator)
     advantages, returns = estimator(
         rewards=rewards, mask=mask, values=values, group_ids=group_ids, gamma=a.gamma, lam=a.gae_lambda,
         dones=dones, last_values=last_values, norm_by_std=a.norm_adv_by_std_in_grpo)
-    if a.normalize_adv and a.adv_estimator not in ("reinforce_pp", "reinforce_pp_baseline"):
+    if a.normalize_adv and a.adv_estimator in WHITENED_ESTIMATORS:
         advantages = algo.whiten(advantages, mask)
     return advantages, returns
 
@@ -163,12 +179,26 @@ class PPOTrainer:
     """Owns the optimizer and schedule; :meth:`update` runs one iteration's epochs."""
 
     def __init__(self, cfg: Config, policy: TrainablePolicy, *, total_iterations: int,
-                 updates_per_iteration: int | None = None):
+                 updates_per_iteration: int | None = None, horizon: int | None = None):
+        """``horizon``: the constant of ``seq-mean-token-sum-norm`` (Dr.GRPO), e.g. a language
+        model's generation budget; None uses each batch's length."""
         self.cfg = cfg
         self.policy = policy
+        self.horizon = horizon
         groups = [g for g in policy.param_groups(cfg) if g["params"]]
         self.params = [p for g in groups for p in g["params"]]
+        # gradient-norm clipping per group: the actor's at train.grad_clip, the critic's
+        # (value head included) at train.critic_grad_clip
+        t = cfg.train
+        critic_clip = t.critic_grad_clip if t.critic_grad_clip is not None else t.grad_clip
+        self.clip_groups = [(g.get("name", f"group{i}"), g["params"],
+                             critic_clip if g.get("name") == "critic" else t.grad_clip)
+                            for i, g in enumerate(groups)]
         self.optimizer = make_optimizer(groups, cfg)
+        a = cfg.algo
+        self.policy_loss = algo.get_policy_loss(a.loss_mode)
+        self.penalty = (algo.AdaptivePenaltyCoef(a.penalty_coef, a.penalty_target_kl)
+                        if a.loss_mode == "penalty" else None)
         if updates_per_iteration is None:
             updates_per_iteration = cfg.train.epochs * (cfg.train.batch_size // cfg.mini_batch_size)
         total = total_iterations * updates_per_iteration
@@ -203,7 +233,8 @@ class PPOTrainer:
         mini = min(self.cfg.mini_batch_size, n)
         micro = min(self.cfg.micro_batch_size, mini)
         critic_only = iteration < cfg.train.critic_warmup
-        horizon = batch["mask"].shape[1]
+        horizon = self.horizon or batch["mask"].shape[1]
+        penalty_coef = self.penalty.value if self.penalty is not None else None   # this iteration's
         sums: dict[str, Tensor] = {}
         weights: dict[str, float] = {}
         epochs_done = 0
@@ -217,7 +248,8 @@ class PPOTrainer:
                 mb = {k: v[mb_index] for k, v in batch.items()}
                 on_policy = epoch == 0 and step == 0
                 current: list[tuple[Tensor, Tensor]] = []
-                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current)
+                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current,
+                                                    penalty_coef)
                 for rows, log_prob in current:          # (n, T') each: back into the (N, T) layout
                     self.on_policy_log_prob[mb_index[rows], :log_prob.shape[1]] = log_prob.float()
                 for k, v in step_metrics.items():
@@ -230,6 +262,10 @@ class PPOTrainer:
                 if torch.stack(epoch_kl).mean().item() > a.target_kl:
                     break
         out = {k: (torch.as_tensor(sums[k]) / weights[k]).item() for k in sums}
+        if self.penalty is not None and epoch_kl:
+            # the PPO paper's d: the KL after the update, measured on the last epoch's mini-batches
+            out["penalty_coef"] = penalty_coef
+            self.penalty.update(torch.stack(epoch_kl).mean().item())
         out["epochs"] = float(epochs_done)
         if self._positions_computed:      # padding share of the positions the micro-batches computed
             out["padding_frac"] = 1.0 - float(self._positions_real) / self._positions_computed
@@ -245,8 +281,8 @@ class PPOTrainer:
         return out
 
     def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
-                        on_policy: bool = False, current_out: list[tuple[Tensor, Tensor]] | None = None
-                        ) -> dict[str, Tensor]:
+                        on_policy: bool = False, current_out: list[tuple[Tensor, Tensor]] | None = None,
+                        penalty_coef: float | None = None) -> dict[str, Tensor]:
         """One optimizer step over mini-batch ``mb``; with ``on_policy``, each micro-batch's rows of
         ``mb`` and its detached log-probs (n, T') are appended to ``current_out``."""
         a = self.cfg.algo
@@ -289,24 +325,29 @@ class PPOTrainer:
                         gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
                         totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)
                     old_log_prob = current
-                pg_loss, pg_metrics = algo.policy_loss(
-                    out["log_prob"], old_log_prob, part["advantages"], mask,
-                    lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,
-                    clip_ratio_c=a.clip_ratio_c, agg_mode=mode, ratio_level=a.ratio_level,
-                    normalizer=normalizer, horizon=horizon, diagnostics=False)
+                own = (dict(penalty_coef=penalty_coef) if penalty_coef is not None else
+                       dict(lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,
+                            clip_ratio_c=a.clip_ratio_c))
+                pg_loss, pg_metrics = self.policy_loss(
+                    out["log_prob"], old_log_prob, part["advantages"], mask, agg_mode=mode,
+                    ratio_level=a.ratio_level, normalizer=normalizer, horizon=horizon, diagnostics=False, **own)
                 loss = loss + pg_loss
                 losses["policy_loss"] = pg_loss.detach()
                 metrics["approx_kl"] = pg_metrics["approx_kl_k3"]
                 metrics["approx_kl_k1"] = pg_metrics["approx_kl_k1"]
                 metrics["clipfrac"] = pg_metrics["clipfrac"]
                 metrics["ratio_max"] = pg_metrics["ratio_max"]
+                if "kl_old" in pg_metrics:
+                    metrics["kl_old"] = pg_metrics["kl_old"]
                 if "entropy" in out:
                     entropy = algo.aggregate(out["entropy"], mask, mode, normalizer=normalizer, horizon=horizon)
                     if a.entropy_coeff:
                         loss = loss - a.entropy_coeff * entropy
                     losses["entropy"] = entropy.detach()
                 if a.beta > 0:
-                    kl = algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
+                    # "full": the exact KL over the vocabulary, which the policy computes from its logits
+                    kl = out["kl_full"] if a.kl_loss_type == "full" else \
+                        algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
                     kl_loss = algo.aggregate(kl, mask, mode, normalizer=normalizer, horizon=horizon)
                     loss = loss + a.beta * kl_loss
                     losses["kl_loss"] = kl_loss.detach()
@@ -315,15 +356,17 @@ class PPOTrainer:
                 totals[k] = totals.get(k, 0.0) + v
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v * share
-        grad_norm = self._clip_and_step()
-        totals["grad_norm"] = grad_norm
+        totals.update(self._clip_and_step())
         return totals
 
-    def _clip_and_step(self) -> Tensor:
-        clip = self.cfg.train.grad_clip
-        max_norm = clip if clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        ok = bool(torch.isfinite(grad_norm))
+    def _clip_and_step(self) -> dict[str, Tensor]:
+        """Clip each group's gradient norm at its own limit, step; ``grad_norm/<group>`` before clipping."""
+        norms = {}
+        for name, params, clip in self.clip_groups:
+            if any(p.grad is not None for p in params):     # (critic_warmup: the actor has none)
+                max_norm = clip if clip is not None else float("inf")
+                norms[f"grad_norm/{name}"] = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).detach()
+        ok = all(bool(torch.isfinite(n)) for n in norms.values())
         if not ok:
             # A non-finite gradient would poison Adam's moments: skip this step.
             self.optimizer.zero_grad()
@@ -334,17 +377,22 @@ class PPOTrainer:
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()   # the schedule advances even when a step is skipped
         self.bad_steps.step(ok)   # raises TrainingDiverged after max_bad_steps bad steps in a row
-        return grad_norm.detach()
+        return norms
 
     # -------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "generator": self.generator.get_state(), "skipped_steps": self.skipped_steps,
-                "bad_steps": self.bad_steps.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "generator": self.generator.get_state(), "skipped_steps": self.skipped_steps,
+                 "bad_steps": self.bad_steps.state_dict()}
+        if self.penalty is not None:
+            state["penalty"] = self.penalty.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.penalty is not None:
+            self.penalty.load_state_dict(state["penalty"])
         self.bad_steps.load_state_dict(state.get("bad_steps", {}))

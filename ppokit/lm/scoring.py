@@ -27,8 +27,12 @@ without a critic or a KL term is left with the reference on the ``metric_rows`` 
 
 :func:`token_rewards` puts each sequence's reward on its last real response token
 (the EOS, or the last token of a truncated response; never on padding) and, with
-``algo.use_kl_in_reward``, subtracts ``kl_coef * KL_t`` on every response token, the
-coefficient coming from a fixed or adaptive controller (:mod:`ppokit.algo.kl`).
+``algo.use_kl_in_reward``, subtracts ``kl_coef * KL_t`` on every response token (a
+per-token estimator, or with ``algo.kl_penalty: full`` the exact KL over the vocabulary),
+the coefficient coming from a fixed or adaptive controller (:mod:`ppokit.algo.kl`). The
+adaptive controller's input is verl's: the mean over sequences of each sequence's mean
+KL per token (:func:`ppokit.algo.mean_sequence_kl`), so ``algo.kl_ctrl.target_kl`` is a
+KL per token.
 """
 
 from __future__ import annotations
@@ -74,11 +78,14 @@ class Scorer:
         mask = t["mask"]
         kl = None
         if self.kl_ctrl is not None:
-            kl = kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)      # (N, R)
+            kl = t.pop("kl_full") * mask if self.kl_penalty == "full" else \
+                kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)      # (N, R)
         t["rewards"] = token_rewards(t["scores"], mask, kl=kl, kl_coef=self.kl_ctrl.value if kl is not None else 0.0)
         if kl is not None:
-            batch.metrics["kl_coef"] = self.kl_ctrl.value
-            self.kl_ctrl.update(kl.sum(1).mean().item(), len(batch))
+            # verl's controller input: each sequence's mean KL per token, averaged over the batch
+            reward_kl = algo.mean_sequence_kl(kl, mask).item()
+            batch.metrics.update(kl_coef=self.kl_ctrl.value, reward_kl=reward_kl)
+            self.kl_ctrl.update(reward_kl, len(batch))
         batch.metrics["score_tokens_per_s"] = float(t["attention_mask"].sum()) / max(time.perf_counter() - start,
                                                                                       1e-9)
 
@@ -96,7 +103,8 @@ class Scorer:
 
         mask = tensors["mask"]
         names = ["old_values"] + (["old_log_prob"] if self.need_old_log_prob else []) \
-            + (["ref_log_prob"] if self.need_reference else [])
+            + (["ref_log_prob"] if self.need_reference else []) \
+            + (["kl_full"] if self.kl_ctrl is not None and self.kl_penalty == "full" else [])
         out = {k: torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for k in names}   # (N, R)
         inputs = {k: tensors[k] for k in POLICY_INPUTS}
         n = mask.shape[0]
@@ -112,6 +120,8 @@ class Scorer:
             out["old_values"][rows, :width] = self.policy.values(mb).float()
             if self.need_reference:
                 out["ref_log_prob"][rows, :width] = self.policy.ref_log_probs(mb).float()
+            if "kl_full" in out:
+                out["kl_full"][rows, :width] = self.policy.kl_to_reference(mb).float()
         out = {k: v * mask for k, v in out.items()}                 # zeros on padding
         if self.metric_rows:
             k = min(self.metric_rows, n)

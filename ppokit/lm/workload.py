@@ -111,8 +111,9 @@ class LMLearner:
 
     def __init__(self, cfg: Config, policy, tokenizer, model_path: Path):
         self.cfg, self.policy, self.tokenizer, self.model_path = cfg, policy, tokenizer, model_path
-        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations)
-        self.keys = UPDATE_KEYS + (("ref_log_prob",) if cfg.algo.beta > 0 else ())
+        # Dr.GRPO's constant: the generation budget, whatever the iteration's longest response
+        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations, horizon=cfg.rollout.max_new_tokens)
+        self.keys = UPDATE_KEYS + (("ref_log_prob",) if needs_ref_log_prob(cfg) else ())
 
     def needs_scored_old_log_prob(self) -> bool:
         """Whether the scorer must run the actor pass: not when the update makes one
@@ -297,7 +298,7 @@ class LMWorkload:
         learner = LMLearner(cfg, policy, tokenizer, model_path)
         kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
                                           a.kl_ctrl.horizon) if a.use_kl_in_reward else None
-        scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=a.beta > 0,
+        scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=needs_ref_log_prob(cfg),
                         metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(),
                         kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty, micro_batch_tokens=cfg.train.micro_batch_tokens)
         prompts = PromptIterator(train_items, cfg.train.batch_size // a.group_size, seed=cfg.seed)
@@ -315,6 +316,12 @@ class LMWorkload:
 
 
 # ----------------------------------------------------------------------------- building
+def needs_ref_log_prob(cfg: Config) -> bool:
+    """Whether the update reads the reference's token log-probs: a per-token KL estimator in
+    the loss (``full`` computes its KL from the logits during the update)."""
+    return cfg.algo.beta > 0 and cfg.algo.kl_loss_type != "full"
+
+
 def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
     """Threads and every global RNG seeded; (device, autocast dtype or None) from ``run.device``/``run.precision``."""
     import random

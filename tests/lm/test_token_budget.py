@@ -62,7 +62,7 @@ def update_batch(policy, mb, seed=1):
 def one_step(cfg, policy, batch):
     """Gradients and loss terms of one optimizer step (the step itself is not taken)."""
     trainer = PPOTrainer(cfg, policy, total_iterations=1)
-    trainer._clip_and_step = lambda: torch.zeros(())          # keep the gradients, leave the weights
+    trainer._clip_and_step = lambda: {}          # keep the gradients, leave the weights
     totals = trainer._optimizer_step(batch, cfg.micro_batch_size, batch["mask"].shape[1], critic_only=False)
     grads = [p.grad.detach().clone() for p in trainer.params]
     return grads, {k: float(v) for k, v in totals.items() if k != "grad_norm"}, trainer
