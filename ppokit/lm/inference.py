@@ -76,8 +76,14 @@ def load_generator(path: str | Path, *, device: Optional[str] = None, precision:
         policy = load_policy(ckpt, device=dev, autocast_dtype=dtype)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
+        kv_cache = None
+        if cfg.model.cpu_kernels:            # the run's CPU kernels, as in training (a no-op off the CPU)
+            from ppokit.lm.accel import accelerate_policy
+
+            kv_cache = accelerate_policy(policy).kv_cache
         one_thread_if_small(cfg, policy, dev)
-        engine = RolloutEngine.for_policy(policy, tokenizer, rollout_options(cfg.rollout, **sampling))
+        engine = RolloutEngine.for_policy(policy, tokenizer, rollout_options(cfg.rollout, **sampling),
+                                          kv_cache=kv_cache)
         return Generator(engine, tokenizer, cfg, f"the trained actor of {ckpt}")
     if not (path / "config.json").is_file():
         raise UserError(f"{path} is neither a run directory with a language-model checkpoint nor a model "
