@@ -47,7 +47,7 @@ Micro-batches: ``train.micro_batch_size`` rows each, or with ``train.micro_batch
 rows of similar length packed to a token budget (:mod:`ppokit.algo.batching`, verl's
 ``use_dynamic_bsz``) and cut to their own longest row by the policy's optional
 ``compact``. Either way the loss is exactly the mini-batch's (the shared normalizer).
-The metric ``padding_frac`` is the padding share of the positions the passes computed.
+The metric ``padding_frac`` (batches of token sequences) is the padding share of the positions the passes computed.
 
 The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
 ``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
@@ -267,7 +267,7 @@ class PPOTrainer:
             out["penalty_coef"] = penalty_coef
             self.penalty.update(torch.stack(epoch_kl).mean().item())
         out["epochs"] = float(epochs_done)
-        if self._positions_computed:      # padding share of the positions the micro-batches computed
+        if self._positions_computed and "attention_mask" in batch:   # token sequences: padding share computed
             out["padding_frac"] = 1.0 - float(self._positions_real) / self._positions_computed
         out["skipped_steps"] = float(self.skipped_steps - skipped_before)   # in this iteration
         for group in self.optimizer.param_groups:
