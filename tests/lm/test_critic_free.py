@@ -79,7 +79,8 @@ def test_critic_free_update_trains_the_actor_and_reports_no_value_metrics(tiny_d
     before = [p.detach().clone() for p in policy.adapter_parameters("actor")]
     metrics = PPOTrainer(cfg, policy, total_iterations=1).update(batch)
     assert not VALUE_METRICS & set(metrics)
-    assert {"policy_loss", "approx_kl", "clipfrac", "grad_norm", "lr"} <= set(metrics)
+    assert {"policy_loss", "approx_kl", "clipfrac", "grad_norm/actor", "lr"} <= set(metrics)
+    assert "grad_norm/critic" not in metrics
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.adapter_parameters("actor")))
 
 
