@@ -67,7 +67,6 @@ import torch
 from torch import Tensor
 
 from ppokit import algo
-from ppokit.algo.batching import fixed_micro_batches, token_budget_micro_batches
 from ppokit.config import Config
 from ppokit.resume import BadStepGuard
 
@@ -95,22 +94,6 @@ class TrainablePolicy(Protocol):
     # Optional: ``compact(micro_batch) -> micro_batch`` drops the padding columns of a micro-batch
     # (every (n, T) tensor cut to (n, T') with T' <= T, only positions with mask 0 removed). Used
     # with train.micro_batch_tokens, whose micro-batches are formed to be cut (ppokit.lm.policy).
-
-
-def row_tokens(batch: dict[str, Tensor]) -> Tensor:
-    """(N,) tokens a forward pass reads per row: ``attention_mask`` (language models: prompt and
-    response) where the batch has one, else ``mask``."""
-    return batch["attention_mask" if "attention_mask" in batch else "mask"].sum(1)
-
-
-def micro_batch_indices(batch: dict[str, Tensor], micro_batch_size: int, micro_batch_tokens: int | None
-                        ) -> list[Tensor]:
-    """The rows of each micro-batch: ``micro_batch_size`` rows in order, or with a token budget
-    rows of similar length (:func:`ppokit.algo.batching.token_budget_micro_batches`)."""
-    n = batch["mask"].shape[0]
-    if micro_batch_tokens is None:
-        return fixed_micro_batches(n, micro_batch_size)
-    return token_budget_micro_batches(row_tokens(batch), micro_batch_tokens)
 
 
 def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Tensor | None = None,
@@ -247,7 +230,7 @@ class PPOTrainer:
             for step, mb_index in enumerate(order.split(mini)):
                 mb = {k: v[mb_index] for k, v in batch.items()}
                 on_policy = epoch == 0 and step == 0
-                current: list[tuple[Tensor, Tensor]] = []
+                current: list[tuple[slice | Tensor, Tensor]] = []
                 step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current,
                                                     penalty_coef)
                 for rows, log_prob in current:          # (n, T') each: back into the (N, T) layout
@@ -281,7 +264,7 @@ class PPOTrainer:
         return out
 
     def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
-                        on_policy: bool = False, current_out: list[tuple[Tensor, Tensor]] | None = None,
+                        on_policy: bool = False, current_out: list[tuple[slice | Tensor, Tensor]] | None = None,
                         penalty_coef: float | None = None) -> dict[str, Tensor]:
         """One optimizer step over mini-batch ``mb``; with ``on_policy``, each micro-batch's rows of
         ``mb`` and its detached log-probs (n, T') are appended to ``current_out``."""
@@ -293,7 +276,7 @@ class PPOTrainer:
         budget = self.cfg.train.micro_batch_tokens
         compact = getattr(self.policy, "compact", None) if budget is not None else None
         width_key = "attention_mask" if "attention_mask" in mb else "mask"
-        for rows in micro_batch_indices(mb, micro, budget):
+        for rows in algo.micro_batch_indices(mb, micro, budget):
             part = {k: v[rows] for k, v in mb.items()}
             if compact is not None:
                 part = compact(part)           # (n, T') tensors: this micro-batch's padding columns dropped

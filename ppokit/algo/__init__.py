@@ -32,7 +32,7 @@ from .advantages import (
     rloo_advantages,
 )
 from .aggregation import AGG_MODES, aggregate, aggregation_normalizer
-from .batching import fixed_micro_batches, padding_fraction, token_budget_micro_batches
+from .batching import fixed_micro_batches, micro_batch_indices, padding_fraction, row_tokens, token_budget_micro_batches
 from .kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -67,6 +67,8 @@ from .value_losses import value_loss
 
 __all__ = [
     "fixed_micro_batches",
+    "micro_batch_indices",
+    "row_tokens",
     "padding_fraction",
     "token_budget_micro_batches",
     # registry

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["fixed_micro_batches", "token_budget_micro_batches", "padding_fraction"]
+__all__ = ["fixed_micro_batches", "micro_batch_indices", "padding_fraction", "row_tokens", "token_budget_micro_batches"]
 
 
 def fixed_micro_batches(n: int, size: int) -> list[torch.Tensor]:
@@ -93,3 +93,20 @@ def padding_fraction(lengths: torch.Tensor, micro_batches: Sequence[torch.Tensor
         if index.numel():
             computed += index.numel() * (width if width is not None else int(lengths[index.cpu()].max()))
     return 1.0 - float(lengths.sum()) / computed if computed else 0.0
+
+
+def row_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N,) tokens a forward pass reads per row: ``attention_mask`` (language models: prompt and
+    response) where the batch has one, else ``mask``."""
+    return batch["attention_mask" if "attention_mask" in batch else "mask"].sum(1)
+
+
+def micro_batch_indices(batch: dict[str, torch.Tensor], micro_batch_size: int, micro_batch_tokens: int | None
+                        ) -> list[slice | torch.Tensor]:
+    """The rows of each micro-batch: slices of ``micro_batch_size`` rows in order (views, no
+    copies), or with a token budget index tensors of rows of similar length
+    (:func:`token_budget_micro_batches`)."""
+    n = batch["mask"].shape[0]
+    if micro_batch_tokens is None:
+        return [slice(start, start + micro_batch_size) for start in range(0, n, micro_batch_size)]
+    return token_budget_micro_batches(row_tokens(batch), micro_batch_tokens)

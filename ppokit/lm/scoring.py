@@ -99,8 +99,6 @@ class Scorer:
     @torch.no_grad()
     def forward_passes(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """The passes on a rollout's tensors (``input_ids``, ..., ``mask``), each (N, R) and 0 on padding."""
-        from ppokit.trainer import micro_batch_indices
-
         mask = tensors["mask"]
         names = ["old_values"] + (["old_log_prob"] if self.need_old_log_prob else []) \
             + (["ref_log_prob"] if self.need_reference else []) \
@@ -108,13 +106,13 @@ class Scorer:
         out = {k: torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for k in names}   # (N, R)
         inputs = {k: tensors[k] for k in POLICY_INPUTS}
         n = mask.shape[0]
-        for rows in micro_batch_indices(tensors, self.chunk, self.micro_batch_tokens):
-            if self.micro_batch_tokens is None:     # rows in order: a view of the batch
-                mb = {k: v[int(rows[0]):int(rows[-1]) + 1] for k, v in inputs.items()}
+        for rows in algo.micro_batch_indices(tensors, self.chunk, self.micro_batch_tokens):
+            if isinstance(rows, slice):             # rows in order: a view of the batch
+                mb = {k: v[rows] for k, v in inputs.items()}
             else:                                   # rows of similar length, cut to their longest
-                mb = self.policy.compact({k: v[rows.to(v.device)] for k, v in inputs.items()})
+                rows = rows.to(mask.device)
+                mb = self.policy.compact({k: v[rows] for k, v in inputs.items()})
             width = mb["responses"].shape[1]
-            rows = rows.to(mask.device)
             if self.need_old_log_prob:
                 out["old_log_prob"][rows, :width] = self.policy.log_probs(mb)["log_prob"].float()
             out["old_values"][rows, :width] = self.policy.values(mb).float()
