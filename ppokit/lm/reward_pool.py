@@ -408,12 +408,13 @@ def _record(results: RewardResults, index: int, status: str, value: Any, note: O
 
 def _score_one(reward, index: int, prompt: str, response: str, fields: dict[str, Any]) -> tuple:
     """``(status, score or reason, note)`` for one sample."""
-    from ppokit.lm.rewards import _as_score, _one_line, split_outcome
+    from ppokit.lm.rewards import _as_score, split_outcome
+    from ppokit.user_code import one_line_error
 
     try:
         value = reward(prompt, response, **fields)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed
-        return "error", _one_line(exc), None
+        return "error", one_line_error(exc), None
     try:
         score = _as_score(value, reward.name, index, prompt)
     except UserError as exc:
