@@ -8,7 +8,7 @@ serves::
     for epoch in range(epochs):                         # train.epochs
         for mini_batch in shuffled(batch, mini_batch_size):
             normalizer = aggregation_normalizer(mini_batch.mask)   # whole mini-batch
-            for micro_batch in split(mini_batch, micro_batch_size):
+            for micro_batch in split(mini_batch):         # micro_batch_size rows, or a token budget
                 out = policy.evaluate(micro_batch)      # log_prob, [values], entropy (n, T)
                 loss = L_policy + value_coeff * L_value - entropy_coeff * H + beta * KL
                 loss.backward()                         # losses share the normalizer,
@@ -42,6 +42,12 @@ mini-batch (:meth:`PPOTrainer.fully_on_policy`). Every micro-batch then takes it
 log-probs from its own forward, so the batch may leave ``old_log_prob`` out and the
 rollout skip the forward pass that would compute it (the language-model scorer does);
 ``old_log_prob_gap`` is then not reported.
+
+Micro-batches: ``train.micro_batch_size`` rows each, or with ``train.micro_batch_tokens``
+rows of similar length packed to a token budget (:mod:`ppokit.algo.batching`, verl's
+``use_dynamic_bsz``) and cut to their own longest row by the policy's optional
+``compact``. Either way the loss is exactly the mini-batch's (the shared normalizer).
+The metric ``padding_frac`` (batches of token sequences) is the padding share of the positions the passes computed.
 
 The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
 ``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
@@ -84,6 +90,10 @@ class TrainablePolicy(Protocol):
     def evaluate(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """``log_prob``, ``values`` (none without a critic) and ``entropy``, each (n, T), under the
         current parameters."""
+
+    # Optional: ``compact(micro_batch) -> micro_batch`` drops the padding columns of a micro-batch
+    # (every (n, T) tensor cut to (n, T') with T' <= T, only positions with mask 0 removed). Used
+    # with train.micro_batch_tokens, whose micro-batches are formed to be cut (ppokit.lm.policy).
 
 
 def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Tensor | None = None,
@@ -206,6 +216,8 @@ class PPOTrainer:
         # (N, T) float32: the last update's log-probs of its first mini-batch's rows, from
         # the policy that sampled them (0 on the other rows); None before the first update
         self.on_policy_log_prob: Tensor | None = None
+        self._positions_real: Tensor | int = 0        # real and computed token positions of this update
+        self._positions_computed = 0
 
     def fully_on_policy(self, n: int, num_mini_batches: int | None = None) -> bool:
         """Whether an update of ``n`` samples makes one optimizer step (one epoch of one
@@ -238,6 +250,7 @@ class PPOTrainer:
         weights: dict[str, float] = {}
         epochs_done = 0
         skipped_before = self.skipped_steps
+        self._positions_real = self._positions_computed = 0
         self.on_policy_log_prob = torch.zeros(batch["mask"].shape, dtype=torch.float32, device=batch["mask"].device)
         for epoch in range(cfg.train.epochs):
             epoch_kl = []
@@ -245,11 +258,11 @@ class PPOTrainer:
             for step, mb_index in enumerate(order.split(mini)):
                 mb = {k: v[mb_index] for k, v in batch.items()}
                 on_policy = epoch == 0 and step == 0
-                current: list[Tensor] = []
+                current: list[tuple[slice | Tensor, Tensor]] = []
                 step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current,
                                                     penalty_coef)
-                if on_policy:
-                    self.on_policy_log_prob[mb_index] = torch.cat(current).float()
+                for rows, log_prob in current:          # (n, T') each: back into the (N, T) layout
+                    self.on_policy_log_prob[mb_index[rows], :log_prob.shape[1]] = log_prob.float()
                 for k, v in step_metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                     weights[k] = weights.get(k, 0.0) + 1.0
@@ -265,6 +278,8 @@ class PPOTrainer:
             out["penalty_coef"] = penalty_coef
             self.penalty.update(torch.stack(epoch_kl).mean().item())
         out["epochs"] = float(epochs_done)
+        if self._positions_computed and "attention_mask" in batch:   # token sequences: padding share computed
+            out["padding_frac"] = 1.0 - float(self._positions_real) / self._positions_computed
         out["skipped_steps"] = float(self.skipped_steps - skipped_before)   # in this iteration
         for group in self.optimizer.param_groups:
             out[f"lr/{group.get('name', 'group')}" if len(self.optimizer.param_groups) > 1 else "lr"] = group["lr"]
@@ -277,23 +292,29 @@ class PPOTrainer:
         return out
 
     def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
-                        on_policy: bool = False, current_out: list[Tensor] | None = None,
+                        on_policy: bool = False, current_out: list[tuple[slice | Tensor, Tensor]] | None = None,
                         penalty_coef: float | None = None) -> dict[str, Tensor]:
-        """One optimizer step over mini-batch ``mb``; with ``on_policy``, its micro-batches'
-        detached log-probs (n, T) are appended to ``current_out``."""
+        """One optimizer step over mini-batch ``mb``; with ``on_policy``, each micro-batch's rows of
+        ``mb`` and its detached log-probs (n, T') are appended to ``current_out``."""
         a = self.cfg.algo
         mode = a.loss_agg_mode
         normalizer = algo.aggregation_normalizer(mb["mask"], mode)
         self.optimizer.zero_grad()
         totals: dict[str, Tensor] = {}
-        n = mb["mask"].shape[0]
-        for start in range(0, n, micro):
-            part = {k: v[start:start + micro] for k, v in mb.items()}
+        budget = self.cfg.train.micro_batch_tokens
+        compact = getattr(self.policy, "compact", None) if budget is not None else None
+        width_key = "attention_mask" if "attention_mask" in mb else "mask"
+        for rows in algo.micro_batch_indices(mb, micro, budget):
+            part = {k: v[rows] for k, v in mb.items()}
+            if compact is not None:
+                part = compact(part)           # (n, T') tensors: this micro-batch's padding columns dropped
+            self._positions_real = self._positions_real + part[width_key].sum()     # no host sync here
+            self._positions_computed += part[width_key].numel()
             out = self.policy.evaluate(part)
             mask = part["mask"]
             current = out["log_prob"].detach() if on_policy else None   # the sampling policy's log-probs
             if current is not None and current_out is not None:
-                current_out.append(current)
+                current_out.append((rows, current))
             share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
             # Losses computed with the mini-batch normalizer add up over micro-batches;
             # rates (clipfrac, approx_kl) are means over this micro-batch: weight by its share.

@@ -23,7 +23,7 @@ def expected_message(path: Path) -> str:
 
 
 def test_defaults_follow_seed_000():
-    # The hyperparameter names and defaults of the seed-000 PPO table.
+    # The hyperparameter names and defaults of the UnstableBaselines PPO table.
     a, t = C.AlgoConfig(), C.TrainConfig()
     assert (t.epochs, t.batch_size, t.micro_batch_size, t.learning_rate) == (2, 256, 1, 1e-5)
     assert (t.lr_scheduler_type, t.lr_warmup_ratio, t.grad_clip) == ("constant", 0.01, 0.2)

@@ -181,7 +181,7 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     """
     from ppokit.config import load_config, preset_names
     from ppokit.errors import UserError, did_you_mean
-    from ppokit.rundir import create_run_dir
+    from ppokit.rundir import create_run_dir, release_locks
     from ppokit.workloads import train
 
     started = time.perf_counter()
@@ -198,7 +198,10 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
         raise UserError("the demo reports held-out accuracy; data.eval_size must be > 0")
     run_dir = create_run_dir(cfg, lock=True)
     echo(f"run directory: {run_dir}")
-    result = train(cfg, run_dir)
+    try:
+        result = train(cfg, run_dir)
+    finally:
+        release_locks()
     if textenv:
         plot = plot_textenv_curves(run_dir, result.get("eval_history", ()))
     else:

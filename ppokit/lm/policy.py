@@ -350,6 +350,29 @@ class LMPolicy(nn.Module):
         return self.value_head(hidden)
 
     # ------------------------------------------------------------------ trainer protocol
+    @staticmethod
+    def compact(micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``micro_batch`` without its padding columns: the prompt columns left of its longest
+        prompt and the response columns right of its longest response. ``input_ids``,
+        ``attention_mask`` and ``position_ids`` (n, P + R) become (n, P' + R'); every other
+        (n, R) tensor (``responses``, ``mask``, advantages, ...) becomes (n, R'). Only padding is
+        dropped (positions are kept as they were), so every pass gives the same values on the
+        real tokens."""
+        am = micro_batch["attention_mask"]                                   # (n, P + R)
+        R = micro_batch["responses"].shape[1]
+        P = am.shape[1] - R
+        response_len = max(int(am[:, P:].sum(1).max()), 1)                  # R'
+        prompt_start = int((am[:, :P].sum(0) > 0).int().argmax())            # first column any prompt uses
+        out = {}
+        for key, value in micro_batch.items():
+            if key in ("input_ids", "attention_mask", "position_ids"):
+                out[key] = value[:, prompt_start:P + response_len]
+            elif value.dim() >= 2 and value.shape[1] == R:
+                out[key] = value[:, :response_len]
+            else:
+                out[key] = value
+        return out
+
     def evaluate(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """``log_prob``, ``values`` (with a critic) and ``entropy``, each (n, R) float32; with
         ``full_kl`` also ``kl_full``, the exact KL to the reference over the vocabulary."""

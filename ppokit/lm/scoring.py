@@ -15,6 +15,10 @@ sequences, under no_grad, and turns the sequence rewards into token rewards::
                           prompts are shuffled, so the K rows are a random sample)
     old_values    (N, R)  critic: V(state before response token t)
 
+With ``micro_batch_tokens`` (``train.micro_batch_tokens``) the chunks are formed by a
+token budget instead (rows of similar length, each chunk cut to its longest row:
+:mod:`ppokit.algo.batching`).
+
 Without ``need_old_log_prob`` the actor pass is skipped and ``old_log_prob`` left out:
 for an update that is fully on-policy (one epoch, one mini-batch: see
 :mod:`ppokit.trainer`) whose rewards carry no KL term, the update's own forward pass
@@ -60,9 +64,10 @@ class Scorer:
 
     def __init__(self, policy, infer_micro_batch_size: int, *, need_reference: bool,
                  metric_rows: Optional[int] = None, need_old_log_prob: bool = True,
-                 kl_ctrl=None, kl_penalty: str = "kl"):
+                 kl_ctrl=None, kl_penalty: str = "kl", micro_batch_tokens: Optional[int] = None):
         self.policy = policy
         self.chunk = infer_micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.need_old_log_prob = need_old_log_prob or kl_ctrl is not None
         self.need_reference = (need_reference or kl_ctrl is not None) and policy.has_reference
         # no KL term: reference log-probs of a few rows only, for the kl_ref metric
@@ -128,26 +133,28 @@ class Scorer:
     @torch.no_grad()
     def forward_passes(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """The passes on a rollout's tensors (``input_ids``, ..., ``mask``), each (N, R) and 0 on padding."""
-        n = tensors["mask"].shape[0]
-        parts: dict[str, list[Tensor]] = {"old_values": []}
-        if self.need_old_log_prob:
-            parts["old_log_prob"] = []
-        if self.need_reference:
-            parts["ref_log_prob"] = []
-        if self.kl_ctrl is not None and self.kl_penalty == "full":
-            parts["kl_full"] = []
-        inputs = {k: tensors[k] for k in POLICY_INPUTS}
-        for s in range(0, n, self.chunk):
-            mb = {k: v[s:s + self.chunk] for k, v in inputs.items()}
-            if self.need_old_log_prob:
-                parts["old_log_prob"].append(self.policy.log_probs(mb)["log_prob"])
-            parts["old_values"].append(self.policy.values(mb))
-            if self.need_reference:
-                parts["ref_log_prob"].append(self.policy.ref_log_probs(mb))
-            if "kl_full" in parts:
-                parts["kl_full"].append(self.policy.kl_to_reference(mb))
         mask = tensors["mask"]
-        out = {k: torch.cat(v) * mask for k, v in parts.items()}   # zeros on padding
+        names = ["old_values"] + (["old_log_prob"] if self.need_old_log_prob else []) \
+            + (["ref_log_prob"] if self.need_reference else []) \
+            + (["kl_full"] if self.kl_ctrl is not None and self.kl_penalty == "full" else [])
+        out = {k: torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for k in names}   # (N, R)
+        inputs = {k: tensors[k] for k in POLICY_INPUTS}
+        n = mask.shape[0]
+        for rows in algo.micro_batch_indices(tensors, self.chunk, self.micro_batch_tokens):
+            if isinstance(rows, slice):             # rows in order: a view of the batch
+                mb = {k: v[rows] for k, v in inputs.items()}
+            else:                                   # rows of similar length, cut to their longest
+                rows = rows.to(mask.device)
+                mb = self.policy.compact({k: v[rows] for k, v in inputs.items()})
+            width = mb["responses"].shape[1]
+            if self.need_old_log_prob:
+                out["old_log_prob"][rows, :width] = self.policy.log_probs(mb)["log_prob"].float()
+            out["old_values"][rows, :width] = self.policy.values(mb).float()
+            if self.need_reference:
+                out["ref_log_prob"][rows, :width] = self.policy.ref_log_probs(mb).float()
+            if "kl_full" in out:
+                out["kl_full"][rows, :width] = self.policy.kl_to_reference(mb).float()
+        out = {k: v * mask for k, v in out.items()}                 # zeros on padding
         if self.metric_rows:
             k = min(self.metric_rows, n)
             out["ref_log_prob_metric"] = self.policy.ref_log_probs(

@@ -43,7 +43,7 @@ from ppokit.components import Batch, Components
 from ppokit.config import Config
 from ppokit.errors import UserError
 from ppokit.lm.device import one_thread_if_small, resolve_precision, run_device
-from ppokit.lm.evaluate import heldout_accuracy
+from ppokit.lm.evaluate import heldout_results
 from ppokit.lm.prompts import chat_render, load_data
 from ppokit.lm.scoring import Scorer, kl_ref_metric
 from ppokit.resume import all_finite
@@ -64,16 +64,18 @@ class LMSource:
 
     steps_per_iteration = None
 
-    def __init__(self, cfg: Config, engine, prompts, reward_model, reward_fn, device: torch.device):
+    def __init__(self, cfg: Config, engine, prompts, rewards, device: torch.device, dropped_prompts: int = 0):
         self.cfg, self.engine, self.prompts = cfg, engine, prompts
-        self.reward_model, self.reward_fn, self.device = reward_model, reward_fn, device
+        self.rewards, self.device = rewards, device        # a SequenceRewards
+        self.dropped_prompts = dropped_prompts
 
     def collect(self, iteration: int) -> Batch:
         items = self.prompts.next_batch()
         rollout = self.engine.generate([x["prompt"] for x in items], group_size=self.cfg.algo.group_size,
                                        items=items)
         start = time.perf_counter()
-        scores, reward_parts = sequence_scores(rollout, self.reward_model, self.reward_fn, self.device)   # (N,)
+        scores, reward_metrics, marks = self.rewards(rollout)                           # (N,)
+        scores = scores.to(self.device)
         time_reward = time.perf_counter() - start
         if not math.isfinite(scores.mean().item()):
             raise UserError(f"iteration {iteration}: reward_mean is {scores.mean().item()}; check the reward "
@@ -83,19 +85,24 @@ class LMSource:
                    "reward_max": scores.max().item(), "response_length": lengths.mean().item(),
                    "truncated_frac": rollout.truncated.float().mean().item(),
                    "time_generate": rollout.generation_time, "time_reward": time_reward,
-                   "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9), **reward_parts}
+                   "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9),
+                   "data_epoch": self.prompts.epoch + self.prompts.position / len(self.prompts.items),
+                   **reward_metrics}
+        if self.dropped_prompts:
+            metrics["prompts_dropped"] = float(self.dropped_prompts)
         tensors = {**rollout.tensors(), "scores": scores, "group_ids": rollout.group_ids}
-        return Batch(tensors=tensors, samples=rollout_samples(rollout, scores, self.cfg.run.log_samples),
+        return Batch(tensors=tensors, samples=rollout_samples(rollout, scores, self.cfg.run.log_samples, marks),
                      metrics=metrics)
 
     def sync_weights(self, learner: "LMLearner") -> None:
         """Nothing to do: generation runs the learner's own policy."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prompts": self.prompts.state_dict()}
+        return {"prompts": self.prompts.state_dict(), "rewards": self.rewards.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         self.prompts.load_state_dict(state["prompts"])
+        self.rewards.load_state_dict(state.get("rewards", {}))      # (absent in checkpoints before it existed)
         return []
 
 
@@ -125,6 +132,9 @@ class LMLearner:
         metrics = self.trainer.update({k: t[k] for k in self.keys if k in t}, iteration,
                                       num_mini_batches=self.num_mini_batches)
         seconds = time.perf_counter() - start
+        if "padding_frac" in metrics:      # before: fixed micro-batches of the batch's full width; after: computed
+            metrics["padding_frac_before"] = 1.0 - float(t["attention_mask"].sum()) / t["attention_mask"].numel()
+            metrics["padding_frac_after"] = metrics.pop("padding_frac")
         metrics["train_tokens_per_s"] = float(t["attention_mask"].sum()) * metrics["epochs"] / max(seconds, 1e-9)
         if "old_log_prob" not in t:      # fully on-policy: the update's own pass gave them
             t["old_log_prob"] = self.trainer.on_policy_log_prob * t["mask"]
@@ -161,21 +171,31 @@ class LMLearner:
 
 class LMEvaluator:
     """Greedy held-out accuracy (mean reward of ``data.reward`` or the task's verifier):
-    before training, every ``data.eval_every`` iterations and after training."""
+    before training, every ``data.eval_every`` iterations and after training. ``reward``:
+    the run's reward scorer (the reward pool: a failing or hanging sample gets
+    ``data.reward_on_error`` and is counted as ``eval_reward_errors``)."""
 
     at_start = True
 
-    def __init__(self, cfg: Config, engine, items: list[dict], reward_fn):
-        self.engine, self.items, self.reward_fn = engine, items, reward_fn
+    def __init__(self, cfg: Config, engine, items: list[dict], reward):
+        self.engine, self.items, self.reward = engine, items, reward
         self.every = cfg.data.eval_every
+        self.max_reward_errors = cfg.data.max_reward_errors
         self.before: Optional[float] = None
 
     def evaluate(self, phase: str) -> dict[str, float]:
-        accuracy = heldout_accuracy(self.engine, self.items, self.reward_fn)
+        from ppokit.lm.reward_pool import check_error_limit
+
+        _, results = heldout_results(self.engine, self.items, self.reward)
+        check_error_limit(results, self.max_reward_errors, getattr(self.reward, "name", "reward"))
+        accuracy = sum(results.scores) / len(results.scores)
         if phase == "before":
             self.before = accuracy
         key = {"before": "eval_accuracy_before", "final": "eval_accuracy_after"}.get(phase, "eval_accuracy")
-        return {key: accuracy}
+        out = {key: accuracy}
+        if results.num_errors:
+            out["eval_reward_errors"] = float(results.num_errors)
+        return out
 
     def message(self, phase: str, metrics: dict[str, float]) -> Optional[str]:
         if phase == "before":
@@ -210,10 +230,14 @@ class LMWorkload:
         """Prompts, held-out set, reward function and model directory, before a run directory exists."""
         from ppokit.lm.hf import causal_lm_config, load_tokenizer
 
-        load_data(self.cfg)
-        if self.cfg.model.path != "tiny":
-            causal_lm_config(self.cfg.model.path)
-            load_tokenizer(self.cfg.model.path)
+        cfg = self.cfg
+        train_items, eval_items, _ = load_data(cfg)
+        if cfg.model.path != "tiny":
+            causal_lm_config(cfg.model.path)
+            load_tokenizer(cfg.model.path)
+        if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
+            train_items, _, _ = drop_long(cfg, train_items, eval_items, [])
+            check_token_budget(cfg, prompt_tokenizer(cfg), train_items)
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         from ppokit.lm.policy_io import read_policy_meta
@@ -221,18 +245,15 @@ class LMWorkload:
         read_policy_meta(path)          # the policy's files are there (a UserError names what is wrong)
 
     def build(self, run_dir: Path) -> Components:
-        from ppokit import algo
-        from ppokit.lm.data import PromptIterator
-        from ppokit.lm.hf import causal_lm_config, load_tokenizer
-        from ppokit.lm.policy import build_policy
-        from ppokit.lm.rollout import RolloutEngine, check_prompts_fit
-
-        cfg, a = self.cfg, self.cfg.algo
+        cfg = self.cfg
         run_dir.mkdir(parents=True, exist_ok=True)
         device, autocast_dtype = setup(cfg)
         train_items, eval_items, reward_fn = load_data(cfg)
+        header: list[str] = []
+        closers: list[Any] = []
+        train_items, eval_items, dropped = drop_long(cfg, train_items, eval_items, header)
         # the training reward: the reward model's score and/or a function's (the task's own only
-        # without a reward model; held-out accuracy always uses reward_fn)
+        # without a reward model; held-out accuracy always uses the function)
         train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
         reward_model = None
         if cfg.data.reward_model is not None:     # loaded first: a bad one fails before a warm start runs
@@ -240,7 +261,32 @@ class LMWorkload:
 
             reward_model = RewardModel(cfg.data.reward_model, device=device, autocast_dtype=autocast_dtype,
                                        batch_size=cfg.train.infer_micro_batch_size, cpu_kernels=cfg.model.cpu_kernels)
-        model_path = prepare_model(cfg, run_dir, eval_items, reward_fn, _print)
+        verifier = None
+        if reward_fn is not None:                 # worker processes kept for the run, closed at its end
+            verifier = reward_scorer(cfg, reward_fn)
+            closers.append(verifier)
+            header += reward_notes(reward_fn)
+        try:
+            return self._build(run_dir, device, autocast_dtype, train_items, eval_items, dropped, verifier,
+                               reward_model, train_reward_fn is not None, header, closers)
+        except BaseException:
+            for closer in closers:
+                closer.close()
+            raise
+
+    def _build(self, run_dir: Path, device, autocast_dtype, train_items, eval_items, dropped, verifier,
+               reward_model, verifier_in_training: bool, header: list[str], closers: list[Any]) -> Components:
+        from ppokit import algo
+        from ppokit.lm.data import PromptIterator
+        from ppokit.lm.hf import causal_lm_config, load_tokenizer
+        from ppokit.lm.policy import build_policy
+        from ppokit.lm.rollout import RolloutEngine, check_prompts_fit
+        from ppokit.lm.sequence_rewards import SequenceRewards
+
+        cfg, a = self.cfg, self.cfg.algo
+        rewards = SequenceRewards(cfg.data, cfg.rollout.max_new_tokens,
+                                  verifier=verifier if verifier_in_training else None, reward_model=reward_model)
+        model_path = prepare_model(cfg, run_dir, eval_items, verifier, _print, prompts=train_items + eval_items)
         causal_lm_config(model_path, "model.path")            # a clear error before anything heavy
         tokenizer = load_tokenizer(model_path, "model.path")
         policy = build_policy(cfg, model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
@@ -254,21 +300,25 @@ class LMWorkload:
         engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
         check_prompts_fit(engine.model, tokenizer, [x["prompt"] for x in train_items + eval_items],
                           cfg.rollout.max_new_tokens)     # every prompt, before the first rollout
+        check_token_budget(cfg, tokenizer, train_items)
         learner = LMLearner(cfg, policy, tokenizer, model_path)
         kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
                                           a.kl_ctrl.horizon) if a.use_kl_in_reward else None
         scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=needs_ref_log_prob(cfg),
                         metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(),
-                        kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty)
+                        kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty, micro_batch_tokens=cfg.train.micro_batch_tokens)
         prompts = PromptIterator(train_items, cfg.train.batch_size // a.group_size, seed=cfg.seed)
-        source = LMSource(cfg, engine, prompts, reward_model, train_reward_fn, device)
-        evaluator = LMEvaluator(cfg, engine, eval_items, reward_fn) if eval_items else None
+        source = LMSource(cfg, engine, prompts, rewards, device, dropped_prompts=dropped)
+        evaluator = LMEvaluator(cfg, engine, eval_items, verifier) if eval_items and verifier is not None else None
         precision = "bf16" if autocast_dtype is not None else "fp32"
         trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-        header = [f"lm: {model_path} ({cfg.model.mode}, {trainable:,} trainable parameters), {device}, "
-                  f"{precision}{accel_note}, {cfg.iterations} iterations of {cfg.train.batch_size} sequences"]
+        header.insert(0, f"lm: {model_path} ({cfg.model.mode}, {trainable:,} trainable parameters), {device}, "
+                      f"{precision}{accel_note}, {cfg.iterations} iterations of {cfg.train.batch_size} sequences")
+        described = rewards.describe()
+        if described:
+            header.append(described)
         return Components(source=source, learner=learner, scorer=scorer, evaluator=evaluator,
-                          description=cfg.preset or "lm", header=header)
+                          description=cfg.preset or "lm", header=header, closers=closers)
 
 
 # ----------------------------------------------------------------------------- building
@@ -295,7 +345,7 @@ def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
 
 
 def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log,
-                  sft_examples: Optional[list[dict]] = None) -> Path:
+                  prompts: Optional[list[dict]] = None, sft_examples: Optional[list[dict]] = None) -> Path:
     """The backbone's directory: model.path, the built-in tiny model, and/or a warm-started copy.
 
     The warm start trains on ``sft_examples`` (prompt/completion records, rendered with
@@ -322,7 +372,7 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
         from ppokit.lm.tiny import build_tiny_model
 
         target = run_dir / (INIT_MODEL_DIR if cfg.data.sft_epochs else BASE_MODEL_DIR)
-        path = str(build_tiny_model(target, seed=cfg.seed))
+        path = str(build_tiny_model(target, seed=cfg.seed, max_position_embeddings=tiny_positions(cfg, prompts or [])))
     if cfg.data.sft_epochs:
         from ppokit.lm.data import load_prompts
         from ppokit.lm.sft import run_sft
@@ -331,7 +381,8 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
             raise UserError("data.sft_epochs > 0 needs held-out prompts to pick the best warm-start model "
                             "(a built-in task, or data.eval_prompts)")
         examples = sft_examples if sft_examples is not None else load_prompts(
-            cfg.data.prompts, "sft", n=cfg.data.sft_examples, chat=cfg.data.chat_template)
+            cfg.data.prompts, "sft", n=cfg.data.sft_examples, chat=cfg.data.chat_template,
+            prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
         render = chat_render(cfg)
         if render is not None:
             from ppokit.lm.chat import render_records
@@ -348,34 +399,108 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
     return Path(path)
 
 
-def sequence_scores(rollout, reward_model, reward_fn, device: torch.device) -> tuple[torch.Tensor, dict]:
-    """(N,) float32 sequence rewards: the reward model's score plus the reward function's
-    (either may be None); with a reward model, the parts' means as metrics."""
-    from ppokit.lm.rewards import score_responses
+def tiny_positions(cfg: Config, prompts: list[dict]) -> int:
+    """Positions of the built-in tiny model: ``model.tiny_max_positions``, else 64, or the longest
+    prompt plus ``rollout.max_new_tokens`` rounded up to a multiple of 64 when that is more (rotary
+    positions: the weights are the same whatever the count)."""
+    from ppokit.lm.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer
 
-    parts: dict[str, torch.Tensor] = {}
-    if reward_model is not None:
-        parts["reward_model_mean"] = torch.tensor(reward_model.score(rollout.prompts, rollout.texts, rollout.items))
-    if reward_fn is not None:
-        parts["reward_fn_mean"] = torch.tensor(score_responses(reward_fn, rollout.prompts, rollout.texts,
-                                                               rollout.items))
-    scores = torch.zeros(len(rollout), dtype=torch.float32)
-    for part in parts.values():
-        scores += part
-    metrics = {name: part.mean().item() for name, part in parts.items()} if reward_model is not None else {}
-    return scores.to(device), metrics
+    if cfg.model.tiny_max_positions is not None:
+        return cfg.model.tiny_max_positions
+    texts = [p["prompt"] for p in prompts if isinstance(p.get("prompt"), str)]
+    longest = max(count_tokens(build_char_tokenizer(), texts), default=0)
+    need = longest + cfg.rollout.max_new_tokens
+    base = DEFAULT_TINY_SPEC.max_position_embeddings
+    return base if need <= base else -(-need // 64) * 64
 
 
-def rollout_samples(rollout, scores: torch.Tensor, k: int) -> list[dict[str, Any]]:
+def count_tokens(tokenizer, texts: list[str]) -> list[int]:
+    from ppokit.lm.records import count_tokens_with
+
+    return count_tokens_with(tokenizer)(texts) if texts else []
+
+
+def drop_long(cfg: Config, train_items: list[dict], eval_items: list[dict], header: list[str]
+              ) -> tuple[list[dict], list[dict], int]:
+    """``data.max_prompt_tokens``: the training and held-out prompts within the limit (counted with
+    model.path's tokenizer, the built-in character tokenizer for tiny), the number of training
+    prompts dropped; a line for the header when any are."""
+    limit = cfg.data.max_prompt_tokens
+    if limit is None:
+        return train_items, eval_items, 0
+    from ppokit.lm.records import drop_long_prompts
+
+    tokenizer = prompt_tokenizer(cfg)
+    kept, dropped = drop_long_prompts(train_items, limit, tokenizer=tokenizer)
+    eval_kept, eval_dropped = (drop_long_prompts(eval_items, limit, tokenizer=tokenizer) if eval_items else ([], 0))
+    if dropped or eval_dropped:
+        header.append(f"data: dropped {dropped} of {len(train_items)} training and {eval_dropped} of "
+                      f"{len(eval_items)} held-out prompts longer than {limit} tokens (data.max_prompt_tokens)")
+    return kept, eval_kept, dropped
+
+
+def prompt_tokenizer(cfg: Config):
+    """The tokenizer prompts are counted with before the model is built."""
+    if cfg.model.path == "tiny":
+        from ppokit.lm.tiny import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from ppokit.lm.hf import load_tokenizer
+
+    return load_tokenizer(cfg.model.path, "model.path")
+
+
+def check_token_budget(cfg: Config, tokenizer, items: list[dict]) -> None:
+    """``train.micro_batch_tokens`` must hold the longest sequence a rollout can make."""
+    budget = cfg.train.micro_batch_tokens
+    if budget is None:
+        return
+    longest = max(count_tokens(tokenizer, [x["prompt"] for x in items]), default=0) + cfg.rollout.max_new_tokens
+    if budget < longest:
+        raise UserError(f"train.micro_batch_tokens={budget} is less than the longest sequence a rollout can make "
+                        f"({longest} tokens: the longest prompt plus rollout.max_new_tokens); raise it to at "
+                        f"least {longest}")
+
+
+def reward_scorer(cfg: Config, reward_fn):
+    """The run's reward scorer for ``reward_fn`` (a RewardFunction): in this process for the cheap
+    built-ins, else a pool of worker processes with ``data.reward_timeout`` per sample. The error
+    limit is :class:`~ppokit.lm.sequence_rewards.SequenceRewards`' (over the run)."""
+    from ppokit.lm.reward_pool import make_reward_scorer
+    from ppokit.lm.rewards import BUILTIN_REWARDS
+
+    d = cfg.data
+    spec = reward_fn.spec if BUILTIN_REWARDS.get(reward_fn.spec) is reward_fn.fn else reward_fn
+    return make_reward_scorer(spec, num_workers=d.reward_workers, timeout=d.reward_timeout,
+                              reward_on_error=d.reward_on_error, max_reward_errors=None)
+
+
+def reward_notes(reward_fn) -> list[str]:
+    """Lines for the run's header: the code reward says how its programs are isolated (and warns,
+    once, when the network is not cut off)."""
+    if reward_fn.spec != "code":
+        return []
+    from ppokit.lm.sandbox import describe_isolation, isolation_warning
+
+    warning = isolation_warning()
+    return [describe_isolation()] + ([f"WARNING: {warning}"] if warning else [])
+
+
+def rollout_samples(rollout, scores: torch.Tensor, k: int, marks: Optional[list[dict]] = None
+                    ) -> list[dict[str, Any]]:
     """The first ``k`` sequences of a rollout as JSON rows: prompt, response, sequence reward,
-    response tokens, truncated, and the prompt's data fields (``answer``, ...). The prompts
-    are shuffled, so they are a random sample; with ``group_size`` > 1 they are one group."""
+    response tokens, truncated, the prompt's data fields (``answer``, ...) and, from ``marks``,
+    ``reward_error`` (why the reward function failed on it, or null) and ``reward_note``. The
+    prompts are shuffled, so they are a random sample; with ``group_size`` > 1 they are one group."""
     from ppokit.lm.rewards import reward_fields
 
     lengths = rollout.response_lengths
-    return [{"prompt": rollout.prompts[i], "response": rollout.texts[i], "reward": float(scores[i]),
+    rows = [{"prompt": rollout.prompts[i], "response": rollout.texts[i], "reward": float(scores[i]),
              "length": int(lengths[i]), "truncated": bool(rollout.truncated[i]),
              "fields": reward_fields(rollout.items[i])} for i in range(min(k, len(rollout)))]
+    for row, mark in zip(rows, marks or []):
+        row.update(mark)
+    return rows
 
 
 def _print(text: str) -> None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+
+from lm_helpers import CHAT_TEMPLATE as TEMPLATE
 
 from ppokit.cli import main
 from ppokit.config import build_config
@@ -15,22 +16,6 @@ from ppokit.lm.chat import chat_renderer
 from ppokit.lm.data import load_prompts
 from ppokit.lm.hf import load_tokenizer
 from ppokit.rundir import read_metrics
-
-# Written with characters of the tiny alphabet; it writes the BOS itself, as Llama 3's does.
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}a:{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tiny_dir, tmp_path_factory) -> Path:
-    """The tiny model with a chat template, saved and reloaded the Hugging Face way."""
-    out = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(tiny_dir, out)
-    tok = load_tokenizer(out)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(out)
-    return out
-
 
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -106,8 +91,9 @@ def test_a_chat_run_trains_evaluates_and_rewards_on_the_rendered_prompt(chat_dir
     rows = read_metrics(tmp_path / "run")
     assert [r["reward_mean"] for r in rows] == [1.0, 1.0]
     capsys.readouterr()
-    assert main(["eval", str(tmp_path / "run")]) == 0       # renders with the checkpoint's tokenizer
-    assert "held-out accuracy over 1 prompts: 100.0%" in capsys.readouterr().out
+    assert main(["eval", str(tmp_path / "run"), "--json"]) == 0       # renders with the checkpoint's tokenizer
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompts"] == 1 and result["mean_reward"] == 1.0 and result["pass@1_greedy"] == 1.0
 
 
 def test_the_warm_start_trains_on_rendered_prompts(chat_dir, tmp_path, monkeypatch):
