@@ -24,6 +24,10 @@ Budgets (a cut episode is *truncated*; each cut is counted by reason):
   ``max_new_tokens`` must fit before a turn starts;
 - the model's context: the prompt plus ``max_new_tokens`` must fit its positions.
 
+The per-turn budget ``max_new_tokens`` (``rollout.max_new_tokens``) cuts a reply, not the
+episode: the cut reply (no stop token) is the action the environment gets, and the
+replies cut so are counted (``PlayResult.cut_replies``).
+
 A truncated seat that is about to act bootstraps from the value of its next prompt
 (``bootstrap_ids``; the scorer computes it) when ``truncation="bootstrap"``. In a
 two-player episode the seat that is not to move has no observation of its own for the
@@ -96,6 +100,8 @@ class PlayResult:
     time_generate: float
     time_env: float
     generated_tokens: int
+    actions: int = 0              # replies generated
+    cut_replies: int = 0          # of them, cut by max_new_tokens before a stop token
 
 
 class _Episode:
@@ -129,7 +135,7 @@ class EpisodePlayer:
         if len(seeds) > len(self.envs):
             raise ValueError(f"{len(seeds)} episodes but only {len(self.envs)} environments")
         t_env = t_gen = 0.0
-        tokens = 0
+        tokens = actions_played = cut = 0
         truncations = {reason: 0 for reason in TRUNCATION_REASONS}
         failures, first_error = 0, None
         episodes = []
@@ -164,6 +170,8 @@ class EpisodePlayer:
                 for ep, a, text in zip(group, ids, texts):
                     actions[ep.index] = (a, text)
                     tokens += len(a)
+                    cut += len(a) >= self.max_new_tokens and a[-1] not in self.codec.stop_ids
+                actions_played += len(group)
             start = time.perf_counter()
             for ep in ready:
                 action_ids, text = actions[ep.index]
@@ -179,7 +187,8 @@ class EpisodePlayer:
         return PlayResult(trajectories=trajectories,
                           records=[{s: t.record for s, t in ep.trackers.items()} for ep in episodes],
                           actors=[ep.actors for ep in episodes], truncations=truncations, failures=failures,
-                          first_error=first_error, time_generate=t_gen, time_env=t_env, generated_tokens=tokens)
+                          first_error=first_error, time_generate=t_gen, time_env=t_env, generated_tokens=tokens,
+                          actions=actions_played, cut_replies=cut)
 
     # ------------------------------------------------------------------ one episode
     def _observe(self, ep: _Episode, seat: Optional[int], observation: Any) -> None:

@@ -32,7 +32,8 @@ player) and serves the critic while it is still learning.
 Metrics per iteration (the learner's seat; see :func:`ppokit.envs.episode_metrics`):
 ``env/return_mean``, ``env/turns_mean``, ``env/win_rate`` / ``draw_rate`` /
 ``loss_rate``, ``env/illegal_action_rate``, ``env/truncated_rate``,
-``env/failure_rate``, truncations by reason, ``time_env`` against ``time_generate``,
+``env/failure_rate``, truncations by reason, ``env/reply_cut_rate`` (replies cut by
+``rollout.max_new_tokens``), ``time_env`` against ``time_generate``,
 the rows and action tokens trained on; in self-play the results against the pool.
 
 :class:`TextEnvEvaluator` plays ``textenv.eval_episodes`` greedy episodes on fixed seeds
@@ -160,7 +161,8 @@ class MultiTurnSource:
     def _play_metrics(self, result: PlayResult, n: int) -> dict[str, float]:
         out = {"time_env": result.time_env, "time_generate": result.time_generate,
                "gen_tokens_per_s": result.generated_tokens / max(result.time_generate, 1e-9),
-               "env/failures": float(result.failures)}
+               "env/failures": float(result.failures),
+               "env/reply_cut_rate": result.cut_replies / max(result.actions, 1)}
         for reason in TRUNCATION_REASONS:
             out[f"env/truncated_by_{reason}"] = result.truncations[reason] / n
         if self.opponents is not None:

@@ -150,7 +150,7 @@ class MultiTurnWorkload:
                                           a.kl_ctrl.horizon) if a.use_kl_in_reward else None
         scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=needs_ref_log_prob(cfg),
                         metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(),
-                        kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty)
+                        kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty, micro_batch_tokens=cfg.train.micro_batch_tokens)
         evaluator = None
         if t.eval_episodes:
             evaluator = TextEnvEvaluator(cfg, engine_generate(engine), codec, context, env_name)

@@ -112,6 +112,23 @@ def test_truncation_by_the_models_context_in_message_mode(tiny_dir, tmp_path):
         assert turns == sorted(turns) and turns[0] == 0 and len(set(turns)) == batch.tensors["turn_index"][row].max() + 1
 
 
+def test_the_per_turn_token_budget_cuts_replies_not_episodes(tiny_dir, tmp_path):
+    cfg = mt_config(tiny_dir, tmp_path, {"max_turns": 3}, rollout={"max_new_tokens": 2})
+    c = build(cfg, tmp_path)
+    batch = c.source.collect(0)
+    t = batch.tensors
+    lengths = t["mask"].sum(1).long()                         # state mode: one turn per row
+    assert lengths.min() >= 1 and lengths.max() <= 2
+    last = t["responses"].gather(1, (lengths - 1)[:, None])[:, 0]
+    stops = torch.tensor(sorted(c.source.player.codec.stop_ids))
+    cut = (lengths == 2) & ~torch.isin(last, stops)             # reached the budget without a stop token
+    assert cut.any()
+    assert batch.metrics["env/reply_cut_rate"] == pytest.approx(cut.float().mean().item())
+    # a cut reply is still the turn's action: the episodes go on to max_turns
+    assert batch.metrics["env/turns_mean"] == 3 and batch.metrics["env/truncated_by_max_turns"] == 1.0
+    assert batch.metrics["env/truncated_by_episode_tokens"] == batch.metrics["env/truncated_by_context"] == 0
+
+
 def test_the_environments_time_limit_bootstraps_or_not_as_configured(tiny_dir, tmp_path):
     cfg = mt_config(tiny_dir, tmp_path, {"max_turns": 50, "kwargs": {"time_limit": 2}})
     batch = build(cfg, tmp_path).source.collect(0)
