@@ -29,23 +29,49 @@ from ppokit.control.envs import VecEnv, make_vector_env
 from ppokit.control.evaluate import Evaluator, evaluate_policy
 from ppokit.control.networks import ActorCritic
 from ppokit.control.rollout import Rollout
-from ppokit.resume import all_finite
-from ppokit.trainer import PPOTrainer
+from ppokit.errors import UserError
+from ppokit.resume import all_finite, rollout_rngs
+from ppokit.trainer import DataParallel, PPOTrainer
 
 # The per-sample tensors of the update (N = E*S transitions, each a sequence of T = 1 step).
 UPDATE_KEYS = ("obs", "actions", "mask", "old_log_prob", "old_values", "advantages", "returns")
 
 
 class ControlSource:
-    """E vector envs stepped by the policy: ``collect() -> Batch`` of (E, S) tensors."""
+    """E vector envs stepped by the policy: ``collect() -> Batch`` of (E, S) tensors.
 
-    def __init__(self, venv: VecEnv, policy: ActorCritic, num_steps: int):
+    Also a rollout worker's source (:class:`ppokit.components.ShardSource`): a shard of
+    the envs and a copy of the policy that :meth:`load_rollout_weights` updates.
+    """
+
+    def __init__(self, venv: VecEnv, policy: ActorCritic, num_steps: int, *, seed: int = 0,
+                 off_policy_steps: int = 0):
         self.venv, self.policy = venv, policy
         self.rollout = Rollout(venv, num_steps)
         self.steps_per_iteration = venv.num_envs * num_steps
         self._finished_before = venv.episodes_finished
+        self.seed, self.off_policy_steps = seed, off_policy_steps
+        self.policy_version = 0                    # the learner's version of the policy's weights
+        self.pending: Optional[tuple[int, Batch]] = None    # a prefetched iteration and its batch
 
     def collect(self, iteration: int) -> Batch:
+        if self.pending is not None and self.pending[0] == iteration:
+            batch, self.pending = self.pending[1], None
+            return batch
+        return self._collect(iteration)
+
+    def prefetch(self, iteration: int) -> None:
+        """Collect ``iteration`` now (in this process nothing overlaps with the update)."""
+        self.pending = (iteration, self._collect(iteration))
+
+    def _collect(self, iteration: int) -> Batch:
+        if self.off_policy_steps:                 # seeded per iteration: the same on a Ray worker
+            with rollout_rngs(self.seed, iteration):
+                return self.collect_shard(iteration, None)
+        return self.collect_shard(iteration, None)
+
+    def collect_shard(self, iteration: int, request: Any = None) -> Batch:
+        """The envs' next ``num_steps`` steps under the current RNG state."""
         data = self.rollout.collect(self.policy)
         venv = self.venv
         metrics: dict[str, float] = {"episodes": venv.episodes_finished - self._finished_before}
@@ -57,19 +83,29 @@ class ControlSource:
         tensors = {"obs": data["obs"], "actions": data["actions"], "mask": data["mask"],
                    "old_log_prob": data["log_probs"], "old_values": data["values"], "rewards": data["rewards"],
                    "dones": data["dones"]}
-        return Batch(tensors=tensors, extras={"last_values": data["last_values"]}, metrics=metrics)
+        return Batch(tensors=tensors, extras={"last_values": data["last_values"]}, metrics=metrics,
+                     policy_version=self.policy_version)
 
     def sync_weights(self, learner: "ControlLearner") -> None:
-        """Nothing to do: the rollout runs the learner's own network."""
+        """Nothing to copy: the rollout runs the learner's own network."""
+        self.policy_version = learner.policy_version
+
+    def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.policy.load_named_state(weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"venv": self.venv.state_dict(), "normalizer": self.venv.normalizer.state_dict(),
-                "rollout": {"started": self.rollout.started, "last_obs": self.rollout.obs[-1].copy()}}
+        state = {"venv": self.venv.state_dict(), "normalizer": self.venv.normalizer.state_dict(),
+                 "rollout": {"started": self.rollout.started, "last_obs": self.rollout.obs[-1].copy()}}
+        if self.pending is not None:
+            state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         self.venv.normalizer.load_state_dict(state["normalizer"])
         exact = self.venv.load_state_dict(state["venv"])
         self._finished_before = self.venv.episodes_finished
+        pending = state.get("pending")
+        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
         if exact:
             self.rollout.continue_from(state["rollout"]["last_obs"] if state["rollout"]["started"] else None)
             return []
@@ -80,27 +116,102 @@ class ControlSource:
                 "snapshotted: the episodes in flight restart, so the resumed run is not bit-identical"]
 
 
+class ControlShardPlan:
+    """The driver's side of N rollout workers, each stepping ``num_envs / N`` of the envs
+    (shard s: envs ``s*E/N ..``, seeded as those envs are in-process). Each worker keeps
+    its own normalisation statistics; the driver's copy (evaluation, checkpoints) is their
+    merge (one worker: its statistics as they are)."""
+
+    def __init__(self, venv: VecEnv, num_steps: int, num_shards: int):
+        self.venv, self.num_shards = venv, num_shards
+        self.steps_per_iteration = venv.num_envs * num_steps
+
+    def requests(self, iteration: int) -> list[Any]:
+        return [None] * self.num_shards
+
+    def merge(self, parts: list[Batch], states: list[dict[str, Any]]) -> Batch:
+        self._merge_normalizers([s["normalizer"] for s in states])
+        if len(parts) == 1:
+            return parts[0]
+        tensors = {k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors}      # (E, S, ...)
+        extras = {k: torch.cat([p.extras[k] for p in parts]) for k in parts[0].extras}
+        metrics: dict[str, float] = {"episodes": sum(p.metrics["episodes"] for p in parts)}
+        returns = np.concatenate([np.asarray(s["venv"]["episode_returns"], np.float64) for s in states])
+        lengths = np.concatenate([np.asarray(s["venv"]["episode_lengths"], np.float64) for s in states])
+        if returns.size:
+            metrics.update(return_mean=float(np.mean(returns)), return_std=float(np.std(returns)),
+                           episode_length=float(np.mean(lengths)))
+        return Batch(tensors=tensors, extras=extras, metrics=metrics, policy_version=parts[0].policy_version)
+
+    def _merge_normalizers(self, states: list[dict[str, Any]]) -> None:
+        if len(states) == 1:
+            self.venv.normalizer.load_state_dict(states[0])
+            return
+        merged = {}
+        for prefix in ("obs_", "ret_"):
+            stats = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
+            merged.update({prefix + k: v for k, v in merge_running_stats(stats).items()})
+        self.venv.normalizer.load_state_dict(merged)
+
+    def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
+        return shard_states[0] if len(shard_states) == 1 else {"shards": shard_states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[Optional[dict[str, Any]]], list[str]]:
+        shards = state["shards"] if "shards" in state else [state]
+        if len(shards) != self.num_shards:
+            raise UserError(f"the checkpoint's envs were stepped by {len(shards)} rollout shard(s) and this run has "
+                            f"{self.num_shards}: resume with cluster.rollout_workers={len(shards) if len(shards) > 1 else '0 or 1'}")
+        self._merge_normalizers([s["normalizer"] for s in shards])
+        return [dict(s) for s in shards], []
+
+
+def merge_running_stats(stats: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """Mean, variance and count of the union of streams summarised by ``stats`` (Chan et al.)."""
+    mean = np.asarray(stats[0]["mean"], np.float64)
+    var = np.asarray(stats[0]["var"], np.float64)
+    count = float(np.asarray(stats[0]["count"]).reshape(-1)[0])
+    for s in stats[1:]:
+        m, v = np.asarray(s["mean"], np.float64), np.asarray(s["var"], np.float64)
+        n = float(np.asarray(s["count"]).reshape(-1)[0])
+        total = count + n
+        delta = m - mean
+        mean = mean + delta * (n / total)
+        var = (var * count + v * n + delta ** 2 * (count * n / total)) / total
+        count = total
+    return {"mean": mean, "var": var, "count": np.array(count, np.float64)}
+
+
 class ControlLearner:
     """The actor-critic and the shared PPO update over the flattened transitions."""
 
-    def __init__(self, cfg: Config, policy: ActorCritic):
+    def __init__(self, cfg: Config, policy: ActorCritic, parallel: Optional[DataParallel] = None):
         self.policy = policy
-        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations)
+        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations, parallel=parallel)
+        self.policy_version = 0
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
         n = batch.tensors["mask"].numel()             # E * S transitions
         flat = {k: v.reshape(n, 1, *v.shape[2:]) for k, v in batch.tensors.items() if k in UPDATE_KEYS}
-        return self.trainer.update(flat, iteration)
+        metrics = self.trainer.update(flat, iteration)
+        self.policy_version += 1
+        return metrics
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """The whole actor-critic: the rollout computes values too."""
         return self.policy.named_state()
 
+    def trained_weights(self) -> dict[str, torch.Tensor]:
+        return self.policy.named_state()
+
+    def load_trained_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.policy.load_named_state(weights)
+
     def weights_finite(self) -> bool:
         return all_finite(self.policy.named_state().values())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.policy.named_state(), "trainer": self.trainer.state_dict()}
+        return {"model": self.policy.named_state(), "trainer": self.trainer.state_dict(),
+                "policy_version": self.policy_version}
 
     def save_files(self, directory: Path) -> None:
         """Nothing beside the state: the weights are in it (``ppokit eval`` reads them there)."""
@@ -108,6 +219,7 @@ class ControlLearner:
     def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
         self.policy.load_named_state(state["model"])
         self.trainer.load_state_dict(state["trainer"])
+        self.policy_version = int(state.get("policy_version", 0))
 
 
 class ControlEvaluator:
@@ -167,6 +279,34 @@ class ControlWorkload:
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         """Nothing beyond the loop's checks: the config equality covers the env and the network."""
 
+    def shard_plan(self, components: Components, num_shards: int) -> ControlShardPlan:
+        return ControlShardPlan(components.source.venv, self.cfg.env.num_steps, num_shards)
+
+    def rollout_shard(self, shard: int, num_shards: int) -> ControlSource:
+        """Envs ``shard*E/N ..`` of the run's E, seeded as in-process, and a policy copy."""
+        cfg, e = self.cfg, self.cfg.env
+        torch.set_num_threads(cfg.run.torch_threads or 1)
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed % 2**32)
+        n = e.num_envs // num_shards
+        venv = VecEnv(e, n, seed=cfg.seed + shard * n, gamma=cfg.algo.gamma, training=True)
+        policy = ActorCritic(venv.obs_dim, venv.action_dim, venv.discrete, cfg.network)
+        return ControlSource(venv, policy, e.num_steps, seed=cfg.seed, off_policy_steps=cfg.rollout.off_policy_steps)
+
+    def learner_replica(self, parallel: DataParallel) -> ControlLearner:
+        cfg = self.cfg
+        torch.set_num_threads(cfg.run.torch_threads or 1)
+        torch.manual_seed(cfg.seed)
+        venv = make_vector_env(cfg.env, 1)
+        try:
+            obs_dim = int(venv.single_observation_space.shape[0])
+            space = venv.single_action_space
+            discrete = hasattr(space, "n")
+            action_dim = int(space.n) if discrete else int(space.shape[0])
+        finally:
+            venv.close()
+        return ControlLearner(cfg, ActorCritic(obs_dim, action_dim, discrete, cfg.network), parallel)
+
     def build(self, run_dir: Path) -> Components:
         cfg, e = self.cfg, self.cfg.env
         torch.set_num_threads(cfg.run.torch_threads or 1)
@@ -176,7 +316,8 @@ class ControlWorkload:
         try:
             policy = ActorCritic(venv.obs_dim, venv.action_dim, venv.discrete, cfg.network)
             learner = ControlLearner(cfg, policy)
-            source = ControlSource(venv, policy, e.num_steps)
+            source = ControlSource(venv, policy, e.num_steps, seed=cfg.seed,
+                                   off_policy_steps=cfg.rollout.off_policy_steps)
             evaluator = ControlEvaluator(cfg, policy, venv) if e.eval_episodes else None
         except BaseException:
             venv.close()

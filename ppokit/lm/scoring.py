@@ -62,7 +62,9 @@ class Scorer:
     def score(self, batch: Batch) -> None:
         start = time.perf_counter()
         t = batch.tensors
-        scored = self.forward_passes({k: t[k] for k in (*POLICY_INPUTS, "mask")})
+        # a rollout that ran ahead of the update brings its behaviour policy's old_log_prob
+        scored = self.forward_passes({k: t[k] for k in (*POLICY_INPUTS, "mask")},
+                                     old_log_prob="old_log_prob" not in t)
         if "ref_log_prob_metric" in scored:             # (K, R): not per sample
             batch.extras["ref_log_prob_metric"] = scored.pop("ref_log_prob_metric")
         t.update(scored)
@@ -85,18 +87,20 @@ class Scorer:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
     @torch.no_grad()
-    def forward_passes(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The passes on a rollout's tensors (``input_ids``, ..., ``mask``), each (N, R) and 0 on padding."""
+    def forward_passes(self, tensors: dict[str, Tensor], old_log_prob: bool = True) -> dict[str, Tensor]:
+        """The passes on a rollout's tensors (``input_ids``, ..., ``mask``), each (N, R) and 0 on
+        padding; ``old_log_prob=False``: not the actor's (the rollout has them)."""
         n = tensors["mask"].shape[0]
+        need_old = self.need_old_log_prob and old_log_prob
         parts: dict[str, list[Tensor]] = {"old_values": []}
-        if self.need_old_log_prob:
+        if need_old:
             parts["old_log_prob"] = []
         if self.need_reference:
             parts["ref_log_prob"] = []
         inputs = {k: tensors[k] for k in POLICY_INPUTS}
         for s in range(0, n, self.chunk):
             mb = {k: v[s:s + self.chunk] for k, v in inputs.items()}
-            if self.need_old_log_prob:
+            if need_old:
                 parts["old_log_prob"].append(self.policy.log_probs(mb)["log_prob"])
             parts["old_values"].append(self.policy.values(mb))
             if self.need_reference:

@@ -46,8 +46,8 @@ from ppokit.lm.device import one_thread_if_small, resolve_precision, run_device
 from ppokit.lm.evaluate import heldout_accuracy
 from ppokit.lm.prompts import chat_render, load_data
 from ppokit.lm.scoring import Scorer, kl_ref_metric
-from ppokit.resume import all_finite
-from ppokit.trainer import PPOTrainer
+from ppokit.resume import all_finite, rollout_rngs
+from ppokit.trainer import DataParallel, PPOTrainer
 
 BASE_MODEL_DIR = "base_model"
 BASE_MODEL_MARKER = "ppokit_base_model.json"   # in base_model/, written when it is complete
@@ -60,16 +60,43 @@ UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask
 
 # ----------------------------------------------------------------------------- components
 class LMSource:
-    """Prompts in, scored responses out: ``collect() -> Batch``."""
+    """Prompts in, scored responses out: ``collect() -> Batch``.
+
+    Also a rollout worker's source (:class:`ppokit.components.ShardSource`, ``prompts``
+    None): :meth:`collect_shard` answers the prompts it is sent with its own policy copy.
+    With ``rollout.off_policy_steps=1`` the rollout's ``old_log_prob`` are the sampling
+    (behaviour) policy's, computed right after generation by ``policy`` in the scorer's
+    chunks and code: the update, one version later, takes its ratios against them.
+    """
 
     steps_per_iteration = None
 
-    def __init__(self, cfg: Config, engine, prompts, reward_model, reward_fn, device: torch.device):
+    def __init__(self, cfg: Config, engine, prompts, reward_model, reward_fn, device: torch.device, policy=None):
         self.cfg, self.engine, self.prompts = cfg, engine, prompts
         self.reward_model, self.reward_fn, self.device = reward_model, reward_fn, device
+        self.policy = policy
+        self.policy_version = 0                    # the learner's version of the actor's weights
+        self.pending: Optional[tuple[int, Batch]] = None    # a prefetched iteration and its batch
 
     def collect(self, iteration: int) -> Batch:
-        items = self.prompts.next_batch()
+        if self.pending is not None and self.pending[0] == iteration:
+            batch, self.pending = self.pending[1], None
+            return batch
+        return self._collect(iteration, self.prompts.next_batch())
+
+    def prefetch(self, iteration: int) -> None:
+        """Collect ``iteration`` now (in this process nothing overlaps with the update)."""
+        self.pending = (iteration, self._collect(iteration, self.prompts.next_batch()))
+
+    def _collect(self, iteration: int, items: list[dict]) -> Batch:
+        if self.cfg.rollout.off_policy_steps:     # seeded per iteration: the same on a Ray worker
+            with rollout_rngs(self.cfg.seed, iteration):
+                return self.collect_shard(iteration, items)
+        return self.collect_shard(iteration, items)
+
+    def collect_shard(self, iteration: int, request: list[dict]) -> Batch:
+        """Responses to the prompt records ``request`` (``group_size`` each), with their rewards."""
+        items = request
         rollout = self.engine.generate([x["prompt"] for x in items], group_size=self.cfg.algo.group_size,
                                        items=items)
         start = time.perf_counter()
@@ -85,27 +112,123 @@ class LMSource:
                    "time_generate": rollout.generation_time, "time_reward": time_reward,
                    "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9), **reward_parts}
         tensors = {**rollout.tensors(), "scores": scores, "group_ids": rollout.group_ids}
+        if self.cfg.rollout.off_policy_steps:
+            tensors["old_log_prob"] = self.behaviour_log_probs(tensors)
         return Batch(tensors=tensors, samples=rollout_samples(rollout, scores, self.cfg.run.log_samples),
-                     metrics=metrics)
+                     metrics=metrics, policy_version=self.policy_version)
+
+    @torch.no_grad()
+    def behaviour_log_probs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(N, R) log-probs of the sampled tokens under the sampling weights, 0 on padding."""
+        from ppokit.lm.scoring import POLICY_INPUTS
+
+        n, chunk = tensors["mask"].shape[0], self.cfg.train.infer_micro_batch_size
+        parts = [self.policy.log_probs({k: tensors[k][s:s + chunk] for k in POLICY_INPUTS})["log_prob"]
+                 for s in range(0, n, chunk)]
+        return torch.cat(parts) * tensors["mask"]
 
     def sync_weights(self, learner: "LMLearner") -> None:
-        """Nothing to do: generation runs the learner's own policy."""
+        """Nothing to copy: generation runs the learner's own policy."""
+        self.policy_version = learner.policy_version
+
+    def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The actor adapter's weights (lora) or the actor model's (full), from ``rollout_weights``."""
+        if self.policy.mode == "lora":
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.policy.lm, weights, adapter_name="actor")
+            if getattr(result, "unexpected_keys", None):
+                raise RuntimeError(f"rollout weights not in the actor adapter: {result.unexpected_keys[:3]}")
+        else:
+            self.policy.lm.load_state_dict(weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prompts": self.prompts.state_dict()}
+        state: dict[str, Any] = {"prompts": self.prompts.state_dict()} if self.prompts is not None else {}
+        if self.pending is not None:
+            state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
-        self.prompts.load_state_dict(state["prompts"])
+        if self.prompts is not None:
+            self.prompts.load_state_dict(state["prompts"])
+        pending = state.get("pending")
+        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
         return []
+
+
+class LMShardPlan:
+    """The driver's side of N rollout workers: each iteration's prompts (drawn here, as
+    in-process) go out in N contiguous slices of whole groups; the parts come back in
+    that order, padded to one layout (one worker: its batch as it is)."""
+
+    steps_per_iteration = None
+
+    def __init__(self, prompts, num_shards: int, pad_id: int, log_samples: int):
+        self.prompts, self.num_shards, self.pad_id, self.log_samples = prompts, num_shards, pad_id, log_samples
+
+    def requests(self, iteration: int) -> list[list[dict]]:
+        items = self.prompts.next_batch()
+        k = len(items) // self.num_shards
+        return [items[i * k:(i + 1) * k] for i in range(self.num_shards)]
+
+    def merge(self, parts: list[Batch], states: list[dict[str, Any]]) -> Batch:
+        return parts[0] if len(parts) == 1 else concat_lm_batches(parts, self.pad_id, self.log_samples)
+
+    def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"prompts": self.prompts.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[Optional[dict[str, Any]]], list[str]]:
+        self.prompts.load_state_dict(state["prompts"])
+        return [None] * self.num_shards, []
+
+
+def concat_lm_batches(parts: list[Batch], pad_id: int, log_samples: int) -> Batch:
+    """One batch from rollout parts of different widths: prompts left-padded to the longest
+    prompt P, responses right-padded to the longest response R (the layout of
+    :mod:`ppokit.lm.rollout`); ``group_ids`` renumbered; metrics over all sequences."""
+    from ppokit.lm.rollout import position_ids_from
+
+    widths = [(p.tensors["input_ids"].shape[1] - p.tensors["responses"].shape[1], p.tensors["responses"].shape[1])
+              for p in parts]
+    P, R = max(w[0] for w in widths), max(w[1] for w in widths)
+    pad = torch.nn.functional.pad
+    cols: dict[str, list[torch.Tensor]] = {}
+    offset = 0
+    for part, (p, r) in zip(parts, widths):
+        t = part.tensors
+        for key, value in (("input_ids", pad_id), ("attention_mask", 0)):
+            prompt, response = t[key][:, :p], t[key][:, p:]
+            cols.setdefault(key, []).append(torch.cat([pad(prompt, (P - p, 0), value=value),
+                                                       pad(response, (0, R - r), value=value)], 1))   # (n, P + R)
+        for key, value in (("responses", pad_id), ("mask", 0.0), ("old_log_prob", 0.0)):
+            if key in t:
+                cols.setdefault(key, []).append(pad(t[key], (0, R - r), value=value))                  # (n, R)
+        cols.setdefault("scores", []).append(t["scores"])
+        cols.setdefault("group_ids", []).append(t["group_ids"] + offset)
+        offset += int(t["group_ids"].max()) + 1 if len(t["group_ids"]) else 0
+    tensors = {k: torch.cat(v) for k, v in cols.items()}
+    tensors["position_ids"] = position_ids_from(tensors["attention_mask"])
+    scores, lengths = tensors["scores"], tensors["mask"].sum(1)
+    sizes = [len(p) for p in parts]
+    metrics = {}
+    for key in parts[0].metrics:
+        values = [p.metrics[key] for p in parts]
+        metrics[key] = max(values) if key.startswith("time_") else sum(v * n for v, n in zip(values, sizes)) / sum(sizes)
+    metrics.update(reward_mean=scores.mean().item(), reward_std=scores.std(unbiased=False).item(),
+                   reward_max=scores.max().item(), response_length=lengths.mean().item(),
+                   gen_tokens_per_s=lengths.sum().item() / max(metrics.get("time_generate", 0.0), 1e-9))
+    samples = [s for p in parts for s in p.samples][:log_samples]
+    return Batch(tensors=tensors, samples=samples, metrics=metrics, policy_version=parts[0].policy_version)
 
 
 class LMLearner:
     """The policy's optimizer and the shared PPO update; the policy's files in each checkpoint."""
 
-    def __init__(self, cfg: Config, policy, tokenizer, model_path: Path):
+    def __init__(self, cfg: Config, policy, tokenizer, model_path: Path, parallel: Optional[DataParallel] = None):
         self.cfg, self.policy, self.tokenizer, self.model_path = cfg, policy, tokenizer, model_path
-        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations)
+        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations, parallel=parallel)
         self.keys = UPDATE_KEYS + (("ref_log_prob",) if cfg.algo.beta > 0 else ())
+        self.policy_version = 0
 
     def needs_scored_old_log_prob(self) -> bool:
         """Whether the scorer must run the actor pass: not when the update makes one
@@ -124,6 +247,7 @@ class LMLearner:
         ref = t.get("ref_log_prob", batch.extras.get("ref_log_prob_metric"))      # (N or K, R)
         if ref is not None:
             metrics["kl_ref"] = kl_ref_metric(t["old_log_prob"], ref, t["mask"])
+        self.policy_version += 1
         return metrics
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
@@ -134,11 +258,21 @@ class LMLearner:
             return get_peft_model_state_dict(self.policy.lm, adapter_name="actor")
         return self.policy.lm.state_dict()
 
+    def trained_weights(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter by name (adapters and value head; full mode: the models')."""
+        return {name: p.detach() for name, p in self.policy.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def load_trained_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        params = dict(self.policy.named_parameters())
+        for name, value in weights.items():
+            params[name].copy_(value)
+
     def weights_finite(self) -> bool:
         return all_finite(p for p in self.policy.parameters() if p.requires_grad)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trainer": self.trainer.state_dict()}
+        return {"trainer": self.trainer.state_dict(), "policy_version": self.policy_version}
 
     def save_files(self, directory: Path) -> None:
         from ppokit.lm.policy_io import save_policy
@@ -148,8 +282,10 @@ class LMLearner:
     def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
         from ppokit.lm.policy_io import load_trained_state
 
-        load_trained_state(self.policy, directory)
+        if directory is not None:      # None: the weights come through load_trained_weights
+            load_trained_state(self.policy, directory)
         self.trainer.load_state_dict(state["trainer"])
+        self.policy_version = int(state.get("policy_version", 0))
 
 
 class LMEvaluator:
@@ -213,6 +349,50 @@ class LMWorkload:
 
         read_policy_meta(path)          # the policy's files are there (a UserError names what is wrong)
 
+    def shard_plan(self, components: Components, num_shards: int) -> LMShardPlan:
+        source = components.source
+        return LMShardPlan(source.prompts, num_shards, source.engine.pad_id, self.cfg.run.log_samples)
+
+    def rollout_shard(self, shard: int, num_shards: int) -> LMSource:
+        """Generation with the actor alone (lora: the backbone and the actor adapter) and the
+        training reward, built as :meth:`build` builds them; the prompts come with each request."""
+        from ppokit.lm.hf import load_tokenizer
+        from ppokit.lm.policy import build_policy
+        from ppokit.lm.rollout import RolloutEngine
+
+        cfg = self.cfg
+        device, autocast_dtype = setup(cfg)
+        _, _, reward_fn = load_data(cfg)
+        reward_model = None
+        if cfg.data.reward_model is not None:
+            from ppokit.lm.reward_model import RewardModel
+
+            reward_model = RewardModel(cfg.data.reward_model, device=device, autocast_dtype=autocast_dtype,
+                                       batch_size=cfg.train.infer_micro_batch_size, cpu_kernels=cfg.model.cpu_kernels)
+        train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
+        small_model_threads(cfg)
+        tokenizer = load_tokenizer(self.model_path, "model.path")
+        policy = build_policy(cfg, self.model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed,
+                              need_critic=False, need_reference=False)
+        kv_cache = accelerate(cfg, policy)[1]
+        one_thread_if_small(cfg, policy, device)
+        engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
+        return LMSource(cfg, engine, None, reward_model, train_reward_fn, device, policy=policy)
+
+    def learner_replica(self, parallel: DataParallel) -> LMLearner:
+        """The policy (actor, critic, reference) and its optimizer, built as :meth:`build` builds them."""
+        from ppokit.lm.hf import load_tokenizer
+        from ppokit.lm.policy import build_policy
+
+        cfg = self.cfg
+        device, autocast_dtype = setup(cfg)
+        small_model_threads(cfg)
+        tokenizer = load_tokenizer(self.model_path, "model.path")
+        policy = build_policy(cfg, self.model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
+        accelerate(cfg, policy)
+        one_thread_if_small(cfg, policy, device)
+        return LMLearner(cfg, policy, tokenizer, self.model_path, parallel=parallel)
+
     def build(self, run_dir: Path) -> Components:
         from ppokit import algo
         from ppokit.lm.data import PromptIterator
@@ -234,15 +414,11 @@ class LMWorkload:
             reward_model = RewardModel(cfg.data.reward_model, device=device, autocast_dtype=autocast_dtype,
                                        batch_size=cfg.train.infer_micro_batch_size, cpu_kernels=cfg.model.cpu_kernels)
         model_path = prepare_model(cfg, run_dir, eval_items, reward_fn, _print)
+        self.model_path = model_path          # what rollout workers and learner ranks load
         causal_lm_config(model_path, "model.path")            # a clear error before anything heavy
         tokenizer = load_tokenizer(model_path, "model.path")
         policy = build_policy(cfg, model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
-        accel_note, kv_cache = "", None
-        if cfg.model.cpu_kernels:
-            from ppokit.lm.accel import accelerate_policy
-
-            acceleration = accelerate_policy(policy)
-            accel_note, kv_cache = acceleration.describe(), acceleration.kv_cache
+        accel_note, kv_cache = accelerate(cfg, policy)
         one_thread_if_small(cfg, policy, device)
         engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
         check_prompts_fit(engine.model, tokenizer, [x["prompt"] for x in train_items + eval_items],
@@ -254,7 +430,7 @@ class LMWorkload:
                         metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(),
                         kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty)
         prompts = PromptIterator(train_items, cfg.train.batch_size // a.group_size, seed=cfg.seed)
-        source = LMSource(cfg, engine, prompts, reward_model, train_reward_fn, device)
+        source = LMSource(cfg, engine, prompts, reward_model, train_reward_fn, device, policy=policy)
         evaluator = LMEvaluator(cfg, engine, eval_items, reward_fn) if eval_items else None
         precision = "bf16" if autocast_dtype is not None else "fp32"
         trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
@@ -281,6 +457,24 @@ def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
     return device, resolve_precision(cfg.run.precision, device)
 
 
+def small_model_threads(cfg: Config) -> None:
+    """The built-in tiny model on a CPU without ``run.torch_threads``: one torch thread
+    (what :func:`prepare_model` sets in the training process)."""
+    if cfg.model.path == "tiny" and cfg.run.torch_threads is None and run_device(cfg).type == "cpu":
+        torch.set_num_threads(1)
+
+
+def accelerate(cfg: Config, policy) -> tuple[str, Any]:
+    """``model.cpu_kernels``: ppokit's CPU kernels on ``policy``; (a note for the header, the
+    generation cache factory or None)."""
+    if not cfg.model.cpu_kernels:
+        return "", None
+    from ppokit.lm.accel import accelerate_policy
+
+    acceleration = accelerate_policy(policy)
+    return acceleration.describe(), acceleration.kv_cache
+
+
 def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log) -> Path:
     """The backbone's directory: model.path, the built-in tiny model, and/or a warm-started copy.
 
@@ -293,8 +487,7 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
     path = cfg.model.path
     base = run_dir / BASE_MODEL_DIR
     if path == "tiny" or cfg.data.sft_epochs:
-        if path == "tiny" and cfg.run.torch_threads is None and run_device(cfg).type == "cpu":
-            torch.set_num_threads(1)    # the built-in model is small (see SMALL_MODEL_PARAMS)
+        small_model_threads(cfg)        # the built-in model is small (see SMALL_MODEL_PARAMS)
         if (base / BASE_MODEL_MARKER).is_file():
             return base
         for leftover in [base, *run_dir.glob(f".{BASE_MODEL_DIR}.*"), *run_dir.glob(f".{INIT_MODEL_DIR}.*")]:
