@@ -367,7 +367,10 @@ class PPOTrainer:
             for k, v in losses.items():
                 totals[k] = totals.get(k, 0.0) + v
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v * share
+                if k in MAX_METRICS:
+                    totals[k] = torch.maximum(totals[k], v) if k in totals else v
+                else:
+                    totals[k] = totals.get(k, 0.0) + v * share
         if self.parallel.world_size > 1:
             self.parallel.all_reduce_grads(self.params)
             totals = self._reduce_metrics(totals)
