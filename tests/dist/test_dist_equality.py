@@ -47,3 +47,25 @@ def test_arith_one_worker_equals_in_process(tmp_path, cluster_clean, tiny_model_
         assert remote[0]["old_log_prob_gap"] == 0.0       # sampled by the weights it is updated from
         assert all(r["old_log_prob_gap"] > 0 for r in remote[1:])    # one update behind
         assert [r["staleness"] for r in remote] == [0, 1, 1, 1]
+
+
+@pytest.mark.slow
+def test_arith_two_workers_answer_every_prompt_once(tmp_path, cluster_clean, tiny_model_dir, digits_reward):
+    """Two workers, 8 prompts each: the merged batches hold all 16 prompts of each iteration
+    (drawn by the driver as in-process) in order; the run trains and logs as one batch."""
+    cfg = arith_cfg(tiny_model_dir, digits_reward, "cluster.rollout_workers=2", "train.iterations=2",
+                    "run.log_samples=32", "algo.group_size=2", "algo.adv_estimator=grpo")
+    rows = run(cfg, tmp_path / "w2")
+    assert [r["samples"] for r in rows] == [32, 64]
+    logged = samples(tmp_path / "w2")
+    local_cfg = arith_cfg(tiny_model_dir, digits_reward, "train.iterations=2", "run.log_samples=32",
+                          "algo.group_size=2", "algo.adv_estimator=grpo")
+    local = run(local_cfg, tmp_path / "local")
+    local_logged = samples(tmp_path / "local")
+    for it in (0, 1):
+        got = [s["prompt"] for s in logged if s["iteration"] == it]
+        want = [s["prompt"] for s in local_logged if s["iteration"] == it]
+        assert got == want and len(got) == 32                     # the same prompts, in the same order
+        rewards = [s["reward"] for s in logged if s["iteration"] == it]
+        assert abs(rows[it]["reward_mean"] - sum(rewards) / 32) < 1e-6
+    assert all(r["grad_norm"] > 0 for r in rows) and len(local) == 2
