@@ -104,3 +104,12 @@ def test_checkpoint_moves_between_layouts(tmp_path, cluster_clean, first, then):
     assert len(resumed) == 4
     assert resumed[:2] == whole[:2]
     close_rows(resumed[2:], whole[2:])
+
+
+def test_colocated_worker_and_learners_follow_the_in_process_run(tmp_path, cluster_clean):
+    """One rollout worker and two learner ranks in two shared bundles (colocated placement):
+    the envs see the same actions as in-process, the losses agree to float32 summation order."""
+    local = run(cartpole_cfg("train.iterations=3"), tmp_path / "local")
+    both = run(cartpole_cfg("train.iterations=3", "cluster.rollout_workers=1", "cluster.learners=2",
+                            "cluster.placement=colocated"), tmp_path / "colocated")
+    close_rows(both, local)
