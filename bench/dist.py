@@ -160,14 +160,14 @@ def bench_gradients(a: argparse.Namespace, out: Path) -> dict:
 
 # ----------------------------------------------------------------------------- pipeline
 def phase_means(r: list[dict]) -> dict:
-    keys = ["time_collect", "time_score", "time_update", "time_generate", "time_reward", "time_rollout_wait",
-            "time_load_weights", "sync_time", "time_iteration"]
+    keys = ["time_collect", "time_score", "time_update", "time_generate", "time_behaviour_log_prob", "time_reward",
+            "time_rollout_wait", "time_load_weights", "sync_time", "time_iteration"]
     return {k: statistics.fmean(x[k] for x in r if k in x) for k in keys if any(k in x for x in r)}
 
 
 def bench_pipeline(a: argparse.Namespace, out: Path) -> dict:
     # one warm start for all three runs: the preset's, stopped after one iteration
-    train(["arith", f"seed={a.seed}", "train.iterations=1", "data.eval_size=0"], out, "warm")
+    train(["arith", f"seed={a.seed}", "train.iterations=1"], out, "warm")
     base = out / "warm" / "base_model"
     common = ["arith", f"seed={a.seed}", f"model.path={base}", "data.sft_epochs=0", f"train.iterations={a.iterations}"]
     runs = {"sync_1thread": common + ["run.torch_threads=1"],
@@ -176,6 +176,8 @@ def bench_pipeline(a: argparse.Namespace, out: Path) -> dict:
                                            "cluster.rollout_workers=1", "cluster.cpus_per_worker=1"]}
     result = {}
     for name, args in runs.items():
+        if a.runs and name not in a.runs:
+            continue
         r, wall = train(args, out, name)
         # the training phases of each iteration (collect + score + update, sync included); the
         # held-out evaluations (the same in every run) and logging left out
@@ -185,9 +187,11 @@ def bench_pipeline(a: argparse.Namespace, out: Path) -> dict:
                         "accuracy_after": r[-1].get("eval_accuracy_after"), "phases": phase_means(r)}
         print(f"pipeline {name}: {len(r)} iterations, {result[name]['it_per_s']:.3f} it/s (training phases), "
               f"held-out accuracy {result[name]['accuracy_after']}, phases {json.dumps(result[name]['phases'])}")
-    p = result["pipelined_1worker"]
+    p = result.get("pipelined_1worker")
     for base_name in ("sync_1thread", "sync_2threads"):
-        s = result[base_name]
+        s = result.get(base_name)
+        if p is None or s is None:
+            continue
         print(f"pipeline speed-up over {base_name}: {p['it_per_s'] / s['it_per_s']:.2f}x; accuracy "
               f"{p['accuracy_after']:.3f} vs {s['accuracy_after']:.3f}")
     return result
@@ -252,6 +256,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--arith-rows", type=int, default=20, help="arith iterations compared in 'equality'")
     p.add_argument("--iterations", type=int, default=400, help="arith iterations of 'pipeline' (the preset: 400)")
+    p.add_argument("--runs", nargs="*", default=None, help="'pipeline': only these of its runs (default: all three)")
     p.add_argument("--repeats", type=int, default=5, help="syncs timed in 'sync'")
     p.add_argument("--out", type=Path, default=None, help="directory for the runs and results.json")
     a = p.parse_args(argv)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from ppokit.errors import UserError
 
-__all__ = ["RAY_EXTRA", "require_ray", "wants_cluster"]
+__all__ = ["RAY_EXTRA", "ray_get", "require_ray", "wants_cluster"]
 
 RAY_EXTRA = "pip install 'ppokit[ray]'"
 
@@ -54,3 +54,18 @@ def require_ray(cfg=None):
         raise UserError(f"{what} needs Ray, which is not installed: {RAY_EXTRA} (or set "
                         "cluster.rollout_workers=0 and cluster.learners=1 to train in one process)") from None
     return ray
+
+
+def ray_get(refs, timeout=None):
+    """``ray.get``; a :class:`UserError` raised in an actor (a bad reward function, a diverged
+    update) comes out as itself, one line, not wrapped in Ray's traceback."""
+    ray = require_ray()
+    from ray.exceptions import RayTaskError
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, UserError):
+            raise cause from None
+        raise

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from ppokit.components import Batch
-from ppokit.dist import require_ray
+from ppokit.dist import ray_get, require_ray
 
 
 class LearnerRank:
@@ -88,27 +88,24 @@ class LearnerGroup:
 
     @classmethod
     def start(cls, cluster, workload, local, world_size: int) -> "LearnerGroup":
-        ray = require_ray()
         ranks = [cluster.start_actor(LearnerRank, "learner", r, workload, r, world_size) for r in range(world_size)]
-        address, port = ray.get(ranks[0].rendezvous.remote())
-        ray.get([r.join.remote(address, port) for r in ranks])
+        address, port = ray_get(ranks[0].rendezvous.remote())
+        ray_get([r.join.remote(address, port) for r in ranks])
         return cls(local, ranks)
 
     def sync_ranks(self) -> None:
         """Every rank gets the local learner's state and weights (start, resume)."""
-        ray = require_ray()
         state, weights = self.local.state_dict(), self.local.trained_weights()
-        ray.get([r.load.remote(state, weights) for r in self.ranks])
+        ray_get([r.load.remote(state, weights) for r in self.ranks])
 
     @property
     def policy_version(self) -> int:
         return self.local.policy_version
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
-        ray = require_ray()
-        ref = ray.put(batch)
-        results = ray.get([r.update.remote(ref, iteration) for r in self.ranks])
-        self.local.load_trained_weights(ray.get(self.ranks[0].trained_weights.remote()))
+        ref = require_ray().put(batch)
+        results = ray_get([r.update.remote(ref, iteration) for r in self.ranks])
+        self.local.load_trained_weights(ray_get(self.ranks[0].trained_weights.remote()))
         self.local.policy_version += 1
         return results[0]
 
@@ -127,8 +124,7 @@ class LearnerGroup:
 
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's learner state (the optimizer moments of the whole model, as one learner's)."""
-        ray = require_ray()
-        return ray.get(self.ranks[0].state_dict.remote())
+        return ray_get(self.ranks[0].state_dict.remote())
 
     def save_files(self, directory: Path) -> None:
         self.local.save_files(directory)
@@ -139,5 +135,4 @@ class LearnerGroup:
 
     def gradients(self, batch: dict[str, torch.Tensor], iteration: int = 0) -> dict[str, torch.Tensor]:
         """The group's first-step gradient on ``batch`` (rank 0's; all ranks hold the same)."""
-        ray = require_ray()
-        return ray.get([r.gradients.remote(batch, iteration) for r in self.ranks])[0]
+        return ray_get([r.gradients.remote(batch, iteration) for r in self.ranks])[0]

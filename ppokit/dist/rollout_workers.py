@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ppokit.components import Batch
-from ppokit.dist import require_ray
+from ppokit.dist import ray_get, require_ray
 from ppokit.resume import capture_rng, restore_rng, rollout_rngs
 
 
@@ -140,7 +140,6 @@ class RemoteSource:
         return _Request(iteration, requests, rngs, self.version, futures)
 
     def _gather(self, request: _Request) -> Batch:
-        ray = require_ray()
         from ray.exceptions import RayActorError
 
         start = time.perf_counter()
@@ -148,7 +147,7 @@ class RemoteSource:
         for s, future in enumerate(request.futures):
             while True:
                 try:
-                    results.append(ray.get(future))
+                    results.append(ray_get(future))
                     break
                 except RayActorError:             # the worker died: a new one does the same work
                     future = self._restart(s, request)
@@ -213,11 +212,9 @@ class RemoteSource:
         return state
 
     def _fetch_states(self) -> list[dict[str, Any]]:
-        ray = require_ray()
-        return [ray.get(w.shard_state.remote()) for w in self.workers]
+        return ray_get([w.shard_state.remote() for w in self.workers])
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
-        ray = require_ray()
         state = dict(state)
         pending = state.pop("pending", None)
         self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
@@ -225,6 +222,6 @@ class RemoteSource:
         calls = [(s, w.load_state.remote(st)) for s, (w, st) in enumerate(zip(self.workers, shard_states))
                  if st is not None]
         for s, call in calls:
-            notes = list(notes) + ray.get(call)
+            notes = list(notes) + ray_get(call)
             self.shard_states[s] = shard_states[s]
         return notes

@@ -113,7 +113,9 @@ class LMSource:
                    "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9), **reward_parts}
         tensors = {**rollout.tensors(), "scores": scores, "group_ids": rollout.group_ids}
         if self.cfg.rollout.off_policy_steps:
+            start = time.perf_counter()
             tensors["old_log_prob"] = self.behaviour_log_probs(tensors)
+            metrics["time_behaviour_log_prob"] = time.perf_counter() - start
         return Batch(tensors=tensors, samples=rollout_samples(rollout, scores, self.cfg.run.log_samples),
                      metrics=metrics, policy_version=self.policy_version)
 

@@ -65,6 +65,18 @@ def test_unsatisfiable_placement_fails_within_the_bound(tmp_path, cluster_clean,
     assert "waited 2 s, cluster.placement_timeout" in message
 
 
+def test_a_user_error_in_a_worker_is_the_same_one_line_error(tmp_path, cluster_clean, tiny_model_dir):
+    """A reward function that returns NaN fails the run on the worker as it fails in-process."""
+    from dist_helpers import arith_cfg
+
+    reward = tmp_path / "nan.py"
+    reward.write_text("def nan(prompt, response, **fields):\n    return float('nan')\n")
+    with pytest.raises(UserError) as info:
+        run(arith_cfg(tiny_model_dir, f"{reward}:nan", "cluster.rollout_workers=1"), tmp_path / "run")
+    assert str(info.value).startswith("iteration 0: reward_mean is nan; check the reward function")
+    assert type(info.value) is UserError                 # not Ray's wrapper with the worker's traceback
+
+
 def test_workers_without_ray_installed_is_a_one_line_error(monkeypatch, capsys, tmp_path):
     from ppokit.cli import main
 
