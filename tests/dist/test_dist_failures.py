@@ -71,9 +71,11 @@ def test_a_user_error_in_a_worker_is_the_same_one_line_error(tmp_path, cluster_c
 
     reward = tmp_path / "nan.py"
     reward.write_text("def nan(prompt, response, **fields):\n    return float('nan')\n")
+    cfg = arith_cfg(tiny_model_dir, f"{reward}:nan", "cluster.rollout_workers=1", "data.eval_size=0",
+                    "data.eval_every=0")          # no held-out evaluation: the first reward is the worker's
     with pytest.raises(UserError) as info:
-        run(arith_cfg(tiny_model_dir, f"{reward}:nan", "cluster.rollout_workers=1"), tmp_path / "run")
-    assert str(info.value).startswith("iteration 0: reward_mean is nan; check the reward function")
+        run(cfg, tmp_path / "run")
+    assert str(info.value).startswith(f"reward function '{reward}:nan' returned nan on sample 0")
     assert type(info.value) is UserError                 # not Ray's wrapper with the worker's traceback
 
 
