@@ -40,7 +40,7 @@ Reported, each against its goal:
 ``kernels``   (``--only kernels``) the same with ppokit's fused CPU kernels (RMSNorm,
               SwiGLU, rotary, attention; ``ppokit/lm/accel/kernels``) and with transformers' layers.
 ``layout``    (``--only layout``) the same with the wide frozen bf16 weights stored
-              column-major (``ppokit/lm/weight_layout.py``) and row-major.
+              column-major (``ppokit/lm/accel/weight_layout.py``) and row-major.
 ``attention`` (``--only attention``) the same with the attention kernel of training and
               scoring passes and with eager attention (the other kernels on in both).
 ``profile``   (``--only profile``) one iteration under torch.profiler: each phase's
@@ -139,7 +139,7 @@ class Pieces:
         from ppokit.lm.policy import build_policy
         from ppokit.lm.rollout import RolloutEngine
         from ppokit.lm.scoring import Scorer
-        from ppokit.lm.workload import Learner, setup
+        from ppokit.lm.workload import LMLearner, setup
 
         path = model_dir(a)
         self.cfg = cfg = make_config(a, mode, path, use_cache, cache)
@@ -148,12 +148,17 @@ class Pieces:
         self.device, self.dtype = setup(cfg)
         self.tok = load_tokenizer(path)
         self.policy = build_policy(cfg, path, device=self.device, autocast_dtype=self.dtype, seed=0)
-        self.engine = RolloutEngine(self.policy, self.tok, cfg.rollout,
-                                    generation_kwargs={"min_new_tokens": a.response_len})
-        self.learner = Learner(cfg, self.policy, 1)
-        # as train_lm: a fully on-policy update (one epoch, one mini-batch) computes its own old log-probs
+        kv_cache = None
+        if cfg.model.cpu_kernels:                      # as the LM workload builds it
+            from ppokit.lm.accel import accelerate_policy
+
+            kv_cache = accelerate_policy(self.policy).kv_cache
+        self.engine = RolloutEngine.for_policy(self.policy, self.tok, cfg.rollout, kv_cache=kv_cache,
+                                               generation_kwargs={"min_new_tokens": a.response_len})
+        self.learner = LMLearner(cfg, self.policy, self.tok, path)
+        # as the LM workload: a fully on-policy update (one epoch, one mini-batch) computes its own old log-probs
         self.scorer = Scorer(self.policy, cfg.train.infer_micro_batch_size, need_reference=True,
-                             need_old_log_prob=self.learner.needs_scored_old_log_prob(cfg))
+                             need_old_log_prob=self.learner.needs_scored_old_log_prob())
         self.prompts = prompts(a)
 
     def training_batch(self, ro, scored: dict) -> dict:
@@ -168,6 +173,12 @@ class Pieces:
         adv, ret = compute_advantages(self.cfg, rewards=rewards, mask=ro.mask, values=scored["old_values"])
         return {**ro.tensors(), **scored, "advantages": adv, "returns": ret}
 
+    def score(self, ro) -> dict:
+        return self.scorer.forward_passes(ro.tensors())
+
+    def update(self, batch: dict) -> dict:
+        return self.learner.trainer.update(batch, 0)
+
     def iteration(self) -> dict:
         t = {}
         start = time.perf_counter()
@@ -175,12 +186,12 @@ class Pieces:
         sync(self.device)
         t["generate"] = time.perf_counter() - start
         start = time.perf_counter()
-        scored = self.scorer.score(ro)
+        scored = self.score(ro)
         sync(self.device)
         t["score"] = time.perf_counter() - start
         batch = self.training_batch(ro, scored)
         start = time.perf_counter()
-        self.learner.update(batch, 0)
+        self.update(batch)
         sync(self.device)
         t["update"] = time.perf_counter() - start
         t["total"] = t["generate"] + t["score"] + t["update"]
@@ -420,14 +431,14 @@ def alternate(a: argparse.Namespace, paths: dict) -> dict:
     a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})
     pieces = Pieces(a, "lora")
     ro = pieces.engine.generate(pieces.prompts, group_size=1)
-    batch = pieces.training_batch(ro, pieces.scorer.score(ro))
+    batch = pieces.training_batch(ro, pieces.score(ro))
     times: dict[str, dict[str, float]] = {name: {} for name in paths}
     for round_ in range(a.repeats + 1):                 # round 0 warms every path up
         for name, switch in paths.items():
             switch(pieces.policy)
             for phase, run in (("generate", lambda: pieces.engine.generate(pieces.prompts, group_size=1)),
-                               ("score", lambda: pieces.scorer.score(ro)),
-                               ("update", lambda: pieces.learner.update(batch, 0))):
+                               ("score", lambda: pieces.score(ro)),
+                               ("update", lambda: pieces.update(batch))):
                 start = time.perf_counter()
                 run()
                 sync(pieces.device)
@@ -502,9 +513,9 @@ def child_profile(a: argparse.Namespace) -> dict:
     pieces.iteration()                               # warm-up
     ro = pieces.engine.generate(pieces.prompts, group_size=1)
     phases = {"generate": lambda: pieces.engine.generate(pieces.prompts, group_size=1),
-              "score": lambda: pieces.scorer.score(ro)}
-    scored = pieces.scorer.score(ro)
-    phases["update"] = lambda: pieces.learner.update(pieces.training_batch(ro, scored), 0)
+              "score": lambda: pieces.score(ro)}
+    scored = pieces.score(ro)
+    phases["update"] = lambda: pieces.update(pieces.training_batch(ro, scored))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pieces.device.type == "cuda" else [])
     sort = "self_cuda_time_total" if pieces.device.type == "cuda" else "self_cpu_time_total"
     out = {}
@@ -549,7 +560,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None,
                    help="sequences per iteration, all in one generate call (default 256: 32 prompts x 8 "
                         "samples, the issue's scale; quick 16)")
-    p.add_argument("--micro", type=int, default=None, help="sequences per forward/backward (default 4, the seed-000 scale)")
+    p.add_argument("--micro", type=int, default=None, help="sequences per forward/backward (default 4, the PPO defaults' scale)")
     p.add_argument("--perf-micro", type=int, default=None,
                    help="sequences per forward/backward in the FLOP/s and time measurements (default 32)")
     p.add_argument("--prompt-repeat", type=int, default=2, help="prompt = an arithmetic problem repeated k times")

@@ -22,6 +22,11 @@ examples:
   ppokit train --resume runs/cartpole-s3-20261122-101500   continue a stopped run
   ppokit eval runs/cartpole-s3-20261122-101500 --episodes 20
   ppokit eval runs/arith-s1-20261122-101500  greedy held-out accuracy of an LM run
+  ppokit eval RUN_DIR --samples 8 --k 1 4 8    ... with sampled pass@k
+  ppokit eval MODEL_DIR --data test.jsonl --reward math --json   a model directory on a dataset
+  ppokit generate RUN_DIR --prompt "12+30="   sample from the trained actor
+  ppokit chat RUN_DIR                         talk to it (chat template, history)
+  ppokit reward math --prompt "1/2+0?" --response "\\boxed{0.5}" --field answer=1/2
   ppokit plot runs/a runs/b --out ab.png      training curves of runs, overlaid
   ppokit config show cartpole                 print the resolved configuration
   ppokit config fields                        every field with its default and meaning
@@ -41,6 +46,22 @@ def int_at_least(low: int, high: Optional[int] = None):
         return value
     convert.__name__ = "int"
     return convert
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, what: str = "the run's rollout settings") -> None:
+    """--temperature, --top-p, --top-k, --max-new-tokens, --greedy, --seed, --device."""
+    parser.add_argument("--temperature", type=positive_float, default=None, help=f"sampling temperature ({what})")
+    parser.add_argument("--top-p", type=positive_float, default=None, help=f"nucleus sampling ({what})")
+    parser.add_argument("--top-k", type=int_at_least(0), default=None, help=f"top-k sampling, 0 = off ({what})")
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
+                        help=f"response length limit ({what})")
+    parser.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=0, help="sampling seed (default 0)")
+    parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the run's, else auto)")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "max_new_tokens": args.max_new_tokens, "device": args.device}
 
 
 def positive_float(text: str) -> float:
@@ -98,16 +119,76 @@ def build_parser() -> argparse.ArgumentParser:
                             "run.output_dir/run.name (run.name must be set); `ppokit train --resume RUN_DIR` "
                             "resumes RUN_DIR with its saved config")
 
-    ev = sub.add_parser("eval", help="evaluate a trained run's deterministic policy",
+    ev = sub.add_parser("eval", help="evaluate a trained run's policy, or a model directory on a dataset",
                         description="Control run: run the deterministic policy of RUN_DIR's checkpoint and "
-                                    "print the mean and std of the episode return. Language-model run: print "
-                                    "the greedy held-out accuracy (mean reward) of the trained actor.")
-    ev.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or one of its checkpoint directories")
+                                    "print the mean and std of the episode return. Language model (a run's "
+                                    "trained actor, or a Hugging Face model directory with --data): the greedy "
+                                    "mean reward, greedy pass@1, sampled pass@k (unbiased estimator, with "
+                                    "--samples N --k K) and the mean response length, as a table or --json.")
+    ev.add_argument("run_dir", metavar="RUN_DIR|MODEL_DIR",
+                    help="a run directory, one of its checkpoint directories, or a language model's directory")
     ev.add_argument("--episodes", type=int_at_least(1), default=10, help="control: episodes to run (default 10)")
     ev.add_argument("--prompts", type=int_at_least(1), default=None,
-                    help="language model: held-out prompts to score (default: the run's data.eval_size)")
+                    help="language model: prompts to score (default: all of the held-out set)")
     ev.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=None,
-                    help="evaluation seed (default: the run's seed + 10000)")
+                    help="evaluation seed (control default: the run's seed + 10000; language model: 0)")
+    ev.add_argument("--data", default=None, help="language model: the prompts, a task (its held-out split) or a "
+                    "JSONL / Parquet file / datasets directory (default: the run's held-out set)")
+    ev.add_argument("--reward", default=None, help="language model: the verifier, a built-in, module:fn or "
+                    "file.py:fn (default: the run's, or the task's own)")
+    ev.add_argument("--samples", type=int_at_least(0), default=0,
+                    help="language model: sampled responses per prompt for pass@k (default 0: greedy only)")
+    ev.add_argument("--k", type=int_at_least(1), nargs="+", default=None, metavar="K",
+                    help="language model: pass@K for each K (needs --samples >= K; default: 1 and --samples)")
+    ev.add_argument("--threshold", type=float, default=1.0,
+                    help="language model: a response is correct when its reward is at least this (default 1)")
+    ev.add_argument("--prompt-key", default=None, help="language model: the prompt field of --data")
+    ev.add_argument("--answer-key", default=None, help="language model: the answer field of --data")
+    ev.add_argument("--chat-template", action="store_true", default=None,
+                    help="language model: render prompts with the model's chat template (default: as the run did)")
+    ev.add_argument("--reward-timeout", type=positive_float, default=30.0,
+                    help="language model: seconds per sample before a reward counts as failed (default 30)")
+    ev.add_argument("--temperature", type=positive_float, default=None, help="sampling temperature (the run's)")
+    ev.add_argument("--top-p", type=positive_float, default=None, help="nucleus sampling (the run's)")
+    ev.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="response length limit (the run's)")
+    ev.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the run's, else auto)")
+    ev.add_argument("--json", action="store_true", help="language model: print the result as JSON")
+
+    gen = sub.add_parser("generate", help="generate from a trained actor or a model directory",
+                         description="Answer each --prompt (or each line of standard input) with the trained "
+                                     "actor of RUN_DIR (its LoRA adapter applied) or a Hugging Face model "
+                                     "directory, through ppokit's generation path.")
+    gen.add_argument("path", metavar="RUN_DIR|MODEL_DIR")
+    gen.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                     help="a prompt (repeat for several; default: one per line of standard input)")
+    gen.add_argument("--num-samples", type=int_at_least(1), default=1, help="responses per prompt (default 1)")
+    gen.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    gen.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap each prompt as a user message in the chat template (default: as the run did)")
+    gen.add_argument("--system", default=None, help="a system message (with the chat template)")
+    add_sampling_options(gen)
+
+    chat = sub.add_parser("chat", help="chat with a trained actor or a model directory",
+                          description="Read messages from standard input, one per line, and answer with the "
+                                      "conversation rendered by the model's chat template. Commands: /clear, "
+                                      "/set KEY=VALUE (temperature, top_p, top_k, max_new_tokens), /help, /exit.")
+    chat.add_argument("path", metavar="RUN_DIR|MODEL_DIR")
+    chat.add_argument("--system", default=None, help="a system message that opens the conversation")
+    chat.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    add_sampling_options(chat)
+
+    reward = sub.add_parser("reward", help="score one response with a reward function (debug a verifier)",
+                            description="Run the reward function NAME on one prompt and response as training "
+                                        "does (in a worker process with a time limit, except the cheap built-ins) "
+                                        "and print the score and, when there is one, the reason for it or the "
+                                        "failure. Exit status 0 when scored, 2 for bad arguments.")
+    reward.add_argument("name", metavar="NAME", help="a built-in (exact_match, numeric_match, math, code, "
+                        "countdown), module:fn or file.py:fn")
+    reward.add_argument("--prompt", required=True, metavar="TEXT")
+    reward.add_argument("--response", required=True, metavar="TEXT")
+    reward.add_argument("--field", action="append", default=[], metavar="KEY=VALUE",
+                        help="a data field for the function (JSON values are parsed: --field tests='[...]')")
+    reward.add_argument("--timeout", type=positive_float, default=30.0, help="seconds before it counts as hung")
 
     demo = sub.add_parser("demo", help="the built-in demonstration run (arith: SFT, then PPO with a verifier)",
                           description="Build the built-in tiny Llama, warm-start it on a few worked two-digit "
@@ -209,7 +290,25 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "demo":
         return _demo(args.overrides)
     if args.command == "eval":
-        return _eval(args.run_dir, args.episodes, args.seed, args.prompts)
+        return _eval(args)
+    if args.command == "generate":
+        from ppokit.lm.interactive import generate_main
+
+        return generate_main(args.path, args.prompt, chat_template=args.chat_template, system=args.system,
+                             num_samples=args.num_samples, greedy=args.greedy, seed=args.seed,
+                             **sampling_kwargs(args))
+    if args.command == "chat":
+        from ppokit.lm.interactive import chat_main
+
+        return chat_main(args.path, system=args.system, greedy=args.greedy, seed=args.seed, **sampling_kwargs(args))
+    if args.command == "reward":
+        from ppokit.lm.reward_cli import reward_main
+
+        score, reason = reward_main(args.name, args.prompt, args.response, args.field, timeout=args.timeout)
+        print(f"score: {score:g}")
+        if reason:
+            print(f"reason: {reason}")
+        return 0
     if args.command == "sft":
         return _sft(args)
     if args.command == "plot":
@@ -229,6 +328,15 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _train(source: Optional[str], overrides: list[str], resume: Optional[bool | str] = None) -> int:
+    from ppokit import rundir
+
+    try:
+        return _train_locked(source, overrides, resume)
+    finally:
+        rundir.release_locks()      # the run directory is free again, whatever happened
+
+
+def _train_locked(source: Optional[str], overrides: list[str], resume: Optional[bool | str]) -> int:
     from ppokit import rundir
     from ppokit.config import load_config
     from ppokit.errors import UserError
@@ -290,22 +398,38 @@ def _demo(overrides: list[str]) -> int:
     return 0
 
 
-def _eval(run_dir: str, episodes: int, seed: Optional[int], prompts: Optional[int] = None) -> int:
+LM_EVAL_OPTIONS = ("data", "reward", "samples", "k", "prompt_key", "answer_key", "chat_template", "temperature",
+                   "top_p", "max_new_tokens", "json")
+
+
+def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ppokit.lm.evaluate import find_lm_checkpoint
 
-    if Path(run_dir).is_dir() and find_lm_checkpoint(Path(run_dir)) is not None:
-        from ppokit.lm.evaluate import evaluate_lm_run
+    path = Path(args.run_dir)
+    is_model_dir = path.is_dir() and (path / "config.json").is_file()
+    if path.is_dir() and (find_lm_checkpoint(path) is not None or is_model_dir):
+        from ppokit.lm.eval_report import evaluate_lm, format_eval_table
 
-        result = evaluate_lm_run(run_dir, prompts)
-        print(f"held-out accuracy over {result['prompts']} prompts: {result['accuracy']:.1%} "
-              f"({result['checkpoint']})")
+        k = args.k if args.k is not None else (sorted({1, args.samples}) if args.samples else [])
+        result = evaluate_lm(path, data=args.data, reward=args.reward, size=args.prompts, samples=args.samples,
+                             k=k, threshold=args.threshold, prompt_key=args.prompt_key, answer_key=args.answer_key,
+                             chat_template=args.chat_template, reward_timeout=args.reward_timeout,
+                             seed=args.seed or 0, device=args.device, temperature=args.temperature,
+                             top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+        print(json.dumps(result, indent=2) if args.json else format_eval_table(result))
         return 0
+    given = [f"--{name.replace('_', '-')}" for name in LM_EVAL_OPTIONS if getattr(args, name) not in (None, False, 0)]
+    if given:
+        from ppokit.errors import UserError
+
+        raise UserError(f"{args.run_dir} is not a language-model run or model directory, and {', '.join(given)} "
+                        "apply to language models only")
     from ppokit.control.evaluate import evaluate_run
 
-    mean, std = evaluate_run(run_dir, episodes, seed=seed)
-    print(f"return over {episodes} episodes: {mean:.2f} +- {std:.2f}")
+    mean, std = evaluate_run(args.run_dir, args.episodes, seed=args.seed)
+    print(f"return over {args.episodes} episodes: {mean:.2f} +- {std:.2f}")
     return 0
 
 

@@ -211,8 +211,10 @@ class ShardSource(Protocol):
     """A rollout worker's source (:mod:`ppokit.dist.rollout_workers`): a shard of the envs
     (control) or generation for the prompts it is sent (lm), with its own policy copy."""
 
-    def collect_shard(self, iteration: int, request: Any) -> Batch:
-        """This shard's part of ``iteration``'s batch for ``request`` (from :meth:`ShardPlan.requests`)."""
+    def collect_shard(self, iteration: int, request: Any) -> Any:
+        """This shard's part of ``iteration``'s batch for ``request`` (from :meth:`ShardPlan.requests`):
+        plain data and tensors that :meth:`ShardPlan.merge` turns into the batch (control: a
+        :class:`Batch`; lm: the generated sequences, scored by the driver)."""
 
     def load_rollout_weights(self, weights: dict[str, Tensor]) -> None:
         """Copy :meth:`Learner.rollout_weights` into the shard's policy."""
@@ -232,9 +234,9 @@ class ShardPlan(Protocol):
     def requests(self, iteration: int) -> list[Any]:
         """One request per shard for ``iteration`` (lm: its prompts; control: nothing)."""
 
-    def merge(self, parts: list[Batch], states: list[dict[str, Any]]) -> Batch:
-        """The iteration's batch from the shards' parts, in shard order; ``states``: each
-        shard's :meth:`ShardSource.state_dict` after its part."""
+    def merge(self, iteration: int, parts: list[Any], states: list[dict[str, Any]]) -> Batch:
+        """Iteration ``iteration``'s batch from the shards' parts, in shard order; ``states``:
+        each shard's :meth:`ShardSource.state_dict` after its part."""
 
     def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
         """The source's checkpoint state from the driver's own state and the shards'."""

@@ -2,8 +2,8 @@
 
 A run's configuration is built from layers, later ones winning key by key:
 
-1. the built-in defaults of each field (the seed-000 hyperparameters, a language-model
-   setting), then the workload's own defaults (:data:`WORKLOAD_DEFAULTS`: what a
+1. the built-in defaults of each field (UnstableBaselines' PPO hyperparameters, a
+   language-model setting), then the workload's own defaults (:data:`WORKLOAD_DEFAULTS`: what a
    Gymnasium task needs instead, e.g. ``learning_rate=3e-4``);
 2. a preset (``ppokit/presets/NAME.yaml``) or a user YAML file;
 3. dotted command-line overrides: ``ppokit train cartpole algo.gamma=0.98 seed=3``.
@@ -103,17 +103,29 @@ class AlgoConfig(Section):
     lower_clip_ratio: float = field(0.2, "ratio clipped below at 1 - lower_clip_ratio", "clip_ratio_low", ge=0, lt=1)
     upper_clip_ratio: float = field(0.4, "ratio clipped above at 1 + upper_clip_ratio", "clip_ratio_high", ge=0)
     clip_ratio_c: Optional[float] = field(None, "dual clip: bound of the loss for negative advantages (> 1)", gt=1)
-    ratio_level: Literal["token", "sequence"] = field("token", "importance ratio per token or per sequence")
+    ratio_level: Literal["token", "sequence", "gspo"] = field(
+        "token", "importance ratio per token; per sequence (the sum of its token log-ratios); or gspo, GSPO's "
+        "length-normalised sequence ratio (use clip ratios of about 3e-4 / 4e-4 with it)")
+    loss_mode: Literal["clip", "penalty"] = field(
+        "clip", "policy loss: clip (the clipped surrogate) or penalty (the PPO paper's adaptive KL penalty: "
+        "-r A + penalty_coef * KL(old || new), no clipping)")
+    penalty_coef: float = field(1.0, "loss_mode=penalty: the initial KL coefficient (doubled or halved after each "
+                                "iteration to steer the KL towards penalty_target_kl)", gt=0)
+    penalty_target_kl: float = field(0.01, "loss_mode=penalty: the KL(old || new) per update the coefficient "
+                                     "steers towards (x2 above 1.5 x target, /2 below target / 1.5)", gt=0)
     clip_value: Optional[float] = field(0.2, "value clipping around the old values (null = off)",
                                         "value_clip", "cliprange_value", "clip_range_vf", gt=0)
     huber_delta: Optional[float] = field(None, "Huber value loss with this delta (null = squared error)", gt=0)
     value_coeff: float = field(0.5, "weight of the value loss", "vf_coef", "value_loss_coef", ge=0)
-    entropy_coeff: float = field(0.0, "weight of the entropy bonus", "entropy_bonus", "entropy_coef", "ent_coef")
+    entropy_coeff: float = field(0.0, "weight of the entropy bonus (>= 0: a negative weight would penalise "
+                                 "exploration)", "entropy_bonus", "entropy_coef", "ent_coef", ge=0)
     beta: float = field(0.0, "weight of the KL-to-reference term in the loss (> 0 needs a reference)",
                         "kl_loss_coef", ge=0)
-    kl_loss_type: KLEstimatorName = field("low_var_kl", "KL estimator of the in-loss KL term")
+    kl_loss_type: KLEstimatorName = field("low_var_kl", "KL estimator of the in-loss KL term (full: the exact KL "
+                                          "over the vocabulary, from the logits, computed in chunks)")
     use_kl_in_reward: bool = field(False, "subtract the KL to the reference from the reward")
-    kl_penalty: KLEstimatorName = field("kl", "KL estimator of the in-reward KL penalty")
+    kl_penalty: KLEstimatorName = field("kl", "KL estimator of the in-reward KL penalty (full: the exact KL over "
+                                        "the vocabulary)")
     kl_ctrl: KLControlConfig = field(KLControlConfig(), "in-reward KL coefficient controller")
     loss_agg_mode: AggModeName = field("token-mean", "how per-token losses are averaged", "loss_agg_func")
     target_kl: Optional[float] = field(None, "stop the epochs of an update once approx_kl exceeds this", gt=0)
@@ -137,12 +149,21 @@ class TrainConfig(Section):
                                                   "critic_lr", gt=0)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = field("constant", "learning-rate schedule after warm-up")
     lr_warmup_ratio: float = field(0.01, "fraction of all optimizer steps spent warming up", ge=0, lt=1)
-    grad_clip: Optional[float] = field(0.2, "clip the global gradient norm (null = off)", "max_grad_norm", gt=0)
+    grad_clip: Optional[float] = field(0.2, "clip the norm of the actor's gradient (null = off)", "max_grad_norm",
+                                       gt=0)
+    critic_grad_clip: Optional[float] = field(None, "clip the norm of the critic's gradient, value head included "
+                                              "(null = train.grad_clip)", gt=0)
     adam_eps: float = field(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = field(0.0, "AdamW weight decay", ge=0)
     critic_warmup: int = field(0, "iterations that train only the critic", ge=0)
     max_bad_steps: int = field(10, "stop the run after this many optimizer steps in a row were skipped for a "
                                "non-finite loss or gradient; the last good checkpoint stays (0 = never stop)", ge=0)
+    micro_batch_tokens: Optional[int] = field(
+        None, "lm: form the micro-batches of scoring and of the update by a token budget instead of a count "
+        "(verl's use_dynamic_bsz): rows sorted by length are packed so that rows x longest row stays within "
+        "this many tokens, the fewest micro-batches, balanced; each is cut to its own longest prompt and "
+        "response. The loss is still exactly the mini-batch's (null = micro_batch_size and "
+        "infer_micro_batch_size rows)", "max_token_len", "ppo_max_token_len_per_gpu", ge=1)
 
 
 class RunConfig(Section):
@@ -159,6 +180,10 @@ class RunConfig(Section):
     keep_checkpoints: int = field(3, "checkpoints kept on disk", ge=1)
     log_samples: int = field(4, "lm: rollout samples (prompt, response, reward, fields) written to "
                              "RUN_DIR/samples.jsonl every run.samples_every iterations (0 = none)", ge=0)
+    wandb: bool = field(False, "also log metrics to Weights & Biases (needs the wandb package and a login, "
+                        "or WANDB_MODE=offline; beside TensorBoard)")
+    wandb_project: str = field("ppokit", "wandb: the project the run is logged to", min_length=1)
+    wandb_entity: Optional[str] = field(None, "wandb: the team or user (null = the login's default)")
     samples_every: int = field(10, "lm: iterations between the samples.jsonl entries (iteration 0 first)", ge=1)
     resume: Literal["never", "auto"] = field(
         "never", "auto: continue from the newest checkpoint in output_dir/name when there is one, else start "
@@ -219,6 +244,9 @@ class ModelConfig(Section):
         "all-linear", "modules that get LoRA adapters (peft target_modules; all-linear = every linear layer but lm_head)")
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = field(
         "auto", "attention kernel (auto = eager on CPU, the model's default elsewhere)")
+    tiny_max_positions: Optional[int] = field(
+        None, "model.path=tiny: the positions of the built-in model (null = 64, or more when the longest prompt "
+        "plus rollout.max_new_tokens needs it; the weights do not depend on it)", ge=8)
     cpu_kernels: bool = field(
         True, "on a CPU (bf16 or fp32): fused C kernels for RMSNorm, SwiGLU, rotary embeddings and attention, "
         "and in bf16 on a CPU with AMX LoRA's rank-r products (built with the system C compiler on first use, "
@@ -241,8 +269,8 @@ class RolloutConfig(Section):
     use_cache: bool = field(True, "KV cache during generation (false only to measure what it saves)")
     cache_implementation: Literal["dynamic", "static"] = field(
         "dynamic", "KV cache kind: dynamic grows step by step; static is preallocated, and on CUDA transformers "
-        "compiles the decoding step around it (a one-time compile of 10-25 s, then 3.9-5.5x faster "
-        "generation on an H100); lora mode, or fp32 in full mode")
+        "compiles the decoding step around it (a one-time compile, then faster generation); lora mode, or "
+        "fp32 in full mode")
     off_policy_steps: int = field(
         0, "both workloads: 0 = each iteration's rollout uses the newest weights; 1 = the next iteration's rollout "
         "is collected while the update runs (one policy version stale; its log-probs are old_log_prob)",
@@ -266,11 +294,70 @@ class ClusterConfig(Section):
                                      "failing with the missing resources", gt=0)
 
 
+class ShapingConfig(Section):
+    """How the sequence reward is formed from its sources and shaped (lm workload), in this order:
+    weighted sum of the sources, overlong and truncation penalties, clipping, normalisation."""
+
+    verifier_weight: float = field(1.0, "weight of data.reward's score (the verifier) in the sum of sources")
+    reward_model_weight: float = field(1.0, "weight of data.reward_model's score in the sum of sources")
+    format_pattern: Optional[str] = field(
+        None, "a format check: a regular expression searched in each response (DOTALL); 1 when found, else 0, "
+        "times format_weight, is added to the reward (null = no format check)")
+    format_weight: float = field(1.0, "weight of the format check's 0/1 score")
+    overlong_cache_length: Optional[int] = field(
+        None, "DAPO's soft overlong punishment: responses longer than rollout.max_new_tokens - this many tokens "
+        "lose up to overlong_penalty_factor, linearly (DAPO's L_cache; null = off)", "overlong_buffer_len", ge=1)
+    overlong_penalty_factor: float = field(1.0, "the overlong penalty at rollout.max_new_tokens tokens",
+                                           "overlong_buffer_penalty_factor", ge=0)
+    truncation_penalty: float = field(0.0, "subtracted from the reward of a response cut off by "
+                                      "rollout.max_new_tokens without EOS (0 = off)", ge=0)
+    clip_min: Optional[float] = field(None, "clip the shaped reward below at this value (null = no bound)")
+    clip_max: Optional[float] = field(None, "clip the shaped reward above at this value (null = no bound)")
+    normalize: Literal["none", "batch", "running"] = field(
+        "none", "none; batch: (r - mean) / std over the batch; running: divide by the running std of all "
+        "rewards so far (kept in checkpoints; the sign is kept)")
+
+    @model_validator(mode="after")
+    def _clip_order(self) -> "ShapingConfig":
+        if self.clip_min is not None and self.clip_max is not None and self.clip_min > self.clip_max:
+            raise ValueError(f"clip_min={self.clip_min} is above clip_max={self.clip_max}")
+        if self.format_pattern is not None:
+            try:
+                re.compile(self.format_pattern)
+            except re.error as exc:
+                raise ValueError(f"format_pattern {self.format_pattern!r} is not a regular expression ({exc})") \
+                    from None
+        return self
+
+    @property
+    def active(self) -> list[str]:
+        """The shapings that change a reward, by name (for the run's header)."""
+        out = []
+        if self.overlong_cache_length is not None:
+            out.append(f"overlong penalty (last {self.overlong_cache_length} tokens, factor "
+                       f"{self.overlong_penalty_factor:g})")
+        if self.truncation_penalty:
+            out.append(f"truncation penalty {self.truncation_penalty:g}")
+        if self.clip_min is not None or self.clip_max is not None:
+            out.append(f"clip to [{self.clip_min}, {self.clip_max}]")
+        if self.normalize != "none":
+            out.append(f"{self.normalize} normalisation")
+        return out
+
+
 class DataConfig(Section):
     """Prompts, reward function and held-out evaluation (lm workload)."""
 
-    prompts: str = field("arithmetic", "a built-in task (e.g. 'arithmetic:digits=2') or a JSONL file with a "
-                         "'prompt' field per line (other fields are passed to the reward function)", "task", "dataset")
+    prompts: str = field("arithmetic", "a built-in task (e.g. 'arithmetic:digits=2', 'countdown', "
+                         "'gsm8k:path=train.jsonl'), a JSONL or Parquet file, or a directory written by datasets' "
+                         "save_to_disk; a record's prompt_key field is the prompt, every other field goes to the "
+                         "reward function", "task", "dataset")
+    prompt_key: str = field("prompt", "the field (column) of a prompt file that holds the prompt", min_length=1)
+    answer_key: str = field("answer", "the field of a prompt file that the verifiers read as the answer (passed "
+                            "to the reward function as 'answer')", min_length=1)
+    max_prompt_tokens: Optional[int] = field(
+        None, "drop training and held-out prompts longer than this many tokens (the counts are printed and "
+        "logged; null = keep all)", "max_prompt_length", ge=1)
     reward: Optional[str] = field(None, "reward function: a built-in name, 'module:fn' or 'file.py:fn' "
                                   "(null = the task's default)", "reward_fn")
     reward_model: Optional[str] = field(None, "a Hugging Face sequence-classification model directory (one "
@@ -279,7 +366,20 @@ class DataConfig(Section):
     chat_template: bool = field(False, "render each prompt with the model's chat template as a user message "
                                 "(or a JSONL prompt given as a list of {role, content} messages), with the "
                                 "generation prompt; the reward function receives the rendered text")
-    eval_prompts: Optional[str] = field(None, "JSONL file of held-out prompts (null = the task's held-out split; "
+    reward_workers: Optional[int] = field(
+        None, "processes that run the reward function (null = the CPU count, at most 8); the cheap built-ins "
+        "(exact_match, numeric_match, countdown) run in the trainer's process", ge=1)
+    reward_timeout: float = field(30.0, "seconds a reward function may take on one sample; past it the worker is "
+                                  "killed and the sample gets data.reward_on_error", gt=0)
+    reward_on_error: float = field(0.0, "the reward of a sample whose reward function raised, hung or returned "
+                                   "something that is not a finite number (counted, and marked in samples.jsonl)")
+    max_reward_errors: Optional[float] = field(
+        0.1, "stop the run when reward errors exceed this: a count (>= 1) over the whole run, or a fraction "
+        "(< 1) of one batch (null = never stop)", ge=0)
+    shaping: ShapingConfig = field(ShapingConfig(), "reward sources' weights, format check, penalties, "
+                                   "clipping and normalisation")
+    eval_prompts: Optional[str] = field(None, "held-out prompts: a JSONL or Parquet file or a datasets directory, "
+                                        "read with prompt_key and answer_key (null = the task's held-out split; "
                                         "with a prompt file and no eval file there is no evaluation)")
     eval_size: int = field(64, "held-out prompts of the greedy accuracy evaluation before and after training", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
@@ -288,6 +388,13 @@ class DataConfig(Section):
     sft_examples: int = field(2000, "examples of the supervised warm start", ge=1)
     sft_batch_size: int = field(32, "sequences per supervised warm-start step", ge=1)
     sft_learning_rate: float = field(1e-3, "learning rate of the supervised warm start", gt=0)
+
+    @field_validator("max_reward_errors")
+    @classmethod
+    def _count_or_fraction(cls, value: Optional[float]) -> Optional[float]:
+        if value is not None and value >= 1 and value != int(value):
+            raise ValueError(f"a count of errors must be a whole number, a fraction of a batch below 1 (got {value})")
+        return value
 
 
 class Config(Section):
@@ -326,12 +433,6 @@ class Config(Section):
                                  f"(got {a.group_size}): a group of one has no baseline")
         if a.adv_estimator == "gae" and a.value_coeff == 0:
             raise ValueError("algo.adv_estimator=gae needs a trained critic; algo.value_coeff must be > 0")
-        if a.beta > 0 and a.kl_loss_type == "full":
-            raise ValueError("algo.kl_loss_type=full needs the reference's full logits, which the update loop "
-                             "does not carry; use low_var_kl, kl, abs or mse")
-        if a.kl_penalty == "full" and a.use_kl_in_reward:
-            raise ValueError("algo.kl_penalty=full is an in-loss estimator over the vocabulary; "
-                             "use kl, abs, mse or low_var_kl in the reward")
         if t.batch_size % a.group_size:
             raise ValueError(f"train.batch_size={t.batch_size} must be a multiple of "
                              f"algo.group_size={a.group_size}")
@@ -366,6 +467,13 @@ class Config(Section):
                 raise ValueError(f"model.critic_path={critic_path} is full mode's separate critic; in lora mode "
                                  "the critic is a LoRA adapter on model.path: set model.mode=full, or remove "
                                  "model.critic_path")
+        if t.micro_batch_tokens is not None and self.workload != "lm":
+            raise ValueError("train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
+                             "control batches use train.micro_batch_size")
+        cache = self.data.shaping.overlong_cache_length
+        if cache is not None and cache > self.rollout.max_new_tokens:
+            raise ValueError(f"data.shaping.overlong_cache_length={cache} is longer than rollout.max_new_tokens="
+                             f"{self.rollout.max_new_tokens}: the penalty ramps over the last tokens before that limit")
         c = self.cluster
         if self.workload == "control" and c.rollout_workers > 1 and self.env.num_envs % c.rollout_workers:
             raise ValueError(f"cluster.rollout_workers={c.rollout_workers} must divide env.num_envs="
@@ -421,7 +529,7 @@ def _divisors_near(n: int, k: int) -> str:
 
 
 # Defaults that differ by workload. Applied below the preset and user layers, and only
-# to keys the user did not set. The seed-000 defaults are language-model defaults; a
+# to keys the user did not set. The field defaults are language-model defaults; a
 # Gymnasium task wants CleanRL's.
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "control": {
@@ -430,7 +538,7 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
                   "learning_rate": 3e-4, "critic_learning_rate": None, "lr_scheduler_type": "linear",
                   "lr_warmup_ratio": 0.0, "grad_clip": 0.5, "adam_eps": 1e-5},
     },
-    # The field defaults are the seed-000 language-model settings; only a budget is added.
+    # The field defaults are the language-model settings; only a budget is added.
     "lm": {"train": {"iterations": 100}},
 }
 

@@ -74,6 +74,7 @@ class RunLock:
         self.path = self.run_dir / LOCK_FILE
         self._fd: Optional[int] = None
         self._depth = 0
+        self._holder: Optional["RunLock"] = None   # this process's lock on the directory, when taken again
         self.took_over: Optional[str] = None     # the previous holder's line, when it had died
 
     def acquire(self) -> "RunLock":
@@ -83,6 +84,7 @@ class RunLock:
         held = _HELD.get(key)
         if held is not None:
             held._depth += 1
+            self._holder = held
             return held
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -99,6 +101,9 @@ class RunLock:
                             "it (its checkpoint is kept), or choose another run.name") from None
         previous = os.read(fd, 4096).decode(errors="replace").strip()
         self.took_over = previous.splitlines()[0] if previous else None
+        if self.took_over:          # its holder ended without releasing it (killed): the lock is free
+            print(f"ppokit: note: {self.run_dir} was locked by {self.took_over}, which has ended; taking it over",
+                  file=sys.stderr, flush=True)
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         os.write(fd, f"process {os.getpid()} ({' '.join(sys.argv)[:200]}) since {time.strftime('%H:%M:%S')}\n"
@@ -108,6 +113,10 @@ class RunLock:
         return self
 
     def release(self) -> None:
+        if self._holder is not None:
+            holder, self._holder = self._holder, None
+            holder.release()
+            return
         if self._fd is None:
             return
         self._depth -= 1
@@ -126,6 +135,14 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def release_locks() -> None:
+    """Release every run-directory lock this process holds, however often it was taken (the
+    end of a command, whether it succeeded or not)."""
+    for held in list(_HELD.values()):
+        held._depth = 1
+        held.release()
 
 
 def _read_holder(path: Path) -> Optional[str]:

@@ -1,16 +1,26 @@
-"""Metric tracking, shared by both workloads: ``metrics.jsonl``, TensorBoard and a progress bar.
+"""Metric tracking, shared by both workloads: ``metrics.jsonl``, TensorBoard, wandb and a progress bar.
 
 :class:`Tracker` writes each iteration's metrics to ``RUN_DIR/metrics.jsonl`` (flushed
 every line, so a crash loses at most the iteration in flight), rollout samples to
 ``samples.jsonl``, TensorBoard scalars to ``tb/``, and draws a live progress bar with
 the headline numbers (return or reward, SPS). The layout of the run directory is
 :mod:`ppokit.rundir`'s.
+
+With ``run.wandb`` the same scalars go to Weights & Biases as well (project
+``run.wandb_project``, entity ``run.wandb_entity``, the run directory's name as the
+run's name). wandb is optional: :func:`check_wandb` says in one line, before a run
+directory exists, when it is not installed or not logged in (no API key in
+``WANDB_API_KEY`` or ``~/.netrc``), unless ``WANDB_MODE`` is ``offline`` or
+``disabled``, which wandb itself then honours. The wandb run id is kept in
+``RUN_DIR/wandb_id``, so a resumed run continues the same wandb run.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -22,6 +32,49 @@ __all__ = ["Tracker", "read_metrics"]
 
 # The progress bar shows the first of these present in an iteration's metrics.
 HEADLINE_KEYS = ("return_mean", "reward_mean")
+WANDB_ID_FILE = "wandb_id"
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
+
+
+def check_wandb(cfg: Config):
+    """The wandb module when ``run.wandb`` is on (None when off); a one-line UserError when it
+    is not installed, or is neither logged in nor in an offline mode."""
+    from ppokit.errors import UserError
+
+    if not cfg.run.wandb:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("run.wandb=true needs the wandb package: pip install wandb (or pip install "
+                        "'ppokit[wandb]'); or set run.wandb=false") from None
+    if os.environ.get("WANDB_MODE", "").lower() not in WANDB_LOCAL_MODES and not _wandb_logged_in():
+        raise UserError("run.wandb=true but wandb is not logged in: run `wandb login` or set WANDB_API_KEY; or "
+                        "set WANDB_MODE=offline to log locally (wandb sync uploads it later)")
+    return wandb
+
+
+def _wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        with open(netrc) as f:
+            return "api.wandb.ai" in f.read()
+    except OSError:
+        return False
+
+
+def start_wandb(run_dir: Path, cfg: Config):
+    """A wandb run for ``run_dir`` (the same one again on resume: ``RUN_DIR/wandb_id``)."""
+    wandb = check_wandb(cfg)
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.is_file() else ""
+    if not run_id:
+        run_id = secrets.token_hex(8)
+        id_file.write_text(run_id + "\n")
+    return wandb.init(project=cfg.run.wandb_project, entity=cfg.run.wandb_entity, name=run_dir.name, id=run_id,
+                      resume="allow", dir=str(run_dir), config=cfg.to_dict())
 
 
 class Tracker:
@@ -43,6 +96,7 @@ class Tracker:
                 SummaryWriter = None
             if SummaryWriter is not None:
                 self._tb = SummaryWriter(str(self.run_dir / TB_DIR), purge_step=purge_step)
+        self._wandb = start_wandb(self.run_dir, cfg) if cfg.run.wandb else None
         self._progress = None
         if cfg.run.progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -65,11 +119,14 @@ class Tracker:
         row = {"iteration": iteration, "time": round(time.time() - self.start_time, 3)}
         row.update({k: _plain(v) for k, v in metrics.items()})
         self._jsonl.write(json.dumps(row) + "\n")
+        step = int(row.get("global_step", iteration))
+        scalars = {key: value for key, value in row.items()
+                   if isinstance(value, (int, float)) and key != "iteration" and math.isfinite(value)}
         if self._tb is not None:
-            step = int(row.get("global_step", iteration))
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and key not in ("iteration",) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
         if self._progress is not None:
             self._progress.update(self._task, completed=iteration + 1, headline=_headline(row))
 
@@ -87,6 +144,9 @@ class Tracker:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if not self._jsonl.closed:
             self._jsonl.close()
         if self._samples is not None and not self._samples.closed:

@@ -8,13 +8,24 @@ serves::
     for epoch in range(epochs):                         # train.epochs
         for mini_batch in shuffled(batch, mini_batch_size):
             normalizer = aggregation_normalizer(mini_batch.mask)   # whole mini-batch
-            for micro_batch in split(mini_batch, micro_batch_size):
+            for micro_batch in split(mini_batch):         # micro_batch_size rows, or a token budget
                 out = policy.evaluate(micro_batch)      # log_prob, [values], entropy (n, T)
                 loss = L_policy + value_coeff * L_value - entropy_coeff * H + beta * KL
                 loss.backward()                         # losses share the normalizer,
-            clip_grad_norm(grad_clip); optimizer.step() # so the sum over micro-batches is
-                                                        # exactly the mini-batch gradient
+            clip_grad_norm(actor, grad_clip)            # so the sum over micro-batches is
+            clip_grad_norm(critic, critic_grad_clip)    # exactly the mini-batch gradient
+            optimizer.step()
         stop early when approx_kl > target_kl
+    penalty mode: beta_pen *= 2 or / 2 from the last epoch's KL (PPO paper, adaptive KL penalty)
+
+``L_policy`` is the registered policy loss ``algo.loss_mode`` (:data:`ppokit.algo.POLICY_LOSSES`):
+``clip`` (the clipped surrogate; asymmetric and dual clip; ratios per token, per sequence
+or GSPO's length-normalised sequence ratio, ``algo.ratio_level``) or ``penalty`` (no
+clip, ``-r A + beta_pen KL(old || new)``, the coefficient adapted to
+``algo.penalty_target_kl`` after each iteration). Actor and critic gradients are clipped
+apart (as verl does): a large critic gradient does not shrink the actor's step.
+``seq-mean-token-sum-norm`` (Dr.GRPO) divides by a constant horizon, the generation
+budget of a language model, so that the loss scale does not move between iterations.
 
 The first mini-batch of the first epoch is exactly on-policy: no optimizer step has
 happened since the rollout, so its ``old_log_prob`` is taken from the update's own
@@ -31,6 +42,12 @@ mini-batch (:meth:`PPOTrainer.fully_on_policy`). Every micro-batch then takes it
 log-probs from its own forward, so the batch may leave ``old_log_prob`` out and the
 rollout skip the forward pass that would compute it (the language-model scorer does);
 ``old_log_prob_gap`` is then not reported.
+
+Micro-batches: ``train.micro_batch_size`` rows each, or with ``train.micro_batch_tokens``
+rows of similar length packed to a token budget (:mod:`ppokit.algo.batching`, verl's
+``use_dynamic_bsz``) and cut to their own longest row by the policy's optional
+``compact``. Either way the loss is exactly the mini-batch's (the shared normalizer).
+The metric ``padding_frac`` (batches of token sequences) is the padding share of the positions the passes computed.
 
 With ``rollout.off_policy_steps: 1`` the batch was sampled by the policy one update
 older (the rollout ran while the previous update did): its ``old_log_prob`` are the
@@ -71,10 +88,14 @@ if TYPE_CHECKING:
     from ppokit.components import Batch
 
 REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
+# normalize_adv whitens the advantages of these estimators over the batch; the others
+# (GRPO, Dr.GRPO, RLOO, REINFORCE++) define their own normalisation or baseline, and a
+# second whitening would give a group whose samples all got one reward a non-zero advantage
+WHITENED_ESTIMATORS = ("gae",)
 OPTIONAL_WHEN_ON_POLICY = ("old_log_prob",)     # see "fully on-policy" in the module docstring
 
 
-# per-step metrics reduced over data-parallel ranks with max instead of a sum
+# per-step metrics that are maxima (over micro-batches and data-parallel ranks), not weighted sums
 MAX_METRICS = ("ratio_max", "old_log_prob_gap")
 
 
@@ -118,21 +139,26 @@ class TrainablePolicy(Protocol):
         """``log_prob``, ``values`` (none without a critic) and ``entropy``, each (n, T), under the
         current parameters."""
 
+    # Optional: ``compact(micro_batch) -> micro_batch`` drops the padding columns of a micro-batch
+    # (every (n, T) tensor cut to (n, T') with T' <= T, only positions with mask 0 removed). Used
+    # with train.micro_batch_tokens, whose micro-batches are formed to be cut (ppokit.lm.policy).
+
 
 def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Tensor | None = None,
                        dones: Tensor | None = None, last_values: Tensor | None = None,
                        group_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Advantages and returns, (B, T) each, with the configured estimator.
 
-    With ``algo.normalize_adv`` the advantages are whitened over the valid positions of
-    the whole batch (the estimators that whiten by definition are not whitened twice).
+    With ``algo.normalize_adv`` the advantages of :data:`WHITENED_ESTIMATORS` (GAE) are
+    whitened over the valid positions of the whole batch; the group estimators and
+    REINFORCE++ keep the normalisation they define (as verl does).
     """
     a = cfg.algo
     estimator = algo.get_advantage_estimator(a.adv_estimator)
     advantages, returns = estimator(
         rewards=rewards, mask=mask, values=values, group_ids=group_ids, gamma=a.gamma, lam=a.gae_lambda,
         dones=dones, last_values=last_values, norm_by_std=a.norm_adv_by_std_in_grpo)
-    if a.normalize_adv and a.adv_estimator not in ("reinforce_pp", "reinforce_pp_baseline"):
+    if a.normalize_adv and a.adv_estimator in WHITENED_ESTIMATORS:
         advantages = algo.whiten(advantages, mask)
     return advantages, returns
 
@@ -184,15 +210,31 @@ class PPOTrainer:
     """Owns the optimizer and schedule; :meth:`update` runs one iteration's epochs."""
 
     def __init__(self, cfg: Config, policy: TrainablePolicy, *, total_iterations: int,
-                 updates_per_iteration: int | None = None, parallel: DataParallel | None = None):
+                 updates_per_iteration: int | None = None, horizon: int | None = None,
+                 parallel: DataParallel | None = None):
+        """``horizon``: the constant of ``seq-mean-token-sum-norm`` (Dr.GRPO), e.g. a language
+        model's generation budget; None uses each batch's length. ``parallel``: the other
+        learners of a data-parallel group (default: none)."""
         self.cfg = cfg
         self.policy = policy
+        self.horizon = horizon
         self.parallel: DataParallel = parallel or SingleProcess()
         # the rollout ran one update behind: its log-probs are the behaviour policy's (module docstring)
         self.off_policy = cfg.rollout.off_policy_steps > 0
         groups = [g for g in policy.param_groups(cfg) if g["params"]]
         self.params = [p for g in groups for p in g["params"]]
+        # gradient-norm clipping per group: the actor's at train.grad_clip, the critic's
+        # (value head included) at train.critic_grad_clip
+        t = cfg.train
+        critic_clip = t.critic_grad_clip if t.critic_grad_clip is not None else t.grad_clip
+        self.clip_groups = [(g.get("name", f"group{i}"), g["params"],
+                             critic_clip if g.get("name") == "critic" else t.grad_clip)
+                            for i, g in enumerate(groups)]
         self.optimizer = make_optimizer(groups, cfg)
+        a = cfg.algo
+        self.policy_loss = algo.get_policy_loss(a.loss_mode)
+        self.penalty = (algo.AdaptivePenaltyCoef(a.penalty_coef, a.penalty_target_kl)
+                        if a.loss_mode == "penalty" else None)
         if updates_per_iteration is None:
             updates_per_iteration = cfg.train.epochs * (cfg.train.batch_size // cfg.mini_batch_size)
         total = total_iterations * updates_per_iteration
@@ -207,6 +249,8 @@ class PPOTrainer:
         # (N, T) float32: the last update's log-probs of its first mini-batch's rows, from
         # the policy that sampled them (0 on the other rows); None before the first update
         self.on_policy_log_prob: Tensor | None = None
+        self._positions_real: Tensor | int = 0        # real and computed token positions of this update
+        self._positions_computed = 0
 
     def fully_on_policy(self, n: int) -> bool:
         """Whether an update of ``n`` samples makes one optimizer step (one epoch of one
@@ -225,11 +269,13 @@ class PPOTrainer:
         mini = min(self.cfg.mini_batch_size, n)
         micro = min(self.cfg.micro_batch_size, mini)
         critic_only = iteration < cfg.train.critic_warmup
-        horizon = batch["mask"].shape[1]
+        horizon = self.horizon or batch["mask"].shape[1]
+        penalty_coef = self.penalty.value if self.penalty is not None else None   # this iteration's
         sums: dict[str, Tensor] = {}
         weights: dict[str, float] = {}
         epochs_done = 0
         skipped_before = self.skipped_steps
+        self._positions_real = self._positions_computed = 0
         self.on_policy_log_prob = torch.zeros(batch["mask"].shape, dtype=torch.float32, device=batch["mask"].device)
         for epoch in range(cfg.train.epochs):
             epoch_kl = []
@@ -238,10 +284,11 @@ class PPOTrainer:
                 mb_index = self.parallel.shard(mb_index)      # this learner's part of the mini-batch
                 mb = {k: v[mb_index] for k, v in batch.items()}
                 on_policy = epoch == 0 and step == 0
-                current: list[Tensor] = []
-                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current)
-                if on_policy and current:
-                    self.on_policy_log_prob[mb_index] = torch.cat(current).float()
+                current: list[tuple[slice | Tensor, Tensor]] = []
+                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current,
+                                                    penalty_coef)
+                for rows, log_prob in current:          # (n, T') each: back into the (N, T) layout
+                    self.on_policy_log_prob[mb_index[rows], :log_prob.shape[1]] = log_prob.float()
                 for k, v in step_metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                     weights[k] = weights.get(k, 0.0) + 1.0
@@ -253,7 +300,13 @@ class PPOTrainer:
                     break
         self.parallel.all_reduce(self.on_policy_log_prob)      # each rank filled its own rows
         out = {k: (torch.as_tensor(sums[k]) / weights[k]).item() for k in sums}
+        if self.penalty is not None and epoch_kl:
+            # the PPO paper's d: the KL after the update, measured on the last epoch's mini-batches
+            out["penalty_coef"] = penalty_coef
+            self.penalty.update(torch.stack(epoch_kl).mean().item())
         out["epochs"] = float(epochs_done)
+        if self._positions_computed and "attention_mask" in batch:   # token sequences: padding share computed
+            out["padding_frac"] = 1.0 - float(self._positions_real) / self._positions_computed
         out["skipped_steps"] = float(self.skipped_steps - skipped_before)   # in this iteration
         for group in self.optimizer.param_groups:
             out[f"lr/{group.get('name', 'group')}" if len(self.optimizer.param_groups) > 1 else "lr"] = group["lr"]
@@ -266,11 +319,13 @@ class PPOTrainer:
         return out
 
     def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
-                        on_policy: bool = False, current_out: list[Tensor] | None = None) -> dict[str, Tensor]:
+                        on_policy: bool = False, current_out: list[tuple[slice | Tensor, Tensor]] | None = None,
+                        penalty_coef: float | None = None) -> dict[str, Tensor]:
         """One optimizer step over mini-batch ``mb`` (this rank's part of it); with ``on_policy``,
-        its micro-batches' detached log-probs (n, T) are appended to ``current_out``."""
-        totals = self._accumulate_gradients(mb, micro, horizon, critic_only, on_policy, current_out)
-        totals["grad_norm"] = self._clip_and_step()
+        each micro-batch's rows of ``mb`` and its detached log-probs (n, T') are appended to
+        ``current_out``."""
+        totals = self._accumulate_gradients(mb, micro, horizon, critic_only, on_policy, current_out, penalty_coef)
+        totals.update(self._clip_and_step())
         return totals
 
     def mini_batch_gradients(self, batch: dict[str, Tensor], iteration: int = 0) -> dict[str, Tensor]:
@@ -284,8 +339,9 @@ class PPOTrainer:
         mb_index = self.parallel.shard(order[:min(self.cfg.mini_batch_size, n)])
         mb = {k: v[mb_index] for k, v in batch.items()}
         micro = min(self.cfg.micro_batch_size, self.cfg.mini_batch_size)
-        self._accumulate_gradients(mb, micro, batch["mask"].shape[1], iteration < self.cfg.train.critic_warmup,
-                                   True, [])
+        penalty_coef = self.penalty.value if self.penalty is not None else None
+        self._accumulate_gradients(mb, micro, self.horizon or batch["mask"].shape[1],
+                                   iteration < self.cfg.train.critic_warmup, True, [], penalty_coef)
         names = {id(p): name for name, p in self.policy.named_parameters()}
         grads = {names[id(p)]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                  for p in self.params}
@@ -293,14 +349,16 @@ class PPOTrainer:
         return grads
 
     def _global_normalizer(self, mask: Tensor, mode: str) -> Tensor:
-        """:func:`algo.aggregation_normalizer` of the whole mini-batch that the ranks' parts make up."""
+        """:func:`algo.aggregation_normalizer` of the whole mini-batch that the ranks' parts make
+        up: its token count (token-mean) or sequence count (the seq-mean modes)."""
         if self.parallel.world_size == 1:
             return algo.aggregation_normalizer(mask, mode)
         count = (mask != 0).sum() if mode == "token-mean" else torch.tensor(mask.shape[0], device=mask.device)
         return self.parallel.all_reduce(count.to(torch.int64)).clamp(min=1)
 
     def _accumulate_gradients(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
-                              on_policy: bool, current_out: list[Tensor] | None) -> dict[str, Tensor]:
+                              on_policy: bool, current_out: list | None,
+                              penalty_coef: float | None) -> dict[str, Tensor]:
         """Zero the gradients, backward every micro-batch of ``mb`` with the whole mini-batch's
         normaliser, sum the gradients over the ranks; the step's metrics (reduced over the ranks)."""
         a = self.cfg.algo
@@ -308,15 +366,21 @@ class PPOTrainer:
         normalizer = self._global_normalizer(mb["mask"], mode)
         self.optimizer.zero_grad()
         totals: dict[str, Tensor] = {}
-        n = mb["mask"].shape[0]
-        for start in range(0, n, micro):
-            part = {k: v[start:start + micro] for k, v in mb.items()}
+        budget = self.cfg.train.micro_batch_tokens
+        compact = getattr(self.policy, "compact", None) if budget is not None else None
+        width_key = "attention_mask" if "attention_mask" in mb else "mask"
+        for rows in algo.micro_batch_indices(mb, micro, budget):
+            part = {k: v[rows] for k, v in mb.items()}
+            if compact is not None:
+                part = compact(part)           # (n, T') tensors: this micro-batch's padding columns dropped
+            self._positions_real = self._positions_real + part[width_key].sum()     # no host sync here
+            self._positions_computed += part[width_key].numel()
             out = self.policy.evaluate(part)
             mask = part["mask"]
             # before the first step: the sampling policy's log-probs (off-policy: one update newer)
             current = out["log_prob"].detach() if on_policy else None
             if current is not None and current_out is not None:
-                current_out.append(current)
+                current_out.append((rows, current))
             share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
             # Losses computed with the mini-batch normalizer add up over micro-batches;
             # rates (clipfrac, approx_kl) are means over this micro-batch: weight by its share.
@@ -342,24 +406,29 @@ class PPOTrainer:
                         metrics["off_policy_kl"] = algo.aggregate(lag, mask, "token-mean")
                     else:                   # the policy that sampled this data: the ratio is exactly 1
                         old_log_prob = current
-                pg_loss, pg_metrics = algo.policy_loss(
-                    out["log_prob"], old_log_prob, part["advantages"], mask,
-                    lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,
-                    clip_ratio_c=a.clip_ratio_c, agg_mode=mode, ratio_level=a.ratio_level,
-                    normalizer=normalizer, horizon=horizon, diagnostics=False)
+                own = (dict(penalty_coef=penalty_coef) if penalty_coef is not None else
+                       dict(lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,
+                            clip_ratio_c=a.clip_ratio_c))
+                pg_loss, pg_metrics = self.policy_loss(
+                    out["log_prob"], old_log_prob, part["advantages"], mask, agg_mode=mode,
+                    ratio_level=a.ratio_level, normalizer=normalizer, horizon=horizon, diagnostics=False, **own)
                 loss = loss + pg_loss
                 losses["policy_loss"] = pg_loss.detach()
                 metrics["approx_kl"] = pg_metrics["approx_kl_k3"]
                 metrics["approx_kl_k1"] = pg_metrics["approx_kl_k1"]
                 metrics["clipfrac"] = pg_metrics["clipfrac"]
                 metrics["ratio_max"] = pg_metrics["ratio_max"]
+                if "kl_old" in pg_metrics:
+                    metrics["kl_old"] = pg_metrics["kl_old"]
                 if "entropy" in out:
                     entropy = algo.aggregate(out["entropy"], mask, mode, normalizer=normalizer, horizon=horizon)
                     if a.entropy_coeff:
                         loss = loss - a.entropy_coeff * entropy
                     losses["entropy"] = entropy.detach()
                 if a.beta > 0:
-                    kl = algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
+                    # "full": the exact KL over the vocabulary, which the policy computes from its logits
+                    kl = out["kl_full"] if a.kl_loss_type == "full" else \
+                        algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
                     kl_loss = algo.aggregate(kl, mask, mode, normalizer=normalizer, horizon=horizon)
                     loss = loss + a.beta * kl_loss
                     losses["kl_loss"] = kl_loss.detach()
@@ -379,7 +448,7 @@ class PPOTrainer:
     def _reduce_metrics(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
         """Step metrics over the ranks: sums (losses use the global normaliser, rates are
         weighted by each micro-batch's share of it), maxima for :data:`MAX_METRICS`."""
-        keys = sorted(totals)      # the same keys on every rank (a rank without samples has none: zeros)
+        keys = sorted(totals)      # the same keys on every rank (config: each rank has samples)
         out = {}
         for op in ("sum", "max"):
             names = [k for k in keys if (k in MAX_METRICS) == (op == "max")]
@@ -389,11 +458,14 @@ class PPOTrainer:
                 out.update(zip(names, packed))
         return out
 
-    def _clip_and_step(self) -> Tensor:
-        clip = self.cfg.train.grad_clip
-        max_norm = clip if clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        ok = bool(torch.isfinite(grad_norm))
+    def _clip_and_step(self) -> dict[str, Tensor]:
+        """Clip each group's gradient norm at its own limit, step; ``grad_norm/<group>`` before clipping."""
+        norms = {}
+        for name, params, clip in self.clip_groups:
+            if any(p.grad is not None for p in params):     # (critic_warmup: the actor has none)
+                max_norm = clip if clip is not None else float("inf")
+                norms[f"grad_norm/{name}"] = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).detach()
+        ok = all(bool(torch.isfinite(n)) for n in norms.values())
         if not ok:
             # A non-finite gradient would poison Adam's moments: skip this step.
             self.optimizer.zero_grad()
@@ -404,17 +476,22 @@ class PPOTrainer:
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()   # the schedule advances even when a step is skipped
         self.bad_steps.step(ok)   # raises TrainingDiverged after max_bad_steps bad steps in a row
-        return grad_norm.detach()
+        return norms
 
     # -------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "generator": self.generator.get_state(), "skipped_steps": self.skipped_steps,
-                "bad_steps": self.bad_steps.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "generator": self.generator.get_state(), "skipped_steps": self.skipped_steps,
+                 "bad_steps": self.bad_steps.state_dict()}
+        if self.penalty is not None:
+            state["penalty"] = self.penalty.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.penalty is not None:
+            self.penalty.load_state_dict(state["penalty"])
         self.bad_steps.load_state_dict(state.get("bad_steps", {}))

@@ -38,7 +38,11 @@ def make_workload(cfg: Config):
 
 
 def check_inputs(cfg: Config) -> None:
-    """Fail on a bad env id, model directory, data file or reward function before a run directory exists."""
+    """Fail on a bad env id, model directory, data file or reward function, or wandb asked for and not
+    usable, before a run directory exists."""
+    from ppokit.track import check_wandb
+
+    check_wandb(cfg)
     make_workload(cfg).check_inputs()
 
 

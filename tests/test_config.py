@@ -23,7 +23,7 @@ def expected_message(path: Path) -> str:
 
 
 def test_defaults_follow_seed_000():
-    # The hyperparameter names and defaults of the seed-000 PPO table.
+    # The hyperparameter names and defaults of the UnstableBaselines PPO table.
     a, t = C.AlgoConfig(), C.TrainConfig()
     assert (t.epochs, t.batch_size, t.micro_batch_size, t.learning_rate) == (2, 256, 1, 1e-5)
     assert (t.lr_scheduler_type, t.lr_warmup_ratio, t.grad_clip) == ("constant", 0.01, 0.2)
@@ -166,9 +166,9 @@ def test_config_show_prints_resolved_yaml():
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     # YAML 1.1 reads 2e5 and 1e-4 as strings; the CLI's own example uses train.total_steps=2e5.
     cfg = C.load_config("cartpole", ["train.total_steps=2e5", "train.learning_rate=1e-4",
-                                     "algo.entropy_coeff=-3E2", "network.hidden_sizes=[1e2, 64]"])
+                                     "network.init_log_std=-3E2", "network.hidden_sizes=[1e2, 64]"])
     assert cfg.train.total_steps == 200_000 and isinstance(cfg.train.total_steps, int)
-    assert cfg.train.learning_rate == 1e-4 and cfg.algo.entropy_coeff == -300.0
+    assert cfg.train.learning_rate == 1e-4 and cfg.network.init_log_std == -300.0
     assert cfg.network.hidden_sizes == [100, 64]
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  learning_rate: 3e-4\n")

@@ -81,15 +81,32 @@ def test_micro_batches_give_the_mini_batch_gradient(mode):
             assert part_metrics[key] == pytest.approx(full_metrics[key], rel=1e-5, abs=1e-6)
 
 
-def test_first_update_sees_ratio_one_when_old_log_prob_is_current():
+def test_the_batchs_old_log_probs_are_used_row_for_row():
+    """With the policy's own log-probs as old_log_prob and no learning, every mini-batch of
+    every epoch (the on-policy first one and the later ones that read the batch's
+    old_log_prob, shuffled) sees ratios of exactly 1: the rows are sliced together."""
     batch = make_batch()
     policy = ToyPolicy()
     with torch.no_grad():
         batch["old_log_prob"] = policy.evaluate(batch)["log_prob"]
-    cfg = lm_like_config(micro_batch_size=4)
-    metrics = PPOTrainer(cfg, policy, total_iterations=1).update(batch)
-    assert metrics["clipfrac"] == 0.0
-    assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    cfg = lm_like_config(micro_batch_size=4, mini_batch_size=6, epochs=3, learning_rate=1e-30)
+    trainer = PPOTrainer(cfg, policy, total_iterations=1)
+    ratios = []
+    loss = trainer.policy_loss
+
+    def spy(log_prob, old_log_prob, advantages, mask, **kwargs):
+        ratios.append(torch.exp(log_prob.detach() - old_log_prob)[mask.bool()])
+        return loss(log_prob, old_log_prob, advantages, mask, **kwargs)
+
+    trainer.policy_loss = spy
+    metrics = trainer.update(batch)
+    assert len(ratios) == 3 * 2 * 2
+    assert all(torch.equal(r, torch.ones_like(r)) for r in ratios)
+    assert metrics["clipfrac"] == 0.0 and metrics["approx_kl"] == 0.0 and metrics["old_log_prob_gap"] == 0.0
+    batch["old_log_prob"][5, 0] += 1.0            # one changed row shows up as a ratio != 1
+    ratios.clear()
+    trainer.update(batch)
+    assert sum(int((r != 1).sum()) for r in ratios[2:]) > 0
 
 
 def test_first_mini_batch_is_on_policy_and_reports_the_old_log_prob_gap(monkeypatch):
@@ -102,13 +119,13 @@ def test_first_mini_batch_is_on_policy_and_reports_the_old_log_prob_gap(monkeypa
     ratios = []
     cfg = lm_like_config(micro_batch_size=5, mini_batch_size=6, epochs=2)
     trainer = PPOTrainer(cfg, policy, total_iterations=1)
-    loss = algo.policy_loss
+    loss = trainer.policy_loss
 
     def spy(log_prob, old_log_prob, *args, **kwargs):
         ratios.append(torch.exp(log_prob.detach() - old_log_prob)[args[1].bool()])
         return loss(log_prob, old_log_prob, *args, **kwargs)
 
-    monkeypatch.setattr(algo, "policy_loss", spy)
+    trainer.policy_loss = spy
     metrics = trainer.update(batch)
     # 2 epochs x 2 mini-batches x 2 micro-batches: only the first mini-batch's are exactly 1
     assert len(ratios) == 8
@@ -201,15 +218,37 @@ def test_non_finite_gradient_skips_the_step():
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
-def test_beta_adds_the_reference_kl_to_the_loss():
+def lm_config(**sections):
+    """A validated language-model config (a reference exists: algo.beta may be > 0)."""
+    layer = {"workload": "lm", "train": {"iterations": 1, "batch_size": 12, "epochs": 1, "grad_clip": None,
+                                          "learning_rate": 0.1, "lr_warmup_ratio": 0.0, **sections.pop("train", {})},
+             "algo": {"entropy_coeff": 0.01, "clip_value": 0.2, **sections.pop("algo", {})}, **sections}
+    return build_config([layer])
+
+
+def test_beta_adds_the_reference_kl_to_the_loss_and_its_gradient():
+    """beta * KL(pi || ref), the k3 estimator, token-mean: the metric against a float64
+    formula, and the gradient it adds against autograd on that formula."""
     batch = make_batch()
-    base = lm_like_config(micro_batch_size=12)
-    metrics = PPOTrainer(base, ToyPolicy(), total_iterations=1).update(batch)
-    assert "kl_loss" not in metrics
-    # control configs refuse beta > 0 (no reference); switch it on after validation
-    base.algo.__dict__["beta"] = 0.5
-    metrics = PPOTrainer(base, ToyPolicy(), total_iterations=1).update(batch)
-    assert metrics["kl_loss"] > 0
+    grads = {}
+    for beta in (0.0, 0.5):
+        cfg = lm_config(train={"micro_batch_size": 12}, algo={"beta": beta, "kl_loss_type": "low_var_kl"})
+        policy = ToyPolicy()
+        trainer = PPOTrainer(cfg, policy, total_iterations=1)
+        captured = []
+        trainer.optimizer.step = lambda: captured.append([p.grad.clone() for p in trainer.params])
+        metrics = trainer.update(batch)
+        grads[beta] = captured[0]
+        assert ("kl_loss" in metrics) == (beta > 0)
+    policy = ToyPolicy().double()
+    m = batch["mask"].double()
+    log_prob = algo.log_probs_from_logits(policy.actor(batch["obs"].double()), batch["actions"])
+    d = (batch["ref_log_prob"].double() - log_prob).clamp(-20, 20)
+    kl = ((torch.exp(d) - d - 1).clamp(-10, 10) * m).sum() / m.sum()     # k3 (clamped as verl), token-mean
+    assert metrics["kl_loss"] == pytest.approx(kl.item(), rel=1e-5)
+    want = torch.autograd.grad(0.5 * kl, list(policy.actor.parameters()))
+    for with_kl, without, w in zip(grads[0.5][:2], grads[0.0][:2], want):
+        torch.testing.assert_close((with_kl - without).double(), w, rtol=1e-4, atol=1e-6)
 
 
 def test_missing_batch_key_is_named():

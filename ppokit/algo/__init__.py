@@ -18,6 +18,7 @@ Modules, one job each:
 - :mod:`.kl_hidden`   exact KL over the vocabulary from hidden states, chunked (no full logits)
 - :mod:`.logits`      chunked log-probs and entropy from logits
 - :mod:`.turns`       multi-turn credit: turn layout, turn-level GAE, per-turn group advantages
+- :mod:`.batching`    micro-batches by a token budget, sorted and balanced; padding fraction
 """
 
 from .advantages import (
@@ -31,6 +32,7 @@ from .advantages import (
     rloo_advantages,
 )
 from .aggregation import AGG_MODES, aggregate, aggregation_normalizer
+from .batching import fixed_micro_batches, micro_batch_indices, padding_fraction, row_tokens, token_budget_micro_batches
 from .kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -64,6 +66,11 @@ from .turns import (
 from .value_losses import value_loss
 
 __all__ = [
+    "fixed_micro_batches",
+    "micro_batch_indices",
+    "row_tokens",
+    "padding_fraction",
+    "token_budget_micro_batches",
     # registry
     "Registry",
     "UnknownNameError",

@@ -129,7 +129,7 @@ class ControlShardPlan:
     def requests(self, iteration: int) -> list[Any]:
         return [None] * self.num_shards
 
-    def merge(self, parts: list[Batch], states: list[dict[str, Any]]) -> Batch:
+    def merge(self, iteration: int, parts: list[Batch], states: list[dict[str, Any]]) -> Batch:
         self._merge_normalizers([s["normalizer"] for s in states])
         if len(parts) == 1:
             return parts[0]

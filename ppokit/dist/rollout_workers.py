@@ -65,9 +65,10 @@ class RolloutWorker:
         self.load_time = time.perf_counter() - start
         return self.load_time
 
-    def collect(self, iteration: int, request: Any, rng: dict[str, Any]) -> tuple[Batch, dict, Optional[dict], float]:
+    def collect(self, iteration: int, request: Any, rng: dict[str, Any]) -> tuple[Any, dict, Optional[dict], float,
+                                                                             Optional[int]]:
         """(this shard's part, the shard's state after it, the RNG state after it or None,
-        seconds the last weight load took)."""
+        seconds the last weight load took, the version of the weights that sampled it)."""
         if "state" in rng:                       # the driver's stream (one synchronous worker)
             restore_rng(rng["state"])
             part = self.source.collect_shard(iteration, request)
@@ -76,8 +77,7 @@ class RolloutWorker:
             with rollout_rngs(*rng["seed"]):
                 part = self.source.collect_shard(iteration, request)
             rng_after = None
-        part.policy_version = self.version
-        return part, self.source.state_dict(), rng_after, self.load_time
+        return part, self.source.state_dict(), rng_after, self.load_time, self.version
 
     def load_state(self, state: dict[str, Any]) -> list[str]:
         return list(self.source.load_state_dict(state) or [])
@@ -151,11 +151,12 @@ class RemoteSource:
                     break
                 except RayActorError:             # the worker died: a new one does the same work
                     future = self._restart(s, request)
-        parts, states, rng_after, load_times = zip(*results)
+        parts, states, rng_after, load_times, versions = zip(*results)
         self.shard_states = list(states)
         if rng_after[0] is not None:
             restore_rng(rng_after[0])
-        batch = self.plan.merge(list(parts), list(states))
+        batch = self.plan.merge(request.iteration, list(parts), list(states))
+        batch.policy_version = versions[0]
         batch.metrics["time_rollout_wait"] = time.perf_counter() - start
         batch.metrics["time_load_weights"] = max(load_times)
         if self.restarts:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ppokit.errors import Interrupted, UserError
+from ppokit.user_code import one_line_error
 
 from .base import OUTCOMES, Observation
 
@@ -64,16 +65,6 @@ class StepResult(NamedTuple):
 def env_label(env: Any, name: Optional[str] = None) -> str:
     """How errors name an environment: the given name, its registry name, or its class."""
     return name or getattr(env, "env_name", None) or type(env).__name__
-
-
-def one_line_error(exc: BaseException) -> str:
-    """``"ValueError: bad input"``: the exception's type and the first line of its message."""
-    if isinstance(exc, SystemExit):
-        return f"it called sys.exit({exc.code!r})"
-    if isinstance(exc, SyntaxError) and exc.msg:
-        return f"{type(exc).__name__}: {exc.msg}" + (f" (line {exc.lineno})" if exc.lineno else "")
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def _short(value: Any, limit: int = 40) -> str:

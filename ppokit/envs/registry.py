@@ -15,15 +15,13 @@ naming the spec and the fix.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
-import sys
-from pathlib import Path
 from typing import Any, Callable
 
 from ppokit.errors import UserError, did_you_mean
+from ppokit.user_code import is_user_spec, load_user_object, one_line_error
 
-from .checks import EnvError, one_line_error
+from .checks import EnvError
 
 __all__ = ["env_names", "load_env_factory", "make_env", "register_env"]
 
@@ -72,21 +70,11 @@ def load_env_factory(spec: Any) -> tuple[Callable[..., Any], str]:
             module_name, _, attr = factory.partition(":")
             factory = getattr(importlib.import_module(module_name), attr)
         return factory, name
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
+    if not is_user_spec(spec):
         raise EnvError(f"unknown environment '{spec}'{did_you_mean(spec, env_names(True)) or ';'} built-ins: "
                        f"{', '.join(env_names())}; or give module:Class or path/to/file.py:Class")
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _import_file(spec, target) if is_file else _import_module(spec, target)
-    if not hasattr(module, attr):
-        names = [n for n in vars(module) if not n.startswith("_") and inspect.isclass(getattr(module, n))]
-        hint = did_you_mean(attr, names)
-        listing = "" if hint else (f" (classes there: {', '.join(sorted(names)[:10])})" if names else "")
-        raise EnvError(f"environment '{spec}': {target} has no attribute '{attr}'{hint}{listing}")
-    factory = getattr(module, attr)
-    if not callable(factory):
-        raise EnvError(f"environment '{spec}': {attr} is a {type(factory).__name__}, not a class; point at a "
-                       "class with reset(seed=None) and step(action)")
+    factory = load_user_object(spec, what="environment", kind="class", error=EnvError, candidates=inspect.isclass,
+                               fix="point at a class with reset(seed=None) and step(action)")
     return factory, spec
 
 
@@ -135,33 +123,3 @@ def _check_kwargs(factory: Callable[..., Any], name: str, kwargs: dict[str, Any]
         signature.bind(**kwargs)
     except TypeError as exc:
         raise EnvError(f"environment '{name}': {exc}") from None
-
-
-def _import_module(spec: str, module_name: str):
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise EnvError(f"environment '{spec}': cannot import module '{module_name}' (no module named "
-                           f"'{exc.name}'); check the name, install it, or give path/to/file.py:Class") from None
-        raise EnvError(f"environment '{spec}': importing '{module_name}' failed: {one_line_error(exc)}") from None
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error in the user's module is the user's
-        raise EnvError(f"environment '{spec}': importing '{module_name}' failed: {one_line_error(exc)}") from None
-
-
-def _import_file(spec: str, path_text: str):
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise EnvError(f"environment '{spec}': file {path} does not exist")
-    module_name = f"ppokit_env_{abs(hash(str(path.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise EnvError(f"environment '{spec}': cannot load {path} as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # lets dataclasses inside the file work
-    try:
-        module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001
-        sys.modules.pop(module_name, None)
-        raise EnvError(f"environment '{spec}': running {path} failed: {one_line_error(exc)}") from None
-    return module

@@ -97,7 +97,7 @@ def run_demo(overrides: Sequence[str] = (), echo=print) -> dict[str, Any]:
     """
     from ppokit.config import load_config
     from ppokit.errors import UserError
-    from ppokit.rundir import create_run_dir
+    from ppokit.rundir import create_run_dir, release_locks
     from ppokit.workloads import train
 
     started = time.perf_counter()
@@ -108,7 +108,10 @@ def run_demo(overrides: Sequence[str] = (), echo=print) -> dict[str, Any]:
         raise UserError("the demo reports held-out accuracy; data.eval_size must be > 0")
     run_dir = create_run_dir(cfg, lock=True)
     echo(f"run directory: {run_dir}")
-    result = train(cfg, run_dir)
+    try:
+        result = train(cfg, run_dir)
+    finally:
+        release_locks()
     plot = plot_curves(run_dir, result.get("eval_history", ()))
     echo(f"reward curve: {plot}")
     try:   # the training curves of `ppokit plot` as well; a drawing failure must not lose the run

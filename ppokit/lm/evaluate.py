@@ -1,15 +1,14 @@
-"""Held-out evaluation of a language model: greedy answers scored by a verifier.
+"""Evaluation of a language model: greedy and sampled responses scored by a verifier.
 
 :func:`heldout_accuracy` generates through the run's one generation path
 (:class:`~ppokit.lm.rollout.RolloutEngine`, greedy) and scores the responses with the
 reward function: the accuracy, for 0/1 verifiers. The PPO run (before, during and after
-training), ``ppokit eval RUN_DIR`` and the supervised warm start all measure it so.
+training) and the supervised warm start measure it so, scoring through the run's reward
+pool (:func:`score_texts`).
 
-``ppokit eval RUN_DIR`` reads ``RUN_DIR/checkpoint`` (the end of training), else the
-newest periodic checkpoint, or RUN_DIR itself when it is a checkpoint directory. The
-held-out prompts and the reward function come from the run's config
-(``data.eval_prompts`` or the built-in task's held-out split, ``data.reward``), so the
-number is the one the run printed as "held-out accuracy after PPO".
+:func:`find_lm_checkpoint` is the checkpoint a run directory is evaluated from (its
+``checkpoint``, the end of training, else the newest periodic checkpoint, or a checkpoint
+directory itself); ``ppokit eval`` itself is :mod:`ppokit.lm.eval_report`.
 """
 
 from __future__ import annotations
@@ -23,15 +22,36 @@ from ppokit.lm.rewards import score_responses
 POLICY_META = "policy.json"
 
 
-def heldout_accuracy(engine, items: Sequence[dict[str, Any]], reward_fn: str | Callable[..., float], *,
-                     max_new_tokens: Optional[int] = None, return_responses: bool = False):
-    """Mean reward of ``engine``'s greedy responses to ``items`` (prompt records whose other
-    fields go to the reward). With ``return_responses``: ``(accuracy, responses, rewards)``."""
+def score_texts(reward, prompts: Sequence[str], texts: Sequence[str], items: Sequence[dict[str, Any]]):
+    """:class:`~ppokit.lm.reward_pool.RewardResults` of ``texts``: through ``reward.score`` when
+    ``reward`` is a scorer (a :class:`~ppokit.lm.reward_pool.RewardPool`: failures become
+    ``reward_on_error`` and are counted), else by calling the function in this process
+    (a failure is a :class:`UserError`)."""
+    from ppokit.lm.reward_pool import RewardResults
+
+    if hasattr(reward, "score"):
+        return reward.score(list(prompts), list(texts), list(items))
+    scores = score_responses(reward, list(prompts), list(texts), list(items))
+    return RewardResults(scores, [None] * len(scores), [None] * len(scores))
+
+
+def heldout_results(engine, items: Sequence[dict[str, Any]], reward, *, max_new_tokens: Optional[int] = None):
+    """``(rollout, RewardResults)`` of ``engine``'s greedy responses to ``items`` (prompt records
+    whose other fields go to the reward; ``reward``: a scorer or a function, :func:`score_texts`)."""
     if not items:
         raise UserError("the evaluation set is empty")
     prompts = [it["prompt"] for it in items]
     rollout = engine.generate(prompts, greedy=True, max_new_tokens=max_new_tokens, items=list(items))
-    rewards = score_responses(reward_fn, prompts, rollout.texts, list(items))
+    return rollout, score_texts(reward, prompts, rollout.texts, items)
+
+
+def heldout_accuracy(engine, items: Sequence[dict[str, Any]], reward_fn: str | Callable[..., float], *,
+                     max_new_tokens: Optional[int] = None, return_responses: bool = False):
+    """Mean reward of ``engine``'s greedy responses to ``items`` (prompt records whose other
+    fields go to the reward; ``reward_fn``: a function or a scorer, :func:`score_texts`). With
+    ``return_responses``: ``(accuracy, responses, rewards)``."""
+    rollout, results = heldout_results(engine, items, reward_fn, max_new_tokens=max_new_tokens)
+    rewards = results.scores
     accuracy = sum(rewards) / len(rewards)
     return (accuracy, rollout.texts, rewards) if return_responses else accuracy
 
@@ -75,45 +95,3 @@ def _config_of(ckpt: Path):
     if not isinstance(saved, dict):
         raise UserError(f"{ckpt}: no config found (neither {ckpt / META} nor the run's config.yaml)")
     return build_config([saved])     # an invalid config is a one-line ConfigError
-
-
-def evaluate_lm_run(run_dir: str | Path, size: Optional[int] = None) -> dict:
-    """``{"accuracy", "prompts", "checkpoint"}``: greedy mean reward over the held-out prompts."""
-    import torch
-
-    from ppokit.lm.device import one_thread_if_small, resolve_precision, run_device
-    from ppokit.lm.hf import load_tokenizer
-    from ppokit.lm.policy_io import load_policy
-    from ppokit.lm.rollout import RolloutEngine
-    from ppokit.lm.prompts import load_data
-
-    run_dir = Path(run_dir)
-    ckpt = find_lm_checkpoint(run_dir)
-    if ckpt is None:
-        raise UserError(f"{run_dir} has no language-model checkpoint (no {POLICY_META})")
-    cfg = _config_of(ckpt)
-    tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
-    _, eval_items, reward_fn = load_data(cfg, tokenizer, where=f"the checkpoint {ckpt}")
-    if size is not None:
-        if size < 1:
-            raise UserError(f"--prompts must be at least 1 (got {size})")
-        eval_items = eval_items[:size]
-    if reward_fn is None:
-        raise UserError(f"{run_dir}: the run is scored by its reward model alone, and held-out accuracy needs a "
-                        "verifier (data.reward); evaluate with a config that names one")
-    if not eval_items:
-        raise UserError(f"{run_dir}: the run has no held-out prompts (set data.eval_prompts, or use a built-in "
-                        "task, and data.eval_size > 0)")
-    device = run_device(cfg)
-    policy = load_policy(ckpt, device=device, autocast_dtype=resolve_precision(cfg.run.precision, device))
-    kv_cache = None
-    if cfg.model.cpu_kernels:
-        from ppokit.lm.accel import accelerate_policy
-
-        kv_cache = accelerate_policy(policy).kv_cache
-    if cfg.run.torch_threads:
-        torch.set_num_threads(cfg.run.torch_threads)
-    one_thread_if_small(cfg, policy, policy.device)
-    engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
-    accuracy = heldout_accuracy(engine, eval_items, reward_fn)
-    return {"accuracy": accuracy, "prompts": len(eval_items), "checkpoint": str(ckpt)}

@@ -110,6 +110,7 @@ class LMPolicy(nn.Module):
         self.temperature = float(temperature)
         self.autocast_dtype = autocast_dtype
         self.compute_entropy = compute_entropy
+        self.full_kl = False              # evaluate() adds kl_full (algo.kl_loss_type: full)
         self.trainable = True             # False: adapters stay frozen across swaps (inference)
         self._active: Optional[str] = None
         self._adapter_params: dict[str, list[nn.Parameter]] = {}
@@ -260,11 +261,17 @@ class LMPolicy(nn.Module):
             hidden = lm(**kwargs, output_hidden_states=True).hidden_states[-1]
         return hidden[:, start:start + R]
 
-    def _token_log_probs(self, lm: nn.Module, mb: dict[str, Tensor], entropy: bool) -> dict[str, Tensor]:
+    def _token_log_probs(self, lm: nn.Module, mb: dict[str, Tensor], entropy: bool,
+                         keep_hidden: bool = False) -> dict[str, Tensor]:
+        """``log_prob`` (and ``entropy``) (n, R) float32; with ``keep_hidden`` also ``hidden``
+        (n, R, H), the states the logits came from (models whose logits are lm_head(hidden))."""
         responses = mb["responses"]
+        out: dict[str, Tensor] = {}
         with self.autocast():
             if self._direct_head[id(lm)]:
                 hidden = self._hidden(lm, mb)                                 # (n, R, H)
+                if keep_hidden:
+                    out["hidden"] = hidden
                 head = lm.get_output_embeddings()
                 if getattr(head, "bias", None) is None and self.temperature != 1.0:
                     logits = head(hidden / self.temperature)                  # (n, R, V): W(h/T) = (Wh)/T
@@ -278,15 +285,54 @@ class LMPolicy(nn.Module):
                 logits = lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                             position_ids=mb["position_ids"], use_cache=False).logits[:, start:start + R]
                 logits = logits / self.temperature
-            out = {"log_prob": algo.log_probs_from_logits(logits, responses)}   # (n, R) float32
+            out["log_prob"] = algo.log_probs_from_logits(logits, responses)   # (n, R) float32
             if entropy:
                 out["entropy"] = algo.entropy_from_logits(logits)
         return out
 
-    def log_probs(self, mb: dict[str, Tensor], entropy: bool = False) -> dict[str, Tensor]:
+    def log_probs(self, mb: dict[str, Tensor], entropy: bool = False, keep_hidden: bool = False
+                  ) -> dict[str, Tensor]:
         """Actor log-probs (and entropy) of the response tokens, (n, R) float32."""
         with self.use(ACTOR):
-            return self._token_log_probs(self.lm, mb, entropy)
+            return self._token_log_probs(self.lm, mb, entropy, keep_hidden)
+
+    def kl_to_reference(self, mb: dict[str, Tensor], hidden: Optional[Tensor] = None) -> Tensor:
+        """The exact ``KL(pi || pi_ref)`` over the vocabulary at each response token, (n, R) float32.
+
+        ``sum_v p_v (log p_v - log q_v)`` on the temperature-scaled distributions of the actor
+        (``hidden``: its states from the pass that computed its log-probs; gradients flow
+        through them) and the reference (a no-grad pass). Computed from hidden states in
+        chunks of positions (:func:`ppokit.algo.kl_full_from_hidden`): no (n, R, V) float32
+        logits exist at once. A model whose logits are not ``lm_head(hidden)`` takes the
+        full logits of both.
+        """
+        ref_lm = self.lm if self.mode == "lora" else self.ref_lm
+        if ref_lm is None:
+            raise RuntimeError("no reference model loaded (full mode loads one only when a KL term needs it)")
+        if not self._direct_head[id(self.lm)]:
+            logits = self._full_logits(self.lm, mb, ACTOR)
+            with torch.no_grad(), self.reference():
+                ref_logits = self._full_logits(ref_lm, mb, None)
+            return algo.kl_full(logits, ref_logits)
+        if hidden is None:
+            hidden = self.log_probs(mb, keep_hidden=True)["hidden"]
+        with torch.no_grad(), self.reference(), self.autocast():
+            ref_hidden = self._hidden(ref_lm, mb)                              # (n, R, H)
+        head, ref_head = self.lm.get_output_embeddings(), ref_lm.get_output_embeddings()
+        return algo.kl_full_from_hidden(hidden, ref_hidden, head.weight,
+                                        None if ref_head is head else ref_head.weight,
+                                        bias=getattr(head, "bias", None),
+                                        ref_bias=None if ref_head is head else getattr(ref_head, "bias", None),
+                                        temperature=self.temperature)
+
+    def _full_logits(self, lm: nn.Module, mb: dict[str, Tensor], adapter: Optional[str]) -> Tensor:
+        """(n, R, V) temperature-scaled logits of the response positions (the general path)."""
+        R = mb["responses"].shape[1]
+        start = mb["input_ids"].shape[1] - R - 1
+        with (self.use(adapter) if adapter else contextlib.nullcontext()), self.autocast():
+            logits = lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                        position_ids=mb["position_ids"], use_cache=False).logits[:, start:start + R]
+        return logits.float() / self.temperature
 
     def ref_log_probs(self, mb: dict[str, Tensor]) -> Tensor:
         """Reference log-probs (n, R): the backbone without adapters, or the frozen copy."""
@@ -304,9 +350,35 @@ class LMPolicy(nn.Module):
         return self.value_head(hidden)
 
     # ------------------------------------------------------------------ trainer protocol
+    @staticmethod
+    def compact(micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``micro_batch`` without its padding columns: the prompt columns left of its longest
+        prompt and the response columns right of its longest response. ``input_ids``,
+        ``attention_mask`` and ``position_ids`` (n, P + R) become (n, P' + R'); every other
+        (n, R) tensor (``responses``, ``mask``, advantages, ...) becomes (n, R'). Only padding is
+        dropped (positions are kept as they were), so every pass gives the same values on the
+        real tokens."""
+        am = micro_batch["attention_mask"]                                   # (n, P + R)
+        R = micro_batch["responses"].shape[1]
+        P = am.shape[1] - R
+        response_len = max(int(am[:, P:].sum(1).max()), 1)                  # R'
+        prompt_start = int((am[:, :P].sum(0) > 0).int().argmax())            # first column any prompt uses
+        out = {}
+        for key, value in micro_batch.items():
+            if key in ("input_ids", "attention_mask", "position_ids"):
+                out[key] = value[:, prompt_start:P + response_len]
+            elif value.dim() >= 2 and value.shape[1] == R:
+                out[key] = value[:, :response_len]
+            else:
+                out[key] = value
+        return out
+
     def evaluate(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``log_prob``, ``values`` (with a critic) and ``entropy``, each (n, R) float32."""
-        out = self.log_probs(micro_batch, entropy=self.compute_entropy)
+        """``log_prob``, ``values`` (with a critic) and ``entropy``, each (n, R) float32; with
+        ``full_kl`` also ``kl_full``, the exact KL to the reference over the vocabulary."""
+        out = self.log_probs(micro_batch, entropy=self.compute_entropy, keep_hidden=self.full_kl)
+        if self.full_kl:
+            out["kl_full"] = self.kl_to_reference(micro_batch, hidden=out.pop("hidden", None))
         if self.has_critic:
             out["values"] = self.values(micro_batch)
         return out
@@ -415,6 +487,7 @@ def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_
         policy = LMPolicy(lm, ValueHead(_hidden_size(critic)) if need_critic else None, mode="full",
                           temperature=cfg.rollout.temperature, autocast_dtype=autocast_dtype, critic_lm=critic,
                           ref_lm=ref)
+    policy.full_kl = cfg.algo.beta > 0 and cfg.algo.kl_loss_type == "full"
     policy.to(device)
     policy.cast_frozen_weights(autocast_dtype)
     return policy

@@ -30,7 +30,8 @@ def chat_render(cfg: Config, tokenizer=None, where: Optional[str] = None):
 def load_data(cfg: Config, tokenizer=None, where: Optional[str] = None) -> tuple[list[dict], list[dict], Any]:
     """(train prompt records, held-out records, reward function), checked before any model loads.
 
-    The reward function is ``data.reward``, else the task's own; None for a prompt file
+    Files are read with ``data.prompt_key`` / ``data.answer_key``. The reward function is
+    ``data.reward``, else the task's own; None for a prompt file
     scored by ``data.reward_model`` alone (there is then no held-out accuracy). With
     ``data.chat_template`` the prompts come rendered with the chat template of
     ``tokenizer`` (``where`` names it in errors; default: model.path's tokenizer).
@@ -59,11 +60,12 @@ def load_data(cfg: Config, tokenizer=None, where: Optional[str] = None) -> tuple
         reward_spec = d.reward
     reward_fn = load_reward_fn(reward_spec) if reward_spec is not None else None
     chat = d.chat_template
-    train_items = load_prompts(d.prompts, "train", chat=chat)
+    keys = {"prompt_key": d.prompt_key, "answer_key": d.answer_key}
+    train_items = load_prompts(d.prompts, "train", chat=chat, **keys)
     if d.eval_size == 0:
         eval_items = []
     elif d.eval_prompts is not None:
-        eval_items = load_prompts(d.eval_prompts, "eval", chat=chat)[:d.eval_size]
+        eval_items = load_prompts(d.eval_prompts, "eval", chat=chat, **keys)[:d.eval_size]
     elif not from_file:
         eval_items = load_prompts(d.prompts, "eval", n=d.eval_size)
     else:

@@ -171,6 +171,7 @@ def check_record(record: dict[str, Any], where: str, *, require: Sequence[str] =
     ``require`` key a non-empty string (or chat messages for the prompt with ``chat``).
     ``where`` names the record in errors."""
     record = dict(record)
+    keys = ", ".join(record) or "none"          # as the user wrote them
     if RESERVED_FIELD in record:
         raise UserError(f'{where}: the field "{RESERVED_FIELD}" is reserved (the reward function gets the '
                         "model's response under that name); rename the field, e.g. to \"reference\"")
@@ -178,7 +179,7 @@ def check_record(record: dict[str, Any], where: str, *, require: Sequence[str] =
         if key == target:
             continue
         if key not in record:               # a column the user named: every record has it
-            raise UserError(f"{where}: missing \"{key}\" (keys: {', '.join(record) or 'none'})")
+            raise UserError(f"{where}: missing \"{key}\" (keys: {keys})")
         if target in record:
             raise UserError(f'{where}: has both "{key}" and "{target}"; "{key}" is mapped to "{target}" '
                             f"({target}_key={key}), so rename or drop the other")
@@ -186,7 +187,7 @@ def check_record(record: dict[str, Any], where: str, *, require: Sequence[str] =
     for key in require:
         source_key = _source_key(key, prompt_key, answer_key)
         if key not in record:
-            raise UserError(f"{where}: missing \"{source_key}\" (keys: {', '.join(record) or 'none'})")
+            raise UserError(f"{where}: missing \"{source_key}\" (keys: {keys})")
         if key == "prompt" and isinstance(record[key], list):
             _check_messages(record[key], chat, where, source_key)
         elif not isinstance(record[key], str) or not record[key]:

@@ -29,10 +29,8 @@ and exit when the trainer goes.
 
 :class:`InProcessScorer` has the same interface and scores in the calling process (no
 time limit): :func:`make_reward_scorer` uses it for the cheap built-ins
-(:data:`ppokit.lm.rewards.IN_PROCESS_REWARDS`), which cannot hang. Measured on two
-cores, a batch of 256 ``numeric_match`` samples took 4.0 ms in process against 7.0 ms
-in a pool of 2 workers (13 ms with 1 worker); a worker starts in 75 ms, 0.7 s for
-``math``.
+(:data:`ppokit.lm.rewards.IN_PROCESS_REWARDS`), which cannot hang and gain nothing
+from a pool's round trip (docs/performance.md, "Reward workers").
 """
 
 from __future__ import annotations
@@ -410,12 +408,13 @@ def _record(results: RewardResults, index: int, status: str, value: Any, note: O
 
 def _score_one(reward, index: int, prompt: str, response: str, fields: dict[str, Any]) -> tuple:
     """``(status, score or reason, note)`` for one sample."""
-    from ppokit.lm.rewards import _as_score, _one_line, split_outcome
+    from ppokit.lm.rewards import _as_score, split_outcome
+    from ppokit.user_code import one_line_error
 
     try:
         value = reward(prompt, response, **fields)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed
-        return "error", _one_line(exc), None
+        return "error", one_line_error(exc), None
     try:
         score = _as_score(value, reward.name, index, prompt)
     except UserError as exc:

@@ -27,17 +27,14 @@ sample gets ``reward_on_error`` and is counted.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ppokit.errors import UserError, did_you_mean
+from ppokit.user_code import is_user_spec, load_user_object, one_line_error
 
 RewardCallable = Callable[..., float]
 INTERNAL_PREFIX = "_ppokit"      # record keys ppokit keeps for itself (ppokit.lm.chat.RAW_PROMPT)
@@ -254,64 +251,12 @@ def load_reward_fn(spec: str | RewardCallable) -> RewardFunction:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return RewardFunction(BUILTIN_REWARDS[spec], spec)
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
+    if not is_user_spec(spec):
         raise UserError(f"unknown reward function '{spec}'{did_you_mean(spec, BUILTIN_REWARDS)} built-ins: "
                         f"{', '.join(BUILTIN_REWARDS)}; or give module:function or path/to/file.py:function")
-    module = _import_file(spec, target) if target.endswith(".py") or "/" in target or "\\" in target \
-        else _import_module(spec, target)
-    if not hasattr(module, attr):
-        names = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n))]
-        hint = did_you_mean(attr, names)
-        listing = "" if hint else (f" (functions there: {', '.join(sorted(names)[:10])})" if names else "")
-        raise UserError(f"reward function '{spec}': {target} has no attribute '{attr}'{hint}{listing}")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise UserError(f"reward function '{spec}': {attr} is a {type(fn).__name__}, not a function; "
-                        "point at a def taking (prompt, response, **fields)")
+    fn = load_user_object(spec, what="reward function", kind="function",
+                          fix="point at a def taking (prompt, response, **fields)")
     return RewardFunction(fn, spec)
-
-
-def _import_module(spec: str, name: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            raise UserError(f"reward function '{spec}': cannot import module '{name}' (no module named "
-                            f"'{exc.name}'); check the name, install it, or give path/to/file.py:function") from None
-        raise UserError(f"reward function '{spec}': importing '{name}' failed: {_one_line(exc)}") from None
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error in the user's module is the user's
-        raise UserError(f"reward function '{spec}': importing '{name}' failed: {_one_line(exc)}") from None
-
-
-def _import_file(spec: str, path_text: str):
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise UserError(f"reward function '{spec}': file {path} does not exist")
-    module_name = f"ppokit_reward_{abs(hash(str(path.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise UserError(f"reward function '{spec}': cannot load {path} as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module          # lets dataclasses/pickle inside the file work
-    try:
-        module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001
-        sys.modules.pop(module_name, None)
-        raise UserError(f"reward function '{spec}': running {path} failed: {_one_line(exc)}") from None
-    return module
-
-
-def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, SystemExit):
-        return f"it called sys.exit({exc.code!r})"
-    message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    text = message.strip().splitlines()
-    where = ""
-    if isinstance(exc, SyntaxError) and exc.lineno:
-        where = f" (line {exc.lineno})"
-        text = [exc.msg]
-    return f"{type(exc).__name__}: {text[0] if text else ''}{where}".rstrip(": ")
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -341,7 +286,7 @@ def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses:
             value = reward(prompt, response, **fields)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed
             raise UserError(f"reward function '{reward.name}' failed on sample {i} (prompt {_short(prompt)}): "
-                            f"{_one_line(exc)}") from None
+                            f"{one_line_error(exc)}") from None
         scores.append(_as_score(value, reward.name, i, prompt))
     return scores
 

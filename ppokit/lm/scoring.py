@@ -15,6 +15,10 @@ sequences, under no_grad, and turns the sequence rewards into token rewards::
                           prompts are shuffled, so the K rows are a random sample)
     old_values    (N, R)  critic: V(state before response token t)
 
+With ``micro_batch_tokens`` (``train.micro_batch_tokens``) the chunks are formed by a
+token budget instead (rows of similar length, each chunk cut to its longest row:
+:mod:`ppokit.algo.batching`).
+
 Without ``need_old_log_prob`` the actor pass is skipped and ``old_log_prob`` left out:
 for an update that is fully on-policy (one epoch, one mini-batch: see
 :mod:`ppokit.trainer`) whose rewards carry no KL term, the update's own forward pass
@@ -23,8 +27,12 @@ without a critic or a KL term is left with the reference on the ``metric_rows`` 
 
 :func:`token_rewards` puts each sequence's reward on its last real response token
 (the EOS, or the last token of a truncated response; never on padding) and, with
-``algo.use_kl_in_reward``, subtracts ``kl_coef * KL_t`` on every response token, the
-coefficient coming from a fixed or adaptive controller (:mod:`ppokit.algo.kl`).
+``algo.use_kl_in_reward``, subtracts ``kl_coef * KL_t`` on every response token (a
+per-token estimator, or with ``algo.kl_penalty: full`` the exact KL over the vocabulary),
+the coefficient coming from a fixed or adaptive controller (:mod:`ppokit.algo.kl`). The
+adaptive controller's input is verl's: the mean over sequences of each sequence's mean
+KL per token (:func:`ppokit.algo.mean_sequence_kl`), so ``algo.kl_ctrl.target_kl`` is a
+KL per token.
 """
 
 from __future__ import annotations
@@ -50,9 +58,10 @@ class Scorer:
 
     def __init__(self, policy, infer_micro_batch_size: int, *, need_reference: bool,
                  metric_rows: Optional[int] = None, need_old_log_prob: bool = True,
-                 kl_ctrl=None, kl_penalty: str = "kl"):
+                 kl_ctrl=None, kl_penalty: str = "kl", micro_batch_tokens: Optional[int] = None):
         self.policy = policy
         self.chunk = infer_micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.need_old_log_prob = need_old_log_prob or kl_ctrl is not None
         self.need_reference = (need_reference or kl_ctrl is not None) and policy.has_reference
         # no KL term: reference log-probs of a few rows only, for the kl_ref metric
@@ -71,11 +80,14 @@ class Scorer:
         mask = t["mask"]
         kl = None
         if self.kl_ctrl is not None:
-            kl = kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)      # (N, R)
+            kl = t.pop("kl_full") * mask if self.kl_penalty == "full" else \
+                kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)      # (N, R)
         t["rewards"] = token_rewards(t["scores"], mask, kl=kl, kl_coef=self.kl_ctrl.value if kl is not None else 0.0)
         if kl is not None:
-            batch.metrics["kl_coef"] = self.kl_ctrl.value
-            self.kl_ctrl.update(kl.sum(1).mean().item(), len(batch))
+            # verl's controller input: each sequence's mean KL per token, averaged over the batch
+            reward_kl = algo.mean_sequence_kl(kl, mask).item()
+            batch.metrics.update(kl_coef=self.kl_ctrl.value, reward_kl=reward_kl)
+            self.kl_ctrl.update(reward_kl, len(batch))
         batch.metrics["score_tokens_per_s"] = float(t["attention_mask"].sum()) / max(time.perf_counter() - start,
                                                                                       1e-9)
 
@@ -89,24 +101,30 @@ class Scorer:
     @torch.no_grad()
     def forward_passes(self, tensors: dict[str, Tensor], old_log_prob: bool = True) -> dict[str, Tensor]:
         """The passes on a rollout's tensors (``input_ids``, ..., ``mask``), each (N, R) and 0 on
-        padding; ``old_log_prob=False``: not the actor's (the rollout has them)."""
-        n = tensors["mask"].shape[0]
+        padding; ``old_log_prob=False``: not the actor's (a rollout that ran ahead has them)."""
         need_old = self.need_old_log_prob and old_log_prob
-        parts: dict[str, list[Tensor]] = {"old_values": []}
-        if need_old:
-            parts["old_log_prob"] = []
-        if self.need_reference:
-            parts["ref_log_prob"] = []
-        inputs = {k: tensors[k] for k in POLICY_INPUTS}
-        for s in range(0, n, self.chunk):
-            mb = {k: v[s:s + self.chunk] for k, v in inputs.items()}
-            if need_old:
-                parts["old_log_prob"].append(self.policy.log_probs(mb)["log_prob"])
-            parts["old_values"].append(self.policy.values(mb))
-            if self.need_reference:
-                parts["ref_log_prob"].append(self.policy.ref_log_probs(mb))
         mask = tensors["mask"]
-        out = {k: torch.cat(v) * mask for k, v in parts.items()}   # zeros on padding
+        names = ["old_values"] + (["old_log_prob"] if need_old else []) \
+            + (["ref_log_prob"] if self.need_reference else []) \
+            + (["kl_full"] if self.kl_ctrl is not None and self.kl_penalty == "full" else [])
+        out = {k: torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for k in names}   # (N, R)
+        inputs = {k: tensors[k] for k in POLICY_INPUTS}
+        n = mask.shape[0]
+        for rows in algo.micro_batch_indices(tensors, self.chunk, self.micro_batch_tokens):
+            if isinstance(rows, slice):             # rows in order: a view of the batch
+                mb = {k: v[rows] for k, v in inputs.items()}
+            else:                                   # rows of similar length, cut to their longest
+                rows = rows.to(mask.device)
+                mb = self.policy.compact({k: v[rows] for k, v in inputs.items()})
+            width = mb["responses"].shape[1]
+            if need_old:
+                out["old_log_prob"][rows, :width] = self.policy.log_probs(mb)["log_prob"].float()
+            out["old_values"][rows, :width] = self.policy.values(mb).float()
+            if self.need_reference:
+                out["ref_log_prob"][rows, :width] = self.policy.ref_log_probs(mb).float()
+            if "kl_full" in out:
+                out["kl_full"][rows, :width] = self.policy.kl_to_reference(mb).float()
+        out = {k: v * mask for k, v in out.items()}                 # zeros on padding
         if self.metric_rows:
             k = min(self.metric_rows, n)
             out["ref_log_prob_metric"] = self.policy.ref_log_probs(

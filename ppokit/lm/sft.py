@@ -223,7 +223,7 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
         raise UserError("no held-out examples to evaluate SFT on")
     out = Path(out_dir)
     check_output_dir(out, "choose a new or empty output directory", replace=overwrite)   # before the work
-    reward = load_reward_fn(reward_fn)
+    reward = reward_fn if hasattr(reward_fn, "score") else load_reward_fn(reward_fn)   # a scorer: the run's pool
     settings = {"model_dir": str(model_dir), "examples": len(examples), "eval_examples": len(eval_set),
                 "epochs_max": epochs_max, "batch_size": batch_size, "learning_rate": learning_rate,
                 "patience": patience, "eval_every": eval_every, "min_epochs": min_epochs, "seed": seed,

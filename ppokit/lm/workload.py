@@ -31,9 +31,11 @@ coefficient).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,7 +45,7 @@ from ppokit.components import Batch, Components
 from ppokit.config import Config
 from ppokit.errors import UserError
 from ppokit.lm.device import one_thread_if_small, resolve_precision, run_device
-from ppokit.lm.evaluate import heldout_accuracy
+from ppokit.lm.evaluate import heldout_results
 from ppokit.lm.prompts import chat_render, load_data
 from ppokit.lm.scoring import Scorer, kl_ref_metric
 from ppokit.resume import all_finite, rollout_rngs
@@ -59,21 +61,39 @@ UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask
 
 
 # ----------------------------------------------------------------------------- components
+# the RNG stream of the rewards of a rollout that runs ahead (rollout.off_policy_steps=1)
+REWARD_STREAM = 2**31
+
+
+@dataclass
+class RolloutPart:
+    """What generation gives (in-process, or a rollout worker's shard): the sequences and,
+    with ``rollout.off_policy_steps=1``, the sampling policy's log-probs of their tokens."""
+
+    rollout: Any                                   # a ppokit.lm.rollout.RolloutBatch
+    old_log_prob: Optional[torch.Tensor] = None    # (N, R) behaviour log-probs, 0 on padding
+    behaviour_time: float = 0.0
+
+
 class LMSource:
     """Prompts in, scored responses out: ``collect() -> Batch``.
 
-    Also a rollout worker's source (:class:`ppokit.components.ShardSource`, ``prompts``
-    None): :meth:`collect_shard` answers the prompts it is sent with its own policy copy.
-    With ``rollout.off_policy_steps=1`` the rollout's ``old_log_prob`` are the sampling
-    (behaviour) policy's, computed right after generation by ``policy`` in the scorer's
-    chunks and code: the update, one version later, takes its ratios against them.
+    Two steps: :meth:`collect_shard` generates (on a rollout worker, a shard of the
+    prompts; there ``prompts`` and ``rewards`` are None) and :meth:`finish` scores the
+    responses and measures them where the prompts' position and the rewards' state live
+    (the training process). With ``rollout.off_policy_steps=1`` generation also returns
+    the sampling (behaviour) policy's log-probs, computed by ``policy`` in the scorer's
+    chunks right after generation: the update, one version later, takes its ratios
+    against them.
     """
 
     steps_per_iteration = None
 
-    def __init__(self, cfg: Config, engine, prompts, reward_model, reward_fn, device: torch.device, policy=None):
+    def __init__(self, cfg: Config, engine, prompts, rewards, device: torch.device, dropped_prompts: int = 0,
+                 policy=None):
         self.cfg, self.engine, self.prompts = cfg, engine, prompts
-        self.reward_model, self.reward_fn, self.device = reward_model, reward_fn, device
+        self.rewards, self.device = rewards, device        # a SequenceRewards
+        self.dropped_prompts = dropped_prompts
         self.policy = policy
         self.policy_version = 0                    # the learner's version of the actor's weights
         self.pending: Optional[tuple[int, Batch]] = None    # a prefetched iteration and its batch
@@ -89,35 +109,21 @@ class LMSource:
         self.pending = (iteration, self._collect(iteration, self.prompts.next_batch()))
 
     def _collect(self, iteration: int, items: list[dict]) -> Batch:
-        if self.cfg.rollout.off_policy_steps:     # seeded per iteration: the same on a Ray worker
-            with rollout_rngs(self.cfg.seed, iteration):
-                return self.collect_shard(iteration, items)
-        return self.collect_shard(iteration, items)
+        if not self.cfg.rollout.off_policy_steps:
+            return self.finish(iteration, self.collect_shard(iteration, items))
+        with rollout_rngs(self.cfg.seed, iteration):       # seeded per iteration: the same on a Ray worker
+            part = self.collect_shard(iteration, items)
+        return self.finish(iteration, part)
 
-    def collect_shard(self, iteration: int, request: list[dict]) -> Batch:
-        """Responses to the prompt records ``request`` (``group_size`` each), with their rewards."""
-        items = request
-        rollout = self.engine.generate([x["prompt"] for x in items], group_size=self.cfg.algo.group_size,
-                                       items=items)
+    def collect_shard(self, iteration: int, request: list[dict]) -> RolloutPart:
+        """Responses to the prompt records ``request`` (``group_size`` each)."""
+        rollout = self.engine.generate([x["prompt"] for x in request], group_size=self.cfg.algo.group_size,
+                                       items=request)
+        if not self.cfg.rollout.off_policy_steps:
+            return RolloutPart(rollout)
         start = time.perf_counter()
-        scores, reward_parts = sequence_scores(rollout, self.reward_model, self.reward_fn, self.device)   # (N,)
-        time_reward = time.perf_counter() - start
-        if not math.isfinite(scores.mean().item()):
-            raise UserError(f"iteration {iteration}: reward_mean is {scores.mean().item()}; check the reward "
-                            "function (the metrics so far are in metrics.jsonl)")
-        lengths = rollout.response_lengths
-        metrics = {"reward_mean": scores.mean().item(), "reward_std": scores.std(unbiased=False).item(),
-                   "reward_max": scores.max().item(), "response_length": lengths.mean().item(),
-                   "truncated_frac": rollout.truncated.float().mean().item(),
-                   "time_generate": rollout.generation_time, "time_reward": time_reward,
-                   "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9), **reward_parts}
-        tensors = {**rollout.tensors(), "scores": scores, "group_ids": rollout.group_ids}
-        if self.cfg.rollout.off_policy_steps:
-            start = time.perf_counter()
-            tensors["old_log_prob"] = self.behaviour_log_probs(tensors)
-            metrics["time_behaviour_log_prob"] = time.perf_counter() - start
-        return Batch(tensors=tensors, samples=rollout_samples(rollout, scores, self.cfg.run.log_samples),
-                     metrics=metrics, policy_version=self.policy_version)
+        old_log_prob = self.behaviour_log_probs(rollout.tensors())
+        return RolloutPart(rollout, old_log_prob, time.perf_counter() - start)
 
     @torch.no_grad()
     def behaviour_log_probs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -127,7 +133,38 @@ class LMSource:
         n, chunk = tensors["mask"].shape[0], self.cfg.train.infer_micro_batch_size
         parts = [self.policy.log_probs({k: tensors[k][s:s + chunk] for k in POLICY_INPUTS})["log_prob"]
                  for s in range(0, n, chunk)]
-        return torch.cat(parts) * tensors["mask"]
+        return torch.cat(parts).float() * tensors["mask"]
+
+    def finish(self, iteration: int, part: RolloutPart) -> Batch:
+        """The batch of a rollout: sequence rewards (seeded per iteration when the rollout ran
+        ahead), metrics and samples."""
+        rollout = part.rollout
+        seeded = rollout_rngs(self.cfg.seed, iteration, REWARD_STREAM) if self.cfg.rollout.off_policy_steps \
+            else contextlib.nullcontext()
+        start = time.perf_counter()
+        with seeded:
+            scores, reward_metrics, marks = self.rewards(rollout)                       # (N,)
+        scores = scores.to(self.device)
+        time_reward = time.perf_counter() - start
+        if not math.isfinite(scores.mean().item()):
+            raise UserError(f"iteration {iteration}: reward_mean is {scores.mean().item()}; check the reward "
+                            "function (the metrics so far are in metrics.jsonl)")
+        lengths = rollout.response_lengths
+        metrics = {"reward_mean": scores.mean().item(), "reward_std": scores.std(unbiased=False).item(),
+                   "reward_max": scores.max().item(), "response_length": lengths.mean().item(),
+                   "truncated_frac": rollout.truncated.float().mean().item(),
+                   "time_generate": rollout.generation_time, "time_reward": time_reward,
+                   "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9),
+                   "data_epoch": self.prompts.epoch + self.prompts.position / len(self.prompts.items),
+                   **reward_metrics}
+        if self.dropped_prompts:
+            metrics["prompts_dropped"] = float(self.dropped_prompts)
+        tensors = {**rollout.tensors(), "scores": scores, "group_ids": rollout.group_ids}
+        if part.old_log_prob is not None:
+            tensors["old_log_prob"] = part.old_log_prob.to(self.device)
+            metrics["time_behaviour_log_prob"] = part.behaviour_time
+        return Batch(tensors=tensors, samples=rollout_samples(rollout, scores, self.cfg.run.log_samples, marks),
+                     metrics=metrics, policy_version=self.policy_version)
 
     def sync_weights(self, learner: "LMLearner") -> None:
         """Nothing to copy: generation runs the learner's own policy."""
@@ -145,14 +182,18 @@ class LMSource:
             self.policy.lm.load_state_dict(weights)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"prompts": self.prompts.state_dict()} if self.prompts is not None else {}
+        if self.prompts is None:              # a rollout worker's: nothing of its own
+            return {}
+        state: dict[str, Any] = {"prompts": self.prompts.state_dict(), "rewards": self.rewards.state_dict()}
         if self.pending is not None:
             state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
-        if self.prompts is not None:
-            self.prompts.load_state_dict(state["prompts"])
+        if self.prompts is None:
+            return []
+        self.prompts.load_state_dict(state["prompts"])
+        self.rewards.load_state_dict(state.get("rewards", {}))      # (absent in checkpoints before it existed)
         pending = state.get("pending")
         self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
         return []
@@ -160,67 +201,65 @@ class LMSource:
 
 class LMShardPlan:
     """The driver's side of N rollout workers: each iteration's prompts (drawn here, as
-    in-process) go out in N contiguous slices of whole groups; the parts come back in
-    that order, padded to one layout (one worker: its batch as it is)."""
+    in-process) go out in N contiguous slices of whole groups; the generated parts come
+    back in that order, are padded to one layout (one worker: its part as it is) and
+    scored here by the run's own source (:meth:`LMSource.finish`: rewards, their state,
+    the prompts' position)."""
 
     steps_per_iteration = None
 
-    def __init__(self, prompts, num_shards: int, pad_id: int, log_samples: int):
-        self.prompts, self.num_shards, self.pad_id, self.log_samples = prompts, num_shards, pad_id, log_samples
+    def __init__(self, source: LMSource, num_shards: int):
+        self.source, self.num_shards = source, num_shards
 
     def requests(self, iteration: int) -> list[list[dict]]:
-        items = self.prompts.next_batch()
+        items = self.source.prompts.next_batch()
         k = len(items) // self.num_shards
         return [items[i * k:(i + 1) * k] for i in range(self.num_shards)]
 
-    def merge(self, parts: list[Batch], states: list[dict[str, Any]]) -> Batch:
-        return parts[0] if len(parts) == 1 else concat_lm_batches(parts, self.pad_id, self.log_samples)
+    def merge(self, iteration: int, parts: list[RolloutPart], states: list[dict[str, Any]]) -> Batch:
+        part = parts[0] if len(parts) == 1 else concat_parts(parts, self.source.engine.pad_id)
+        return self.source.finish(iteration, part)
 
     def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"prompts": self.prompts.state_dict()}
+        return self.source.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> tuple[list[Optional[dict[str, Any]]], list[str]]:
-        self.prompts.load_state_dict(state["prompts"])
-        return [None] * self.num_shards, []
+        return [None] * self.num_shards, self.source.load_state_dict(state)
 
 
-def concat_lm_batches(parts: list[Batch], pad_id: int, log_samples: int) -> Batch:
-    """One batch from rollout parts of different widths: prompts left-padded to the longest
-    prompt P, responses right-padded to the longest response R (the layout of
-    :mod:`ppokit.lm.rollout`); ``group_ids`` renumbered; metrics over all sequences."""
-    from ppokit.lm.rollout import position_ids_from
+def concat_parts(parts: list[RolloutPart], pad_id: int) -> RolloutPart:
+    """One rollout from parts of different widths: prompts left-padded to the longest prompt
+    P, responses right-padded to the longest response R (the layout of
+    :mod:`ppokit.lm.rollout`); ``group_ids`` renumbered; the slowest part's generation time."""
+    from ppokit.lm.rollout import RolloutBatch, position_ids_from
 
-    widths = [(p.tensors["input_ids"].shape[1] - p.tensors["responses"].shape[1], p.tensors["responses"].shape[1])
-              for p in parts]
+    rollouts = [p.rollout for p in parts]
+    widths = [(r.prompt_length, r.responses.shape[1]) for r in rollouts]
     P, R = max(w[0] for w in widths), max(w[1] for w in widths)
     pad = torch.nn.functional.pad
     cols: dict[str, list[torch.Tensor]] = {}
     offset = 0
-    for part, (p, r) in zip(parts, widths):
-        t = part.tensors
+    for part, r, (p, n) in zip(parts, rollouts, widths):
         for key, value in (("input_ids", pad_id), ("attention_mask", 0)):
-            prompt, response = t[key][:, :p], t[key][:, p:]
-            cols.setdefault(key, []).append(torch.cat([pad(prompt, (P - p, 0), value=value),
-                                                       pad(response, (0, R - r), value=value)], 1))   # (n, P + R)
-        for key, value in (("responses", pad_id), ("mask", 0.0), ("old_log_prob", 0.0)):
-            if key in t:
-                cols.setdefault(key, []).append(pad(t[key], (0, R - r), value=value))                  # (n, R)
-        cols.setdefault("scores", []).append(t["scores"])
-        cols.setdefault("group_ids", []).append(t["group_ids"] + offset)
-        offset += int(t["group_ids"].max()) + 1 if len(t["group_ids"]) else 0
-    tensors = {k: torch.cat(v) for k, v in cols.items()}
-    tensors["position_ids"] = position_ids_from(tensors["attention_mask"])
-    scores, lengths = tensors["scores"], tensors["mask"].sum(1)
-    sizes = [len(p) for p in parts]
-    metrics = {}
-    for key in parts[0].metrics:
-        values = [p.metrics[key] for p in parts]
-        metrics[key] = max(values) if key.startswith("time_") else sum(v * n for v, n in zip(values, sizes)) / sum(sizes)
-    metrics.update(reward_mean=scores.mean().item(), reward_std=scores.std(unbiased=False).item(),
-                   reward_max=scores.max().item(), response_length=lengths.mean().item(),
-                   gen_tokens_per_s=lengths.sum().item() / max(metrics.get("time_generate", 0.0), 1e-9))
-    samples = [s for p in parts for s in p.samples][:log_samples]
-    return Batch(tensors=tensors, samples=samples, metrics=metrics, policy_version=parts[0].policy_version)
+            t = getattr(r, key)
+            cols.setdefault(key, []).append(torch.cat([pad(t[:, :p], (P - p, 0), value=value),
+                                                       pad(t[:, p:], (0, R - n), value=value)], 1))   # (n, P + R)
+        cols.setdefault("responses", []).append(pad(r.responses, (0, R - n), value=pad_id))            # (n, R)
+        cols.setdefault("mask", []).append(pad(r.mask, (0, R - n), value=0.0))
+        if part.old_log_prob is not None:
+            cols.setdefault("old_log_prob", []).append(pad(part.old_log_prob, (0, R - n), value=0.0))
+        cols.setdefault("truncated", []).append(r.truncated)
+        cols.setdefault("group_ids", []).append(r.group_ids + offset)
+        offset += int(r.group_ids.max()) + 1 if len(r.group_ids) else 0
+    t = {k: torch.cat(v) for k, v in cols.items()}
+    old_log_prob = t.pop("old_log_prob", None)
+    merged = RolloutBatch(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                          position_ids=position_ids_from(t["attention_mask"]), responses=t["responses"],
+                          mask=t["mask"], truncated=t["truncated"], group_ids=t["group_ids"],
+                          prompts=[x for r in rollouts for x in r.prompts], texts=[x for r in rollouts for x in r.texts],
+                          items=[x for r in rollouts for x in r.items],
+                          generation_time=max(r.generation_time for r in rollouts))
+    return RolloutPart(merged, old_log_prob, max(p.behaviour_time for p in parts))
 
 
 class LMLearner:
@@ -228,8 +267,10 @@ class LMLearner:
 
     def __init__(self, cfg: Config, policy, tokenizer, model_path: Path, parallel: Optional[DataParallel] = None):
         self.cfg, self.policy, self.tokenizer, self.model_path = cfg, policy, tokenizer, model_path
-        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations, parallel=parallel)
-        self.keys = UPDATE_KEYS + (("ref_log_prob",) if cfg.algo.beta > 0 else ())
+        # Dr.GRPO's constant: the generation budget, whatever the iteration's longest response
+        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations, horizon=cfg.rollout.max_new_tokens,
+                                  parallel=parallel)
+        self.keys = UPDATE_KEYS + (("ref_log_prob",) if needs_ref_log_prob(cfg) else ())
         self.policy_version = 0
 
     def needs_scored_old_log_prob(self) -> bool:
@@ -243,6 +284,9 @@ class LMLearner:
         start = time.perf_counter()
         metrics = self.trainer.update({k: t[k] for k in self.keys if k in t}, iteration)
         seconds = time.perf_counter() - start
+        if "padding_frac" in metrics:      # before: fixed micro-batches of the batch's full width; after: computed
+            metrics["padding_frac_before"] = 1.0 - float(t["attention_mask"].sum()) / t["attention_mask"].numel()
+            metrics["padding_frac_after"] = metrics.pop("padding_frac")
         metrics["train_tokens_per_s"] = float(t["attention_mask"].sum()) * metrics["epochs"] / max(seconds, 1e-9)
         if "old_log_prob" not in t:      # fully on-policy: the update's own pass gave them
             t["old_log_prob"] = self.trainer.on_policy_log_prob * t["mask"]
@@ -281,7 +325,7 @@ class LMLearner:
 
         save_policy(self.policy, directory, base_model=str(self.model_path), tokenizer=self.tokenizer)
 
-    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
+    def load_state_dict(self, state: dict[str, Any], directory: Optional[Path]) -> None:
         from ppokit.lm.policy_io import load_trained_state
 
         if directory is not None:      # None: the weights come through load_trained_weights
@@ -292,21 +336,31 @@ class LMLearner:
 
 class LMEvaluator:
     """Greedy held-out accuracy (mean reward of ``data.reward`` or the task's verifier):
-    before training, every ``data.eval_every`` iterations and after training."""
+    before training, every ``data.eval_every`` iterations and after training. ``reward``:
+    the run's reward scorer (the reward pool: a failing or hanging sample gets
+    ``data.reward_on_error`` and is counted as ``eval_reward_errors``)."""
 
     at_start = True
 
-    def __init__(self, cfg: Config, engine, items: list[dict], reward_fn):
-        self.engine, self.items, self.reward_fn = engine, items, reward_fn
+    def __init__(self, cfg: Config, engine, items: list[dict], reward):
+        self.engine, self.items, self.reward = engine, items, reward
         self.every = cfg.data.eval_every
+        self.max_reward_errors = cfg.data.max_reward_errors
         self.before: Optional[float] = None
 
     def evaluate(self, phase: str) -> dict[str, float]:
-        accuracy = heldout_accuracy(self.engine, self.items, self.reward_fn)
+        from ppokit.lm.reward_pool import check_error_limit
+
+        _, results = heldout_results(self.engine, self.items, self.reward)
+        check_error_limit(results, self.max_reward_errors, getattr(self.reward, "name", "reward"))
+        accuracy = sum(results.scores) / len(results.scores)
         if phase == "before":
             self.before = accuracy
         key = {"before": "eval_accuracy_before", "final": "eval_accuracy_after"}.get(phase, "eval_accuracy")
-        return {key: accuracy}
+        out = {key: accuracy}
+        if results.num_errors:
+            out["eval_reward_errors"] = float(results.num_errors)
+        return out
 
     def message(self, phase: str, metrics: dict[str, float]) -> Optional[str]:
         if phase == "before":
@@ -341,10 +395,14 @@ class LMWorkload:
         """Prompts, held-out set, reward function and model directory, before a run directory exists."""
         from ppokit.lm.hf import causal_lm_config, load_tokenizer
 
-        load_data(self.cfg)
-        if self.cfg.model.path != "tiny":
-            causal_lm_config(self.cfg.model.path)
-            load_tokenizer(self.cfg.model.path)
+        cfg = self.cfg
+        train_items, eval_items, _ = load_data(cfg)
+        if cfg.model.path != "tiny":
+            causal_lm_config(cfg.model.path)
+            load_tokenizer(cfg.model.path)
+        if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
+            train_items, _, _ = drop_long(cfg, train_items, eval_items, [])
+            check_token_budget(cfg, prompt_tokenizer(cfg), train_items)
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         from ppokit.lm.policy_io import read_policy_meta
@@ -352,26 +410,17 @@ class LMWorkload:
         read_policy_meta(path)          # the policy's files are there (a UserError names what is wrong)
 
     def shard_plan(self, components: Components, num_shards: int) -> LMShardPlan:
-        source = components.source
-        return LMShardPlan(source.prompts, num_shards, source.engine.pad_id, self.cfg.run.log_samples)
+        return LMShardPlan(components.source, num_shards)
 
     def rollout_shard(self, shard: int, num_shards: int) -> LMSource:
-        """Generation with the actor alone (lora: the backbone and the actor adapter) and the
-        training reward, built as :meth:`build` builds them; the prompts come with each request."""
+        """Generation with the actor alone (lora: the backbone and the actor adapter), built as
+        :meth:`build` builds it; the prompts come with each request, the rewards are the driver's."""
         from ppokit.lm.hf import load_tokenizer
         from ppokit.lm.policy import build_policy
         from ppokit.lm.rollout import RolloutEngine
 
         cfg = self.cfg
         device, autocast_dtype = setup(cfg)
-        _, _, reward_fn = load_data(cfg)
-        reward_model = None
-        if cfg.data.reward_model is not None:
-            from ppokit.lm.reward_model import RewardModel
-
-            reward_model = RewardModel(cfg.data.reward_model, device=device, autocast_dtype=autocast_dtype,
-                                       batch_size=cfg.train.infer_micro_batch_size, cpu_kernels=cfg.model.cpu_kernels)
-        train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
         small_model_threads(cfg)
         tokenizer = load_tokenizer(self.model_path, "model.path")
         policy = build_policy(cfg, self.model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed,
@@ -379,7 +428,7 @@ class LMWorkload:
         kv_cache = accelerate(cfg, policy)[1]
         one_thread_if_small(cfg, policy, device)
         engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
-        return LMSource(cfg, engine, None, reward_model, train_reward_fn, device, policy=policy)
+        return LMSource(cfg, engine, None, None, device, policy=policy)
 
     def learner_replica(self, parallel: DataParallel) -> LMLearner:
         """The policy (actor, critic, reference) and its optimizer, built as :meth:`build` builds them."""
@@ -396,18 +445,15 @@ class LMWorkload:
         return LMLearner(cfg, policy, tokenizer, self.model_path, parallel=parallel)
 
     def build(self, run_dir: Path) -> Components:
-        from ppokit import algo
-        from ppokit.lm.data import PromptIterator
-        from ppokit.lm.hf import causal_lm_config, load_tokenizer
-        from ppokit.lm.policy import build_policy
-        from ppokit.lm.rollout import RolloutEngine, check_prompts_fit
-
-        cfg, a = self.cfg, self.cfg.algo
+        cfg = self.cfg
         run_dir.mkdir(parents=True, exist_ok=True)
         device, autocast_dtype = setup(cfg)
         train_items, eval_items, reward_fn = load_data(cfg)
+        header: list[str] = []
+        closers: list[Any] = []
+        train_items, eval_items, dropped = drop_long(cfg, train_items, eval_items, header)
         # the training reward: the reward model's score and/or a function's (the task's own only
-        # without a reward model; held-out accuracy always uses reward_fn)
+        # without a reward model; held-out accuracy always uses the function)
         train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
         reward_model = None
         if cfg.data.reward_model is not None:     # loaded first: a bad one fails before a warm start runs
@@ -415,7 +461,32 @@ class LMWorkload:
 
             reward_model = RewardModel(cfg.data.reward_model, device=device, autocast_dtype=autocast_dtype,
                                        batch_size=cfg.train.infer_micro_batch_size, cpu_kernels=cfg.model.cpu_kernels)
-        model_path = prepare_model(cfg, run_dir, eval_items, reward_fn, _print)
+        verifier = None
+        if reward_fn is not None:                 # worker processes kept for the run, closed at its end
+            verifier = reward_scorer(cfg, reward_fn)
+            closers.append(verifier)
+            header += reward_notes(reward_fn)
+        try:
+            return self._build(run_dir, device, autocast_dtype, train_items, eval_items, dropped, verifier,
+                               reward_model, train_reward_fn is not None, header, closers)
+        except BaseException:
+            for closer in closers:
+                closer.close()
+            raise
+
+    def _build(self, run_dir: Path, device, autocast_dtype, train_items, eval_items, dropped, verifier,
+               reward_model, verifier_in_training: bool, header: list[str], closers: list[Any]) -> Components:
+        from ppokit import algo
+        from ppokit.lm.data import PromptIterator
+        from ppokit.lm.hf import causal_lm_config, load_tokenizer
+        from ppokit.lm.policy import build_policy
+        from ppokit.lm.rollout import RolloutEngine, check_prompts_fit
+        from ppokit.lm.sequence_rewards import SequenceRewards
+
+        cfg, a = self.cfg, self.cfg.algo
+        rewards = SequenceRewards(cfg.data, cfg.rollout.max_new_tokens,
+                                  verifier=verifier if verifier_in_training else None, reward_model=reward_model)
+        model_path = prepare_model(cfg, run_dir, eval_items, verifier, _print, prompts=train_items + eval_items)
         self.model_path = model_path          # what rollout workers and learner ranks load
         causal_lm_config(model_path, "model.path")            # a clear error before anything heavy
         tokenizer = load_tokenizer(model_path, "model.path")
@@ -425,24 +496,34 @@ class LMWorkload:
         engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
         check_prompts_fit(engine.model, tokenizer, [x["prompt"] for x in train_items + eval_items],
                           cfg.rollout.max_new_tokens)     # every prompt, before the first rollout
+        check_token_budget(cfg, tokenizer, train_items)
         learner = LMLearner(cfg, policy, tokenizer, model_path)
         kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
                                           a.kl_ctrl.horizon) if a.use_kl_in_reward else None
-        scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=a.beta > 0,
+        scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=needs_ref_log_prob(cfg),
                         metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(),
-                        kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty)
+                        kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty, micro_batch_tokens=cfg.train.micro_batch_tokens)
         prompts = PromptIterator(train_items, cfg.train.batch_size // a.group_size, seed=cfg.seed)
-        source = LMSource(cfg, engine, prompts, reward_model, train_reward_fn, device, policy=policy)
-        evaluator = LMEvaluator(cfg, engine, eval_items, reward_fn) if eval_items else None
+        source = LMSource(cfg, engine, prompts, rewards, device, dropped_prompts=dropped, policy=policy)
+        evaluator = LMEvaluator(cfg, engine, eval_items, verifier) if eval_items and verifier is not None else None
         precision = "bf16" if autocast_dtype is not None else "fp32"
         trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-        header = [f"lm: {model_path} ({cfg.model.mode}, {trainable:,} trainable parameters), {device}, "
-                  f"{precision}{accel_note}, {cfg.iterations} iterations of {cfg.train.batch_size} sequences"]
+        header.insert(0, f"lm: {model_path} ({cfg.model.mode}, {trainable:,} trainable parameters), {device}, "
+                      f"{precision}{accel_note}, {cfg.iterations} iterations of {cfg.train.batch_size} sequences")
+        described = rewards.describe()
+        if described:
+            header.append(described)
         return Components(source=source, learner=learner, scorer=scorer, evaluator=evaluator,
-                          description=cfg.preset or "lm", header=header)
+                          description=cfg.preset or "lm", header=header, closers=closers)
 
 
 # ----------------------------------------------------------------------------- building
+def needs_ref_log_prob(cfg: Config) -> bool:
+    """Whether the update reads the reference's token log-probs: a per-token KL estimator in
+    the loss (``full`` computes its KL from the logits during the update)."""
+    return cfg.algo.beta > 0 and cfg.algo.kl_loss_type != "full"
+
+
 def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
     """Threads and every global RNG seeded; (device, autocast dtype or None) from ``run.device``/``run.precision``."""
     import random
@@ -477,7 +558,8 @@ def accelerate(cfg: Config, policy) -> tuple[str, Any]:
     return acceleration.describe(), acceleration.kv_cache
 
 
-def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log) -> Path:
+def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log,
+                  prompts: Optional[list[dict]] = None) -> Path:
     """The backbone's directory: model.path, the built-in tiny model, and/or a warm-started copy.
 
     A complete ``RUN_DIR/base_model`` (its :data:`BASE_MODEL_MARKER` is written last) is
@@ -499,7 +581,7 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
         from ppokit.lm.tiny import build_tiny_model
 
         target = run_dir / (INIT_MODEL_DIR if cfg.data.sft_epochs else BASE_MODEL_DIR)
-        path = str(build_tiny_model(target, seed=cfg.seed))
+        path = str(build_tiny_model(target, seed=cfg.seed, max_position_embeddings=tiny_positions(cfg, prompts or [])))
     if cfg.data.sft_epochs:
         from ppokit.lm.data import load_prompts
         from ppokit.lm.sft import run_sft
@@ -507,7 +589,8 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
         if not eval_items:
             raise UserError("data.sft_epochs > 0 needs held-out prompts to pick the best warm-start model "
                             "(a built-in task, or data.eval_prompts)")
-        examples = load_prompts(cfg.data.prompts, "sft", n=cfg.data.sft_examples, chat=cfg.data.chat_template)
+        examples = load_prompts(cfg.data.prompts, "sft", n=cfg.data.sft_examples, chat=cfg.data.chat_template,
+                                prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
         render = chat_render(cfg)
         if render is not None:
             from ppokit.lm.chat import render_records
@@ -524,34 +607,108 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
     return Path(path)
 
 
-def sequence_scores(rollout, reward_model, reward_fn, device: torch.device) -> tuple[torch.Tensor, dict]:
-    """(N,) float32 sequence rewards: the reward model's score plus the reward function's
-    (either may be None); with a reward model, the parts' means as metrics."""
-    from ppokit.lm.rewards import score_responses
+def tiny_positions(cfg: Config, prompts: list[dict]) -> int:
+    """Positions of the built-in tiny model: ``model.tiny_max_positions``, else 64, or the longest
+    prompt plus ``rollout.max_new_tokens`` rounded up to a multiple of 64 when that is more (rotary
+    positions: the weights are the same whatever the count)."""
+    from ppokit.lm.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer
 
-    parts: dict[str, torch.Tensor] = {}
-    if reward_model is not None:
-        parts["reward_model_mean"] = torch.tensor(reward_model.score(rollout.prompts, rollout.texts, rollout.items))
-    if reward_fn is not None:
-        parts["reward_fn_mean"] = torch.tensor(score_responses(reward_fn, rollout.prompts, rollout.texts,
-                                                               rollout.items))
-    scores = torch.zeros(len(rollout), dtype=torch.float32)
-    for part in parts.values():
-        scores += part
-    metrics = {name: part.mean().item() for name, part in parts.items()} if reward_model is not None else {}
-    return scores.to(device), metrics
+    if cfg.model.tiny_max_positions is not None:
+        return cfg.model.tiny_max_positions
+    texts = [p["prompt"] for p in prompts if isinstance(p.get("prompt"), str)]
+    longest = max(count_tokens(build_char_tokenizer(), texts), default=0)
+    need = longest + cfg.rollout.max_new_tokens
+    base = DEFAULT_TINY_SPEC.max_position_embeddings
+    return base if need <= base else -(-need // 64) * 64
 
 
-def rollout_samples(rollout, scores: torch.Tensor, k: int) -> list[dict[str, Any]]:
+def count_tokens(tokenizer, texts: list[str]) -> list[int]:
+    from ppokit.lm.records import count_tokens_with
+
+    return count_tokens_with(tokenizer)(texts) if texts else []
+
+
+def drop_long(cfg: Config, train_items: list[dict], eval_items: list[dict], header: list[str]
+              ) -> tuple[list[dict], list[dict], int]:
+    """``data.max_prompt_tokens``: the training and held-out prompts within the limit (counted with
+    model.path's tokenizer, the built-in character tokenizer for tiny), the number of training
+    prompts dropped; a line for the header when any are."""
+    limit = cfg.data.max_prompt_tokens
+    if limit is None:
+        return train_items, eval_items, 0
+    from ppokit.lm.records import drop_long_prompts
+
+    tokenizer = prompt_tokenizer(cfg)
+    kept, dropped = drop_long_prompts(train_items, limit, tokenizer=tokenizer)
+    eval_kept, eval_dropped = (drop_long_prompts(eval_items, limit, tokenizer=tokenizer) if eval_items else ([], 0))
+    if dropped or eval_dropped:
+        header.append(f"data: dropped {dropped} of {len(train_items)} training and {eval_dropped} of "
+                      f"{len(eval_items)} held-out prompts longer than {limit} tokens (data.max_prompt_tokens)")
+    return kept, eval_kept, dropped
+
+
+def prompt_tokenizer(cfg: Config):
+    """The tokenizer prompts are counted with before the model is built."""
+    if cfg.model.path == "tiny":
+        from ppokit.lm.tiny import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from ppokit.lm.hf import load_tokenizer
+
+    return load_tokenizer(cfg.model.path, "model.path")
+
+
+def check_token_budget(cfg: Config, tokenizer, items: list[dict]) -> None:
+    """``train.micro_batch_tokens`` must hold the longest sequence a rollout can make."""
+    budget = cfg.train.micro_batch_tokens
+    if budget is None:
+        return
+    longest = max(count_tokens(tokenizer, [x["prompt"] for x in items]), default=0) + cfg.rollout.max_new_tokens
+    if budget < longest:
+        raise UserError(f"train.micro_batch_tokens={budget} is less than the longest sequence a rollout can make "
+                        f"({longest} tokens: the longest prompt plus rollout.max_new_tokens); raise it to at "
+                        f"least {longest}")
+
+
+def reward_scorer(cfg: Config, reward_fn):
+    """The run's reward scorer for ``reward_fn`` (a RewardFunction): in this process for the cheap
+    built-ins, else a pool of worker processes with ``data.reward_timeout`` per sample. The error
+    limit is :class:`~ppokit.lm.sequence_rewards.SequenceRewards`' (over the run)."""
+    from ppokit.lm.reward_pool import make_reward_scorer
+    from ppokit.lm.rewards import BUILTIN_REWARDS
+
+    d = cfg.data
+    spec = reward_fn.spec if BUILTIN_REWARDS.get(reward_fn.spec) is reward_fn.fn else reward_fn
+    return make_reward_scorer(spec, num_workers=d.reward_workers, timeout=d.reward_timeout,
+                              reward_on_error=d.reward_on_error, max_reward_errors=None)
+
+
+def reward_notes(reward_fn) -> list[str]:
+    """Lines for the run's header: the code reward says how its programs are isolated (and warns,
+    once, when the network is not cut off)."""
+    if reward_fn.spec != "code":
+        return []
+    from ppokit.lm.sandbox import describe_isolation, isolation_warning
+
+    warning = isolation_warning()
+    return [describe_isolation()] + ([f"WARNING: {warning}"] if warning else [])
+
+
+def rollout_samples(rollout, scores: torch.Tensor, k: int, marks: Optional[list[dict]] = None
+                    ) -> list[dict[str, Any]]:
     """The first ``k`` sequences of a rollout as JSON rows: prompt, response, sequence reward,
-    response tokens, truncated, and the prompt's data fields (``answer``, ...). The prompts
-    are shuffled, so they are a random sample; with ``group_size`` > 1 they are one group."""
+    response tokens, truncated, the prompt's data fields (``answer``, ...) and, from ``marks``,
+    ``reward_error`` (why the reward function failed on it, or null) and ``reward_note``. The
+    prompts are shuffled, so they are a random sample; with ``group_size`` > 1 they are one group."""
     from ppokit.lm.rewards import reward_fields
 
     lengths = rollout.response_lengths
-    return [{"prompt": rollout.prompts[i], "response": rollout.texts[i], "reward": float(scores[i]),
+    rows = [{"prompt": rollout.prompts[i], "response": rollout.texts[i], "reward": float(scores[i]),
              "length": int(lengths[i]), "truncated": bool(rollout.truncated[i]),
              "fields": reward_fields(rollout.items[i])} for i in range(min(k, len(rollout)))]
+    for row, mark in zip(rows, marks or []):
+        row.update(mark)
+    return rows
 
 
 def _print(text: str) -> None:

@@ -38,7 +38,7 @@ def test_arith_one_worker_equals_in_process(tmp_path, cluster_clean, tiny_model_
     local = run(arith_cfg(tiny_model_dir, digits_reward, f"rollout.off_policy_steps={off_policy}"), tmp_path / "local")
     remote = run(arith_cfg(tiny_model_dir, digits_reward, f"rollout.off_policy_steps={off_policy}", "cluster.rollout_workers=1"),
                  tmp_path / "remote")
-    assert all(r["grad_norm"] > 0 for r in local)          # the runs learn something to compare
+    assert all(r["grad_norm/actor"] > 0 for r in local)          # the runs learn something to compare
     assert_rows_equal(remote, local, extra=DIST_ONLY)
     assert samples(tmp_path / "remote") == samples(tmp_path / "local")
     # lora: only the actor adapter travels (rank-8 A and B of every linear layer, fp32)
@@ -68,4 +68,4 @@ def test_arith_two_workers_answer_every_prompt_once(tmp_path, cluster_clean, tin
         assert got == want and len(got) == 32                     # the same prompts, in the same order
         rewards = [s["reward"] for s in logged if s["iteration"] == it]
         assert abs(rows[it]["reward_mean"] - sum(rewards) / 32) < 1e-6
-    assert all(r["grad_norm"] > 0 for r in rows) and len(local) == 2
+    assert all(r["grad_norm/actor"] > 0 for r in rows) and len(local) == 2

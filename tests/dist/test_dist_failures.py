@@ -65,18 +65,35 @@ def test_unsatisfiable_placement_fails_within_the_bound(tmp_path, cluster_clean,
     assert "waited 2 s, cluster.placement_timeout" in message
 
 
-def test_a_user_error_in_a_worker_is_the_same_one_line_error(tmp_path, cluster_clean, tiny_model_dir):
-    """A reward function that returns NaN fails the run on the worker as it fails in-process."""
-    from dist_helpers import arith_cfg
+def test_errors_for_people_raised_in_an_actor_come_out_as_themselves(cluster_clean):
+    """A UserError (or TrainingDiverged: the loop adds the last good checkpoint to it) raised
+    in an actor is raised as itself, one line, not as Ray's wrapper with the actor's
+    traceback; any other exception keeps Ray's wrapper (a bug's traceback)."""
+    from ray.exceptions import RayTaskError
 
-    reward = tmp_path / "nan.py"
-    reward.write_text("def nan(prompt, response, **fields):\n    return float('nan')\n")
-    cfg = arith_cfg(tiny_model_dir, f"{reward}:nan", "cluster.rollout_workers=1", "data.eval_size=0",
-                    "data.eval_every=0")          # no held-out evaluation: the first reward is the worker's
-    with pytest.raises(UserError) as info:
-        run(cfg, tmp_path / "run")
-    assert str(info.value).startswith(f"reward function '{reward}:nan' returned nan on sample 0")
-    assert type(info.value) is UserError                 # not Ray's wrapper with the worker's traceback
+    from ppokit.dist import ray_get
+    from ppokit.errors import TrainingDiverged
+
+    class Failing:        # defined here: Ray ships it by value (the test module is not importable there)
+        def fail(self, kind: str):
+            from ppokit.errors import TrainingDiverged, UserError
+
+            raise {"user": UserError("reward function 'f' returned nan"),
+                   "diverged": TrainingDiverged("training diverged: 10 optimizer steps in a row"),
+                   "bug": ValueError("a bug")}[kind]
+
+    actor = cluster_clean.remote(Failing).options(num_cpus=0).remote()
+    try:
+        with pytest.raises(UserError) as info:
+            ray_get(actor.fail.remote("user"))
+        assert type(info.value) is UserError and str(info.value) == "reward function 'f' returned nan"
+        with pytest.raises(TrainingDiverged) as info:
+            ray_get([actor.fail.remote("diverged")])
+        assert type(info.value) is TrainingDiverged
+        with pytest.raises(RayTaskError):
+            ray_get(actor.fail.remote("bug"))
+    finally:
+        cluster_clean.kill(actor)
 
 
 def test_workers_without_ray_installed_is_a_one_line_error(monkeypatch, capsys, tmp_path):

@@ -106,8 +106,9 @@ def test_a_chat_run_trains_evaluates_and_rewards_on_the_rendered_prompt(chat_dir
     rows = read_metrics(tmp_path / "run")
     assert [r["reward_mean"] for r in rows] == [1.0, 1.0]
     capsys.readouterr()
-    assert main(["eval", str(tmp_path / "run")]) == 0       # renders with the checkpoint's tokenizer
-    assert "held-out accuracy over 1 prompts: 100.0%" in capsys.readouterr().out
+    assert main(["eval", str(tmp_path / "run"), "--json"]) == 0       # renders with the checkpoint's tokenizer
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompts"] == 1 and result["mean_reward"] == 1.0 and result["pass@1_greedy"] == 1.0
 
 
 def test_the_warm_start_trains_on_rendered_prompts(chat_dir, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ when such runs still carried an untrained critic resumes into the run without on
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,8 @@ def test_critic_free_update_trains_the_actor_and_reports_no_value_metrics(tiny_d
     before = [p.detach().clone() for p in policy.adapter_parameters("actor")]
     metrics = PPOTrainer(cfg, policy, total_iterations=1).update(batch)
     assert not VALUE_METRICS & set(metrics)
-    assert {"policy_loss", "approx_kl", "clipfrac", "grad_norm", "lr"} <= set(metrics)
+    assert {"policy_loss", "approx_kl", "clipfrac", "grad_norm/actor", "lr"} <= set(metrics)
+    assert "grad_norm/critic" not in metrics
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.adapter_parameters("actor")))
 
 
@@ -161,7 +163,9 @@ def test_samples_jsonl_holds_each_iterations_first_sequences_and_their_rewards(f
     assert [r["iteration"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for r in rows:
         assert r["reward"] == float(r["response"].strip() == r["fields"]["answer"])      # exact_match
-        assert set(r) == {"iteration", "prompt", "response", "reward", "length", "truncated", "fields"}
+        assert set(r) == {"iteration", "prompt", "response", "reward", "length", "truncated", "fields",
+                          "reward_error", "reward_note"}
+        assert r["reward_error"] is None and r["reward_note"] is None
         assert r["prompt"].endswith("=") and 1 <= r["length"] <= 2
 
 
@@ -171,7 +175,8 @@ def test_eval_and_export_of_a_grpo_run(finished, tmp_path, capsys):
     from ppokit.lm.export import export_merged
 
     assert main(["eval", str(finished), "--prompts", "4"]) == 0
-    assert "held-out accuracy over 4 prompts:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mean reward (greedy)" in out and re.search(r"^prompts +4$", out, re.M), out
     out = export_merged(finished, tmp_path / "merged")
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     policy = load_policy(finished / "checkpoint")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -23,10 +24,13 @@ def test_demo_cli_prints_summary_and_writes_png(tmp_path, capsys):
     assert SUMMARY.match(lines[-1]), lines[-1]                                  # the last line
     assert sum(bool(SUMMARY.match(line)) for line in lines) == 1                # exactly one summary
     before, after = (float(x) for x in SUMMARY.match(lines[-1]).groups())
-    assert 0 <= before <= 100 and 0 <= after <= 100
 
     run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert len(run_dirs) == 1
+    # the line reports the accuracies the run measured (its checkpoint's summary)
+    summary = json.loads((run_dirs[0] / "checkpoint" / "meta.json").read_text())["summary"]
+    assert (before, after) == (round(100 * summary["eval_accuracy_before"], 1),
+                               round(100 * summary["eval_accuracy_after"], 1))
     png = run_dirs[0] / "reward_curve.png"
     assert png.is_file()
     assert f"reward curve: {png}" in out

@@ -100,8 +100,15 @@ def test_group_estimator_with_adaptive_kl_in_reward(tiny_dir, tmp_path, sevens):
                        "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100}})
     train_lm(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
-    assert [r["kl_coef"] for r in rows][0] == 0.05
-    assert rows[-1]["kl_coef"] != 0.05                      # the controller reacted
+    # verl's rule on verl's input (reward_kl: each sequence's mean KL per token, averaged):
+    # coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon, with n = 16 sequences
+    coef = 0.05
+    for row in rows:
+        assert row["kl_coef"] == pytest.approx(coef, rel=1e-12)
+        coef *= 1 + min(max(row["reward_kl"] / 0.01 - 1, -0.2), 0.2) * 16 / 100
+    assert rows[0]["reward_kl"] == 0.0                      # LoRA's B starts at 0: the actor is the reference
+    assert rows[1]["kl_coef"] < 0.05                        # below target: it shrank...
+    assert all(r["reward_kl"] > 0.01 for r in rows[1:]) and rows[2]["kl_coef"] > rows[1]["kl_coef"]  # ...above: grew
     assert not {"value_loss", "explained_variance"} & set(rows[-1])   # GRPO trains no critic
 
 
@@ -110,10 +117,45 @@ def test_full_mode_with_kl_loss(tiny_dir, tmp_path, sevens):
 
     cfg = config(tiny_dir, tmp_path, model={"mode": "full"}, data={"reward": sevens, "eval_size": 4},
                  train={"iterations": 2, "batch_size": 8, "mini_batch_size": 8, "micro_batch_size": 4,
-                        "learning_rate": 1e-3},
+                        "learning_rate": 1e-3, "epochs": 1},
                  algo={"beta": 0.1, "kl_loss_type": "low_var_kl"})
     result = train_lm(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
-    assert "kl_loss" in rows[-1] and rows[-1]["kl_loss"] > 0
+    # the frozen reference copy is the actor before its first step: KL 0 (to the rounding of
+    # the scorer's and the update's batch shapes), then not
+    assert rows[0]["kl_loss"] < 1e-10 and abs(rows[0]["kl_ref"]) < 1e-5
+    assert rows[-1]["kl_loss"] > 0 and rows[-1]["kl_ref"] != 0
     meta = json.loads((tmp_path / "run" / "checkpoint" / "policy.json").read_text())
     assert meta["mode"] == "full" and "eval_accuracy_after" in result
+
+
+@pytest.mark.parametrize("algo_settings", [
+    {"adv_estimator": "grpo"}, {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False}, {"adv_estimator": "rloo"},
+    {"adv_estimator": "reinforce_pp"}, {"adv_estimator": "reinforce_pp_baseline"},
+    {"adv_estimator": "grpo", "ratio_level": "gspo", "lower_clip_ratio": 3e-4, "upper_clip_ratio": 4e-4,
+     "loss_agg_mode": "seq-mean-token-mean"},
+], ids=["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"])
+def test_critic_free_estimators_raise_the_reward(tiny_dir, tmp_path, sevens, algo_settings):
+    """Each critic-free estimator takes a random tiny model from about 2% sevens to most of
+    its characters being 7 in 12 iterations of 64 sequences (seed 1; measured: 0.9-1.0)."""
+    from ppokit.workloads import train as train_lm
+
+    cfg = config(tiny_dir, tmp_path, data={"reward": sevens, "eval_size": 0}, algo=algo_settings)
+    train_lm(cfg, tmp_path / "run")
+    rewards = [r["reward_mean"] for r in read_metrics(tmp_path / "run")]
+    assert rewards[0] < 0.1 and sum(rewards[-2:]) / 2 > 0.8, rewards
+
+
+def test_ppo_penalty_raises_the_reward(tiny_dir, tmp_path, sevens):
+    """loss_mode=penalty (no clipping, the adaptive KL(old || new) coefficient) learns too,
+    more slowly: the coefficient holds each update near penalty_target_kl."""
+    from ppokit.workloads import train as train_lm
+
+    cfg = config(tiny_dir, tmp_path, data={"reward": sevens, "eval_size": 0}, algo={"loss_mode": "penalty"})
+    train_lm(cfg, tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    rewards = [r["reward_mean"] for r in rows]
+    assert rewards[0] < 0.1 and sum(rewards[-2:]) / 2 > rewards[0] + 0.2, rewards
+    assert all(r["clipfrac"] == 0.0 and "kl_old" in r for r in rows)
+    coefs = [r["penalty_coef"] for r in rows]
+    assert coefs[0] == 1.0 and all(b / a in (0.5, 1.0, 2.0) for a, b in zip(coefs, coefs[1:]))

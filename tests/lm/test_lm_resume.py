@@ -222,11 +222,11 @@ def test_eval_of_an_lm_run_reproduces_the_accuracy_it_printed(reference, capsys)
     meta = json.loads((reference / "checkpoint" / "meta.json").read_text())
     after = meta["summary"]["eval_accuracy_after"]
     capsys.readouterr()
-    assert main(["eval", str(reference)]) == 0
-    out = capsys.readouterr().out
-    assert f"held-out accuracy over 8 prompts: {after:.1%}" in out, out
+    assert main(["eval", str(reference), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompts"] == 8 and result["mean_reward"] == after, result
     # a periodic checkpoint directory and a prompt limit
     periodic = sorted((reference / "checkpoints").iterdir())[-1]
-    assert main(["eval", str(periodic), "--prompts", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "held-out accuracy over 4 prompts:" in out and str(periodic) in out
+    assert main(["eval", str(periodic), "--prompts", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompts"] == 4 and str(periodic) in result["model"]

@@ -146,20 +146,21 @@ def test_a_run_scored_by_the_reward_model_alone(tiny_dir, rm_dir, tmp_path, caps
     # (the arith preset names exact_match: null leaves the reward model alone)
     assert main(train_args(tiny_dir, tmp_path, "rm", f"data.reward_model={rm_dir}", "data.reward=null")) == 0
     rows = read_metrics(tmp_path / "rm")
-    assert len(rows) == 2 and "reward_fn_mean" not in rows[0]
+    assert len(rows) == 2 and "reward/verifier_mean" not in rows[0]
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "rm")]) == 2          # no verifier: no held-out accuracy
     assert "scored by its reward model alone" in capsys.readouterr().err
     for row in rows:
-        assert row["reward_mean"] == pytest.approx(row["reward_model_mean"], abs=1e-6)
+        assert row["reward_mean"] == pytest.approx(row["reward/reward_model_mean"], abs=1e-6)
         assert row["reward_std"] > 0                        # real, varying scores
 
 
-def test_a_reward_model_plus_a_verifier_sums_them(tiny_dir, rm_dir, tmp_path):
-    assert main(train_args(tiny_dir, tmp_path, "both", f"data.reward_model={rm_dir}",
-                           "data.reward=exact_match")) == 0
+def test_a_reward_model_plus_a_verifier_sums_them_with_their_weights(tiny_dir, rm_dir, tmp_path):
+    assert main(train_args(tiny_dir, tmp_path, "both", f"data.reward_model={rm_dir}", "data.reward=exact_match",
+                           "data.shaping.reward_model_weight=0.5", "data.shaping.verifier_weight=2")) == 0
     for row in read_metrics(tmp_path / "both"):
-        assert row["reward_mean"] == pytest.approx(row["reward_model_mean"] + row["reward_fn_mean"], abs=1e-5)
+        assert row["reward_mean"] == pytest.approx(0.5 * row["reward/reward_model_mean"]
+                                                   + 2 * row["reward/verifier_mean"], abs=1e-5)
 
 
 def test_held_out_prompts_with_only_a_reward_model_are_refused(tiny_dir, rm_dir, tmp_path, capsys):
@@ -210,7 +211,7 @@ def test_ppo_raises_the_reward_models_score(tiny_dir, tmp_path):
     # seeds 1, 7 and 8 at 0.90-0.99
     cfg = config(tiny_dir, tmp_path, data={"reward_model": str(rm), "eval_size": 0}, train={"iterations": 16})
     train_lm(cfg, tmp_path / "run")
-    rewards = [r["reward_model_mean"] for r in read_metrics(tmp_path / "run")]
+    rewards = [r["reward/reward_model_mean"] for r in read_metrics(tmp_path / "run")]
     assert len(rewards) == 16
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     # a random model ends its answer with a digit about one time in five

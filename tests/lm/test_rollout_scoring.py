@@ -196,7 +196,7 @@ def test_first_ratio_is_exactly_one(tiny_dir, tok, precision, device, monkeypatc
     scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=True)
     trainer = PPOTrainer(cfg, policy, total_iterations=2)
     forwards, losses = [], []          # (update's log-prob, scorer's old log-prob, mask); loss inputs
-    evaluate, policy_loss = policy.evaluate, algo.policy_loss
+    evaluate = policy.evaluate
 
     def spy_evaluate(mb):
         out = evaluate(mb)
@@ -208,7 +208,8 @@ def test_first_ratio_is_exactly_one(tiny_dir, tok, precision, device, monkeypatc
         return policy_loss(log_prob, old_log_prob, *args, **kwargs)
 
     policy.evaluate = spy_evaluate
-    monkeypatch.setattr(algo, "policy_loss", spy_loss)
+    policy_loss = trainer.policy_loss
+    trainer.policy_loss = spy_loss
     micro_per_mini = -(-cfg.mini_batch_size // cfg.micro_batch_size)
     for iteration in range(2):            # the second iteration starts from trained adapters
         forwards.clear()

@@ -64,8 +64,8 @@ def _matmul_up_add_(y: torch.Tensor, h: torch.Tensor, m: torch.Tensor, scale: fl
 
 def _matmul_outer(p: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
     """scale p^T x: p [N, r], x [N, d] -> [r, d]. The skinny factor is transposed into a
-    contiguous [r, N] copy on the left: oneDNN runs a transposed big operand (x^T p)
-    1.3-1.5x slower (same numbers, bit for bit)."""
+    contiguous [r, N] copy on the left: oneDNN runs a transposed big operand (x^T p) slower
+    (same numbers, bit for bit; docs/performance.md, "Fused LoRA layers")."""
     out = p.t().contiguous() @ x
     return out.mul_(scale) if scale != 1.0 else out
 
@@ -87,8 +87,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, kernels: bool = False):
         kernels = kernels and lora_kernels_eligible(x, lora_a, lora_b)
         down, up_add_, _ = KERNEL_PRODUCTS if kernels else MATMUL_PRODUCTS
-        # The order keeps x in cache between the two products that read it (measured
-        # 1-11% faster per layer than h first).
+        # The order keeps x in cache between the two products that read it.
         y = torch.addmm(bias, x, weight.t()) if bias is not None else x @ weight.t()   # [N, d_out]
         h = down(x, lora_a)                                                 # [N, r]
         up_add_(y, h, lora_b.t(), scaling)
@@ -102,8 +101,7 @@ class LoRALinearFunction(torch.autograd.Function):
         s = ctx.scaling
         down, up_add_, outer = KERNEL_PRODUCTS if ctx.kernels else MATMUL_PRODUCTS
         # Ordered by the tensor each product reads, so that it is still in cache: the two
-        # passes over g first, then the input gradient, then the pass over x (measured
-        # 4-14% faster per layer than the order of the formulas).
+        # passes over g first, then the input gradient, then the pass over x.
         grad_h = down(grad_y, lora_b.t()).mul_(s)                           # [N, r]
         grad_x = grad_a = grad_b = None
         if ctx.needs_input_grad[4]:

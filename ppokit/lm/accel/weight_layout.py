@@ -4,22 +4,13 @@ A linear layer computes ``y = x W^T`` with ``W`` [out, in]; PyTorch stores ``W``
 row-major, so the matmul's right operand ``W^T`` [K = in, N = out] arrives transposed.
 On a CPU, oneDNN's bf16 matmul (the AMX / AVX512-BF16 path) is markedly slower with a
 transposed right operand when it is wide (N > K) than with the same operand row-major,
-that is with ``W`` stored column-major. Measured on one core at 784 rows, interleaved,
-median TFLOP/s of ``x @ W.t()``:
-
-    W [out, in]     W row-major    W column-major
-    1712 x 640      0.64-0.66      0.95
-    1920 x 640      0.68           1.07
-    4864 x 896      0.68           0.90          (Qwen2.5-0.5B's gate/up)
-    2752 x 1024     0.69           0.91
-    640 x 640       0.93           1.00
-    640 x 1712      0.86           0.86          (tall: no difference)
+that is with ``W`` stored column-major (the measurements: docs/performance.md, "Weight
+layout").
 
 The input gradient ``g W`` has ``W`` itself as its right operand (K = out, N = in), which
-is narrow for a wide ``W`` and runs as fast in either layout (1712 x 640: 0.92 row-major,
-0.96 column-major). A tall weight (out < in, e.g. the down projection) has the mirror
-case: its forward is indifferent and its input gradient is the slow one with a
-column-major ``W`` (896 x 4864: 0.64 against 0.86). A square one gains in the forward
+is narrow for a wide ``W`` and runs as fast in either layout. A tall weight (out < in,
+e.g. the down projection) has the mirror case: its forward is indifferent and its input
+gradient is the slow one with a column-major ``W``. A square one gains in the forward
 about what it loses in the backward.
 
 So :func:`transpose_wide_weights` stores every frozen bf16 ``nn.Linear`` weight with

@@ -3,7 +3,7 @@ its attention (training and scoring passes, and decoding steps), and, on CPUs wi
 for LoRA's rank-r products (used by :mod:`ppokit.lm.accel.fused_lora`).
 
 PyTorch's elementwise operations are bound by memory, one pass per operation, and on a
-CPU with bf16 matrix units a layer's matmuls run about 8x faster than in float32, so
+CPU with bf16 matrix units a layer's matmuls run several times faster than in float32, so
 in bf16 that elementwise work takes most of a small model's time:
 transformers' RMSNorm alone makes six passes over its input forward (casts, square,
 mean, scale, weight) and more backward. The kernels in ``cpu_kernels.c`` make one pass

@@ -227,8 +227,8 @@ static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *
 
 /* ------------------------------------------------------------ LoRA's rank-r products on AMX
  * LoRA's products with its rank-r factors are too thin for oneDNN's matmuls to run well
- * (about 200-600 us each at 1,568 x 640, where the data takes about 100 us to read), and
- * r multiply-adds per output element bound any vector code. These three run them on the
+ * (they take several times as long as reading their data), and r multiply-adds per
+ * output element bound any vector code. These three run them on the
  * AMX tile units (bf16 products, float32 sums, one rounding), one pass over the big
  * operand each:
  *   lora_down_bf16     h = R(x m^T)            x [N, d], m [r, d]  ->  h [N, r]
@@ -960,8 +960,8 @@ static inline void NAME(store16)(ELEM *p, __m512 v, long n) {
  * the end of a row): the same formulas and roundings as the plain loops after them, which
  * other builds compile. The compiler vectorizes those loops too, but emulates each bf16
  * rounding with integer operations; here a CPU with AVX512-BF16 rounds with its own
- * conversion instruction (narrow_bf16x16): 1.0-2.0x faster per kernel in bf16
- * (docs/performance.md). RMSNorm's sum of squares adds its terms in another order. */
+ * conversion instruction (narrow_bf16x16; docs/performance.md). RMSNorm's sum of squares
+ * adds its terms in another order. */
 void NAME(rms_norm_forward)(const ELEM *x, const ELEM *w, ELEM *y, float *rstd, long rows, long d, float eps) {
     for (long i = 0; i < rows; i++) {
         const ELEM *xr = x + i * d;

@@ -51,9 +51,7 @@ _ATTENTION_DISPATCHERS: dict[str, Callable] = {}   # module name -> installed ea
 _ATTENTION_PROBED: dict[str, bool] = {}            # module name -> do the attention probes agree
 _UNSUPPORTED_ATTENTION_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks")
 # The attention kernel's longest key length: it computes its products with vector FMAs,
-# eager attention with batched matmuls, which win on longer sequences (measured on one
-# thread: forward and backward 1.1-1.6x faster than eager attention up to 64 keys, even
-# at 96-128, 0.7-0.8x beyond; the forward alone about even at 49 keys).
+# eager attention with batched matmuls, which win on longer sequences (docs/performance.md).
 ATTENTION_MAX_KEYS = 64
 
 

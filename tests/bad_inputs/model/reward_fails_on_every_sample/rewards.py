@@ -1,0 +1,2 @@
+def broken(prompt, response, **fields):
+    return 1.0 / 0

@@ -1,0 +1,194 @@
+"""``ppokit generate``, ``chat``, ``eval`` (language models) and ``reward``: driven as a user drives them.
+
+A tiny run is trained once (LoRA actor on the tests' tiny Llama); ``generate`` and
+``chat`` read prompts from standard input (a real ``python -m ppokit`` process, and in
+process with a spy on the generation path), ``eval`` reports greedy and sampled metrics
+whose relations are fixed by the estimator (pass@1 of samples = their mean 0/1 reward),
+and ``reward`` prints a score and the failure reason with exit status 0, or one line and
+exit status 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppokit.cli import main
+from ppokit.lm.rollout import RolloutEngine
+
+PROMPTS = ["12+30=", "7+8="]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("commands")
+    args = ["train", "arith", f"model.path={tiny_dir}", "data.sft_epochs=0", "data.eval_size=4", "train.iterations=1",
+            "train.batch_size=8", "train.mini_batch_size=8", "train.micro_batch_size=8", "algo.group_size=4",
+            "rollout.max_new_tokens=4", "run.precision=fp32", "run.tensorboard=false", "--output-dir", str(out),
+            "--name", "run", "--no-progress"]
+    assert main(args) == 0
+    return out / "run"
+
+
+def ppokit(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ppokit", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_reads_prompts_from_stdin_like_from_options(run_dir):
+    from_stdin = ppokit("generate", str(run_dir), "--greedy", stdin="\n".join(PROMPTS) + "\n\n")
+    assert from_stdin.returncode == 0, from_stdin.stderr
+    lines = from_stdin.stdout.splitlines()
+    assert lines[0] == f"[1] {PROMPTS[0]}" and f"[2] {PROMPTS[1]}" in lines
+    capture = io.StringIO()
+    from ppokit.lm.interactive import generate_main
+
+    generate_main(str(run_dir), PROMPTS, greedy=True, stdout=capture)
+    assert capture.getvalue() == from_stdin.stdout
+
+
+def test_generate_is_the_trained_actor_through_the_rollout_engine(run_dir):
+    from ppokit.lm.hf import load_tokenizer
+    from ppokit.lm.policy_io import load_policy
+    from ppokit.config import RolloutConfig
+
+    ckpt = run_dir / "checkpoint"
+    policy = load_policy(ckpt)
+    engine = RolloutEngine.for_policy(policy, load_tokenizer(ckpt), RolloutConfig(max_new_tokens=6))
+    want = engine.generate(PROMPTS[:1], greedy=True).texts[0]
+    out = io.StringIO()
+    from ppokit.lm.interactive import generate_main
+
+    generate_main(str(run_dir), PROMPTS[:1], greedy=True, max_new_tokens=6, stdout=out)
+    assert out.getvalue() == want + "\n"
+    # sampling options reach generation: a seed fixes the samples, another seed changes them
+    a, b, c = io.StringIO(), io.StringIO(), io.StringIO()
+    for stream, seed in ((a, 1), (b, 1), (c, 2)):
+        generate_main(str(run_dir), PROMPTS, num_samples=3, temperature=1.5, seed=seed, stdout=stream)
+    assert a.getvalue() == b.getvalue() != c.getvalue()
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_dir, tmp_path_factory) -> Path:
+    from test_chat import TEMPLATE
+
+    from ppokit.lm.hf import load_tokenizer
+
+    out = tmp_path_factory.mktemp("chat-model") / "model"
+    shutil.copytree(tiny_dir, out)
+    tok = load_tokenizer(out)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+def test_chat_keeps_the_conversation_and_its_commands(chat_model, monkeypatch):
+    from ppokit.lm.interactive import chat_main
+
+    seen: list[str] = []
+    real = RolloutEngine.generate
+
+    def spy(self, prompts, **kwargs):
+        seen.extend(prompts)
+        return real(self, prompts, **kwargs)
+
+    monkeypatch.setattr(RolloutEngine, "generate", spy)
+    stdin = io.StringIO("1+1=\n/set max_new_tokens=3\n2+2=\n/set top_p=7\n/clear\n3+3=\n/exit\nnever read\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert chat_main(str(chat_model), system="add", greedy=True, stdin=stdin, stdout=out, stderr=err) == 0
+    replies = out.getvalue().splitlines()
+    assert len(seen) == 3
+    assert seen[0] == "s:add\nu:1+1=\na:"                                   # the template, with the system message
+    assert seen[1] == f"s:add\nu:1+1=\na:{replies[0]}\nu:2+2=\na:"          # the history goes with the next turn
+    assert seen[2] == "s:add\nu:3+3=\na:"                                   # /clear forgot it
+    assert "(max_new_tokens = 3)" in err.getvalue() and "top_p" in err.getvalue()     # /set, and a bad /set
+    assert "never read" not in "".join(seen)
+
+
+def test_chat_through_stdin_of_a_real_process(run_dir):
+    done = ppokit("chat", str(run_dir), "--greedy", "--max-new-tokens", "3", stdin="12+30=\n7+8=\n")
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) >= 2 and "no chat template" in done.stderr
+
+
+def test_eval_table_and_json_for_a_run(run_dir, capsys):
+    assert main(["eval", str(run_dir), "--samples", "4", "--k", "1", "2", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompts"] == 4 and result["samples"] == 4
+    assert result["pass@1"] == pytest.approx(result["sampled_mean_reward"])     # unbiased pass@1 = mean of 0/1
+    assert result["pass@1"] <= result["pass@2"] <= result["pass@4"]
+    assert result["pass@1_greedy"] == pytest.approx(result["mean_reward"])
+    assert main(["eval", str(run_dir), "--prompts", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "mean reward (greedy)" in table and "pass@1 (greedy, reward >= 1)" in table and "prompts" in table
+
+
+def test_eval_of_a_model_directory_on_a_dataset(tiny_dir, tmp_path, capsys):
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1=", "gold": str(i + 1)}) + "\n" for i in range(5)))
+    (tmp_path / "always.py").write_text("def one(prompt, response, **fields):\n    return 1.0\n"
+                                        "def half(prompt, response, answer):\n"
+                                        "    return 0.5 if int(answer) == int(prompt[:-3]) + 1 else 0.0\n")
+    base = ["eval", str(tiny_dir), "--data", str(data), "--prompt-key", "question", "--answer-key", "gold",
+            "--samples", "3", "--json", "--max-new-tokens", "3"]
+    assert main(base + ["--reward", f"{tmp_path / 'always.py'}:one"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompts"] == 5 and result["mean_reward"] == 1.0 and result["pass@3"] == 1.0
+    assert result["mean_length"] <= 3
+    assert main(base + ["--reward", f"{tmp_path / 'always.py'}:half"]) == 0      # gold is the answer field
+    result = json.loads(capsys.readouterr().out)
+    assert result["mean_reward"] == 0.5 and result["pass@1_greedy"] == 0.0 and result["pass@3"] == 0.0
+    assert main(base + ["--reward", f"{tmp_path / 'always.py'}:half", "--threshold", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["pass@3"] == 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--samples", "2", "--k", "4"], "--k must be between 1 and --samples"),
+    (["--data", "nope.jsonl", "--reward", "exact_match"], "nope.jsonl does not exist"),
+    (["--data", "arithmetic", "--reward", "nosuch"], "unknown reward function 'nosuch'"),
+    (["--temperature", "0"], "argument --temperature: must be a finite number > 0"),
+])
+def test_eval_bad_arguments_are_one_line(run_dir, args, message, capsys):
+    try:
+        status = main(["eval", str(run_dir), *args])
+    except SystemExit as exc:
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_model_directory_needs_data(tiny_dir, capsys):
+    assert main(["eval", str(tiny_dir)]) == 2
+    assert "--data is needed with a model directory" in capsys.readouterr().err
+
+
+def test_reward_command_prints_score_and_reason(tmp_path):
+    done = ppokit("reward", "countdown", "--prompt", "p", "--response", "<answer>3 * 7</answer>",
+                  "--field", "numbers=[3, 5, 7]", "--field", "target=15")
+    assert done.returncode == 0 and done.stdout == "score: 0\nreason: wrong value\n", done.stderr
+    (tmp_path / "r.py").write_text("import time\ndef slow(prompt, response, **f):\n    time.sleep(60)\n")
+    done = ppokit("reward", f"{tmp_path / 'r.py'}:slow", "--prompt", "p", "--response", "r", "--timeout", "1")
+    assert done.returncode == 0 and done.stdout == "score: 0\nreason: timeout: timed out after 1 s\n", done.stdout
+    for args, message in ((["nosuch", "--prompt", "p", "--response", "r"], "unknown reward function 'nosuch'"),
+                          (["math", "--prompt", "p", "--response", "r", "--field", "answer"], "KEY=VALUE"),
+                          (["math", "--prompt", "p"], "the following arguments are required: --response")):
+        done = ppokit("reward", *args)
+        assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, \
+            done.stderr
+
+
+def test_generate_bad_inputs(run_dir, tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    assert "neither a run directory" in capsys.readouterr().err
+    assert main(["generate", str(run_dir), "--prompt", "x", "--chat-template"]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+    assert main(["generate", str(run_dir), "--prompt", "x", "--top-p", "2"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    torch.set_num_threads(1)
