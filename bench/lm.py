@@ -108,7 +108,7 @@ def make_config(a: argparse.Namespace, mode: str, path: Path, use_cache: bool = 
 def prompts(a: argparse.Namespace) -> list[str]:
     from ppokit.lm.tasks import get_task
 
-    return [x["prompt"] * a.prompt_repeat for x in get_task("arithmetic:digits=3").train_prompts(a.batch)]
+    return [x["prompt"] * a.prompt_repeat for x in get_task("arithmetic:digits=3").items("train", a.batch)]
 
 
 def rss_bytes() -> int:

@@ -156,14 +156,6 @@ class CountdownTask:
                 it["completion"] = f"<answer>{it['answer']}</answer>"
         return items
 
-    def sft_examples(self, n: Optional[int] = None) -> list[dict[str, Any]]:
-        return self.items("sft", n)
-
-    def train_prompts(self, n: Optional[int] = None) -> list[dict[str, Any]]:
-        return self.items("train", n)
-
-    def eval_set(self, n: Optional[int] = None) -> list[dict[str, Any]]:
-        return self.items("eval", n)
 
 
 # --------------------------------------------------------------------------- verifier

@@ -1,12 +1,12 @@
 """Built-in procedural tasks with verifiable answers, and their registry.
 
-A task hands out three disjoint splits of its problems:
+A task hands out three disjoint splits of its problems through ``items(split, n)``:
 
-- ``sft_examples(n)``: ``{"prompt", "completion", "answer"}`` for the supervised warm
-  start (the model is trained on ``prompt + completion + <eos>``);
-- ``train_prompts(n)``: ``{"prompt", "answer"}`` for PPO; only the prompt is shown to
-  the policy, ``answer`` is a field for the reward function;
-- ``eval_set(n)``: ``{"prompt", "answer"}``, held out from both SFT and RL.
+- ``"sft"``: ``{"prompt", "completion", "answer"}`` for the supervised warm start (the
+  model is trained on ``prompt + completion + <eos>``);
+- ``"train"``: ``{"prompt", "answer"}`` for PPO; only the prompt is shown to the policy,
+  ``answer`` is a field for the reward function;
+- ``"eval"``: ``{"prompt", "answer"}``, held out from both SFT and RL.
 
 :class:`ArithmeticTask` enumerates the problems ``a <op> b`` (``a``, ``b`` with exactly
 ``digits`` digits; 0-9 for one digit) by an index ``i = (a - lo) * K + (b - lo)``. A
@@ -148,19 +148,6 @@ class ArithmeticTask:
                     seen.add(i)
                     out.append(i)
         return np.asarray(out[:n], dtype=np.int64)
-
-    # ------------------------------------------------------------------ splits
-    def sft_examples(self, n: Optional[int] = None) -> list[dict[str, Any]]:
-        """``n`` supervised examples ``{"prompt", "completion", "answer"}``."""
-        return self.items("sft", n)
-
-    def train_prompts(self, n: Optional[int] = None) -> list[dict[str, Any]]:
-        """RL prompts ``{"prompt", "answer"}`` (all of the split when ``n`` is None)."""
-        return self.items("train", n)
-
-    def eval_set(self, n: Optional[int] = None) -> list[dict[str, Any]]:
-        """``n`` held-out problems ``{"prompt", "answer"}``, never in SFT or RL."""
-        return self.items("eval", n)
 
     def items(self, split: str, n: Optional[int] = None) -> list[dict[str, Any]]:
         """The first ``n`` items of a split by name (``sft``, ``train``, ``eval``)."""

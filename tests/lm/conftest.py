@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,21 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_dir(tiny_model_dir) -> Path:
     """Alias of :func:`tiny_model_dir` used by the PPO workload's tests."""
     return tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def chat_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with :data:`lm_helpers.CHAT_TEMPLATE`, saved and reloaded the Hugging Face way."""
+    from lm_helpers import CHAT_TEMPLATE
+
+    from ppokit.lm.hf import load_tokenizer
+
+    out = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    tok = load_tokenizer(out)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(autouse=True)

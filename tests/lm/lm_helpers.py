@@ -24,3 +24,7 @@ def randomize(policy, std=0.1, seed=0):
             weight.copy_(torch.randn(weight.shape, generator=g))
 
 
+# A chat template written with characters of the tiny alphabet; it writes the BOS itself,
+# as Llama 3's does.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}a:{% endif %}")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+
+from lm_helpers import CHAT_TEMPLATE as TEMPLATE
 
 from ppokit.cli import main
 from ppokit.config import build_config
@@ -15,22 +16,6 @@ from ppokit.lm.chat import chat_renderer
 from ppokit.lm.data import load_prompts
 from ppokit.lm.hf import load_tokenizer
 from ppokit.rundir import read_metrics
-
-# Written with characters of the tiny alphabet; it writes the BOS itself, as Llama 3's does.
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}a:{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tiny_dir, tmp_path_factory) -> Path:
-    """The tiny model with a chat template, saved and reloaded the Hugging Face way."""
-    out = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(tiny_dir, out)
-    tok = load_tokenizer(out)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(out)
-    return out
-
 
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,21 +74,7 @@ def test_generate_is_the_trained_actor_through_the_rollout_engine(run_dir):
     assert a.getvalue() == b.getvalue() != c.getvalue()
 
 
-@pytest.fixture(scope="module")
-def chat_model(tiny_dir, tmp_path_factory) -> Path:
-    from test_chat import TEMPLATE
-
-    from ppokit.lm.hf import load_tokenizer
-
-    out = tmp_path_factory.mktemp("chat-model") / "model"
-    shutil.copytree(tiny_dir, out)
-    tok = load_tokenizer(out)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(out)
-    return out
-
-
-def test_chat_keeps_the_conversation_and_its_commands(chat_model, monkeypatch):
+def test_chat_keeps_the_conversation_and_its_commands(chat_dir, monkeypatch):
     from ppokit.lm.interactive import chat_main
 
     seen: list[str] = []
@@ -102,7 +87,7 @@ def test_chat_keeps_the_conversation_and_its_commands(chat_model, monkeypatch):
     monkeypatch.setattr(RolloutEngine, "generate", spy)
     stdin = io.StringIO("1+1=\n/set max_new_tokens=3\n2+2=\n/set top_p=7\n/clear\n3+3=\n/exit\nnever read\n")
     out, err = io.StringIO(), io.StringIO()
-    assert chat_main(str(chat_model), system="add", greedy=True, stdin=stdin, stdout=out, stderr=err) == 0
+    assert chat_main(str(chat_dir), system="add", greedy=True, stdin=stdin, stdout=out, stderr=err) == 0
     replies = out.getvalue().splitlines()
     assert len(seen) == 3
     assert seen[0] == "s:add\nu:1+1=\na:"                                   # the template, with the system message

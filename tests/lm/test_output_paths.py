@@ -59,7 +59,7 @@ def no_training(monkeypatch):
 
 
 def run_sft(model_dir, out, **options):
-    examples = ArithmeticTask(digits=1, seed=0).sft_examples(4)
+    examples = ArithmeticTask(digits=1, seed=0).items("sft", 4)
     return sft.run_sft(model_dir, out, examples, examples, epochs_max=1, batch_size=4, precision="fp32",
                        log=None, **options)
 

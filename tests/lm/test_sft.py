@@ -43,7 +43,7 @@ def test_generation_batches_match_single_prompts(tiny_model_dir):
 
 
 def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
-    examples = ArithmeticTask(digits=1, seed=0).sft_examples(24)
+    examples = ArithmeticTask(digits=1, seed=0).items("sft", 24)
     out = tmp_path / "sft"
     summary = run_sft(tiny_model_dir, out, examples, examples, epochs_max=25, batch_size=8, learning_rate=3e-3,
                       patience=25, warmup_steps=5, seed=0, precision="fp32", log=None)
@@ -66,7 +66,7 @@ def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
 
 
 def test_sft_stops_on_patience(tiny_model_dir, tmp_path):
-    examples = ArithmeticTask(digits=1, seed=0).sft_examples(8)
+    examples = ArithmeticTask(digits=1, seed=0).items("sft", 8)
     lines = []
     summary = run_sft(tiny_model_dir, tmp_path / "sft", examples, examples, epochs_max=50, batch_size=8,
                       learning_rate=1e-7, patience=2, warmup_steps=1, precision="fp32", log=lines.append)

@@ -23,7 +23,7 @@ def test_arithmetic_splits_are_disjoint_and_cover_everything(digits, op):
     sft, train, held = (set(task.indices(s).tolist()) for s in ("sft", "train", "eval"))
     assert not sft & train and not sft & held and not train & held
     assert len(sft | train | held) == task.num_problems
-    for item in task.eval_set(5) + task.train_prompts(5):
+    for item in task.items("eval", 5) + task.items("train", 5):
         a, b = item["prompt"][:-1].split(op, 1) if op != "-" else item["prompt"][:-1].rsplit("-", 1)
         assert item["prompt"].endswith("=") and set(item) == {"prompt", "answer"}   # no answer in the text
         assert int(item["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
@@ -32,26 +32,26 @@ def test_arithmetic_splits_are_disjoint_and_cover_everything(digits, op):
 
 def test_splits_are_deterministic_prefixes_and_seed_independent_in_membership():
     a, b = ArithmeticTask(seed=0), ArithmeticTask(seed=0)
-    assert a.sft_examples(300) == b.sft_examples(300)
-    assert a.eval_set(50) == a.eval_set(200)[:50]
+    assert a.items("sft", 300) == b.items("sft", 300)
+    assert a.items("eval", 50) == a.items("eval", 200)[:50]
     other = ArithmeticTask(seed=1)
-    assert other.eval_set(50) != a.eval_set(50)                           # another order...
+    assert other.items("eval", 50) != a.items("eval", 50)                           # another order...
     assert set(other.indices("eval").tolist()) == set(a.indices("eval").tolist())   # ...same members
-    sft_prompts = {x["prompt"] for x in a.sft_examples(2000)}
-    assert not sft_prompts & {x["prompt"] for x in other.eval_set(700)}
-    assert not sft_prompts & {x["prompt"] for x in a.train_prompts()}
-    ex = a.sft_examples(1)[0]
+    sft_prompts = {x["prompt"] for x in a.items("sft", 2000)}
+    assert not sft_prompts & {x["prompt"] for x in other.items("eval", 700)}
+    assert not sft_prompts & {x["prompt"] for x in a.items("train")}
+    ex = a.items("sft", 1)[0]
     assert set(ex) == {"prompt", "completion", "answer"} and ex["completion"] == ex["answer"]
-    assert set(a.train_prompts(1)[0]) == {"prompt", "answer"}
-    assert 700 < len(a.eval_set()) < 860 and a.max_answer_length == 3
+    assert set(a.items("train", 1)[0]) == {"prompt", "answer"}
+    assert 700 < len(a.items("eval", )) < 860 and a.max_answer_length == 3
 
 
 def test_large_problem_spaces_are_sampled_disjointly():
     task = ArithmeticTask(digits=5, seed=0)
-    sft = {x["prompt"] for x in task.sft_examples(500)}
-    held = {x["prompt"] for x in task.eval_set(500)}
+    sft = {x["prompt"] for x in task.items("sft", 500)}
+    held = {x["prompt"] for x in task.items("eval", 500)}
     assert len(sft) == 500 and len(held) == 500 and not sft & held
-    assert task.eval_set(100) == task.eval_set(500)[:100]
+    assert task.items("eval", 100) == task.items("eval", 500)[:100]
 
 
 def test_task_registry_errors():
@@ -65,7 +65,7 @@ def test_task_registry_errors():
     with pytest.raises(UserError, match="op must be one of"):
         get_task("arithmetic", op="/")
     with pytest.raises(UserError, match="has 13 eval problems"):
-        ArithmeticTask(digits=1).eval_set(100)
+        ArithmeticTask(digits=1).items("eval", 100)
 
 
 # ---------------------------------------------------------------------------- rewards
@@ -158,7 +158,7 @@ def test_jsonl_records_and_errors_name_the_line(tmp_path):
         assert name in str(info.value)
     with pytest.raises(UserError, match="does not exist"):
         load_prompts(str(tmp_path / "nope.jsonl"))
-    assert load_prompts("arithmetic", "eval", n=3, digits=1) == ArithmeticTask(digits=1).eval_set(3)
+    assert load_prompts("arithmetic", "eval", n=3, digits=1) == ArithmeticTask(digits=1).items("eval", 3)
 
 
 def test_prompt_iterator_is_deterministic_and_resumes_exactly():
