@@ -29,7 +29,6 @@ from ppokit.control.envs import VecEnv, make_vector_env
 from ppokit.control.evaluate import Evaluator, evaluate_policy
 from ppokit.control.networks import ActorCritic
 from ppokit.control.rollout import Rollout
-from ppokit.errors import UserError
 from ppokit.resume import all_finite, rollout_rngs
 from ppokit.trainer import DataParallel, PPOTrainer
 
@@ -101,11 +100,16 @@ class ControlSource:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        pending = state.get("pending")
+        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
+        if "shards" in state:                  # stepped by several rollout workers: another env layout
+            [state], notes = regroup_env_states(state, 1)
+            return self._restart(state) + notes
+        if state.get("restart"):
+            return self._restart(state)
         self.venv.normalizer.load_state_dict(state["normalizer"])
         exact = self.venv.load_state_dict(state["venv"])
         self._finished_before = self.venv.episodes_finished
-        pending = state.get("pending")
-        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
         if exact:
             self.rollout.continue_from(state["rollout"]["last_obs"] if state["rollout"]["started"] else None)
             return []
@@ -114,6 +118,56 @@ class ControlSource:
         self.rollout.continue_from(self.venv.reset(seed=self.venv.seed + 100_003 * self.venv.episodes_finished))
         return [f"note: env.vectorization={cfg.vectorization} ({type(self.venv.env).__name__}) cannot be "
                 "snapshotted: the episodes in flight restart, so the resumed run is not bit-identical"]
+
+    def _restart(self, state: dict[str, Any]) -> list[str]:
+        """New episodes under the checkpoint's normalisation statistics and episode record
+        (a :func:`regroup_env_states` state)."""
+        venv = self.venv
+        venv.normalizer.load_state_dict(state["normalizer"])
+        venv.episode_returns.extend(np.asarray(state["episode_returns"], np.float64).tolist())
+        venv.episode_lengths.extend(np.asarray(state["episode_lengths"], np.int64).tolist())
+        venv.episodes_finished = self._finished_before = int(state["episodes_finished"])
+        self.rollout.continue_from(venv.reset(seed=venv.seed + 100_003 * int(state["reset_offset"])))
+        return []
+
+
+def env_shards(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The env states of a control source checkpoint, one per shard that stepped them
+    (one: in-process, or one rollout worker)."""
+    return state["shards"] if "shards" in state else [state]
+
+
+def regroup_env_states(state: dict[str, Any], num_shards: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """A control source checkpoint for ``num_shards`` shards of the envs; (their states, notes).
+
+    The same number of shards: the states as they are (exact). Another number: the
+    Gymnasium vector env's state (one RNG for all its envs) cannot be split or joined, so
+    every shard starts new episodes ("restart" states) with the merged normalisation
+    statistics, each shard counting 1/num_shards of their samples (merging the shards
+    again gives the checkpoint's statistics); the episode record goes to shard 0.
+    """
+    shards = env_shards(state)
+    if len(shards) == num_shards:
+        return [dict(s) for s in shards], []
+    normalizer = merged_normalizer_state([s["normalizer"] for s in shards])
+    for key in ("obs_count", "ret_count"):
+        normalizer[key] = normalizer[key] / num_shards
+    venvs = [s["venv"] for s in shards if "venv" in s]
+    finished = sum(int(v["episodes_finished"]) for v in venvs) + sum(int(s.get("episodes_finished", 0))
+                                                                     for s in shards if "venv" not in s)
+    returns = np.concatenate([np.asarray(s["venv"]["episode_returns"] if "venv" in s else s["episode_returns"],
+                                         np.float64) for s in shards])
+    lengths = np.concatenate([np.asarray(s["venv"]["episode_lengths"] if "venv" in s else s["episode_lengths"],
+                                         np.int64) for s in shards])
+    offset = max(finished, 1)
+    out = [{"restart": True, "normalizer": dict(normalizer), "reset_offset": offset,
+            "episodes_finished": finished if i == 0 else 0,
+            "episode_returns": returns if i == 0 else np.zeros(0, np.float64),
+            "episode_lengths": lengths if i == 0 else np.zeros(0, np.int64)} for i in range(num_shards)]
+    note = (f"note: the checkpoint's envs were stepped in {len(shards)} shard(s) and this run steps them in "
+            f"{num_shards} (cluster.rollout_workers): the episodes in flight restart with the merged "
+            "normalisation statistics, so the resumed run is not bit-identical")
+    return out, [note]
 
 
 class ControlShardPlan:
@@ -144,25 +198,26 @@ class ControlShardPlan:
         return Batch(tensors=tensors, extras=extras, metrics=metrics, policy_version=parts[0].policy_version)
 
     def _merge_normalizers(self, states: list[dict[str, Any]]) -> None:
-        if len(states) == 1:
-            self.venv.normalizer.load_state_dict(states[0])
-            return
-        merged = {}
-        for prefix in ("obs_", "ret_"):
-            stats = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
-            merged.update({prefix + k: v for k, v in merge_running_stats(stats).items()})
-        self.venv.normalizer.load_state_dict(merged)
+        self.venv.normalizer.load_state_dict(merged_normalizer_state(states))
 
     def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
         return shard_states[0] if len(shard_states) == 1 else {"shards": shard_states}
 
     def load_state_dict(self, state: dict[str, Any]) -> tuple[list[Optional[dict[str, Any]]], list[str]]:
-        shards = state["shards"] if "shards" in state else [state]
-        if len(shards) != self.num_shards:
-            raise UserError(f"the checkpoint's envs were stepped by {len(shards)} rollout shard(s) and this run has "
-                            f"{self.num_shards}: resume with cluster.rollout_workers={len(shards) if len(shards) > 1 else '0 or 1'}")
+        shards, notes = regroup_env_states(state, self.num_shards)
         self._merge_normalizers([s["normalizer"] for s in shards])
-        return [dict(s) for s in shards], []
+        return shards, notes
+
+
+def merged_normalizer_state(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One :class:`~ppokit.control.envs.Normalizer` state from the shards' (one: as it is)."""
+    if len(states) == 1:
+        return dict(states[0])
+    merged = {}
+    for prefix in ("obs_", "ret_"):
+        stats = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
+        merged.update({prefix + k: v for k, v in merge_running_stats(stats).items()})
+    return merged
 
 
 def merge_running_stats(stats: list[dict[str, Any]]) -> dict[str, np.ndarray]:

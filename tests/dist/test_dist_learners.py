@@ -107,6 +107,31 @@ def test_checkpoint_moves_between_layouts(tmp_path, cluster_clean, first, then):
     close_rows(resumed[2:], whole[2:])
 
 
+@pytest.mark.parametrize("first, then", [(2, 0), (0, 2)])
+def test_env_shards_move_between_worker_layouts(tmp_path, cluster_clean, capsys, first, then):
+    """Two rollout workers' env shards resume in one process and the other way round: the
+    envs start new episodes (the vector env's one RNG cannot be split), said in a note;
+    the learner's state and the step count continue."""
+    import shutil
+
+    from ppokit.rundir import read_metrics
+
+    common = ("train.iterations=4", "run.checkpoint_every=2")
+    whole = run(cartpole_cfg(*common, f"cluster.rollout_workers={first}"), tmp_path / "whole")
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole", resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoint")
+    capsys.readouterr()
+    train(cartpole_cfg(*common, f"cluster.rollout_workers={then}"), resumed_dir,
+          resume_from=periodic_checkpoint_path(resumed_dir, 2))
+    out = capsys.readouterr()
+    assert f"stepped in {max(first, 1)} shard(s) and this run steps them in {max(then, 1)}" in out.out + out.err
+    resumed = read_metrics(resumed_dir)
+    assert resumed[:2] == whole[:2]
+    assert [r["global_step"] for r in resumed] == [r["global_step"] for r in whole]
+    assert all(r["grad_norm/actor"] > 0 for r in resumed[2:])
+
+
 def test_colocated_worker_and_learners_follow_the_in_process_run(tmp_path, cluster_clean):
     """One rollout worker and two learner ranks in two shared bundles (colocated placement):
     the envs see the same actions as in-process, the losses agree to float32 summation order."""
