@@ -20,7 +20,7 @@ run outlives it.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from ppokit.dist import require_ray
 from ppokit.errors import UserError
@@ -74,6 +74,8 @@ class Cluster:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         timeout = self.cfg.cluster.placement_timeout
+        if self.owned and self._missing(bundles):      # a local Ray this run started: no node will join
+            raise UserError(self._unplaceable(bundles, workers, learners, None))
         self.pg = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=timeout)
@@ -82,14 +84,27 @@ class Cluster:
             self.pg = None
             raise UserError(self._unplaceable(bundles, workers, learners, timeout)) from None
 
-    def _unplaceable(self, bundles: list[dict[str, float]], workers: int, learners: int, timeout: float) -> str:
-        ray = require_ray()
+    @staticmethod
+    def _need(bundles: list[dict[str, float]]) -> dict[str, float]:
         need: dict[str, float] = {}
         for b in bundles:
             for k, v in b.items():
                 need[k] = need.get(k, 0.0) + v
+        return need
+
+    def _missing(self, bundles: list[dict[str, float]]) -> list[str]:
+        """What the cluster lacks in total for ``bundles`` (``"GPU 1 more"``), free or not."""
+        total = require_ray().cluster_resources()
+        return [f"{k} {v - total.get(k, 0.0):g} more" for k, v in sorted(self._need(bundles).items())
+                if v > total.get(k, 0.0)]
+
+    def _unplaceable(self, bundles: list[dict[str, float]], workers: int, learners: int,
+                     timeout: Optional[float]) -> str:
+        """The error text; ``timeout`` None: not waited for (a local Ray this run started)."""
+        ray = require_ray()
+        need = self._need(bundles)
         total, free = ray.cluster_resources(), ray.available_resources()
-        missing = [f"{k} {v - total.get(k, 0.0):g} more" for k, v in sorted(need.items()) if v > total.get(k, 0.0)]
+        missing = self._missing(bundles)
         who = [f"{workers} rollout worker(s)"] if workers else []
         who += [f"{learners} learner(s)"] if learners else []
         c = self.cfg.cluster
@@ -98,7 +113,9 @@ class Cluster:
         return (f"the Ray cluster cannot place {' and '.join(who)} with {c.cpus_per_worker:g} CPU and "
                 f"{c.gpus_per_worker:g} GPU each ({c.placement}): they need "
                 f"{', '.join(f'{k} {v:g}' for k, v in sorted(need.items()))}, the cluster has {have}; {why} "
-                f"(waited {timeout:g} s, cluster.placement_timeout); lower cluster.cpus_per_worker, "
+                + (f"(waited {timeout:g} s, cluster.placement_timeout)" if timeout is not None else
+                   "(the local Ray this run started: no node will join)")
+                + "; lower cluster.cpus_per_worker, "
                 "cluster.gpus_per_worker or the number of workers, or add nodes")
 
     def actor_options(self, role: str, index: int) -> dict[str, Any]:

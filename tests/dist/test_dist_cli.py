@@ -92,3 +92,17 @@ def test_sigterm_checkpoints_and_stops_the_workers(tmp_path, cluster_clean):
     train(cartpole_cfg(*args), run_dir, resume_from=saved)
     local = run(cartpole_cfg(*args), tmp_path / "local")
     assert_rows_equal(read_metrics(run_dir), local, extra=DIST_ONLY)
+
+
+def test_a_local_ray_without_the_resources_fails_at_once(tmp_path, cluster_clean):
+    """The local Ray a run starts has no autoscaler: a request beyond it is an error without
+    the placement wait (exit 2, one line), and Ray is shut down."""
+    before = ray_processes()
+    proc = subprocess.run(train_cmd("cartpole", "cluster.rollout_workers=1", "cluster.gpus_per_worker=1",
+                                    "--output-dir", str(tmp_path), "--name", "gpu"),
+                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ppokit: error: the Ray cluster cannot place 1 rollout worker(s)")
+    assert "missing: GPU 1 more (the local Ray this run started: no node will join)" in last
+    assert_no_new_ray_processes(before)
