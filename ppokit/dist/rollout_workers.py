@@ -31,7 +31,9 @@ Failures
     Each part comes back with its shard's state after it. When a worker has died, the
     driver starts a new one, loads the shard's last state and the weights the lost
     request was sent with, and sends the same request with the same RNG: the part is
-    generated again as it would have been (``worker_restarts`` counts them).
+    generated again as it would have been (``worker_restarts`` counts them). A part
+    whose worker dies more than :data:`MAX_RESTARTS` times in a row (a crash the part
+    itself causes) stops the run with an error instead of looping.
 """
 
 from __future__ import annotations
@@ -45,7 +47,17 @@ import torch
 
 from ppokit.components import Batch
 from ppokit.dist import ray_get, require_ray
+from ppokit.errors import UserError
 from ppokit.resume import capture_rng, restore_rng, rollout_rngs
+
+
+# a part whose worker dies this many times in a row is not tried again: the run stops
+MAX_RESTARTS = 3
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 class RolloutWorker:
@@ -145,11 +157,18 @@ class RemoteSource:
         start = time.perf_counter()
         results = []
         for s, future in enumerate(request.futures):
+            deaths = 0
             while True:
                 try:
                     results.append(ray_get(future))
                     break
-                except RayActorError:             # the worker died: a new one does the same work
+                except RayActorError as exc:      # the worker died: a new one does the same work
+                    deaths += 1
+                    if deaths > MAX_RESTARTS:
+                        raise UserError(f"rollout worker {s} died {deaths} times in a row on iteration "
+                                        f"{request.iteration} ({_first_line(exc)}); check the worker's memory and "
+                                        "the Ray logs (/tmp/ray/session_latest/logs), then resume from the last "
+                                        "checkpoint with ppokit train --resume RUN_DIR") from None
                     future = self._restart(s, request)
         parts, states, rng_after, load_times, versions = zip(*results)
         self.shard_states = list(states)

@@ -1,8 +1,9 @@
 """A workload whose rollout and/or update run on Ray (``cluster:`` in the config).
 
-:class:`DistributedWorkload` wraps the run's workload: :meth:`build` builds the usual
-in-process components first (same seeds, same order: a fresh run and a resume build
-the same way), then starts the cluster and replaces the source with a
+:class:`DistributedWorkload` wraps the run's workload: :meth:`build` starts the cluster and
+reserves its resources (an impossible placement fails before anything heavy), builds the
+usual in-process components (same seeds, same order: a fresh run and a resume build the
+same way), then replaces the source with a
 :class:`~ppokit.dist.rollout_workers.RemoteSource` (``cluster.rollout_workers`` >= 1)
 and the learner with a :class:`~ppokit.dist.learner_group.LearnerGroup`
 (``cluster.learners`` > 1). The actors get a copy of the built workload and build
@@ -39,11 +40,15 @@ class DistributedWorkload:
         from ppokit.dist.rollout_workers import RemoteSource, RolloutWorker
 
         c = self.cfg.cluster
-        components = self.inner.build(run_dir)
-        cluster = None
+        learners = c.learners if c.learners > 1 else 0
+        # resources first: a placement the cluster cannot give fails before a warm start or a model load
+        cluster = Cluster(self.cfg, rollout_workers=c.rollout_workers, learners=learners)
         try:
-            learners = c.learners if c.learners > 1 else 0
-            cluster = Cluster(self.cfg, rollout_workers=c.rollout_workers, learners=learners)
+            components = self.inner.build(run_dir)
+        except BaseException:
+            cluster.close()
+            raise
+        try:
             if learners:
                 components.learner = LearnerGroup.start(cluster, self.inner, components.learner, learners)
             if c.rollout_workers:
@@ -55,8 +60,7 @@ class DistributedWorkload:
             components.header.append(cluster.describe())
             components.closers.append(cluster)
         except BaseException:
-            if cluster is not None:
-                cluster.close()
+            cluster.close()
             components.close()
             raise
         return components

@@ -54,6 +54,69 @@ def test_killed_worker_is_replaced_and_changes_nothing(tmp_path, cluster_clean, 
     assert_rows_equal(rows, local, extra=DIST_ONLY | {"worker_restarts"})
 
 
+def test_a_worker_that_dies_on_every_try_stops_the_run(cluster_clean):
+    """A part whose worker process dies each time (a crash the part causes) is tried
+    MAX_RESTARTS more times on new workers, then a one-line error, not an endless loop."""
+    from ppokit.dist.rollout_workers import MAX_RESTARTS, RemoteSource
+
+    class Dying:          # defined here: Ray ships it by value
+        def collect(self, iteration, request, rng):
+            import os
+
+            os._exit(1)
+
+        def set_weights(self, weights, version):
+            return 0.0
+
+        def load_state(self, state):
+            return []
+
+    class Plan:
+        steps_per_iteration = None
+
+        def requests(self, iteration):
+            return [None]
+
+    started = []
+
+    def start(shard):
+        actor = cluster_clean.remote(Dying).options(num_cpus=0, max_restarts=0).remote()
+        started.append(actor)
+        return actor
+
+    source = RemoteSource(cartpole_cfg(), Plan(), start, 1, forget_worker=cluster_clean.kill)
+    try:
+        with pytest.raises(UserError) as info:
+            source.collect(0)
+    finally:
+        for actor in started:
+            cluster_clean.kill(actor)
+    assert f"rollout worker 0 died {MAX_RESTARTS + 1} times in a row on iteration 0" in str(info.value)
+    assert len(started) == MAX_RESTARTS + 1 and "\n" not in str(info.value)
+
+
+def test_actors_run_at_the_drivers_priority(cluster_clean):
+    """Ray's default niceness for worker processes (15) would starve the rollout workers on a
+    CPU shared with the driver; the run's actors get niceness 0."""
+    from ppokit.dist.cluster import Cluster
+
+    class Probe:          # defined here: Ray ships it by value
+        def niceness(self):
+            import os
+
+            return os.nice(0)
+
+    cluster = Cluster(cartpole_cfg("cluster.rollout_workers=1"), rollout_workers=1, learners=0)
+    try:
+        probe = cluster.start_actor(Probe, "rollout", 0)
+        assert cluster_clean.get(probe.niceness.remote()) == 0
+        default = cluster_clean.remote(Probe).options(num_cpus=0).remote()
+        assert cluster_clean.get(default.niceness.remote()) > 0       # what the option changes
+        cluster_clean.kill(default)
+    finally:
+        cluster.close()
+
+
 @pytest.mark.parametrize("override, missing", [("cluster.gpus_per_worker=1", "GPU 1 more"),
                                                 ("cluster.cpus_per_worker=3", "CPU 1 more")])
 def test_unsatisfiable_placement_fails_within_the_bound(tmp_path, cluster_clean, override, missing):
