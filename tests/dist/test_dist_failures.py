@@ -54,10 +54,14 @@ def test_killed_worker_is_replaced_and_changes_nothing(tmp_path, cluster_clean, 
     assert_rows_equal(rows, local, extra=DIST_ONLY | {"worker_restarts"})
 
 
-def test_a_worker_that_dies_on_every_try_stops_the_run(cluster_clean):
+def test_a_worker_that_dies_on_every_try_stops_the_run(cluster_clean, monkeypatch):
     """A part whose worker process dies each time (a crash the part causes) is tried
     MAX_RESTARTS more times on new workers, then a one-line error, not an endless loop."""
-    from ppokit.dist.rollout_workers import MAX_RESTARTS, RemoteSource
+    from ppokit.dist import rollout_workers
+    from ppokit.dist.rollout_workers import RemoteSource
+
+    MAX_RESTARTS = 1                 # each try starts a worker process: keep the test short
+    monkeypatch.setattr(rollout_workers, "MAX_RESTARTS", MAX_RESTARTS)
 
     class Dying:          # defined here: Ray ships it by value
         def collect(self, iteration, request, rng):
