@@ -23,9 +23,18 @@ WORKLOADS = {"control": ("ppokit.control.workload", "ControlWorkload"), "lm": ("
 
 
 def make_workload(cfg: Config):
-    """The :class:`~ppokit.components.Workload` of ``cfg.workload``, built from ``cfg``."""
+    """The :class:`~ppokit.components.Workload` of ``cfg.workload``, built from ``cfg``; with
+    ``cluster.rollout_workers`` or ``cluster.learners`` > 1, on Ray (:mod:`ppokit.dist`)."""
+    from ppokit.dist import require_ray, wants_cluster
+
     module, name = WORKLOADS[cfg.workload]
-    return getattr(importlib.import_module(module), name)(cfg)
+    workload = getattr(importlib.import_module(module), name)(cfg)
+    if wants_cluster(cfg):
+        from ppokit.dist.workload import DistributedWorkload
+
+        require_ray(cfg)           # a one-line error naming the extra, before a run directory exists
+        workload = DistributedWorkload(workload, cfg)
+    return workload
 
 
 def check_inputs(cfg: Config) -> None:
