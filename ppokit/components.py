@@ -3,7 +3,9 @@
 The run loop (:mod:`ppokit.loop`) drives four objects that a workload builds
 (:class:`Components`)::
 
+    source.sync_weights(learner)             # once before the first iteration, then after each update
     batch = source.collect(iteration)        # RolloutSource: generate text / step envs
+    source.prefetch(iteration + 1)           # rollout.off_policy_steps=1 only: the next rollout starts
     scorer.score(batch)                      # Scorer: old/ref log-probs, values, final rewards
     advantages(batch)                        # ppokit.trainer.compute_advantages (the loop)
     metrics = learner.update(batch, iteration)   # Learner: the PPO update
@@ -11,8 +13,11 @@ The run loop (:mod:`ppokit.loop`) drives four objects that a workload builds
     evaluator.evaluate(phase)                # Evaluator: on the loop's schedule
 
 Each protocol is small so that a source or a learner can live in another process (Ray
-workers): a :class:`Batch` holds tensors and plain per-sample data, never model objects.
-The loop does not know which workload it runs.
+workers, :mod:`ppokit.dist`): a :class:`Batch` holds tensors and plain per-sample data,
+never model objects. The loop does not know which workload it runs, nor where its
+components run. A workload that scales out also gives :meth:`Workload.shard_plan`,
+:meth:`Workload.rollout_shard` and :meth:`Workload.learner_replica`: the pieces that a
+rollout worker or a learner rank builds in its own process.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any, Optional, Protocol
 
 from torch import Tensor
 
-__all__ = ["Batch", "Components", "Evaluator", "Learner", "RolloutSource", "Scorer", "Workload"]
+__all__ = ["Batch", "Components", "Evaluator", "Learner", "RolloutSource", "Scorer", "ShardPlan", "ShardSource",
+           "Workload"]
 
 
 @dataclass
@@ -50,15 +56,32 @@ class Batch:
     per sample (control: ``last_values`` (N,), the bootstrap value after the last step).
     ``samples``: plain per-sample records for ``samples.jsonl`` (lm: prompt, response,
     reward, fields), or empty. ``metrics``: what the source and the scorer measured.
+    ``policy_version``: the :attr:`Learner.policy_version` of the weights that sampled
+    the batch (None where the source does not say).
     """
 
     tensors: dict[str, Tensor]
     extras: dict[str, Tensor] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    policy_version: Optional[int] = None
 
     def __len__(self) -> int:
         return int(self.tensors["mask"].shape[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batch as checkpoint data (a rollout collected ahead of its update)."""
+        return {"tensors": dict(self.tensors), "extras": dict(self.extras), "samples": list(self.samples),
+                "metrics": dict(self.metrics), "policy_version": self.policy_version}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "Batch":
+        """The batch :meth:`state_dict` describes."""
+        version = state.get("policy_version")
+        return cls(tensors=dict(state["tensors"]), extras=dict(state.get("extras", {})),
+                   samples=[dict(s) for s in state.get("samples", [])],
+                   metrics={k: float(v) for k, v in state.get("metrics", {}).items()},
+                   policy_version=int(version) if version is not None else None)
 
 
 class RolloutSource(Protocol):
@@ -68,11 +91,22 @@ class RolloutSource(Protocol):
 
     def collect(self, iteration: int) -> Batch:
         """One iteration's rollouts: at least ``mask`` and, unless the scorer adds them,
-        ``rewards``, ``old_log_prob`` and ``old_values``."""
+        ``rewards``, ``old_log_prob`` and ``old_values``. The batch of a :meth:`prefetch`
+        of the same iteration when there is one."""
 
-    def sync_weights(self, learner: "Learner") -> None:
-        """Take the learner's new weights (``learner.rollout_weights()``); a source that
-        shares the learner's modules in one process has nothing to do."""
+    def prefetch(self, iteration: int) -> None:
+        """Start collecting ``iteration`` with the weights the source has now (one update
+        behind when :meth:`collect` returns it); the loop calls it with
+        ``rollout.off_policy_steps=1`` right after :meth:`collect` of the iteration before.
+        An in-process source collects at once; Ray workers overlap it with the update.
+        Its batch carries the behaviour policy's ``old_log_prob`` and is part of
+        :meth:`state_dict` until collected (exact resume)."""
+
+    def sync_weights(self, learner: "Learner") -> Optional[dict[str, float]]:
+        """Take the learner's weights (``learner.rollout_weights()``, version
+        ``learner.policy_version``); the loop calls it before the first iteration and after
+        each update. Returns the sync's metrics (``sync_bytes``, ``sync_time``), or None
+        for a source that shares the learner's modules in one process."""
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data and tensors to continue exactly after a resume (env states, data position)."""
@@ -96,12 +130,21 @@ class Scorer(Protocol):
 class Learner(Protocol):
     """The PPO update and the trained weights."""
 
+    policy_version: int     # updates applied so far (checkpointed): the version of the weights
+
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
         """Epochs over the batch; the iteration's metrics. Raises
         :class:`~ppokit.errors.TrainingDiverged` after too many non-finite steps in a row."""
 
     def rollout_weights(self) -> dict[str, Tensor]:
         """The tensors a rollout copy of the policy needs (lora: the actor adapter only)."""
+
+    def trained_weights(self) -> dict[str, Tensor]:
+        """Every trained tensor by name (adapters, value head; full mode: the models'):
+        what a replica of this learner needs to equal it."""
+
+    def load_trained_weights(self, weights: dict[str, Tensor]) -> None:
+        """Copy :meth:`trained_weights` of a replica into this learner's model."""
 
     def weights_finite(self) -> bool:
         """Whether every trained weight is finite (checked before a checkpoint is written)."""
@@ -113,8 +156,9 @@ class Learner(Protocol):
         """Write the trained model into a checkpoint directory in its usual format (lm:
         Hugging Face / peft files, loadable by ``ppokit export``); may do nothing."""
 
-    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
-        """Restore :meth:`state_dict` and the files :meth:`save_files` wrote into ``directory``."""
+    def load_state_dict(self, state: dict[str, Any], directory: Optional[Path]) -> None:
+        """Restore :meth:`state_dict` and the files :meth:`save_files` wrote into ``directory``
+        (None: only the state; the weights come through :meth:`load_trained_weights`)."""
 
 
 class Evaluator(Protocol):
@@ -163,6 +207,44 @@ class Components:
                 obj.close()
 
 
+class ShardSource(Protocol):
+    """A rollout worker's source (:mod:`ppokit.dist.rollout_workers`): a shard of the envs
+    (control) or generation for the prompts it is sent (lm), with its own policy copy."""
+
+    def collect_shard(self, iteration: int, request: Any) -> Any:
+        """This shard's part of ``iteration``'s batch for ``request`` (from :meth:`ShardPlan.requests`):
+        plain data and tensors that :meth:`ShardPlan.merge` turns into the batch (control: a
+        :class:`Batch`; lm: the generated sequences, scored by the driver)."""
+
+    def load_rollout_weights(self, weights: dict[str, Tensor]) -> None:
+        """Copy :meth:`Learner.rollout_weights` into the shard's policy."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]: ...
+
+
+class ShardPlan(Protocol):
+    """The driver's side of N rollout shards: what each is asked, how their parts make one
+    batch (in shard order, equal to the in-process source's batch when N = 1) and the
+    checkpoint state (the in-process source's layout when N = 1)."""
+
+    steps_per_iteration: Optional[int]
+
+    def requests(self, iteration: int) -> list[Any]:
+        """One request per shard for ``iteration`` (lm: its prompts; control: nothing)."""
+
+    def merge(self, iteration: int, parts: list[Any], states: list[dict[str, Any]]) -> Batch:
+        """Iteration ``iteration``'s batch from the shards' parts, in shard order; ``states``:
+        each shard's :meth:`ShardSource.state_dict` after its part."""
+
+    def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The source's checkpoint state from the driver's own state and the shards'."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[Optional[dict[str, Any]]], list[str]]:
+        """Restore the driver's state; each shard's state (None: nothing to restore) and notes."""
+
+
 class Workload(Protocol):
     """Builds a run's components from its config (``ppokit.control.workload``, ``ppokit.lm.workload``)."""
 
@@ -175,3 +257,15 @@ class Workload(Protocol):
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         """Raise :class:`~ppokit.errors.UserError` when a checkpoint cannot be resumed by this
         workload (another workload's, or state missing), before anything is built."""
+
+    def shard_plan(self, components: Components, num_shards: int) -> ShardPlan:
+        """The driver's side of ``num_shards`` rollout workers, after :meth:`build`."""
+
+    def rollout_shard(self, shard: int, num_shards: int) -> ShardSource:
+        """Called in a rollout worker's process on a copy of this workload made after
+        :meth:`build`: shard ``shard``'s source, seeded as the in-process source is."""
+
+    def learner_replica(self, parallel: Any) -> Learner:
+        """Called in a learner rank's process on a copy of this workload made after
+        :meth:`build`: a learner whose trainer shares mini-batches through ``parallel``
+        (a :class:`ppokit.trainer.DataParallel`)."""

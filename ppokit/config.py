@@ -274,6 +274,27 @@ class RolloutConfig(Section):
         "dynamic", "KV cache kind: dynamic grows step by step; static is preallocated, and on CUDA transformers "
         "compiles the decoding step around it (a one-time compile, then faster generation); lora mode, or "
         "fp32 in full mode")
+    off_policy_steps: int = field(
+        0, "both workloads: 0 = each iteration's rollout uses the newest weights; 1 = the next iteration's rollout "
+        "is collected while the update runs (one policy version stale; its log-probs are old_log_prob)",
+        ge=0, le=1)
+
+
+class ClusterConfig(Section):
+    """Scale-out on Ray (``pip install 'ppokit[ray]'``): rollout workers and a learner group."""
+
+    rollout_workers: int = field(0, "Ray actors that collect rollouts, each a shard of the prompts or envs "
+                                 "(0 = in the training process)", ge=0)
+    learners: int = field(1, "data-parallel learners on torch.distributed (1 = in the training process)", ge=1)
+    address: Optional[str] = field(None, "Ray cluster to join: null starts a local Ray, 'auto' or host:port "
+                                   "joins a running one (ray start --head)")
+    cpus_per_worker: float = field(1.0, "CPUs of each rollout worker and each learner", gt=0)
+    gpus_per_worker: float = field(0.0, "GPUs of each rollout worker and each learner", ge=0)
+    placement: Literal["colocated", "split"] = field(
+        "split", "split: each worker and learner has its own resources; colocated: rollout worker i and "
+        "learner i share one bundle (half of it each)")
+    placement_timeout: float = field(60.0, "seconds to wait for the cluster to place the workers before "
+                                     "failing with the missing resources", gt=0)
 
 
 class ShapingConfig(Section):
@@ -452,6 +473,7 @@ class Config(Section):
     model: ModelConfig = field(ModelConfig(), "lm: the language model, adapters, critic")
     rollout: RolloutConfig = field(RolloutConfig(), "lm: generation")
     data: DataConfig = field(DataConfig(), "lm: prompts, reward, evaluation, warm start")
+    cluster: ClusterConfig = field(ClusterConfig(), "scale-out on Ray: rollout workers, learners")
     textenv: TextEnvConfig = field(TextEnvConfig(), "lm: multi-turn episodes with a text environment")
 
     @model_validator(mode="after")
@@ -519,6 +541,9 @@ class Config(Section):
             if self.textenv.pool.snapshot_every and self.model.mode != "lora":
                 raise ValueError("textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
                                  "model.mode=lora, or textenv.pool.snapshot_every=0")
+            if self.cluster.rollout_workers or self.cluster.learners > 1 or self.rollout.off_policy_steps:
+                raise ValueError("multi-turn episodes (textenv) run in one process: remove the cluster section "
+                                 "and set rollout.off_policy_steps=0")
         if t.micro_batch_tokens is not None and self.workload != "lm":
             raise ValueError("train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
                              "control batches use train.micro_batch_size")
@@ -526,6 +551,16 @@ class Config(Section):
         if cache is not None and cache > self.rollout.max_new_tokens:
             raise ValueError(f"data.shaping.overlong_cache_length={cache} is longer than rollout.max_new_tokens="
                              f"{self.rollout.max_new_tokens}: the penalty ramps over the last tokens before that limit")
+        c = self.cluster
+        if self.workload == "control" and c.rollout_workers > 1 and self.env.num_envs % c.rollout_workers:
+            raise ValueError(f"cluster.rollout_workers={c.rollout_workers} must divide env.num_envs="
+                             f"{self.env.num_envs}: each worker steps an equal shard of the envs")
+        if self.workload == "lm" and c.rollout_workers > 1 and (t.batch_size // a.group_size) % c.rollout_workers:
+            raise ValueError(f"cluster.rollout_workers={c.rollout_workers} must divide the prompts per iteration "
+                             f"(train.batch_size / algo.group_size = {t.batch_size // a.group_size})")
+        if c.learners > 1 and (t.mini_batch_size or t.batch_size) < c.learners:
+            raise ValueError(f"cluster.learners={c.learners} split each mini-batch; train.mini_batch_size="
+                             f"{t.mini_batch_size or t.batch_size} gives some learner no sample")
         if self.rollout.cache_implementation == "static" and not self.rollout.use_cache:
             raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
         if (self.rollout.cache_implementation == "static" and self.model.mode == "full"

@@ -7,8 +7,10 @@ evaluation schedule, metrics and samples, checkpoints and their rotation::
 
     components = workload.build(run_dir)        # a resume builds exactly the same way...
     load the checkpoint's states, RNGs last      # ...then copies the saved state in
+    source.sync_weights(learner)                 # rollout workers start from the learner's weights
     for it in range(start, iterations):
         batch = source.collect(it)               # rollouts
+        source.prefetch(it + 1)                  # rollout.off_policy_steps=1: overlaps the update
         scorer.score(batch)                      # old/ref log-probs, values, final rewards
         batch += compute_advantages(cfg, batch)  # GAE or a group estimator (ppokit.trainer)
         metrics = learner.update(batch, it)      # epochs x mini-batches x micro-batches
@@ -106,22 +108,30 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Optional[P
         metrics: dict[str, Any] = {}
         final_path: Optional[Path] = None
         it = start_it - 1
+        pipelined = cfg.rollout.off_policy_steps > 0
         with GracefulStop() as stop:
+            source.sync_weights(learner)        # a source in other processes starts from these weights
             for it in range(start_it, iterations):
                 t0 = time.perf_counter()
                 batch = source.collect(it)
+                if pipelined and it + 1 < iterations:
+                    source.prefetch(it + 1)     # sampled by these weights while the update runs
                 t1 = time.perf_counter()
                 if scorer is not None:
                     scorer.score(batch)
                 t2 = time.perf_counter()
                 batch.tensors.update(zip(("advantages", "returns"), batch_advantages(cfg, batch)))
+                version = learner.policy_version
                 try:
                     metrics = learner.update(batch, it)
                 except TrainingDiverged as exc:
                     raise diverged_message(exc, run_dir) from None
-                source.sync_weights(learner)
+                sync_metrics = source.sync_weights(learner)
                 t3 = time.perf_counter()
                 metrics.update(batch.metrics)
+                metrics.update(sync_metrics or {})
+                if pipelined and batch.policy_version is not None:
+                    metrics["staleness"] = version - batch.policy_version   # updates between sampling and update
                 metrics.update(time_collect=t1 - t0, time_update=t3 - t2)
                 if scorer is not None:
                     metrics["time_score"] = t2 - t1

@@ -5,6 +5,11 @@
   the torch CPU (and initialized CUDA) RNG, plus any ``torch.Generator`` or
   ``np.random.Generator`` the run owns, as checkpoint-storable data (JSON + tensors,
   nothing pickled).
+- :func:`rollout_rngs`: every global RNG seeded from (seed, iteration, shard) for one
+  rollout, the caller's RNGs untouched: with ``rollout.off_policy_steps=1`` a rollout
+  runs ahead of the update (and in another process), so its draws cannot follow the
+  run's one stream; seeded per iteration they are the same in-process and on Ray
+  workers, and again after a resume.
 - :class:`GracefulStop`: the first SIGINT/SIGTERM only sets a flag, so the loop ends
   the iteration, saves a checkpoint and exits 130/143 with a resume hint
   (:class:`~ppokit.errors.Interrupted`); a second signal stops at once
@@ -17,17 +22,18 @@ This module imports torch and numpy lazily (the CLI imports it for argument hand
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ppokit.errors import Interrupted, TrainingDiverged
 
 __all__ = ["BadStepGuard", "GracefulStop", "Interrupted", "TrainingDiverged", "all_finite", "capture_rng",
-           "generator_state", "restore_rng", "set_generator_state"]
+           "generator_state", "restore_rng", "rollout_rngs", "rollout_seed", "set_generator_state"]
 
 # ----------------------------------------------------------------------------- RNG
 def _tag_arrays(obj: Any) -> Any:
@@ -120,6 +126,33 @@ def restore_rng(state: Mapping[str, Any], generators: Optional[Mapping[str, Any]
         if name not in saved_gens:
             raise ValueError(f"the checkpoint has no state for the random generator '{name}'")
         set_generator_state(gen, saved_gens[name])
+
+
+def rollout_seed(seed: int, iteration: int, shard: int = 0) -> int:
+    """A 63-bit seed for the rollout of ``iteration`` on ``shard`` (numpy's SeedSequence
+    hashes the three numbers: nearby inputs give unrelated seeds)."""
+    import numpy as np
+
+    words = np.random.SeedSequence([seed, iteration, shard]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31 | int(words[1]) >> 1) & (2**63 - 1)
+
+
+@contextlib.contextmanager
+def rollout_rngs(seed: int, iteration: int, shard: int = 0) -> Iterator[None]:
+    """Python ``random``, numpy's and torch's global RNGs (CUDA's too) seeded with
+    :func:`rollout_seed` inside the block; the states from before come back after it."""
+    import numpy as np
+    import torch
+
+    saved = capture_rng()
+    value = rollout_seed(seed, iteration, shard)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+    try:
+        yield
+    finally:
+        restore_rng(saved)
 
 
 def _as_byte_tensor(x: Any):

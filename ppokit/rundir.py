@@ -402,7 +402,10 @@ def _truncate_rows(path: Path, iteration: int) -> int:
 # Fields that may differ between the saved config and the one a run resumes with: they
 # change how a run reports or where it keeps checkpoints, not what it computes.
 PRESENTATION_FIELDS = ("preset", "run.output_dir", "run.name", "run.progress", "run.tensorboard", "run.resume",
-                       "run.checkpoint_every", "run.keep_checkpoints", "run.log_samples", "run.samples_every")
+                       "run.checkpoint_every", "run.keep_checkpoints", "run.log_samples", "run.samples_every",
+                       # where the run executes: a checkpoint does not depend on the cluster layout
+                       "cluster.rollout_workers", "cluster.learners", "cluster.address", "cluster.cpus_per_worker",
+                       "cluster.gpus_per_worker", "cluster.placement", "cluster.placement_timeout")
 
 
 def _leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

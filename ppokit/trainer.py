@@ -49,6 +49,20 @@ rows of similar length packed to a token budget (:mod:`ppokit.algo.batching`, ve
 ``compact``. Either way the loss is exactly the mini-batch's (the shared normalizer).
 The metric ``padding_frac`` (batches of token sequences) is the padding share of the positions the passes computed.
 
+With ``rollout.off_policy_steps: 1`` the batch was sampled by the policy one update
+older (the rollout ran while the previous update did): its ``old_log_prob`` are the
+behaviour policy's and every ratio, the first included, is taken against them. The first
+mini-batch's forward still measures the lag: ``old_log_prob_gap`` (largest difference)
+and ``off_policy_kl`` (mean k3 estimate of KL(behaviour || current) over its tokens).
+
+Data parallel (``cluster.learners`` > 1, :mod:`ppokit.dist.learner_group`): every rank
+holds the whole batch and draws the same shuffle; each rank takes its contiguous slice
+of every mini-batch (:meth:`DataParallel.shard`). The aggregation normaliser is
+all-reduced over the ranks, so it is the whole mini-batch's token or sequence count,
+and the summed gradients are all-reduced before clipping: the step is the
+single-learner step for every ``loss_agg_mode``. Metrics are reduced the same way
+(sums; maxima for ``ratio_max`` and ``old_log_prob_gap``).
+
 The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
 ``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
 Every other key is sliced along dim 0 and handed to ``policy.evaluate``. A policy
@@ -79,6 +93,40 @@ REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
 # second whitening would give a group whose samples all got one reward a non-zero advantage
 WHITENED_ESTIMATORS = ("gae",)
 OPTIONAL_WHEN_ON_POLICY = ("old_log_prob",)     # see "fully on-policy" in the module docstring
+
+
+# per-step metrics that are maxima (over micro-batches and data-parallel ranks), not weighted sums
+MAX_METRICS = ("ratio_max", "old_log_prob_gap")
+
+
+class DataParallel(Protocol):
+    """How the update shares a mini-batch with other learners (:mod:`ppokit.dist.parallel`)."""
+
+    world_size: int
+
+    def shard(self, index: Tensor) -> Tensor:
+        """This rank's contiguous part of a mini-batch's sample indices."""
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        """``tensor`` summed (``op="max"``: the maximum) over the ranks, in place; returned."""
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum every parameter's gradient over the ranks (a missing gradient counts as zeros)."""
+
+
+class SingleProcess:
+    """One learner: nothing to share."""
+
+    world_size = 1
+
+    def shard(self, index: Tensor) -> Tensor:
+        return index
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        return tensor
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        pass
 
 
 class TrainablePolicy(Protocol):
@@ -182,12 +230,17 @@ class PPOTrainer:
     """Owns the optimizer and schedule; :meth:`update` runs one iteration's epochs."""
 
     def __init__(self, cfg: Config, policy: TrainablePolicy, *, total_iterations: int,
-                 updates_per_iteration: int | None = None, horizon: int | None = None):
+                 updates_per_iteration: int | None = None, horizon: int | None = None,
+                 parallel: DataParallel | None = None):
         """``horizon``: the constant of ``seq-mean-token-sum-norm`` (Dr.GRPO), e.g. a language
-        model's generation budget; None uses each batch's length."""
+        model's generation budget; None uses each batch's length. ``parallel``: the other
+        learners of a data-parallel group (default: none)."""
         self.cfg = cfg
         self.policy = policy
         self.horizon = horizon
+        self.parallel: DataParallel = parallel or SingleProcess()
+        # the rollout ran one update behind: its log-probs are the behaviour policy's (module docstring)
+        self.off_policy = cfg.rollout.off_policy_steps > 0
         groups = [g for g in policy.param_groups(cfg) if g["params"]]
         self.params = [p for g in groups for p in g["params"]]
         # gradient-norm clipping per group: the actor's at train.grad_clip, the critic's
@@ -221,10 +274,12 @@ class PPOTrainer:
 
     def fully_on_policy(self, n: int, num_mini_batches: int | None = None) -> bool:
         """Whether an update of ``n`` samples makes one optimizer step (one epoch of one
-        mini-batch), so that all of it is on-policy."""
+        mini-batch) on data sampled by the current weights, so that all of it is on-policy."""
+        if self.off_policy or self.cfg.train.epochs != 1:
+            return False
         if num_mini_batches is not None:
-            return self.cfg.train.epochs == 1 and num_mini_batches == 1
-        return self.cfg.train.epochs == 1 and self.cfg.mini_batch_size >= n
+            return num_mini_batches == 1
+        return self.cfg.mini_batch_size >= n
 
     # ------------------------------------------------------------------------ update
     def update(self, batch: dict[str, Tensor], iteration: int = 0, num_mini_batches: int | None = None
@@ -256,6 +311,7 @@ class PPOTrainer:
             epoch_kl = []
             order = torch.randperm(n, generator=self.generator)
             for step, mb_index in enumerate(order.split(mini)):
+                mb_index = self.parallel.shard(mb_index)      # this learner's part of the mini-batch
                 mb = {k: v[mb_index] for k, v in batch.items()}
                 on_policy = epoch == 0 and step == 0
                 current: list[tuple[slice | Tensor, Tensor]] = []
@@ -272,6 +328,7 @@ class PPOTrainer:
             if a.target_kl is not None and epoch_kl:
                 if torch.stack(epoch_kl).mean().item() > a.target_kl:
                     break
+        self.parallel.all_reduce(self.on_policy_log_prob)      # each rank filled its own rows
         out = {k: (torch.as_tensor(sums[k]) / weights[k]).item() for k in sums}
         if self.penalty is not None and epoch_kl:
             # the PPO paper's d: the KL after the update, measured on the last epoch's mini-batches
@@ -294,11 +351,49 @@ class PPOTrainer:
     def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
                         on_policy: bool = False, current_out: list[tuple[slice | Tensor, Tensor]] | None = None,
                         penalty_coef: float | None = None) -> dict[str, Tensor]:
-        """One optimizer step over mini-batch ``mb``; with ``on_policy``, each micro-batch's rows of
-        ``mb`` and its detached log-probs (n, T') are appended to ``current_out``."""
+        """One optimizer step over mini-batch ``mb`` (this rank's part of it); with ``on_policy``,
+        each micro-batch's rows of ``mb`` and its detached log-probs (n, T') are appended to
+        ``current_out``."""
+        totals = self._accumulate_gradients(mb, micro, horizon, critic_only, on_policy, current_out, penalty_coef)
+        totals.update(self._clip_and_step())
+        return totals
+
+    def mini_batch_gradients(self, batch: dict[str, Tensor], iteration: int = 0) -> dict[str, Tensor]:
+        """The gradient of the first optimizer step of an update of ``batch`` (its first
+        mini-batch under the trainer's shuffle), summed over the data-parallel ranks, by
+        parameter name; no step is taken and the shuffle generator is left as it was."""
+        n = batch["mask"].shape[0]
+        state = self.generator.get_state()
+        order = torch.randperm(n, generator=self.generator)
+        self.generator.set_state(state)
+        mb_index = self.parallel.shard(order[:min(self.cfg.mini_batch_size, n)])
+        mb = {k: v[mb_index] for k, v in batch.items()}
+        micro = min(self.cfg.micro_batch_size, self.cfg.mini_batch_size)
+        penalty_coef = self.penalty.value if self.penalty is not None else None
+        self._accumulate_gradients(mb, micro, self.horizon or batch["mask"].shape[1],
+                                   iteration < self.cfg.train.critic_warmup, True, [], penalty_coef)
+        names = {id(p): name for name, p in self.policy.named_parameters()}
+        grads = {names[id(p)]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                 for p in self.params}
+        self.optimizer.zero_grad()
+        return grads
+
+    def _global_normalizer(self, mask: Tensor, mode: str) -> Tensor:
+        """:func:`algo.aggregation_normalizer` of the whole mini-batch that the ranks' parts make
+        up: its token count (token-mean) or sequence count (the seq-mean modes)."""
+        if self.parallel.world_size == 1:
+            return algo.aggregation_normalizer(mask, mode)
+        count = (mask != 0).sum() if mode == "token-mean" else torch.tensor(mask.shape[0], device=mask.device)
+        return self.parallel.all_reduce(count.to(torch.int64)).clamp(min=1)
+
+    def _accumulate_gradients(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
+                              on_policy: bool, current_out: list | None,
+                              penalty_coef: float | None) -> dict[str, Tensor]:
+        """Zero the gradients, backward every micro-batch of ``mb`` with the whole mini-batch's
+        normaliser, sum the gradients over the ranks; the step's metrics (reduced over the ranks)."""
         a = self.cfg.algo
         mode = a.loss_agg_mode
-        normalizer = algo.aggregation_normalizer(mb["mask"], mode)
+        normalizer = self._global_normalizer(mb["mask"], mode)
         self.optimizer.zero_grad()
         totals: dict[str, Tensor] = {}
         budget = self.cfg.train.micro_batch_tokens
@@ -312,7 +407,8 @@ class PPOTrainer:
             self._positions_computed += part[width_key].numel()
             out = self.policy.evaluate(part)
             mask = part["mask"]
-            current = out["log_prob"].detach() if on_policy else None   # the sampling policy's log-probs
+            # before the first step: the sampling policy's log-probs (off-policy: one update newer)
+            current = out["log_prob"].detach() if on_policy else None
             if current is not None and current_out is not None:
                 current_out.append((rows, current))
             share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
@@ -331,11 +427,15 @@ class PPOTrainer:
                 metrics["vf_clipfrac"] = v_metrics["vf_clipfrac"]
             if not critic_only:
                 old_log_prob = part.get("old_log_prob")
-                if current is not None:     # the policy that sampled this data: the ratio is exactly 1
+                if current is not None:
                     if old_log_prob is not None:
                         gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
                         totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)
-                    old_log_prob = current
+                    if self.off_policy:     # the behaviour policy's log-probs stay old_log_prob
+                        lag = algo.kl_penalty(old_log_prob, current, "k3")      # KL(behaviour || current)
+                        metrics["off_policy_kl"] = algo.aggregate(lag, mask, "token-mean")
+                    else:                   # the policy that sampled this data: the ratio is exactly 1
+                        old_log_prob = current
                 own = (dict(penalty_coef=penalty_coef) if penalty_coef is not None else
                        dict(lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,
                             clip_ratio_c=a.clip_ratio_c))
@@ -366,9 +466,27 @@ class PPOTrainer:
             for k, v in losses.items():
                 totals[k] = totals.get(k, 0.0) + v
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v * share
-        totals.update(self._clip_and_step())
+                if k in MAX_METRICS:
+                    totals[k] = torch.maximum(totals[k], v) if k in totals else v
+                else:
+                    totals[k] = totals.get(k, 0.0) + v * share
+        if self.parallel.world_size > 1:
+            self.parallel.all_reduce_grads(self.params)
+            totals = self._reduce_metrics(totals)
         return totals
+
+    def _reduce_metrics(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Step metrics over the ranks: sums (losses use the global normaliser, rates are
+        weighted by each micro-batch's share of it), maxima for :data:`MAX_METRICS`."""
+        keys = sorted(totals)      # the same keys on every rank (config: each rank has samples)
+        out = {}
+        for op in ("sum", "max"):
+            names = [k for k in keys if (k in MAX_METRICS) == (op == "max")]
+            if names:
+                packed = torch.stack([torch.as_tensor(totals[k], dtype=torch.float32).reshape(()) for k in names])
+                self.parallel.all_reduce(packed, op)
+                out.update(zip(names, packed))
+        return out
 
     def _clip_and_step(self) -> dict[str, Tensor]:
         """Clip each group's gradient norm at its own limit, step; ``grad_norm/<group>`` before clipping."""

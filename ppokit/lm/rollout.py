@@ -29,10 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import Tensor
 
 from ppokit.config import STATIC_CACHE_FULL_BF16
 from ppokit.errors import UserError
+
+# transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name warns on every call).
+GENERATE_CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask")
 
@@ -239,7 +244,7 @@ class RolloutEngine:
                 if self.kv_cache is not None:
                     cache = self.kv_cache(self.model, P + max_new)
                     if cache is not None:
-                        extra["past_key_values"] = cache
+                        extra[GENERATE_CACHE_KWARG] = cache
                 out = self.model.generate(input_ids=ids[s:s + self.cfg.micro_batch_size],
                                           attention_mask=am[s:s + self.cfg.micro_batch_size],
                                           generation_config=gen_cfg, **extra)

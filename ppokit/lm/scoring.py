@@ -77,7 +77,9 @@ class Scorer:
     def score(self, batch: Batch) -> None:
         start = time.perf_counter()
         t = batch.tensors
-        scored = self.forward_passes({k: t[k] for k in (*POLICY_INPUTS, "mask")})
+        # a rollout that ran ahead of the update brings its behaviour policy's old_log_prob
+        scored = self.forward_passes({k: t[k] for k in (*POLICY_INPUTS, "mask")},
+                                     old_log_prob="old_log_prob" not in t)
         if "ref_log_prob_metric" in scored:             # (K, R): not per sample
             batch.extras["ref_log_prob_metric"] = scored.pop("ref_log_prob_metric")
         t.update(scored)
@@ -131,10 +133,12 @@ class Scorer:
         return out
 
     @torch.no_grad()
-    def forward_passes(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The passes on a rollout's tensors (``input_ids``, ..., ``mask``), each (N, R) and 0 on padding."""
+    def forward_passes(self, tensors: dict[str, Tensor], old_log_prob: bool = True) -> dict[str, Tensor]:
+        """The passes on a rollout's tensors (``input_ids``, ..., ``mask``), each (N, R) and 0 on
+        padding; ``old_log_prob=False``: not the actor's (a rollout that ran ahead has them)."""
+        need_old = self.need_old_log_prob and old_log_prob
         mask = tensors["mask"]
-        names = ["old_values"] + (["old_log_prob"] if self.need_old_log_prob else []) \
+        names = ["old_values"] + (["old_log_prob"] if need_old else []) \
             + (["ref_log_prob"] if self.need_reference else []) \
             + (["kl_full"] if self.kl_ctrl is not None and self.kl_penalty == "full" else [])
         out = {k: torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for k in names}   # (N, R)
@@ -147,7 +151,7 @@ class Scorer:
                 rows = rows.to(mask.device)
                 mb = self.policy.compact({k: v[rows] for k, v in inputs.items()})
             width = mb["responses"].shape[1]
-            if self.need_old_log_prob:
+            if need_old:
                 out["old_log_prob"][rows, :width] = self.policy.log_probs(mb)["log_prob"].float()
             out["old_values"][rows, :width] = self.policy.values(mb).float()
             if self.need_reference:

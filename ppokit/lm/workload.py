@@ -31,9 +31,11 @@ coefficient).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,8 +48,8 @@ from ppokit.lm.device import one_thread_if_small, resolve_precision, run_device
 from ppokit.lm.evaluate import heldout_results
 from ppokit.lm.prompts import chat_render, load_data
 from ppokit.lm.scoring import Scorer, kl_ref_metric
-from ppokit.resume import all_finite
-from ppokit.trainer import PPOTrainer
+from ppokit.resume import all_finite, rollout_rngs
+from ppokit.trainer import DataParallel, PPOTrainer
 
 BASE_MODEL_DIR = "base_model"
 BASE_MODEL_MARKER = "ppokit_base_model.json"   # in base_model/, written when it is complete
@@ -59,22 +61,89 @@ UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask
 
 
 # ----------------------------------------------------------------------------- components
+# the RNG stream of the rewards of a rollout that runs ahead (rollout.off_policy_steps=1)
+REWARD_STREAM = 2**31
+
+
+@dataclass
+class RolloutPart:
+    """What generation gives (in-process, or a rollout worker's shard): the sequences and,
+    with ``rollout.off_policy_steps=1``, the sampling policy's log-probs of their tokens."""
+
+    rollout: Any                                   # a ppokit.lm.rollout.RolloutBatch
+    old_log_prob: Optional[torch.Tensor] = None    # (N, R) behaviour log-probs, 0 on padding
+    behaviour_time: float = 0.0
+
+
 class LMSource:
-    """Prompts in, scored responses out: ``collect() -> Batch``."""
+    """Prompts in, scored responses out: ``collect() -> Batch``.
+
+    Two steps: :meth:`collect_shard` generates (on a rollout worker, a shard of the
+    prompts; there ``prompts`` and ``rewards`` are None) and :meth:`finish` scores the
+    responses and measures them where the prompts' position and the rewards' state live
+    (the training process). With ``rollout.off_policy_steps=1`` generation also returns
+    the sampling (behaviour) policy's log-probs, computed by ``policy`` in the scorer's
+    chunks right after generation: the update, one version later, takes its ratios
+    against them.
+    """
 
     steps_per_iteration = None
 
-    def __init__(self, cfg: Config, engine, prompts, rewards, device: torch.device, dropped_prompts: int = 0):
+    def __init__(self, cfg: Config, engine, prompts, rewards, device: torch.device, dropped_prompts: int = 0,
+                 policy=None):
         self.cfg, self.engine, self.prompts = cfg, engine, prompts
         self.rewards, self.device = rewards, device        # a SequenceRewards
         self.dropped_prompts = dropped_prompts
+        self.policy = policy
+        self.policy_version = 0                    # the learner's version of the actor's weights
+        self.pending: Optional[tuple[int, Batch]] = None    # a prefetched iteration and its batch
 
     def collect(self, iteration: int) -> Batch:
-        items = self.prompts.next_batch()
-        rollout = self.engine.generate([x["prompt"] for x in items], group_size=self.cfg.algo.group_size,
-                                       items=items)
+        if self.pending is not None and self.pending[0] == iteration:
+            batch, self.pending = self.pending[1], None
+            return batch
+        return self._collect(iteration, self.prompts.next_batch())
+
+    def prefetch(self, iteration: int) -> None:
+        """Collect ``iteration`` now (in this process nothing overlaps with the update)."""
+        self.pending = (iteration, self._collect(iteration, self.prompts.next_batch()))
+
+    def _collect(self, iteration: int, items: list[dict]) -> Batch:
+        if not self.cfg.rollout.off_policy_steps:
+            return self.finish(iteration, self.collect_shard(iteration, items))
+        with rollout_rngs(self.cfg.seed, iteration):       # seeded per iteration: the same on a Ray worker
+            part = self.collect_shard(iteration, items)
+        return self.finish(iteration, part)
+
+    def collect_shard(self, iteration: int, request: list[dict]) -> RolloutPart:
+        """Responses to the prompt records ``request`` (``group_size`` each)."""
+        rollout = self.engine.generate([x["prompt"] for x in request], group_size=self.cfg.algo.group_size,
+                                       items=request)
+        if not self.cfg.rollout.off_policy_steps:
+            return RolloutPart(rollout)
         start = time.perf_counter()
-        scores, reward_metrics, marks = self.rewards(rollout)                           # (N,)
+        old_log_prob = self.behaviour_log_probs(rollout.tensors())
+        return RolloutPart(rollout, old_log_prob, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def behaviour_log_probs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(N, R) log-probs of the sampled tokens under the sampling weights, 0 on padding."""
+        from ppokit.lm.scoring import POLICY_INPUTS
+
+        n, chunk = tensors["mask"].shape[0], self.cfg.train.infer_micro_batch_size
+        parts = [self.policy.log_probs({k: tensors[k][s:s + chunk] for k in POLICY_INPUTS})["log_prob"]
+                 for s in range(0, n, chunk)]
+        return torch.cat(parts).float() * tensors["mask"]
+
+    def finish(self, iteration: int, part: RolloutPart) -> Batch:
+        """The batch of a rollout: sequence rewards (seeded per iteration when the rollout ran
+        ahead), metrics and samples."""
+        rollout = part.rollout
+        seeded = rollout_rngs(self.cfg.seed, iteration, REWARD_STREAM) if self.cfg.rollout.off_policy_steps \
+            else contextlib.nullcontext()
+        start = time.perf_counter()
+        with seeded:
+            scores, reward_metrics, marks = self.rewards(rollout)                       # (N,)
         scores = scores.to(self.device)
         time_reward = time.perf_counter() - start
         if not math.isfinite(scores.mean().item()):
@@ -91,33 +160,121 @@ class LMSource:
         if self.dropped_prompts:
             metrics["prompts_dropped"] = float(self.dropped_prompts)
         tensors = {**rollout.tensors(), "scores": scores, "group_ids": rollout.group_ids}
+        if part.old_log_prob is not None:
+            tensors["old_log_prob"] = part.old_log_prob.to(self.device)
+            metrics["time_behaviour_log_prob"] = part.behaviour_time
         return Batch(tensors=tensors, samples=rollout_samples(rollout, scores, self.cfg.run.log_samples, marks),
-                     metrics=metrics)
+                     metrics=metrics, policy_version=self.policy_version)
 
     def sync_weights(self, learner: "LMLearner") -> None:
-        """Nothing to do: generation runs the learner's own policy."""
+        """Nothing to copy: generation runs the learner's own policy."""
+        self.policy_version = learner.policy_version
+
+    def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The actor adapter's weights (lora) or the actor model's (full), from ``rollout_weights``."""
+        if self.policy.mode == "lora":
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.policy.lm, weights, adapter_name="actor")
+            if getattr(result, "unexpected_keys", None):
+                raise RuntimeError(f"rollout weights not in the actor adapter: {result.unexpected_keys[:3]}")
+        else:
+            self.policy.lm.load_state_dict(weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prompts": self.prompts.state_dict(), "rewards": self.rewards.state_dict()}
+        if self.prompts is None:              # a rollout worker's: nothing of its own
+            return {}
+        state: dict[str, Any] = {"prompts": self.prompts.state_dict(), "rewards": self.rewards.state_dict()}
+        if self.pending is not None:
+            state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        if self.prompts is None:
+            return []
         self.prompts.load_state_dict(state["prompts"])
         self.rewards.load_state_dict(state.get("rewards", {}))      # (absent in checkpoints before it existed)
+        pending = state.get("pending")
+        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
         return []
+
+
+class LMShardPlan:
+    """The driver's side of N rollout workers: each iteration's prompts (drawn here, as
+    in-process) go out in N contiguous slices of whole groups; the generated parts come
+    back in that order, are padded to one layout (one worker: its part as it is) and
+    scored here by the run's own source (:meth:`LMSource.finish`: rewards, their state,
+    the prompts' position)."""
+
+    steps_per_iteration = None
+
+    def __init__(self, source: LMSource, num_shards: int):
+        self.source, self.num_shards = source, num_shards
+
+    def requests(self, iteration: int) -> list[list[dict]]:
+        items = self.source.prompts.next_batch()
+        k = len(items) // self.num_shards
+        return [items[i * k:(i + 1) * k] for i in range(self.num_shards)]
+
+    def merge(self, iteration: int, parts: list[RolloutPart], states: list[dict[str, Any]]) -> Batch:
+        part = parts[0] if len(parts) == 1 else concat_parts(parts, self.source.engine.pad_id)
+        return self.source.finish(iteration, part)
+
+    def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[Optional[dict[str, Any]]], list[str]]:
+        return [None] * self.num_shards, self.source.load_state_dict(state)
+
+
+def concat_parts(parts: list[RolloutPart], pad_id: int) -> RolloutPart:
+    """One rollout from parts of different widths: prompts left-padded to the longest prompt
+    P, responses right-padded to the longest response R (the layout of
+    :mod:`ppokit.lm.rollout`); ``group_ids`` renumbered; the slowest part's generation time."""
+    from ppokit.lm.rollout import RolloutBatch, position_ids_from
+
+    rollouts = [p.rollout for p in parts]
+    widths = [(r.prompt_length, r.responses.shape[1]) for r in rollouts]
+    P, R = max(w[0] for w in widths), max(w[1] for w in widths)
+    pad = torch.nn.functional.pad
+    cols: dict[str, list[torch.Tensor]] = {}
+    offset = 0
+    for part, r, (p, n) in zip(parts, rollouts, widths):
+        for key, value in (("input_ids", pad_id), ("attention_mask", 0)):
+            t = getattr(r, key)
+            cols.setdefault(key, []).append(torch.cat([pad(t[:, :p], (P - p, 0), value=value),
+                                                       pad(t[:, p:], (0, R - n), value=value)], 1))   # (n, P + R)
+        cols.setdefault("responses", []).append(pad(r.responses, (0, R - n), value=pad_id))            # (n, R)
+        cols.setdefault("mask", []).append(pad(r.mask, (0, R - n), value=0.0))
+        if part.old_log_prob is not None:
+            cols.setdefault("old_log_prob", []).append(pad(part.old_log_prob, (0, R - n), value=0.0))
+        cols.setdefault("truncated", []).append(r.truncated)
+        cols.setdefault("group_ids", []).append(r.group_ids + offset)
+        offset += int(r.group_ids.max()) + 1 if len(r.group_ids) else 0
+    t = {k: torch.cat(v) for k, v in cols.items()}
+    old_log_prob = t.pop("old_log_prob", None)
+    merged = RolloutBatch(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                          position_ids=position_ids_from(t["attention_mask"]), responses=t["responses"],
+                          mask=t["mask"], truncated=t["truncated"], group_ids=t["group_ids"],
+                          prompts=[x for r in rollouts for x in r.prompts], texts=[x for r in rollouts for x in r.texts],
+                          items=[x for r in rollouts for x in r.items],
+                          generation_time=max(r.generation_time for r in rollouts))
+    return RolloutPart(merged, old_log_prob, max(p.behaviour_time for p in parts))
 
 
 class LMLearner:
     """The policy's optimizer and the shared PPO update; the policy's files in each checkpoint."""
 
-    def __init__(self, cfg: Config, policy, tokenizer, model_path: Path, *, num_mini_batches: Optional[int] = None,
-                 horizon: Optional[int] = None):
+    def __init__(self, cfg: Config, policy, tokenizer, model_path: Path, parallel: Optional[DataParallel] = None, *,
+                 num_mini_batches: Optional[int] = None, horizon: Optional[int] = None):
         self.cfg, self.policy, self.tokenizer, self.model_path = cfg, policy, tokenizer, model_path
         # multi-turn batches have a varying number of rows: a fixed number of mini-batches instead
         self.num_mini_batches = num_mini_batches
         # Dr.GRPO's constant: the generation budget, whatever the iteration's longest response
         self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations,
-                                  horizon=horizon or cfg.rollout.max_new_tokens)
+                                  horizon=horizon or cfg.rollout.max_new_tokens, parallel=parallel)
         self.keys = UPDATE_KEYS + (("ref_log_prob",) if needs_ref_log_prob(cfg) else ())
+        self.policy_version = 0
 
     def needs_scored_old_log_prob(self) -> bool:
         """Whether the scorer must run the actor pass: not when the update makes one
@@ -141,6 +298,7 @@ class LMLearner:
         ref = t.get("ref_log_prob", batch.extras.get("ref_log_prob_metric"))      # (N or K, R)
         if ref is not None:
             metrics["kl_ref"] = kl_ref_metric(t["old_log_prob"], ref, t["mask"])
+        self.policy_version += 1
         return metrics
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
@@ -151,22 +309,34 @@ class LMLearner:
             return get_peft_model_state_dict(self.policy.lm, adapter_name="actor")
         return self.policy.lm.state_dict()
 
+    def trained_weights(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter by name (adapters and value head; full mode: the models')."""
+        return {name: p.detach() for name, p in self.policy.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def load_trained_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        params = dict(self.policy.named_parameters())
+        for name, value in weights.items():
+            params[name].copy_(value)
+
     def weights_finite(self) -> bool:
         return all_finite(p for p in self.policy.parameters() if p.requires_grad)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trainer": self.trainer.state_dict()}
+        return {"trainer": self.trainer.state_dict(), "policy_version": self.policy_version}
 
     def save_files(self, directory: Path) -> None:
         from ppokit.lm.policy_io import save_policy
 
         save_policy(self.policy, directory, base_model=str(self.model_path), tokenizer=self.tokenizer)
 
-    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
+    def load_state_dict(self, state: dict[str, Any], directory: Optional[Path]) -> None:
         from ppokit.lm.policy_io import load_trained_state
 
-        load_trained_state(self.policy, directory)
+        if directory is not None:      # None: the weights come through load_trained_weights
+            load_trained_state(self.policy, directory)
         self.trainer.load_state_dict(state["trainer"])
+        self.policy_version = int(state.get("policy_version", 0))
 
 
 class LMEvaluator:
@@ -244,6 +414,41 @@ class LMWorkload:
 
         read_policy_meta(path)          # the policy's files are there (a UserError names what is wrong)
 
+    def shard_plan(self, components: Components, num_shards: int) -> LMShardPlan:
+        return LMShardPlan(components.source, num_shards)
+
+    def rollout_shard(self, shard: int, num_shards: int) -> LMSource:
+        """Generation with the actor alone (lora: the backbone and the actor adapter), built as
+        :meth:`build` builds it; the prompts come with each request, the rewards are the driver's."""
+        from ppokit.lm.hf import load_tokenizer
+        from ppokit.lm.policy import build_policy
+        from ppokit.lm.rollout import RolloutEngine
+
+        cfg = self.cfg
+        device, autocast_dtype = setup(cfg)
+        small_model_threads(cfg)
+        tokenizer = load_tokenizer(self.model_path, "model.path")
+        policy = build_policy(cfg, self.model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed,
+                              need_critic=False, need_reference=False)
+        kv_cache = accelerate(cfg, policy)[1]
+        one_thread_if_small(cfg, policy, device)
+        engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
+        return LMSource(cfg, engine, None, None, device, policy=policy)
+
+    def learner_replica(self, parallel: DataParallel) -> LMLearner:
+        """The policy (actor, critic, reference) and its optimizer, built as :meth:`build` builds them."""
+        from ppokit.lm.hf import load_tokenizer
+        from ppokit.lm.policy import build_policy
+
+        cfg = self.cfg
+        device, autocast_dtype = setup(cfg)
+        small_model_threads(cfg)
+        tokenizer = load_tokenizer(self.model_path, "model.path")
+        policy = build_policy(cfg, self.model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
+        accelerate(cfg, policy)
+        one_thread_if_small(cfg, policy, device)
+        return LMLearner(cfg, policy, tokenizer, self.model_path, parallel=parallel)
+
     def build(self, run_dir: Path) -> Components:
         cfg = self.cfg
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -287,15 +492,11 @@ class LMWorkload:
         rewards = SequenceRewards(cfg.data, cfg.rollout.max_new_tokens,
                                   verifier=verifier if verifier_in_training else None, reward_model=reward_model)
         model_path = prepare_model(cfg, run_dir, eval_items, verifier, _print, prompts=train_items + eval_items)
+        self.model_path = model_path          # what rollout workers and learner ranks load
         causal_lm_config(model_path, "model.path")            # a clear error before anything heavy
         tokenizer = load_tokenizer(model_path, "model.path")
         policy = build_policy(cfg, model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
-        accel_note, kv_cache = "", None
-        if cfg.model.cpu_kernels:
-            from ppokit.lm.accel import accelerate_policy
-
-            acceleration = accelerate_policy(policy)
-            accel_note, kv_cache = acceleration.describe(), acceleration.kv_cache
+        accel_note, kv_cache = accelerate(cfg, policy)
         one_thread_if_small(cfg, policy, device)
         engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
         check_prompts_fit(engine.model, tokenizer, [x["prompt"] for x in train_items + eval_items],
@@ -308,7 +509,7 @@ class LMWorkload:
                         metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(),
                         kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty, micro_batch_tokens=cfg.train.micro_batch_tokens)
         prompts = PromptIterator(train_items, cfg.train.batch_size // a.group_size, seed=cfg.seed)
-        source = LMSource(cfg, engine, prompts, rewards, device, dropped_prompts=dropped)
+        source = LMSource(cfg, engine, prompts, rewards, device, dropped_prompts=dropped, policy=policy)
         evaluator = LMEvaluator(cfg, engine, eval_items, verifier) if eval_items and verifier is not None else None
         precision = "bf16" if autocast_dtype is not None else "fp32"
         trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
@@ -344,6 +545,24 @@ def setup(cfg: Config) -> tuple[torch.device, Optional[torch.dtype]]:
     return device, resolve_precision(cfg.run.precision, device)
 
 
+def small_model_threads(cfg: Config) -> None:
+    """The built-in tiny model on a CPU without ``run.torch_threads``: one torch thread
+    (what :func:`prepare_model` sets in the training process)."""
+    if cfg.model.path == "tiny" and cfg.run.torch_threads is None and run_device(cfg).type == "cpu":
+        torch.set_num_threads(1)
+
+
+def accelerate(cfg: Config, policy) -> tuple[str, Any]:
+    """``model.cpu_kernels``: ppokit's CPU kernels on ``policy``; (a note for the header, the
+    generation cache factory or None)."""
+    if not cfg.model.cpu_kernels:
+        return "", None
+    from ppokit.lm.accel import accelerate_policy
+
+    acceleration = accelerate_policy(policy)
+    return acceleration.describe(), acceleration.kv_cache
+
+
 def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log,
                   prompts: Optional[list[dict]] = None, sft_examples: Optional[list[dict]] = None) -> Path:
     """The backbone's directory: model.path, the built-in tiny model, and/or a warm-started copy.
@@ -361,8 +580,7 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
     path = cfg.model.path
     base = run_dir / BASE_MODEL_DIR
     if path == "tiny" or cfg.data.sft_epochs:
-        if path == "tiny" and cfg.run.torch_threads is None and run_device(cfg).type == "cpu":
-            torch.set_num_threads(1)    # the built-in model is small (see SMALL_MODEL_PARAMS)
+        small_model_threads(cfg)        # the built-in model is small (see SMALL_MODEL_PARAMS)
         if (base / BASE_MODEL_MARKER).is_file():
             return base
         for leftover in [base, *run_dir.glob(f".{BASE_MODEL_DIR}.*"), *run_dir.glob(f".{INIT_MODEL_DIR}.*")]:

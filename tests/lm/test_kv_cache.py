@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ppokit.lm.accel.kv_cache import preallocated_cache
+from ppokit.lm.rollout import GENERATE_CACHE_KWARG
 
 
 def tiny_llama(dtype, seed=0):
@@ -19,7 +20,7 @@ def tiny_llama(dtype, seed=0):
 
 
 def greedy(model, ids, mask, cache=None, new=7):
-    extra = {"past_key_values": cache} if cache is not None else {}
+    extra = {GENERATE_CACHE_KWARG: cache} if cache is not None else {}
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
                               output_scores=True, return_dict_in_generate=True, pad_token_id=0, **extra)
@@ -86,8 +87,13 @@ def test_the_rollout_engine_preallocates_where_the_decoding_kernel_runs(tiny_dir
     assert (engine(None, mode="full").kv_cache is not None) is (cpu_library() is not None)
     fused = engine()
     assert (fused.kv_cache is not None) is (cpu_library() is not None)
+    made = []
+    if fused.kv_cache is not None:                               # record the caches handed to generate
+        make = fused.kv_cache
+        fused.kv_cache = lambda model, capacity: made.append(make(model, capacity)) or made[-1]
     batch = fused.generate(["12+3=", "7="], group_size=2)
     assert batch.responses.shape[0] == 4 and batch.mask.sum() > 0
+    assert all(cache.get_seq_length() > 0 for cache in made)    # generate filled them: the keyword reached it
 
 
 def test_batch_operations_and_crop_act_on_the_filled_part():

@@ -1,0 +1,184 @@
+"""The Ray side of a run: start or join Ray, reserve resources, shut everything down.
+
+:class:`Cluster` reserves one placement group for the run's actors and waits for it at
+most ``cluster.placement_timeout`` seconds: a request the cluster cannot satisfy is a
+:class:`~ppokit.errors.UserError` naming the missing resources, never a silent hang.
+
+Bundles (RLinf's component placement in its simplest form):
+
+- ``split``: one bundle ``{CPU: cpus_per_worker, GPU: gpus_per_worker}`` per rollout
+  worker and one per learner rank: the rollout and the update never share a device.
+- ``colocated``: ``max(W, L)`` such bundles; rollout worker i and learner rank i share
+  bundle i, each asking for half of it (time-sharing one device).
+
+With ``cluster.learners: 1`` the learner is the training process itself and takes no
+bundle. :meth:`Cluster.close` kills the actors, removes the placement group and, when
+this run started Ray (``cluster.address: null``), shuts Ray down: no Ray process of the
+run outlives it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ppokit.dist import require_ray
+from ppokit.errors import UserError
+
+
+# Ray starts worker processes at niceness 15 (below the driver and Ray's own daemons). The
+# run's actors do its main work: at 15 a CPU shared with anything at niceness 0 (the driver's
+# update, another job) starves them (a rollout worker then generates 2-3x slower).
+ACTOR_ENV = {"RAY_worker_niceness": "0"}
+
+
+class Cluster:
+    """Ray for one run: the placement group and the actors created in it."""
+
+    def __init__(self, cfg, *, rollout_workers: int, learners: int):
+        ray = require_ray(cfg)
+        c = cfg.cluster
+        self.cfg = cfg
+        self.owned = False
+        self.actors: list[Any] = []
+        self.pg = None
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING,
+                                          log_to_driver=True)
+            if c.address is not None:
+                kwargs["address"] = c.address
+            try:
+                ray.init(**kwargs)
+            except ConnectionError as exc:
+                raise UserError(f"cluster.address={c.address}: cannot connect to Ray ({str(exc).splitlines()[0]}); "
+                                "start the head node with 'ray start --head' or use cluster.address=null") from None
+            self.owned = True
+        try:
+            self.worker_bundles, self.learner_bundles, bundles = self._bundles(rollout_workers, learners)
+            self.share = 0.5 if c.placement == "colocated" else 1.0
+            if bundles:
+                self._reserve(bundles, rollout_workers, learners)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ placement
+    def _bundles(self, workers: int, learners: int) -> tuple[list[int], list[int], list[dict[str, float]]]:
+        c = self.cfg.cluster
+        bundle = {"CPU": float(c.cpus_per_worker)}
+        if c.gpus_per_worker:
+            bundle["GPU"] = float(c.gpus_per_worker)
+        if c.placement == "colocated":
+            n = max(workers, learners)
+            return list(range(workers)), list(range(learners)), [dict(bundle) for _ in range(n)]
+        return (list(range(workers)), list(range(workers, workers + learners)),
+                [dict(bundle) for _ in range(workers + learners)])
+
+    def _reserve(self, bundles: list[dict[str, float]], workers: int, learners: int) -> None:
+        ray = require_ray()
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        timeout = self.cfg.cluster.placement_timeout
+        if self.owned and self._missing(bundles):      # a local Ray this run started: no node will join
+            raise UserError(self._unplaceable(bundles, workers, learners, None))
+        self.pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=timeout)
+        except GetTimeoutError:
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise UserError(self._unplaceable(bundles, workers, learners, timeout)) from None
+
+    @staticmethod
+    def _need(bundles: list[dict[str, float]]) -> dict[str, float]:
+        need: dict[str, float] = {}
+        for b in bundles:
+            for k, v in b.items():
+                need[k] = need.get(k, 0.0) + v
+        return need
+
+    def _missing(self, bundles: list[dict[str, float]]) -> list[str]:
+        """What the cluster lacks in total for ``bundles`` (``"GPU 1 more"``), free or not."""
+        total = require_ray().cluster_resources()
+        return [f"{k} {v - total.get(k, 0.0):g} more" for k, v in sorted(self._need(bundles).items())
+                if v > total.get(k, 0.0)]
+
+    def _unplaceable(self, bundles: list[dict[str, float]], workers: int, learners: int,
+                     timeout: Optional[float]) -> str:
+        """The error text; ``timeout`` None: not waited for (a local Ray this run started)."""
+        ray = require_ray()
+        need = self._need(bundles)
+        total, free = ray.cluster_resources(), ray.available_resources()
+        missing = self._missing(bundles)
+        who = [f"{workers} rollout worker(s)"] if workers else []
+        who += [f"{learners} learner(s)"] if learners else []
+        c = self.cfg.cluster
+        have = ", ".join(f"{k} {total.get(k, 0.0):g} ({free.get(k, 0.0):g} free)" for k in sorted(need))
+        why = ("missing: " + ", ".join(missing)) if missing else "the resources exist but are taken or spread over nodes"
+        return (f"the Ray cluster cannot place {' and '.join(who)} with {c.cpus_per_worker:g} CPU and "
+                f"{c.gpus_per_worker:g} GPU each ({c.placement}): they need "
+                f"{', '.join(f'{k} {v:g}' for k, v in sorted(need.items()))}, the cluster has {have}; {why} "
+                + (f"(waited {timeout:g} s, cluster.placement_timeout)" if timeout is not None else
+                   "(the local Ray this run started: no node will join)")
+                + "; lower cluster.cpus_per_worker, "
+                "cluster.gpus_per_worker or the number of workers, or add nodes")
+
+    def actor_options(self, role: str, index: int) -> dict[str, Any]:
+        """``.options(...)`` of actor ``index`` of ``role`` (``"rollout"`` or ``"learner"``)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        c = self.cfg.cluster
+        bundle = (self.worker_bundles if role == "rollout" else self.learner_bundles)[index]
+        return {"num_cpus": c.cpus_per_worker * self.share, "num_gpus": c.gpus_per_worker * self.share,
+                "max_restarts": 0, "runtime_env": {"env_vars": ACTOR_ENV},
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=bundle)}
+
+    def start_actor(self, cls: type, role: str, index: int, *args: Any) -> Any:
+        """An actor of ``cls`` (a plain class, made a Ray actor here) in its bundle."""
+        ray = require_ray()
+        actor = ray.remote(cls).options(**self.actor_options(role, index)).remote(*args)
+        self.actors.append(actor)
+        return actor
+
+    def forget(self, actor: Any) -> None:
+        """Kill ``actor`` (a dead or replaced one) and stop tracking it."""
+        ray = require_ray()
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:      # already gone
+            pass
+        self.actors = [a for a in self.actors if a is not actor]
+
+    def describe(self) -> str:
+        c = self.cfg.cluster
+        where = "local Ray" if c.address is None else f"Ray at {c.address}"
+        return (f"cluster: {where}, {c.rollout_workers} rollout worker(s), {c.learners} learner(s), {c.placement} "
+                f"placement, {c.cpus_per_worker:g} CPU / {c.gpus_per_worker:g} GPU each")
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Kill the actors, release the placement group, shut Ray down if this run started it."""
+        try:
+            ray = require_ray()
+        except UserError:
+            return
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self.actors = []
+        if self.pg is not None and ray.is_initialized():
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+        if self.owned and ray.is_initialized():
+            ray.shutdown()
+            self.owned = False
+

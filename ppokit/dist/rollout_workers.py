@@ -1,0 +1,247 @@
+"""Rollout workers: N Ray actors each holding a shard of the rollout, behind one RolloutSource.
+
+:class:`RemoteSource` is the run loop's source when ``cluster.rollout_workers`` >= 1.
+Each iteration it asks the workload's :class:`~ppokit.components.ShardPlan` for one
+request per shard (lm: a contiguous slice of the prompts; control: nothing, each
+worker steps its own envs), sends them, and merges the parts in shard order. With one
+worker the batch is the in-process source's batch, bit for bit:
+
+RNG
+    One worker, synchronous: the driver sends its RNG state (``capture_rng``) with the
+    request and takes the worker's back, so the draws continue the run's one stream
+    exactly as in-process. Several workers, or ``rollout.off_policy_steps=1``: each
+    shard's rollout of iteration k runs under RNGs seeded from (seed, k, shard)
+    (:func:`ppokit.resume.rollout_rngs`), which the in-process pipelined source uses too.
+
+Weights
+    :meth:`RemoteSource.sync_weights` puts ``learner.rollout_weights()`` (lora: the
+    actor adapter only) into the object store once and every worker loads it; the
+    metrics ``sync_bytes`` and ``sync_time`` (put, plus the workers' load when the run
+    is synchronous) are logged per iteration.
+
+Pipelining (``rollout.off_policy_steps=1``)
+    :meth:`RemoteSource.prefetch` submits iteration k+1 right after k is collected: the
+    workers generate it with the weights they hold (version k) while the driver scores
+    and updates on k. Ray runs an actor's calls in submission order, so the weights of
+    update k, sent next, are loaded only after that rollout. A checkpoint waits for the
+    rollout in flight and stores its batch (``pending``) with the shards' states after
+    it: a resume continues exactly.
+
+Failures
+    Each part comes back with its shard's state after it. When a worker has died, the
+    driver starts a new one, loads the shard's last state and the weights the lost
+    request was sent with, and sends the same request with the same RNG: the part is
+    generated again as it would have been (``worker_restarts`` counts them). A part
+    whose worker dies more than :data:`MAX_RESTARTS` times in a row (a crash the part
+    itself causes) stops the run with an error instead of looping.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ppokit.components import Batch
+from ppokit.dist import ray_get, require_ray
+from ppokit.errors import UserError
+from ppokit.resume import capture_rng, restore_rng, rollout_rngs
+
+
+# a part whose worker dies this many times in a row is not tried again: the run stops
+MAX_RESTARTS = 3
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+class RolloutWorker:
+    """The actor: a workload's shard source, its policy copy and the version of its weights."""
+
+    def __init__(self, workload, shard: int, num_shards: int):
+        self.shard = shard
+        self.source = workload.rollout_shard(shard, num_shards)
+        self.version: Optional[int] = None
+        self.load_time = 0.0
+
+    def set_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
+        """Load the learner's rollout weights (version ``version``); seconds it took."""
+        start = time.perf_counter()
+        self.source.load_rollout_weights(weights)
+        self.version = version
+        self.load_time = time.perf_counter() - start
+        return self.load_time
+
+    def collect(self, iteration: int, request: Any, rng: dict[str, Any]) -> tuple[Any, dict, Optional[dict], float,
+                                                                             Optional[int]]:
+        """(this shard's part, the shard's state after it, the RNG state after it or None,
+        seconds the last weight load took, the version of the weights that sampled it)."""
+        if "state" in rng:                       # the driver's stream (one synchronous worker)
+            restore_rng(rng["state"])
+            part = self.source.collect_shard(iteration, request)
+            rng_after = capture_rng()
+        else:
+            with rollout_rngs(*rng["seed"]):
+                part = self.source.collect_shard(iteration, request)
+            rng_after = None
+        return part, self.source.state_dict(), rng_after, self.load_time, self.version
+
+    def load_state(self, state: dict[str, Any]) -> list[str]:
+        return list(self.source.load_state_dict(state) or [])
+
+    def shard_state(self) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@dataclass
+class _Request:
+    """A rollout sent to the workers and not collected yet."""
+
+    iteration: int
+    requests: list[Any]
+    rngs: list[dict[str, Any]]
+    version: Optional[int]       # the weights it was sent after
+    futures: list[Any]
+
+
+class RemoteSource:
+    """A :class:`~ppokit.components.RolloutSource` whose shards run in Ray actors."""
+
+    def __init__(self, cfg, plan, start_worker: Callable[[int], Any], num_shards: int,
+                 forget_worker: Callable[[Any], None] = lambda actor: None):
+        self.cfg, self.plan, self.num_shards = cfg, plan, num_shards
+        self.steps_per_iteration = plan.steps_per_iteration
+        self._start_worker, self._forget_worker = start_worker, forget_worker
+        self.workers = [start_worker(s) for s in range(num_shards)]
+        self.shard_states: list[Optional[dict[str, Any]]] = [None] * num_shards
+        self.in_flight: Optional[_Request] = None
+        self.pending: Optional[tuple[int, Batch]] = None       # collected ahead (a checkpoint's)
+        self.version: Optional[int] = None
+        self.weight_refs: dict[int, Any] = {}                   # the last two versions' weights
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ rollouts
+    def collect(self, iteration: int) -> Batch:
+        if self.pending is not None and self.pending[0] == iteration:
+            batch, self.pending = self.pending[1], None
+            return batch
+        if self.in_flight is None or self.in_flight.iteration != iteration:
+            self.in_flight = self._submit(iteration)
+        request, self.in_flight = self.in_flight, None
+        return self._gather(request)
+
+    def prefetch(self, iteration: int) -> None:
+        self.in_flight = self._submit(iteration)
+
+    def _rngs(self, iteration: int) -> list[dict[str, Any]]:
+        if self.num_shards == 1 and not self.cfg.rollout.off_policy_steps:
+            return [{"state": capture_rng()}]
+        return [{"seed": (self.cfg.seed, iteration, s)} for s in range(self.num_shards)]
+
+    def _submit(self, iteration: int) -> _Request:
+        requests, rngs = self.plan.requests(iteration), self._rngs(iteration)
+        futures = [w.collect.remote(iteration, r, g) for w, r, g in zip(self.workers, requests, rngs)]
+        return _Request(iteration, requests, rngs, self.version, futures)
+
+    def _gather(self, request: _Request) -> Batch:
+        from ray.exceptions import RayActorError
+
+        start = time.perf_counter()
+        results = []
+        for s, future in enumerate(request.futures):
+            deaths = 0
+            while True:
+                try:
+                    results.append(ray_get(future))
+                    break
+                except RayActorError as exc:      # the worker died: a new one does the same work
+                    deaths += 1
+                    if deaths > MAX_RESTARTS:
+                        raise UserError(f"rollout worker {s} died {deaths} times in a row on iteration "
+                                        f"{request.iteration} ({_first_line(exc)}); check the worker's memory and "
+                                        "the Ray logs (/tmp/ray/session_latest/logs), then resume from the last "
+                                        "checkpoint with ppokit train --resume RUN_DIR") from None
+                    future = self._restart(s, request)
+        parts, states, rng_after, load_times, versions = zip(*results)
+        self.shard_states = list(states)
+        if rng_after[0] is not None:
+            restore_rng(rng_after[0])
+        batch = self.plan.merge(request.iteration, list(parts), list(states))
+        batch.policy_version = versions[0]
+        batch.metrics["time_rollout_wait"] = time.perf_counter() - start
+        batch.metrics["time_load_weights"] = max(load_times)
+        if self.restarts:
+            batch.metrics["worker_restarts"] = float(self.restarts)
+        return batch
+
+    def _restart(self, s: int, request: _Request) -> Any:
+        """Replace dead worker ``s``: its last state, the request's weights, the same request."""
+        self._forget_worker(self.workers[s])
+        worker = self._start_worker(s)
+        self.workers[s] = worker
+        self.restarts += 1
+        if self.shard_states[s] is not None:
+            worker.load_state.remote(self.shard_states[s])
+        if request.version is not None:
+            worker.set_weights.remote(self.weight_refs[request.version], request.version)
+        future = worker.collect.remote(request.iteration, request.requests[s], request.rngs[s])
+        if self.version is not None and self.version != request.version:
+            worker.set_weights.remote(self.weight_refs[self.version], self.version)   # as the others have
+        return future
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, learner) -> dict[str, float]:
+        ray = require_ray()
+        from ray.exceptions import RayActorError
+
+        start = time.perf_counter()
+        weights = learner.rollout_weights()
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        ref = ray.put(weights)
+        self.version = int(learner.policy_version)
+        self.weight_refs[self.version] = ref
+        for old in [v for v in self.weight_refs if v < self.version - 1]:
+            del self.weight_refs[old]
+        acks = [w.set_weights.remote(ref, self.version) for w in self.workers]
+        if self.in_flight is None:               # synchronous: the sync ends when the workers hold them
+            for s, ack in enumerate(acks):
+                try:
+                    ray.get(ack)
+                except RayActorError:            # replaced when its next rollout is collected
+                    pass
+        return {"sync_bytes": float(nbytes), "sync_time": time.perf_counter() - start}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        if self.in_flight is not None:          # a rollout ahead of the update belongs to the checkpoint
+            request, self.in_flight = self.in_flight, None
+            self.pending = (request.iteration, self._gather(request))
+        if any(s is None for s in self.shard_states):      # nothing collected yet in this process
+            self.shard_states = self._fetch_states()
+        state = self.plan.state_dict(self.shard_states)
+        if self.pending is not None:
+            state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
+        return state
+
+    def _fetch_states(self) -> list[dict[str, Any]]:
+        return ray_get([w.shard_state.remote() for w in self.workers])
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        state = dict(state)
+        pending = state.pop("pending", None)
+        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
+        shard_states, notes = self.plan.load_state_dict(state)
+        calls = [(s, w.load_state.remote(st)) for s, (w, st) in enumerate(zip(self.workers, shard_states))
+                 if st is not None]
+        for s, call in calls:
+            notes = list(notes) + ray_get(call)
+            self.shard_states[s] = shard_states[s]
+        return notes

@@ -1,0 +1,55 @@
+"""Configs and comparisons shared by the scale-out tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from ppokit.config import load_config
+from ppokit.rundir import read_metrics
+from ppokit.workloads import train
+
+# Wall-clock fields: differ between any two runs.
+TIMING_PREFIXES = ("time_",)
+TIMING = {"time", "wall_time", "sps", "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s", "sync_time"}
+# What a run with rollout workers adds to each row (beside timing): the weight sync's size.
+DIST_ONLY = {"sync_bytes"}
+
+
+def is_timing(key: str) -> bool:
+    return key in TIMING or key.startswith(TIMING_PREFIXES)
+
+
+def cartpole_cfg(*overrides: str):
+    return load_config("cartpole", ["train.iterations=5", "env.eval_episodes=2", "run.progress=false",
+                                    "run.tensorboard=false", *overrides])
+
+
+def arith_cfg(model_dir: Path, reward: str, *overrides: str):
+    """The arith preset, sized small: the test tiny model, no warm start, a dense reward
+    (``reward``), 32 prompts an iteration."""
+    return load_config("arith", [f"model.path={model_dir}", f"data.reward={reward}", "data.sft_epochs=0", "data.eval_size=8",
+                                 "data.eval_every=2", "train.iterations=4", "train.batch_size=32",
+                                 "train.mini_batch_size=16", "train.micro_batch_size=16",
+                                 "train.infer_micro_batch_size=32", "rollout.micro_batch_size=32",
+                                 "run.torch_threads=1", "run.precision=fp32", "run.progress=false",
+                                 "run.tensorboard=false", "run.log_samples=2", "run.samples_every=1", *overrides])
+
+
+def run(cfg, run_dir: Path) -> list[dict]:
+    train(cfg, run_dir)
+    return read_metrics(run_dir)
+
+
+def assert_rows_equal(got: list[dict], want: list[dict], extra: Iterable[str] = ()) -> None:
+    """Row by row the same fields with the same values (floats bit for bit), but for
+    timing fields and the ``extra`` fields that either side may have alone."""
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want]
+    extra = set(extra)
+    for g, w in zip(got, want):
+        g_keys = {k for k in g if not is_timing(k)}
+        w_keys = {k for k in w if not is_timing(k)}
+        assert (g_keys ^ w_keys) <= extra, (g["iteration"], g_keys ^ w_keys)
+        w_keys -= extra
+        for key in sorted(w_keys):
+            assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, expected {w[key]!r}"

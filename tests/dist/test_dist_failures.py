@@ -1,0 +1,193 @@
+"""Failures are handled, not hung: a killed rollout worker, a placement the cluster cannot
+satisfy, Ray not installed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from dist_helpers import DIST_ONLY, assert_rows_equal, cartpole_cfg, run
+from ppokit.errors import UserError
+from ppokit.rundir import read_metrics
+
+
+@pytest.mark.parametrize("off_policy", [0, 1])
+def test_killed_worker_is_replaced_and_changes_nothing(tmp_path, cluster_clean, monkeypatch, off_policy):
+    """SIGKILL on the worker's process after two iterations: a new worker gets the shard's
+    last state and the lost request's weights, generates the part again, and the run
+    equals one that never lost a worker."""
+    from ppokit.dist import rollout_workers
+
+    sources = []
+    real_init = rollout_workers.RemoteSource.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        sources.append(self)
+
+    monkeypatch.setattr(rollout_workers.RemoteSource, "__init__", recording_init)
+    run_dir = tmp_path / "killed"
+    killed = []
+
+    def kill_after_two_rows():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(read_metrics(run_dir)) < 2:
+            time.sleep(0.01)
+        pid = cluster_clean.get(sources[0].workers[0].pid.remote())
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    killer = threading.Thread(target=kill_after_two_rows, daemon=True)
+    overrides = ("train.iterations=8", f"rollout.off_policy_steps={off_policy}")
+    killer.start()
+    rows = run(cartpole_cfg(*overrides, "cluster.rollout_workers=1"), run_dir)
+    killer.join(timeout=60)
+    assert killed, "the worker was not killed"
+    assert len(rows) == 8 and rows[-1]["worker_restarts"] == 1.0
+    local = run(cartpole_cfg(*overrides), tmp_path / "local")
+    assert_rows_equal(rows, local, extra=DIST_ONLY | {"worker_restarts"})
+
+
+def test_a_worker_that_dies_on_every_try_stops_the_run(cluster_clean, monkeypatch):
+    """A part whose worker process dies each time (a crash the part causes) is tried
+    MAX_RESTARTS more times on new workers, then a one-line error, not an endless loop."""
+    from ppokit.dist import rollout_workers
+    from ppokit.dist.rollout_workers import RemoteSource
+
+    MAX_RESTARTS = 1                 # each try starts a worker process: keep the test short
+    monkeypatch.setattr(rollout_workers, "MAX_RESTARTS", MAX_RESTARTS)
+
+    class Dying:          # defined here: Ray ships it by value
+        def collect(self, iteration, request, rng):
+            import os
+
+            os._exit(1)
+
+        def set_weights(self, weights, version):
+            return 0.0
+
+        def load_state(self, state):
+            return []
+
+    class Plan:
+        steps_per_iteration = None
+
+        def requests(self, iteration):
+            return [None]
+
+    started = []
+
+    def start(shard):
+        actor = cluster_clean.remote(Dying).options(num_cpus=0, max_restarts=0).remote()
+        started.append(actor)
+        return actor
+
+    source = RemoteSource(cartpole_cfg(), Plan(), start, 1, forget_worker=cluster_clean.kill)
+    try:
+        with pytest.raises(UserError) as info:
+            source.collect(0)
+    finally:
+        for actor in started:
+            cluster_clean.kill(actor)
+    assert f"rollout worker 0 died {MAX_RESTARTS + 1} times in a row on iteration 0" in str(info.value)
+    assert len(started) == MAX_RESTARTS + 1 and "\n" not in str(info.value)
+
+
+def test_actors_run_at_the_drivers_priority(cluster_clean):
+    """Ray's default niceness for worker processes (15) would starve the rollout workers on a
+    CPU shared with the driver; the run's actors get niceness 0."""
+    from ppokit.dist.cluster import Cluster
+
+    class Probe:          # defined here: Ray ships it by value
+        def niceness(self):
+            import os
+
+            return os.nice(0)
+
+    cluster = Cluster(cartpole_cfg("cluster.rollout_workers=1"), rollout_workers=1, learners=0)
+    try:
+        probe = cluster.start_actor(Probe, "rollout", 0)
+        assert cluster_clean.get(probe.niceness.remote()) == 0
+        default = cluster_clean.remote(Probe).options(num_cpus=0).remote()
+        assert cluster_clean.get(default.niceness.remote()) > 0       # what the option changes
+        cluster_clean.kill(default)
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("override, missing", [("cluster.gpus_per_worker=1", "GPU 1 more"),
+                                                ("cluster.cpus_per_worker=3", "CPU 1 more")])
+def test_unsatisfiable_placement_fails_within_the_bound(tmp_path, cluster_clean, override, missing):
+    cfg = cartpole_cfg("cluster.rollout_workers=1", "cluster.placement_timeout=2", override)
+    with pytest.raises(UserError) as info:
+        run(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert "cannot place 1 rollout worker(s)" in message and missing in message
+    assert "waited 2 s, cluster.placement_timeout" in message
+
+
+def test_errors_for_people_raised_in_an_actor_come_out_as_themselves(cluster_clean):
+    """A UserError (or TrainingDiverged: the loop adds the last good checkpoint to it) raised
+    in an actor is raised as itself, one line, not as Ray's wrapper with the actor's
+    traceback; any other exception keeps Ray's wrapper (a bug's traceback)."""
+    from ray.exceptions import RayTaskError
+
+    from ppokit.dist import ray_get
+    from ppokit.errors import TrainingDiverged
+
+    class Failing:        # defined here: Ray ships it by value (the test module is not importable there)
+        def fail(self, kind: str):
+            from ppokit.errors import TrainingDiverged, UserError
+
+            raise {"user": UserError("reward function 'f' returned nan"),
+                   "diverged": TrainingDiverged("training diverged: 10 optimizer steps in a row"),
+                   "bug": ValueError("a bug")}[kind]
+
+    actor = cluster_clean.remote(Failing).options(num_cpus=0).remote()
+    try:
+        with pytest.raises(UserError) as info:
+            ray_get(actor.fail.remote("user"))
+        assert type(info.value) is UserError and str(info.value) == "reward function 'f' returned nan"
+        with pytest.raises(TrainingDiverged) as info:
+            ray_get([actor.fail.remote("diverged")])
+        assert type(info.value) is TrainingDiverged
+        with pytest.raises(RayTaskError):
+            ray_get(actor.fail.remote("bug"))
+    finally:
+        cluster_clean.kill(actor)
+
+
+def test_workers_without_ray_installed_is_a_one_line_error(monkeypatch, capsys, tmp_path):
+    from ppokit.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)        # import ray -> ImportError
+    code = main(["train", "cartpole", "cluster.rollout_workers=1", "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.count("\n") == 0 and "cluster.rollout_workers=1 needs Ray" in err and "pip install 'ppokit[ray]'" in err
+    assert not list(tmp_path.iterdir())                  # no run directory was made
+
+
+def test_cli_and_local_runs_do_not_import_ray(tmp_path):
+    """``ppokit --help``, ``ppokit config`` (with workers asked for) and an in-process run."""
+    script = tmp_path / "no_ray.py"
+    script.write_text(
+        "import contextlib, io, sys\n"
+        "from ppokit.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "    assert main(['config', 'show', 'cartpole', 'cluster.rollout_workers=2']) == 0\n"
+        f"    assert main(['train', 'cartpole', 'train.iterations=1', 'env.eval_episodes=0', "
+        f"'run.progress=false', '--output-dir', {str(tmp_path / 'runs')!r}]) == 0\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
