@@ -18,10 +18,7 @@ episode ends with ``illegal_penalty`` and ``info["illegal"] = True``. Walking in
 edge is legal and leaves the player where it is (Gymnasium's rule). With
 ``letters=True`` the instruction line is ``move (l/d/r/u):`` and ``legal_actions`` (and
 ``expert_action``) are the letters: a one-token move for a character model, where a
-word's later letters would only carry noise in a policy gradient. With
-``show_position=True`` the instruction line also names the player's cell, counted from
-0 (``move (l/d/r/u), at row 1 col 2:``): a small model then reads its position from
-the last tokens instead of having to find ``p`` in the map.
+word's later letters would only carry noise in a policy gradient.
 
 Dynamics are Gymnasium's: non-slippery by default; ``is_slippery=True`` moves in the
 intended direction with probability 1/3 and in each perpendicular direction with 1/3.
@@ -80,7 +77,7 @@ class FrozenLakeTextEnv(TextEnv):
 
     def __init__(self, map_name: str = "4x4", desc: Optional[Sequence[str]] = None, is_slippery: bool = False,
                  max_steps: int = 100, goal_reward: float = 1.0, hole_reward: float = 0.0, step_reward: float = 0.0,
-                 illegal_penalty: float = -1.0, letters: bool = False, show_position: bool = False) -> None:
+                 illegal_penalty: float = -1.0, letters: bool = False) -> None:
         super().__init__()
         from gymnasium.envs.toy_text.frozen_lake import MAPS, FrozenLakeEnv
 
@@ -102,7 +99,6 @@ class FrozenLakeTextEnv(TextEnv):
         self.goal_reward, self.hole_reward = float(goal_reward), float(hole_reward)
         self.step_reward, self.illegal_penalty = float(step_reward), float(illegal_penalty)
         self.letters = bool(letters)
-        self.show_position = bool(show_position)
         self.actions = [w[0] for w in ACTION_WORDS] if self.letters else list(ACTION_WORDS)
         self._gym = FrozenLakeEnv(desc=desc, is_slippery=self.is_slippery)
         self.position = "".join(desc).index("S")
@@ -111,11 +107,7 @@ class FrozenLakeTextEnv(TextEnv):
         self._policy: Optional[list[int]] = None
 
     def observation(self) -> str:
-        prompt = LETTER_PROMPT if self.letters else PROMPT
-        if self.show_position:
-            row, col = divmod(self.position, len(self.desc[0]))
-            prompt = f"{prompt[:-1]}, at row {row} col {col}:"
-        return render_lake(self.desc, self.position, prompt)
+        return render_lake(self.desc, self.position, LETTER_PROMPT if self.letters else PROMPT)
 
     def reset(self, seed: Optional[int] = None, options: Optional[dict] = None) -> tuple[str, dict]:
         self._seed(seed)

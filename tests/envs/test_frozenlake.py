@@ -127,18 +127,3 @@ def test_letters_make_one_character_moves_the_listed_and_expert_actions():
     obs, _, _, _, info = env.step("d")                 # parsed as before: a letter or a word
     assert obs.startswith("....\nph.h\n") and info["legal_actions"] == ["l", "d", "r", "u"]
     assert env.step("right")[4]["action"] == "right"   # into the hole; words still parse
-
-
-def test_show_position_names_the_players_cell_on_the_last_line():
-    env = FrozenLakeTextEnv(letters=True, show_position=True)
-    obs, _ = env.reset(seed=0)
-    assert obs == "p...\n.h.h\n...h\nh..g\nmove (l/d/r/u), at row 0 col 0:"
-    assert set(obs) <= set(DEFAULT_ALPHABET)
-    obs = env.step("d")[0]
-    assert obs.startswith("....\nph.h\n") and obs.endswith(", at row 1 col 0:")
-    obs = env.step("r")[0]                             # into the hole at (1, 1): the last cell is shown
-    assert obs.endswith(", at row 1 col 1:")
-    plain = FrozenLakeTextEnv(show_position=True, desc=["SFH", "FFG"])
-    assert plain.reset(seed=0)[0].endswith("\nmove (left/down/right/up), at row 0 col 0:")
-    plain.step("right")
-    assert plain.step("down")[0].endswith(", at row 1 col 1:")
