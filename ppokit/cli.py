@@ -124,10 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "print the mean and std of the episode return. Language model (a run's "
                                     "trained actor, or a Hugging Face model directory with --data): the greedy "
                                     "mean reward, greedy pass@1, sampled pass@k (unbiased estimator, with "
-                                    "--samples N --k K) and the mean response length, as a table or --json.")
+                                    "--samples N --k K) and the mean response length, as a table or --json; on "
+                                    "a text environment (textenv), its greedy win rates.")
     ev.add_argument("run_dir", metavar="RUN_DIR|MODEL_DIR",
                     help="a run directory, one of its checkpoint directories, or a language model's directory")
-    ev.add_argument("--episodes", type=int_at_least(1), default=10, help="control: episodes to run (default 10)")
+    ev.add_argument("--episodes", type=int_at_least(1), default=None,
+                    help="control: episodes to run (default 10); text environment: greedy episodes against each "
+                         "evaluation opponent (default: the run's textenv.eval_episodes)")
     ev.add_argument("--prompts", type=int_at_least(1), default=None,
                     help="language model: prompts to score (default: all of the held-out set)")
     ev.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=None,
@@ -190,13 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a data field for the function (JSON values are parsed: --field tests='[...]')")
     reward.add_argument("--timeout", type=positive_float, default=30.0, help="seconds before it counts as hung")
 
-    demo = sub.add_parser("demo", help="the built-in demonstration run (arith: SFT, then PPO with a verifier)",
-                          description="Build the built-in tiny Llama, warm-start it on a few worked two-digit "
-                                      "additions, then train it with PPO and an exact-match reward; print the "
-                                      "held-out accuracy before and after PPO and draw the reward curve. "
-                                      "KEY=VALUE pairs override fields of the arith preset.")
-    demo.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                      help="e.g. train.iterations=5 seed=2 run.output_dir=/tmp/runs run.progress=false")
+    demo = sub.add_parser("demo", help="a built-in demonstration run (arith: SFT, then PPO with a verifier; "
+                                       "tictactoe: multi-turn PPO against a random player)",
+                          description="Build the built-in tiny Llama, warm-start it, then train it with PPO. "
+                                      "ppokit demo (arith): worked two-digit additions, then an exact-match "
+                                      "reward; prints the held-out accuracy before and after PPO. ppokit demo "
+                                      "tictactoe: random legal games, then multi-turn PPO against a random "
+                                      "player; prints the illegal-move rate and the win rate before and after. "
+                                      "Both draw the reward curve. KEY=VALUE pairs override fields of the preset.")
+    demo.add_argument("overrides", nargs="*", default=[], metavar="[NAME] KEY=VALUE",
+                      help="the demo (arith, tictactoe, frozenlake; default arith), then overrides, e.g. "
+                           "train.iterations=5 seed=2 run.output_dir=/tmp/runs run.progress=false")
 
     sft = sub.add_parser("sft", help="supervised warm start of a language model (before PPO)",
                          description="Fine-tune a causal LM on worked examples (loss on the answer and EOS) "
@@ -391,10 +398,14 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _demo(overrides: list[str]) -> int:
-    """The arith preset (SFT warm start, then PPO); ends with ``held-out accuracy: X% -> Y%``."""
-    from ppokit.lm.demo import run_demo
+    """A demo preset (arith by default: SFT warm start, then PPO); ends with ``held-out accuracy: X% -> Y%``
+    (arith) or ``win rate vs random: X% -> Y%`` (tictactoe)."""
+    from ppokit.lm.demo import DEMO_PRESET, run_demo
 
-    run_demo(overrides)
+    name = DEMO_PRESET
+    if overrides and "=" not in overrides[0]:
+        name, overrides = overrides[0], overrides[1:]
+    run_demo(overrides, name=name)
     return 0
 
 
@@ -405,11 +416,18 @@ LM_EVAL_OPTIONS = ("data", "reward", "samples", "k", "prompt_key", "answer_key",
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ppokit.lm.evaluate import find_lm_checkpoint
+    from ppokit.lm.evaluate import _config_of, find_lm_checkpoint
 
     path = Path(args.run_dir)
     is_model_dir = path.is_dir() and (path / "config.json").is_file()
-    if path.is_dir() and (find_lm_checkpoint(path) is not None or is_model_dir):
+    ckpt = find_lm_checkpoint(path) if path.is_dir() else None
+    if ckpt is not None and _config_of(ckpt).textenv.env is not None:       # a multi-turn run
+        from ppokit.lm.eval_report import evaluate_textenv_run
+
+        result = evaluate_textenv_run(path, args.episodes, device=args.device)
+        print(f"{result['message']} ({result['checkpoint']})")
+        return 0
+    if path.is_dir() and (ckpt is not None or is_model_dir):
         from ppokit.lm.eval_report import evaluate_lm, format_eval_table
 
         k = args.k if args.k is not None else (sorted({1, args.samples}) if args.samples else [])
@@ -428,8 +446,9 @@ def _eval(args: argparse.Namespace) -> int:
                         "apply to language models only")
     from ppokit.control.evaluate import evaluate_run
 
-    mean, std = evaluate_run(args.run_dir, args.episodes, seed=args.seed)
-    print(f"return over {args.episodes} episodes: {mean:.2f} +- {std:.2f}")
+    episodes = args.episodes or 10
+    mean, std = evaluate_run(args.run_dir, episodes, seed=args.seed)
+    print(f"return over {episodes} episodes: {mean:.2f} +- {std:.2f}")
     return 0
 
 

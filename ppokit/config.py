@@ -129,6 +129,9 @@ class AlgoConfig(Section):
     kl_ctrl: KLControlConfig = field(KLControlConfig(), "in-reward KL coefficient controller")
     loss_agg_mode: AggModeName = field("token-mean", "how per-token losses are averaged", "loss_agg_func")
     target_kl: Optional[float] = field(None, "stop the epochs of an update once approx_kl exceeds this", gt=0)
+    credit: Literal["token", "turn"] = field(
+        "token", "multi-turn episodes (textenv): token = GAE over the model's tokens, skipping environment tokens; "
+        "turn = one value per turn (at its first token), GAE over turns, each turn's advantage on all its tokens")
 
 
 class TrainConfig(Section):
@@ -397,6 +400,64 @@ class DataConfig(Section):
         return value
 
 
+class OpponentPoolConfig(Section):
+    """Self-play (textenv with a two-player environment that plays no seat itself, e.g.
+    tictactoe with opponent: self): who plays the seat the learner does not."""
+
+    snapshot_every: int = field(0, "add the current actor adapter to the pool of past opponents every N "
+                                "iterations (the starting policy goes in first); 0 = no pool: the current "
+                                "policy plays both seats", ge=0)
+    current_prob: float = field(0.5, "with a pool: probability that the other seat is played by the current "
+                                "policy (both seats then trained), else by a snapshot", ge=0, le=1)
+    sampling: Literal["uniform", "latest"] = field("uniform", "how a snapshot is drawn: uniform over the pool, "
+                                                   "or the newest with probability latest_prob")
+    latest_prob: float = field(0.5, "sampling=latest: probability of the newest snapshot", ge=0, le=1)
+    capacity: int = field(8, "snapshots kept (the oldest unpinned one is dropped; the starting policy is "
+                          "pinned)", ge=1)
+
+
+class TextEnvConfig(Section):
+    """Multi-turn episodes with a text environment (lm workload): games, puzzles, tools."""
+
+    env: Optional[str] = field(None, "a text environment: a built-in name (tictactoe, frozenlake, guess_number, "
+                               "calculator), module:Class or path/to/file.py:Class; set, the lm workload trains "
+                               "on its episodes instead of data.prompts", "name", "id")
+    kwargs: dict[str, Any] = field({}, "keyword arguments for the environment's constructor")
+    max_turns: int = field(32, "environment steps per episode (all seats); an episode that reaches it is "
+                           "truncated", ge=1)
+    max_episode_tokens: Optional[int] = field(
+        None, "token budget of an episode: the model's tokens plus the observation tokens appended after the "
+        "first observation (message mode); a turn starts only if rollout.max_new_tokens more still fit, else "
+        "the episode is truncated (null = the model's context alone)", ge=1)
+    truncation: Literal["bootstrap", "terminal"] = field(
+        "bootstrap", "an episode cut by a budget or the environment's time limit: bootstrap from the value of "
+        "the next observation, or treat it as terminal (0)")
+    failure_reward: float = field(0.0, "reward of the step where the environment raised an exception (the "
+                                  "episode ends there and is counted as failed)")
+    max_failure_rate: float = field(0.1, "stop the run when more than this fraction of an iteration's episodes "
+                                    "failed", ge=0, le=1)
+    seat: Union[Literal["alternate", "random"], int] = field(
+        "alternate", "self-play: the learner's seat in each episode (alternate, random, or a seat number)")
+    pool: OpponentPoolConfig = field(OpponentPoolConfig(), "self-play: the pool of past opponents")
+    role_baseline_tau: float = field(0.0, "subtract a per-seat running mean of the episode's final reward "
+                                     "(EMA with this rate; UnstableBaselines' role baseline); 0 = off", ge=0, le=1)
+    sft_policy: Literal["random", "expert"] = field(
+        "random", "warm start (data.sft_epochs > 0): demonstrations by uniformly random legal actions (the format "
+        "and the rules) or by the environment's expert_action()")
+    eval_episodes: int = field(200, "episodes of each greedy evaluation (before, every eval_every, after)", ge=0)
+    eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
+    eval_opponents: list[str] = field(
+        [], "environments that take an 'opponent' keyword (tictactoe): one evaluation against each, e.g. "
+        "[random, heuristic]; empty = the training environment as configured")
+
+    @field_validator("seat", mode="before")
+    @classmethod
+    def _seat_number(cls, value: Any) -> Any:
+        if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"a seat number must be a finite number (got {value})")
+        return value
+
+
 class Config(Section):
     """A whole run."""
 
@@ -413,6 +474,7 @@ class Config(Section):
     rollout: RolloutConfig = field(RolloutConfig(), "lm: generation")
     data: DataConfig = field(DataConfig(), "lm: prompts, reward, evaluation, warm start")
     cluster: ClusterConfig = field(ClusterConfig(), "scale-out on Ray: rollout workers, learners")
+    textenv: TextEnvConfig = field(TextEnvConfig(), "lm: multi-turn episodes with a text environment")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
@@ -467,6 +529,21 @@ class Config(Section):
                 raise ValueError(f"model.critic_path={critic_path} is full mode's separate critic; in lora mode "
                                  "the critic is a LoRA adapter on model.path: set model.mode=full, or remove "
                                  "model.critic_path")
+        if self.textenv.env is not None:
+            if self.workload != "lm":
+                raise ValueError(f"textenv.env={self.textenv.env} trains a language model; set workload: lm")
+            if a.adv_estimator != "gae":
+                raise ValueError(f"algo.adv_estimator={a.adv_estimator}: multi-turn episodes (textenv) are "
+                                 "trained with the critic (gae), by token or by turn (algo.credit)")
+            if a.group_size != 1:
+                raise ValueError(f"algo.group_size={a.group_size}: multi-turn episodes (textenv) use the critic as "
+                                 "the baseline; set algo.group_size=1 (train.batch_size is the number of episodes)")
+            if self.textenv.pool.snapshot_every and self.model.mode != "lora":
+                raise ValueError("textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
+                                 "model.mode=lora, or textenv.pool.snapshot_every=0")
+            if self.cluster.rollout_workers or self.cluster.learners > 1 or self.rollout.off_policy_steps:
+                raise ValueError("multi-turn episodes (textenv) run in one process: remove the cluster section "
+                                 "and set rollout.off_policy_steps=0")
         if t.micro_batch_tokens is not None and self.workload != "lm":
             raise ValueError("train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
                              "control batches use train.micro_batch_size")

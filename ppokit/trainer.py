@@ -166,12 +166,32 @@ def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Te
 def batch_advantages(cfg: Config, batch: "Batch") -> tuple[Tensor, Tensor]:
     """:func:`compute_advantages` of a :class:`~ppokit.components.Batch` from its rollout:
     ``rewards``, ``mask``, ``old_values`` (GAE only), ``dones`` and ``extras["last_values"]``
-    (control), ``group_ids`` (lm group estimators)."""
+    (control), ``group_ids`` (lm group estimators). Multi-turn batches (a ``traj_index``):
+    :func:`trajectory_advantages`."""
     t = batch.tensors
+    if "traj_index" in t:
+        return trajectory_advantages(cfg, batch)
     return compute_advantages(cfg, rewards=t["rewards"], mask=t["mask"],
                               values=t.get("old_values") if cfg.algo.adv_estimator == "gae" else None,
                               dones=t.get("dones"), last_values=batch.extras.get("last_values"),
                               group_ids=t.get("group_ids"))
+
+
+def trajectory_advantages(cfg: Config, batch: "Batch") -> tuple[Tensor, Tensor]:
+    """Multi-turn batches (:mod:`ppokit.lm.turn_batch`): ``algo.credit`` (token or turn GAE,
+    :func:`ppokit.algo.trajectory_credit`) over each trajectory's action tokens, whose rows
+    ``traj_index`` names; truncated trajectories bootstrap from ``extras["last_values"]``.
+    With ``algo.normalize_adv`` the advantages are whitened over all action tokens of the
+    batch at once, never per turn index (see :mod:`ppokit.algo.turns`)."""
+    a, t = cfg.algo, batch.tensors
+    truncated = batch.extras.get("traj_truncated")
+    advantages, returns = algo.trajectory_credit(
+        credit=a.credit, rewards=t["rewards"], values=t["old_values"], mask=t["mask"], traj_index=t["traj_index"],
+        turn_index=t.get("turn_index"), num_trajectories=None if truncated is None else truncated.shape[0],
+        truncated=truncated, last_values=batch.extras.get("last_values"), gamma=a.gamma, lam=a.gae_lambda)
+    if a.normalize_adv:
+        advantages = algo.whiten(advantages, t["mask"])
+    return advantages, returns
 
 
 def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -252,21 +272,31 @@ class PPOTrainer:
         self._positions_real: Tensor | int = 0        # real and computed token positions of this update
         self._positions_computed = 0
 
-    def fully_on_policy(self, n: int) -> bool:
+    def fully_on_policy(self, n: int, num_mini_batches: int | None = None) -> bool:
         """Whether an update of ``n`` samples makes one optimizer step (one epoch of one
         mini-batch) on data sampled by the current weights, so that all of it is on-policy."""
-        return not self.off_policy and self.cfg.train.epochs == 1 and self.cfg.mini_batch_size >= n
+        if self.off_policy or self.cfg.train.epochs != 1:
+            return False
+        if num_mini_batches is not None:
+            return num_mini_batches == 1
+        return self.cfg.mini_batch_size >= n
 
     # ------------------------------------------------------------------------ update
-    def update(self, batch: dict[str, Tensor], iteration: int = 0) -> dict[str, float]:
-        """Epochs over shuffled mini-batches; returns the iteration's mean metrics."""
+    def update(self, batch: dict[str, Tensor], iteration: int = 0, num_mini_batches: int | None = None
+               ) -> dict[str, float]:
+        """Epochs over shuffled mini-batches; returns the iteration's mean metrics.
+
+        ``num_mini_batches``: split each epoch into this many mini-batches of near-equal
+        size, whatever the number of rows (multi-turn batches, whose rows per iteration
+        vary); default: mini-batches of ``train.mini_batch_size`` rows."""
         n = batch["mask"].shape[0] if "mask" in batch else 0
         for key in REQUIRED_KEYS:
-            if key not in batch and not (key in OPTIONAL_WHEN_ON_POLICY and self.fully_on_policy(n)):
+            on_policy = self.fully_on_policy(n, num_mini_batches)
+            if key not in batch and not (key in OPTIONAL_WHEN_ON_POLICY and on_policy):
                 raise KeyError(f"batch is missing '{key}' (needs {', '.join(REQUIRED_KEYS)}; "
                                f"{', '.join(OPTIONAL_WHEN_ON_POLICY)} only when the update is not fully on-policy)")
         cfg, a = self.cfg, self.cfg.algo
-        mini = min(self.cfg.mini_batch_size, n)
+        mini = min(self.cfg.mini_batch_size, n) if num_mini_batches is None else max(1, -(-n // num_mini_batches))
         micro = min(self.cfg.micro_batch_size, mini)
         critic_only = iteration < cfg.train.critic_warmup
         horizon = self.horizon or batch["mask"].shape[1]

@@ -23,10 +23,15 @@ WORKLOADS = {"control": ("ppokit.control.workload", "ControlWorkload"), "lm": ("
 
 
 def make_workload(cfg: Config):
-    """The :class:`~ppokit.components.Workload` of ``cfg.workload``, built from ``cfg``; with
-    ``cluster.rollout_workers`` or ``cluster.learners`` > 1, on Ray (:mod:`ppokit.dist`)."""
+    """The :class:`~ppokit.components.Workload` of ``cfg.workload``, built from ``cfg``: the
+    multi-turn one when ``textenv.env`` names an environment; with ``cluster.rollout_workers``
+    or ``cluster.learners`` > 1, on Ray (:mod:`ppokit.dist`)."""
     from ppokit.dist import require_ray, wants_cluster
 
+    if cfg.workload == "lm" and cfg.textenv.env is not None:       # multi-turn episodes with a text environment
+        from ppokit.lm.multiturn_workload import MultiTurnWorkload
+
+        return MultiTurnWorkload(cfg)
     module, name = WORKLOADS[cfg.workload]
     workload = getattr(importlib.import_module(module), name)(cfg)
     if wants_cluster(cfg):

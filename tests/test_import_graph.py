@@ -108,4 +108,4 @@ def test_nothing_but_the_builders_depends_on_the_cpu_acceleration():
     users = {m for m, targets in import_graph().items()
              if any(t == "ppokit.lm.accel" or t.startswith("ppokit.lm.accel.") for t in targets)
              and not m.startswith("ppokit.lm.accel")}
-    assert users == {"ppokit.lm.workload", "ppokit.lm.inference", "ppokit.lm.reward_model"}
+    assert users == {"ppokit.lm.workload", "ppokit.lm.multiturn_workload", "ppokit.lm.inference", "ppokit.lm.reward_model"}

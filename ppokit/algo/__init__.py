@@ -52,6 +52,7 @@ from .turns import (
     gather_turn_values,
     place_at_turn_ends,
     spread_over_turns,
+    trajectory_credit,
     sum_turn_rewards,
     turn_end_mask,
     turn_gae,
@@ -126,4 +127,5 @@ __all__ = [
     "turn_gae_rows",
     "turn_gae_advantages",
     "turn_group_advantages",
+    "trajectory_credit",
 ]

@@ -22,6 +22,11 @@ Two ways to assign credit, both pure tensor math:
   response its action: environments whose observations are whole states),
   :func:`turn_gae_rows` does the same from one value and one reward per row.
 
+:func:`trajectory_credit` does either over a batch where a trajectory (one seat's
+episode) may span several rows (one row per turn) or fill one row (the whole token
+stream): it packs each trajectory's action tokens in time order, runs the credit on
+the packed (E, L) or (E, K) tensors and scatters the result back to (N, T).
+
 Normalising per turn index, and why ppokit does not by default
 -------------------------------------------------------------
 When the policy decides how many turns an episode lasts (it answers, stops calling
@@ -60,6 +65,7 @@ __all__ = [
     "turn_end_mask",
     "turn_gae",
     "turn_gae_advantages",
+    "trajectory_credit",
     "turn_group_advantages",
     "turn_index_from_mask",
     "turn_gae_rows",
@@ -363,6 +369,122 @@ def turn_gae_advantages(
     turn_values = gather_turn_values(values.to(rewards.dtype), turn_index, K)  # (B, K)
     return turn_level_gae(turn_index=turn_index, turn_values=turn_values, turn_rewards=turn_rewards,
                           last_values=last_values, gamma=gamma, lam=lam)
+
+
+# ----------------------------------------------------------------------------- trajectories over rows
+CREDITS = ("token", "turn")
+
+
+def trajectory_credit(
+    *,
+    credit: str,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    traj_index: torch.Tensor,
+    turn_index: torch.Tensor | None = None,
+    num_trajectories: int | None = None,
+    truncated: torch.Tensor | None = None,
+    last_values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token- or turn-level GAE per trajectory, where trajectories span rows: (N, T) advantages and returns.
+
+    - ``rewards``, ``values``, ``mask`` (N, T): rewards and values at every position,
+      ``mask`` 1 on the model's (action) tokens. Only action tokens count: rewards and
+      values elsewhere are ignored, and the results are 0 there.
+    - ``traj_index`` (N,): the trajectory of each row, 0..E-1 (E = ``num_trajectories``,
+      default max + 1). A trajectory's rows are in time order in the batch (other
+      trajectories' rows may come between them) and each row's tokens in time order,
+      so a trajectory's action tokens in (row, position) order are its actions in time.
+    - ``turn_index`` (N, T): the turn number of each action token within its trajectory,
+      non-decreasing in time order (-1 elsewhere). Needed for ``credit="turn"``.
+    - ``truncated`` (E,) bool and ``last_values`` (E,): a truncated trajectory bootstraps
+      from ``last_values`` after its last action; others end with 0.
+
+    ``credit="token"``: :func:`~ppokit.algo.advantages.compute_gae` over each trajectory's
+    action tokens in time order (environment tokens and row boundaries skipped): the
+    last token of a turn bootstraps from the value at the first token of the next turn.
+
+    ``credit="turn"``: per turn k, ``V_k`` = the value at its first action token and
+    ``r_k`` = the sum of its tokens' rewards; :func:`turn_gae` over the turns; each
+    turn's ``A_k`` and ``R_k`` on all of its action tokens.
+    """
+    if credit not in CREDITS:
+        raise ValueError(f"credit must be one of {', '.join(CREDITS)}, got {credit!r}")
+    if rewards.dim() != 2 or values.shape != rewards.shape or mask.shape != rewards.shape:
+        raise ValueError(f"rewards, values and mask must be (N, T) alike, got {tuple(rewards.shape)}, "
+                         f"{tuple(values.shape)}, {tuple(mask.shape)}")
+    N = rewards.shape[0]
+    traj_index = torch.as_tensor(traj_index, device=rewards.device)
+    if traj_index.shape != (N,) or traj_index.dtype.is_floating_point or traj_index.dtype == torch.bool:
+        raise ValueError(f"traj_index must be an (N,) = ({N},) integer tensor, got {tuple(traj_index.shape)} "
+                         f"{traj_index.dtype}")
+    if N and int(traj_index.min()) < 0:
+        raise ValueError("traj_index must be >= 0")
+    E = num_trajectories if num_trajectories is not None else (int(traj_index.max()) + 1 if N else 0)
+    if N and int(traj_index.max()) >= E:
+        raise ValueError(f"traj_index has {int(traj_index.max())} but num_trajectories is {E}")
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    m = mask if mask.dtype == torch.bool else mask != 0  # (N, T)
+    rows, cols = m.nonzero(as_tuple=True)  # (M,) each, row-major: time order within a row
+    traj = traj_index[rows]  # (M,)
+    order = torch.sort(traj, stable=True).indices  # group by trajectory, keep time order
+    rows, cols, traj = rows[order], cols[order], traj[order]
+    counts = torch.bincount(traj, minlength=E)  # (E,) action tokens per trajectory
+    starts = torch.cumsum(counts, 0) - counts  # (E,)
+    pos = torch.arange(traj.numel(), device=traj.device) - starts[traj]  # (M,) index within its trajectory
+    bootstrap = None
+    if truncated is not None or last_values is not None:
+        lv = torch.zeros(E, dtype=dtype, device=rewards.device) if last_values is None else last_values.to(dtype)
+        if lv.shape != (E,):
+            raise ValueError(f"last_values shape {tuple(lv.shape)} != (E,) = ({E},)")
+        if truncated is None:
+            bootstrap = lv
+        else:
+            truncated = torch.as_tensor(truncated, device=rewards.device).bool()
+            if truncated.shape != (E,):
+                raise ValueError(f"truncated shape {tuple(truncated.shape)} != (E,) = ({E},)")
+            if last_values is None and bool(truncated.any()):
+                raise ValueError("truncated trajectories need last_values (E,): the value after the last action")
+            bootstrap = torch.where(truncated, lv, torch.zeros_like(lv))
+    r_tok = rewards.to(dtype)[rows, cols]  # (M,)
+    v_tok = values.to(dtype)[rows, cols]  # (M,)
+    adv = torch.zeros(rewards.shape, dtype=dtype, device=rewards.device)  # (N, T)
+    ret = torch.zeros_like(adv)
+    if credit == "token":
+        L = int(counts.max()) if E else 0
+        grid_r = adv.new_zeros(E, L).index_put_((traj, pos), r_tok)  # (E, L)
+        grid_v = adv.new_zeros(E, L).index_put_((traj, pos), v_tok)  # (E, L)
+        grid_m = torch.zeros(E, L, dtype=torch.bool, device=adv.device).index_put_(
+            (traj, pos), torch.ones_like(pos, dtype=torch.bool))  # (E, L)
+        a_grid, r_grid = compute_gae(grid_r, grid_v, gamma=gamma, lam=lam, mask=grid_m, last_values=bootstrap)
+        adv[rows, cols] = a_grid[traj, pos]
+        ret[rows, cols] = r_grid[traj, pos]
+        return adv, ret
+    if turn_index is None:
+        raise ValueError("credit='turn' needs turn_index (N, T): the turn number of each action token")
+    if turn_index.shape != rewards.shape:
+        raise ValueError(f"turn_index shape {tuple(turn_index.shape)} != rewards shape {tuple(rewards.shape)}")
+    turn = turn_index[rows, cols].long()  # (M,)
+    if bool((turn < 0).any()):
+        raise ValueError("turn_index is -1 on a position where the mask is 1; number every action token's turn")
+    same_traj = traj[1:] == traj[:-1]
+    if bool((same_traj & (turn[1:] < turn[:-1])).any()):
+        raise ValueError("turn_index decreases within a trajectory; turns must be numbered in time order")
+    K = int(turn.max()) + 1 if turn.numel() else 1
+    first = torch.ones_like(turn, dtype=torch.bool)  # (M,) first token of its turn
+    first[1:] = ~(same_traj & (turn[1:] == turn[:-1]))
+    turn_values = adv.new_zeros(E, K).index_put_((traj[first], turn[first]), v_tok[first])  # (E, K)
+    turn_rewards = adv.new_zeros(E, K).index_put_((traj, turn), r_tok, accumulate=True)  # (E, K)
+    present = torch.zeros(E, K, dtype=torch.bool, device=adv.device).index_put_(
+        (traj, turn), torch.ones_like(turn, dtype=torch.bool))  # (E, K)
+    a_turn, r_turn = compute_gae(turn_rewards, turn_values, gamma=gamma, lam=lam, mask=present,
+                                 last_values=bootstrap)
+    adv[rows, cols] = a_turn[traj, turn]
+    ret[rows, cols] = r_turn[traj, turn]
+    return adv, ret
 
 
 # ----------------------------------------------------------------------------- critic-free, per turn index

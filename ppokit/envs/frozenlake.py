@@ -15,7 +15,10 @@ hole, ``g`` the goal; then the instruction line. 46 characters for 4x4.
 Action: the first of the words ``left``, ``down``, ``right``, ``up`` (or the single
 letters ``l``, ``d``, ``r``, ``u``) in the text, any case; no such word is illegal: the
 episode ends with ``illegal_penalty`` and ``info["illegal"] = True``. Walking into the
-edge is legal and leaves the player where it is (Gymnasium's rule).
+edge is legal and leaves the player where it is (Gymnasium's rule). With
+``letters=True`` the instruction line is ``move (l/d/r/u):`` and ``legal_actions`` (and
+``expert_action``) are the letters: a one-token move for a character model, where a
+word's later letters would only carry noise in a policy gradient.
 
 Dynamics are Gymnasium's: non-slippery by default; ``is_slippery=True`` moves in the
 intended direction with probability 1/3 and in each perpendicular direction with 1/3.
@@ -41,6 +44,7 @@ _WORDS = {w: i for i, w in enumerate(ACTION_WORDS)}
 _TOKEN = re.compile(r"[a-z]+")
 _TILES = {"S": ".", "F": ".", "H": "h", "G": "g"}
 PROMPT = "move (left/down/right/up):"
+LETTER_PROMPT = "move (l/d/r/u):"
 
 
 def parse_direction(text: str) -> Optional[int]:
@@ -56,7 +60,7 @@ def parse_direction(text: str) -> Optional[int]:
     return None
 
 
-def render_lake(desc: Sequence[str], position: int) -> str:
+def render_lake(desc: Sequence[str], position: int, prompt: str = PROMPT) -> str:
     """The map rows with the player at ``position`` (row * ncol + col), then the prompt."""
     ncol = len(desc[0])
     rows = []
@@ -65,7 +69,7 @@ def render_lake(desc: Sequence[str], position: int) -> str:
         if position // ncol == r:
             cells[position % ncol] = "p"
         rows.append("".join(cells))
-    return "\n".join(rows) + "\n" + PROMPT
+    return "\n".join(rows) + "\n" + prompt
 
 
 class FrozenLakeTextEnv(TextEnv):
@@ -73,7 +77,7 @@ class FrozenLakeTextEnv(TextEnv):
 
     def __init__(self, map_name: str = "4x4", desc: Optional[Sequence[str]] = None, is_slippery: bool = False,
                  max_steps: int = 100, goal_reward: float = 1.0, hole_reward: float = 0.0, step_reward: float = 0.0,
-                 illegal_penalty: float = -1.0) -> None:
+                 illegal_penalty: float = -1.0, letters: bool = False) -> None:
         super().__init__()
         from gymnasium.envs.toy_text.frozen_lake import MAPS, FrozenLakeEnv
 
@@ -94,6 +98,8 @@ class FrozenLakeTextEnv(TextEnv):
         self.max_steps = max_steps
         self.goal_reward, self.hole_reward = float(goal_reward), float(hole_reward)
         self.step_reward, self.illegal_penalty = float(step_reward), float(illegal_penalty)
+        self.letters = bool(letters)
+        self.actions = [w[0] for w in ACTION_WORDS] if self.letters else list(ACTION_WORDS)
         self._gym = FrozenLakeEnv(desc=desc, is_slippery=self.is_slippery)
         self.position = "".join(desc).index("S")
         self.steps = 0
@@ -101,7 +107,7 @@ class FrozenLakeTextEnv(TextEnv):
         self._policy: Optional[list[int]] = None
 
     def observation(self) -> str:
-        return render_lake(self.desc, self.position)
+        return render_lake(self.desc, self.position, LETTER_PROMPT if self.letters else PROMPT)
 
     def reset(self, seed: Optional[int] = None, options: Optional[dict] = None) -> tuple[str, dict]:
         self._seed(seed)
@@ -109,7 +115,7 @@ class FrozenLakeTextEnv(TextEnv):
         self.position = int(state)
         self.steps = 0
         self.done = False
-        return self.observation(), {"legal_actions": list(ACTION_WORDS)}
+        return self.observation(), {"legal_actions": list(self.actions)}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.done:
@@ -132,6 +138,8 @@ class FrozenLakeTextEnv(TextEnv):
         if truncated:
             info["outcome"] = "loss"
         self.done = terminated or truncated
+        if not self.done:
+            info["legal_actions"] = list(self.actions)
         return self.observation(), reward, bool(terminated), truncated, info
 
     # ------------------------------------------------------------------ demonstrations
@@ -141,7 +149,7 @@ class FrozenLakeTextEnv(TextEnv):
         move that maximises the chance of reaching the goal when slippery."""
         if self._policy is None:
             self._policy = _optimal_policy(self._gym.P, len(self.desc) * len(self.desc[0]))
-        return ACTION_WORDS[self._policy[self.position]]
+        return self.actions[self._policy[self.position]]
 
 
 def _optimal_policy(transitions: dict, n_states: int, gamma: float = 0.99, tol: float = 1e-12) -> list[int]:

@@ -8,6 +8,9 @@ reward come from its config (``data.eval_prompts`` or the built-in task's held-o
 ``data.reward``), so the greedy mean reward is the number the run printed as "held-out
 accuracy after PPO". Rewards run in the reward pool: a raise or a hang scores 0 and is
 counted.
+
+:func:`evaluate_textenv_run` evaluates a multi-turn run (``textenv.env`` set): its greedy
+win rates or success rate, as the run's own evaluations measure them.
 """
 
 from __future__ import annotations
@@ -139,3 +142,33 @@ def format_eval_table(result: dict[str, Any]) -> str:
         rows.append(("reward errors (scored 0)", str(result["reward_errors"])))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def evaluate_textenv_run(run_dir: str | Path, episodes: Optional[int] = None, *,
+                         device: Optional[str] = None) -> dict:
+    """A multi-turn run's greedy evaluation (:class:`~ppokit.lm.multiturn.TextEnvEvaluator`) of its
+    trained actor: ``{"metrics", "episodes", "message", "checkpoint"}``; ``episodes`` per
+    opponent (default: the run's ``textenv.eval_episodes``, else 200)."""
+    from ppokit.envs import make_env
+    from ppokit.lm.evaluate import POLICY_META, find_lm_checkpoint
+    from ppokit.lm.inference import load_generator
+    from ppokit.lm.multiturn import TextEnvEvaluator, check_env_output, engine_generate
+    from ppokit.lm.rollout import max_positions
+    from ppokit.lm.streams import StreamCodec
+
+    ckpt = find_lm_checkpoint(Path(run_dir))
+    if ckpt is None:
+        raise UserError(f"{run_dir} has no language-model checkpoint (no {POLICY_META})")
+    if episodes is not None and episodes < 1:
+        raise UserError(f"--episodes must be at least 1 (got {episodes})")
+    gen = load_generator(ckpt, device=device)
+    cfg = gen.cfg
+    cfg.textenv.eval_episodes = episodes or cfg.textenv.eval_episodes or 200
+    probe = make_env(cfg.textenv.env, **cfg.textenv.kwargs)
+    name = getattr(probe, "env_name", cfg.textenv.env)
+    codec = StreamCodec(gen.tokenizer, mode=check_env_output(probe, name), chat=cfg.data.chat_template,
+                        where=f"the checkpoint {ckpt}", env_name=name, stop_ids=gen.engine.eos_ids)
+    evaluator = TextEnvEvaluator(cfg, engine_generate(gen.engine), codec, max_positions(gen.engine.model), name)
+    metrics = evaluator.evaluate("periodic")
+    return {"metrics": metrics, "episodes": cfg.textenv.eval_episodes,
+            "message": evaluator.message("periodic", metrics), "checkpoint": str(ckpt)}

@@ -95,3 +95,4 @@ def _config_of(ckpt: Path):
     if not isinstance(saved, dict):
         raise UserError(f"{ckpt}: no config found (neither {ckpt / META} nor the run's config.yaml)")
     return build_config([saved])     # an invalid config is a one-line ConfigError
+

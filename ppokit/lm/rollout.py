@@ -206,14 +206,34 @@ class RolloutEngine:
                  greedy: bool = False, max_new_tokens: Optional[int] = None) -> RolloutBatch:
         """``group_size`` samples for each prompt (greedy: one deterministic sample each)."""
         start = time.perf_counter()
+        enc = self.tokenizer(list(prompts), padding=True, return_tensors="pt")
+        return self._generate(enc["input_ids"], enc["attention_mask"], list(prompts), group_size=group_size,
+                              items=items, greedy=greedy, max_new_tokens=max_new_tokens, start=start)
+
+    @torch.no_grad()
+    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], *, prompts: Optional[Sequence[str]] = None,
+                     group_size: int = 1, items: Optional[list[dict]] = None, greedy: bool = False,
+                     max_new_tokens: Optional[int] = None) -> RolloutBatch:
+        """:meth:`generate` from token ids (multi-turn streams: the model's earlier tokens as sampled,
+        never re-tokenised). The prompts are left-padded as the tokenizer pads; ``prompts``: their
+        text for the batch's records (default: decoded)."""
+        start = time.perf_counter()
+        ids, am = left_pad(prompt_ids, self.pad_id)                                  # (n, P) each
+        if prompts is None:
+            prompts = self.tokenizer.batch_decode([list(p) for p in prompt_ids], skip_special_tokens=True)
+        return self._generate(ids, am, list(prompts), group_size=group_size, items=items, greedy=greedy,
+                              max_new_tokens=max_new_tokens, start=start)
+
+    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor, prompts: list[str], *, group_size: int,
+                  items: Optional[list[dict]], greedy: bool, max_new_tokens: Optional[int],
+                  start: float) -> RolloutBatch:
         device = self.device
         max_new = max_new_tokens or self.cfg.max_new_tokens
-        enc = self.tokenizer(list(prompts), padding=True, return_tensors="pt")
-        ids = enc["input_ids"].repeat_interleave(group_size, 0).to(device)         # (N, P)
-        am = enc["attention_mask"].repeat_interleave(group_size, 0).to(device)     # (N, P)
+        ids = prompt_ids.repeat_interleave(group_size, 0).to(device)               # (N, P)
+        am = prompt_mask.repeat_interleave(group_size, 0).to(device)               # (N, P)
         group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)       # (N,)
         P = ids.shape[1]
-        check_context(self.model, list(prompts), enc["attention_mask"].sum(1).tolist(), max_new)
+        check_context(self.model, prompts, prompt_mask.sum(1).tolist(), max_new)
         gen_cfg = self.generation_config(greedy=greedy, max_new_tokens=max_new)
         chunks = []
         dtype = self.autocast_dtype
@@ -240,3 +260,17 @@ class RolloutEngine:
         per_seq_items = [it for it in (items or [{}] * len(prompts)) for _ in range(group_size)]
         return RolloutBatch(**tensors, group_ids=group_ids.to(device), prompts=per_seq_prompts, texts=texts,
                             items=per_seq_items, generation_time=time.perf_counter() - start)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``(input_ids, attention_mask)``, (n, L) long each: token lists left-padded to the longest,
+    as a tokenizer with ``padding_side="left"`` pads."""
+    if not len(sequences) or any(len(s) == 0 for s in sequences):
+        raise ValueError("left_pad needs at least one sequence, and no empty ones")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, width - len(seq):] = 1
+    return ids, mask

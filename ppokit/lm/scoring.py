@@ -33,6 +33,12 @@ the coefficient coming from a fixed or adaptive controller (:mod:`ppokit.algo.kl
 adaptive controller's input is verl's: the mean over sequences of each sequence's mean
 KL per token (:func:`ppokit.algo.mean_sequence_kl`), so ``algo.kl_ctrl.target_kl`` is a
 KL per token.
+
+Multi-turn batches (:mod:`ppokit.lm.turn_batch`) carry their rewards already placed
+(``token_scores``: each turn's on its last action token) and a ``mask`` that is 1 on the
+model's tokens only: the same passes score them, and the KL penalty falls on action
+tokens alone. Their truncated trajectories' bootstrap values (``last_values`` (E,)) come
+from one critic pass over the next prompts (:meth:`Scorer.bootstrap_values`).
 """
 
 from __future__ import annotations
@@ -82,7 +88,13 @@ class Scorer:
         if self.kl_ctrl is not None:
             kl = t.pop("kl_full") * mask if self.kl_penalty == "full" else \
                 kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)      # (N, R)
-        t["rewards"] = token_rewards(t["scores"], mask, kl=kl, kl_coef=self.kl_ctrl.value if kl is not None else 0.0)
+        kl_coef = self.kl_ctrl.value if kl is not None else 0.0
+        if "token_scores" in t:        # multi-turn: each turn's reward is already on its last action token
+            t["rewards"] = placed_rewards(t["token_scores"], mask, kl=kl, kl_coef=kl_coef)
+        else:
+            t["rewards"] = token_rewards(t["scores"], mask, kl=kl, kl_coef=kl_coef)
+        if "traj_truncated" in batch.extras:        # multi-turn: the values truncated trajectories bootstrap from
+            batch.extras["last_values"] = self.bootstrap_values(batch.extras)
         if kl is not None:
             # verl's controller input: each sequence's mean KL per token, averaged over the batch
             reward_kl = algo.mean_sequence_kl(kl, mask).item()
@@ -97,6 +109,28 @@ class Scorer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.kl_ctrl is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
+    @torch.no_grad()
+    def bootstrap_values(self, extras: dict[str, Tensor]) -> Tensor:
+        """(E,) float32: the critic's value of each truncated trajectory's next prompt
+        (``bootstrap_input_ids`` / ``bootstrap_attention_mask`` (B, L), ``bootstrap_traj`` (B,)),
+        0 for the trajectories that do not bootstrap. The value of a prompt is read where
+        a response's first token would be, as for every row's first action token."""
+        E = extras["traj_truncated"].shape[0]
+        out = torch.zeros(E, dtype=torch.float32, device=extras["traj_truncated"].device)
+        if "bootstrap_input_ids" not in extras or not self.policy.has_critic:
+            return out
+        ids, am = extras["bootstrap_input_ids"], extras["bootstrap_attention_mask"]
+        pad = torch.zeros_like(ids[:, :1])                                   # (B, 1) a response slot, never attended
+        values = []
+        for s in range(0, ids.shape[0], self.chunk):
+            attention = torch.cat([am[s:s + self.chunk], pad[s:s + self.chunk]], 1)       # (b, L + 1)
+            mb = {"input_ids": torch.cat([ids[s:s + self.chunk], pad[s:s + self.chunk]], 1),
+                  "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+                  "responses": pad[s:s + self.chunk]}
+            values.append(self.policy.values(mb)[:, 0])
+        out[extras["bootstrap_traj"]] = torch.cat(values).float()
+        return out
 
     @torch.no_grad()
     def forward_passes(self, tensors: dict[str, Tensor], old_log_prob: bool = True) -> dict[str, Tensor]:
@@ -143,6 +177,16 @@ def token_rewards(scores: Tensor, mask: Tensor, *, kl: Optional[Tensor] = None, 
     rows = torch.arange(mask.shape[0], device=mask.device)
     has_token = mask.sum(1) > 0
     rewards[rows[has_token], last_token_index(mask)[has_token]] = scores.float().to(mask.device)[has_token]
+    if kl is not None and kl_coef:
+        rewards = rewards - kl_coef * kl * mask
+    return rewards
+
+
+def placed_rewards(token_scores: Tensor, mask: Tensor, *, kl: Optional[Tensor] = None, kl_coef: float = 0.0
+                   ) -> Tensor:
+    """(N, R) token rewards from rewards already placed on tokens (multi-turn: each turn's on its
+    last action token), minus ``kl_coef * kl`` on the action tokens."""
+    rewards = token_scores.float() * mask
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl * mask
     return rewards

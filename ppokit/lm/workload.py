@@ -265,11 +265,14 @@ def concat_parts(parts: list[RolloutPart], pad_id: int) -> RolloutPart:
 class LMLearner:
     """The policy's optimizer and the shared PPO update; the policy's files in each checkpoint."""
 
-    def __init__(self, cfg: Config, policy, tokenizer, model_path: Path, parallel: Optional[DataParallel] = None):
+    def __init__(self, cfg: Config, policy, tokenizer, model_path: Path, parallel: Optional[DataParallel] = None, *,
+                 num_mini_batches: Optional[int] = None, horizon: Optional[int] = None):
         self.cfg, self.policy, self.tokenizer, self.model_path = cfg, policy, tokenizer, model_path
+        # multi-turn batches have a varying number of rows: a fixed number of mini-batches instead
+        self.num_mini_batches = num_mini_batches
         # Dr.GRPO's constant: the generation budget, whatever the iteration's longest response
-        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations, horizon=cfg.rollout.max_new_tokens,
-                                  parallel=parallel)
+        self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations,
+                                  horizon=horizon or cfg.rollout.max_new_tokens, parallel=parallel)
         self.keys = UPDATE_KEYS + (("ref_log_prob",) if needs_ref_log_prob(cfg) else ())
         self.policy_version = 0
 
@@ -277,12 +280,14 @@ class LMLearner:
         """Whether the scorer must run the actor pass: not when the update makes one
         optimizer step (its own forward gives the old log-probs) and the rewards carry no
         KL term that needs them before the update."""
-        return self.cfg.algo.use_kl_in_reward or not self.trainer.fully_on_policy(self.cfg.train.batch_size)
+        return self.cfg.algo.use_kl_in_reward or not self.trainer.fully_on_policy(self.cfg.train.batch_size,
+                                                                                   self.num_mini_batches)
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
         t = batch.tensors
         start = time.perf_counter()
-        metrics = self.trainer.update({k: t[k] for k in self.keys if k in t}, iteration)
+        metrics = self.trainer.update({k: t[k] for k in self.keys if k in t}, iteration,
+                                      num_mini_batches=self.num_mini_batches)
         seconds = time.perf_counter() - start
         if "padding_frac" in metrics:      # before: fixed micro-batches of the batch's full width; after: computed
             metrics["padding_frac_before"] = 1.0 - float(t["attention_mask"].sum()) / t["attention_mask"].numel()
@@ -559,8 +564,12 @@ def accelerate(cfg: Config, policy) -> tuple[str, Any]:
 
 
 def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn, log,
-                  prompts: Optional[list[dict]] = None) -> Path:
+                  prompts: Optional[list[dict]] = None, sft_examples: Optional[list[dict]] = None) -> Path:
     """The backbone's directory: model.path, the built-in tiny model, and/or a warm-started copy.
+
+    The warm start trains on ``sft_examples`` (prompt/completion records, rendered with
+    the chat template here when ``data.chat_template`` is on) or, by default, the SFT
+    split of ``data.prompts``.
 
     A complete ``RUN_DIR/base_model`` (its :data:`BASE_MODEL_MARKER` is written last) is
     reused as it is: a resumed run does not warm-start again. An incomplete one (a run
@@ -589,8 +598,9 @@ def prepare_model(cfg: Config, run_dir: Path, eval_items: list[dict], reward_fn,
         if not eval_items:
             raise UserError("data.sft_epochs > 0 needs held-out prompts to pick the best warm-start model "
                             "(a built-in task, or data.eval_prompts)")
-        examples = load_prompts(cfg.data.prompts, "sft", n=cfg.data.sft_examples, chat=cfg.data.chat_template,
-                                prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+        examples = sft_examples if sft_examples is not None else load_prompts(
+            cfg.data.prompts, "sft", n=cfg.data.sft_examples, chat=cfg.data.chat_template,
+            prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
         render = chat_render(cfg)
         if render is not None:
             from ppokit.lm.chat import render_records

@@ -18,7 +18,7 @@ def test_observation_format_is_exact():
     assert info == {"legal_actions": ["left", "down", "right", "up"]}
     obs, reward, terminated, truncated, info = env.step("down")
     assert obs.startswith("....\nph.h\n") and (reward, terminated, truncated) == (0.0, False, False)
-    assert info == {"illegal": False, "action": "down"}
+    assert info == {"illegal": False, "action": "down", "legal_actions": ["left", "down", "right", "up"]}
     obs, reward, terminated, truncated, info = env.step("r")  # into the hole at row 1, column 1
     assert obs.startswith("....\n.p.h\n") and (reward, terminated, info["outcome"]) == (0.0, True, "loss")
 
@@ -117,3 +117,13 @@ def test_bad_maps_are_user_errors():
         FrozenLakeTextEnv(desc=["SFF", "FG"])
     env = FrozenLakeTextEnv(desc=["SH", "FG"])
     assert env.reset(seed=0)[0] == "ph\n.g\nmove (left/down/right/up):"
+
+
+def test_letters_make_one_character_moves_the_listed_and_expert_actions():
+    env = FrozenLakeTextEnv(letters=True)
+    obs, info = env.reset(seed=0)
+    assert obs.endswith("\nmove (l/d/r/u):") and info["legal_actions"] == ["l", "d", "r", "u"]
+    assert env.expert_action() in ("d", "r")
+    obs, _, _, _, info = env.step("d")                 # parsed as before: a letter or a word
+    assert obs.startswith("....\nph.h\n") and info["legal_actions"] == ["l", "d", "r", "u"]
+    assert env.step("right")[4]["action"] == "right"   # into the hole; words still parse

@@ -52,3 +52,35 @@ def test_plot_curves_without_metrics(tmp_path):
     png = plot_curves(tmp_path, [{"iteration": 0, "eval_accuracy_before": 0.1}], out=Path(tmp_path) / "x.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary_line(0.125, 0.8164) == "held-out accuracy: 12.5% -> 81.6%"
+
+
+# The tic-tac-toe demo in a few seconds: a tiny warm start, two PPO iterations of 8 games.
+TINY_TTT = ["data.sft_examples=64", "data.sft_epochs=1", "train.iterations=2", "train.batch_size=8",
+            "train.mini_batch_size=8", "train.micro_batch_size=64", "train.infer_micro_batch_size=64",
+            "textenv.eval_episodes=16", "textenv.eval_every=0", "run.progress=false", "run.tensorboard=false"]
+WIN = re.compile(r"^win rate vs random: (\d+\.\d)% -> (\d+\.\d)%$")
+
+
+def test_tictactoe_demo_prints_illegal_moves_and_ends_with_the_win_rates(tmp_path, capsys):
+    status = main(["demo", "tictactoe", *TINY_TTT, f"run.output_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert status == 0
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert WIN.match(lines[-1]), lines[-1]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = json.loads((run_dir / "checkpoint" / "meta.json").read_text())["summary"]
+    before, after = (float(x) for x in WIN.match(lines[-1]).groups())
+    assert (before, after) == (round(100 * summary["eval_before/random/win_rate"], 1),
+                               round(100 * summary["eval_after/random/win_rate"], 1))
+    illegal = [line for line in lines if line.startswith("illegal moves (greedy, vs random): ")]
+    assert illegal == [f"illegal moves (greedy, vs random): {summary['eval_before/random/illegal_action_rate']:.2%} "
+                       f"-> {summary['eval_after/random/illegal_action_rate']:.2%}"]
+    assert any(line.startswith("illegal moves while training (sampled") for line in lines)
+    assert any(line.startswith("win rate vs heuristic: ") for line in lines)
+    assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_unknown_demo_is_a_one_line_error(tmp_path, capsys):
+    assert main(["demo", "tictactoo", f"run.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown demo 'tictactoo'" in err and "tictactoe" in err and "Traceback" not in err

@@ -1,0 +1,155 @@
+"""trajectory_credit: token- and turn-level GAE when a trajectory spans rows, against float64 references.
+
+The batches are hand-built the way the multi-turn source lays them out: a trajectory is
+one row per turn (state-mode environments) or one row holding the whole stream with
+environment tokens between the turns (message mode); rows of different trajectories
+interleave. The references walk each trajectory's turns as plain Python lists.
+"""
+
+import random
+
+import pytest
+import torch
+
+from ppokit.algo import trajectory_credit
+
+
+def build_batch(rng: random.Random, n_traj: int, T: int = 24):
+    """Random trajectories as rows; returns tensors and the plain per-trajectory turns.
+
+    A turn is a list of (reward, value) per action token. Rows of a "rows" trajectory
+    hold one turn each (prompt tokens first); a "stream" trajectory is one row with
+    1-3 environment tokens between turns. Rows are shuffled across trajectories, keeping
+    each trajectory's own rows in order.
+    """
+    trajectories, rows = [], []
+    for e in range(n_traj):
+        kind = rng.choice(["rows", "stream"])
+        n_turns = rng.randint(1, 4)
+        turns = [[(rng.gauss(0, 1), rng.gauss(0, 1)) for _ in range(rng.randint(1, 3))] for _ in range(n_turns)]
+        trajectories.append(turns)
+        if kind == "rows":
+            for k, turn in enumerate(turns):
+                start = rng.randint(0, 3)
+                rows.append((e, [(start + i, k, r, v) for i, (r, v) in enumerate(turn)]))
+        else:
+            t, cells = rng.randint(0, 2), []
+            for k, turn in enumerate(turns):
+                if k:
+                    t += rng.randint(1, 3)
+                for r, v in turn:
+                    cells.append((t, k, r, v))
+                    t += 1
+            rows.append((e, cells))
+    queues = [[i for i, (e, _) in enumerate(rows) if e == t] for t in range(n_traj)]
+    order = []                       # a random merge: trajectories interleave, each keeps its row order
+    while any(queues):
+        order.append(rng.choice([q for q in queues if q]).pop(0))
+    N = len(rows)
+    rewards = torch.randn(N, T, dtype=torch.float64)     # junk where the mask is 0: must be ignored
+    values = torch.randn(N, T, dtype=torch.float64)
+    mask = torch.zeros(N, T)
+    turn_index = torch.full((N, T), -1, dtype=torch.long)
+    traj_index = torch.zeros(N, dtype=torch.long)
+    for n, i in enumerate(order):
+        e, cells = rows[i]
+        traj_index[n] = e
+        for t, k, r, v in cells:
+            rewards[n, t], values[n, t], mask[n, t], turn_index[n, t] = r, v, 1, k
+    return rewards, values, mask, turn_index, traj_index, trajectories
+
+
+def naive_token(turns, gamma, lam, last_value):
+    flat = [rv for turn in turns for rv in turn]
+    adv, running = [0.0] * len(flat), 0.0
+    for i in reversed(range(len(flat))):
+        v_next = flat[i + 1][1] if i + 1 < len(flat) else last_value
+        delta = flat[i][0] + gamma * v_next - flat[i][1]
+        running = delta + gamma * lam * running
+        adv[i] = running
+    out, i = [], 0
+    for turn in turns:
+        out.append([(adv[i + j], adv[i + j] + turn[j][1]) for j in range(len(turn))])
+        i += len(turn)
+    return out
+
+
+def naive_turn(turns, gamma, lam, last_value):
+    values = [turn[0][1] for turn in turns]
+    rewards = [sum(r for r, _ in turn) for turn in turns]
+    adv, running = [0.0] * len(turns), 0.0
+    for k in reversed(range(len(turns))):
+        v_next = values[k + 1] if k + 1 < len(turns) else last_value
+        running = rewards[k] + gamma * v_next - values[k] + gamma * lam * running
+        adv[k] = running
+    return [[(adv[k], adv[k] + values[k])] * len(turn) for k, turn in enumerate(turns)]
+
+
+def gather(adv, ret, mask, turn_index, traj_index, n_traj):
+    """Per trajectory, per turn, the (advantage, return) of each action token in time order."""
+    out = [[] for _ in range(n_traj)]
+    for n in range(adv.shape[0]):
+        e = int(traj_index[n])
+        for t in range(adv.shape[1]):
+            if mask[n, t]:
+                k = int(turn_index[n, t])
+                while len(out[e]) <= k:
+                    out[e].append([])
+                out[e][k].append((float(adv[n, t]), float(ret[n, t])))
+    return out
+
+
+@pytest.mark.parametrize("credit,naive", [("token", naive_token), ("turn", naive_turn)])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.7, 0.3)])
+def test_matches_float64_reference_across_rows(credit, naive, seed, gamma, lam):
+    rng = random.Random(seed)
+    E = 6
+    rewards, values, mask, turn_index, traj_index, trajectories = build_batch(rng, E)
+    truncated = torch.tensor([rng.random() < 0.5 for _ in range(E)])
+    last_values = torch.randn(E, dtype=torch.float64)
+    adv, ret = trajectory_credit(credit=credit, rewards=rewards, values=values, mask=mask, traj_index=traj_index,
+                                 turn_index=turn_index, truncated=truncated, last_values=last_values,
+                                 gamma=gamma, lam=lam)
+    assert adv.dtype == torch.float64
+    assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
+    got = gather(adv, ret, mask, turn_index, traj_index, E)
+    for e, turns in enumerate(trajectories):
+        want = naive(turns, gamma, lam, float(last_values[e]) if truncated[e] else 0.0)
+        for k in range(len(turns)):
+            for (a, r), (a_ref, r_ref) in zip(got[e][k], want[k]):
+                assert a == pytest.approx(a_ref, abs=1e-12)
+                assert r == pytest.approx(r_ref, abs=1e-12)
+
+
+def test_token_credit_bootstraps_across_row_boundaries_and_turn_credit_reads_first_tokens():
+    # one trajectory, two turns in two rows: [p p a0 a0'] [p a1]; reward 1 at the end; gamma = lam = 1
+    rewards = torch.tensor([[0, 0, 0.0, 0.0], [0, 1.0, 0, 0]], dtype=torch.float64)
+    values = torch.tensor([[9, 9, 0.2, 0.4], [9, 0.6, 9, 9]], dtype=torch.float64)
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 0, 0]])
+    turn_index = torch.tensor([[-1, -1, 0, 0], [-1, 1, -1, -1]])
+    traj = torch.tensor([0, 0])
+    adv, _ = trajectory_credit(credit="token", rewards=rewards, values=values, mask=mask, traj_index=traj,
+                               gamma=1.0, lam=1.0)
+    # Monte-Carlo return 1 everywhere: A_t = 1 - V_t
+    assert adv[0, 2:].tolist() == pytest.approx([0.8, 0.6]) and adv[1, 1].item() == pytest.approx(0.4)
+    adv, ret = trajectory_credit(credit="turn", rewards=rewards, values=values, mask=mask, traj_index=traj,
+                                 turn_index=turn_index, gamma=1.0, lam=0.0)
+    # lam = 0: A_0 = r_0 + V_1 - V_0 = 0 + 0.6 - 0.2 (the turn's value is its first token's, not 0.4)
+    assert adv[0, 2:].tolist() == pytest.approx([0.4, 0.4]) and adv[1, 1].item() == pytest.approx(0.4)
+    assert ret[0, 2:].tolist() == pytest.approx([0.6, 0.6])
+
+
+def test_bad_inputs_are_named():
+    z = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="credit must be one of token, turn"):
+        trajectory_credit(credit="step", rewards=z, values=z, mask=z, traj_index=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="needs turn_index"):
+        trajectory_credit(credit="turn", rewards=z, values=z, mask=z + 1, traj_index=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="truncated trajectories need last_values"):
+        trajectory_credit(credit="token", rewards=z, values=z, mask=z + 1, traj_index=torch.tensor([0, 1]),
+                          truncated=torch.tensor([True, False]))
+    bad_turns = torch.tensor([[1, 0, -1], [0, 0, 0]])
+    with pytest.raises(ValueError, match="turn_index decreases"):
+        trajectory_credit(credit="turn", rewards=z, values=z, mask=bad_turns >= 0, traj_index=torch.tensor([0, 1]),
+                          turn_index=bad_turns)
