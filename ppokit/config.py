@@ -441,9 +441,10 @@ class TextEnvConfig(Section):
     pool: OpponentPoolConfig = field(OpponentPoolConfig(), "self-play: the pool of past opponents")
     role_baseline_tau: float = field(0.0, "subtract a per-seat running mean of the episode's final reward "
                                      "(EMA with this rate; UnstableBaselines' role baseline); 0 = off", ge=0, le=1)
-    sft_policy: Literal["random", "expert"] = field(
+    sft_policy: Literal["random", "random_wins", "expert"] = field(
         "random", "warm start (data.sft_epochs > 0): demonstrations by uniformly random legal actions (the format "
-        "and the rules) or by the environment's expert_action()")
+        "and the rules), the same keeping only the turns of seats that won (chosen by the outcome alone), or by "
+        "the environment's expert_action()")
     eval_episodes: int = field(200, "episodes of each greedy evaluation (before, every eval_every, after)", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
     eval_opponents: list[str] = field(

@@ -43,13 +43,15 @@ def legal_action_reward(prompt: str, response: str, *, legal_actions: list, **_:
 
 def demonstration_examples(env: Any, policy_kind: str, n: int, *, seed: int, name: str) -> list[dict[str, Any]]:
     """``n`` warm-start records ``{"prompt", "completion", "answer", "legal_actions"}`` from episodes
-    played with ``policy_kind`` (``random``: uniform over ``info["legal_actions"]``; ``expert``: the
-    environment's ``expert_action()``), seeds ``seed, seed + 1, ...``: the observation the policy saw,
-    byte for byte what a rollout shows, and the action it wrote."""
-    if policy_kind == "random":
+    played with ``policy_kind`` (``random``: uniform over ``info["legal_actions"]``; ``random_wins``:
+    the same play, keeping only the turns of seats that won, i.e. demonstrations chosen by the
+    environment's outcome alone, rejection sampling; ``expert``: the environment's
+    ``expert_action()``), seeds ``seed, seed + 1, ...``: the observation the policy saw, byte for
+    byte what a rollout shows, and the action it wrote."""
+    if policy_kind in ("random", "random_wins"):
         _, info = checked_reset(env, seed=seed, name=name)
         if not info.get("legal_actions"):
-            raise UserError(f"textenv.sft_policy=random needs an environment that lists info['legal_actions'] "
+            raise UserError(f"textenv.sft_policy={policy_kind} needs an environment that lists info['legal_actions'] "
                             f"('{name}' does not); use textenv.sft_policy=expert")
         policy = random_legal_policy(random.Random(seed))
     else:
@@ -59,22 +61,31 @@ def demonstration_examples(env: Any, policy_kind: str, n: int, *, seed: int, nam
             raise UserError(f"textenv.sft_policy=expert needs the environment's expert_action() ('{name}' has "
                             "none); use textenv.sft_policy=random or data.sft_epochs=0") from None
     records: list[dict[str, Any]] = []
+    turns: list[dict[str, Any]] = []           # this episode's, in turn order
 
     def recording(observation: Any, info: dict) -> str:
         if not isinstance(observation, str):
             raise UserError(f"environment '{name}': a warm start from demonstrations needs text observations "
                             "(observation_mode='state'); set data.sft_epochs=0")
         action = policy(observation, info)
-        records.append({"prompt": observation, "completion": action, "answer": action,
-                        "legal_actions": list(info.get("legal_actions") or [])})
+        turns.append({"prompt": observation, "completion": action, "answer": action,
+                      "legal_actions": list(info.get("legal_actions") or [])})
         return action
 
     episode = 0
     while len(records) < n:
-        play_episode(env, recording, seed=seed + episode, name=name)
+        turns.clear()
+        played = play_episode(env, recording, seed=seed + episode, name=name)
+        if policy_kind == "random_wins":
+            winners = {seat for seat, record in played.records.items() if record.outcome == "win"}
+            records.extend(t for t, turn in zip(turns, played.turns) if turn.player in winners)
+        else:
+            records.extend(turns)
         episode += 1
-        if episode > 100 * n:
-            raise UserError(f"environment '{name}': {episode} demonstration episodes gave only {len(records)} turns")
+        if episode > 1000 * n:
+            raise UserError(f"environment '{name}': {episode} demonstration episodes gave only {len(records)} "
+                            f"turns{' of winning seats' if policy_kind == 'random_wins' else ''}; use "
+                            "textenv.sft_policy=random")
     return records[:n]
 
 
@@ -182,8 +193,8 @@ class MultiTurnWorkload:
             from ppokit.lm.prompts import chat_render
 
             held_out = render_records(held_out, chat_render(cfg))
-        reward: Callable = legal_action_reward if kind == "random" else "exact_match"
-        score = "the legal-action rate" if kind == "random" else "agreement with the expert"
+        reward: Callable = legal_action_reward if kind != "expert" else "exact_match"
+        score = "the legal-action rate" if kind != "expert" else "agreement with the expert"
         _print(f"warm start on {len(train)} {kind} demonstration turns of {env_name} (held out: "
                f"{len(held_out)}, scored by {score})")
         return prepare_model(cfg, run_dir, held_out, reward, _print, sft_examples=train)
