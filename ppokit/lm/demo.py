@@ -49,29 +49,7 @@ def plot_curves(run_dir: Path | str, eval_history: Sequence[dict[str, float]] = 
     Reads ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/base_model/sft_curve.json``; writes a PNG
     (matplotlib, Agg backend) to ``out`` (default ``RUN_DIR/reward_curve.png``).
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    from ppokit.lm.sft import CURVE_FILE
-    from ppokit.lm.workload import BASE_MODEL_DIR
-    from ppokit.rundir import read_metrics
-
-    run_dir = Path(run_dir)
-    out = Path(out) if out is not None else run_dir / PLOT_FILE
-    rows = [r for r in read_metrics(run_dir) if isinstance(r.get("reward_mean"), (int, float))]
-    curve_path = run_dir / BASE_MODEL_DIR / CURVE_FILE
-    sft = json.loads(curve_path.read_text()).get("curve", []) if curve_path.exists() else []
-
-    fig, axes = plt.subplots(1, 2 if sft else 1, figsize=(11 if sft else 6.5, 4), squeeze=False)
-    axes = axes[0]
-    if sft:
-        ax = axes[0]
-        ax.plot([r["epoch"] for r in sft], [100 * r["heldout_accuracy"] for r in sft], "o-", ms=3,
-                color="tab:gray", label="held-out accuracy")
-        _percent_axes(ax, "SFT epoch", "accuracy (%)", "supervised warm start")
-    ax = axes[-1]
+    fig, ax, rows = _figure(run_dir, "reward_mean", "held-out accuracy")
     if rows:
         its = [r["iteration"] + 1 for r in rows]
         rewards = [100 * r["reward_mean"] for r in rows]
@@ -86,6 +64,39 @@ def plot_curves(run_dir: Path | str, eval_history: Sequence[dict[str, float]] = 
         ax.plot([e["iteration"] for e in eval_history], [100 * a for a in accuracy], "s-",
                 color="tab:red", ms=5, label="held-out accuracy (greedy)")
     _percent_axes(ax, "PPO iteration", "% correct", "PPO with a verifier (exact match)")
+    return _save(fig, Path(out) if out is not None else Path(run_dir) / PLOT_FILE)
+
+
+def _figure(run_dir: Path | str, metric: str, sft_label: str):
+    """A figure for a demo run: the warm start's held-out curve on the left when the run has
+    one (``base_model/sft_curve.json``), and the PPO panel; returns (figure, PPO axes, the
+    rows of ``metrics.jsonl`` that have ``metric``)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from ppokit.lm.sft import CURVE_FILE
+    from ppokit.lm.workload import BASE_MODEL_DIR
+    from ppokit.rundir import read_metrics
+
+    run_dir = Path(run_dir)
+    rows = [r for r in read_metrics(run_dir) if isinstance(r.get(metric), (int, float))]
+    curve_path = run_dir / BASE_MODEL_DIR / CURVE_FILE
+    sft = json.loads(curve_path.read_text()).get("curve", []) if curve_path.exists() else []
+    fig, axes = plt.subplots(1, 2 if sft else 1, figsize=(11 if sft else 6.5, 4), squeeze=False)
+    axes = axes[0]
+    if sft:
+        axes[0].plot([r["epoch"] for r in sft], [100 * r["heldout_accuracy"] for r in sft], "o-", ms=3,
+                     color="tab:gray", label=sft_label)
+        _percent_axes(axes[0], "SFT epoch", "%", "supervised warm start")
+    return fig, axes[-1], rows
+
+
+def _save(fig, out: Path) -> Path:
+    """Write ``fig`` as a PNG to ``out`` and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
@@ -128,28 +139,7 @@ def plot_textenv_curves(run_dir: Path | str, eval_history: Sequence[dict[str, fl
     """A text-environment run: the sampled win rate and illegal-action rate per PPO iteration, the
     greedy evaluations as markers, and the warm start's held-out score. Writes a PNG (default
     ``RUN_DIR/reward_curve.png``)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    from ppokit.lm.sft import CURVE_FILE
-    from ppokit.lm.workload import BASE_MODEL_DIR
-    from ppokit.rundir import read_metrics
-
-    run_dir = Path(run_dir)
-    out = Path(out) if out is not None else run_dir / PLOT_FILE
-    rows = [r for r in read_metrics(run_dir) if isinstance(r.get("env/win_rate"), (int, float))]
-    curve_path = run_dir / BASE_MODEL_DIR / CURVE_FILE
-    sft = json.loads(curve_path.read_text()).get("curve", []) if curve_path.exists() else []
-    fig, axes = plt.subplots(1, 2 if sft else 1, figsize=(11 if sft else 6.5, 4), squeeze=False)
-    axes = axes[0]
-    if sft:
-        ax = axes[0]
-        ax.plot([r["epoch"] for r in sft], [100 * r["heldout_accuracy"] for r in sft], "o-", ms=3,
-                color="tab:gray", label="held-out score")
-        _percent_axes(ax, "SFT epoch", "%", "supervised warm start")
-    ax = axes[-1]
+    fig, ax, rows = _figure(run_dir, "env/win_rate", "held-out score")
     if rows:
         its = [r["iteration"] + 1 for r in rows]
         ax.plot(its, [100 * r["env/win_rate"] for r in rows], color="tab:blue", lw=1.5, label="win rate (sampled)")
@@ -165,11 +155,7 @@ def plot_textenv_curves(run_dir: Path | str, eval_history: Sequence[dict[str, fl
         ax.plot([p[0] for p in points], [p[1] for p in points], style, ms=5,
                 label=f"greedy win rate vs {opponent}" if opponent != "success" else "greedy success")
     _percent_axes(ax, "PPO iteration", "%", "multi-turn PPO")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, Path(out) if out is not None else Path(run_dir) / PLOT_FILE)
 
 
 def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET) -> dict[str, Any]:
