@@ -104,14 +104,15 @@ def isolation() -> str:
     if forced:
         return forced
     for kind in ("bwrap", "unshare", "unshare-user"):
-        prefix = _isolation_prefix(kind, tempfile.gettempdir(), None)
-        if prefix is None:
-            continue
-        try:
-            done = subprocess.run(prefix + [sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30,
-                                  cwd=tempfile.gettempdir())
-        except (OSError, subprocess.TimeoutExpired):
-            continue
+        with tempfile.TemporaryDirectory(prefix="ppokit-probe-") as workdir:    # as a program's own directory
+            prefix = _isolation_prefix(kind, workdir, None)
+            if prefix is None:
+                continue
+            try:
+                done = subprocess.run(prefix + [sys.executable, "-I", "-c", "pass"], capture_output=True,
+                                      timeout=30, cwd=workdir)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
         if done.returncode == 0:
             return kind
     return "none"
@@ -157,13 +158,25 @@ def isolation_warning() -> Optional[str]:
             "works here; install bubblewrap (apt-get install bubblewrap) to cut programs off the network")
 
 
+def _interpreter_paths_under(directory: str) -> list[str]:
+    """The interpreter's directories (the virtual environment, the base installation, the
+    executable's) that lie inside ``directory``, outermost first, without nested repeats."""
+    root = os.path.realpath(directory) + os.sep
+    candidates = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable),
+                                                 os.path.dirname(os.path.realpath(sys.executable)))}
+    inside = sorted(p for p in candidates if (p + os.sep).startswith(root))
+    return [p for i, p in enumerate(inside) if not any((p + os.sep).startswith(q + os.sep) for q in inside[:i])]
+
+
 def _isolation_prefix(kind: str, workdir: str, cgroup: Optional[str]) -> Optional[list[str]]:
     if kind == "bwrap":
         if shutil.which("bwrap") is None:
             return None
         prefix = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
-                  "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-                  "--bind", workdir, workdir, "--chdir", workdir]
+                  "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        for path in _interpreter_paths_under("/tmp"):      # a venv in /tmp stays visible under the fresh /tmp
+            prefix += ["--ro-bind", path, path]
+        prefix += ["--bind", workdir, workdir, "--chdir", workdir]
         if cgroup is not None:
             prefix += ["--bind", cgroup, cgroup]
         return prefix + ["--"]

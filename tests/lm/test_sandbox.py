@@ -150,3 +150,21 @@ def test_a_worker_killed_mid_run_leaves_no_sandbox_behind(isolation_kind):
             break
         time.sleep(0.1)
     assert not leftover
+
+
+def test_an_interpreter_under_tmp_is_bound_back_into_the_sandboxs_fresh_tmp(monkeypatch, tmp_path):
+    """bwrap gives programs an empty /tmp; a virtual environment that lives there (a fresh
+    clone in a mktemp directory) must be bound back, or the sandbox cannot start Python."""
+    from ppokit.lm import sandbox
+
+    venv = tmp_path / "clone" / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    monkeypatch.setattr(sandbox.sys, "prefix", str(venv))
+    monkeypatch.setattr(sandbox.sys, "executable", str(venv / "bin" / "python"))
+    monkeypatch.setattr(sandbox.sys, "base_prefix", "/usr")
+    assert sandbox._interpreter_paths_under(str(tmp_path)) == [os.path.realpath(venv)]   # bin/ is inside it
+    assert sandbox._interpreter_paths_under(str(tmp_path / "elsewhere")) == []
+    prefix = sandbox._isolation_prefix("bwrap", str(tmp_path / "work"), None)
+    if prefix is not None and str(tmp_path).startswith("/tmp/"):
+        i = prefix.index("--tmpfs")
+        assert prefix[i + 2:i + 5] == ["--ro-bind", os.path.realpath(venv), os.path.realpath(venv)]
