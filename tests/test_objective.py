@@ -102,15 +102,10 @@ def test_the_dr_grpo_normaliser_is_the_constant_horizon_not_the_batch_length():
 
 
 # ----------------------------------------------------------------------------- GSPO
-def test_gspo_ratios_reach_the_loss_through_the_trainer():
-    """ratio_level=gspo: the loss the trainer computes equals GSPO's objective written out
-    in float64 on the inputs it used."""
-    batch = make_batch()
-    cfg = lm_config(train={"micro_batch_size": 6, "mini_batch_size": 6, "epochs": 2},
-                    algo={"ratio_level": "gspo", "lower_clip_ratio": 3e-4, "upper_clip_ratio": 4e-4,
-                          "loss_agg_mode": "seq-mean-token-mean"})
-    trainer = PPOTrainer(cfg, ToyPolicy(), total_iterations=1)
-    calls = []
+def spy_on_policy_loss(trainer: PPOTrainer) -> list[tuple]:
+    """Record every policy-loss call of ``trainer``: (log_prob, old_log_prob, advantages, mask) in
+    float64, the keyword arguments, and the loss it returned."""
+    calls: list[tuple] = []
     loss_fn = trainer.policy_loss
 
     def spy(log_prob, old_log_prob, advantages, mask, **kwargs):
@@ -120,6 +115,18 @@ def test_gspo_ratios_reach_the_loss_through_the_trainer():
         return loss, metrics
 
     trainer.policy_loss = spy
+    return calls
+
+
+def test_gspo_ratios_reach_the_loss_through_the_trainer():
+    """ratio_level=gspo: the loss the trainer computes equals GSPO's objective written out
+    in float64 on the inputs it used."""
+    batch = make_batch()
+    cfg = lm_config(train={"micro_batch_size": 6, "mini_batch_size": 6, "epochs": 2},
+                    algo={"ratio_level": "gspo", "lower_clip_ratio": 3e-4, "upper_clip_ratio": 4e-4,
+                          "loss_agg_mode": "seq-mean-token-mean"})
+    trainer = PPOTrainer(cfg, ToyPolicy(), total_iterations=1)
+    calls = spy_on_policy_loss(trainer)
     trainer.update(batch)
     assert all(kw["ratio_level"] == "gspo" for *_, kw, _ in calls)
     lp, old, adv, m, kw, got = calls[-1]                       # the second epoch: old log-probs differ
@@ -159,18 +166,10 @@ def test_penalty_loss_in_the_trainer_equals_its_formula():
     cfg = lm_config(train={"micro_batch_size": 12, "epochs": 2},
                     algo={"loss_mode": "penalty", "penalty_coef": 0.3})
     trainer = PPOTrainer(cfg, ToyPolicy(), total_iterations=1)
-    seen = []
-    loss_fn = trainer.policy_loss
-
-    def spy(log_prob, old_log_prob, advantages, mask, **kwargs):
-        loss, metrics = loss_fn(log_prob, old_log_prob, advantages, mask, **kwargs)
-        seen.append((log_prob.detach().double(), old_log_prob.double(), advantages.double(), mask.double(),
-                     kwargs["penalty_coef"], loss.item()))
-        return loss, metrics
-
-    trainer.policy_loss = spy
+    calls = spy_on_policy_loss(trainer)
     trainer.update(batch)
-    lp, old, adv, m, coef, got = seen[-1]
+    lp, old, adv, m, kw, got = calls[-1]
+    coef = kw["penalty_coef"]
     r = torch.exp(lp - old)
     per_token = -r * adv + coef * ((r - 1) - torch.log(r))
     assert got == pytest.approx(((per_token * m).sum() / m.sum()).item(), rel=1e-5)
