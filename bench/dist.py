@@ -115,8 +115,8 @@ def bench_gradients(a: argparse.Namespace, out: Path) -> dict:
     from ppokit.config import load_config
     from ppokit.dist.cluster import Cluster
     from ppokit.dist.learner_group import LearnerGroup
-    from ppokit.lm.tiny import build_tiny_model
-    from ppokit.lm.workload import LMWorkload
+    from ppokit.lm.model.tiny import build_tiny_model
+    from ppokit.lm.single_turn.workload import LMWorkload
     from ppokit.trainer import SingleProcess
 
     sys.path.insert(0, str(ROOT / "tests" / "dist"))
@@ -204,8 +204,8 @@ def bench_sync(a: argparse.Namespace, out: Path) -> dict:
     from ppokit.config import load_config
     from ppokit.dist.cluster import Cluster
     from ppokit.dist.rollout_workers import RolloutWorker
-    from ppokit.lm.tiny import build_tiny_model
-    from ppokit.lm.workload import LMWorkload
+    from ppokit.lm.model.tiny import build_tiny_model
+    from ppokit.lm.single_turn.workload import LMWorkload
     from ppokit.trainer import SingleProcess
 
     path = Path(tempfile.gettempdir()) / "ppokit-bench-lm-h640-l10-m0"        # bench/lm.py's default model

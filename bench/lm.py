@@ -1,7 +1,7 @@
 """Language-model PPO: memory, achieved FLOP/s, iteration time and KV-cache speed-up.
 
 One PPO iteration (generate -> score -> update) on a randomly initialised Llama-style
-model built locally (``ppokit.lm.tiny``, character vocabulary; about 50 M parameters by
+model built locally (``ppokit.lm.model.tiny``, character vocabulary; about 50 M parameters by
 default; 256 sequences, the issue's 32 prompts x 8 samples, generated in one call).
 Each measurement runs in its own Python process, so peak memory is that of one
 configuration only. The whole default run takes about 14 minutes on one core here.
@@ -83,7 +83,7 @@ import ppokit  # noqa: E402,F401  (before torch: its OpenMP settings, as in the 
 
 # ----------------------------------------------------------------------------- shared
 def model_dir(a: argparse.Namespace) -> Path:
-    from ppokit.lm.tiny import build_tiny_model
+    from ppokit.lm.model.tiny import build_tiny_model
 
     path = Path(tempfile.gettempdir()) / f"ppokit-bench-lm-h{a.hidden}-l{a.layers}-m{a.mlp or 0}"
     return build_tiny_model(path, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.hidden // 64,
@@ -106,7 +106,7 @@ def make_config(a: argparse.Namespace, mode: str, path: Path, use_cache: bool = 
 
 
 def prompts(a: argparse.Namespace) -> list[str]:
-    from ppokit.lm.tasks import get_task
+    from ppokit.lm.data.tasks import get_task
 
     return [x["prompt"] * a.prompt_repeat for x in get_task("arithmetic:digits=3").items("train", a.batch)]
 
@@ -135,11 +135,11 @@ class Pieces:
     def __init__(self, a: argparse.Namespace, mode: str, use_cache: bool = True, cache: str = "dynamic"):
         import torch
 
-        from ppokit.lm.hf import load_tokenizer
-        from ppokit.lm.policy import build_policy
-        from ppokit.lm.rollout import RolloutEngine
+        from ppokit.lm.model.hf import load_tokenizer
+        from ppokit.lm.model.policy import build_policy
+        from ppokit.lm.generation.engine import RolloutEngine
         from ppokit.lm.scoring import Scorer
-        from ppokit.lm.workload import LMLearner, setup
+        from ppokit.lm.single_turn.workload import LMLearner, setup
 
         path = model_dir(a)
         self.cfg = cfg = make_config(a, mode, path, use_cache, cache)
@@ -350,7 +350,7 @@ def layer_matmul_rate(weights: list, rows: int, device, dtype, ceiling_size: int
 def child_memory(a: argparse.Namespace) -> dict:
     import torch
 
-    from ppokit.lm.device import resolve_device
+    from ppokit.lm.model.device import resolve_device
 
     device = resolve_device(a.device)
     # Imports, lazily loaded modules and kernels are not the iteration's: warm up on a

@@ -3,7 +3,7 @@
 One PPO update (LoRA actor and critic, GAE batch, one epoch, one mini-batch) and one
 scoring pass (actor, critic and reference log-probs) of the same batch: responses of 8
 to 256 tokens (uniform), prompts of 16 to 32 tokens, on a locally built Llama-style
-model (``ppokit.lm.tiny``; hidden 128, 4 layers by default). Two settings, timed
+model (``ppokit.lm.model.tiny``; hidden 128, 4 layers by default). Two settings, timed
 alternately so that both see the same load on a shared host:
 
 ``fixed``   ``train.micro_batch_size`` rows per micro-batch, each padded to the batch's width
@@ -33,7 +33,7 @@ import torch
 
 def build_batch(tokenizer, n: int, seed: int, min_response: int, max_response: int, max_prompt: int):
     """(tensors of the rollout layout, response lengths): random tokens, EOS at each response's end."""
-    from ppokit.lm.rollout import assemble
+    from ppokit.lm.generation.engine import assemble
 
     g = torch.Generator().manual_seed(seed)
     vocab = len(tokenizer)
@@ -65,10 +65,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from ppokit.config import build_config
-    from ppokit.lm.hf import load_tokenizer
-    from ppokit.lm.policy import build_policy
+    from ppokit.lm.model.hf import load_tokenizer
+    from ppokit.lm.model.policy import build_policy
     from ppokit.lm.scoring import Scorer
-    from ppokit.lm.tiny import build_tiny_model
+    from ppokit.lm.model.tiny import build_tiny_model
     from ppokit.trainer import PPOTrainer
 
     torch.set_num_threads(args.threads)

@@ -299,17 +299,17 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "eval":
         return _eval(args)
     if args.command == "generate":
-        from ppokit.lm.interactive import generate_main
+        from ppokit.commands.interactive import generate_main
 
         return generate_main(args.path, args.prompt, chat_template=args.chat_template, system=args.system,
                              num_samples=args.num_samples, greedy=args.greedy, seed=args.seed,
                              **sampling_kwargs(args))
     if args.command == "chat":
-        from ppokit.lm.interactive import chat_main
+        from ppokit.commands.interactive import chat_main
 
         return chat_main(args.path, system=args.system, greedy=args.greedy, seed=args.seed, **sampling_kwargs(args))
     if args.command == "reward":
-        from ppokit.lm.reward_cli import reward_main
+        from ppokit.commands.reward import reward_main
 
         score, reason = reward_main(args.name, args.prompt, args.response, args.field, timeout=args.timeout)
         print(f"score: {score:g}")
@@ -324,7 +324,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"curves: {plot_runs(args.run_dirs, args.out)['out']}")
         return 0
     if args.command == "export":
-        from ppokit.lm.export import export_merged
+        from ppokit.commands.export import export_merged
 
         print(f"exported to {export_merged(args.run_dir, args.out_dir)}")
         return 0
@@ -400,7 +400,7 @@ def _sft(args: argparse.Namespace) -> int:
 def _demo(overrides: list[str]) -> int:
     """A demo preset (arith by default: SFT warm start, then PPO); ends with ``held-out accuracy: X% -> Y%``
     (arith) or ``win rate vs random: X% -> Y%`` (tictactoe)."""
-    from ppokit.lm.demo import DEMO_PRESET, run_demo
+    from ppokit.commands.demo import DEMO_PRESET, run_demo
 
     name = DEMO_PRESET
     if overrides and "=" not in overrides[0]:
@@ -422,13 +422,13 @@ def _eval(args: argparse.Namespace) -> int:
     is_model_dir = path.is_dir() and (path / "config.json").is_file()
     ckpt = find_lm_checkpoint(path) if path.is_dir() else None
     if ckpt is not None and _config_of(ckpt).textenv.env is not None:       # a multi-turn run
-        from ppokit.lm.eval_report import evaluate_textenv_run
+        from ppokit.commands.evaluate import evaluate_textenv_run
 
         result = evaluate_textenv_run(path, args.episodes, device=args.device)
         print(f"{result['message']} ({result['checkpoint']})")
         return 0
     if path.is_dir() and (ckpt is not None or is_model_dir):
-        from ppokit.lm.eval_report import evaluate_lm, format_eval_table
+        from ppokit.commands.evaluate import evaluate_lm, format_eval_table
 
         k = args.k if args.k is not None else (sorted({1, args.samples}) if args.samples else [])
         result = evaluate_lm(path, data=args.data, reward=args.reward, size=args.prompts, samples=args.samples,

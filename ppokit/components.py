@@ -246,7 +246,7 @@ class ShardPlan(Protocol):
 
 
 class Workload(Protocol):
-    """Builds a run's components from its config (``ppokit.control.workload``, ``ppokit.lm.workload``)."""
+    """Builds a run's components from its config (``ppokit.control.workload``, ``ppokit.lm.single_turn.workload``)."""
 
     name: str
 

@@ -1,6 +1,6 @@
 """The one run loop, for every workload.
 
-A workload (:mod:`ppokit.control.workload`, :mod:`ppokit.lm.workload`) builds the
+A workload (:mod:`ppokit.control.workload`, :mod:`ppokit.lm.single_turn.workload`) builds the
 components of a run (:mod:`ppokit.components`); this loop drives them and owns
 everything around the update: resume, SIGINT/SIGTERM, the divergence guard, the
 evaluation schedule, metrics and samples, checkpoints and their rotation::

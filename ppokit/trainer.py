@@ -141,7 +141,7 @@ class TrainablePolicy(Protocol):
 
     # Optional: ``compact(micro_batch) -> micro_batch`` drops the padding columns of a micro-batch
     # (every (n, T) tensor cut to (n, T') with T' <= T, only positions with mask 0 removed). Used
-    # with train.micro_batch_tokens, whose micro-batches are formed to be cut (ppokit.lm.policy).
+    # with train.micro_batch_tokens, whose micro-batches are formed to be cut (ppokit.lm.model.policy).
 
 
 def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Tensor | None = None,
@@ -178,7 +178,7 @@ def batch_advantages(cfg: Config, batch: "Batch") -> tuple[Tensor, Tensor]:
 
 
 def trajectory_advantages(cfg: Config, batch: "Batch") -> tuple[Tensor, Tensor]:
-    """Multi-turn batches (:mod:`ppokit.lm.turn_batch`): ``algo.credit`` (token or turn GAE,
+    """Multi-turn batches (:mod:`ppokit.lm.multi_turn.turn_batch`): ``algo.credit`` (token or turn GAE,
     :func:`ppokit.algo.trajectory_credit`) over each trajectory's action tokens, whose rows
     ``traj_index`` names; truncated trajectories bootstrap from ``extras["last_values"]``.
     With ``algo.normalize_adv`` the advantages are whitened over all action tokens of the

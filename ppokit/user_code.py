@@ -1,6 +1,6 @@
 """Loading a user's object by spec: ``package.module:name`` or ``path/to/file.py:name``.
 
-Reward functions (:mod:`ppokit.lm.rewards`) and text environments (:mod:`ppokit.envs`)
+Reward functions (:mod:`ppokit.lm.rewards.functions`) and text environments (:mod:`ppokit.envs`)
 are named this way in a config. Every problem (a module that cannot be imported, a file
 that is missing or fails when it runs, a missing attribute) is a one-line error of the
 caller's class that names the spec and the fix; an error inside the user's module is the

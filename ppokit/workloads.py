@@ -19,7 +19,7 @@ from typing import Any, Optional
 from ppokit.config import Config
 
 # workload name -> (module, class); imported on demand (the LM stack is heavy)
-WORKLOADS = {"control": ("ppokit.control.workload", "ControlWorkload"), "lm": ("ppokit.lm.workload", "LMWorkload")}
+WORKLOADS = {"control": ("ppokit.control.workload", "ControlWorkload"), "lm": ("ppokit.lm.single_turn.workload", "LMWorkload")}
 
 
 def make_workload(cfg: Config):
@@ -29,7 +29,7 @@ def make_workload(cfg: Config):
     from ppokit.dist import require_ray, wants_cluster
 
     if cfg.workload == "lm" and cfg.textenv.env is not None:       # multi-turn episodes with a text environment
-        from ppokit.lm.multiturn_workload import MultiTurnWorkload
+        from ppokit.lm.multi_turn.workload import MultiTurnWorkload
 
         return MultiTurnWorkload(cfg)
     module, name = WORKLOADS[cfg.workload]

@@ -58,7 +58,7 @@ def _control_run(root: Path, get) -> Path:
 
 
 def _tiny_model(root: Path, get) -> Path:
-    from ppokit.lm.tiny import build_tiny_model
+    from ppokit.lm.model.tiny import build_tiny_model
 
     return build_tiny_model(root / "tiny", **TINY_SPEC)
 

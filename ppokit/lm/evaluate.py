@@ -1,14 +1,14 @@
 """Evaluation of a language model: greedy and sampled responses scored by a verifier.
 
 :func:`heldout_accuracy` generates through the run's one generation path
-(:class:`~ppokit.lm.rollout.RolloutEngine`, greedy) and scores the responses with the
+(:class:`~ppokit.lm.generation.engine.RolloutEngine`, greedy) and scores the responses with the
 reward function: the accuracy, for 0/1 verifiers. The PPO run (before, during and after
 training) and the supervised warm start measure it so, scoring through the run's reward
 pool (:func:`score_texts`).
 
 :func:`find_lm_checkpoint` is the checkpoint a run directory is evaluated from (its
 ``checkpoint``, the end of training, else the newest periodic checkpoint, or a checkpoint
-directory itself); ``ppokit eval`` itself is :mod:`ppokit.lm.eval_report`.
+directory itself); ``ppokit eval`` itself is :mod:`ppokit.commands.evaluate`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ppokit.errors import UserError
-from ppokit.lm.rewards import score_responses
+from ppokit.lm.rewards.functions import score_responses
 
 POLICY_META = "policy.json"
 
 
 def score_texts(reward, prompts: Sequence[str], texts: Sequence[str], items: Sequence[dict[str, Any]]):
-    """:class:`~ppokit.lm.reward_pool.RewardResults` of ``texts``: through ``reward.score`` when
-    ``reward`` is a scorer (a :class:`~ppokit.lm.reward_pool.RewardPool`: failures become
+    """:class:`~ppokit.lm.rewards.pool.RewardResults` of ``texts``: through ``reward.score`` when
+    ``reward`` is a scorer (a :class:`~ppokit.lm.rewards.pool.RewardPool`: failures become
     ``reward_on_error`` and are counted), else by calling the function in this process
     (a failure is a :class:`UserError`)."""
-    from ppokit.lm.reward_pool import RewardResults
+    from ppokit.lm.rewards.pool import RewardResults
 
     if hasattr(reward, "score"):
         return reward.score(list(prompts), list(texts), list(items))

@@ -34,7 +34,7 @@ adaptive controller's input is verl's: the mean over sequences of each sequence'
 KL per token (:func:`ppokit.algo.mean_sequence_kl`), so ``algo.kl_ctrl.target_kl`` is a
 KL per token.
 
-Multi-turn batches (:mod:`ppokit.lm.turn_batch`) carry their rewards already placed
+Multi-turn batches (:mod:`ppokit.lm.multi_turn.turn_batch`) carry their rewards already placed
 (``token_scores``: each turn's on its last action token) and a ``mask`` that is 1 on the
 model's tokens only: the same passes score them, and the KL penalty falls on action
 tokens alone. Their truncated trajectories' bootstrap values (``last_values`` (E,)) come

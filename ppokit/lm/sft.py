@@ -20,11 +20,11 @@ plateau is low); that is the intended starting point for RL.
 
 Precision: master weights stay float32; ``precision="bf16"`` runs forward passes under
 ``torch.autocast`` (bf16 matmuls), ``"auto"`` picks bf16 where the hardware has it (the
-rule of :func:`ppokit.lm.policy.resolve_precision`). For the tiny model on CPU the two
+rule of :func:`ppokit.lm.model.policy.resolve_precision`). For the tiny model on CPU the two
 run at the same speed: its matmuls are too small for bf16 to pay.
 
 Evaluation generates through ppokit's one generation path
-(:class:`~ppokit.lm.rollout.RolloutEngine`) and scores with
+(:class:`~ppokit.lm.generation.engine.RolloutEngine`) and scores with
 :func:`~ppokit.lm.evaluate.heldout_accuracy`, as the PPO run's held-out evaluation does.
 """
 
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ppokit.errors import UserError
-from ppokit.lm.rewards import load_reward_fn, score_responses
+from ppokit.lm.rewards.functions import load_reward_fn, score_responses
 
 IGNORE_INDEX = -100
 CURVE_FILE = "sft_curve.json"
@@ -52,7 +52,7 @@ CURVE_FILE = "sft_curve.json"
 # -------------------------------------------------------------------------- precision
 def resolve_precision(precision: str, device: torch.device) -> str:
     """``auto``/``bf16``/``fp32`` -> ``"bf16"`` or ``"fp32"``, by the policy's rule (one rule for both)."""
-    from ppokit.lm.device import resolve_precision as autocast_dtype
+    from ppokit.lm.model.device import resolve_precision as autocast_dtype
 
     if precision not in ("auto", "bf16", "fp32"):
         raise UserError(f"precision must be auto, bf16 or fp32 (got {precision!r})")
@@ -162,9 +162,9 @@ def mean_answer_loss(model, encoded: Sequence[tuple[list[int], int]], pad_id: in
 
 # -------------------------------------------------------------------------- evaluation
 def eval_engine(model, tokenizer, *, max_new_tokens: int, batch_size: int, precision: str):
-    """A greedy :class:`~ppokit.lm.rollout.RolloutEngine` over ``model`` for held-out evaluation."""
+    """A greedy :class:`~ppokit.lm.generation.engine.RolloutEngine` over ``model`` for held-out evaluation."""
     from ppokit.config import RolloutConfig
-    from ppokit.lm.rollout import RolloutEngine
+    from ppokit.lm.generation.engine import RolloutEngine
 
     return RolloutEngine(model, tokenizer, RolloutConfig(max_new_tokens=max_new_tokens, micro_batch_size=batch_size),
                          autocast_dtype=torch.bfloat16 if precision == "bf16" else None)
@@ -209,8 +209,8 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
     ``train_accuracy`` (of the best model on up to 256 SFT examples), ``stopped``
     (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s`` and ``settings``.
     """
-    from ppokit.lm.device import resolve_device
-    from ppokit.lm.hf import load_model_and_tokenizer
+    from ppokit.lm.model.device import resolve_device
+    from ppokit.lm.model.hf import load_model_and_tokenizer
     from ppokit.output_paths import check_output_dir, writing_to
 
     _check_positive(epochs_max=epochs_max, batch_size=batch_size, patience=patience, eval_every=eval_every,
@@ -276,11 +276,11 @@ def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", e
     model, randomly initialised with ``seed``; its random init is not kept) or a model
     directory. ``reward``: scores the held-out answers (default: the task's own).
     ``chat_template``: render the prompts with the model's chat template, as
-    ``data.chat_template`` (:mod:`ppokit.lm.chat`; not for the tiny model, which has none).
+    ``data.chat_template`` (:mod:`ppokit.lm.data.chat`; not for the tiny model, which has none).
     ``options`` go to :func:`run_sft` (``epochs_max``, ``batch_size``, ``learning_rate``,
     ``patience``, ``precision``, ``device``, ``log``, ...).
     """
-    from ppokit.lm.data import is_file_source, load_prompts
+    from ppokit.lm.data.sources import is_file_source, load_prompts
 
     for flag, value in (("--examples", examples), ("--eval-size", eval_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -290,7 +290,7 @@ def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", e
         if from_file:
             raise UserError(f"the SFT data {prompts} is a file: name a reward function to score the held-out "
                             "answers (exact_match, numeric_match, module:fn or file.py:fn)")
-        from ppokit.lm.tasks import get_task
+        from ppokit.lm.data.tasks import get_task
 
         reward = get_task(prompts).default_reward
     reward_fn = load_reward_fn(reward)
@@ -301,14 +301,14 @@ def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", e
     held_out = load_prompts(eval_prompts, "eval", chat=chat_template)[:eval_size] if eval_prompts is not None \
         else load_prompts(prompts, "eval", n=eval_size)
     if chat_template:
-        from ppokit.lm.chat import model_chat_renderer, render_records
+        from ppokit.lm.data.chat import model_chat_renderer, render_records
 
         render = model_chat_renderer(model, what="--model", option="--chat-template",
                                      fix="give --model a chat model's directory")
         train, held_out = render_records(train, render), render_records(held_out, render)
     if model != "tiny":
         return run_sft(model, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
-    from ppokit.lm.tiny import build_tiny_model
+    from ppokit.lm.model.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="ppokit-tiny-") as tmp:
         init = build_tiny_model(Path(tmp) / "init", seed=seed)
@@ -412,7 +412,7 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 def _save(model, tokenizer, out: Path, summary: dict[str, Any]) -> None:
     """Write model, tokenizer and curve into a sibling temp dir, then move it into place."""
     from ppokit.checkpoint import atomic_directory
-    from ppokit.lm.hf import quiet_transformers
+    from ppokit.lm.model.hf import quiet_transformers
 
     with atomic_directory(out) as tmp:
         with quiet_transformers():

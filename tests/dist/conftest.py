@@ -49,7 +49,7 @@ def cluster_clean(ray_cluster):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from ppokit.lm.tiny import build_tiny_model
+    from ppokit.lm.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("dist-lm") / "tiny", **TEST_TINY_SPEC)
 

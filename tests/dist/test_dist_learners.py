@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist_helpers import arith_cfg, cartpole_cfg, run
-from ppokit.lm.workload import LMWorkload
+from ppokit.lm.single_turn.workload import LMWorkload
 from ppokit.rundir import periodic_checkpoint_path
 from ppokit.trainer import SingleProcess
 from ppokit.workloads import train

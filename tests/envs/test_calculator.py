@@ -8,7 +8,7 @@ import pytest
 from ppokit.envs import checked_reset, checked_step, evaluate_policy, expert_policy, play_episode
 from ppokit.envs.calculator import TEMPLATES, CalculatorEnv, generate_problem, parse_answer, parse_tool_action
 from ppokit.expressions import evaluate
-from ppokit.lm.tiny import DEFAULT_ALPHABET
+from ppokit.lm.model.tiny import DEFAULT_ALPHABET
 
 
 @pytest.mark.parametrize("text,parsed", [

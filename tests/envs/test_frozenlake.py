@@ -7,7 +7,7 @@ import pytest
 from ppokit.envs import evaluate_policy, expert_policy, make_env, play_episode
 from ppokit.envs.frozenlake import ACTION_WORDS, FrozenLakeTextEnv, parse_direction
 from ppokit.errors import UserError
-from ppokit.lm.tiny import DEFAULT_ALPHABET
+from ppokit.lm.model.tiny import DEFAULT_ALPHABET
 
 
 def test_observation_format_is_exact():

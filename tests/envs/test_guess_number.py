@@ -6,7 +6,7 @@ import pytest
 
 from ppokit.envs import evaluate_policy, expert_policy
 from ppokit.envs.guess_number import GuessNumberEnv, parse_guess
-from ppokit.lm.tiny import DEFAULT_ALPHABET
+from ppokit.lm.model.tiny import DEFAULT_ALPHABET
 
 
 def test_observation_format_and_feedback():

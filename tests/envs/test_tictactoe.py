@@ -16,7 +16,7 @@ from ppokit.envs.tictactoe_solver import (
     minimax_value,
     outcome_probabilities,
 )
-from ppokit.lm.tiny import DEFAULT_ALPHABET
+from ppokit.lm.model.tiny import DEFAULT_ALPHABET
 
 
 def test_observation_format_is_exact():

@@ -7,7 +7,7 @@ import pytest
 from ppokit.envs import expert_policy, make_env, play_episode, random_legal_policy
 from ppokit.envs.frozenlake import ACTION_WORDS
 from ppokit.envs.guess_number import render_guesses
-from ppokit.lm.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer
+from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

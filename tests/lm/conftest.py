@@ -9,7 +9,7 @@ import pytest
 import torch
 
 # Small enough that a test can train it for a few seconds on two CPU cores; the default
-# spec (ppokit.lm.tiny.DEFAULT_TINY_SPEC, ~0.8 M parameters) is for the demo.
+# spec (ppokit.lm.model.tiny.DEFAULT_TINY_SPEC, ~0.8 M parameters) is for the demo.
 TEST_TINY_SPEC = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "max_position_embeddings": 64, "seed": 0}
 
 
@@ -22,7 +22,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     padding, ``<pad>`` 0, ``<bos>`` 2, ``<eos>`` 3). Treat it as read-only: copy it or
     save elsewhere before changing weights.
     """
-    from ppokit.lm.tiny import build_tiny_model
+    from ppokit.lm.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("lm") / "tiny", **TEST_TINY_SPEC)
 
@@ -38,7 +38,7 @@ def chat_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model with :data:`lm_helpers.CHAT_TEMPLATE`, saved and reloaded the Hugging Face way."""
     from lm_helpers import CHAT_TEMPLATE
 
-    from ppokit.lm.hf import load_tokenizer
+    from ppokit.lm.model.hf import load_tokenizer
 
     out = tmp_path_factory.mktemp("chat") / "model"
     shutil.copytree(tiny_model_dir, out)

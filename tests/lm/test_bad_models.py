@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ppokit.errors import UserError
-from ppokit.lm.hf import load_causal_lm
-from ppokit.lm.policy import build_policy
-from ppokit.lm.hf import load_model_and_tokenizer
-from ppokit.lm.tiny import build_tiny_model
+from ppokit.lm.model.hf import load_causal_lm
+from ppokit.lm.model.policy import build_policy
+from ppokit.lm.model.hf import load_model_and_tokenizer
+from ppokit.lm.model.tiny import build_tiny_model
 from test_policy import lm_config
 
 CPU = torch.device("cpu")
@@ -101,7 +101,7 @@ def short_gpt2(tiny_dir, tmp_path):
     """A GPT-2 that takes at most 8 positions, with the tiny model's tokenizer."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ppokit.lm.hf import load_tokenizer
+    from ppokit.lm.model.hf import load_tokenizer
 
     tok = load_tokenizer(tiny_dir)
     config = GPT2Config(n_positions=8, vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2,
@@ -114,8 +114,8 @@ def short_gpt2(tiny_dir, tmp_path):
 
 
 def test_prompt_plus_response_longer_than_the_model_takes(short_gpt2):
-    from ppokit.lm.hf import load_tokenizer
-    from ppokit.lm.rollout import RolloutEngine, check_prompts_fit
+    from ppokit.lm.model.hf import load_tokenizer
+    from ppokit.lm.generation.engine import RolloutEngine, check_prompts_fit
     from ppokit.lm.sft import evaluate
 
     cfg = lm_config(short_gpt2, rollout={"max_new_tokens": 6})

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ppokit.cli import main
-from ppokit.lm.tiny import read_tiny_spec
+from ppokit.lm.model.tiny import read_tiny_spec
 from resume_helpers import read_rows
 
 COMMON = ["data.sft_epochs=0", "train.iterations=1", "train.batch_size=4", "train.mini_batch_size=4",

@@ -12,9 +12,9 @@ from lm_helpers import CHAT_TEMPLATE as TEMPLATE
 from ppokit.cli import main
 from ppokit.config import build_config
 from ppokit.errors import UserError
-from ppokit.lm.chat import chat_renderer
-from ppokit.lm.data import load_prompts
-from ppokit.lm.hf import load_tokenizer
+from ppokit.lm.data.chat import chat_renderer
+from ppokit.lm.data.sources import load_prompts
+from ppokit.lm.model.hf import load_tokenizer
 from ppokit.rundir import read_metrics
 
 def write_jsonl(path: Path, records: list) -> Path:
@@ -61,7 +61,7 @@ def test_malformed_messages_are_named(tmp_path, prompt, problem):
 
 
 def test_a_model_without_a_chat_template_is_a_clear_error(tiny_dir):
-    from ppokit.lm.prompts import load_data
+    from ppokit.lm.data.inputs import load_data
 
     cfg = build_config([{"workload": "lm", "model": {"path": str(tiny_dir)}, "data": {"chat_template": True},
                          "train": {"iterations": 1}}])

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from ppokit.errors import UserError
-from ppokit.lm.countdown import CountdownTask, countdown_reward, extract_expression
-from ppokit.lm.data import is_file_source, load_prompts
-from ppokit.lm.gsm8k import gsm8k_final_answer
-from ppokit.lm.rewards import load_reward_fn
-from ppokit.lm.tasks import get_task
+from ppokit.lm.data.countdown import CountdownTask, countdown_reward, extract_expression
+from ppokit.lm.data.sources import is_file_source, load_prompts
+from ppokit.lm.data.gsm8k import gsm8k_final_answer
+from ppokit.lm.rewards.functions import load_reward_fn
+from ppokit.lm.data.tasks import get_task
 
 
 # -------------------------------------------------------------------------- countdown

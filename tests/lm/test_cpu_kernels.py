@@ -730,7 +730,7 @@ def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_pa
 def test_the_accel_layer_fuses_a_cpu_policy_in_one_call(tiny_dir):
     from ppokit.config import build_config
     from ppokit.lm.accel import accelerate_policy
-    from ppokit.lm.policy import build_policy
+    from ppokit.lm.model.policy import build_policy
 
     def lm_config(tiny_dir, model=None):
         return build_config([{"workload": "lm", "model": {"path": str(tiny_dir), **(model or {})},

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppokit.lm.policy_io import load_trained_state
-from ppokit.lm.policy_io import save_policy
+from ppokit.lm.model.checkpoint import load_trained_state
+from ppokit.lm.model.checkpoint import save_policy
 from ppokit.cli import main
 from ppokit.config import ConfigError, build_config
 from ppokit.errors import UserError
-from ppokit.lm.hf import load_tokenizer
-from ppokit.lm.policy import build_policy
-from ppokit.lm.policy_io import load_policy
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.policy import build_policy
+from ppokit.lm.model.checkpoint import load_policy
 from ppokit.trainer import PPOTrainer
 from lm_helpers import randomize
 from resume_helpers import assert_same_metrics, copy_without_final_checkpoint, read_rows
@@ -172,7 +172,7 @@ def test_samples_jsonl_holds_each_iterations_first_sequences_and_their_rewards(f
 def test_eval_and_export_of_a_grpo_run(finished, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from ppokit.lm.export import export_merged
+    from ppokit.commands.export import export_merged
 
     assert main(["eval", str(finished), "--prompts", "4"]) == 0
     out = capsys.readouterr().out

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ppokit.errors import UserError
-from ppokit.lm.data import PromptIterator, drop_long_prompts, is_file_source, load_prompts
+from ppokit.lm.data.sources import PromptIterator, drop_long_prompts, is_file_source, load_prompts
 
 datasets = pytest.importorskip("datasets")
 

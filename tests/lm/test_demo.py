@@ -47,7 +47,7 @@ def test_demo_rejects_a_bad_override(tmp_path, capsys):
 
 
 def test_plot_curves_without_metrics(tmp_path):
-    from ppokit.lm.demo import plot_curves, summary_line
+    from ppokit.commands.demo import plot_curves, summary_line
 
     png = plot_curves(tmp_path, [{"iteration": 0, "eval_accuracy_before": 0.1}], out=Path(tmp_path) / "x.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,10 +9,10 @@ import torch
 
 from ppokit.config import build_config
 from ppokit.errors import UserError
-from ppokit.lm.export import export_merged
-from ppokit.lm.hf import load_tokenizer
-from ppokit.lm.policy_io import load_policy
-from ppokit.lm.rollout import RolloutEngine
+from ppokit.commands.export import export_merged
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.checkpoint import load_policy
+from ppokit.lm.generation.engine import RolloutEngine
 
 
 
@@ -112,7 +112,7 @@ def test_full_mode_round_trip(tiny_dir, tmp_path):
     with torch.no_grad():
         expected = policy.log_probs(ro.tensors())["log_prob"]
     out = export_merged(tmp_path / "run", tmp_path / "export")
-    from ppokit.lm.hf import load_causal_lm
+    from ppokit.lm.model.hf import load_causal_lm
 
     model = load_causal_lm(out)
     R = ro.responses.shape[1]

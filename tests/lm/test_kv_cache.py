@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ppokit.lm.accel.kv_cache import preallocated_cache
-from ppokit.lm.rollout import GENERATE_CACHE_KWARG
+from ppokit.lm.generation.engine import GENERATE_CACHE_KWARG
 
 
 def tiny_llama(dtype, seed=0):
@@ -69,9 +69,9 @@ def test_models_with_other_layer_types_keep_transformers_cache():
 def test_the_rollout_engine_preallocates_where_the_decoding_kernel_runs(tiny_dir):
     from ppokit.config import build_config
     from ppokit.lm.accel.kernels import cpu_library
-    from ppokit.lm.hf import load_tokenizer
-    from ppokit.lm.policy import build_policy
-    from ppokit.lm.rollout import RolloutEngine
+    from ppokit.lm.model.hf import load_tokenizer
+    from ppokit.lm.model.policy import build_policy
+    from ppokit.lm.generation.engine import RolloutEngine
 
     from ppokit.lm.accel import accelerate_policy
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ppokit.cli import main
-from ppokit.lm.rollout import RolloutEngine
+from ppokit.lm.generation.engine import RolloutEngine
 
 PROMPTS = ["12+30=", "7+8="]
 
@@ -47,15 +47,15 @@ def test_generate_reads_prompts_from_stdin_like_from_options(run_dir):
     lines = from_stdin.stdout.splitlines()
     assert lines[0] == f"[1] {PROMPTS[0]}" and f"[2] {PROMPTS[1]}" in lines
     capture = io.StringIO()
-    from ppokit.lm.interactive import generate_main
+    from ppokit.commands.interactive import generate_main
 
     generate_main(str(run_dir), PROMPTS, greedy=True, stdout=capture)
     assert capture.getvalue() == from_stdin.stdout
 
 
 def test_generate_is_the_trained_actor_through_the_rollout_engine(run_dir):
-    from ppokit.lm.hf import load_tokenizer
-    from ppokit.lm.policy_io import load_policy
+    from ppokit.lm.model.hf import load_tokenizer
+    from ppokit.lm.model.checkpoint import load_policy
     from ppokit.config import RolloutConfig
 
     ckpt = run_dir / "checkpoint"
@@ -63,7 +63,7 @@ def test_generate_is_the_trained_actor_through_the_rollout_engine(run_dir):
     engine = RolloutEngine.for_policy(policy, load_tokenizer(ckpt), RolloutConfig(max_new_tokens=6))
     want = engine.generate(PROMPTS[:1], greedy=True).texts[0]
     out = io.StringIO()
-    from ppokit.lm.interactive import generate_main
+    from ppokit.commands.interactive import generate_main
 
     generate_main(str(run_dir), PROMPTS[:1], greedy=True, max_new_tokens=6, stdout=out)
     assert out.getvalue() == want + "\n"
@@ -75,7 +75,7 @@ def test_generate_is_the_trained_actor_through_the_rollout_engine(run_dir):
 
 
 def test_chat_keeps_the_conversation_and_its_commands(chat_dir, monkeypatch):
-    from ppokit.lm.interactive import chat_main
+    from ppokit.commands.interactive import chat_main
 
     seen: list[str] = []
     real = RolloutEngine.generate

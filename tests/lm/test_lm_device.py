@@ -29,7 +29,7 @@ def test_an_unavailable_device_is_a_one_line_error_naming_the_choices(tiny_dir, 
 
 
 def test_available_devices_lists_what_torch_reports(monkeypatch):
-    from ppokit.lm.device import available_devices
+    from ppokit.lm.model.device import available_devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

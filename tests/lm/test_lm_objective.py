@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ppokit import algo
-from ppokit.lm.hf import load_causal_lm, load_tokenizer
-from ppokit.lm.policy import build_policy
+from ppokit.lm.model.hf import load_causal_lm, load_tokenizer
+from ppokit.lm.model.policy import build_policy
 from ppokit.lm.scoring import Scorer
 from ppokit.trainer import PPOTrainer
 from lm_helpers import randomize
@@ -102,7 +102,7 @@ def test_the_full_kl_in_the_reward_and_verls_controller_input(tiny_dir):
 
 
 def test_the_lm_learner_uses_the_generation_budget_as_horizon(tiny_dir):
-    from ppokit.lm.workload import LMLearner
+    from ppokit.lm.single_turn.workload import LMLearner
 
     cfg = lm_config(tiny_dir, rollout={"max_new_tokens": 9}, train={"batch_size": 8},
                     algo={"loss_agg_mode": "seq-mean-token-sum-norm", "adv_estimator": "grpo", "group_size": 2})

@@ -127,8 +127,8 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
     _assert_same_metrics(read_rows(run_dir), read_rows(reference))
     _assert_same_final_state(run_dir, reference)
     # the final checkpoint and a periodic one stay loadable (export, load_policy)
-    from ppokit.lm.export import export_merged
-    from ppokit.lm.policy_io import load_policy
+    from ppokit.commands.export import export_merged
+    from ppokit.lm.model.checkpoint import load_policy
 
     load_policy(run_dir / "checkpoint")
     periodic = sorted((run_dir / "checkpoints").iterdir())
@@ -176,8 +176,8 @@ def test_an_incomplete_base_model_is_built_again(config, tmp_path):
     """A run killed during its warm start left a base_model without the completion marker:
     the next start deletes it and warm-starts again (the same model: SFT is seeded)."""
     from ppokit.config import load_config
-    from ppokit.lm.prompts import load_data
-    from ppokit.lm.workload import BASE_MODEL_MARKER, prepare_model
+    from ppokit.lm.data.inputs import load_data
+    from ppokit.lm.single_turn.workload import BASE_MODEL_MARKER, prepare_model
 
     cfg = load_config(str(config))
     _, eval_items, reward_fn = load_data(cfg)

@@ -12,10 +12,10 @@ import pytest
 from ppokit.config import build_config
 from ppokit.envs import CURRENT, make_env, play_episode
 from ppokit.envs.tictactoe_solver import best_response_moves, legal_moves
-from ppokit.lm.episodes import EpisodePlayer
-from ppokit.lm.multiturn import MultiTurnSource, TextEnvEvaluator
-from ppokit.lm.streams import StreamCodec
-from ppokit.lm.tiny import build_char_tokenizer
+from ppokit.lm.multi_turn.episodes import EpisodePlayer
+from ppokit.lm.multi_turn.source import MultiTurnSource, TextEnvEvaluator
+from ppokit.lm.multi_turn.streams import StreamCodec
+from ppokit.lm.model.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

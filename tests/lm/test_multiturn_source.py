@@ -14,9 +14,9 @@ import torch
 from ppokit.config import build_config
 from ppokit.envs import CURRENT
 from ppokit.envs.checks import EnvError
-from ppokit.lm.hf import load_tokenizer
-from ppokit.lm.multiturn_workload import MultiTurnWorkload
-from ppokit.lm.opponents import OPPONENT
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.multi_turn.workload import MultiTurnWorkload
+from ppokit.lm.multi_turn.opponents import OPPONENT
 from ppokit.trainer import batch_advantages
 from lm_helpers import randomize
 

@@ -11,10 +11,10 @@ import torch
 
 from ppokit.envs.checks import EnvError
 from ppokit.errors import UserError
-from ppokit.lm.episodes import Trajectory, TurnData
-from ppokit.lm.hf import load_tokenizer
-from ppokit.lm.streams import StreamCodec
-from ppokit.lm.turn_batch import trajectory_tensors
+from ppokit.lm.multi_turn.episodes import Trajectory, TurnData
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.multi_turn.streams import StreamCodec
+from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
 
 # ChatML-like, in the tiny alphabet: every turn ends with the EOS token, then a newline the
 # model never generates (as ChatML's "<|im_end|>\n").

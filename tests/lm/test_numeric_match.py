@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppokit.lm.rewards import final_number, last_boxed, numeric_match, parse_last_number
+from ppokit.lm.rewards.functions import final_number, last_boxed, numeric_match, parse_last_number
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from ppokit.errors import UserError
-from ppokit.lm.policy_io import save_policy
+from ppokit.lm.model.checkpoint import save_policy
 from ppokit.lm import sft
-from ppokit.lm.export import export_merged
-from ppokit.lm.hf import load_tokenizer
-from ppokit.lm.policy import build_policy
-from ppokit.lm.tasks import ArithmeticTask
-from ppokit.lm.tiny import build_tiny_model
+from ppokit.commands.export import export_merged
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.policy import build_policy
+from ppokit.lm.data.tasks import ArithmeticTask
+from ppokit.lm.model.tiny import build_tiny_model
 from test_policy import lm_config
 
 

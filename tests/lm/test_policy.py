@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ppokit.config import build_config
-from ppokit.lm.policy_io import save_policy
+from ppokit.lm.model.checkpoint import save_policy
 from ppokit.errors import UserError
-from ppokit.lm.hf import load_causal_lm, load_tokenizer
-from ppokit.lm.policy import build_policy
-from ppokit.lm.rollout import assemble
+from ppokit.lm.model.hf import load_causal_lm, load_tokenizer
+from ppokit.lm.model.policy import build_policy
+from ppokit.lm.generation.engine import assemble
 from ppokit.trainer import PPOTrainer
 from lm_helpers import randomize
 
@@ -158,7 +158,7 @@ def test_lora_layers_are_fused_by_the_cpu_acceleration_alone(tiny_dir, tmp_path)
     from peft.tuners.lora import Linear as LoraLinear
 
     from ppokit.lm.accel import accelerate_policy
-    from ppokit.lm.policy_io import load_policy
+    from ppokit.lm.model.checkpoint import load_policy
 
     def kinds(policy):
         return {type(m).__name__ for m in policy.lm.modules() if isinstance(m, LoraLinear)}

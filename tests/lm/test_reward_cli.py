@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ppokit.errors import UserError
-from ppokit.lm.reward_cli import parse_field_args, parse_value, reward_main
+from ppokit.commands.reward import parse_field_args, parse_value, reward_main
 
 
 def test_parse_value():

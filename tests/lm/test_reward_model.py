@@ -10,9 +10,9 @@ import torch
 
 from ppokit.cli import main
 from ppokit.errors import UserError
-from ppokit.lm.chat import RAW_PROMPT
-from ppokit.lm.reward_model import RewardModel
-from ppokit.lm.tiny import build_char_tokenizer
+from ppokit.lm.data.chat import RAW_PROMPT
+from ppokit.lm.rewards.reward_model import RewardModel
+from ppokit.lm.model.tiny import build_char_tokenizer
 from ppokit.rundir import read_metrics
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ppokit.errors import UserError
-from ppokit.lm.reward_pool import (InProcessScorer, RewardPool, RewardResults, check_error_limit, error_limit,
+from ppokit.lm.rewards.pool import (InProcessScorer, RewardPool, RewardResults, check_error_limit, error_limit,
                                    make_reward_scorer)
 
 REWARDS = '''
@@ -124,7 +124,7 @@ def test_bad_specs_fail_before_any_worker_starts(tmp_path):
     plain.write_text("def f(prompt, response):\n    return 1.0\n")
     with RewardPool(f"{plain}:f", num_workers=1) as pool:               # a file spec and a module spec both load
         assert pool.score(["p"], ["r"]).scores == [1.0]
-    with RewardPool("ppokit.lm.rewards:exact_match", num_workers=1) as pool:
+    with RewardPool("ppokit.lm.rewards.functions:exact_match", num_workers=1) as pool:
         assert pool.score(["p", "p"], ["2", "3"], [{"answer": "2"}] * 2).scores == [1.0, 0.0]
 
 
@@ -158,7 +158,7 @@ def test_in_process_scorer_has_the_same_results():
 
 
 def test_loaded_functions_and_importable_callables_reach_the_workers(rewards_file):
-    from ppokit.lm.rewards import exact_match, load_reward_fn
+    from ppokit.lm.rewards.functions import exact_match, load_reward_fn
 
     loaded = load_reward_fn(f"{rewards_file}:length")              # as the workload holds it
     with RewardPool(loaded, num_workers=1) as pool:

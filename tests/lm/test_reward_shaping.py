@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.lm.reward_shaping import (RunningRewardScaler, clip_rewards, combine_rewards, format_score,
+from ppokit.lm.rewards.shaping import (RunningRewardScaler, clip_rewards, combine_rewards, format_score,
                                       normalize_batch, overlong_penalty, truncation_penalty)
 
 

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-from ppokit.lm.reward_pool import RewardPool  # noqa: E402
-from ppokit.lm.rewards import load_reward_fn  # noqa: E402
-from ppokit.lm.rewards_math import math_reward  # noqa: E402
+from ppokit.lm.rewards.pool import RewardPool  # noqa: E402
+from ppokit.lm.rewards.functions import load_reward_fn  # noqa: E402
+from ppokit.lm.rewards.math_answers import math_reward  # noqa: E402
 
 
 @pytest.mark.parametrize("gold,response", [

@@ -8,9 +8,9 @@ import torch
 from ppokit import algo
 from ppokit.config import build_config
 from ppokit.errors import UserError
-from ppokit.lm.hf import load_tokenizer
-from ppokit.lm.policy import build_policy
-from ppokit.lm.rollout import RolloutEngine, assemble, response_mask
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.policy import build_policy
+from ppokit.lm.generation.engine import RolloutEngine, assemble, response_mask
 from ppokit.lm.scoring import Scorer, kl_ref_metric, token_rewards
 from ppokit.trainer import PPOTrainer, compute_advantages
 from lm_helpers import DEVICES, randomize

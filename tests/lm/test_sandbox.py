@@ -12,8 +12,8 @@ import time
 import pytest
 
 from ppokit.lm import sandbox
-from ppokit.lm.reward_pool import RewardPool
-from ppokit.lm.sandbox import code_reward, extract_program, parse_tests, run_python, same_output
+from ppokit.lm.rewards.pool import RewardPool
+from ppokit.lm.rewards.sandbox import code_reward, extract_program, parse_tests, run_python, same_output
 
 ADD = "def add(a, b):\n    return a + b\n"
 LIMITS = sandbox.SandboxLimits(timeout=2.0, memory_mb=512)

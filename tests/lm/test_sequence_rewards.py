@@ -10,8 +10,8 @@ import torch
 
 from ppokit.config import build_config
 from ppokit.errors import UserError
-from ppokit.lm.reward_pool import RewardResults
-from ppokit.lm.sequence_rewards import SequenceRewards
+from ppokit.lm.rewards.pool import RewardResults
+from ppokit.lm.rewards.sequence import SequenceRewards
 
 
 @dataclass
@@ -126,8 +126,8 @@ def test_errors_are_marked_and_counted_over_the_run():
 
 def test_code_reward_says_how_it_is_isolated(monkeypatch):
     from ppokit.lm import sandbox
-    from ppokit.lm.rewards import load_reward_fn
-    from ppokit.lm.workload import reward_notes
+    from ppokit.lm.rewards.functions import load_reward_fn
+    from ppokit.lm.single_turn.workload import reward_notes
 
     assert reward_notes(load_reward_fn("math")) == []
     monkeypatch.setenv("PPOKIT_SANDBOX_ISOLATION", "none")
@@ -142,7 +142,7 @@ def test_code_reward_says_how_it_is_isolated(monkeypatch):
 
 
 def test_long_prompts_are_dropped_and_counted_and_the_tiny_model_grows_to_fit():
-    from ppokit.lm.workload import drop_long, tiny_positions
+    from ppokit.lm.single_turn.workload import drop_long, tiny_positions
 
     cfg = build_config([{"workload": "lm", "data": {"max_prompt_tokens": 6}, "rollout": {"max_new_tokens": 16}}])
     train = [{"prompt": "1+1="}, {"prompt": "123+456="}, {"prompt": "12+3="}]          # 5, 9, 6 tokens (BOS)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ppokit.errors import UserError
-from ppokit.lm.hf import load_model_and_tokenizer
+from ppokit.lm.model.hf import load_model_and_tokenizer
 from ppokit.lm.sft import CURVE_FILE, IGNORE_INDEX, collate, encode_examples, eval_engine, evaluate, run_sft, sft_main
-from ppokit.lm.tasks import ArithmeticTask
+from ppokit.lm.data.tasks import ArithmeticTask
 
 
 def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):

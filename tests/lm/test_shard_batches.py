@@ -1,4 +1,4 @@
-"""Rollout parts from several workers made one rollout (:func:`ppokit.lm.workload.concat_parts`).
+"""Rollout parts from several workers made one rollout (:func:`ppokit.lm.single_turn.workload.concat_parts`).
 
 Parts of different prompt and response widths are re-padded to one layout: every row
 keeps its tokens, positions and mask, so a policy's log-probs of a row are the part's
@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from ppokit.config import build_config
-from ppokit.lm.hf import load_tokenizer
-from ppokit.lm.policy import build_policy
-from ppokit.lm.rollout import RolloutEngine
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.policy import build_policy
+from ppokit.lm.generation.engine import RolloutEngine
 from ppokit.lm.scoring import POLICY_INPUTS
-from ppokit.lm.workload import RolloutPart, concat_parts
+from ppokit.lm.single_turn.workload import RolloutPart, concat_parts
 from lm_helpers import randomize
 
 

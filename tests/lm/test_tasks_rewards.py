@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from ppokit.errors import UserError
-from ppokit.lm.data import PromptIterator, load_prompts, read_jsonl
-from ppokit.lm.rewards import exact_match, load_reward_fn, numeric_match, parse_first_number, score_responses
-from ppokit.lm.tasks import ArithmeticTask, get_task
+from ppokit.lm.data.sources import PromptIterator, load_prompts, read_jsonl
+from ppokit.lm.rewards.functions import exact_match, load_reward_fn, numeric_match, parse_first_number, score_responses
+from ppokit.lm.data.tasks import ArithmeticTask, get_task
 
 
 # ------------------------------------------------------------------------------ tasks
@@ -85,7 +85,7 @@ def test_builtin_rewards_on_hand_cases():
 
 def test_load_reward_fn_by_name_module_and_file(tmp_path):
     assert load_reward_fn("exact_match")("p", "2", answer="2") == 1.0
-    assert load_reward_fn("ppokit.lm.rewards:numeric_match")("p", "2", answer="2") == 1.0
+    assert load_reward_fn("ppokit.lm.rewards.functions:numeric_match")("p", "2", answer="2") == 1.0
     path = tmp_path / "my_reward.py"
     path.write_text("def strict(prompt, response, answer):\n    return float(response == answer)\n"
                     "THRESHOLD = 3\n")
@@ -97,9 +97,9 @@ def test_load_reward_fn_by_name_module_and_file(tmp_path):
 @pytest.mark.parametrize("spec,pattern", [
     ("exact_mtch", "did you mean 'exact_match'"),
     ("no_such_pkg_xyz.rewards:fn", "cannot import module 'no_such_pkg_xyz.rewards'"),
-    ("ppokit.lm.rewards:exact_mach", "has no attribute 'exact_mach'; did you mean 'exact_match'"),
-    ("ppokit.lm.rewards:BUILTIN_REWARDS", "not a function"),
-    ("ppokit.lm.rewards:parse_first_number", "must take \\(prompt, response"),
+    ("ppokit.lm.rewards.functions:exact_mach", "has no attribute 'exact_mach'; did you mean 'exact_match'"),
+    ("ppokit.lm.rewards.functions:BUILTIN_REWARDS", "not a function"),
+    ("ppokit.lm.rewards.functions:parse_first_number", "must take \\(prompt, response"),
     ("missing/file.py:fn", "does not exist"),
 ])
 def test_load_reward_fn_errors_name_the_spec(spec, pattern):

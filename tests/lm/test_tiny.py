@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ppokit.errors import UserError
-from ppokit.lm.hf import load_model_and_tokenizer
-from ppokit.lm.tiny import DEFAULT_ALPHABET, DEFAULT_TINY_SPEC, SPEC_FILE, TinySpec, build_char_tokenizer, build_tiny_model, read_tiny_spec
+from ppokit.lm.model.hf import load_model_and_tokenizer
+from ppokit.lm.model.tiny import DEFAULT_ALPHABET, DEFAULT_TINY_SPEC, SPEC_FILE, TinySpec, build_char_tokenizer, build_tiny_model, read_tiny_spec
 
 
 def test_char_tokenizer_round_trip(tmp_path):
@@ -50,7 +50,7 @@ def test_default_spec_is_about_point_eight_million_parameters():
     spec = TinySpec(hidden_size=64, num_layers=2, num_heads=2)
     from transformers import LlamaForCausalLM
 
-    from ppokit.lm.tiny import tiny_config
+    from ppokit.lm.model.tiny import tiny_config
     assert LlamaForCausalLM(tiny_config(spec)).num_parameters() == spec.num_parameters()
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ppokit.config import build_config
-from ppokit.lm.hf import load_tokenizer
-from ppokit.lm.policy import LMPolicy, build_policy
-from ppokit.lm.rollout import assemble
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.policy import LMPolicy, build_policy
+from ppokit.lm.generation.engine import assemble
 from ppokit.lm.scoring import Scorer
 from ppokit.trainer import PPOTrainer
 from lm_helpers import randomize

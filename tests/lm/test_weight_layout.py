@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ppokit.lm.hf import load_tokenizer
-from ppokit.lm.policy import build_policy
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.policy import build_policy
 from ppokit.lm.accel.weight_layout import transpose_wide_weights
 from test_policy import handmade_batch, lm_config
 

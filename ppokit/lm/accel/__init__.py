@@ -63,7 +63,7 @@ def accelerate_model(model: nn.Module, autocast_dtype: Optional[torch.dtype]) ->
 
 
 def accelerate_policy(policy) -> Acceleration:
-    """Apply the CPU acceleration to an :class:`~ppokit.lm.policy.LMPolicy` (its frozen weights
+    """Apply the CPU acceleration to an :class:`~ppokit.lm.model.policy.LMPolicy` (its frozen weights
     already cast to the autocast dtype); on other devices nothing changes."""
     from ppokit.lm.accel.fused_lora import enable_lora_kernels, fuse_lora_layers
     from ppokit.lm.accel.kernels.functions import lora_kernels_kind

@@ -1,0 +1,57 @@
+"""Export a trained LM policy as a plain Hugging Face model directory.
+
+:func:`export_merged` merges the ``actor`` LoRA adapter of ``RUN_DIR/checkpoint`` into
+its backbone (``W + (alpha / r) B A``) and writes a directory that
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load with
+no peft installed. In full mode the checkpoint's actor already is such a model; it is
+re-saved with the tokenizer. The critic and the value head are not part of the export
+(they stay in the checkpoint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ppokit.errors import UserError
+from ppokit.lm.model.hf import load_causal_lm, load_tokenizer, quiet_transformers
+from ppokit.lm.model.policy import ACTOR
+from ppokit.lm.model.checkpoint import POLICY_META_FILE, base_model_of, load_adapter, read_policy_meta
+
+
+def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
+    """``RUN_DIR/checkpoint`` for a run directory, or the checkpoint directory itself."""
+    p = Path(run_or_ckpt)
+    if (p / POLICY_META_FILE).is_file():
+        return p
+    if (p / "checkpoint" / POLICY_META_FILE).is_file():
+        return p / "checkpoint"
+    from ppokit.rundir import latest_checkpoint
+
+    newest = latest_checkpoint(p) if p.is_dir() else None
+    if newest is not None and (newest / POLICY_META_FILE).is_file():
+        raise UserError(f"{p} has no final checkpoint (training has not finished): finish it with "
+                        f"ppokit train --resume {p}, or export its newest checkpoint, {newest}")
+    raise UserError(f"{p} holds no LM checkpoint (expected {p}/checkpoint/{POLICY_META_FILE}); "
+                    "a run writes it when training finishes")
+
+
+def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the actor as a standalone model (+ tokenizer) to ``out_dir`` (new or empty)."""
+    from ppokit.checkpoint import atomic_directory
+    from ppokit.output_paths import check_output_dir, writing_to
+
+    ckpt = checkpoint_dir(run_dir)
+    out = Path(out_dir)
+    check_output_dir(out, "choose a new directory for the export")
+    meta = read_policy_meta(ckpt)
+    tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
+    if meta["mode"] == "lora":
+        base = load_causal_lm(base_model_of(ckpt), "the checkpoint's base model")
+        model = load_adapter(base, ckpt, ACTOR).merge_and_unload()
+    else:
+        model = load_causal_lm(ckpt / ACTOR, "the checkpoint's actor")
+    # a full disk: a UserError, and no half-written export
+    with writing_to(out), atomic_directory(out) as tmp, quiet_transformers():
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+    return out

@@ -1,0 +1,165 @@
+"""``ppokit generate`` and ``ppokit chat``: talk to a trained actor or a model directory.
+
+Both load through :func:`ppokit.lm.generation.loading.load_generator` (a run directory means its
+trained actor: the LoRA adapter applied to the backbone) and generate through the one
+generation path, :class:`~ppokit.lm.generation.engine.RolloutEngine`, with the sampling options
+``temperature``, ``top_p``, ``top_k`` and ``max_new_tokens`` (the run's by default) or
+greedy decoding.
+
+``generate`` answers each ``--prompt`` (or each non-empty line of standard input when
+none is given), ``--num-samples`` times. With the chat template (the run's
+``data.chat_template``, or ``--chat-template``) a prompt is one user message, after the
+``--system`` message if any.
+
+``chat`` reads user messages from standard input, one per line, and keeps the
+conversation: every turn renders the whole history with the tokenizer's chat template,
+as ``trl chat`` does. A model without a chat template (the built-in tiny model) answers
+each line on its own. Commands: ``/clear`` starts over, ``/set KEY=VALUE`` changes a
+sampling option (``/set temperature=0.2``), ``/help``, ``/exit`` (or end of input).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence, TextIO
+
+from ppokit.errors import UserError
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+HELP = ("commands: /clear (forget the conversation), /set KEY=VALUE (temperature, top_p, top_k, max_new_tokens), "
+        "/help, /exit (or end of input)")
+
+
+class Conversation:
+    """Chat history rendered with the tokenizer's chat template (no template: each turn alone)."""
+
+    def __init__(self, tokenizer, label: str, system: Optional[str] = None):
+        from ppokit.lm.data.chat import encoder_adds_bos
+
+        self.tokenizer, self.label, self.system = tokenizer, label, system
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+        self.strip_bos = self.templated and encoder_adds_bos(tokenizer)
+        self.messages: list[dict[str, str]] = []
+        self.clear()
+
+    def clear(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def prompt_for(self, user_text: str) -> str:
+        """The text to generate from after the user says ``user_text`` (history included)."""
+        from ppokit.lm.data.chat import apply_template
+
+        if not self.templated:
+            return user_text
+        messages = self.messages + [{"role": "user", "content": user_text}]
+        return apply_template(self.tokenizer, messages, strip_bos=self.strip_bos, generation_prompt=True,
+                              where=self.label, prompt=user_text)
+
+    def add_turn(self, user_text: str, reply: str) -> None:
+        if self.templated:
+            self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
+
+
+def _use_template(gen, chat_template: Optional[bool]) -> bool:
+    use = chat_template if chat_template is not None else bool(gen.cfg is not None and gen.cfg.data.chat_template)
+    if use and not gen.has_chat_template:
+        raise UserError(f"--chat-template: the tokenizer of {gen.label} has no chat template; leave the option "
+                        "out to use the prompt as it is")
+    return use
+
+
+def generate_main(path: str, prompts: Sequence[str], *, chat_template: Optional[bool] = None,
+                  system: Optional[str] = None, num_samples: int = 1, greedy: bool = False, seed: int = 0,
+                  stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, device: Optional[str] = None,
+                  **sampling: Any) -> int:
+    """``ppokit generate``: print the response to each prompt (module docstring)."""
+    import torch
+
+    from ppokit.lm.generation.loading import load_generator
+
+    if num_samples < 1:
+        raise UserError(f"--num-samples must be at least 1 (got {num_samples})")
+    gen = load_generator(path, device=device, **sampling)
+    if not prompts:
+        prompts = [line.rstrip("\n") for line in stdin if line.strip()]
+        if not prompts:
+            raise UserError("no prompt: give --prompt TEXT, or prompts on standard input (one per line)")
+    texts = list(prompts)
+    if _use_template(gen, chat_template):
+        conversation = Conversation(gen.tokenizer, gen.label, system)
+        texts = [conversation.prompt_for(p) for p in prompts]
+    torch.manual_seed(seed)
+    rollout = gen.engine.generate(texts, group_size=1 if greedy else num_samples, greedy=greedy)
+    per_prompt = 1 if greedy else num_samples
+    for i, prompt in enumerate(prompts):
+        replies = rollout.texts[i * per_prompt:(i + 1) * per_prompt]
+        for j, reply in enumerate(replies):
+            if len(prompts) > 1 or per_prompt > 1:
+                label = f"[{i + 1}]" if per_prompt == 1 else f"[{i + 1}.{j + 1}]"
+                stdout.write(f"{label} {prompt}\n")
+            stdout.write(reply + "\n")
+    stdout.flush()
+    return 0
+
+
+def chat_main(path: str, *, system: Optional[str] = None, greedy: bool = False, seed: int = 0,
+              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
+              device: Optional[str] = None, **sampling: Any) -> int:
+    """``ppokit chat``: a conversation on standard input and output (module docstring)."""
+    import torch
+
+    from ppokit.lm.generation.loading import load_generator, rollout_options
+
+    gen = load_generator(path, device=device, **sampling)
+    conversation = Conversation(gen.tokenizer, gen.label, system)
+    interactive = stdin.isatty()
+    stderr.write(f"chatting with {gen.label}; {HELP}\n")
+    if not conversation.templated:
+        stderr.write("(no chat template: each line is answered on its own, without the conversation)\n")
+    torch.manual_seed(seed)
+    while True:
+        if interactive:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        command = text.strip()
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/help":
+            stderr.write(HELP + "\n")
+            continue
+        if command == "/clear":
+            conversation.clear()
+            stderr.write("(conversation cleared)\n")
+            continue
+        if command.startswith("/set"):
+            key, sep, value = command[len("/set"):].strip().partition("=")
+            key = key.strip()
+            if not sep or key not in SAMPLING_KEYS:
+                stderr.write(f"usage: /set KEY=VALUE with KEY one of {', '.join(SAMPLING_KEYS)}\n")
+                continue
+            try:
+                gen.engine.cfg = rollout_options(gen.engine.cfg, **{key: value.strip()})
+            except UserError as exc:
+                stderr.write(f"{exc}\n")
+                continue
+            stderr.write(f"({key} = {getattr(gen.engine.cfg, key)})\n")
+            continue
+        if command.startswith("/"):
+            stderr.write(f"unknown command {command.split()[0]}; {HELP}\n")
+            continue
+        try:
+            prompt = conversation.prompt_for(text)
+            reply = gen.engine.generate([prompt], greedy=greedy).texts[0]
+        except UserError as exc:       # the conversation outgrew the model's positions
+            stderr.write(f"{exc}; /clear starts over\n")
+            continue
+        conversation.add_turn(text, reply)
+        stdout.write(reply + "\n")
+        stdout.flush()
+    return 0

@@ -1,0 +1,76 @@
+"""An LM run's inputs: its training prompts, held-out prompts and reward function.
+
+:func:`load_data` reads and checks them (a built-in task or prompt files, ``data.reward``
+or the task's own verifier, the chat template) before any model loads, so that a bad
+file or reward function fails at once; ``ppokit train``, ``ppokit eval`` and the run all
+read them through it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ppokit.config import Config
+from ppokit.errors import UserError
+
+
+def chat_render(cfg: Config, tokenizer=None, where: Optional[str] = None):
+    """``data.chat_template``'s renderer (:func:`ppokit.lm.data.chat.chat_renderer`) with ``tokenizer``
+    (default: model.path's), or None when prompts are used as they are."""
+    from ppokit.lm.data.chat import chat_renderer, model_chat_renderer
+
+    if not cfg.data.chat_template:
+        return None
+    if tokenizer is None:
+        return model_chat_renderer(cfg.model.path, what="model.path", option="data.chat_template=true",
+                                   fix="set model.path to a chat model's directory")
+    return chat_renderer(tokenizer, where or "the model")
+
+
+def load_data(cfg: Config, tokenizer=None, where: Optional[str] = None) -> tuple[list[dict], list[dict], Any]:
+    """(train prompt records, held-out records, reward function), checked before any model loads.
+
+    Files are read with ``data.prompt_key`` / ``data.answer_key``. The reward function is
+    ``data.reward``, else the task's own; None for a prompt file
+    scored by ``data.reward_model`` alone (there is then no held-out accuracy). With
+    ``data.chat_template`` the prompts come rendered with the chat template of
+    ``tokenizer`` (``where`` names it in errors; default: model.path's tokenizer).
+    """
+    from ppokit.lm.data.chat import render_records
+    from ppokit.lm.data.sources import is_file_source, load_prompts
+    from ppokit.lm.rewards.functions import load_reward_fn
+
+    d = cfg.data
+    from_file = is_file_source(d.prompts)
+    if d.reward is None:
+        if from_file:
+            if d.reward_model is None:
+                raise UserError(f"data.reward: the prompt file {d.prompts} needs a reward function "
+                                "(a built-in name, module:fn or file.py:fn) or data.reward_model")
+            if d.eval_prompts is not None and d.eval_size:
+                raise UserError("data.eval_prompts: the held-out accuracy is scored by data.reward (a verifier), "
+                                "and the reward model alone does not say what is correct; set data.reward, or "
+                                "data.eval_size=0")
+            reward_spec = None
+        else:
+            from ppokit.lm.data.tasks import get_task
+
+            reward_spec = get_task(d.prompts).default_reward
+    else:
+        reward_spec = d.reward
+    reward_fn = load_reward_fn(reward_spec) if reward_spec is not None else None
+    chat = d.chat_template
+    keys = {"prompt_key": d.prompt_key, "answer_key": d.answer_key}
+    train_items = load_prompts(d.prompts, "train", chat=chat, **keys)
+    if d.eval_size == 0:
+        eval_items = []
+    elif d.eval_prompts is not None:
+        eval_items = load_prompts(d.eval_prompts, "eval", chat=chat, **keys)[:d.eval_size]
+    elif not from_file:
+        eval_items = load_prompts(d.prompts, "eval", n=d.eval_size)
+    else:
+        eval_items = []
+    render = chat_render(cfg, tokenizer, where)
+    if render is not None:
+        train_items, eval_items = render_records(train_items, render), render_records(eval_items, render)
+    return train_items, eval_items, reward_fn

@@ -1,0 +1,11 @@
+"""The language model itself: loading, the policy, its checkpoints, where it runs.
+
+- :mod:`.hf`          local Hugging Face model directories and tokenizers: the one loader
+- :mod:`.tiny`        a tiny Llama-style model and character tokenizer, built here (no downloads)
+- :mod:`.policy`      the policy: LoRA actor and critic on one backbone (or full models),
+  the value head, the reference as the backbone with adapters off
+- :mod:`.checkpoint`  the policy's checkpoint files, written and read back
+- :mod:`.device`      ``run.device``, ``run.precision``, the attention kernel, torch threads
+
+Nothing is imported here: ``import ppokit.lm.model`` does not load torch.
+"""

@@ -1,0 +1,230 @@
+"""Loading local Hugging Face model directories: the one loader for every model ppokit reads.
+
+The policy's model, full mode's critic and reference copy, a reward model, the
+supervised warm start, ``ppokit eval`` and ``ppokit export`` all load through here, so a
+directory that cannot work (no such directory, no config.json, a model type transformers
+does not know, truncated or ill-fitting weights, no tokenizer) is the same one-line
+:class:`~ppokit.errors.UserError` naming the directory and the fix everywhere; nothing is
+downloaded (``local_files_only``).
+
+One rule for the special tokens of a tokenizer that generates (the policy's): it must
+have an EOS token (responses end there), and one without a pad token pads with its EOS
+token (the usual choice for Llama-family tokenizers, which ship none); padding is on the
+left, as batched generation needs. A tokenizer that only reads (a reward model's) pads on
+the right and cuts long inputs from the left, so the response is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ppokit.errors import UserError
+
+__all__ = ["TOKENIZER_FILES", "causal_lm_config", "hf_config", "held_load_report", "load_causal_lm", "load_hf_model",
+           "load_model_and_tokenizer", "load_tokenizer", "quiet_transformers", "weights_problem"]
+
+# Files a Hugging Face tokenizer is loaded from; a directory with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bool = True):
+    """A local directory's tokenizer; UserError when there is none.
+
+    ``generation`` (the policy's): left padding, and an EOS and a pad token are required.
+    Otherwise (a reward model's): right padding, truncation from the left, no requirement.
+    """
+    from transformers import AutoTokenizer
+
+    _check_local_dir(path, what)
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{what}={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the "
+                        "model's tokenizer into the directory (tokenizer.save_pretrained)")
+    side = "left" if generation else "right"
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), padding_side=side, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{what}={path}: no usable tokenizer there ({first_line(exc)}); save the model's "
+                        "tokenizer into the directory") from None
+    tok.padding_side = side
+    if not generation:
+        tok.truncation_side = "left"          # a scored text keeps its end (the response)
+        return tok
+    if tok.eos_token_id is None:
+        raise UserError(f"{what}={path}: the tokenizer has no EOS token; set eos_token in its "
+                        "tokenizer_config.json so that responses can end")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token        # the module's rule: pad with EOS (masked out anyway)
+    return tok
+
+
+def causal_lm_config(path: str | Path, what: str = "model.path"):
+    """The model config of a local directory, checked to be a causal LM (no weights loaded)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return hf_config(path, what, MODEL_FOR_CAUSAL_LM_MAPPING,
+                     "is not a causal language model (AutoModelForCausalLM cannot load it)")
+
+
+def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
+    """The model config of a local directory, checked to be in ``mapping`` (an auto class's
+    configs; otherwise the UserError says the config ``not_loadable``)."""
+    from transformers import AutoConfig
+
+    _check_local_dir(path, what)
+    if not (Path(path) / "config.json").is_file():
+        raise UserError(f"{what}={path}: no config.json there, so not a Hugging Face model directory (save the "
+                        "model with save_pretrained)")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        unknown = re.search(r"model type `([^`]+)`", str(exc))
+        if unknown:
+            import transformers
+
+            raise UserError(f"{what}={path}: config.json has model_type '{unknown.group(1)}', which transformers "
+                            f"{transformers.__version__} does not know; upgrade transformers or fix config.json") \
+                from None
+        raise UserError(f"{what}={path}: not a Hugging Face model directory ({first_line(exc)})") from None
+    if type(config) not in mapping:
+        raise UserError(f"{what}={path}: a {type(config).__name__} {not_loadable}")
+    return config
+
+
+def load_causal_lm(path: str | Path, what: str = "model.path", dtype: torch.dtype = torch.float32,
+                   attn_implementation: Optional[str] = None) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` of a local directory; UserError on bad input.
+
+    ``attn_implementation``: None keeps the model's default (sdpa where supported).
+    Weights that are truncated, corrupt or do not fit config.json are a UserError naming
+    the directory (and transformers' load report is not printed then).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = causal_lm_config(path, what)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return load_hf_model(AutoModelForCausalLM, path, what, config, dtype=dtype, **kwargs)
+
+
+def load_hf_model(auto_class, path: str | Path, what: str, config, *,
+                  check: Optional[Callable[[nn.Module, dict], None]] = None, **kwargs) -> nn.Module:
+    """``auto_class.from_pretrained`` of a local directory with a config from :func:`hf_config`,
+    in ``eval()`` mode; any failure is a UserError naming the directory. ``check(model,
+    loading_info)`` may raise one too, before transformers' load report is printed (it is
+    dropped when loading fails)."""
+    with held_load_report() as report:
+        try:
+            model, info = auto_class.from_pretrained(str(path), config=config, local_files_only=True,
+                                                     output_loading_info=True, **kwargs)
+        except ImportError as exc:
+            raise UserError(f"model.attn_implementation={kwargs.get('attn_implementation')}: "
+                            f"{first_line(exc).rstrip('.')}; install the package it needs or use auto, sdpa "
+                            "or eager") from None
+        except ValueError as exc:
+            if "Unrecognized configuration class" in str(exc) or auto_class.__name__ in str(exc):
+                raise UserError(f"{what}={path}: {auto_class.__name__} cannot load a "
+                                f"{type(config).__name__}") from None
+            raise UserError(f"{what}={path}: cannot load the model ({first_line(exc)})") from None
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, RuntimeError: the files are bad
+            raise UserError(f"{what}={path}: {weights_problem(exc, report)}") from None
+        if check is not None:
+            check(model, info)
+    model.eval()   # no dropout anywhere: scoring and update passes must agree exactly
+    return model
+
+
+@contextlib.contextmanager
+def held_load_report() -> Iterator[list[str]]:
+    """Hold back transformers' log messages (its weight-loading report) during the block.
+
+    Yields the list the messages collect in; they are printed as usual when the block
+    succeeds and dropped when it raises (the error then says what the report said).
+    Progress bars are hidden too (:func:`ppokit.lm.model.tiny.quiet_transformers`).
+    """
+    import logging
+
+    messages: list[str] = []
+    held: list[logging.LogRecord] = []
+    logger = logging.getLogger("transformers")
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+            messages.append(record.getMessage())
+
+    handlers, hold = list(logger.handlers), Hold()
+    for handler in handlers:
+        logger.removeHandler(handler)
+    logger.addHandler(hold)
+    try:
+        with quiet_transformers():
+            yield messages
+    finally:
+        logger.removeHandler(hold)
+        for handler in handlers:
+            logger.addHandler(handler)
+    for record in held:          # only reached when the block succeeded
+        logger.handle(record)
+
+
+# a row of transformers' load report: "NAME | MISMATCH | ... ckpt: torch.Size([..]) vs model: torch.Size([..])"
+_MISMATCH = re.compile(r"^([^|\n]+?)\s*\|\s*MISMATCH\b.*?"
+                       r"ckpt: torch\.Size\((\[[^\]]*\])\) vs model: ?torch\.Size\((\[[^\]]*\])\)", re.MULTILINE)
+
+
+def weights_problem(exc: BaseException, report: Sequence[str] = ()) -> str:
+    """Why a model directory's weights did not load, as one clause with the fix (no path)."""
+    from safetensors import SafetensorError
+
+    mismatch = next((m for text in report for m in [_MISMATCH.search(text)] if m), None)
+    if mismatch:
+        name, saved, configured = mismatch.groups()
+        return (f"the weights do not fit config.json ({name} is {saved} in the weights, {configured} by "
+                "config.json); fix config.json or save the model again with save_pretrained")
+    if "size mismatch" in str(exc) or "ignore_mismatched_sizes" in str(exc):
+        return "the weights do not fit config.json; fix config.json or save the model again with save_pretrained"
+    if isinstance(exc, OSError) and "no file named" in str(exc):
+        return (f"cannot load the model weights: the directory holds no weight file ({first_line(exc)}); "
+                "save the model there with save_pretrained")
+    if isinstance(exc, SafetensorError) or "safetensors" in str(exc).lower():
+        return (f"the weight file is corrupt or truncated ({first_line(exc)}); copy or save the model "
+                "again")
+    return f"cannot load the model weights ({type(exc).__name__}: {first_line(exc)})"
+
+
+def _check_local_dir(path: str | Path, what: str) -> None:
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{what}={path}: no such model directory (give a local Hugging Face model "
+                        "directory; ppokit does not download models)")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+
+def load_model_and_tokenizer(path: str | Path, what: str = "model.path") -> tuple[nn.Module, object]:
+    """A causal LM (float32 master weights, eval mode) and its generation tokenizer from ``path``."""
+    return load_causal_lm(path, what), load_tokenizer(path, what)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Hide transformers' per-call progress bars (loading/writing shards) inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,530 @@
+"""The language-model policy with a value function: actor, critic and reference.
+
+Two modes (``model.mode``):
+
+``lora`` (default, as in UnstableBaselines)
+    One frozen Hugging Face causal LM carries two LoRA adapters, ``actor`` and
+    ``critic`` (peft). The critic is the backbone with the ``critic`` adapter plus a
+    value head (``Linear(hidden, 1)``) on its last hidden state. The reference policy
+    is the backbone with the adapters disabled. Actor, critic and reference cost one
+    backbone in memory.
+
+``full``
+    Full fine-tuning: the actor is a whole model, the critic a separate model
+    (initialised from ``model.critic_path`` or the policy path) with a value head, and
+    a frozen reference copy is loaded only when a KL term needs one.
+
+The critic-free estimators (GRPO, RLOO, REINFORCE++: ``algo.adv_estimator`` other than
+``gae``) build no critic in either mode: no ``critic`` adapter or critic model, no value
+head, no optimizer state for them (in full mode a whole model and its Adam moments),
+and checkpoints hold the actor alone (``policy.json``: ``"critic": false``).
+
+For a batch laid out as ``[left-padded prompt (P) | right-padded response (R)]``
+(see :mod:`ppokit.lm.generation.engine`), response token ``j`` sits at position ``P + j`` and
+is predicted from the hidden state at ``P + j - 1``; the value of the state before
+token ``j`` is read at the same position. Only those ``R`` hidden states go through
+``lm_head``, so the logits are (n, R, V), never (n, P + R, V), and the log-probs are
+``gather - logsumexp`` chunk by chunk (:func:`ppokit.algo.log_probs_from_logits`)
+on logits divided by the sampling temperature.
+
+The peft pitfall: ``set_adapter`` and ``disable_adapter`` reset ``requires_grad``
+(only the active adapter keeps it, and disabling clears it for all). An autograd
+leaf whose ``requires_grad`` is cleared between forward and backward silently gets
+no gradient, and the actor pass runs before the critic pass swaps adapters. So every
+swap goes through :meth:`LMPolicy.use`, which re-enables ``requires_grad`` on the
+LoRA weights of both adapters after each swap; the tests check that both adapters
+and the value head get gradients from one backward.
+
+Dropout is never active (the models stay in ``eval()`` mode): the log-probs of the
+scoring pass and of the first update pass are then the same computation, which is
+what makes the first importance ratio exactly 1.
+
+Precision: with bf16 autocast the frozen weights (lora backbone, full-mode reference)
+are stored in bf16 (:meth:`LMPolicy.cast_frozen_weights`); trained weights stay fp32.
+
+The policy is plain transformers + peft. On a CPU the workload may add ppokit's fused
+kernels afterwards (:mod:`ppokit.lm.accel`, one call); saving and loading checkpoints is
+:mod:`ppokit.lm.model.checkpoint`, loading model directories :mod:`ppokit.lm.model.hf`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ppokit import algo
+from ppokit.errors import UserError
+from ppokit.lm.model.device import attention_implementation
+from ppokit.lm.model.hf import load_causal_lm
+
+ACTOR, CRITIC = "actor", "critic"
+
+
+class ValueHead(nn.Module):
+    """``V(s) = w . h + b`` on the critic's last hidden state, always in float32 (zero-initialised)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        # V = 0 at the start: a random head would predict values of order 1 while
+        # rewards may be small, and its large first gradients would dominate the
+        # global gradient-norm clip that the actor shares.
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:   # (n, R, H) -> (n, R)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.linear(hidden.float()).squeeze(-1)
+
+
+class LMPolicy(nn.Module):
+    """Actor, critic (value head) and reference over one or more causal LMs.
+
+    Implements the trainer's policy protocol (:meth:`param_groups`, :meth:`evaluate`)
+    plus the passes rollouts and scoring need: :meth:`log_probs`, :meth:`values`,
+    :meth:`ref_log_probs`, and :meth:`use` to put the actor adapter in place for
+    generation. Inputs of every pass (``micro_batch`` keys)::
+
+        input_ids       (n, P + R)  left-padded prompt, then the response
+        attention_mask  (n, P + R)  1 on real tokens (prompt and response up to EOS)
+        position_ids    (n, P + R)  cumsum(attention_mask) - 1, clamped at 0
+        responses       (n, R)      the response tokens (pad after EOS)
+    """
+
+    def __init__(self, lm: nn.Module, value_head: Optional[ValueHead], *, mode: str, temperature: float = 1.0,
+                 autocast_dtype: Optional[torch.dtype] = None, critic_lm: Optional[nn.Module] = None,
+                 ref_lm: Optional[nn.Module] = None, compute_entropy: bool = True):
+        super().__init__()
+        if mode not in ("lora", "full"):
+            raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
+        self.mode = mode
+        self.lm = lm                      # lora: a PeftModel with adapters actor (+ critic)
+        self.value_head = value_head      # None: no critic (critic-free estimators)
+        self.critic_lm = critic_lm        # full mode with a critic only
+        self.ref_lm = ref_lm              # full mode only, frozen, None unless a KL term needs it
+        self.temperature = float(temperature)
+        self.autocast_dtype = autocast_dtype
+        self.compute_entropy = compute_entropy
+        self.full_kl = False              # evaluate() adds kl_full (algo.kl_loss_type: full)
+        self.trainable = True             # False: adapters stay frozen across swaps (inference)
+        self._active: Optional[str] = None
+        self._adapter_params: dict[str, list[nn.Parameter]] = {}
+        if mode == "full" and (critic_lm is None) != (value_head is None):
+            raise ValueError("full mode takes a critic model and a value head together, or neither")
+        if mode == "lora":
+            for name in self.adapter_names:
+                params = [p for n, p in lm.named_parameters() if "lora_" in n and f".{name}." in n]
+                if not params:
+                    raise ValueError(f"the peft model has no LoRA weights for adapter '{name}'")
+                self._adapter_params[name] = params
+            ids = {id(p) for ps in self._adapter_params.values() for p in ps}
+            for p in lm.parameters():
+                if id(p) not in ids:
+                    p.requires_grad_(False)          # the backbone is frozen
+            with self.use(ACTOR):                    # the actor active, both adapters trainable
+                pass
+        else:
+            if ref_lm is not None:
+                ref_lm.requires_grad_(False)
+        self._direct_head = {id(m): _hidden_then_head_matches(m) for m in self.models()}
+
+    # ------------------------------------------------------------------ structure
+    def models(self) -> list[nn.Module]:
+        """The Hugging Face models the policy holds: the actor's (lora: with both adapters), the
+        critic's and the reference's where they are separate (full mode)."""
+        return [m for m in (self.lm, self.critic_lm, self.ref_lm) if m is not None]
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether there is a critic (adapter or model, and value head). The critic-free
+        estimators (GRPO, RLOO, REINFORCE++) build none: no memory, no optimizer state."""
+        return self.value_head is not None
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """lora: the trained adapters, ``("actor", "critic")`` or ``("actor",)``."""
+        return (ACTOR, CRITIC) if self.has_critic else (ACTOR,)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.lm.parameters()).device
+
+    @property
+    def actor_model(self) -> nn.Module:
+        """The Hugging Face model that generates (lora: call inside ``use('actor')``)."""
+        return self.lm
+
+    @property
+    def has_reference(self) -> bool:
+        return self.mode == "lora" or self.ref_lm is not None
+
+    def adapter_parameters(self, name: str) -> list[nn.Parameter]:
+        return self._adapter_params[name]
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[None]:
+        """Make ``actor`` / ``critic`` the active adapter (lora); restore grads after the swap.
+
+        peft's ``set_adapter`` clears ``requires_grad`` on the inactive adapter, which
+        would silently drop the gradient of a pass already recorded with it.
+        """
+        if self.mode == "lora" and self._active != name:
+            self.lm.set_adapter(name)
+            self._active = name
+            self._restore_requires_grad()
+        yield
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """lora: adapters disabled (the backbone); full: nothing (pass ``ref_lm``)."""
+        if self.mode == "lora":
+            try:
+                with self.lm.disable_adapter():
+                    yield
+            finally:
+                self._restore_requires_grad()   # disabling cleared it on every adapter
+        else:
+            if self.ref_lm is None:
+                raise RuntimeError("no reference model loaded (full mode loads one only when a KL term needs it)")
+            yield
+
+    def reset_adapters(self) -> None:
+        """The adapter state of a freshly built policy: the actor active, every trained weight
+        requiring grad (after weights were copied in behind peft's back)."""
+        self._active = None
+        with self.use(ACTOR):
+            pass
+
+    def freeze(self) -> "LMPolicy":
+        """Inference only: no parameter requires grad, and swaps do not re-enable them."""
+        self.trainable = False
+        self.requires_grad_(False)
+        return self
+
+    def _restore_requires_grad(self) -> None:
+        if not self.trainable:
+            for params in self._adapter_params.values():
+                for p in params:
+                    p.requires_grad_(False)
+            return
+        for params in self._adapter_params.values():
+            for p in params:
+                p.requires_grad_(True)
+
+    def cast_frozen_weights(self, dtype: Optional[torch.dtype]) -> int:
+        """Store frozen parameters (the lora backbone, the full-mode reference) in ``dtype``.
+
+        Under bf16 autocast every matmul casts an fp32 weight to bf16 on each call (the
+        autocast cache only keeps casts of trainable leaves): a frozen weight gains
+        nothing from fp32 storage. Stored in bf16 it costs half the memory, no copies,
+        and the residual stream between frozen layers is bf16 too, so the inputs of the
+        next matmuls need no cast either (as with FSDP's bf16 ``param_dtype``). Trained
+        weights (LoRA, value head, full-mode actor and critic) stay fp32 master weights;
+        buffers (rotary frequencies) stay fp32. Returns the number of tensors cast.
+        """
+        if dtype is None:
+            return 0
+        count = 0
+        for lm in self.models():
+            for name, p in lm.named_parameters():
+                if not p.requires_grad and "lora_" not in name and p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+                    count += 1
+            for module in lm.modules():
+                # peft casts a LoRA layer's (now bf16) input up to the adapter's fp32 weight
+                # dtype, and autocast casts it straight back: two copies per layer for
+                # nothing. Every pass runs under autocast, which handles the dtypes.
+                if hasattr(module, "cast_input_dtype_enabled"):
+                    module.cast_input_dtype_enabled = False
+        return count
+
+    def autocast(self):
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+    # ------------------------------------------------------------------ the passes
+    def _hidden(self, lm: nn.Module, mb: dict[str, Tensor]) -> Tensor:
+        """Hidden states that predict the response tokens (n, R, H)."""
+        input_ids, responses = mb["input_ids"], mb["responses"]
+        R = responses.shape[1]
+        start = input_ids.shape[1] - R - 1                       # position P - 1
+        kwargs = dict(input_ids=input_ids, attention_mask=mb["attention_mask"],
+                      position_ids=mb["position_ids"], use_cache=False)
+        if self._direct_head[id(lm)]:
+            hidden = _decoder(lm)(**kwargs).last_hidden_state     # (n, P + R, H)
+        else:
+            hidden = lm(**kwargs, output_hidden_states=True).hidden_states[-1]
+        return hidden[:, start:start + R]
+
+    def _token_log_probs(self, lm: nn.Module, mb: dict[str, Tensor], entropy: bool,
+                         keep_hidden: bool = False) -> dict[str, Tensor]:
+        """``log_prob`` (and ``entropy``) (n, R) float32; with ``keep_hidden`` also ``hidden``
+        (n, R, H), the states the logits came from (models whose logits are lm_head(hidden))."""
+        responses = mb["responses"]
+        out: dict[str, Tensor] = {}
+        with self.autocast():
+            if self._direct_head[id(lm)]:
+                hidden = self._hidden(lm, mb)                                 # (n, R, H)
+                if keep_hidden:
+                    out["hidden"] = hidden
+                head = lm.get_output_embeddings()
+                if getattr(head, "bias", None) is None and self.temperature != 1.0:
+                    logits = head(hidden / self.temperature)                  # (n, R, V): W(h/T) = (Wh)/T
+                else:
+                    logits = head(hidden)
+                    if self.temperature != 1.0:
+                        logits = logits.div_(self.temperature)
+            else:   # a model whose logits are not lm_head(last hidden state): full logits, sliced
+                R = responses.shape[1]
+                start = mb["input_ids"].shape[1] - R - 1
+                logits = lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                            position_ids=mb["position_ids"], use_cache=False).logits[:, start:start + R]
+                logits = logits / self.temperature
+            out["log_prob"] = algo.log_probs_from_logits(logits, responses)   # (n, R) float32
+            if entropy:
+                out["entropy"] = algo.entropy_from_logits(logits)
+        return out
+
+    def log_probs(self, mb: dict[str, Tensor], entropy: bool = False, keep_hidden: bool = False
+                  ) -> dict[str, Tensor]:
+        """Actor log-probs (and entropy) of the response tokens, (n, R) float32."""
+        with self.use(ACTOR):
+            return self._token_log_probs(self.lm, mb, entropy, keep_hidden)
+
+    def kl_to_reference(self, mb: dict[str, Tensor], hidden: Optional[Tensor] = None) -> Tensor:
+        """The exact ``KL(pi || pi_ref)`` over the vocabulary at each response token, (n, R) float32.
+
+        ``sum_v p_v (log p_v - log q_v)`` on the temperature-scaled distributions of the actor
+        (``hidden``: its states from the pass that computed its log-probs; gradients flow
+        through them) and the reference (a no-grad pass). Computed from hidden states in
+        chunks of positions (:func:`ppokit.algo.kl_full_from_hidden`): no (n, R, V) float32
+        logits exist at once. A model whose logits are not ``lm_head(hidden)`` takes the
+        full logits of both.
+        """
+        ref_lm = self.lm if self.mode == "lora" else self.ref_lm
+        if ref_lm is None:
+            raise RuntimeError("no reference model loaded (full mode loads one only when a KL term needs it)")
+        if not self._direct_head[id(self.lm)]:
+            logits = self._full_logits(self.lm, mb, ACTOR)
+            with torch.no_grad(), self.reference():
+                ref_logits = self._full_logits(ref_lm, mb, None)
+            return algo.kl_full(logits, ref_logits)
+        if hidden is None:
+            hidden = self.log_probs(mb, keep_hidden=True)["hidden"]
+        with torch.no_grad(), self.reference(), self.autocast():
+            ref_hidden = self._hidden(ref_lm, mb)                              # (n, R, H)
+        head, ref_head = self.lm.get_output_embeddings(), ref_lm.get_output_embeddings()
+        return algo.kl_full_from_hidden(hidden, ref_hidden, head.weight,
+                                        None if ref_head is head else ref_head.weight,
+                                        bias=getattr(head, "bias", None),
+                                        ref_bias=None if ref_head is head else getattr(ref_head, "bias", None),
+                                        temperature=self.temperature)
+
+    def _full_logits(self, lm: nn.Module, mb: dict[str, Tensor], adapter: Optional[str]) -> Tensor:
+        """(n, R, V) temperature-scaled logits of the response positions (the general path)."""
+        R = mb["responses"].shape[1]
+        start = mb["input_ids"].shape[1] - R - 1
+        with (self.use(adapter) if adapter else contextlib.nullcontext()), self.autocast():
+            logits = lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                        position_ids=mb["position_ids"], use_cache=False).logits[:, start:start + R]
+        return logits.float() / self.temperature
+
+    def ref_log_probs(self, mb: dict[str, Tensor]) -> Tensor:
+        """Reference log-probs (n, R): the backbone without adapters, or the frozen copy."""
+        with torch.no_grad(), self.reference():
+            lm = self.lm if self.mode == "lora" else self.ref_lm
+            return self._token_log_probs(lm, mb, entropy=False)["log_prob"]
+
+    def values(self, mb: dict[str, Tensor]) -> Tensor:
+        """Token-level values (n, R) float32 from the critic pass (zeros without a critic)."""
+        if not self.has_critic:
+            return torch.zeros(mb["responses"].shape, dtype=torch.float32, device=mb["responses"].device)
+        lm = self.lm if self.mode == "lora" else self.critic_lm
+        with self.use(CRITIC), self.autocast():
+            hidden = self._hidden(lm, mb)                                     # (n, R, H)
+        return self.value_head(hidden)
+
+    # ------------------------------------------------------------------ trainer protocol
+    @staticmethod
+    def compact(micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``micro_batch`` without its padding columns: the prompt columns left of its longest
+        prompt and the response columns right of its longest response. ``input_ids``,
+        ``attention_mask`` and ``position_ids`` (n, P + R) become (n, P' + R'); every other
+        (n, R) tensor (``responses``, ``mask``, advantages, ...) becomes (n, R'). Only padding is
+        dropped (positions are kept as they were), so every pass gives the same values on the
+        real tokens."""
+        am = micro_batch["attention_mask"]                                   # (n, P + R)
+        R = micro_batch["responses"].shape[1]
+        P = am.shape[1] - R
+        response_len = max(int(am[:, P:].sum(1).max()), 1)                  # R'
+        prompt_start = int((am[:, :P].sum(0) > 0).int().argmax())            # first column any prompt uses
+        out = {}
+        for key, value in micro_batch.items():
+            if key in ("input_ids", "attention_mask", "position_ids"):
+                out[key] = value[:, prompt_start:P + response_len]
+            elif value.dim() >= 2 and value.shape[1] == R:
+                out[key] = value[:, :response_len]
+            else:
+                out[key] = value
+        return out
+
+    def evaluate(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``log_prob``, ``values`` (with a critic) and ``entropy``, each (n, R) float32; with
+        ``full_kl`` also ``kl_full``, the exact KL to the reference over the vocabulary."""
+        out = self.log_probs(micro_batch, entropy=self.compute_entropy, keep_hidden=self.full_kl)
+        if self.full_kl:
+            out["kl_full"] = self.kl_to_reference(micro_batch, hidden=out.pop("hidden", None))
+        if self.has_critic:
+            out["values"] = self.values(micro_batch)
+        return out
+
+    def param_groups(self, cfg) -> list[dict[str, Any]]:
+        t = cfg.train
+        critic_lr = t.critic_learning_rate or t.learning_rate
+        if self.mode == "lora":
+            actor = list(self._adapter_params[ACTOR])
+        else:
+            actor = [p for p in self.lm.parameters() if p.requires_grad]
+        groups = [{"params": actor, "lr": t.learning_rate, "name": "actor"}]
+        if self.has_critic:
+            if self.mode == "lora":
+                critic = list(self._adapter_params[CRITIC])
+            else:
+                critic = [p for p in _decoder(self.critic_lm).parameters() if p.requires_grad]
+            critic += list(self.value_head.parameters())
+            groups.append({"params": critic, "lr": critic_lr, "name": "critic"})
+        return groups
+
+
+def _decoder(lm: nn.Module) -> nn.Module:
+    """The transformer body of a causal LM (the peft wrapper is looked through)."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    return base.get_decoder()
+
+
+def _hidden_then_head_matches(lm: nn.Module) -> bool:
+    """Whether ``lm_head(decoder(x).last_hidden_state)`` equals ``lm(x).logits``.
+
+    True for Llama/Qwen/Mistral/GPT-2-like models; False for models that post-process
+    logits (soft-capping, logit scales), which then take the full-logits path.
+    """
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    try:
+        decoder, head = base.get_decoder(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError, ValueError):
+        return False
+    if decoder is None or head is None or decoder is base:
+        return False
+    device = next(base.parameters()).device
+    ids = torch.arange(1, 5, device=device)[None] % max(2, base.config.vocab_size)
+    with torch.no_grad():
+        try:
+            full = base(input_ids=ids, use_cache=False).logits
+            split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
+        except Exception:   # noqa: BLE001 - any failure means "use the general path"
+            return False
+    return full.shape == split.shape and torch.allclose(full, split, rtol=1e-4, atol=1e-5)
+
+
+
+# ----------------------------------------------------------------------------- building
+def lora_config(model_cfg):
+    from peft import LoraConfig
+
+    return LoraConfig(r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0,
+                      target_modules=model_cfg.lora_target_modules, bias="none", task_type="CAUSAL_LM")
+
+
+def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_dtype: Optional[torch.dtype],
+                 need_reference: Optional[bool] = None, need_critic: Optional[bool] = None,
+                 seed: Optional[int] = None) -> LMPolicy:
+    """The configured policy around the model at ``model_path`` (fresh adapters / value head).
+
+    ``need_reference`` (full mode): load the frozen reference copy; default: when
+    ``algo.beta > 0`` or ``algo.use_kl_in_reward``. ``need_critic``: build the critic
+    (lora: the ``critic`` adapter; full: the critic model) and the value head; default:
+    when the advantage estimator uses values (``gae``), not for GRPO, RLOO or REINFORCE++.
+    """
+    m = cfg.model
+    attn = attention_implementation(m.attn_implementation, device)
+    if need_reference is None:
+        need_reference = cfg.algo.beta > 0 or cfg.algo.use_kl_in_reward
+    if need_critic is None:
+        need_critic = cfg.uses_critic
+    if seed is not None:
+        torch.manual_seed(seed)
+    lm = load_causal_lm(model_path, "model.path", attn_implementation=attn)
+    hidden = _hidden_size(lm)
+    if m.mode == "lora":
+        from peft import get_peft_model
+
+        lm.requires_grad_(False)
+        names = linear_module_names(lm)      # before peft wraps them
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)   # peft asks a deprecated transformers property
+                # GPT-2's Conv1D layers: peft says it sets fan_in_fan_out itself, which it does
+                warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
+                peft_model = get_peft_model(lm, lora_config(m), adapter_name=ACTOR)
+                if need_critic:
+                    peft_model.add_adapter(CRITIC, lora_config(m))
+        except ValueError as exc:
+            if "not found in the base model" not in str(exc):
+                raise
+            raise UserError(f"model.lora_target_modules={m.lora_target_modules}: no such module in {model_path}; "
+                            f"its linear layers are {', '.join(names)} (or use all-linear)") from None
+        policy = LMPolicy(peft_model, ValueHead(hidden) if need_critic else None, mode="lora",
+                          temperature=cfg.rollout.temperature, autocast_dtype=autocast_dtype)
+    else:
+        critic = _load_critic(m, model_path, lm, attn) if need_critic else None
+        ref = load_causal_lm(model_path, "model.path", attn_implementation=attn).requires_grad_(False) \
+            if need_reference else None
+        policy = LMPolicy(lm, ValueHead(_hidden_size(critic)) if need_critic else None, mode="full",
+                          temperature=cfg.rollout.temperature, autocast_dtype=autocast_dtype, critic_lm=critic,
+                          ref_lm=ref)
+    policy.full_kl = cfg.algo.beta > 0 and cfg.algo.kl_loss_type == "full"
+    policy.to(device)
+    policy.cast_frozen_weights(autocast_dtype)
+    return policy
+
+
+def _load_critic(m, model_path: str | Path, lm: nn.Module, attn: Optional[str]) -> nn.Module:
+    """Full mode's critic model: ``model.critic_path`` (or the policy's path), its LM head frozen."""
+    critic_path = m.critic_path or model_path
+    critic = load_causal_lm(critic_path, "model.critic_path" if m.critic_path else "model.path",
+                            attn_implementation=attn)
+    vocab, critic_vocab = _vocab_size(lm), _vocab_size(critic)
+    if critic_vocab < vocab:
+        raise UserError(f"model.critic_path={critic_path}: the critic embeds {critic_vocab} tokens but the "
+                        f"policy (model.path={model_path}) and its tokenizer use {vocab}; give a critic with "
+                        "the policy's tokenizer and vocabulary (or leave model.critic_path null)")
+    out_emb = critic.get_output_embeddings()
+    if out_emb is not None and out_emb.weight is not critic.get_input_embeddings().weight:
+        out_emb.requires_grad_(False)   # the critic's LM head is unused
+    return critic
+
+
+def linear_module_names(lm: nn.Module) -> list[str]:
+    """The distinct names of a model's linear layers: what ``model.lora_target_modules`` can name."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in lm.named_modules()
+                   if name and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")})
+
+
+def _vocab_size(lm: nn.Module) -> int:
+    """Rows of the input embedding: the token ids a model can read."""
+    return int(lm.get_input_embeddings().weight.shape[0])
+
+
+def _hidden_size(lm: nn.Module) -> int:
+    config = lm.config
+    get = getattr(config, "get_text_config", None)
+    text = get() if callable(get) else config
+    for name in ("hidden_size", "n_embd", "d_model"):
+        if getattr(text, name, None):
+            return int(getattr(text, name))
+    return int(lm.get_input_embeddings().weight.shape[1])

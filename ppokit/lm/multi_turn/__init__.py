@@ -1,0 +1,11 @@
+"""Multi-turn PPO on text environments: episodes of many turns, credit by token or by turn.
+
+- :mod:`.workload`    the components of a multi-turn run and the warm start from demonstrations
+- :mod:`.source`      the rollout source and the evaluator (greedy win rates)
+- :mod:`.episodes`    many episodes played at once, batched generation across them
+- :mod:`.streams`     each seat's token stream: sampled tokens, observations appended
+- :mod:`.turn_batch`  trajectories as the single-turn batch layout with an action mask
+- :mod:`.opponents`   past actor adapters kept as self-play opponents
+
+Nothing is imported here: ``import ppokit.lm.multi_turn`` does not load torch.
+"""

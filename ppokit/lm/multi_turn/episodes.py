@@ -1,0 +1,282 @@
+"""Playing many text-environment episodes at once with language models.
+
+:class:`EpisodePlayer` follows :func:`ppokit.envs.runner.play_episode` (the reference
+loop with Python policies) for a whole batch of episodes::
+
+    reset every environment (seeded); each seat's first observation goes into its Stream
+    while episodes are live:
+        cut the episodes a budget stops (max_turns, the episode token budget, the context)
+        for each actor (the current policy, a past opponent): ONE generate over the
+            prompts of the live episodes whose acting seat it plays
+        step each environment with its action's text; rewards to the acting seat's turn
+        finished episodes drop out; the others' next observation goes into the next
+            acting seat's Stream
+
+Who plays a seat is the caller's ``seat_actors(episode, reset_info)``: an actor id
+(:data:`ppokit.envs.CURRENT`, the policy being trained, or a snapshot id of the
+opponent pool) per seat. Only the current policy's seats become :class:`Trajectory`
+objects (the data PPO trains on); every seat's outcome is recorded.
+
+Budgets (a cut episode is *truncated*; each cut is counted by reason):
+
+- ``max_turns``: environment steps per episode (all seats);
+- ``max_episode_tokens``: a seat's :attr:`~ppokit.lm.multi_turn.streams.Stream.episode_tokens` plus
+  ``max_new_tokens`` must fit before a turn starts;
+- the model's context: the prompt plus ``max_new_tokens`` must fit its positions.
+
+The per-turn budget ``max_new_tokens`` (``rollout.max_new_tokens``) cuts a reply, not the
+episode: the cut reply (no stop token) is the action the environment gets, and the
+replies cut so are counted (``PlayResult.cut_replies``).
+
+A truncated seat that is about to act bootstraps from the value of its next prompt
+(``bootstrap_ids``; the scorer computes it) when ``truncation="bootstrap"``. In a
+two-player episode the seat that is not to move has no observation of its own for the
+state after the cut and ends with 0. The environment's own ``truncated`` (a time limit)
+is handled the same way, with the observation it returned.
+
+Rewards: a step's reward goes to the turn of the seat that acted; when a two-player
+episode ends, every other seat ``s`` gets ``info["rewards"][s]`` on its own last turn.
+An environment that raises in ``step`` ends that episode with ``failure_reward``
+(:func:`ppokit.envs.checks.step_or_fail`) and a counted failure.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from ppokit.envs.checks import checked_reset, step_or_fail
+from ppokit.envs.metrics import EpisodeRecord, EpisodeTracker
+from ppokit.envs.selfplay import CURRENT
+from ppokit.lm.multi_turn.streams import Stream, StreamCodec
+
+__all__ = ["EpisodePlayer", "PlayResult", "Trajectory", "TurnData", "TRUNCATION_REASONS"]
+
+TRUNCATION_REASONS = ("max_turns", "episode_tokens", "context", "env")
+
+# (actor id, prompt token lists, greedy) -> (action token lists as sampled, their decoded texts)
+Generate = Callable[[str, list[list[int]], bool], tuple[list[list[int]], list[str]]]
+
+
+@dataclass
+class TurnData:
+    """One action of a trained seat."""
+
+    prompt_ids: list[int]        # the tokens the action was generated from
+    action_ids: list[int]        # as sampled, up to and including the stop token
+    reward: float = 0.0
+    observation: Any = ""        # the observation the action answered (for samples.jsonl)
+    action_text: str = ""
+
+
+@dataclass
+class Trajectory:
+    """One seat of one episode played by the current policy: the rows PPO trains on."""
+
+    episode: int
+    seat: Optional[int]
+    stream: Stream
+    turns: list[TurnData] = field(default_factory=list)
+    truncated: bool = False
+    bootstrap_ids: Optional[list[int]] = None     # the next prompt, when it bootstraps
+    record: Optional[EpisodeRecord] = None
+
+    @property
+    def episode_return(self) -> float:
+        return sum(t.reward for t in self.turns)
+
+
+@dataclass
+class PlayResult:
+    """The trajectories of the current policy, every seat's record, and what was measured."""
+
+    trajectories: list[Trajectory]
+    records: list[dict[Optional[int], EpisodeRecord]]       # per episode: seat -> record
+    actors: list[dict[Optional[int], str]]                  # per episode: seat -> actor id
+    truncations: dict[str, int]
+    failures: int
+    first_error: Optional[str]
+    time_generate: float
+    time_env: float
+    generated_tokens: int
+    actions: int = 0              # replies generated
+    cut_replies: int = 0          # of them, cut by max_new_tokens before a stop token
+
+
+class _Episode:
+    def __init__(self, index: int, env: Any):
+        self.index, self.env = index, env
+        self.streams: dict[Optional[int], Stream] = {}
+        self.trackers: dict[Optional[int], EpisodeTracker] = {}
+        self.trajectories: dict[Optional[int], Trajectory] = {}
+        self.actors: dict[Optional[int], str] = {}
+        self.seat: Optional[int] = None            # the seat to act
+        self.observation: Any = None
+        self.steps = 0
+        self.done = False
+
+
+class EpisodePlayer:
+    """Plays batches of episodes; see the module docstring."""
+
+    def __init__(self, envs: Sequence[Any], codec: StreamCodec, generate: Generate, *, max_turns: int,
+                 max_new_tokens: int, context: Optional[int], max_episode_tokens: Optional[int] = None,
+                 bootstrap: bool = True, failure_reward: float = 0.0, env_name: str = "the environment"):
+        self.envs = list(envs)
+        self.codec, self.generate = codec, generate
+        self.max_turns, self.max_new_tokens, self.context = max_turns, max_new_tokens, context
+        self.max_episode_tokens, self.bootstrap = max_episode_tokens, bootstrap
+        self.failure_reward, self.env_name = failure_reward, env_name
+
+    def play(self, seeds: Sequence[int], *, seat_actors: Callable[[int, dict], dict[Optional[int], str]],
+             greedy: bool = False, options: Optional[Sequence[Optional[dict]]] = None) -> PlayResult:
+        """Play ``len(seeds)`` episodes (episode i on ``envs[i]``, reset with ``seeds[i]``)."""
+        if len(seeds) > len(self.envs):
+            raise ValueError(f"{len(seeds)} episodes but only {len(self.envs)} environments")
+        t_env = t_gen = 0.0
+        tokens = actions_played = cut = 0
+        truncations = {reason: 0 for reason in TRUNCATION_REASONS}
+        failures, first_error = 0, None
+        episodes = []
+        start = time.perf_counter()
+        for i, seed in enumerate(seeds):
+            ep = _Episode(i, self.envs[i])
+            obs, info = checked_reset(ep.env, seed=seed, options=options[i] if options else None, name=self.env_name)
+            ep.actors = dict(seat_actors(i, info))
+            ep.seat = _acting_seat(info)
+            self._observe(ep, ep.seat, obs)
+            episodes.append(ep)
+        t_env += time.perf_counter() - start
+        trajectories: list[Trajectory] = []
+        live = list(episodes)
+        while live:
+            ready = []
+            for ep in live:
+                reason = self._budget_cut(ep)
+                if reason is None:
+                    ready.append(ep)
+                else:
+                    truncations[reason] += 1
+                    self._truncate(ep, bootstrap_seat=ep.seat)
+            by_actor: dict[str, list[_Episode]] = {}
+            for ep in ready:
+                by_actor.setdefault(ep.actors.get(ep.seat, CURRENT), []).append(ep)
+            actions: dict[int, tuple[list[int], str]] = {}
+            for actor, group in by_actor.items():
+                start = time.perf_counter()
+                ids, texts = self.generate(actor, [ep.streams[ep.seat].prompt() for ep in group], greedy)
+                t_gen += time.perf_counter() - start
+                for ep, a, text in zip(group, ids, texts):
+                    actions[ep.index] = (a, text)
+                    tokens += len(a)
+                    cut += len(a) >= self.max_new_tokens and a[-1] not in self.codec.stop_ids
+                actions_played += len(group)
+            start = time.perf_counter()
+            for ep in ready:
+                action_ids, text = actions[ep.index]
+                failed = self._step(ep, action_ids, text, truncations)
+                if failed is not None:
+                    failures += 1
+                    first_error = first_error or failed
+            t_env += time.perf_counter() - start
+            live = [ep for ep in ready if not ep.done]
+        for ep in episodes:
+            trajectories += [ep.trajectories[s] for s in sorted(ep.trajectories, key=_seat_key)
+                             if ep.trajectories[s].turns]
+        return PlayResult(trajectories=trajectories,
+                          records=[{s: t.record for s, t in ep.trackers.items()} for ep in episodes],
+                          actors=[ep.actors for ep in episodes], truncations=truncations, failures=failures,
+                          first_error=first_error, time_generate=t_gen, time_env=t_env, generated_tokens=tokens,
+                          actions=actions_played, cut_replies=cut)
+
+    # ------------------------------------------------------------------ one episode
+    def _observe(self, ep: _Episode, seat: Optional[int], observation: Any) -> None:
+        stream = ep.streams.get(seat)
+        if stream is None:
+            stream = ep.streams[seat] = self.codec.new_stream()
+        stream.observe(observation)
+        ep.observation = observation
+
+    def _budget_cut(self, ep: _Episode) -> Optional[str]:
+        stream = ep.streams[ep.seat]
+        need = len(stream.ids) + self.max_new_tokens
+        if self.context is not None and need > self.context:
+            return "context"
+        if self.max_episode_tokens is not None and stream.episode_tokens + self.max_new_tokens > self.max_episode_tokens:
+            return "episode_tokens"
+        return None
+
+    def _step(self, ep: _Episode, action_ids: list[int], text: str, truncations: dict[str, int]) -> Optional[str]:
+        """Apply one action; returns the error text when the environment raised."""
+        seat = ep.seat
+        stream = ep.streams[seat]
+        prompt = stream.prompt()
+        stream.act(action_ids)
+        result = step_or_fail(ep.env, text, failure_reward=self.failure_reward, name=self.env_name)
+        ep.steps += 1
+        ep.trackers.setdefault(seat, EpisodeTracker(seat)).add(result)
+        if ep.actors.get(seat, CURRENT) == CURRENT:
+            trajectory = ep.trajectories.get(seat)
+            if trajectory is None:
+                trajectory = ep.trajectories[seat] = Trajectory(ep.index, seat, stream)
+            trajectory.turns.append(TurnData(prompt, list(action_ids), result.reward, ep.observation, text))
+        info = result.info
+        if result.done:
+            ep.done = True
+            rewards, outcomes = info.get("rewards"), info.get("outcomes")
+            for other in ep.actors:         # a seat that never got to move still has an outcome
+                if isinstance(other, int) and other not in ep.trackers:
+                    ep.trackers[other] = EpisodeTracker(other)
+            for other, tracker in ep.trackers.items():
+                if other is None or other == seat:
+                    continue
+                if rewards is not None:
+                    tracker.finish(float(rewards[other]), outcomes[other] if outcomes else None)
+                    if other in ep.trajectories and ep.trajectories[other].turns:
+                        ep.trajectories[other].turns[-1].reward += float(rewards[other])
+                tracker.record.truncated, tracker.record.failed = result.truncated, result.failed
+            self._finish_records(ep)
+            if result.truncated:
+                truncations["env"] += 1
+                next_seat = info.get("player", seat)
+                if next_seat in ep.streams:
+                    self._observe(ep, next_seat, result.observation)
+                self._truncate(ep, bootstrap_seat=next_seat, count_records=False)
+            return info.get("env_error")
+        next_seat = info.get("player", seat)
+        ep.seat = next_seat
+        self._observe(ep, next_seat, result.observation)
+        if ep.steps >= self.max_turns:
+            truncations["max_turns"] += 1
+            self._truncate(ep, bootstrap_seat=next_seat)
+        return None
+
+    def _truncate(self, ep: _Episode, *, bootstrap_seat: Optional[int], count_records: bool = True) -> None:
+        ep.done = True
+        for seat, trajectory in ep.trajectories.items():
+            trajectory.truncated = True
+            if self.bootstrap and seat == bootstrap_seat:
+                trajectory.bootstrap_ids = ep.streams[seat].prompt()
+        if count_records:
+            for tracker in ep.trackers.values():
+                tracker.record.truncated = True
+        self._finish_records(ep)
+
+    @staticmethod
+    def _finish_records(ep: _Episode) -> None:
+        for seat, trajectory in ep.trajectories.items():
+            trajectory.record = ep.trackers[seat].record
+
+
+def _acting_seat(info: dict) -> Optional[int]:
+    """The seat to act: ``info["player"]``, else the learner's ``info["seat"]``, else None (one player)."""
+    if "player" in info:
+        return int(info["player"])
+    if "seat" in info:
+        return int(info["seat"])
+    return None
+
+
+def _seat_key(seat: Optional[int]) -> int:
+    return -1 if seat is None else seat

@@ -1,0 +1,331 @@
+"""Multi-turn PPO on text environments: the rollout source and the evaluator.
+
+:class:`MultiTurnSource` is a :class:`~ppokit.components.RolloutSource`: the run loop,
+the scorer and the learner train on what it collects unchanged. One iteration::
+
+    train.batch_size episodes, reset with seeds drawn from (seed, iteration, episode)
+    EpisodePlayer.play(...)      one batched generate per turn and actor (ppokit.lm.multi_turn.episodes)
+    trajectory_tensors(...)      the single-turn layout with a per-token action mask (ppokit.lm.multi_turn.turn_batch)
+    Batch(tensors, extras, samples, metrics)
+
+then the scorer's one forward pass per row gives old/reference log-probs and values,
+:func:`ppokit.trainer.batch_advantages` applies ``algo.credit`` (token or turn GAE over
+each trajectory), and the learner updates in ``train.batch_size /
+train.mini_batch_size`` mini-batches of rows.
+
+Self-play (a two-player environment that plays no seat itself, e.g. ``tictactoe`` with
+``opponent: self``): in each episode the learner's seat is
+:func:`~ppokit.envs.selfplay.assign_seat` of the episode's number; the other seat is the
+current policy (both seats are then trained on) or, with ``textenv.pool.snapshot_every``,
+with probability ``1 - pool.current_prob`` a snapshot drawn from the
+:class:`~ppokit.envs.selfplay.OpponentPool` of earlier actor adapters
+(:mod:`ppokit.lm.multi_turn.opponents`). The starting policy is the pool's first, pinned snapshot;
+a new one is added every ``snapshot_every`` updates.
+
+Per-role baselines (``textenv.role_baseline_tau`` > 0, UnstableBaselines' role
+advantage): each seat keeps an exponential moving average of its episode returns, and
+a trajectory's last reward is reduced by its seat's average before the update. The
+critic already conditions on the role (the observation says whose move it is); the
+average centres the rewards of a role that wins more often by construction (the first
+player) and serves the critic while it is still learning.
+
+Metrics per iteration (the learner's seat; see :func:`ppokit.envs.episode_metrics`):
+``env/return_mean``, ``env/turns_mean``, ``env/win_rate`` / ``draw_rate`` /
+``loss_rate``, ``env/illegal_action_rate``, ``env/truncated_rate``,
+``env/failure_rate``, truncations by reason, ``env/reply_cut_rate`` (replies cut by
+``rollout.max_new_tokens``), ``time_env`` against ``time_generate``,
+the rows and action tokens trained on; in self-play the results against the pool.
+
+:class:`TextEnvEvaluator` plays ``textenv.eval_episodes`` greedy episodes on fixed seeds
+against each of ``textenv.eval_opponents`` (or the training environment as configured):
+before training, every ``textenv.eval_every`` iterations and after.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Optional, Sequence
+
+from ppokit.components import Batch
+from ppokit.config import Config
+from ppokit.envs import CURRENT, OpponentPool, assign_seat, episode_metrics, make_env
+from ppokit.envs.checks import check_failure_rate
+from ppokit.errors import UserError
+from ppokit.lm.multi_turn.episodes import TRUNCATION_REASONS, EpisodePlayer, PlayResult, Trajectory
+from ppokit.lm.multi_turn.streams import StreamCodec
+from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
+
+__all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs"]
+
+EVAL_SEED_BASE = 10**15      # evaluation episodes use seeds EVAL_SEED_BASE + i: the same games every time
+
+
+def episode_seed(seed: int, iteration: int, episode: int) -> int:
+    """The reset seed of training episode ``episode`` of ``iteration``: a fixed function of the three."""
+    return random.Random(f"ppokit-textenv:{seed}:{iteration}:{episode}").getrandbits(48)
+
+
+def make_envs(spec: str, kwargs: dict[str, Any], n: int) -> list[Any]:
+    """``n`` instances of the environment ``spec`` (built once, reset with a seed per episode)."""
+    return [make_env(spec, **kwargs) for _ in range(n)]
+
+
+def engine_generate(engine, opponents=None, opponent_engine=None) -> Callable:
+    """The :class:`~ppokit.lm.multi_turn.episodes.EpisodePlayer`'s ``generate``: the current policy's engine for
+    :data:`~ppokit.envs.CURRENT`, the opponent slot's (with the snapshot loaded) for a snapshot id."""
+
+    def generate(actor: str, prompts: list[list[int]], greedy: bool) -> tuple[list[list[int]], list[str]]:
+        use = engine
+        if actor != CURRENT:
+            opponents.load(actor)
+            use = opponent_engine
+        batch = use.generate_ids(prompts, prompts=[""] * len(prompts), greedy=greedy)
+        lengths = batch.mask.sum(1).long().tolist()
+        return [row[:n] for row, n in zip(batch.responses.tolist(), lengths)], batch.texts
+
+    return generate
+
+
+def player_for(cfg: Config, envs: Sequence[Any], codec: StreamCodec, generate: Callable, context: Optional[int],
+               env_name: str) -> EpisodePlayer:
+    t = cfg.textenv
+    return EpisodePlayer(envs, codec, generate, max_turns=t.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
+                         context=context, max_episode_tokens=t.max_episode_tokens,
+                         bootstrap=t.truncation == "bootstrap", failure_reward=t.failure_reward, env_name=env_name)
+
+
+class MultiTurnSource:
+    """Episodes in, a multi-turn :class:`~ppokit.components.Batch` out (see the module docstring)."""
+
+    steps_per_iteration = None
+
+    def __init__(self, cfg: Config, player: EpisodePlayer, *, mode: str, pad_id: int, device,
+                 opponents=None, env_name: str = "the environment"):
+        self.cfg, self.player, self.mode, self.pad_id, self.device = cfg, player, mode, pad_id, device
+        self.opponents = opponents            # AdapterSnapshots, with a pool
+        self.env_name = env_name
+        p = cfg.textenv.pool
+        self.pool: Optional[OpponentPool] = None
+        if opponents is not None:
+            self.pool = OpponentPool(sampling=p.sampling, latest_prob=p.latest_prob, current_prob=p.current_prob,
+                                     capacity=p.capacity, seed=cfg.seed)
+            self._add_snapshot(pinned=True)
+        self.updates = 0
+        self.role_baseline: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ collect
+    def collect(self, iteration: int) -> Batch:
+        n = self.cfg.train.batch_size
+        seeds = [episode_seed(self.cfg.seed, iteration, i) for i in range(n)]
+        result = self.player.play(seeds, seat_actors=self._seat_actors(iteration, n))
+        check_failure_rate(result.failures, n, max_rate=self.cfg.textenv.max_failure_rate, env_name=self.env_name,
+                           first_error=result.first_error)
+        learner = self._learner_records(result)
+        shift = self._role_baselines(result.trajectories)
+        tensors, extras = trajectory_tensors(result.trajectories, mode=self.mode, pad_id=self.pad_id,
+                                             device=self.device)
+        metrics = episode_metrics(learner)
+        # the learner's mean episode return, under the name the progress line and `ppokit plot` read
+        metrics["reward_mean"] = metrics.get("env/return_mean", 0.0)
+        metrics.update(self._play_metrics(result, n))
+        metrics.update(rows=float(len(tensors["mask"])), trajectories=float(len(result.trajectories)),
+                       action_tokens=float(tensors["mask"].sum()), **shift)
+        if self.pool is not None:
+            metrics.update(self._pool_metrics(result, iteration, n))
+        return Batch(tensors=tensors, extras=extras, samples=trajectory_samples(result.trajectories,
+                                                                                 self.cfg.run.log_samples),
+                     metrics=metrics)
+
+    def _seat_actors(self, iteration: int, n: int) -> Callable[[int, dict], dict]:
+        seat_mode = self.cfg.textenv.seat
+
+        def seat_actors(i: int, info: dict) -> dict:
+            if "player" not in info or "seat" in info:       # one player, or the environment plays the other seat
+                return {}
+            learner = assign_seat(iteration * n + i, mode=seat_mode, seed=self.cfg.seed)
+            other = self.pool.sample() if self.pool is not None else CURRENT
+            return {learner: CURRENT, 1 - learner: other, "learner": learner}
+
+        return seat_actors
+
+    @staticmethod
+    def _learner_records(result: PlayResult) -> list:
+        """Each episode's record of the learner's seat (self-play: the seat assign_seat gave it)."""
+        records = []
+        for seat_records, actors in zip(result.records, result.actors):
+            seat = actors.get("learner", next(iter(seat_records), None))
+            if seat in seat_records:
+                records.append(seat_records[seat])
+        return records
+
+    def _play_metrics(self, result: PlayResult, n: int) -> dict[str, float]:
+        out = {"time_env": result.time_env, "time_generate": result.time_generate,
+               "gen_tokens_per_s": result.generated_tokens / max(result.time_generate, 1e-9),
+               "env/failures": float(result.failures),
+               "env/reply_cut_rate": result.cut_replies / max(result.actions, 1)}
+        for reason in TRUNCATION_REASONS:
+            out[f"env/truncated_by_{reason}"] = result.truncations[reason] / n
+        if self.opponents is not None:
+            out["time_opponent_load"] = self.opponents.load_seconds
+            self.opponents.load_seconds = 0.0
+        return out
+
+    def _role_baselines(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        tau = self.cfg.textenv.role_baseline_tau
+        if not tau:
+            return {}
+        out = {}
+        for traj in trajectories:
+            key = str(traj.seat)
+            baseline = self.role_baseline.get(key, 0.0)
+            ret = traj.episode_return
+            traj.turns[-1].reward -= baseline
+            self.role_baseline[key] = (1 - tau) * baseline + tau * ret
+        for key, value in self.role_baseline.items():
+            out[f"role_baseline/seat{key}"] = value
+        return out
+
+    # ------------------------------------------------------------------ self-play pool
+    def _pool_metrics(self, result: PlayResult, iteration: int, n: int) -> dict[str, float]:
+        games = {"win": 0, "draw": 0, "loss": 0}
+        current = 0
+        for seat_records, actors in zip(result.records, result.actors):
+            if "learner" not in actors:
+                continue
+            other = actors[1 - actors["learner"]]
+            if other == CURRENT:
+                current += 1
+                continue
+            outcome = seat_records[actors["learner"]].outcome if actors["learner"] in seat_records else None
+            if outcome in games:
+                games[outcome] += 1
+                self.pool.record(other, outcome)
+        total = sum(games.values())
+        out = {"selfplay/pool_size": float(len(self.pool)), "selfplay/vs_current_episodes": float(current),
+               "selfplay/vs_pool_episodes": float(total)}
+        if total:
+            out.update({f"selfplay/vs_pool_{k}_rate": v / total for k, v in games.items()})
+        return out
+
+    def _add_snapshot(self, pinned: bool = False) -> None:
+        snapshot_id = f"update-{getattr(self, 'updates', 0)}"
+        self.opponents.take(snapshot_id)
+        for dropped in self.pool.add(snapshot_id, pinned=pinned, update=getattr(self, "updates", 0)):
+            self.opponents.drop(dropped)
+
+    def sync_weights(self, learner) -> None:
+        """The policy is shared with the learner; with a pool, a snapshot every ``snapshot_every`` updates."""
+        self.updates += 1
+        every = self.cfg.textenv.pool.snapshot_every
+        if self.pool is not None and every and self.updates % every == 0:
+            self._add_snapshot()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"updates": self.updates, "role_baseline": dict(self.role_baseline)}
+        if self.pool is not None:
+            state["pool"] = self.pool.state_dict()
+            state["snapshots"] = self.opponents.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        self.updates = int(state["updates"])
+        self.role_baseline = {str(k): float(v) for k, v in state.get("role_baseline", {}).items()}
+        if self.pool is not None:
+            self.pool.load_state_dict(state["pool"])
+            self.opponents.load_state_dict(state["snapshots"])
+        return []
+
+
+def trajectory_samples(trajectories: Sequence[Trajectory], k: int) -> list[dict[str, Any]]:
+    """The first ``k`` trajectories as JSON rows for ``samples.jsonl``: the first observation,
+    the turns (observation and action text, reward), the return, the outcome."""
+    rows = []
+    for traj in trajectories[:k]:
+        record = traj.record
+        rows.append({"prompt": _text(traj.turns[0].observation), "seat": traj.seat,
+                     "turns": [{"observation": _text(t.observation), "action": t.action_text, "reward": t.reward}
+                               for t in traj.turns],
+                     "reward": traj.episode_return, "outcome": record.outcome if record else None,
+                     "truncated": traj.truncated, "illegal_actions": record.illegal_actions if record else 0})
+    return rows
+
+
+def _text(observation: Any) -> Any:
+    return observation if isinstance(observation, str) else [dict(m) for m in observation]
+
+
+# ----------------------------------------------------------------------------- evaluation
+class TextEnvEvaluator:
+    """Greedy episodes on fixed seeds: against each evaluation opponent, or the environment as trained.
+
+    Metrics, with ``S`` = ``_before`` (before training), ``""`` (periodic) or ``_after``
+    (after training) and ``O`` = ``/OPPONENT`` (or nothing): ``evalS/O/win_rate``,
+    ``draw_rate``, ``loss_rate``, ``return_mean``, ``turns_mean``,
+    ``illegal_action_rate``, ``truncated_rate``.
+    """
+
+    at_start = True
+
+    def __init__(self, cfg: Config, generate: Callable, codec: StreamCodec, context: Optional[int], env_name: str):
+        t = cfg.textenv
+        self.every = t.eval_every
+        self.episodes = t.eval_episodes
+        self.opponents = list(t.eval_opponents) or [None]
+        self.players = {}
+        for opponent in self.opponents:
+            kwargs = dict(t.kwargs)
+            if opponent is not None:
+                kwargs["opponent"] = opponent
+            envs = make_envs(t.env, kwargs, self.episodes)
+            self.players[opponent] = player_for(cfg, envs, codec, generate, context, env_name)
+        self.before: dict[str, float] = {}
+
+    def evaluate(self, phase: str) -> dict[str, float]:
+        suffix = {"before": "_before", "final": "_after"}.get(phase, "")
+        out: dict[str, float] = {}
+        for opponent, player in self.players.items():
+            seeds = [EVAL_SEED_BASE + i for i in range(self.episodes)]
+            result = player.play(seeds, seat_actors=lambda i, info: {}, greedy=True)
+            records = [r for episode in result.records for r in episode.values()]
+            metrics = episode_metrics(records, prefix="")
+            where = f"eval{suffix}" + (f"/{opponent}" if opponent is not None else "")
+            for key in ("win_rate", "draw_rate", "loss_rate", "return_mean", "turns_mean", "illegal_action_rate",
+                        "truncated_rate"):
+                out[f"{where}/{key}"] = metrics.get(key, 0.0)
+        if phase == "before":
+            self.before = dict(out)
+        return out
+
+    def message(self, phase: str, metrics: dict[str, float]) -> Optional[str]:
+        suffix = {"before": "_before", "final": "_after"}.get(phase, "")
+        label = {"before": "before PPO", "final": "after PPO"}.get(phase, "evaluation")
+        parts = []
+        for opponent in self.opponents:
+            where = f"eval{suffix}" + (f"/{opponent}" if opponent is not None else "")
+            vs = f"vs {opponent}" if opponent is not None else "success"
+            parts.append(f"{vs} {metrics[where + '/win_rate']:.1%} (draw {metrics[where + '/draw_rate']:.1%}, "
+                         f"illegal moves {metrics[where + '/illegal_action_rate']:.2%})")
+        return f"{label}: " + "; ".join(parts) + f" ({self.episodes} greedy episodes each)"
+
+    def stop_reason(self, metrics: dict[str, float]) -> Optional[str]:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"before": dict(self.before)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.before = {str(k): float(v) for k, v in state.get("before", {}).items()}
+
+    def close(self) -> None:
+        pass
+
+
+def check_env_output(env: Any, name: str) -> str:
+    """The environment's observation mode, checked (``state`` or ``message``)."""
+    mode = getattr(env, "observation_mode", "state")
+    if mode not in ("state", "message"):
+        raise UserError(f"environment '{name}' has observation_mode={mode!r}; it must be 'state' (each observation "
+                        "is the whole context) or 'message' (observations are appended to a conversation)")
+    return mode
+

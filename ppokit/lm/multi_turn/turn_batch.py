@@ -1,0 +1,93 @@
+"""Multi-turn trajectories as the batch layout of single-turn rollouts, with a per-token action mask.
+
+The policy and the scorer read every row as ``[left-padded prompt (P) | response region
+(R), right-padded]`` (:mod:`ppokit.lm.generation.engine`) and compute log-probs and values at
+every response position in one forward pass. A multi-turn row uses the same layout:
+
+- state mode (each observation the whole context): one row per turn, the prompt is
+  the turn's observation and the response its action: a trajectory spans rows;
+- message mode (a stream): one row per trajectory, the prompt is the first
+  observation and the response region the rest of the stream: ``action_0, obs_1
+  tokens, action_1, ...``, ending with the last action.
+
+``mask`` is 1 on the model's tokens only (up to and including each turn's stop token)
+and 0 on environment tokens and padding, so that environment tokens never enter a
+ratio, an entropy, a KL or a value loss; ``attention_mask`` is 1 on every real token
+(the model reads the observations). The tensors::
+
+    input_ids, attention_mask, position_ids   (N, P + R)
+    responses, mask                           (N, R)
+    token_scores  (N, R)  each turn's reward on its last action token (the final reward
+                          of a seat that did not make the last move is on its last turn)
+    turn_index    (N, R)  the turn number of each action token in its trajectory, -1 elsewhere
+    traj_index    (N,)    the trajectory of each row (rows of a trajectory in time order)
+
+and, per trajectory (E of them): ``traj_truncated`` (E,), and for those that bootstrap
+``bootstrap_input_ids`` / ``bootstrap_attention_mask`` (B, L) left-padded prompts with
+``bootstrap_traj`` (B,): the scorer turns them into ``last_values`` (E,).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ppokit.lm.multi_turn.episodes import Trajectory
+from ppokit.lm.generation.engine import left_pad, position_ids_from
+
+__all__ = ["trajectory_rows", "trajectory_tensors"]
+
+
+def trajectory_rows(trajectories: Sequence[Trajectory], mode: str
+                    ) -> list[tuple[int, list[int], list[int], list[tuple[int, int, int, float]]]]:
+    """``(trajectory, prompt ids, response ids, [(start, end, turn, reward)])`` per row;
+    ``start:end`` is an action's span in the response ids."""
+    rows = []
+    for e, traj in enumerate(trajectories):
+        if mode == "state":
+            for k, turn in enumerate(traj.turns):
+                rows.append((e, turn.prompt_ids, turn.action_ids, [(0, len(turn.action_ids), k, turn.reward)]))
+            continue
+        stream = traj.stream
+        first = stream.first_prompt_length
+        spans = stream.action_spans[:len(traj.turns)]
+        end = spans[-1][1]
+        rows.append((e, stream.ids[:first], stream.ids[first:end],
+                     [(s - first, t - first, k, turn.reward) for k, ((s, t), turn) in enumerate(zip(spans, traj.turns))]))
+    return rows
+
+
+def trajectory_tensors(trajectories: Sequence[Trajectory], *, mode: str, pad_id: int,
+                       device: torch.device | str = "cpu") -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """``(tensors, extras)`` of the module docstring."""
+    rows = trajectory_rows(trajectories, mode)
+    if not rows:
+        raise ValueError("no trajectory has a turn to train on")
+    prompt_ids, prompt_mask = left_pad([r[1] for r in rows], pad_id)                # (N, P)
+    N, R = len(rows), max(len(r[2]) for r in rows)
+    responses = torch.full((N, R), pad_id, dtype=torch.long)
+    response_attention = torch.zeros((N, R), dtype=torch.long)
+    mask = torch.zeros((N, R), dtype=torch.float32)
+    token_scores = torch.zeros((N, R), dtype=torch.float32)
+    turn_index = torch.full((N, R), -1, dtype=torch.long)
+    traj_index = torch.tensor([r[0] for r in rows], dtype=torch.long)
+    for n, (_, _, response, spans) in enumerate(rows):
+        responses[n, :len(response)] = torch.tensor(response, dtype=torch.long)
+        response_attention[n, :len(response)] = 1
+        for start, end, turn, reward in spans:
+            mask[n, start:end] = 1.0
+            turn_index[n, start:end] = turn
+            token_scores[n, end - 1] += reward
+    attention_mask = torch.cat([prompt_mask, response_attention], 1)                # (N, P + R)
+    tensors = {"input_ids": torch.cat([prompt_ids, responses], 1), "attention_mask": attention_mask,
+               "position_ids": position_ids_from(attention_mask), "responses": responses, "mask": mask,
+               "token_scores": token_scores, "turn_index": turn_index, "traj_index": traj_index}
+    extras = {"traj_truncated": torch.tensor([t.truncated for t in trajectories], dtype=torch.bool)}
+    boot = [(e, t.bootstrap_ids) for e, t in enumerate(trajectories) if t.bootstrap_ids is not None]
+    if boot:
+        ids, am = left_pad([b for _, b in boot], pad_id)
+        extras.update(bootstrap_input_ids=ids, bootstrap_attention_mask=am,
+                      bootstrap_traj=torch.tensor([e for e, _ in boot], dtype=torch.long))
+    return {k: v.to(device) for k, v in tensors.items()}, {k: v.to(device) for k, v in extras.items()}
