@@ -39,34 +39,49 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 TASKS = {
-    "cartpole": {"id": "CartPole-v1", "preset": "cartpole", "steps": 100_000, "threshold": 475.0,
-                 "eval_every": 4096},
-    "halfcheetah": {"id": "HalfCheetah-v5", "preset": "halfcheetah", "steps": 1_000_000, "threshold": 1450.0,
-                    "eval_every": 50_000},
+    "cartpole": {"id": "CartPole-v1", "preset": "cartpole", "steps": 100_000, "threshold": 475.0, "eval_every": 4096},
+    "halfcheetah": {
+        "id": "HalfCheetah-v5",
+        "preset": "halfcheetah",
+        "steps": 1_000_000,
+        "threshold": 1450.0,
+        "eval_every": 50_000,
+    },
 }
 
 
 # ----------------------------------------------------------------------------- children
 def child_ppokit(a: argparse.Namespace) -> dict:
     from ppokit.config import load_config
-    from ppokit.workloads import train as train_control
     from ppokit.rundir import create_run_dir
+    from ppokit.workloads import train as train_control
 
     task = TASKS[a.env]
     out = tempfile.mkdtemp(prefix="ppokit-bench-")
     probe = load_config(task["preset"])
     per_iter = probe.env.num_envs * probe.env.num_steps
-    overrides = [f"seed={a.seed}", f"train.total_steps={a.steps}", f"env.eval_episodes={a.eval_episodes}",
-                 f"env.eval_every={max(1, round(a.eval_every / per_iter))}", "run.progress=false",
-                 "run.tensorboard=false", f"run.output_dir={out}"]
+    overrides = [
+        f"seed={a.seed}",
+        f"train.total_steps={a.steps}",
+        f"env.eval_episodes={a.eval_episodes}",
+        f"env.eval_every={max(1, round(a.eval_every / per_iter))}",
+        "run.progress=false",
+        "run.tensorboard=false",
+        f"run.output_dir={out}",
+    ]
     if not a.full:
         overrides.append(f"env.stop_at_return={a.threshold}")
     cfg = load_config(task["preset"], overrides)
     result = train_control(cfg, create_run_dir(cfg))
     hit = next((h for h in result["eval_history"] if h["return_mean"] >= a.threshold), None)
-    return {"to_thr": hit["time"] - a.t0 if hit else None, "steps": hit["global_step"] if hit else None,
-            "final": result.get("eval_return_mean"), "final_std": result.get("eval_return_std"),
-            "global_step": result["global_step"], "sps": result["global_step"] / result["wall_time"]}
+    return {
+        "to_thr": hit["time"] - a.t0 if hit else None,
+        "steps": hit["global_step"] if hit else None,
+        "final": result.get("eval_return_mean"),
+        "final_std": result.get("eval_return_std"),
+        "global_step": result["global_step"],
+        "sps": result["global_step"] / result["wall_time"],
+    }
 
 
 def child_sb3(a: argparse.Namespace) -> dict:
@@ -80,21 +95,49 @@ def child_sb3(a: argparse.Namespace) -> dict:
     if a.sb3_threads:
         torch.set_num_threads(a.sb3_threads)
     task = TASKS[a.env]
-    lin = lambda v: (lambda progress_remaining: progress_remaining * v)  # noqa: E731
+    lin = lambda v: lambda progress_remaining: progress_remaining * v  # noqa: E731
     if a.env == "cartpole":
         n_envs = 8
         env = make_vec_env(task["id"], n_envs=n_envs, seed=a.seed)
         eval_env = make_vec_env(task["id"], n_envs=10, seed=a.seed + 10_000)
-        model = PPO("MlpPolicy", env, n_steps=32, batch_size=256, gae_lambda=0.8, gamma=0.98, n_epochs=20,
-                    ent_coef=0.0, learning_rate=lin(1e-3), clip_range=lin(0.2), seed=a.seed, device="cpu", verbose=0)
+        model = PPO(
+            "MlpPolicy",
+            env,
+            n_steps=32,
+            batch_size=256,
+            gae_lambda=0.8,
+            gamma=0.98,
+            n_epochs=20,
+            ent_coef=0.0,
+            learning_rate=lin(1e-3),
+            clip_range=lin(0.2),
+            seed=a.seed,
+            device="cpu",
+            verbose=0,
+        )
     else:
         n_envs = 1
         env = VecNormalize(make_vec_env(task["id"], n_envs=n_envs, seed=a.seed), gamma=0.99)
-        eval_env = VecNormalize(make_vec_env(task["id"], n_envs=10, seed=a.seed + 10_000), training=False,
-                                norm_reward=False)
-        model = PPO("MlpPolicy", env, n_steps=2048, batch_size=64, n_epochs=10, learning_rate=lin(3e-4),
-                    gamma=0.99, gae_lambda=0.95, clip_range=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5,
-                    seed=a.seed, device="cpu", verbose=0)
+        eval_env = VecNormalize(
+            make_vec_env(task["id"], n_envs=10, seed=a.seed + 10_000), training=False, norm_reward=False
+        )
+        model = PPO(
+            "MlpPolicy",
+            env,
+            n_steps=2048,
+            batch_size=64,
+            n_epochs=10,
+            learning_rate=lin(3e-4),
+            gamma=0.99,
+            gae_lambda=0.95,
+            clip_range=0.2,
+            ent_coef=0.0,
+            vf_coef=0.5,
+            max_grad_norm=0.5,
+            seed=a.seed,
+            device="cpu",
+            verbose=0,
+        )
     history: list[dict] = []
 
     class RecordingEvalCallback(EvalCallback):
@@ -103,13 +146,24 @@ def child_sb3(a: argparse.Namespace) -> dict:
             evaluated = self.eval_freq > 0 and self.n_calls % self.eval_freq == 0
             keep_going = super()._on_step()
             if evaluated:
-                history.append({"global_step": self.num_timesteps, "time": time.time(),
-                                "return_mean": float(self.last_mean_reward)})
+                history.append(
+                    {
+                        "global_step": self.num_timesteps,
+                        "time": time.time(),
+                        "return_mean": float(self.last_mean_reward),
+                    }
+                )
             return keep_going
 
     stop = None if a.full else StopTrainingOnRewardThreshold(reward_threshold=a.threshold, verbose=0)
-    callback = RecordingEvalCallback(eval_env, callback_on_new_best=stop, n_eval_episodes=a.eval_episodes,
-                                     eval_freq=max(1, a.eval_every // n_envs), deterministic=True, verbose=0)
+    callback = RecordingEvalCallback(
+        eval_env,
+        callback_on_new_best=stop,
+        n_eval_episodes=a.eval_episodes,
+        eval_freq=max(1, a.eval_every // n_envs),
+        deterministic=True,
+        verbose=0,
+    )
     start = time.time()
     model.learn(total_timesteps=a.steps, callback=callback)
     train_time = time.time() - start
@@ -117,22 +171,44 @@ def child_sb3(a: argparse.Namespace) -> dict:
         eval_env.obs_rms = env.obs_rms
     final, final_std = evaluate_policy(model, eval_env, n_eval_episodes=a.eval_episodes, deterministic=True)
     hit = next((h for h in history if h["return_mean"] >= a.threshold), None)
-    return {"to_thr": hit["time"] - a.t0 if hit else None, "steps": hit["global_step"] if hit else None,
-            "final": float(final), "final_std": float(final_std), "global_step": model.num_timesteps,
-            "sps": model.num_timesteps / train_time}
+    return {
+        "to_thr": hit["time"] - a.t0 if hit else None,
+        "steps": hit["global_step"] if hit else None,
+        "final": float(final),
+        "final_std": float(final_std),
+        "global_step": model.num_timesteps,
+        "sps": model.num_timesteps / train_time,
+    }
 
 
 # ----------------------------------------------------------------------------- parent
 def run_child(lib: str, a: argparse.Namespace, seed: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", lib, "--env", a.env, "--seed", str(seed), "--steps", str(a.steps),
-           "--threshold", str(a.threshold), "--eval-every", str(a.eval_every), "--eval-episodes", str(a.eval_episodes)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        lib,
+        "--env",
+        a.env,
+        "--seed",
+        str(seed),
+        "--steps",
+        str(a.steps),
+        "--threshold",
+        str(a.threshold),
+        "--eval-every",
+        str(a.eval_every),
+        "--eval-episodes",
+        str(a.eval_episodes),
+    ]
     if a.full:
         cmd.append("--full")
     if a.sb3_threads:
         cmd += ["--sb3-threads", str(a.sb3_threads)]
     t0 = time.time()
-    proc = subprocess.run(cmd + ["--t0", repr(t0)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        cmd + ["--t0", repr(t0)], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     wall = time.time() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -155,9 +231,13 @@ def main() -> None:
     p.add_argument("--eval-episodes", type=int, default=10)
     p.add_argument("--full", action="store_true", help="train the whole budget instead of stopping at the threshold")
     p.add_argument("--only", choices=["ppokit", "sb3"], help="run one library only")
-    p.add_argument("--sb3-threads", type=int, default=1,
-                   help="torch threads for SB3 (default 1, as ppokit; 0 = torch's default, which is much slower "
-                        "on a busy 2-core machine)")
+    p.add_argument(
+        "--sb3-threads",
+        type=int,
+        default=1,
+        help="torch threads for SB3 (default 1, as ppokit; 0 = torch's default, which is much slower "
+        "on a busy 2-core machine)",
+    )
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--child", choices=["ppokit", "sb3"], help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -173,9 +253,11 @@ def main() -> None:
         return
 
     libs = [a.only] if a.only else ["ppokit", "sb3"]
-    print(f"{task['id']}: budget {a.steps} steps, threshold {a.threshold:g} (deterministic eval, "
-          f"{a.eval_episodes} episodes every {a.eval_every} steps), {'full budget' if a.full else 'stop at threshold'}",
-          flush=True)
+    print(
+        f"{task['id']}: budget {a.steps} steps, threshold {a.threshold:g} (deterministic eval, "
+        f"{a.eval_episodes} episodes every {a.eval_every} steps), {'full budget' if a.full else 'stop at threshold'}",
+        flush=True,
+    )
     rows = []
     header = f"{'lib':8s} {'seed':>4s} {'to_thr s':>9s} {'steps':>8s} {'final':>14s} {'sps':>8s} {'wall s':>8s}"
     print(header)
@@ -187,8 +269,11 @@ def main() -> None:
                 print(f"{lib:8s} {seed:4d} failed: {r['error']}", flush=True)
                 continue
             final = f"{r['final']:.1f}+-{r['final_std']:.1f}" if r["final"] is not None else "-"
-            print(f"{lib:8s} {seed:4d} {fmt(r['to_thr'], '9.2f')} {fmt(r['steps'], '8d')} {final:>14s} "
-                  f"{r['sps']:8.0f} {r['wall']:8.1f}", flush=True)
+            print(
+                f"{lib:8s} {seed:4d} {fmt(r['to_thr'], '9.2f')} {fmt(r['steps'], '8d')} {final:>14s} "
+                f"{r['sps']:8.0f} {r['wall']:8.1f}",
+                flush=True,
+            )
     if len(libs) == 2:
         print("\nratios sb3 / ppokit (higher = ppokit faster):")
         for seed in a.seeds:
@@ -197,13 +282,17 @@ def main() -> None:
             if not mine or not theirs:
                 continue
             t = (theirs["to_thr"] / mine["to_thr"]) if mine["to_thr"] and theirs["to_thr"] else None
-            print(f"  seed {seed}: time to threshold x{fmt(t, '.2f')}, steps/s x{mine['sps'] / theirs['sps']:.2f}, "
-                  f"wall x{theirs['wall'] / mine['wall']:.2f}")
+            print(
+                f"  seed {seed}: time to threshold x{fmt(t, '.2f')}, steps/s x{mine['sps'] / theirs['sps']:.2f}, "
+                f"wall x{theirs['wall'] / mine['wall']:.2f}"
+            )
         for lib in libs:
             ok = [r for r in rows if r["lib"] == lib and r.get("to_thr") is not None]
             if ok:
-                print(f"  {lib}: reached the threshold in {len(ok)}/{len(a.seeds)} seeds, median time to threshold "
-                      f"{statistics.median(r['to_thr'] for r in ok):.2f} s")
+                print(
+                    f"  {lib}: reached the threshold in {len(ok)}/{len(a.seeds)} seeds, median time to threshold "
+                    f"{statistics.median(r['to_thr'] for r in ok):.2f} s"
+                )
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

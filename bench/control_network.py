@@ -44,8 +44,9 @@ NETWORK_PATH = "ppokit/control/networks.py"
 
 def load_old_network(rev: str) -> type:
     """``ActorCritic`` of ``NETWORK_PATH`` at git revision ``rev``, imported from a temp file."""
-    source = subprocess.run(["git", "show", f"{rev}:{NETWORK_PATH}"], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{rev}:{NETWORK_PATH}"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
     with tempfile.TemporaryDirectory(prefix="ppokit-old-net-") as tmp:
         path = Path(tmp) / "flat_networks.py"
         path.write_text(source)
@@ -74,8 +75,16 @@ def run(net_cls: type, steps: int, seed: int, out: str) -> dict[str, float]:
     from ppokit.rundir import create_run_dir, read_metrics
     from ppokit.workloads import train
 
-    cfg = load_config("cartpole", [f"seed={seed}", f"train.total_steps={steps}", "run.progress=false",
-                                   "run.tensorboard=false", f"run.output_dir={out}"])
+    cfg = load_config(
+        "cartpole",
+        [
+            f"seed={seed}",
+            f"train.total_steps={steps}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            f"run.output_dir={out}",
+        ],
+    )
     real = workload.ActorCritic
     workload.ActorCritic = net_cls
     try:
@@ -88,8 +97,13 @@ def run(net_cls: type, steps: int, seed: int, out: str) -> dict[str, float]:
     rows = read_metrics(run_dir)
     collect = sum(r["time_collect"] for r in rows)
     update = sum(r["time_update"] for r in rows)
-    return {"train": collect + update, "collect": collect, "update": update, "cpu": cpu,
-            "return": result.get("eval_return_mean", float("nan"))}
+    return {
+        "train": collect + update,
+        "collect": collect,
+        "update": update,
+        "cpu": cpu,
+        "return": result.get("eval_return_mean", float("nan")),
+    }
 
 
 def main() -> None:
@@ -98,32 +112,46 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100_000, help="env steps per run (the preset's 100k)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--old-rev", default=OLD_REV, help="git revision of the flat-parameter network")
-    p.add_argument("--nets", nargs="+", choices=["old", "new", "new-categorical"], default=["old", "new"],
-                   help="ratios are against the first")
+    p.add_argument(
+        "--nets",
+        nargs="+",
+        choices=["old", "new", "new-categorical"],
+        default=["old", "new"],
+        help="ratios are against the first",
+    )
     a = p.parse_args()
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
     from ppokit.control.networks import ActorCritic
 
-    available = {"old": lambda: load_old_network(a.old_rev), "new": lambda: ActorCritic,
-                 "new-categorical": lambda: categorical_sampling(ActorCritic)}
+    available = {
+        "old": lambda: load_old_network(a.old_rev),
+        "new": lambda: ActorCritic,
+        "new-categorical": lambda: categorical_sampling(ActorCritic),
+    }
     nets = {name: available[name]() for name in a.nets}
     base = a.nets[0]
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, one thread, cartpole preset, "
-          f"{a.steps} steps, seed {a.seed}; old = {a.old_rev}:{NETWORK_PATH}", flush=True)
+    print(
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, one thread, cartpole preset, "
+        f"{a.steps} steps, seed {a.seed}; old = {a.old_rev}:{NETWORK_PATH}",
+        flush=True,
+    )
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in nets}
     with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as out:
-        for net in nets.values():               # warm-up: imports, first-call allocations
+        for net in nets.values():  # warm-up: imports, first-call allocations
             run(net, 2048, a.seed, out)
         for r in range(a.repeats):
-            order = list(nets) if r % 2 == 0 else list(nets)[::-1]   # ABBA: a drift in machine load cancels
+            order = list(nets) if r % 2 == 0 else list(nets)[::-1]  # ABBA: a drift in machine load cancels
             for name in order:
                 gc.collect()
                 res = run(nets[name], a.steps, a.seed, out)
                 runs[name].append(res)
-                print(f"round {r} {name:16s} train {res['train']:.2f} s (collect {res['collect']:.2f}, update "
-                      f"{res['update']:.2f}), cpu {res['cpu']:.2f} s, return {res['return']:.1f}", flush=True)
+                print(
+                    f"round {r} {name:16s} train {res['train']:.2f} s (collect {res['collect']:.2f}, update "
+                    f"{res['update']:.2f}), cpu {res['cpu']:.2f} s, return {res['return']:.1f}",
+                    flush=True,
+                )
     print(f"\nmedians (s) and ratios X / {base} (> 1: X is slower); in brackets the median of the per-round ratios")
     for key in ("train", "collect", "update", "cpu"):
         ref = runs[base]

@@ -62,8 +62,19 @@ def rows(run_dir: Path) -> list[dict]:
 
 def train(args: list[str], out: Path, name: str, stop_after: int | None = None) -> tuple[list[dict], float]:
     """``ppokit train ARGS`` in a subprocess; with ``stop_after``, SIGTERM once that many rows are logged."""
-    cmd = [sys.executable, "-m", "ppokit", "train", *args, "run.progress=false", "run.tensorboard=false",
-           "--output-dir", str(out), "--name", name]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppokit",
+        "train",
+        *args,
+        "run.progress=false",
+        "run.tensorboard=false",
+        "--output-dir",
+        str(out),
+        "--name",
+        name,
+    ]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     if stop_after is not None:
@@ -86,8 +97,12 @@ def compare(local: list[dict], remote: list[dict], n: int) -> dict:
                 continue
             if a.get(key) != b.get(key):
                 diffs.append((a["iteration"], key, a.get(key), b.get(key)))
-    return {"rows": min(n, len(local), len(remote)), "differences": len(diffs), "first": diffs[:5],
-            "fields": len([k for k in local[0] if k not in TIMING and not k.startswith(TIMING_PREFIX)])}
+    return {
+        "rows": min(n, len(local), len(remote)),
+        "differences": len(diffs),
+        "first": diffs[:5],
+        "fields": len([k for k in local[0] if k not in TIMING and not k.startswith(TIMING_PREFIX)]),
+    }
 
 
 # ----------------------------------------------------------------------------- equality
@@ -102,15 +117,16 @@ def bench_equality(a: argparse.Namespace, out: Path) -> dict:
     remote, _ = train(arith + ["cluster.rollout_workers=1"], out, "arith-worker", stop_after=a.arith_rows)
     result["arith"] = compare(local, remote, a.arith_rows)
     for name, r in result.items():
-        print(f"equality {name}: {r['rows']} rows, {r['fields']} non-timing fields each, "
-              f"{r['differences']} differences {r['first'] or ''}")
+        print(
+            f"equality {name}: {r['rows']} rows, {r['fields']} non-timing fields each, "
+            f"{r['differences']} differences {r['first'] or ''}"
+        )
     return result
 
 
 # ----------------------------------------------------------------------------- gradients
 def bench_gradients(a: argparse.Namespace, out: Path) -> dict:
     import ray
-    import torch
 
     from ppokit.config import load_config
     from ppokit.dist.cluster import Cluster
@@ -122,15 +138,24 @@ def bench_gradients(a: argparse.Namespace, out: Path) -> dict:
     sys.path.insert(0, str(ROOT / "tests" / "dist"))
     from test_dist_learners import random_lm_batch
 
-    model = build_tiny_model(out / "tiny", seed=0)          # the arith preset's built-in model
+    model = build_tiny_model(out / "tiny", seed=0)  # the arith preset's built-in model
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     result = {}
     group = cluster = None
     try:
         for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-            cfg = load_config("arith", [f"model.path={model}", "data.sft_epochs=0", f"algo.loss_agg_mode={mode}",
-                                        "cluster.learners=2", "run.precision=fp32", "run.torch_threads=1"])
+            cfg = load_config(
+                "arith",
+                [
+                    f"model.path={model}",
+                    "data.sft_epochs=0",
+                    f"algo.loss_agg_mode={mode}",
+                    "cluster.learners=2",
+                    "run.precision=fp32",
+                    "run.torch_threads=1",
+                ],
+            )
             w = LMWorkload(cfg)
             w.model_path = model
             local = w.learner_replica(SingleProcess())
@@ -149,8 +174,10 @@ def bench_gradients(a: argparse.Namespace, out: Path) -> dict:
             worst = max((together[k] - alone[k]).abs().max().item() for k in alone)
             scale = max(v.abs().max().item() for v in alone.values())
             result[mode] = {"max_abs_diff": worst, "max_abs_grad": scale}
-            print(f"gradients {mode}: mini-batch {cfg.mini_batch_size} split over 2 gloo ranks: max abs difference "
-                  f"{worst:.3g} (largest gradient entry {scale:.3g})")
+            print(
+                f"gradients {mode}: mini-batch {cfg.mini_batch_size} split over 2 gloo ranks: max abs difference "
+                f"{worst:.3g} (largest gradient entry {scale:.3g})"
+            )
     finally:
         if cluster is not None:
             cluster.close()
@@ -160,8 +187,18 @@ def bench_gradients(a: argparse.Namespace, out: Path) -> dict:
 
 # ----------------------------------------------------------------------------- pipeline
 def phase_means(r: list[dict]) -> dict:
-    keys = ["time_collect", "time_score", "time_update", "time_generate", "time_behaviour_log_prob", "time_reward",
-            "time_rollout_wait", "time_load_weights", "sync_time", "time_iteration"]
+    keys = [
+        "time_collect",
+        "time_score",
+        "time_update",
+        "time_generate",
+        "time_behaviour_log_prob",
+        "time_reward",
+        "time_rollout_wait",
+        "time_load_weights",
+        "sync_time",
+        "time_iteration",
+    ]
     return {k: statistics.fmean(x[k] for x in r if k in x) for k in keys if any(k in x for x in r)}
 
 
@@ -170,10 +207,17 @@ def bench_pipeline(a: argparse.Namespace, out: Path) -> dict:
     train(["arith", f"seed={a.seed}", "train.iterations=1"], out, "warm")
     base = out / "warm" / "base_model"
     common = ["arith", f"seed={a.seed}", f"model.path={base}", "data.sft_epochs=0", f"train.iterations={a.iterations}"]
-    runs = {"sync_1thread": common + ["run.torch_threads=1"],
-            "sync_2threads": common + ["run.torch_threads=2"],
-            "pipelined_1worker": common + ["run.torch_threads=1", "rollout.off_policy_steps=1",
-                                           "cluster.rollout_workers=1", "cluster.cpus_per_worker=1"]}
+    runs = {
+        "sync_1thread": common + ["run.torch_threads=1"],
+        "sync_2threads": common + ["run.torch_threads=2"],
+        "pipelined_1worker": common
+        + [
+            "run.torch_threads=1",
+            "rollout.off_policy_steps=1",
+            "cluster.rollout_workers=1",
+            "cluster.cpus_per_worker=1",
+        ],
+    }
     result = {}
     for name, args in runs.items():
         if a.runs and name not in a.runs:
@@ -182,18 +226,28 @@ def bench_pipeline(a: argparse.Namespace, out: Path) -> dict:
         # the training phases of each iteration (collect + score + update, sync included); the
         # held-out evaluations (the same in every run) and logging left out
         loop_s = sum(x["time_collect"] + x.get("time_score", 0.0) + x["time_update"] for x in r)
-        result[name] = {"iterations": len(r), "it_per_s": len(r) / loop_s, "loop_seconds": loop_s,
-                        "it_per_s_with_evaluations": len(r) / r[-1]["wall_time"], "process_seconds": wall,
-                        "accuracy_after": r[-1].get("eval_accuracy_after"), "phases": phase_means(r)}
-        print(f"pipeline {name}: {len(r)} iterations, {result[name]['it_per_s']:.3f} it/s (training phases), "
-              f"held-out accuracy {result[name]['accuracy_after']}, phases {json.dumps(result[name]['phases'])}")
+        result[name] = {
+            "iterations": len(r),
+            "it_per_s": len(r) / loop_s,
+            "loop_seconds": loop_s,
+            "it_per_s_with_evaluations": len(r) / r[-1]["wall_time"],
+            "process_seconds": wall,
+            "accuracy_after": r[-1].get("eval_accuracy_after"),
+            "phases": phase_means(r),
+        }
+        print(
+            f"pipeline {name}: {len(r)} iterations, {result[name]['it_per_s']:.3f} it/s (training phases), "
+            f"held-out accuracy {result[name]['accuracy_after']}, phases {json.dumps(result[name]['phases'])}"
+        )
     p = result.get("pipelined_1worker")
     for base_name in ("sync_1thread", "sync_2threads"):
         s = result.get(base_name)
         if p is None or s is None:
             continue
-        print(f"pipeline speed-up over {base_name}: {p['it_per_s'] / s['it_per_s']:.2f}x; accuracy "
-              f"{p['accuracy_after']:.3f} vs {s['accuracy_after']:.3f}")
+        print(
+            f"pipeline speed-up over {base_name}: {p['it_per_s'] / s['it_per_s']:.2f}x; accuracy "
+            f"{p['accuracy_after']:.3f} vs {s['accuracy_after']:.3f}"
+        )
     return result
 
 
@@ -208,16 +262,26 @@ def bench_sync(a: argparse.Namespace, out: Path) -> dict:
     from ppokit.lm.single_turn.workload import LMWorkload
     from ppokit.trainer import SingleProcess
 
-    path = Path(tempfile.gettempdir()) / "ppokit-bench-lm-h640-l10-m0"        # bench/lm.py's default model
-    model = build_tiny_model(path, hidden_size=640, num_layers=10, num_heads=10, intermediate_size=None,
-                             max_position_embeddings=256, seed=0)
+    path = Path(tempfile.gettempdir()) / "ppokit-bench-lm-h640-l10-m0"  # bench/lm.py's default model
+    model = build_tiny_model(
+        path, hidden_size=640, num_layers=10, num_heads=10, intermediate_size=None, max_position_embeddings=256, seed=0
+    )
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     result = {}
     try:
         for mode in ("lora", "full"):
-            cfg = load_config("arith", [f"model.path={model}", f"model.mode={mode}", "data.sft_epochs=0",
-                                        "cluster.rollout_workers=1", "run.precision=fp32", "run.torch_threads=1"])
+            cfg = load_config(
+                "arith",
+                [
+                    f"model.path={model}",
+                    f"model.mode={mode}",
+                    "data.sft_epochs=0",
+                    "cluster.rollout_workers=1",
+                    "run.precision=fp32",
+                    "run.torch_threads=1",
+                ],
+            )
             w = LMWorkload(cfg)
             w.model_path = model
             learner = w.learner_replica(SingleProcess())
@@ -235,24 +299,37 @@ def bench_sync(a: argparse.Namespace, out: Path) -> dict:
                 nbytes = sum(t.numel() * t.element_size() for t in weights.values())
             finally:
                 cluster.close()
-            result[mode] = {"bytes": nbytes, "tensors": len(weights), "model_parameters": params,
-                            "sync_seconds": statistics.median(times[1:]), "worker_load_seconds": statistics.median(loads[1:])}
-            print(f"sync {mode}: {nbytes / 2**20:.2f} MiB in {len(weights)} tensors, "
-                  f"{result[mode]['sync_seconds'] * 1e3:.1f} ms a sync (worker load "
-                  f"{result[mode]['worker_load_seconds'] * 1e3:.1f} ms); model {params / 1e6:.1f} M parameters")
+            result[mode] = {
+                "bytes": nbytes,
+                "tensors": len(weights),
+                "model_parameters": params,
+                "sync_seconds": statistics.median(times[1:]),
+                "worker_load_seconds": statistics.median(loads[1:]),
+            }
+            print(
+                f"sync {mode}: {nbytes / 2**20:.2f} MiB in {len(weights)} tensors, "
+                f"{result[mode]['sync_seconds'] * 1e3:.1f} ms a sync (worker load "
+                f"{result[mode]['worker_load_seconds'] * 1e3:.1f} ms); model {params / 1e6:.1f} M parameters"
+            )
             del learner
     finally:
         ray.shutdown()
     if "lora" in result and "full" in result:
-        print(f"sync lora/full: {result['lora']['bytes'] / result['full']['bytes']:.4f} of the bytes, "
-              f"{result['lora']['sync_seconds'] / result['full']['sync_seconds']:.3f} of the time")
+        print(
+            f"sync lora/full: {result['lora']['bytes'] / result['full']['bytes']:.4f} of the bytes, "
+            f"{result['lora']['sync_seconds'] / result['full']['sync_seconds']:.3f} of the time"
+        )
     return result
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", nargs="*", default=["equality", "gradients", "sync", "pipeline"],
-                   choices=["equality", "gradients", "sync", "pipeline"])
+    p.add_argument(
+        "what",
+        nargs="*",
+        default=["equality", "gradients", "sync", "pipeline"],
+        choices=["equality", "gradients", "sync", "pipeline"],
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--arith-rows", type=int, default=20, help="arith iterations compared in 'equality'")
     p.add_argument("--iterations", type=int, default=400, help="arith iterations of 'pipeline' (the preset: 400)")

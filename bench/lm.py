@@ -73,7 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,23 +86,47 @@ def model_dir(a: argparse.Namespace) -> Path:
     from ppokit.lm.model.tiny import build_tiny_model
 
     path = Path(tempfile.gettempdir()) / f"ppokit-bench-lm-h{a.hidden}-l{a.layers}-m{a.mlp or 0}"
-    return build_tiny_model(path, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.hidden // 64,
-                            intermediate_size=a.mlp, max_position_embeddings=256, seed=0)
+    return build_tiny_model(
+        path,
+        hidden_size=a.hidden,
+        num_layers=a.layers,
+        num_heads=a.hidden // 64,
+        intermediate_size=a.mlp,
+        max_position_embeddings=256,
+        seed=0,
+    )
 
 
 def make_config(a: argparse.Namespace, mode: str, path: Path, use_cache: bool = True, cache: str = "dynamic"):
     from ppokit.config import build_config
 
-    return build_config([{
-        "workload": "lm", "seed": 0,
-        "model": {"path": str(path), "mode": mode},
-        "rollout": {"temperature": 1.0, "max_new_tokens": a.response_len, "micro_batch_size": a.batch,
-                    "use_cache": use_cache, "cache_implementation": cache},
-        "train": {"iterations": 1, "batch_size": a.batch, "mini_batch_size": a.batch,
-                  "micro_batch_size": a.micro, "infer_micro_batch_size": a.micro, "epochs": 1,
-                  "learning_rate": 1e-5},
-        "algo": {"beta": 0.01, "group_size": 1},
-        "run": {"precision": a.precision, "device": a.device, "progress": False, "tensorboard": False}}])
+    return build_config(
+        [
+            {
+                "workload": "lm",
+                "seed": 0,
+                "model": {"path": str(path), "mode": mode},
+                "rollout": {
+                    "temperature": 1.0,
+                    "max_new_tokens": a.response_len,
+                    "micro_batch_size": a.batch,
+                    "use_cache": use_cache,
+                    "cache_implementation": cache,
+                },
+                "train": {
+                    "iterations": 1,
+                    "batch_size": a.batch,
+                    "mini_batch_size": a.batch,
+                    "micro_batch_size": a.micro,
+                    "infer_micro_batch_size": a.micro,
+                    "epochs": 1,
+                    "learning_rate": 1e-5,
+                },
+                "algo": {"beta": 0.01, "group_size": 1},
+                "run": {"precision": a.precision, "device": a.device, "progress": False, "tensorboard": False},
+            }
+        ]
+    )
 
 
 def prompts(a: argparse.Namespace) -> list[str]:
@@ -135,9 +159,9 @@ class Pieces:
     def __init__(self, a: argparse.Namespace, mode: str, use_cache: bool = True, cache: str = "dynamic"):
         import torch
 
+        from ppokit.lm.generation.engine import RolloutEngine
         from ppokit.lm.model.hf import load_tokenizer
         from ppokit.lm.model.policy import build_policy
-        from ppokit.lm.generation.engine import RolloutEngine
         from ppokit.lm.scoring import Scorer
         from ppokit.lm.single_turn.workload import LMLearner, setup
 
@@ -149,16 +173,21 @@ class Pieces:
         self.tok = load_tokenizer(path)
         self.policy = build_policy(cfg, path, device=self.device, autocast_dtype=self.dtype, seed=0)
         kv_cache = None
-        if cfg.model.cpu_kernels:                      # as the LM workload builds it
+        if cfg.model.cpu_kernels:  # as the LM workload builds it
             from ppokit.lm.accel import accelerate_policy
 
             kv_cache = accelerate_policy(self.policy).kv_cache
-        self.engine = RolloutEngine.for_policy(self.policy, self.tok, cfg.rollout, kv_cache=kv_cache,
-                                               generation_kwargs={"min_new_tokens": a.response_len})
+        self.engine = RolloutEngine.for_policy(
+            self.policy, self.tok, cfg.rollout, kv_cache=kv_cache, generation_kwargs={"min_new_tokens": a.response_len}
+        )
         self.learner = LMLearner(cfg, self.policy, self.tok, path)
         # as the LM workload: a fully on-policy update (one epoch, one mini-batch) computes its own old log-probs
-        self.scorer = Scorer(self.policy, cfg.train.infer_micro_batch_size, need_reference=True,
-                             need_old_log_prob=self.learner.needs_scored_old_log_prob())
+        self.scorer = Scorer(
+            self.policy,
+            cfg.train.infer_micro_batch_size,
+            need_reference=True,
+            need_old_log_prob=self.learner.needs_scored_old_log_prob(),
+        )
         self.prompts = prompts(a)
 
     def training_batch(self, ro, scored: dict) -> dict:
@@ -215,16 +244,17 @@ def forward_flops(s: dict, n: int, length: int, head_positions: int) -> float:
     return linear + attention + 2 * s["hidden"] * s["vocab"] * n * head_positions
 
 
-def iteration_flops(s: dict, n: int, prompt_len: int, response_len: int, mode: str,
-                    old_log_prob_pass: bool = True) -> dict:
+def iteration_flops(
+    s: dict, n: int, prompt_len: int, response_len: int, mode: str, old_log_prob_pass: bool = True
+) -> dict:
     """FLOPs of each phase; ``old_log_prob_pass``: whether scoring ran the actor (a fully
     on-policy update computes the old log-probs in its own forward instead)."""
     L = prompt_len + response_len
     actor = forward_flops(s, n, L, response_len)
     critic = forward_flops(s, n, L, 0)
-    backward = 1.0 if mode == "lora" else 2.0        # frozen backbone: input gradients only
+    backward = 1.0 if mode == "lora" else 2.0  # frozen backbone: input gradients only
     update = (actor + critic) * (1 + backward)
-    score = (2 if old_log_prob_pass else 1) * actor + critic   # [old log-probs,] reference, values
+    score = (2 if old_log_prob_pass else 1) * actor + critic  # [old log-probs,] reference, values
     # generation: prefill of the prompts, then one token per step against the cache
     gen = forward_flops(s, n, prompt_len, 1)
     for t in range(1, response_len):
@@ -233,7 +263,7 @@ def iteration_flops(s: dict, n: int, prompt_len: int, response_len: int, mode: s
     return {"generate": gen, "score": score, "update": update, "total": gen + score + update}
 
 
-@lru_cache(maxsize=None)
+@cache
 def square_operands(device, dtype, size: int):
     """Two random (size x size) matrices in the precision in use, made once for every
     ceiling measurement."""
@@ -251,7 +281,7 @@ def describe_machine() -> str:
 
     import torch
 
-    info = {}                                   # the first CPU's "model name" and "flags"
+    info = {}  # the first CPU's "model name" and "flags"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
@@ -260,8 +290,15 @@ def describe_machine() -> str:
         pass
     model = info.get("model name") or platform.processor() or platform.machine()
     flags = f" {info['flags']} " if "flags" in info else ""
-    units = ("AMX tiles" if " amx_bf16 " in flags else "AVX512-BF16 vector instructions" if " avx512_bf16 " in flags
-             else "no bf16 instructions (fp32 is the default there)" if flags else "unknown units")
+    units = (
+        "AMX tiles"
+        if " amx_bf16 " in flags
+        else "AVX512-BF16 vector instructions"
+        if " avx512_bf16 " in flags
+        else "no bf16 instructions (fp32 is the default there)"
+        if flags
+        else "unknown units"
+    )
     gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"machine: {model}, {os.cpu_count()} CPU cores, bf16 matmuls on {units}{gpu}"
 
@@ -278,7 +315,7 @@ def matmul_ceiling(device, dtype, size: int = 2048, repeats: int = 10) -> float:
         torch.matmul(x, y)
         sync(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
+    return 2 * size**3 / best
 
 
 def sustained_matmul(device, dtype, seconds: float, size: int = 2048) -> tuple[float, float]:
@@ -291,7 +328,7 @@ def sustained_matmul(device, dtype, seconds: float, size: int = 2048) -> tuple[f
     import torch
 
     x, y = square_operands(device, dtype, size)
-    torch.matmul(x, y)                                 # first-call set-up is not the machine's rate
+    torch.matmul(x, y)  # first-call set-up is not the machine's rate
     sync(device)
     n, start = 0, time.perf_counter()
     while True:
@@ -300,7 +337,7 @@ def sustained_matmul(device, dtype, seconds: float, size: int = 2048) -> tuple[f
         n += 1
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
-            return 2 * size ** 3 * n, elapsed
+            return 2 * size**3 * n, elapsed
 
 
 def layer_matmul_weights(policy) -> list:
@@ -310,12 +347,12 @@ def layer_matmul_weights(policy) -> list:
 
     base = policy.lm.get_base_model() if hasattr(policy.lm, "get_base_model") else policy.lm
     layer = base.model.layers[0]
-    return [m.weight.detach() for name, m in layer.named_modules()
-            if isinstance(m, nn.Linear) and "lora_" not in name]
+    return [m.weight.detach() for name, m in layer.named_modules() if isinstance(m, nn.Linear) and "lora_" not in name]
 
 
-def layer_matmul_rate(weights: list, rows: int, device, dtype, ceiling_size: int = 2048,
-                      repeats: int = 30) -> tuple[float, float]:
+def layer_matmul_rate(
+    weights: list, rows: int, device, dtype, ceiling_size: int = 2048, repeats: int = 30
+) -> tuple[float, float]:
     """(FLOP/s of the update's layer matmuls alone, FLOP/s of the ceiling matmul), best of
     ``repeats``, measured alternately so that both see the same load on the machine.
 
@@ -374,9 +411,9 @@ def child_memory(a: argparse.Namespace) -> dict:
 
 
 def child_perf(a: argparse.Namespace) -> dict:
-    a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})     # a throughput-sized micro-batch
+    a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})  # a throughput-sized micro-batch
     pieces = Pieces(a, "lora")
-    pieces.iteration()                               # warm-up (allocations, kernels, Adam state)
+    pieces.iteration()  # warm-up (allocations, kernels, Adam state)
     # Two ceilings. The peak: the best single matmul, measured before, between and after
     # the timed iterations (other processes only ever slow a measurement down). The
     # sustained one: after each phase of each iteration, matmuls back to back for as long
@@ -392,28 +429,40 @@ def child_perf(a: argparse.Namespace) -> dict:
         peaks.append(matmul_ceiling(pieces.device, pieces.dtype))
     ro = runs[-1]["rollout"]
     s = model_shapes(pieces.policy)
-    flops = iteration_flops(s, len(ro), ro.prompt_length, ro.responses.shape[1], "lora",
-                            old_log_prob_pass=pieces.scorer.need_old_log_prob)
+    flops = iteration_flops(
+        s, len(ro), ro.prompt_length, ro.responses.shape[1], "lora", old_log_prob_pass=pieces.scorer.need_old_log_prob
+    )
     t = {k: sum(r["times"][k] for r in runs) / len(runs) for k in ("generate", "score", "update", "total")}
     sustained = {phase: sum(f for f, _ in w) / sum(sec for _, sec in w) for phase, w in windows.items()}
-    sustained["total"] = sum(f for w in windows.values() for f, _ in w) / \
-        sum(sec for w in windows.values() for _, sec in w)
+    sustained["total"] = sum(f for w in windows.values() for f, _ in w) / sum(
+        sec for w in windows.values() for _, sec in w
+    )
     rows = a.perf_micro * (ro.prompt_length + ro.responses.shape[1])
-    matmuls, matmul_ceiling_ = layer_matmul_rate(layer_matmul_weights(pieces.policy), rows, pieces.device,
-                                                 pieces.dtype)
-    return {"ceiling_flops": max(peaks), "sustained_flops": sustained, "flops": flops, "times": t, "shapes": s,
-            "layer_matmuls": {"rows": rows, "fraction": matmuls / matmul_ceiling_},
-            "precision": "bf16" if pieces.dtype is not None else "fp32", "device": str(pieces.device),
-            "threads": __import__("torch").get_num_threads(), "old_log_prob_pass": pieces.scorer.need_old_log_prob,
-            "tokens": {"n": len(ro), "prompt": ro.prompt_length, "response": ro.responses.shape[1]}}
+    matmuls, matmul_ceiling_ = layer_matmul_rate(layer_matmul_weights(pieces.policy), rows, pieces.device, pieces.dtype)
+    return {
+        "ceiling_flops": max(peaks),
+        "sustained_flops": sustained,
+        "flops": flops,
+        "times": t,
+        "shapes": s,
+        "layer_matmuls": {"rows": rows, "fraction": matmuls / matmul_ceiling_},
+        "precision": "bf16" if pieces.dtype is not None else "fp32",
+        "device": str(pieces.device),
+        "threads": __import__("torch").get_num_threads(),
+        "old_log_prob_pass": pieces.scorer.need_old_log_prob,
+        "tokens": {"n": len(ro), "prompt": ro.prompt_length, "response": ro.responses.shape[1]},
+    }
 
 
 def child_gen(a: argparse.Namespace) -> dict:
     out = {}
-    for name, use_cache, cache in (("cache", True, "dynamic"), ("static", True, "static"),
-                                   ("no_cache", False, "dynamic")):
-        pieces = Pieces(a, "lora", use_cache=use_cache, cache=cache)
-        pieces.engine.generate(pieces.prompts, group_size=1)   # warm-up (on CUDA, the static cache compiles)
+    for name, use_cache, cache_kind in (
+        ("cache", True, "dynamic"),
+        ("static", True, "static"),
+        ("no_cache", False, "dynamic"),
+    ):
+        pieces = Pieces(a, "lora", use_cache=use_cache, cache=cache_kind)
+        pieces.engine.generate(pieces.prompts, group_size=1)  # warm-up (on CUDA, the static cache compiles)
         best = float("inf")
         for _ in range(a.repeats):
             start = time.perf_counter()
@@ -433,12 +482,14 @@ def alternate(a: argparse.Namespace, paths: dict) -> dict:
     ro = pieces.engine.generate(pieces.prompts, group_size=1)
     batch = pieces.training_batch(ro, pieces.score(ro))
     times: dict[str, dict[str, float]] = {name: {} for name in paths}
-    for round_ in range(a.repeats + 1):                 # round 0 warms every path up
+    for round_ in range(a.repeats + 1):  # round 0 warms every path up
         for name, switch in paths.items():
             switch(pieces.policy)
-            for phase, run in (("generate", lambda: pieces.engine.generate(pieces.prompts, group_size=1)),
-                               ("score", lambda: pieces.score(ro)),
-                               ("update", lambda: pieces.update(batch))):
+            for phase, run in (
+                ("generate", lambda: pieces.engine.generate(pieces.prompts, group_size=1)),
+                ("score", lambda: pieces.score(ro)),
+                ("update", lambda: pieces.update(batch)),
+            ):
                 start = time.perf_counter()
                 run()
                 sync(pieces.device)
@@ -452,16 +503,22 @@ def child_lora(a: argparse.Namespace) -> dict:
     """ppokit's fused LoRA layers against peft's own forward."""
     from ppokit.lm.accel.fused_lora import fuse_lora_layers, unfuse_lora_layers
 
-    return alternate(a, {"fused": lambda policy: fuse_lora_layers(policy.lm),
-                         "peft": lambda policy: unfuse_lora_layers(policy.lm)})
+    return alternate(
+        a, {"fused": lambda policy: fuse_lora_layers(policy.lm), "peft": lambda policy: unfuse_lora_layers(policy.lm)}
+    )
 
 
 def child_kernels(a: argparse.Namespace) -> dict:
     """The fused CPU kernels (RMSNorm, SwiGLU, rotary) against transformers' layers."""
     from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
 
-    return alternate(a, {"fused": lambda policy: fuse_cpu_kernels(policy.lm),
-                         "transformers": lambda policy: unfuse_cpu_kernels(policy.lm)})
+    return alternate(
+        a,
+        {
+            "fused": lambda policy: fuse_cpu_kernels(policy.lm),
+            "transformers": lambda policy: unfuse_cpu_kernels(policy.lm),
+        },
+    )
 
 
 def child_layout(a: argparse.Namespace) -> dict:
@@ -510,10 +567,12 @@ def child_profile(a: argparse.Namespace) -> dict:
 
     a = argparse.Namespace(**{**vars(a), "micro": a.perf_micro})
     pieces = Pieces(a, "lora")
-    pieces.iteration()                               # warm-up
+    pieces.iteration()  # warm-up
     ro = pieces.engine.generate(pieces.prompts, group_size=1)
-    phases = {"generate": lambda: pieces.engine.generate(pieces.prompts, group_size=1),
-              "score": lambda: pieces.score(ro)}
+    phases = {
+        "generate": lambda: pieces.engine.generate(pieces.prompts, group_size=1),
+        "score": lambda: pieces.score(ro),
+    }
     scored = pieces.score(ro)
     phases["update"] = lambda: pieces.update(pieces.training_batch(ro, scored))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pieces.device.type == "cuda" else [])
@@ -524,23 +583,52 @@ def child_profile(a: argparse.Namespace) -> dict:
         with profile(activities=activities) as prof:
             fn()
             sync(pieces.device)
-        out[phase] = {"seconds": time.perf_counter() - start,
-                      "table": prof.key_averages().table(sort_by=sort, row_limit=a.rows or 25)}
+        out[phase] = {
+            "seconds": time.perf_counter() - start,
+            "table": prof.key_averages().table(sort_by=sort, row_limit=a.rows or 25),
+        }
     return out
 
 
-CHILDREN = {"profile": child_profile, "memory": child_memory, "perf": child_perf, "gen": child_gen, "lora": child_lora,
-            "kernels": child_kernels, "layout": child_layout, "attention": child_attention, "amx": child_amx}
+CHILDREN = {
+    "profile": child_profile,
+    "memory": child_memory,
+    "perf": child_perf,
+    "gen": child_gen,
+    "lora": child_lora,
+    "kernels": child_kernels,
+    "layout": child_layout,
+    "attention": child_attention,
+    "amx": child_amx,
+}
 # --only lora / kernels / layout / attention / amx: (ppokit's path, the path it is compared with)
-ALTERNATIVES = {"lora": ("fused", "peft"), "kernels": ("fused", "transformers"),
-                "layout": ("column-major", "row-major"), "attention": ("kernel", "eager"), "amx": ("kernels", "oneDNN")}
+ALTERNATIVES = {
+    "lora": ("fused", "peft"),
+    "kernels": ("fused", "transformers"),
+    "layout": ("column-major", "row-major"),
+    "attention": ("kernel", "eager"),
+    "amx": ("kernels", "oneDNN"),
+}
 
 
 # ----------------------------------------------------------------------------- parent
 def run_child(a: argparse.Namespace, kind: str, mode: str = "lora") -> dict:
     args = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--mode", mode]
-    for key in ("hidden", "layers", "mlp", "batch", "micro", "perf_micro", "prompt_repeat", "response_len", "precision", "device",
-                "threads", "repeats", "rows"):
+    for key in (
+        "hidden",
+        "layers",
+        "mlp",
+        "batch",
+        "micro",
+        "perf_micro",
+        "prompt_repeat",
+        "response_len",
+        "precision",
+        "device",
+        "threads",
+        "repeats",
+        "rows",
+    ):
         value = getattr(a, key)
         if value is not None:
             args += [f"--{key.replace('_', '-')}", str(value)]
@@ -551,18 +639,29 @@ def run_child(a: argparse.Namespace, kind: str, mode: str = "lora") -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="a ~6 M-parameter model and fewer tokens")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 640; quick 256)")
     p.add_argument("--layers", type=int, default=None, help="layers (default 10; quick 6)")
     p.add_argument("--mlp", type=int, default=None, help="MLP size (default 8/3 x hidden, the Llama ratio)")
-    p.add_argument("--batch", type=int, default=None,
-                   help="sequences per iteration, all in one generate call (default 256: 32 prompts x 8 "
-                        "samples, the issue's scale; quick 16)")
-    p.add_argument("--micro", type=int, default=None, help="sequences per forward/backward (default 4, the PPO defaults' scale)")
-    p.add_argument("--perf-micro", type=int, default=None,
-                   help="sequences per forward/backward in the FLOP/s and time measurements (default 32)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences per iteration, all in one generate call (default 256: 32 prompts x 8 "
+        "samples, the issue's scale; quick 16)",
+    )
+    p.add_argument(
+        "--micro", type=int, default=None, help="sequences per forward/backward (default 4, the PPO defaults' scale)"
+    )
+    p.add_argument(
+        "--perf-micro",
+        type=int,
+        default=None,
+        help="sequences per forward/backward in the FLOP/s and time measurements (default 32)",
+    )
     p.add_argument("--prompt-repeat", type=int, default=2, help="prompt = an arithmetic problem repeated k times")
     p.add_argument("--response-len", type=int, default=None, help="response tokens (default 32; quick 16)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
@@ -583,45 +682,64 @@ def main(argv=None) -> int:
         print(json.dumps(CHILDREN[a.child](a)))
         return 0
 
-    model_dir(a)            # build once, before the children race to it
+    model_dir(a)  # build once, before the children race to it
     print(describe_machine())
-    print(f"model: hidden {a.hidden}, {a.layers} layers; {a.batch} sequences, responses of "
-          f"{a.response_len} tokens; micro-batch {a.micro} (memory) / {a.perf_micro} (speed); "
-          f"precision {a.precision}, device {a.device}")
+    print(
+        f"model: hidden {a.hidden}, {a.layers} layers; {a.batch} sequences, responses of "
+        f"{a.response_len} tokens; micro-batch {a.micro} (memory) / {a.perf_micro} (speed); "
+        f"precision {a.precision}, device {a.device}"
+    )
     ok = True
     if a.only in (None, "memory"):
         lora, full_ = run_child(a, "memory", "lora"), run_child(a, "memory", "full")
         ratio = lora["peak_bytes"] / full_["peak_bytes"]
         ok &= ratio <= 0.4
-        print(f"memory      shared-LoRA {lora['peak_bytes'] / 2**20:8.0f} MiB   separate models "
-              f"{full_['peak_bytes'] / 2**20:8.0f} MiB   ratio {ratio:.3f}   (goal <= 0.4)")
+        print(
+            f"memory      shared-LoRA {lora['peak_bytes'] / 2**20:8.0f} MiB   separate models "
+            f"{full_['peak_bytes'] / 2**20:8.0f} MiB   ratio {ratio:.3f}   (goal <= 0.4)"
+        )
     if a.only in (None, "perf"):
         r = run_child(a, "perf")
         params = r["shapes"]["body"]
         peak, sustained = r["ceiling_flops"], r["sustained_flops"]
         rate = {phase: r["flops"][phase] / r["times"][phase] for phase in ("generate", "score", "update", "total")}
         mfu = rate["update"] / sustained["update"]
-        over = sustained["total"] / rate["total"]                 # time over FLOPs at the sustained rate
+        over = sustained["total"] / rate["total"]  # time over FLOPs at the sustained rate
         ok &= (mfu >= 0.4 or params < 20e6) and over <= 2
-        print(f"ceiling     {r['precision']} matmul, {r['device']}, {r['threads']} threads: peak {peak / 1e12:.3f} "
-              f"TFLOP/s (best single matmul); sustained {sustained['total'] / 1e12:.3f} TFLOP/s (back to back, "
-              f"after each phase for as long as it took)")
-        passes = "old log-probs, reference, values" if r["old_log_prob_pass"] else \
-            "reference, values (one epoch of one mini-batch: the update computes the old log-probs)"
-        print(f"            body {params / 1e6:.1f} M parameters; tokens {r['tokens']}; mean of {a.repeats} iterations; "
-              f"scoring passes: {passes}")
+        print(
+            f"ceiling     {r['precision']} matmul, {r['device']}, {r['threads']} threads: peak {peak / 1e12:.3f} "
+            f"TFLOP/s (best single matmul); sustained {sustained['total'] / 1e12:.3f} TFLOP/s (back to back, "
+            f"after each phase for as long as it took)"
+        )
+        passes = (
+            "old log-probs, reference, values"
+            if r["old_log_prob_pass"]
+            else "reference, values (one epoch of one mini-batch: the update computes the old log-probs)"
+        )
+        print(
+            f"            body {params / 1e6:.1f} M parameters; tokens {r['tokens']}; mean of {a.repeats} iterations; "
+            f"scoring passes: {passes}"
+        )
         for phase in ("generate", "score", "update"):
-            print(f"  {phase:9s} {r['times'][phase]:7.3f} s  {r['flops'][phase] / 1e9:9.1f} GFLOP  "
-                  f"{rate[phase] / 1e12:.3f} TFLOP/s = {rate[phase] / sustained[phase]:6.1%} of the sustained ceiling "
-                  f"({sustained[phase] / 1e12:.3f}), {rate[phase] / peak:6.1%} of the peak")
-        print(f"update      {mfu:6.1%} of the sustained matmul ceiling, {rate['update'] / peak:.1%} of the peak   "
-              f"(goal >= 40% for >= 20 M parameters)")
+            print(
+                f"  {phase:9s} {r['times'][phase]:7.3f} s  {r['flops'][phase] / 1e9:9.1f} GFLOP  "
+                f"{rate[phase] / 1e12:.3f} TFLOP/s = {rate[phase] / sustained[phase]:6.1%} of the sustained ceiling "
+                f"({sustained[phase] / 1e12:.3f}), {rate[phase] / peak:6.1%} of the peak"
+            )
+        print(
+            f"update      {mfu:6.1%} of the sustained matmul ceiling, {rate['update'] / peak:.1%} of the peak   "
+            f"(goal >= 40% for >= 20 M parameters)"
+        )
         lm = r["layer_matmuls"]
-        print(f"  bound     {lm['fraction']:6.1%}: the update's layer matmuls alone ({lm['rows']} rows, no LoRA, "
-              "no elementwise work), measured alternately with the peak")
-        print(f"iteration   {r['times']['total']:.3f} s = {over:.2f}x its compute floor at the sustained ceiling "
-              f"({r['flops']['total'] / sustained['total']:.3f} s), {peak / rate['total']:.2f}x at the peak   "
-              f"(goal <= 2)")
+        print(
+            f"  bound     {lm['fraction']:6.1%}: the update's layer matmuls alone ({lm['rows']} rows, no LoRA, "
+            "no elementwise work), measured alternately with the peak"
+        )
+        print(
+            f"iteration   {r['times']['total']:.3f} s = {over:.2f}x its compute floor at the sustained ceiling "
+            f"({r['flops']['total'] / sustained['total']:.3f} s), {peak / rate['total']:.2f}x at the peak   "
+            f"(goal <= 2)"
+        )
     if a.only == "profile":
         for phase, r in run_child(a, "profile").items():
             print(f"profile     {phase}: {r['seconds']:.3f} s under the profiler")
@@ -630,14 +748,20 @@ def main(argv=None) -> int:
         t = run_child(a, a.only)
         ours, other = ALTERNATIVES[a.only]
         for phase in ("generate", "score", "update"):
-            print(f"{a.only:11s} {phase:8s} {ours} {t[ours][phase]:7.3f} s   {other} {t[other][phase]:7.3f} s   "
-                  f"{other}/{ours} {t[other][phase] / t[ours][phase]:.2f}x")
+            print(
+                f"{a.only:11s} {phase:8s} {ours} {t[ours][phase]:7.3f} s   {other} {t[other][phase]:7.3f} s   "
+                f"{other}/{ours} {t[other][phase] / t[ours][phase]:.2f}x"
+            )
     if a.only in (None, "gen"):
         g = run_child(a, "gen")
-        print(f"kv-cache    {g['cache']:8.0f} tokens/s with the cache, {g['no_cache']:8.0f} without: "
-              f"{g['cache'] / g['no_cache']:.2f}x")
-        print(f"  static    {g['static']:8.0f} tokens/s with rollout.cache_implementation=static: "
-              f"{g['static'] / g['cache']:.2f}x the dynamic cache")
+        print(
+            f"kv-cache    {g['cache']:8.0f} tokens/s with the cache, {g['no_cache']:8.0f} without: "
+            f"{g['cache'] / g['no_cache']:.2f}x"
+        )
+        print(
+            f"  static    {g['static']:8.0f} tokens/s with rollout.cache_implementation=static: "
+            f"{g['static'] / g['cache']:.2f}x the dynamic cache"
+        )
     return 0 if ok else 1
 
 

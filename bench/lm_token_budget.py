@@ -42,8 +42,8 @@ def build_batch(tokenizer, n: int, seed: int, min_response: int, max_response: i
     ids = torch.full((n, max_prompt), tokenizer.pad_token_id)
     am = torch.zeros((n, max_prompt), dtype=torch.long)
     for i, p in enumerate(prompt_lengths.tolist()):
-        ids[i, max_prompt - p:] = torch.randint(4, vocab, (p,), generator=g)
-        am[i, max_prompt - p:] = 1
+        ids[i, max_prompt - p :] = torch.randint(4, vocab, (p,), generator=g)
+        am[i, max_prompt - p :] = 1
     raw = torch.randint(4, vocab, (n, max_response), generator=g)
     raw[torch.arange(n), response_lengths - 1] = tokenizer.eos_token_id
     return assemble(ids, am, raw, eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id)
@@ -67,8 +67,8 @@ def main() -> None:
     from ppokit.config import build_config
     from ppokit.lm.model.hf import load_tokenizer
     from ppokit.lm.model.policy import build_policy
-    from ppokit.lm.scoring import Scorer
     from ppokit.lm.model.tiny import build_tiny_model
+    from ppokit.lm.scoring import Scorer
     from ppokit.trainer import PPOTrainer
 
     torch.set_num_threads(args.threads)
@@ -76,19 +76,38 @@ def main() -> None:
     dtype = torch.bfloat16 if args.precision == "bf16" else None
     longest = args.max_prompt + args.max_response
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
-                                 num_heads=args.hidden // 64, max_position_embeddings=longest + 8)
+        model = build_tiny_model(
+            Path(tmp) / "model",
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.hidden // 64,
+            max_position_embeddings=longest + 8,
+        )
         tokenizer = load_tokenizer(model)
         budget = args.micro * longest
 
         def cfg(tokens):
-            return build_config([{
-                "workload": "lm", "model": {"path": str(model), "cpu_kernels": False},
-                "rollout": {"max_new_tokens": args.max_response},
-                "train": {"batch_size": args.batch, "mini_batch_size": args.batch, "micro_batch_size": args.micro,
-                          "micro_batch_tokens": tokens, "infer_micro_batch_size": args.micro, "epochs": 1,
-                          "iterations": 1000, "lr_warmup_ratio": 0.0},
-                "algo": {"beta": 0.01}, "run": {"precision": args.precision}}])
+            return build_config(
+                [
+                    {
+                        "workload": "lm",
+                        "model": {"path": str(model), "cpu_kernels": False},
+                        "rollout": {"max_new_tokens": args.max_response},
+                        "train": {
+                            "batch_size": args.batch,
+                            "mini_batch_size": args.batch,
+                            "micro_batch_size": args.micro,
+                            "micro_batch_tokens": tokens,
+                            "infer_micro_batch_size": args.micro,
+                            "epochs": 1,
+                            "iterations": 1000,
+                            "lr_warmup_ratio": 0.0,
+                        },
+                        "algo": {"beta": 0.01},
+                        "run": {"precision": args.precision},
+                    }
+                ]
+            )
 
         settings = {"fixed": cfg(None), "budget": cfg(budget)}
         policy = build_policy(settings["fixed"], model, device=device, autocast_dtype=dtype, seed=0)
@@ -97,18 +116,23 @@ def main() -> None:
         tensors = {k: v.to(device) for k, v in rollout.items() if k != "truncated"}
         mask = tensors["mask"]
         g = torch.Generator().manual_seed(1)
-        batch = {**{k: tensors[k] for k in ("input_ids", "attention_mask", "position_ids", "responses", "mask")},
-                 "advantages": torch.randn(mask.shape, generator=g).to(device) * mask,
-                 "returns": torch.randn(mask.shape, generator=g).to(device) * mask}
-        scorers = {name: Scorer(policy, args.micro, need_reference=True, micro_batch_tokens=c.train.micro_batch_tokens)
-                   for name, c in settings.items()}
+        batch = {
+            **{k: tensors[k] for k in ("input_ids", "attention_mask", "position_ids", "responses", "mask")},
+            "advantages": torch.randn(mask.shape, generator=g).to(device) * mask,
+            "returns": torch.randn(mask.shape, generator=g).to(device) * mask,
+        }
+        scorers = {
+            name: Scorer(policy, args.micro, need_reference=True, micro_batch_tokens=c.train.micro_batch_tokens)
+            for name, c in settings.items()
+        }
         scored = scorers["fixed"].forward_passes(tensors)
-        batch.update(old_log_prob=scored["old_log_prob"], old_values=scored["old_values"],
-                     ref_log_prob=scored["ref_log_prob"])
+        batch.update(
+            old_log_prob=scored["old_log_prob"], old_values=scored["old_values"], ref_log_prob=scored["ref_log_prob"]
+        )
         trainers = {name: PPOTrainer(c, policy, total_iterations=1000) for name, c in settings.items()}
         times: dict[str, dict[str, list[float]]] = {n: {"update": [], "score": []} for n in settings}
         padding = {}
-        for repeat in range(args.repeats + 1):                  # the first round warms up, not counted
+        for repeat in range(args.repeats + 1):  # the first round warms up, not counted
             for name in settings:
                 start = time.perf_counter()
                 scorers[name].forward_passes(tensors)
@@ -123,20 +147,26 @@ def main() -> None:
     lengths = tensors["attention_mask"].sum(1)
     from ppokit.trainer import micro_batch_indices
 
-    counts = {name: len(micro_batch_indices(batch, args.micro, c.train.micro_batch_tokens))
-              for name, c in settings.items()}
-    print(f"batch: {args.batch} sequences, responses {args.min_response}-{args.max_response} tokens, prompts "
-          f"{args.max_prompt // 2}-{args.max_prompt}; rows {int(lengths.min())}-{int(lengths.max())} tokens "
-          f"(mean {lengths.float().mean():.0f}); model hidden {args.hidden} x {args.layers} layers, LoRA actor + "
-          f"critic, {args.precision}, {args.threads} thread(s), {device}")
-    print(f"fixed:  {args.micro} rows per micro-batch, {counts['fixed']} micro-batches, padding "
-          f"{padding['fixed']:.1%} of the positions computed")
-    print(f"budget: micro_batch_tokens={budget}, {counts['budget']} micro-batches, padding "
-          f"{padding['budget']:.1%}")
+    counts = {
+        name: len(micro_batch_indices(batch, args.micro, c.train.micro_batch_tokens)) for name, c in settings.items()
+    }
+    print(
+        f"batch: {args.batch} sequences, responses {args.min_response}-{args.max_response} tokens, prompts "
+        f"{args.max_prompt // 2}-{args.max_prompt}; rows {int(lengths.min())}-{int(lengths.max())} tokens "
+        f"(mean {lengths.float().mean():.0f}); model hidden {args.hidden} x {args.layers} layers, LoRA actor + "
+        f"critic, {args.precision}, {args.threads} thread(s), {device}"
+    )
+    print(
+        f"fixed:  {args.micro} rows per micro-batch, {counts['fixed']} micro-batches, padding "
+        f"{padding['fixed']:.1%} of the positions computed"
+    )
+    print(f"budget: micro_batch_tokens={budget}, {counts['budget']} micro-batches, padding {padding['budget']:.1%}")
     for phase in ("update", "score"):
         fixed, tokens = (statistics.median(times[n][phase]) for n in ("fixed", "budget"))
-        print(f"{phase:6s}  fixed {fixed:7.2f} s   budget {tokens:7.2f} s   speed-up {fixed / tokens:.2f}x "
-              f"(median of {args.repeats})")
+        print(
+            f"{phase:6s}  fixed {fixed:7.2f} s   budget {tokens:7.2f} s   speed-up {fixed / tokens:.2f}x "
+            f"(median of {args.repeats})"
+        )
 
 
 if __name__ == "__main__":

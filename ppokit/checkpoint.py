@@ -26,9 +26,10 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ import torch
 from ppokit.errors import UserError
 
 FORMAT = "ppokit-checkpoint"
-VERSION = 2       # 2: one checkpoint per run state (parts "learner", "source", ...), both workloads
+VERSION = 2  # 2: one checkpoint per run state (parts "learner", "source", ...), both workloads
 META = "meta.json"
 
 
@@ -89,8 +90,9 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor], where: Path) -> Any:
 
 
 # ----------------------------------------------------------------------------- save
-def save_checkpoint(path: Path | str, parts: dict[str, Any], meta: dict[str, Any],
-                    files: Optional[Callable[[Path], None]] = None) -> Path:
+def save_checkpoint(
+    path: Path | str, parts: dict[str, Any], meta: dict[str, Any], files: Callable[[Path], None] | None = None
+) -> Path:
     """Write ``parts`` (name -> state) and ``meta`` (JSON-able) atomically to directory ``path``.
 
     ``files(directory)``, when given, first writes more files into the checkpoint (a
@@ -228,8 +230,10 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
     if isinstance(meta.get("version"), bool) or not isinstance(meta.get("version", 0), int):
         raise UserError(f"checkpoint file {meta_path} is corrupt: version {meta['version']!r} is not a number")
     if meta.get("version", 0) > VERSION:
-        raise UserError(f"checkpoint file {meta_path} has version {meta['version']}; this ppokit reads "
-                        f"up to {VERSION}: upgrade ppokit")
+        raise UserError(
+            f"checkpoint file {meta_path} has version {meta['version']}; this ppokit reads "
+            f"up to {VERSION}: upgrade ppokit"
+        )
     ckpt = Checkpoint(path=path, meta=meta)
     for name, skeleton in meta["parts"].items():
         file = path / f"{name}.safetensors"

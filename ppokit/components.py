@@ -24,12 +24,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
-__all__ = ["Batch", "Components", "Evaluator", "Learner", "RolloutSource", "Scorer", "ShardPlan", "ShardSource",
-           "Workload"]
+__all__ = [
+    "Batch",
+    "Components",
+    "Evaluator",
+    "Learner",
+    "RolloutSource",
+    "Scorer",
+    "ShardPlan",
+    "ShardSource",
+    "Workload",
+]
 
 
 @dataclass
@@ -64,30 +73,38 @@ class Batch:
     extras: dict[str, Tensor] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
-    policy_version: Optional[int] = None
+    policy_version: int | None = None
 
     def __len__(self) -> int:
         return int(self.tensors["mask"].shape[0])
 
     def state_dict(self) -> dict[str, Any]:
         """The batch as checkpoint data (a rollout collected ahead of its update)."""
-        return {"tensors": dict(self.tensors), "extras": dict(self.extras), "samples": list(self.samples),
-                "metrics": dict(self.metrics), "policy_version": self.policy_version}
+        return {
+            "tensors": dict(self.tensors),
+            "extras": dict(self.extras),
+            "samples": list(self.samples),
+            "metrics": dict(self.metrics),
+            "policy_version": self.policy_version,
+        }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "Batch":
+    def from_state(cls, state: dict[str, Any]) -> Batch:
         """The batch :meth:`state_dict` describes."""
         version = state.get("policy_version")
-        return cls(tensors=dict(state["tensors"]), extras=dict(state.get("extras", {})),
-                   samples=[dict(s) for s in state.get("samples", [])],
-                   metrics={k: float(v) for k, v in state.get("metrics", {}).items()},
-                   policy_version=int(version) if version is not None else None)
+        return cls(
+            tensors=dict(state["tensors"]),
+            extras=dict(state.get("extras", {})),
+            samples=[dict(s) for s in state.get("samples", [])],
+            metrics={k: float(v) for k, v in state.get("metrics", {}).items()},
+            policy_version=int(version) if version is not None else None,
+        )
 
 
 class RolloutSource(Protocol):
     """Collects experience with the current policy."""
 
-    steps_per_iteration: Optional[int]   # environment steps per iteration (metrics' global_step), or None
+    steps_per_iteration: int | None  # environment steps per iteration (metrics' global_step), or None
 
     def collect(self, iteration: int) -> Batch:
         """One iteration's rollouts: at least ``mask`` and, unless the scorer adds them,
@@ -102,7 +119,7 @@ class RolloutSource(Protocol):
         Its batch carries the behaviour policy's ``old_log_prob`` and is part of
         :meth:`state_dict` until collected (exact resume)."""
 
-    def sync_weights(self, learner: "Learner") -> Optional[dict[str, float]]:
+    def sync_weights(self, learner: Learner) -> dict[str, float] | None:
         """Take the learner's weights (``learner.rollout_weights()``, version
         ``learner.policy_version``); the loop calls it before the first iteration and after
         each update. Returns the sync's metrics (``sync_bytes``, ``sync_time``), or None
@@ -130,7 +147,7 @@ class Scorer(Protocol):
 class Learner(Protocol):
     """The PPO update and the trained weights."""
 
-    policy_version: int     # updates applied so far (checkpointed): the version of the weights
+    policy_version: int  # updates applied so far (checkpointed): the version of the weights
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
         """Epochs over the batch; the iteration's metrics. Raises
@@ -156,7 +173,7 @@ class Learner(Protocol):
         """Write the trained model into a checkpoint directory in its usual format (lm:
         Hugging Face / peft files, loadable by ``ppokit export``); may do nothing."""
 
-    def load_state_dict(self, state: dict[str, Any], directory: Optional[Path]) -> None:
+    def load_state_dict(self, state: dict[str, Any], directory: Path | None) -> None:
         """Restore :meth:`state_dict` and the files :meth:`save_files` wrote into ``directory``
         (None: only the state; the weights come through :meth:`load_trained_weights`)."""
 
@@ -175,10 +192,10 @@ class Evaluator(Protocol):
 
     def evaluate(self, phase: str) -> dict[str, float]: ...
 
-    def message(self, phase: str, metrics: dict[str, float]) -> Optional[str]:
+    def message(self, phase: str, metrics: dict[str, float]) -> str | None:
         """A line to print about this evaluation, or None."""
 
-    def stop_reason(self, metrics: dict[str, float]) -> Optional[str]:
+    def stop_reason(self, metrics: dict[str, float]) -> str | None:
         """Why training should stop after this periodic evaluation (a target reached), or None."""
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -194,11 +211,11 @@ class Components:
 
     source: RolloutSource
     learner: Learner
-    scorer: Optional[Scorer] = None
-    evaluator: Optional[Evaluator] = None
-    description: str = ""                  # the progress bar's label
-    header: list[str] = field(default_factory=list)   # lines printed when the run starts
-    checkpoint_meta: dict[str, Any] = field(default_factory=dict)   # extra JSON in every checkpoint
+    scorer: Scorer | None = None
+    evaluator: Evaluator | None = None
+    description: str = ""  # the progress bar's label
+    header: list[str] = field(default_factory=list)  # lines printed when the run starts
+    checkpoint_meta: dict[str, Any] = field(default_factory=dict)  # extra JSON in every checkpoint
     closers: list[Any] = field(default_factory=list)  # objects with close(), called when the run ends
 
     def close(self) -> None:
@@ -229,7 +246,7 @@ class ShardPlan(Protocol):
     batch (in shard order, equal to the in-process source's batch when N = 1) and the
     checkpoint state (the in-process source's layout when N = 1)."""
 
-    steps_per_iteration: Optional[int]
+    steps_per_iteration: int | None
 
     def requests(self, iteration: int) -> list[Any]:
         """One request per shard for ``iteration`` (lm: its prompts; control: nothing)."""
@@ -241,7 +258,7 @@ class ShardPlan(Protocol):
     def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
         """The source's checkpoint state from the driver's own state and the shards'."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[Optional[dict[str, Any]]], list[str]]:
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[dict[str, Any] | None], list[str]]:
         """Restore the driver's state; each shard's state (None: nothing to restore) and notes."""
 
 

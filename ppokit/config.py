@@ -25,7 +25,7 @@ import copy
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -59,8 +59,7 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignment re-validates,
     numbers are finite and true/false is not a number."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -85,7 +84,7 @@ class KLControlConfig(Section):
     horizon: int = field(10000, "adaptive: steps over which the coefficient may change by up to 20%", gt=0)
 
     @model_validator(mode="after")
-    def _adaptive_needs_a_start(self) -> "KLControlConfig":
+    def _adaptive_needs_a_start(self) -> KLControlConfig:
         if self.type == "adaptive" and self.kl_coef <= 0:
             raise ValueError("kl_ctrl.type=adaptive multiplies the coefficient, so kl_ctrl.kl_coef must be > 0")
         return self
@@ -102,102 +101,158 @@ class AlgoConfig(Section):
     group_size: int = field(1, "samples per prompt (group estimators need >= 2)", "n_samples_per_prompt", ge=1)
     lower_clip_ratio: float = field(0.2, "ratio clipped below at 1 - lower_clip_ratio", "clip_ratio_low", ge=0, lt=1)
     upper_clip_ratio: float = field(0.4, "ratio clipped above at 1 + upper_clip_ratio", "clip_ratio_high", ge=0)
-    clip_ratio_c: Optional[float] = field(None, "dual clip: bound of the loss for negative advantages (> 1)", gt=1)
+    clip_ratio_c: float | None = field(None, "dual clip: bound of the loss for negative advantages (> 1)", gt=1)
     ratio_level: Literal["token", "sequence", "gspo"] = field(
-        "token", "importance ratio per token; per sequence (the sum of its token log-ratios); or gspo, GSPO's "
-        "length-normalised sequence ratio (use clip ratios of about 3e-4 / 4e-4 with it)")
+        "token",
+        "importance ratio per token; per sequence (the sum of its token log-ratios); or gspo, GSPO's "
+        "length-normalised sequence ratio (use clip ratios of about 3e-4 / 4e-4 with it)",
+    )
     loss_mode: Literal["clip", "penalty"] = field(
-        "clip", "policy loss: clip (the clipped surrogate) or penalty (the PPO paper's adaptive KL penalty: "
-        "-r A + penalty_coef * KL(old || new), no clipping)")
-    penalty_coef: float = field(1.0, "loss_mode=penalty: the initial KL coefficient (doubled or halved after each "
-                                "iteration to steer the KL towards penalty_target_kl)", gt=0)
-    penalty_target_kl: float = field(0.01, "loss_mode=penalty: the KL(old || new) per update the coefficient "
-                                     "steers towards (x2 above 1.5 x target, /2 below target / 1.5)", gt=0)
-    clip_value: Optional[float] = field(0.2, "value clipping around the old values (null = off)",
-                                        "value_clip", "cliprange_value", "clip_range_vf", gt=0)
-    huber_delta: Optional[float] = field(None, "Huber value loss with this delta (null = squared error)", gt=0)
+        "clip",
+        "policy loss: clip (the clipped surrogate) or penalty (the PPO paper's adaptive KL penalty: "
+        "-r A + penalty_coef * KL(old || new), no clipping)",
+    )
+    penalty_coef: float = field(
+        1.0,
+        "loss_mode=penalty: the initial KL coefficient (doubled or halved after each "
+        "iteration to steer the KL towards penalty_target_kl)",
+        gt=0,
+    )
+    penalty_target_kl: float = field(
+        0.01,
+        "loss_mode=penalty: the KL(old || new) per update the coefficient "
+        "steers towards (x2 above 1.5 x target, /2 below target / 1.5)",
+        gt=0,
+    )
+    clip_value: float | None = field(
+        0.2, "value clipping around the old values (null = off)", "value_clip", "cliprange_value", "clip_range_vf", gt=0
+    )
+    huber_delta: float | None = field(None, "Huber value loss with this delta (null = squared error)", gt=0)
     value_coeff: float = field(0.5, "weight of the value loss", "vf_coef", "value_loss_coef", ge=0)
-    entropy_coeff: float = field(0.0, "weight of the entropy bonus (>= 0: a negative weight would penalise "
-                                 "exploration)", "entropy_bonus", "entropy_coef", "ent_coef", ge=0)
-    beta: float = field(0.0, "weight of the KL-to-reference term in the loss (> 0 needs a reference)",
-                        "kl_loss_coef", ge=0)
-    kl_loss_type: KLEstimatorName = field("low_var_kl", "KL estimator of the in-loss KL term (full: the exact KL "
-                                          "over the vocabulary, from the logits, computed in chunks)")
+    entropy_coeff: float = field(
+        0.0,
+        "weight of the entropy bonus (>= 0: a negative weight would penalise exploration)",
+        "entropy_bonus",
+        "entropy_coef",
+        "ent_coef",
+        ge=0,
+    )
+    beta: float = field(
+        0.0, "weight of the KL-to-reference term in the loss (> 0 needs a reference)", "kl_loss_coef", ge=0
+    )
+    kl_loss_type: KLEstimatorName = field(
+        "low_var_kl",
+        "KL estimator of the in-loss KL term (full: the exact KL "
+        "over the vocabulary, from the logits, computed in chunks)",
+    )
     use_kl_in_reward: bool = field(False, "subtract the KL to the reference from the reward")
-    kl_penalty: KLEstimatorName = field("kl", "KL estimator of the in-reward KL penalty (full: the exact KL over "
-                                        "the vocabulary)")
+    kl_penalty: KLEstimatorName = field(
+        "kl", "KL estimator of the in-reward KL penalty (full: the exact KL over the vocabulary)"
+    )
     kl_ctrl: KLControlConfig = field(KLControlConfig(), "in-reward KL coefficient controller")
     loss_agg_mode: AggModeName = field("token-mean", "how per-token losses are averaged", "loss_agg_func")
-    target_kl: Optional[float] = field(None, "stop the epochs of an update once approx_kl exceeds this", gt=0)
+    target_kl: float | None = field(None, "stop the epochs of an update once approx_kl exceeds this", gt=0)
     credit: Literal["token", "turn"] = field(
-        "token", "multi-turn episodes (textenv): token = GAE over the model's tokens, skipping environment tokens; "
-        "turn = one value per turn (at its first token), GAE over turns, each turn's advantage on all its tokens")
+        "token",
+        "multi-turn episodes (textenv): token = GAE over the model's tokens, skipping environment tokens; "
+        "turn = one value per turn (at its first token), GAE over turns, each turn's advantage on all its tokens",
+    )
 
 
 class TrainConfig(Section):
     """The update loop: iterations, batches, optimizer, schedule."""
 
-    iterations: Optional[int] = field(None, "PPO iterations (collect + update); control may use total_steps", ge=1)
-    total_steps: Optional[int] = field(None, "control: environment steps to train for", "total_timesteps", ge=1)
+    iterations: int | None = field(None, "PPO iterations (collect + update); control may use total_steps", ge=1)
+    total_steps: int | None = field(None, "control: environment steps to train for", "total_timesteps", ge=1)
     epochs: int = field(2, "passes over each batch", "ppo_epochs", "update_epochs", "n_epochs", ge=1)
     batch_size: int = field(256, "samples per iteration (control: num_envs * num_steps)", "local_batch_size", ge=1)
-    mini_batch_size: Optional[int] = field(None, "samples per optimizer step (null = the whole batch)",
-                                           "ppo_mini_batch_size", ge=1)
-    micro_batch_size: Optional[int] = field(1, "samples per forward/backward pass (null = the mini-batch)",
-                                            "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", ge=1)
-    infer_micro_batch_size: int = field(4, "samples per forward pass when scoring rollouts",
-                                        "logprob_forward_micro_batch_size", ge=1)
+    mini_batch_size: int | None = field(
+        None, "samples per optimizer step (null = the whole batch)", "ppo_mini_batch_size", ge=1
+    )
+    micro_batch_size: int | None = field(
+        1,
+        "samples per forward/backward pass (null = the mini-batch)",
+        "ppo_micro_batch_size",
+        "ppo_micro_batch_size_per_gpu",
+        ge=1,
+    )
+    infer_micro_batch_size: int = field(
+        4, "samples per forward pass when scoring rollouts", "logprob_forward_micro_batch_size", ge=1
+    )
     learning_rate: float = field(1e-5, "learning rate of the policy", "lr", gt=0)
-    critic_learning_rate: Optional[float] = field(1e-5, "learning rate of the critic (null = learning_rate)",
-                                                  "critic_lr", gt=0)
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = field("constant", "learning-rate schedule after warm-up")
+    critic_learning_rate: float | None = field(
+        1e-5, "learning rate of the critic (null = learning_rate)", "critic_lr", gt=0
+    )
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = field(
+        "constant", "learning-rate schedule after warm-up"
+    )
     lr_warmup_ratio: float = field(0.01, "fraction of all optimizer steps spent warming up", ge=0, lt=1)
-    grad_clip: Optional[float] = field(0.2, "clip the norm of the actor's gradient (null = off)", "max_grad_norm",
-                                       gt=0)
-    critic_grad_clip: Optional[float] = field(None, "clip the norm of the critic's gradient, value head included "
-                                              "(null = train.grad_clip)", gt=0)
+    grad_clip: float | None = field(0.2, "clip the norm of the actor's gradient (null = off)", "max_grad_norm", gt=0)
+    critic_grad_clip: float | None = field(
+        None, "clip the norm of the critic's gradient, value head included (null = train.grad_clip)", gt=0
+    )
     adam_eps: float = field(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = field(0.0, "AdamW weight decay", ge=0)
     critic_warmup: int = field(0, "iterations that train only the critic", ge=0)
-    max_bad_steps: int = field(10, "stop the run after this many optimizer steps in a row were skipped for a "
-                               "non-finite loss or gradient; the last good checkpoint stays (0 = never stop)", ge=0)
-    micro_batch_tokens: Optional[int] = field(
-        None, "lm: form the micro-batches of scoring and of the update by a token budget instead of a count "
+    max_bad_steps: int = field(
+        10,
+        "stop the run after this many optimizer steps in a row were skipped for a "
+        "non-finite loss or gradient; the last good checkpoint stays (0 = never stop)",
+        ge=0,
+    )
+    micro_batch_tokens: int | None = field(
+        None,
+        "lm: form the micro-batches of scoring and of the update by a token budget instead of a count "
         "(verl's use_dynamic_bsz): rows sorted by length are packed so that rows x longest row stays within "
         "this many tokens, the fewest micro-batches, balanced; each is cut to its own longest prompt and "
         "response. The loss is still exactly the mini-batch's (null = micro_batch_size and "
-        "infer_micro_batch_size rows)", "max_token_len", "ppo_max_token_len_per_gpu", ge=1)
+        "infer_micro_batch_size rows)",
+        "max_token_len",
+        "ppo_max_token_len_per_gpu",
+        ge=1,
+    )
 
 
 class RunConfig(Section):
     """Where a run writes and how it reports."""
 
     output_dir: str = field("runs", "parent directory of run directories")
-    name: Optional[str] = field(None, "run directory name (null = <preset>-s<seed>-<time>)")
+    name: str | None = field(None, "run directory name (null = <preset>-s<seed>-<time>)")
     device: str = field("auto", "auto, cpu, cuda or cuda:N", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
     precision: Literal["auto", "fp32", "bf16"] = field("auto", "autocast precision (auto = bf16 where supported)")
-    torch_threads: Optional[int] = field(None, "torch intra-op threads (null = workload default)", ge=1)
+    torch_threads: int | None = field(None, "torch intra-op threads (null = workload default)", ge=1)
     progress: bool = field(True, "live progress bar")
     tensorboard: bool = field(True, "write TensorBoard events when tensorboard is installed")
     checkpoint_every: int = field(0, "save a checkpoint every N iterations (0 = only at the end)", ge=0)
     keep_checkpoints: int = field(3, "checkpoints kept on disk", ge=1)
-    log_samples: int = field(4, "lm: rollout samples (prompt, response, reward, fields) written to "
-                             "RUN_DIR/samples.jsonl every run.samples_every iterations (0 = none)", ge=0)
-    wandb: bool = field(False, "also log metrics to Weights & Biases (needs the wandb package and a login, "
-                        "or WANDB_MODE=offline; beside TensorBoard)")
+    log_samples: int = field(
+        4,
+        "lm: rollout samples (prompt, response, reward, fields) written to "
+        "RUN_DIR/samples.jsonl every run.samples_every iterations (0 = none)",
+        ge=0,
+    )
+    wandb: bool = field(
+        False,
+        "also log metrics to Weights & Biases (needs the wandb package and a login, "
+        "or WANDB_MODE=offline; beside TensorBoard)",
+    )
     wandb_project: str = field("ppokit", "wandb: the project the run is logged to", min_length=1)
-    wandb_entity: Optional[str] = field(None, "wandb: the team or user (null = the login's default)")
+    wandb_entity: str | None = field(None, "wandb: the team or user (null = the login's default)")
     samples_every: int = field(10, "lm: iterations between the samples.jsonl entries (iteration 0 first)", ge=1)
     resume: Literal["never", "auto"] = field(
-        "never", "auto: continue from the newest checkpoint in output_dir/name when there is one, else start "
-        "fresh (needs run.name); never: a run directory that holds a run is refused")
+        "never",
+        "auto: continue from the newest checkpoint in output_dir/name when there is one, else start "
+        "fresh (needs run.name); never: a run directory that holds a run is refused",
+    )
 
     @field_validator("name")
     @classmethod
-    def _plain_directory_name(cls, name: Optional[str]) -> Optional[str]:
+    def _plain_directory_name(cls, name: str | None) -> str | None:
         if name is not None and (name in ("", ".", "..") or "/" in name or os.sep in name):
-            raise ValueError(f"must be a plain directory name (got {name!r}); set the directory it goes in "
-                             "with run.output_dir (--output-dir)")
+            raise ValueError(
+                f"must be a plain directory name (got {name!r}); set the directory it goes in "
+                "with run.output_dir (--output-dir)"
+            )
         return name
 
 
@@ -209,17 +264,19 @@ class EnvConfig(Section):
     num_envs: int = field(8, "parallel environments", ge=1)
     num_steps: int = field(128, "steps per environment per iteration", "n_steps", ge=1)
     vectorization: Literal["auto", "vector_entry_point", "sync", "async"] = field(
-        "auto", "vector env implementation (auto = Gymnasium's native one where it exists)")
+        "auto", "vector env implementation (auto = Gymnasium's native one where it exists)"
+    )
     normalize_obs: bool = field(False, "running mean/std observation normalization")
     normalize_reward: bool = field(False, "scale rewards by the running std of the discounted return")
     clip_obs: float = field(10.0, "clip normalized observations to +-clip_obs", gt=0)
     clip_reward: float = field(10.0, "clip normalized rewards to +-clip_reward", gt=0)
     truncation: Literal["bootstrap", "terminal"] = field(
-        "bootstrap", "time-limit truncation: bootstrap from V(final obs), or treat as terminal (CleanRL)")
-    max_episode_steps: Optional[int] = field(None, "override the env's time limit", ge=1)
+        "bootstrap", "time-limit truncation: bootstrap from V(final obs), or treat as terminal (CleanRL)"
+    )
+    max_episode_steps: int | None = field(None, "override the env's time limit", ge=1)
     eval_episodes: int = field(10, "episodes of the deterministic evaluation at the end", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations, in a separate vector env (0 = only at the end)", ge=0)
-    stop_at_return: Optional[float] = field(None, "stop training once a periodic evaluation reaches this mean return")
+    stop_at_return: float | None = field(None, "stop training once a periodic evaluation reaches this mean return")
 
 
 class NetworkConfig(Section):
@@ -235,29 +292,46 @@ class NetworkConfig(Section):
 class ModelConfig(Section):
     """The language model (lm workload): policy, critic and reference."""
 
-    path: str = field("tiny", "local Hugging Face model directory, or 'tiny' for the built-in tiny Llama "
-                      "(built in RUN_DIR/base_model, no download)", "model_name_or_path", "pretrain")
+    path: str = field(
+        "tiny",
+        "local Hugging Face model directory, or 'tiny' for the built-in tiny Llama "
+        "(built in RUN_DIR/base_model, no download)",
+        "model_name_or_path",
+        "pretrain",
+    )
     mode: Literal["lora", "full"] = field(
-        "lora", "lora: actor and critic LoRA adapters on one frozen backbone, reference = adapters off; "
-        "full: full fine-tuning, separate critic model, frozen reference copy only when a KL term needs it")
-    critic_path: Optional[str] = field(None, "full mode: the model the critic starts from (null = model.path)")
+        "lora",
+        "lora: actor and critic LoRA adapters on one frozen backbone, reference = adapters off; "
+        "full: full fine-tuning, separate critic model, frozen reference copy only when a KL term needs it",
+    )
+    critic_path: str | None = field(None, "full mode: the model the critic starts from (null = model.path)")
     lora_rank: int = field(8, "LoRA rank of the actor and critic adapters", "lora_r", ge=1)
     lora_alpha: float = field(16.0, "LoRA alpha (the adapter output is scaled by alpha / rank)", gt=0)
-    lora_target_modules: Union[str, list[str]] = field(
-        "all-linear", "modules that get LoRA adapters (peft target_modules; all-linear = every linear layer but lm_head)")
+    lora_target_modules: str | list[str] = field(
+        "all-linear",
+        "modules that get LoRA adapters (peft target_modules; all-linear = every linear layer but lm_head)",
+    )
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = field(
-        "auto", "attention kernel (auto = eager on CPU, the model's default elsewhere)")
-    tiny_max_positions: Optional[int] = field(
-        None, "model.path=tiny: the positions of the built-in model (null = 64, or more when the longest prompt "
-        "plus rollout.max_new_tokens needs it; the weights do not depend on it)", ge=8)
+        "auto", "attention kernel (auto = eager on CPU, the model's default elsewhere)"
+    )
+    tiny_max_positions: int | None = field(
+        None,
+        "model.path=tiny: the positions of the built-in model (null = 64, or more when the longest prompt "
+        "plus rollout.max_new_tokens needs it; the weights do not depend on it)",
+        ge=8,
+    )
     cpu_kernels: bool = field(
-        True, "on a CPU (bf16 or fp32): fused C kernels for RMSNorm, SwiGLU, rotary embeddings and attention, "
+        True,
+        "on a CPU (bf16 or fp32): fused C kernels for RMSNorm, SwiGLU, rotary embeddings and attention, "
         "and in bf16 on a CPU with AMX LoRA's rank-r products (built with the system C compiler on first use, "
-        "about a second; without one, transformers' layers and PyTorch's matmuls are used)")
+        "about a second; without one, transformers' layers and PyTorch's matmuls are used)",
+    )
 
 
-STATIC_CACHE_FULL_BF16 = ("rollout.cache_implementation=static does not work with model.mode=full under bf16 "
-                         "autocast; use the dynamic cache, model.mode=lora or run.precision=fp32")
+STATIC_CACHE_FULL_BF16 = (
+    "rollout.cache_implementation=static does not work with model.mode=full under bf16 "
+    "autocast; use the dynamic cache, model.mode=lora or run.precision=fp32"
+)
 
 
 class RolloutConfig(Section):
@@ -266,35 +340,50 @@ class RolloutConfig(Section):
     temperature: float = field(1.0, "sampling temperature; log-probs are computed at the same temperature", gt=0)
     top_p: float = field(1.0, "nucleus sampling: keep the smallest token set with this much probability", gt=0, le=1)
     top_k: int = field(0, "sample among the k most likely tokens (0 = off)", ge=0)
-    max_new_tokens: int = field(16, "response length limit; a response reaching it without EOS is truncated",
-                                "response_length", "max_response_length", ge=1)
+    max_new_tokens: int = field(
+        16,
+        "response length limit; a response reaching it without EOS is truncated",
+        "response_length",
+        "max_response_length",
+        ge=1,
+    )
     micro_batch_size: int = field(64, "sequences per generate call", "rollout_micro_batch_size", ge=1)
     use_cache: bool = field(True, "KV cache during generation (false only to measure what it saves)")
     cache_implementation: Literal["dynamic", "static"] = field(
-        "dynamic", "KV cache kind: dynamic grows step by step; static is preallocated, and on CUDA transformers "
+        "dynamic",
+        "KV cache kind: dynamic grows step by step; static is preallocated, and on CUDA transformers "
         "compiles the decoding step around it (a one-time compile, then faster generation); lora mode, or "
-        "fp32 in full mode")
+        "fp32 in full mode",
+    )
     off_policy_steps: int = field(
-        0, "both workloads: 0 = each iteration's rollout uses the newest weights; 1 = the next iteration's rollout "
+        0,
+        "both workloads: 0 = each iteration's rollout uses the newest weights; 1 = the next iteration's rollout "
         "is collected while the update runs (one policy version stale; its log-probs are old_log_prob)",
-        ge=0, le=1)
+        ge=0,
+        le=1,
+    )
 
 
 class ClusterConfig(Section):
     """Scale-out on Ray (``pip install 'ppokit[ray]'``): rollout workers and a learner group."""
 
-    rollout_workers: int = field(0, "Ray actors that collect rollouts, each a shard of the prompts or envs "
-                                 "(0 = in the training process)", ge=0)
+    rollout_workers: int = field(
+        0, "Ray actors that collect rollouts, each a shard of the prompts or envs (0 = in the training process)", ge=0
+    )
     learners: int = field(1, "data-parallel learners on torch.distributed (1 = in the training process)", ge=1)
-    address: Optional[str] = field(None, "Ray cluster to join: null starts a local Ray, 'auto' or host:port "
-                                   "joins a running one (ray start --head)")
+    address: str | None = field(
+        None, "Ray cluster to join: null starts a local Ray, 'auto' or host:port joins a running one (ray start --head)"
+    )
     cpus_per_worker: float = field(1.0, "CPUs of each rollout worker and each learner", gt=0)
     gpus_per_worker: float = field(0.0, "GPUs of each rollout worker and each learner", ge=0)
     placement: Literal["colocated", "split"] = field(
-        "split", "split: each worker and learner has its own resources; colocated: rollout worker i and "
-        "learner i share one bundle (half of it each)")
-    placement_timeout: float = field(60.0, "seconds to wait for the cluster to place the workers before "
-                                     "failing with the missing resources", gt=0)
+        "split",
+        "split: each worker and learner has its own resources; colocated: rollout worker i and "
+        "learner i share one bundle (half of it each)",
+    )
+    placement_timeout: float = field(
+        60.0, "seconds to wait for the cluster to place the workers before failing with the missing resources", gt=0
+    )
 
 
 class ShapingConfig(Section):
@@ -303,33 +392,44 @@ class ShapingConfig(Section):
 
     verifier_weight: float = field(1.0, "weight of data.reward's score (the verifier) in the sum of sources")
     reward_model_weight: float = field(1.0, "weight of data.reward_model's score in the sum of sources")
-    format_pattern: Optional[str] = field(
-        None, "a format check: a regular expression searched in each response (DOTALL); 1 when found, else 0, "
-        "times format_weight, is added to the reward (null = no format check)")
+    format_pattern: str | None = field(
+        None,
+        "a format check: a regular expression searched in each response (DOTALL); 1 when found, else 0, "
+        "times format_weight, is added to the reward (null = no format check)",
+    )
     format_weight: float = field(1.0, "weight of the format check's 0/1 score")
-    overlong_cache_length: Optional[int] = field(
-        None, "DAPO's soft overlong punishment: responses longer than rollout.max_new_tokens - this many tokens "
-        "lose up to overlong_penalty_factor, linearly (DAPO's L_cache; null = off)", "overlong_buffer_len", ge=1)
-    overlong_penalty_factor: float = field(1.0, "the overlong penalty at rollout.max_new_tokens tokens",
-                                           "overlong_buffer_penalty_factor", ge=0)
-    truncation_penalty: float = field(0.0, "subtracted from the reward of a response cut off by "
-                                      "rollout.max_new_tokens without EOS (0 = off)", ge=0)
-    clip_min: Optional[float] = field(None, "clip the shaped reward below at this value (null = no bound)")
-    clip_max: Optional[float] = field(None, "clip the shaped reward above at this value (null = no bound)")
+    overlong_cache_length: int | None = field(
+        None,
+        "DAPO's soft overlong punishment: responses longer than rollout.max_new_tokens - this many tokens "
+        "lose up to overlong_penalty_factor, linearly (DAPO's L_cache; null = off)",
+        "overlong_buffer_len",
+        ge=1,
+    )
+    overlong_penalty_factor: float = field(
+        1.0, "the overlong penalty at rollout.max_new_tokens tokens", "overlong_buffer_penalty_factor", ge=0
+    )
+    truncation_penalty: float = field(
+        0.0, "subtracted from the reward of a response cut off by rollout.max_new_tokens without EOS (0 = off)", ge=0
+    )
+    clip_min: float | None = field(None, "clip the shaped reward below at this value (null = no bound)")
+    clip_max: float | None = field(None, "clip the shaped reward above at this value (null = no bound)")
     normalize: Literal["none", "batch", "running"] = field(
-        "none", "none; batch: (r - mean) / std over the batch; running: divide by the running std of all "
-        "rewards so far (kept in checkpoints; the sign is kept)")
+        "none",
+        "none; batch: (r - mean) / std over the batch; running: divide by the running std of all "
+        "rewards so far (kept in checkpoints; the sign is kept)",
+    )
 
     @model_validator(mode="after")
-    def _clip_order(self) -> "ShapingConfig":
+    def _clip_order(self) -> ShapingConfig:
         if self.clip_min is not None and self.clip_max is not None and self.clip_min > self.clip_max:
             raise ValueError(f"clip_min={self.clip_min} is above clip_max={self.clip_max}")
         if self.format_pattern is not None:
             try:
                 re.compile(self.format_pattern)
             except re.error as exc:
-                raise ValueError(f"format_pattern {self.format_pattern!r} is not a regular expression ({exc})") \
-                    from None
+                raise ValueError(
+                    f"format_pattern {self.format_pattern!r} is not a regular expression ({exc})"
+                ) from None
         return self
 
     @property
@@ -337,8 +437,9 @@ class ShapingConfig(Section):
         """The shapings that change a reward, by name (for the run's header)."""
         out = []
         if self.overlong_cache_length is not None:
-            out.append(f"overlong penalty (last {self.overlong_cache_length} tokens, factor "
-                       f"{self.overlong_penalty_factor:g})")
+            out.append(
+                f"overlong penalty (last {self.overlong_cache_length} tokens, factor {self.overlong_penalty_factor:g})"
+            )
         if self.truncation_penalty:
             out.append(f"truncation penalty {self.truncation_penalty:g}")
         if self.clip_min is not None or self.clip_max is not None:
@@ -351,50 +452,91 @@ class ShapingConfig(Section):
 class DataConfig(Section):
     """Prompts, reward function and held-out evaluation (lm workload)."""
 
-    prompts: str = field("arithmetic", "a built-in task (e.g. 'arithmetic:digits=2', 'countdown', "
-                         "'gsm8k:path=train.jsonl'), a JSONL or Parquet file, or a directory written by datasets' "
-                         "save_to_disk; a record's prompt_key field is the prompt, every other field goes to the "
-                         "reward function", "task", "dataset")
+    prompts: str = field(
+        "arithmetic",
+        "a built-in task (e.g. 'arithmetic:digits=2', 'countdown', "
+        "'gsm8k:path=train.jsonl'), a JSONL or Parquet file, or a directory written by datasets' "
+        "save_to_disk; a record's prompt_key field is the prompt, every other field goes to the "
+        "reward function",
+        "task",
+        "dataset",
+    )
     prompt_key: str = field("prompt", "the field (column) of a prompt file that holds the prompt", min_length=1)
-    answer_key: str = field("answer", "the field of a prompt file that the verifiers read as the answer (passed "
-                            "to the reward function as 'answer')", min_length=1)
-    max_prompt_tokens: Optional[int] = field(
-        None, "drop training and held-out prompts longer than this many tokens (the counts are printed and "
-        "logged; null = keep all)", "max_prompt_length", ge=1)
-    reward: Optional[str] = field(None, "reward function: a built-in name, 'module:fn' or 'file.py:fn' "
-                                  "(null = the task's default)", "reward_fn")
-    reward_model: Optional[str] = field(None, "a Hugging Face sequence-classification model directory (one "
-                                        "output) whose score is the reward; with data.reward too, the sum; the "
-                                        "held-out accuracy still uses data.reward or the task's own", "rm_path")
-    chat_template: bool = field(False, "render each prompt with the model's chat template as a user message "
-                                "(or a JSONL prompt given as a list of {role, content} messages), with the "
-                                "generation prompt; the reward function receives the rendered text")
-    reward_workers: Optional[int] = field(
-        None, "processes that run the reward function (null = the CPU count, at most 8); the cheap built-ins "
-        "(exact_match, numeric_match, countdown) run in the trainer's process", ge=1)
-    reward_timeout: float = field(30.0, "seconds a reward function may take on one sample; past it the worker is "
-                                  "killed and the sample gets data.reward_on_error", gt=0)
-    reward_on_error: float = field(0.0, "the reward of a sample whose reward function raised, hung or returned "
-                                   "something that is not a finite number (counted, and marked in samples.jsonl)")
-    max_reward_errors: Optional[float] = field(
-        0.1, "stop the run when reward errors exceed this: a count (>= 1) over the whole run, or a fraction "
-        "(< 1) of one batch (null = never stop)", ge=0)
-    shaping: ShapingConfig = field(ShapingConfig(), "reward sources' weights, format check, penalties, "
-                                   "clipping and normalisation")
-    eval_prompts: Optional[str] = field(None, "held-out prompts: a JSONL or Parquet file or a datasets directory, "
-                                        "read with prompt_key and answer_key (null = the task's held-out split; "
-                                        "with a prompt file and no eval file there is no evaluation)")
+    answer_key: str = field(
+        "answer",
+        "the field of a prompt file that the verifiers read as the answer (passed to the reward function as 'answer')",
+        min_length=1,
+    )
+    max_prompt_tokens: int | None = field(
+        None,
+        "drop training and held-out prompts longer than this many tokens (the counts are printed and "
+        "logged; null = keep all)",
+        "max_prompt_length",
+        ge=1,
+    )
+    reward: str | None = field(
+        None, "reward function: a built-in name, 'module:fn' or 'file.py:fn' (null = the task's default)", "reward_fn"
+    )
+    reward_model: str | None = field(
+        None,
+        "a Hugging Face sequence-classification model directory (one "
+        "output) whose score is the reward; with data.reward too, the sum; the "
+        "held-out accuracy still uses data.reward or the task's own",
+        "rm_path",
+    )
+    chat_template: bool = field(
+        False,
+        "render each prompt with the model's chat template as a user message "
+        "(or a JSONL prompt given as a list of {role, content} messages), with the "
+        "generation prompt; the reward function receives the rendered text",
+    )
+    reward_workers: int | None = field(
+        None,
+        "processes that run the reward function (null = the CPU count, at most 8); the cheap built-ins "
+        "(exact_match, numeric_match, countdown) run in the trainer's process",
+        ge=1,
+    )
+    reward_timeout: float = field(
+        30.0,
+        "seconds a reward function may take on one sample; past it the worker is "
+        "killed and the sample gets data.reward_on_error",
+        gt=0,
+    )
+    reward_on_error: float = field(
+        0.0,
+        "the reward of a sample whose reward function raised, hung or returned "
+        "something that is not a finite number (counted, and marked in samples.jsonl)",
+    )
+    max_reward_errors: float | None = field(
+        0.1,
+        "stop the run when reward errors exceed this: a count (>= 1) over the whole run, or a fraction "
+        "(< 1) of one batch (null = never stop)",
+        ge=0,
+    )
+    shaping: ShapingConfig = field(
+        ShapingConfig(), "reward sources' weights, format check, penalties, clipping and normalisation"
+    )
+    eval_prompts: str | None = field(
+        None,
+        "held-out prompts: a JSONL or Parquet file or a datasets directory, "
+        "read with prompt_key and answer_key (null = the task's held-out split; "
+        "with a prompt file and no eval file there is no evaluation)",
+    )
     eval_size: int = field(64, "held-out prompts of the greedy accuracy evaluation before and after training", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
-    sft_epochs: int = field(0, "supervised warm start before PPO: at most this many epochs on the task's SFT "
-                            "split, keeping the best held-out model (0 = no warm start)", ge=0)
+    sft_epochs: int = field(
+        0,
+        "supervised warm start before PPO: at most this many epochs on the task's SFT "
+        "split, keeping the best held-out model (0 = no warm start)",
+        ge=0,
+    )
     sft_examples: int = field(2000, "examples of the supervised warm start", ge=1)
     sft_batch_size: int = field(32, "sequences per supervised warm-start step", ge=1)
     sft_learning_rate: float = field(1e-3, "learning rate of the supervised warm start", gt=0)
 
     @field_validator("max_reward_errors")
     @classmethod
-    def _count_or_fraction(cls, value: Optional[float]) -> Optional[float]:
+    def _count_or_fraction(cls, value: float | None) -> float | None:
         if value is not None and value >= 1 and value != int(value):
             raise ValueError(f"a count of errors must be a whole number, a fraction of a batch below 1 (got {value})")
         return value
@@ -404,52 +546,86 @@ class OpponentPoolConfig(Section):
     """Self-play (textenv with a two-player environment that plays no seat itself, e.g.
     tictactoe with opponent: self): who plays the seat the learner does not."""
 
-    snapshot_every: int = field(0, "add the current actor adapter to the pool of past opponents every N "
-                                "iterations (the starting policy goes in first); 0 = no pool: the current "
-                                "policy plays both seats", ge=0)
-    current_prob: float = field(0.5, "with a pool: probability that the other seat is played by the current "
-                                "policy (both seats then trained), else by a snapshot", ge=0, le=1)
-    sampling: Literal["uniform", "latest"] = field("uniform", "how a snapshot is drawn: uniform over the pool, "
-                                                   "or the newest with probability latest_prob")
+    snapshot_every: int = field(
+        0,
+        "add the current actor adapter to the pool of past opponents every N "
+        "iterations (the starting policy goes in first); 0 = no pool: the current "
+        "policy plays both seats",
+        ge=0,
+    )
+    current_prob: float = field(
+        0.5,
+        "with a pool: probability that the other seat is played by the current "
+        "policy (both seats then trained), else by a snapshot",
+        ge=0,
+        le=1,
+    )
+    sampling: Literal["uniform", "latest"] = field(
+        "uniform", "how a snapshot is drawn: uniform over the pool, or the newest with probability latest_prob"
+    )
     latest_prob: float = field(0.5, "sampling=latest: probability of the newest snapshot", ge=0, le=1)
-    capacity: int = field(8, "snapshots kept (the oldest unpinned one is dropped; the starting policy is "
-                          "pinned)", ge=1)
+    capacity: int = field(8, "snapshots kept (the oldest unpinned one is dropped; the starting policy is pinned)", ge=1)
 
 
 class TextEnvConfig(Section):
     """Multi-turn episodes with a text environment (lm workload): games, puzzles, tools."""
 
-    env: Optional[str] = field(None, "a text environment: a built-in name (tictactoe, frozenlake, guess_number, "
-                               "calculator), module:Class or path/to/file.py:Class; set, the lm workload trains "
-                               "on its episodes instead of data.prompts", "name", "id")
+    env: str | None = field(
+        None,
+        "a text environment: a built-in name (tictactoe, frozenlake, guess_number, "
+        "calculator), module:Class or path/to/file.py:Class; set, the lm workload trains "
+        "on its episodes instead of data.prompts",
+        "name",
+        "id",
+    )
     kwargs: dict[str, Any] = field({}, "keyword arguments for the environment's constructor")
-    max_turns: int = field(32, "environment steps per episode (all seats); an episode that reaches it is "
-                           "truncated", ge=1)
-    max_episode_tokens: Optional[int] = field(
-        None, "token budget of an episode: the model's tokens plus the observation tokens appended after the "
+    max_turns: int = field(
+        32, "environment steps per episode (all seats); an episode that reaches it is truncated", ge=1
+    )
+    max_episode_tokens: int | None = field(
+        None,
+        "token budget of an episode: the model's tokens plus the observation tokens appended after the "
         "first observation (message mode); a turn starts only if rollout.max_new_tokens more still fit, else "
-        "the episode is truncated (null = the model's context alone)", ge=1)
+        "the episode is truncated (null = the model's context alone)",
+        ge=1,
+    )
     truncation: Literal["bootstrap", "terminal"] = field(
-        "bootstrap", "an episode cut by a budget or the environment's time limit: bootstrap from the value of "
-        "the next observation, or treat it as terminal (0)")
-    failure_reward: float = field(0.0, "reward of the step where the environment raised an exception (the "
-                                  "episode ends there and is counted as failed)")
-    max_failure_rate: float = field(0.1, "stop the run when more than this fraction of an iteration's episodes "
-                                    "failed", ge=0, le=1)
-    seat: Union[Literal["alternate", "random"], int] = field(
-        "alternate", "self-play: the learner's seat in each episode (alternate, random, or a seat number)")
+        "bootstrap",
+        "an episode cut by a budget or the environment's time limit: bootstrap from the value of "
+        "the next observation, or treat it as terminal (0)",
+    )
+    failure_reward: float = field(
+        0.0,
+        "reward of the step where the environment raised an exception (the "
+        "episode ends there and is counted as failed)",
+    )
+    max_failure_rate: float = field(
+        0.1, "stop the run when more than this fraction of an iteration's episodes failed", ge=0, le=1
+    )
+    seat: Literal["alternate", "random"] | int = field(
+        "alternate", "self-play: the learner's seat in each episode (alternate, random, or a seat number)"
+    )
     pool: OpponentPoolConfig = field(OpponentPoolConfig(), "self-play: the pool of past opponents")
-    role_baseline_tau: float = field(0.0, "subtract a per-seat running mean of the episode's final reward "
-                                     "(EMA with this rate; UnstableBaselines' role baseline); 0 = off", ge=0, le=1)
+    role_baseline_tau: float = field(
+        0.0,
+        "subtract a per-seat running mean of the episode's final reward "
+        "(EMA with this rate; UnstableBaselines' role baseline); 0 = off",
+        ge=0,
+        le=1,
+    )
     sft_policy: Literal["random", "random_wins", "expert"] = field(
-        "random", "warm start (data.sft_epochs > 0): demonstrations by uniformly random legal actions (the format "
+        "random",
+        "warm start (data.sft_epochs > 0): demonstrations by uniformly random legal actions (the format "
         "and the rules), the same keeping only the turns of seats that won (chosen by the outcome alone), or by "
-        "the environment's expert_action()")
+        "the environment's expert_action()",
+    )
     eval_episodes: int = field(200, "episodes of each greedy evaluation (before, every eval_every, after)", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
     eval_opponents: list[str] = field(
-        [], "environments that take an 'opponent' keyword (tictactoe): one evaluation against each, e.g. "
-        "[random, heuristic]; empty = the training environment as configured")
+        [],
+        "environments that take an 'opponent' keyword (tictactoe): one evaluation against each, e.g. "
+        "[random, heuristic]; empty = the training environment as configured",
+    )
 
     @field_validator("seat", mode="before")
     @classmethod
@@ -462,9 +638,10 @@ class TextEnvConfig(Section):
 class Config(Section):
     """A whole run."""
 
-    workload: Literal["control", "lm"] = field("control", "which workload trains: control (Gymnasium) or lm "
-                                               "(a causal language model)")
-    preset: Optional[str] = field(None, "the preset or file this config came from (informational)")
+    workload: Literal["control", "lm"] = field(
+        "control", "which workload trains: control (Gymnasium) or lm (a causal language model)"
+    )
+    preset: str | None = field(None, "the preset or file this config came from (informational)")
     seed: int = field(1, "random seed of everything", ge=0, le=SEED_MAX)
     run: RunConfig = field(RunConfig(), "output and reporting")
     algo: AlgoConfig = field(AlgoConfig(), "PPO objective and advantage estimation")
@@ -478,94 +655,130 @@ class Config(Section):
     textenv: TextEnvConfig = field(TextEnvConfig(), "lm: multi-turn episodes with a text environment")
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "Config":
+    def _check_combinations(self) -> Config:
         a, t = self.algo, self.train
         if self.run.resume == "auto" and not self.run.name:
             raise ValueError("run.resume=auto needs a fixed run directory: set run.name")
         if a.beta > 0 or a.use_kl_in_reward:
             what = "algo.beta > 0" if a.beta > 0 else "algo.use_kl_in_reward"
             if self.workload == "control":
-                raise ValueError(f"{what} needs a reference policy, which the control workload does not have; "
-                                 "set algo.beta=0 and algo.use_kl_in_reward=false")
+                raise ValueError(
+                    f"{what} needs a reference policy, which the control workload does not have; "
+                    "set algo.beta=0 and algo.use_kl_in_reward=false"
+                )
         if a.adv_estimator in GROUP_ESTIMATORS:
             if self.workload == "control":
-                raise ValueError(f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt and needs "
-                                 "the lm workload; use gae for control")
+                raise ValueError(
+                    f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt and needs "
+                    "the lm workload; use gae for control"
+                )
             if a.group_size < 2:
-                raise ValueError(f"algo.adv_estimator={a.adv_estimator} needs algo.group_size >= 2 "
-                                 f"(got {a.group_size}): a group of one has no baseline")
+                raise ValueError(
+                    f"algo.adv_estimator={a.adv_estimator} needs algo.group_size >= 2 "
+                    f"(got {a.group_size}): a group of one has no baseline"
+                )
         if a.adv_estimator == "gae" and a.value_coeff == 0:
             raise ValueError("algo.adv_estimator=gae needs a trained critic; algo.value_coeff must be > 0")
         if t.batch_size % a.group_size:
-            raise ValueError(f"train.batch_size={t.batch_size} must be a multiple of "
-                             f"algo.group_size={a.group_size}")
+            raise ValueError(f"train.batch_size={t.batch_size} must be a multiple of algo.group_size={a.group_size}")
         if t.mini_batch_size is not None:
             if t.mini_batch_size > t.batch_size:
-                raise ValueError(f"train.mini_batch_size={t.mini_batch_size} is larger than "
-                                 f"train.batch_size={t.batch_size}")
+                raise ValueError(
+                    f"train.mini_batch_size={t.mini_batch_size} is larger than train.batch_size={t.batch_size}"
+                )
             if t.batch_size % t.mini_batch_size:
-                raise ValueError(f"train.mini_batch_size={t.mini_batch_size} must divide "
-                                 f"train.batch_size={t.batch_size} (try {_divisors_near(t.batch_size, t.mini_batch_size)})")
+                raise ValueError(
+                    f"train.mini_batch_size={t.mini_batch_size} must divide "
+                    f"train.batch_size={t.batch_size} (try {_divisors_near(t.batch_size, t.mini_batch_size)})"
+                )
         if self.workload == "control":
             expected = self.env.num_envs * self.env.num_steps
             if t.batch_size != expected:
-                raise ValueError(f"train.batch_size={t.batch_size} must equal env.num_envs * env.num_steps "
-                                 f"= {expected} for the control workload (or leave it out)")
+                raise ValueError(
+                    f"train.batch_size={t.batch_size} must equal env.num_envs * env.num_steps "
+                    f"= {expected} for the control workload (or leave it out)"
+                )
             if t.total_steps is None and t.iterations is None:
                 raise ValueError("set train.total_steps (environment steps) or train.iterations")
         if self.workload == "lm":
             if t.iterations is None:
                 raise ValueError("set train.iterations (PPO iterations) for the lm workload")
             if t.critic_warmup and not self.uses_critic:
-                raise ValueError(f"train.critic_warmup={t.critic_warmup} trains the critic, but "
-                                 f"algo.adv_estimator={a.adv_estimator} has none; set train.critic_warmup=0")
+                raise ValueError(
+                    f"train.critic_warmup={t.critic_warmup} trains the critic, but "
+                    f"algo.adv_estimator={a.adv_estimator} has none; set train.critic_warmup=0"
+                )
             if t.critic_warmup >= t.iterations:
-                raise ValueError(f"train.critic_warmup={t.critic_warmup} leaves no actor updates in "
-                                 f"train.iterations={t.iterations}")
+                raise ValueError(
+                    f"train.critic_warmup={t.critic_warmup} leaves no actor updates in train.iterations={t.iterations}"
+                )
             critic_path = self.model.critic_path
             if critic_path and not self.uses_critic:
-                raise ValueError(f"model.critic_path={critic_path} is the critic's model, but "
-                                 f"algo.adv_estimator={a.adv_estimator} trains no critic; remove model.critic_path")
+                raise ValueError(
+                    f"model.critic_path={critic_path} is the critic's model, but "
+                    f"algo.adv_estimator={a.adv_estimator} trains no critic; remove model.critic_path"
+                )
             if critic_path and self.model.mode == "lora":
-                raise ValueError(f"model.critic_path={critic_path} is full mode's separate critic; in lora mode "
-                                 "the critic is a LoRA adapter on model.path: set model.mode=full, or remove "
-                                 "model.critic_path")
+                raise ValueError(
+                    f"model.critic_path={critic_path} is full mode's separate critic; in lora mode "
+                    "the critic is a LoRA adapter on model.path: set model.mode=full, or remove "
+                    "model.critic_path"
+                )
         if self.textenv.env is not None:
             if self.workload != "lm":
                 raise ValueError(f"textenv.env={self.textenv.env} trains a language model; set workload: lm")
             if a.adv_estimator != "gae":
-                raise ValueError(f"algo.adv_estimator={a.adv_estimator}: multi-turn episodes (textenv) are "
-                                 "trained with the critic (gae), by token or by turn (algo.credit)")
+                raise ValueError(
+                    f"algo.adv_estimator={a.adv_estimator}: multi-turn episodes (textenv) are "
+                    "trained with the critic (gae), by token or by turn (algo.credit)"
+                )
             if a.group_size != 1:
-                raise ValueError(f"algo.group_size={a.group_size}: multi-turn episodes (textenv) use the critic as "
-                                 "the baseline; set algo.group_size=1 (train.batch_size is the number of episodes)")
+                raise ValueError(
+                    f"algo.group_size={a.group_size}: multi-turn episodes (textenv) use the critic as "
+                    "the baseline; set algo.group_size=1 (train.batch_size is the number of episodes)"
+                )
             if self.textenv.pool.snapshot_every and self.model.mode != "lora":
-                raise ValueError("textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
-                                 "model.mode=lora, or textenv.pool.snapshot_every=0")
+                raise ValueError(
+                    "textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
+                    "model.mode=lora, or textenv.pool.snapshot_every=0"
+                )
             if self.cluster.rollout_workers or self.cluster.learners > 1 or self.rollout.off_policy_steps:
-                raise ValueError("multi-turn episodes (textenv) run in one process: remove the cluster section "
-                                 "and set rollout.off_policy_steps=0")
+                raise ValueError(
+                    "multi-turn episodes (textenv) run in one process: remove the cluster section "
+                    "and set rollout.off_policy_steps=0"
+                )
         if t.micro_batch_tokens is not None and self.workload != "lm":
-            raise ValueError("train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
-                             "control batches use train.micro_batch_size")
+            raise ValueError(
+                "train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
+                "control batches use train.micro_batch_size"
+            )
         cache = self.data.shaping.overlong_cache_length
         if cache is not None and cache > self.rollout.max_new_tokens:
-            raise ValueError(f"data.shaping.overlong_cache_length={cache} is longer than rollout.max_new_tokens="
-                             f"{self.rollout.max_new_tokens}: the penalty ramps over the last tokens before that limit")
+            raise ValueError(
+                f"data.shaping.overlong_cache_length={cache} is longer than rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}: the penalty ramps over the last tokens before that limit"
+            )
         c = self.cluster
         if self.workload == "control" and c.rollout_workers > 1 and self.env.num_envs % c.rollout_workers:
-            raise ValueError(f"cluster.rollout_workers={c.rollout_workers} must divide env.num_envs="
-                             f"{self.env.num_envs}: each worker steps an equal shard of the envs")
+            raise ValueError(
+                f"cluster.rollout_workers={c.rollout_workers} must divide env.num_envs="
+                f"{self.env.num_envs}: each worker steps an equal shard of the envs"
+            )
         if self.workload == "lm" and c.rollout_workers > 1 and (t.batch_size // a.group_size) % c.rollout_workers:
-            raise ValueError(f"cluster.rollout_workers={c.rollout_workers} must divide the prompts per iteration "
-                             f"(train.batch_size / algo.group_size = {t.batch_size // a.group_size})")
+            raise ValueError(
+                f"cluster.rollout_workers={c.rollout_workers} must divide the prompts per iteration "
+                f"(train.batch_size / algo.group_size = {t.batch_size // a.group_size})"
+            )
         if c.learners > 1 and (t.mini_batch_size or t.batch_size) < c.learners:
-            raise ValueError(f"cluster.learners={c.learners} split each mini-batch; train.mini_batch_size="
-                             f"{t.mini_batch_size or t.batch_size} gives some learner no sample")
+            raise ValueError(
+                f"cluster.learners={c.learners} split each mini-batch; train.mini_batch_size="
+                f"{t.mini_batch_size or t.batch_size} gives some learner no sample"
+            )
         if self.rollout.cache_implementation == "static" and not self.rollout.use_cache:
             raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
-        if (self.rollout.cache_implementation == "static" and self.model.mode == "full"
-                and self.run.precision == "bf16"):     # precision=auto: checked by RolloutEngine
+        if (
+            self.rollout.cache_implementation == "static" and self.model.mode == "full" and self.run.precision == "bf16"
+        ):  # precision=auto: checked by RolloutEngine
             raise ValueError(STATIC_CACHE_FULL_BF16)
         return self
 
@@ -612,9 +825,18 @@ def _divisors_near(n: int, k: int) -> str:
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "control": {
         "algo": {"upper_clip_ratio": 0.2, "clip_value": None},
-        "train": {"total_steps": 100_000, "epochs": 10, "mini_batch_size": None, "micro_batch_size": None,
-                  "learning_rate": 3e-4, "critic_learning_rate": None, "lr_scheduler_type": "linear",
-                  "lr_warmup_ratio": 0.0, "grad_clip": 0.5, "adam_eps": 1e-5},
+        "train": {
+            "total_steps": 100_000,
+            "epochs": 10,
+            "mini_batch_size": None,
+            "micro_batch_size": None,
+            "learning_rate": 3e-4,
+            "critic_learning_rate": None,
+            "lr_scheduler_type": "linear",
+            "lr_warmup_ratio": 0.0,
+            "grad_clip": 0.5,
+            "adam_eps": 1e-5,
+        },
     },
     # The field defaults are the language-model settings; only a budget is added.
     "lm": {"train": {"iterations": 100}},
@@ -639,24 +861,30 @@ class _Loader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             try:
                 if key in first_line:
-                    raise DuplicateKeyError(None, None, f"key '{key}' is given twice (first on line "
-                                            f"{first_line[key]}); keep one", key_node.start_mark)
+                    raise DuplicateKeyError(
+                        None,
+                        None,
+                        f"key '{key}' is given twice (first on line {first_line[key]}); keep one",
+                        key_node.start_mark,
+                    )
                 first_line[key] = key_node.start_mark.line + 1
-            except TypeError:   # an unhashable key: SafeLoader says so
+            except TypeError:  # an unhashable key: SafeLoader says so
                 continue
         return super().construct_mapping(node, deep)
 
 
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                              re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
-                              list("-+0123456789."))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def load_config(source: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+def load_config(source: str | None = None, overrides: list[str] | None = None) -> Config:
     """Build a validated :class:`Config` from a preset name or YAML path plus overrides.
 
     Raises :class:`ConfigError` with a message naming the field for any problem.
@@ -670,7 +898,7 @@ def load_config(source: Optional[str] = None, overrides: Optional[list[str]] = N
     return build_config(layers, label)
 
 
-def build_config(layers: list[dict[str, Any]], label: Optional[str] = None) -> Config:
+def build_config(layers: list[dict[str, Any]], label: str | None = None) -> Config:
     """Merge raw layers (already parsed dicts, later wins) over the defaults and validate."""
     canonical = [canonicalize(layer, Config, "") for layer in layers]
     user = {}
@@ -689,7 +917,7 @@ def build_config(layers: list[dict[str, Any]], label: Optional[str] = None) -> C
         if isinstance(num_envs, int) and isinstance(num_steps, int):
             raw.setdefault("train", {})["batch_size"] = num_envs * num_steps
     if user_train.get("iterations") is not None and "total_steps" not in user_train:
-        raw["train"].pop("total_steps", None)   # an iteration budget replaces the default step budget
+        raw["train"].pop("total_steps", None)  # an iteration budget replaces the default step budget
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
@@ -710,8 +938,10 @@ def _read_source(source: str) -> tuple[dict[str, Any], str]:
         raise ConfigError(f"config '{source}' is not a regular file; give a YAML file or {choices}")
     if path.suffix in (".yaml", ".yml"):
         raise ConfigError(f"config file '{source}' does not exist; give a YAML path or {choices}")
-    raise ConfigError(f"unknown preset '{source}'{did_you_mean(source, preset_names())} "
-                      f"presets: {', '.join(preset_names())}; or give a path to a YAML file")
+    raise ConfigError(
+        f"unknown preset '{source}'{did_you_mean(source, preset_names())} "
+        f"presets: {', '.join(preset_names())}; or give a path to a YAML file"
+    )
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -767,7 +997,7 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-def _section_type(annotation: Any) -> Optional[type[Section]]:
+def _section_type(annotation: Any) -> type[Section] | None:
     if isinstance(annotation, type) and issubclass(annotation, Section):
         return annotation
     for arg in get_args(annotation):
@@ -792,7 +1022,7 @@ def canonicalize(raw: dict[str, Any], model: type[Section], prefix: str) -> dict
     aliases = _aliases(model)
     out: dict[str, Any] = {}
     source_of: dict[str, str] = {}
-    items = [(key, key, value) for key, value in raw.items()]   # (key as given, key, value)
+    items = [(key, key, value) for key, value in raw.items()]  # (key as given, key, value)
     if model is AlgoConfig:
         items = _expand_algo_shorthands(items, prefix)
     for given, key, value in items:
@@ -836,8 +1066,8 @@ def _expand_algo_shorthands(items: list[tuple[Any, Any, Any]], prefix: str) -> l
 
 
 # ------------------------------------------------------------------------ error messages
-def _model_at(loc: tuple[Any, ...]) -> Optional[type[Section]]:
-    model: Optional[type[Section]] = Config
+def _model_at(loc: tuple[Any, ...]) -> type[Section] | None:
+    model: type[Section] | None = Config
     for part in loc:
         if model is None or part not in model.model_fields:
             return None
@@ -855,7 +1085,7 @@ def format_validation_error(exc: ValidationError) -> str:
     strings) make one problem: ``must be a string or a list of strings (got 5)``.
     """
     problems = []
-    unions: dict[tuple[Any, ...], dict[str, Any]] = {}   # field -> its branches and the value given
+    unions: dict[tuple[Any, ...], dict[str, Any]] = {}  # field -> its branches and the value given
     for err in exc.errors():
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
         field_loc = _union_field(loc)
@@ -864,7 +1094,7 @@ def format_validation_error(exc: ValidationError) -> str:
             continue
         union = unions.setdefault(field_loc, {"branches": []})
         union["branches"] += [loc[len(field_loc)]] if loc[len(field_loc)] not in union["branches"] else []
-        if len(loc) == len(field_loc) + 1:   # an error about the whole value, not one of its items
+        if len(loc) == len(field_loc) + 1:  # an error about the whole value, not one of its items
             union.setdefault("got", err.get("input"))
     for field_loc, union in unions.items():
         got = f" (got {union['got']!r})" if "got" in union else ""
@@ -873,10 +1103,10 @@ def format_validation_error(exc: ValidationError) -> str:
     return "; ".join(problems)
 
 
-def _union_field(loc: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
+def _union_field(loc: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The location of the union-typed field when ``loc`` points into one of its branches."""
     for n in range(1, len(loc)):
-        model = _model_at(loc[:n - 1])
+        model = _model_at(loc[: n - 1])
         info = model.model_fields.get(loc[n - 1]) if model else None
         if info is not None and get_origin(info.annotation) is Union and isinstance(loc[n], str):
             return loc[:n]

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import ast
 import operator
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable
 
 __all__ = ["ExpressionError", "evaluate", "numbers_used", "format_number"]
 
-MAX_LENGTH = 256          # characters of an expression
-MAX_DEPTH = 32            # nesting of operations
-MAX_EXPONENT = 64         # |b| in a ** b (b must be an integer)
-MAX_DIGITS = 400          # digits of any numerator or denominator along the way
+MAX_LENGTH = 256  # characters of an expression
+MAX_DEPTH = 32  # nesting of operations
+MAX_EXPONENT = 64  # |b| in a ** b (b must be an integer)
+MAX_DIGITS = 400  # digits of any numerator or denominator along the way
 
 
 class ExpressionError(ValueError):
@@ -32,8 +32,12 @@ class ExpressionError(ValueError):
 
 
 _BINARY: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
 }
 
 
@@ -79,7 +83,7 @@ def format_number(value: Fraction) -> str:
             d //= p
     if d == 1:
         digits = 0
-        while (value * 10 ** digits).denominator != 1:
+        while (value * 10**digits).denominator != 1:
             digits += 1
         return f"{float(value):.{digits}f}"
     return f"{value.numerator}/{value.denominator}"
@@ -92,7 +96,7 @@ def _literal(node: ast.Constant) -> Fraction:
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
             raise ExpressionError("numbers must be finite")
-        return Fraction(repr(value))          # the decimal as written, exactly: 0.1 -> 1/10
+        return Fraction(repr(value))  # the decimal as written, exactly: 0.1 -> 1/10
     return Fraction(value)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ppokit import rundir
 from ppokit.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -43,8 +43,7 @@ __all__ = ["run", "diverged_message", "read_resumable_checkpoint"]
 REQUIRED_PARTS = ("learner", "source", "rng")
 
 
-def run(workload: Workload, cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str] = None
-        ) -> dict[str, Any]:
+def run(workload: Workload, cfg: Config, run_dir: Path | str, resume_from: Path | str | None = None) -> dict[str, Any]:
     """Train ``workload`` in ``run_dir``; returns the last iteration's metrics with the summary
     (``eval_history``, ``checkpoint``, ``iterations``, ``run_dir``, the evaluator's before/final
     metrics). ``resume_from``: a checkpoint of this run to continue from exactly.
@@ -59,27 +58,31 @@ def run(workload: Workload, cfg: Config, run_dir: Path | str, resume_from: Optio
         return _run(workload, cfg, run_dir, Path(resume_from) if resume_from is not None else None)
 
 
-def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Optional[Path]) -> dict[str, Any]:
+def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | None) -> dict[str, Any]:
     from ppokit.track import Tracker
     from ppokit.trainer import batch_advantages
 
     iterations = cfg.iterations
     saved = None
     if resume_from is not None:
-        saved = read_resumable_checkpoint(workload, cfg, resume_from, run_dir)   # before anything is built
+        saved = read_resumable_checkpoint(workload, cfg, resume_from, run_dir)  # before anything is built
         if saved.meta.get("finished") or saved.meta["iteration"] >= iterations:
             rundir.truncate_logs(run_dir, saved.meta["iteration"])
             return _finished_result(run_dir, saved)
-    components: Optional[Components] = None
+    components: Components | None = None
     tracker = None
     try:
         components = workload.build(run_dir)
-        source, scorer, learner, evaluator = (components.source, components.scorer, components.learner,
-                                              components.evaluator)
+        source, scorer, learner, evaluator = (
+            components.source,
+            components.scorer,
+            components.learner,
+            components.evaluator,
+        )
         start_it, history, summary, notes = 0, [], {}, []
         if saved is not None:
             start_it, history, summary, notes = _load_state(saved, components, run_dir)
-            rundir.truncate_logs(run_dir, start_it)     # only now: the resume goes ahead
+            rundir.truncate_logs(run_dir, start_it)  # only now: the resume goes ahead
         steps = source.steps_per_iteration
         # The tracker comes once the run is built and any checkpoint loaded: a resume that fails
         # leaves metrics.jsonl and TensorBoard as they were. TensorBoard's x axis is the global
@@ -106,16 +109,16 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Optional[P
             summary.update(evaluate("before", 0))
         start = time.perf_counter()
         metrics: dict[str, Any] = {}
-        final_path: Optional[Path] = None
+        final_path: Path | None = None
         it = start_it - 1
         pipelined = cfg.rollout.off_policy_steps > 0
         with GracefulStop() as stop:
-            source.sync_weights(learner)        # a source in other processes starts from these weights
+            source.sync_weights(learner)  # a source in other processes starts from these weights
             for it in range(start_it, iterations):
                 t0 = time.perf_counter()
                 batch = source.collect(it)
                 if pipelined and it + 1 < iterations:
-                    source.prefetch(it + 1)     # sampled by these weights while the update runs
+                    source.prefetch(it + 1)  # sampled by these weights while the update runs
                 t1 = time.perf_counter()
                 if scorer is not None:
                     scorer.score(batch)
@@ -131,7 +134,7 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Optional[P
                 metrics.update(batch.metrics)
                 metrics.update(sync_metrics or {})
                 if pipelined and batch.policy_version is not None:
-                    metrics["staleness"] = version - batch.policy_version   # updates between sampling and update
+                    metrics["staleness"] = version - batch.policy_version  # updates between sampling and update
                 metrics.update(time_collect=t1 - t0, time_update=t3 - t2)
                 if scorer is not None:
                     metrics["time_score"] = t2 - t1
@@ -141,7 +144,7 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Optional[P
                 else:
                     metrics["samples"] = (it + 1) * len(batch)
                 if batch.samples and cfg.run.log_samples and it % cfg.run.samples_every == 0:
-                    tracker.log_samples(it, batch.samples[:cfg.run.log_samples])
+                    tracker.log_samples(it, batch.samples[: cfg.run.log_samples])
                 last = it == iterations - 1
                 stop_reason = None
                 if evaluator is not None and evaluator.every and (it + 1) % evaluator.every == 0 and not last:
@@ -158,8 +161,9 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Optional[P
                     metrics["wall_time"] = time.perf_counter() - start
                 metrics["time_iteration"] = time.perf_counter() - t0
                 tracker.log(it, metrics)
-                state = dict(components=components, workload=workload, cfg=cfg, history=history,
-                             summary=summary, run_dir=run_dir)
+                state = dict(
+                    components=components, workload=workload, cfg=cfg, history=history, summary=summary, run_dir=run_dir
+                )
                 if last or stop_reason:
                     final_path = _save(run_dir / rundir.FINAL_DIR, it + 1, finished=True, **state)
                     break
@@ -178,27 +182,50 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Optional[P
             components.close()
     result = dict(metrics)
     result.update(summary)
-    result.update(iterations=it + 1, eval_history=history, run_dir=str(run_dir),
-                  checkpoint=str(final_path) if final_path is not None else None)
+    result.update(
+        iterations=it + 1,
+        eval_history=history,
+        run_dir=str(run_dir),
+        checkpoint=str(final_path) if final_path is not None else None,
+    )
     return result
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _save(path: Path, iteration: int, *, components: Components, workload: Workload, cfg: Config,
-          history: list, summary: dict, run_dir: Path, finished: bool = False) -> Path:
+def _save(
+    path: Path,
+    iteration: int,
+    *,
+    components: Components,
+    workload: Workload,
+    cfg: Config,
+    history: list,
+    summary: dict,
+    run_dir: Path,
+    finished: bool = False,
+) -> Path:
     """The whole run state at ``path`` (atomically; ``meta.json`` last). Non-finite weights are
     never written over (or pruned into) the good checkpoints."""
     if not components.learner.weights_finite():
-        raise diverged_message(TrainingDiverged(
-            f"training diverged: the policy's weights are not finite after iteration {iteration}"), run_dir)
+        raise diverged_message(
+            TrainingDiverged(f"training diverged: the policy's weights are not finite after iteration {iteration}"),
+            run_dir,
+        )
     parts: dict[str, Any] = {"learner": components.learner.state_dict(), "source": components.source.state_dict()}
     if components.scorer is not None:
         parts["scorer"] = components.scorer.state_dict()
     if components.evaluator is not None:
         parts["evaluator"] = components.evaluator.state_dict()
     parts["rng"] = capture_rng()
-    meta = {"workload": workload.name, "iteration": iteration, "finished": finished, "eval_history": history,
-            "summary": summary, **components.checkpoint_meta, "config": cfg.to_dict()}
+    meta = {
+        "workload": workload.name,
+        "iteration": iteration,
+        "finished": finished,
+        "eval_history": history,
+        "summary": summary,
+        **components.checkpoint_meta,
+        "config": cfg.to_dict(),
+    }
     steps = components.source.steps_per_iteration
     if steps:
         meta["global_step"] = iteration * steps
@@ -215,15 +242,19 @@ def read_resumable_checkpoint(workload: Workload, cfg: Config, path: Path, run_d
     if ckpt.meta.get("workload") != workload.name:
         raise UserError(f"checkpoint file {meta_file} is not a {workload.name}-workload checkpoint")
     if ckpt.meta.get("version", 1) < 2:
-        raise UserError(f"checkpoint {path} was written by an older ppokit and cannot be resumed (ppokit eval "
-                        "and export still read it); start the run over")
+        raise UserError(
+            f"checkpoint {path} was written by an older ppokit and cannot be resumed (ppokit eval "
+            "and export still read it); start the run over"
+        )
     workload.check_checkpoint(ckpt.meta, path)
     rundir.check_resumable_config(ckpt.meta.get("config", {}), cfg.to_dict(), run_dir)
     rundir.checked_iteration(ckpt.meta, path, cfg.iterations, run_dir)
     missing = [k for k in REQUIRED_PARTS if k not in ckpt.parts]
     if missing:
-        raise UserError(f"checkpoint {path} cannot be resumed from: it has no {', '.join(missing)} state; "
-                        f"{rundir.resume_instead(path, run_dir)}")
+        raise UserError(
+            f"checkpoint {path} cannot be resumed from: it has no {', '.join(missing)} state; "
+            f"{rundir.resume_instead(path, run_dir)}"
+        )
     return ckpt
 
 
@@ -255,15 +286,23 @@ def _finished_result(run_dir: Path, ckpt: Checkpoint) -> dict[str, Any]:
     rows = rundir.read_metrics(run_dir)
     result = dict(rows[-1]) if rows else {}
     result.update(ckpt.meta.get("summary", {}))
-    result.update(iterations=int(ckpt.meta["iteration"]), eval_history=ckpt.meta.get("eval_history", []),
-                  checkpoint=str(ckpt.path), run_dir=str(run_dir), already_finished=True)
+    result.update(
+        iterations=int(ckpt.meta["iteration"]),
+        eval_history=ckpt.meta.get("eval_history", []),
+        checkpoint=str(ckpt.path),
+        run_dir=str(run_dir),
+        already_finished=True,
+    )
     return result
 
 
 def diverged_message(exc: TrainingDiverged, run_dir: Path | str) -> TrainingDiverged:
     """``exc`` with where the last good checkpoint is (nothing newer was written)."""
     last = rundir.latest_checkpoint(run_dir)
-    where = (f"the last good checkpoint is {last} (resume with: ppokit train --resume {run_dir}, "
-             "after lowering train.learning_rate)" if last is not None
-             else "no checkpoint was written (set run.checkpoint_every to keep one)")
+    where = (
+        f"the last good checkpoint is {last} (resume with: ppokit train --resume {run_dir}, "
+        "after lowering train.learning_rate)"
+        if last is not None
+        else "no checkpoint was written (set run.checkpoint_every to keep one)"
+    )
     return TrainingDiverged(f"{exc}; {where}")

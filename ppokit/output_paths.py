@@ -13,8 +13,8 @@ import errno
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 from ppokit.errors import UserError
 
@@ -30,9 +30,9 @@ def check_output_dir(out: Path, fix: str, *, replace: bool = False) -> None:
         raise UserError(f"{out} is a file, not a directory; {fix}")
     if not replace and out.is_dir() and any(out.iterdir()):
         raise UserError(f"{out} is not empty; {fix}")
-    if out.is_dir() and os.path.ismount(out):        # the finished output replaces `out`: a mount point stays
+    if out.is_dir() and os.path.ismount(out):  # the finished output replaces `out`: a mount point stays
         raise UserError(f"{out} is a mount point, which the output cannot replace; give a new directory inside it")
-    parent = next((p for p in out.absolute().parents if p.exists()), Path("/"))   # where the first new entry goes
+    parent = next((p for p in out.absolute().parents if p.exists()), Path("/"))  # where the first new entry goes
     with writing_to(out):
         os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
 
@@ -49,11 +49,12 @@ def writing_to(out: Path) -> Iterator[None]:
         code = exc.errno if isinstance(exc, OSError) else _os_error_code(str(exc))
         if code not in WRITE_ERRNOS:
             raise
-        raise UserError(f"cannot write {out}: {os.strerror(code)}; choose a writable location with free space") \
-            from None
+        raise UserError(
+            f"cannot write {out}: {os.strerror(code)}; choose a writable location with free space"
+        ) from None
 
 
-def _os_error_code(text: str) -> Optional[int]:
+def _os_error_code(text: str) -> int | None:
     """The errno of an I/O error reported as text, e.g. by safetensors ("... (os error 28)")."""
     match = re.search(r"os error (\d+)", text)
     return int(match.group(1)) if match else None

@@ -27,22 +27,29 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from ppokit.errors import UserError
-from ppokit.rundir import CURVES_FILE as PLOT_FILE, METRICS_FILE
-
+from ppokit.rundir import CURVES_FILE as PLOT_FILE
+from ppokit.rundir import METRICS_FILE
 
 # (panel title, y label, ((metric key, legend name, line style: "-", "--", ":" or "s" for markers), ...))
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
-    ("return / reward", "mean per iteration", (("return_mean", "return", "-"),
-                                               ("periodic_eval_return_mean", "eval return", "s"),
-                                               ("eval_return_mean", "final eval return", "s"),
-                                               ("reward_mean", "reward", "-"), ("eval_accuracy", "eval accuracy", "s"),
-                                               ("eval_accuracy_after", "final eval accuracy", "s"))),
-    ("KL", "nats", (("approx_kl", "approx_kl", "-"), ("kl_ref", "kl to reference", "--"),
-                    ("kl_loss", "kl loss", ":"))),
+    (
+        "return / reward",
+        "mean per iteration",
+        (
+            ("return_mean", "return", "-"),
+            ("periodic_eval_return_mean", "eval return", "s"),
+            ("eval_return_mean", "final eval return", "s"),
+            ("reward_mean", "reward", "-"),
+            ("eval_accuracy", "eval accuracy", "s"),
+            ("eval_accuracy_after", "final eval accuracy", "s"),
+        ),
+    ),
+    ("KL", "nats", (("approx_kl", "approx_kl", "-"), ("kl_ref", "kl to reference", "--"), ("kl_loss", "kl loss", ":"))),
     ("entropy", "nats", (("entropy", "entropy", "-"),)),
     ("value loss", "loss", (("value_loss", "value loss", "-"),)),
     ("clip fraction", "fraction of samples", (("clipfrac", "clipfrac", "-"),)),
@@ -83,8 +90,10 @@ def read_run_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             if torn:
                 continue
-            raise UserError(f"{path} line {number} is corrupt: not valid JSON ({exc.msg} at column {exc.colno}); "
-                            "each line must be one JSON object written by a run") from None
+            raise UserError(
+                f"{path} line {number} is corrupt: not valid JSON ({exc.msg} at column {exc.colno}); "
+                "each line must be one JSON object written by a run"
+            ) from None
         if not isinstance(row, dict):
             raise UserError(f"{path} line {number} is corrupt: expected a JSON object, got a {type(row).__name__}")
     rows = read_metrics(run_dir)
@@ -93,7 +102,7 @@ def read_run_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
     return rows
 
 
-def _number(value: Any) -> Optional[float]:
+def _number(value: Any) -> float | None:
     """A float for plotting; the "nan"/"inf" strings the tracker writes become floats."""
     if isinstance(value, bool):
         return None
@@ -131,7 +140,7 @@ def series_of(rows: list[dict[str, Any]], key: str, x_key: str) -> tuple[list[fl
     return xs, ys
 
 
-def plot_runs(run_dirs: Sequence[Path | str], out: Optional[Path | str] = None) -> dict[str, Any]:
+def plot_runs(run_dirs: Sequence[Path | str], out: Path | str | None = None) -> dict[str, Any]:
     """Draw the curves of ``run_dirs`` into one PNG; returns what was drawn.
 
     The summary: ``out`` (the PNG path), ``labels`` (one per run), ``x`` (run label ->
@@ -141,7 +150,7 @@ def plot_runs(run_dirs: Sequence[Path | str], out: Optional[Path | str] = None) 
     if not run_dirs:
         raise UserError("give at least one run directory")
     dirs = [Path(d) for d in run_dirs]
-    data = [read_run_metrics(d) for d in dirs]   # all errors before anything is drawn
+    data = [read_run_metrics(d) for d in dirs]  # all errors before anything is drawn
     labels = _labels(dirs)
     if out is None:
         out = dirs[0] / PLOT_FILE if len(dirs) == 1 else Path(PLOT_FILE)

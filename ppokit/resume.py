@@ -26,14 +26,26 @@ import contextlib
 import random
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from ppokit.errors import Interrupted, TrainingDiverged
 
-__all__ = ["BadStepGuard", "GracefulStop", "Interrupted", "TrainingDiverged", "all_finite", "capture_rng",
-           "generator_state", "restore_rng", "rollout_rngs", "rollout_seed", "set_generator_state"]
+__all__ = [
+    "BadStepGuard",
+    "GracefulStop",
+    "Interrupted",
+    "TrainingDiverged",
+    "all_finite",
+    "capture_rng",
+    "generator_state",
+    "restore_rng",
+    "rollout_rngs",
+    "rollout_seed",
+    "set_generator_state",
+]
+
 
 # ----------------------------------------------------------------------------- RNG
 def _tag_arrays(obj: Any) -> Any:
@@ -88,7 +100,7 @@ def set_generator_state(gen: Any, state: Any) -> None:
         raise TypeError(f"not a random generator: {type(gen).__name__}")
 
 
-def capture_rng(generators: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every RNG state a run depends on, as checkpoint-storable data (see :mod:`ppokit.checkpoint`).
 
     ``generators``: the run's own ``torch.Generator`` / ``np.random.Generator`` objects by name.
@@ -108,7 +120,7 @@ def capture_rng(generators: Optional[Mapping[str, Any]] = None) -> dict[str, Any
     return state
 
 
-def restore_rng(state: Mapping[str, Any], generators: Optional[Mapping[str, Any]] = None) -> None:
+def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None = None) -> None:
     """Set the RNGs captured by :func:`capture_rng` (a generator missing from the state is an error)."""
     import numpy as np
     import torch
@@ -175,7 +187,7 @@ class GracefulStop:
     SIGNALS = ("SIGINT", "SIGTERM")
 
     def __init__(self) -> None:
-        self.signum: Optional[int] = None
+        self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     @property
@@ -191,7 +203,7 @@ class GracefulStop:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def __enter__(self) -> "GracefulStop":
+    def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
                 sig = getattr(signal, name, None)
@@ -206,8 +218,10 @@ class GracefulStop:
 
     def interrupted(self, checkpoint_path: Path | str, run_dir: Path | str) -> Interrupted:
         """The exception to raise after the interruption checkpoint is on disk (exit 128 + signum)."""
-        return Interrupted(f"interrupted: checkpoint saved at {checkpoint_path}; resume with: "
-                           f"ppokit train --resume {run_dir}", exit_code=128 + int(self.signum or signal.SIGINT))
+        return Interrupted(
+            f"interrupted: checkpoint saved at {checkpoint_path}; resume with: ppokit train --resume {run_dir}",
+            exit_code=128 + int(self.signum or signal.SIGINT),
+        )
 
 
 # ----------------------------------------------------------------------------- divergence
@@ -232,8 +246,10 @@ class BadStepGuard:
         self.streak += 1
         self.total += 1
         if self.limit and self.streak >= self.limit:
-            raise TrainingDiverged(f"training diverged: {self.streak} optimizer steps in a row had a non-finite "
-                                   f"loss or gradient (train.max_bad_steps={self.limit})")
+            raise TrainingDiverged(
+                f"training diverged: {self.streak} optimizer steps in a row had a non-finite "
+                f"loss or gradient (train.max_bad_steps={self.limit})"
+            )
 
     def state_dict(self) -> dict[str, int]:
         return {"streak": self.streak, "total": self.total}

@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.errors import UserError
 
@@ -48,15 +48,15 @@ CURVES_FILE = "curves.png"
 FINAL_DIR = "checkpoint"
 PERIODIC_DIR = "checkpoints"
 LOCK_FILE = ".lock"
-META = "meta.json"               # a checkpoint's completion marker (= ppokit.checkpoint.META)
-ITERATION_LOGS = (METRICS_FILE, SAMPLES_FILE)   # one row per iteration (or per logged sample)
+META = "meta.json"  # a checkpoint's completion marker (= ppokit.checkpoint.META)
+ITERATION_LOGS = (METRICS_FILE, SAMPLES_FILE)  # one row per iteration (or per logged sample)
 # What a run that never got to its first iteration may hold besides things built from its
 # config (an LM run's base_model/, say): with only these it may start over with another config.
 NOT_BUILT = (CONFIG_FILE, METRICS_FILE, TB_DIR, LOCK_FILE)
 
 
 # ----------------------------------------------------------------------------- the lock
-_HELD: dict[str, "RunLock"] = {}    # realpath -> this process's lock (re-entrant within a process)
+_HELD: dict[str, RunLock] = {}  # realpath -> this process's lock (re-entrant within a process)
 
 
 class RunLock:
@@ -72,12 +72,12 @@ class RunLock:
     def __init__(self, run_dir: Path | str):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
-        self._fd: Optional[int] = None
+        self._fd: int | None = None
         self._depth = 0
-        self._holder: Optional["RunLock"] = None   # this process's lock on the directory, when taken again
-        self.took_over: Optional[str] = None     # the previous holder's line, when it had died
+        self._holder: RunLock | None = None  # this process's lock on the directory, when taken again
+        self.took_over: str | None = None  # the previous holder's line, when it had died
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         import fcntl
 
         key = os.path.realpath(self.run_dir)
@@ -97,17 +97,21 @@ class RunLock:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise UserError(f"cannot lock run directory {self.run_dir}: {exc.strerror or exc}") from None
             holder = _read_holder(self.path) or "another process"
-            raise UserError(f"run directory {self.run_dir} is in use by {holder}; wait for it to finish, or stop "
-                            "it (its checkpoint is kept), or choose another run.name") from None
+            raise UserError(
+                f"run directory {self.run_dir} is in use by {holder}; wait for it to finish, or stop "
+                "it (its checkpoint is kept), or choose another run.name"
+            ) from None
         previous = os.read(fd, 4096).decode(errors="replace").strip()
         self.took_over = previous.splitlines()[0] if previous else None
-        if self.took_over:          # its holder ended without releasing it (killed): the lock is free
-            print(f"ppokit: note: {self.run_dir} was locked by {self.took_over}, which has ended; taking it over",
-                  file=sys.stderr, flush=True)
+        if self.took_over:  # its holder ended without releasing it (killed): the lock is free
+            print(
+                f"ppokit: note: {self.run_dir} was locked by {self.took_over}, which has ended; taking it over",
+                file=sys.stderr,
+                flush=True,
+            )
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, f"process {os.getpid()} ({' '.join(sys.argv)[:200]}) since {time.strftime('%H:%M:%S')}\n"
-                 .encode())
+        os.write(fd, f"process {os.getpid()} ({' '.join(sys.argv)[:200]}) since {time.strftime('%H:%M:%S')}\n".encode())
         self._fd, self._depth = fd, 1
         _HELD[key] = self
         return self
@@ -124,13 +128,13 @@ class RunLock:
             return
         _HELD.pop(os.path.realpath(self.run_dir), None)
         try:
-            os.ftruncate(self._fd, 0)      # the file stays (removing a locked file races); empty = free
+            os.ftruncate(self._fd, 0)  # the file stays (removing a locked file races); empty = free
         except OSError:
             pass
-        os.close(self._fd)                 # closing the descriptor drops the flock
+        os.close(self._fd)  # closing the descriptor drops the flock
         self._fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
@@ -145,7 +149,7 @@ def release_locks() -> None:
         held.release()
 
 
-def _read_holder(path: Path) -> Optional[str]:
+def _read_holder(path: Path) -> str | None:
     try:
         text = path.read_text(errors="replace").strip()
     except OSError:
@@ -167,11 +171,12 @@ def has_started(run_dir: Path | str) -> bool:
     """Whether a run got anywhere: a ``metrics.jsonl`` row or a checkpoint (complete or not)."""
     run_dir = Path(run_dir)
     periodic = run_dir / PERIODIC_DIR
-    return bool(read_metrics(run_dir)) or (run_dir / FINAL_DIR).exists() or \
-        (periodic.is_dir() and any(periodic.iterdir()))
+    return (
+        bool(read_metrics(run_dir)) or (run_dir / FINAL_DIR).exists() or (periodic.is_dir() and any(periodic.iterdir()))
+    )
 
 
-def read_run_config(path: Path | str) -> Optional[dict]:
+def read_run_config(path: Path | str) -> dict | None:
     """A run's config.yaml as a dict; None when it is missing, empty or not a mapping."""
     import yaml
 
@@ -210,8 +215,9 @@ def check_reusable(run_dir: Path, cfg: Any) -> None:
     if not run_dir.is_dir() or not any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         return
     if not is_run_dir(run_dir):
-        raise UserError(f"{run_dir} is not empty and is not a ppokit run directory; choose another run.name "
-                        "or delete it")
+        raise UserError(
+            f"{run_dir} is not empty and is not a ppokit run directory; choose another run.name or delete it"
+        )
     if has_started(run_dir):
         rows = len(read_metrics(run_dir))
         if (run_dir / FINAL_DIR).exists():
@@ -220,16 +226,21 @@ def check_reusable(run_dir: Path, cfg: Any) -> None:
             how = f"resume it with: ppokit train --resume {run_dir}"
         else:
             how = f"it has no checkpoint: start it over (dropping its {rows} metrics rows) with run.resume=auto"
-        raise UserError(f"run directory {run_dir} already holds a run ({rows} iterations logged); {how}; "
-                        "or choose another run.name or delete it")
+        raise UserError(
+            f"run directory {run_dir} already holds a run ({rows} iterations logged); {how}; "
+            "or choose another run.name or delete it"
+        )
     saved = read_run_config(run_dir / CONFIG_FILE)
     diff = config_differences(saved, cfg.to_dict()) if saved is not None else ""
     built = sorted(p.name for p in run_dir.iterdir() if p.name not in NOT_BUILT)
-    started_here = (run_dir / METRICS_FILE).exists()   # without it the config.yaml may be the user's own
+    started_here = (run_dir / METRICS_FILE).exists()  # without it the config.yaml may be the user's own
     if diff and (built or not started_here):
-        what = (f"holds a run that stopped before its first iteration, with another config ({diff}) and what it "
-                f"built ({', '.join(built)})" if started_here else
-                f"holds a config.yaml of another config ({diff}) and no run")
+        what = (
+            f"holds a run that stopped before its first iteration, with another config ({diff}) and what it "
+            f"built ({', '.join(built)})"
+            if started_here
+            else f"holds a config.yaml of another config ({diff}) and no run"
+        )
         raise UserError(f"run directory {run_dir} {what}; choose another run.name or delete it")
 
 
@@ -262,7 +273,7 @@ def create_run_dir(cfg: Any, lock: bool = False) -> Path:
         RunLock(run_dir).acquire()
     try:
         (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
-        (run_dir / METRICS_FILE).touch()     # ppokit's mark: a run of this config started here
+        (run_dir / METRICS_FILE).touch()  # ppokit's mark: a run of this config started here
     except OSError as exc:
         raise UserError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from None
     return run_dir
@@ -313,7 +324,7 @@ def find_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
     return [(it, p) for it, _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: Path | str) -> Optional[Path]:
+def latest_checkpoint(run_dir: Path | str) -> Path | None:
     """The newest complete checkpoint of ``run_dir`` (see :func:`find_checkpoints`), or None."""
     found = find_checkpoints(run_dir)
     return found[-1][1] if found else None
@@ -329,20 +340,24 @@ def checked_iteration(meta: Mapping[str, Any], path: Path | str, iterations: int
     path = Path(path)
     value = meta.get("iteration")
     named = int(path.name[5:]) if path.name.startswith("iter-") and path.name[5:].isdigit() else None
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= iterations \
-            and named in (None, value):
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= iterations and named in (None, value):
         return value
     expected = f"{named}" if named is not None else f"0..{iterations}"
-    raise UserError(f"checkpoint {path} is corrupt: {path / META} says iteration {value!r} "
-                    f"(expected {expected}); {resume_instead(path, run_dir)}")
+    raise UserError(
+        f"checkpoint {path} is corrupt: {path / META} says iteration {value!r} "
+        f"(expected {expected}); {resume_instead(path, run_dir)}"
+    )
 
 
 def resume_instead(path: Path | str, run_dir: Path | str) -> str:
     """What to do about a damaged checkpoint ``path``: resume from the newest other one."""
     path = Path(path)
     others = [p for _, p in find_checkpoints(run_dir) if p != path] if Path(run_dir).is_dir() else []
-    return (f"move it out of the run directory to resume from {others[-1]}" if others
-            else "no other checkpoint to resume from: start the run over")
+    return (
+        f"move it out of the run directory to resume from {others[-1]}"
+        if others
+        else "no other checkpoint to resume from: start the run over"
+    )
 
 
 @contextlib.contextmanager
@@ -401,11 +416,26 @@ def _truncate_rows(path: Path, iteration: int) -> int:
 # ----------------------------------------------------------------------------- resume policy
 # Fields that may differ between the saved config and the one a run resumes with: they
 # change how a run reports or where it keeps checkpoints, not what it computes.
-PRESENTATION_FIELDS = ("preset", "run.output_dir", "run.name", "run.progress", "run.tensorboard", "run.resume",
-                       "run.checkpoint_every", "run.keep_checkpoints", "run.log_samples", "run.samples_every",
-                       # where the run executes: a checkpoint does not depend on the cluster layout
-                       "cluster.rollout_workers", "cluster.learners", "cluster.address", "cluster.cpus_per_worker",
-                       "cluster.gpus_per_worker", "cluster.placement", "cluster.placement_timeout")
+PRESENTATION_FIELDS = (
+    "preset",
+    "run.output_dir",
+    "run.name",
+    "run.progress",
+    "run.tensorboard",
+    "run.resume",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.log_samples",
+    "run.samples_every",
+    # where the run executes: a checkpoint does not depend on the cluster layout
+    "cluster.rollout_workers",
+    "cluster.learners",
+    "cluster.address",
+    "cluster.cpus_per_worker",
+    "cluster.gpus_per_worker",
+    "cluster.placement",
+    "cluster.placement_timeout",
+)
 
 
 def _leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -427,8 +457,9 @@ def config_differences(saved: Mapping[str, Any], given: Mapping[str, Any]) -> st
     return shown + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
 
 
-def check_resumable_config(saved: Mapping[str, Any], given: Mapping[str, Any], where: Path | str,
-                           hint: Optional[str] = None) -> None:
+def check_resumable_config(
+    saved: Mapping[str, Any], given: Mapping[str, Any], where: Path | str, hint: str | None = None
+) -> None:
     """Raise :class:`UserError` when ``given`` differs from the run's ``saved`` config beyond
     :data:`PRESENTATION_FIELDS` (resuming with other settings would not be the same run)."""
     diff = config_differences(saved, given)
@@ -437,7 +468,7 @@ def check_resumable_config(saved: Mapping[str, Any], given: Mapping[str, Any], w
         raise UserError(f"cannot resume {where}: the config differs from the run's in {diff}; {hint}")
 
 
-def find_resume_checkpoint(run_dir: Path | str, *, required: bool) -> Optional[Path]:
+def find_resume_checkpoint(run_dir: Path | str, *, required: bool) -> Path | None:
     """The checkpoint to resume ``run_dir`` from; None to start fresh (only when not ``required``)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -446,13 +477,15 @@ def find_resume_checkpoint(run_dir: Path | str, *, required: bool) -> Optional[P
         return None
     last = latest_checkpoint(run_dir)
     if last is None and required:
-        raise UserError(f"cannot resume: run directory {run_dir} has no checkpoint (one is written every "
-                        "run.checkpoint_every iterations, on SIGINT/SIGTERM and at the end); to start it over "
-                        "in the same directory, run its config with run.resume=auto")
+        raise UserError(
+            f"cannot resume: run directory {run_dir} has no checkpoint (one is written every "
+            "run.checkpoint_every iterations, on SIGINT/SIGTERM and at the end); to start it over "
+            "in the same directory, run its config with run.resume=auto"
+        )
     return last
 
 
-def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Optional[Path]]:
+def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Path | None]:
     """The run directory of ``cfg``, locked, and the checkpoint to resume from (None: a fresh start).
 
     ``required`` (``ppokit train CONFIG --resume``): the run directory ``run.output_dir/run.name``
@@ -464,8 +497,10 @@ def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Optional
     if not required and cfg.run.resume == "never":
         return create_run_dir(cfg, lock=True), None
     if not cfg.run.name:
-        raise UserError("--resume needs a fixed run directory: set run.name (or --name), or name the "
-                        "directory: ppokit train --resume RUN_DIR")
+        raise UserError(
+            "--resume needs a fixed run directory: set run.name (or --name), or name the "
+            "directory: ppokit train --resume RUN_DIR"
+        )
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     if run_dir.is_dir():
         RunLock(run_dir).acquire()
@@ -473,7 +508,7 @@ def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Optional
     if found is not None:
         return run_dir, found
     if not has_started(run_dir):
-        return create_run_dir(cfg, lock=True), None    # new, or a run that never got to its first iteration
+        return create_run_dir(cfg, lock=True), None  # new, or a run that never got to its first iteration
     config_file = run_dir / CONFIG_FILE
     saved = read_run_config(config_file)
     if saved is not None:
@@ -495,14 +530,18 @@ def open_run_for_resume(run_dir: Path | str, overrides: list[str]) -> tuple[Any,
     run_dir = Path(run_dir)
     config_file = run_dir / CONFIG_FILE
     if not run_dir.is_dir() or not config_file.is_file():
-        raise UserError(f"--resume {run_dir}: not a run directory (no config.yaml); to resume the run.name of a "
-                        "config, write: ppokit train CONFIG --resume")
+        raise UserError(
+            f"--resume {run_dir}: not a run directory (no config.yaml); to resume the run.name of a "
+            "config, write: ppokit train CONFIG --resume"
+        )
     RunLock(run_dir).acquire()
     readable = read_run_config(config_file) is not None
     found = find_resume_checkpoint(run_dir, required=readable)
     if found is None:
-        raise UserError(f"cannot resume: run directory {run_dir} has no checkpoint, and its {config_file} is "
-                        "empty or not a ppokit config")
+        raise UserError(
+            f"cannot resume: run directory {run_dir} has no checkpoint, and its {config_file} is "
+            "empty or not a ppokit config"
+        )
     try:
         saved = json.loads((found / META).read_text()).get("config")
     except (OSError, ValueError, AttributeError):
@@ -510,9 +549,16 @@ def open_run_for_resume(run_dir: Path | str, overrides: list[str]) -> tuple[Any,
     if not isinstance(saved, dict):
         saved = read_yaml(config_file)
     elif not readable:
-        print(f"ppokit: warning: {config_file} is empty or not a ppokit config; using the config saved in "
-              f"{found / META}", file=sys.stderr, flush=True)
+        print(
+            f"ppokit: warning: {config_file} is empty or not a ppokit config; using the config saved in {found / META}",
+            file=sys.stderr,
+            flush=True,
+        )
     cfg = build_config([saved, parse_overrides(overrides)])
-    check_resumable_config(saved, cfg.to_dict(), run_dir,
-                           hint=f"with --resume RUN_DIR only these may change: {', '.join(PRESENTATION_FIELDS[3:])}")
+    check_resumable_config(
+        saved,
+        cfg.to_dict(),
+        run_dir,
+        hint=f"with --resume RUN_DIR only these may change: {', '.join(PRESENTATION_FIELDS[3:])}",
+    )
     return cfg, run_dir, found

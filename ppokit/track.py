@@ -23,7 +23,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.config import Config
 from ppokit.rundir import METRICS_FILE, SAMPLES_FILE, TB_DIR, read_metrics
@@ -46,11 +46,15 @@ def check_wandb(cfg: Config):
     try:
         import wandb
     except ImportError:
-        raise UserError("run.wandb=true needs the wandb package: pip install wandb (or pip install "
-                        "'ppokit[wandb]'); or set run.wandb=false") from None
+        raise UserError(
+            "run.wandb=true needs the wandb package: pip install wandb (or pip install "
+            "'ppokit[wandb]'); or set run.wandb=false"
+        ) from None
     if os.environ.get("WANDB_MODE", "").lower() not in WANDB_LOCAL_MODES and not _wandb_logged_in():
-        raise UserError("run.wandb=true but wandb is not logged in: run `wandb login` or set WANDB_API_KEY; or "
-                        "set WANDB_MODE=offline to log locally (wandb sync uploads it later)")
+        raise UserError(
+            "run.wandb=true but wandb is not logged in: run `wandb login` or set WANDB_API_KEY; or "
+            "set WANDB_MODE=offline to log locally (wandb sync uploads it later)"
+        )
     return wandb
 
 
@@ -73,26 +77,40 @@ def start_wandb(run_dir: Path, cfg: Config):
     if not run_id:
         run_id = secrets.token_hex(8)
         id_file.write_text(run_id + "\n")
-    return wandb.init(project=cfg.run.wandb_project, entity=cfg.run.wandb_entity, name=run_dir.name, id=run_id,
-                      resume="allow", dir=str(run_dir), config=cfg.to_dict())
+    return wandb.init(
+        project=cfg.run.wandb_project,
+        entity=cfg.run.wandb_entity,
+        name=run_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        config=cfg.to_dict(),
+    )
 
 
 class Tracker:
     """Writes each iteration's metrics to JSONL, TensorBoard and a progress bar."""
 
-    def __init__(self, run_dir: Path, cfg: Config, total_iterations: int, *, description: str | None = None,
-                 purge_step: Optional[int] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Config,
+        total_iterations: int,
+        *,
+        description: str | None = None,
+        purge_step: int | None = None,
+    ):
         """``purge_step``: on resume, the first TensorBoard step that the resumed run logs again;
         TensorBoard drops the earlier run's events from that step on (no doubled curves)."""
         self.run_dir = Path(run_dir)
         self.total = total_iterations
-        self._jsonl = open(self.run_dir / METRICS_FILE, "a", buffering=1)
-        self._samples = None             # samples.jsonl, opened with the first samples
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a", buffering=1)  # noqa: SIM115 (open for the run)
+        self._samples = None  # samples.jsonl, opened with the first samples
         self._tb = None
         if cfg.run.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:   # tensorboard is an optional extra
+            except ImportError:  # tensorboard is an optional extra
                 SummaryWriter = None
             if SummaryWriter is not None:
                 self._tb = SummaryWriter(str(self.run_dir / TB_DIR), purge_step=purge_step)
@@ -100,18 +118,25 @@ class Tracker:
         self._progress = None
         if cfg.run.progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[headline]}"), TimeRemainingColumn(), transient=False)
-            self._task = self._progress.add_task(description or cfg.preset or cfg.workload,
-                                                 total=total_iterations, headline="")
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[headline]}"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._task = self._progress.add_task(
+                description or cfg.preset or cfg.workload, total=total_iterations, headline=""
+            )
             self._progress.start()
         self.start_time = time.time()
 
     def log_samples(self, iteration: int, samples: list[dict[str, Any]]) -> None:
         """Append rollout samples to ``samples.jsonl``, one row each, tagged with ``iteration``."""
         if self._samples is None:
-            self._samples = open(self.run_dir / SAMPLES_FILE, "a", buffering=1)
+            self._samples = open(self.run_dir / SAMPLES_FILE, "a", buffering=1)  # noqa: SIM115
         for sample in samples:
             self._samples.write(json.dumps({"iteration": iteration, **sample}, default=str) + "\n")
 
@@ -120,8 +145,11 @@ class Tracker:
         row.update({k: _plain(v) for k, v in metrics.items()})
         self._jsonl.write(json.dumps(row) + "\n")
         step = int(row.get("global_step", iteration))
-        scalars = {key: value for key, value in row.items()
-                   if isinstance(value, (int, float)) and key != "iteration" and math.isfinite(value)}
+        scalars = {
+            key: value
+            for key, value in row.items()
+            if isinstance(value, (int, float)) and key != "iteration" and math.isfinite(value)
+        }
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
@@ -152,7 +180,7 @@ class Tracker:
         if self._samples is not None and not self._samples.closed:
             self._samples.close()
 
-    def __enter__(self) -> "Tracker":
+    def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -164,7 +192,7 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)   # "nan" / "inf": json.dumps would write invalid JSON otherwise
+        return str(value)  # "nan" / "inf": json.dumps would write invalid JSON otherwise
     return value
 
 

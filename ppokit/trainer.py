@@ -75,7 +75,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -92,7 +93,7 @@ REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
 # (GRPO, Dr.GRPO, RLOO, REINFORCE++) define their own normalisation or baseline, and a
 # second whitening would give a group whose samples all got one reward a non-zero advantage
 WHITENED_ESTIMATORS = ("gae",)
-OPTIONAL_WHEN_ON_POLICY = ("old_log_prob",)     # see "fully on-policy" in the module docstring
+OPTIONAL_WHEN_ON_POLICY = ("old_log_prob",)  # see "fully on-policy" in the module docstring
 
 
 # per-step metrics that are maxima (over micro-batches and data-parallel ranks), not weighted sums
@@ -144,9 +145,16 @@ class TrainablePolicy(Protocol):
     # with train.micro_batch_tokens, whose micro-batches are formed to be cut (ppokit.lm.model.policy).
 
 
-def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Tensor | None = None,
-                       dones: Tensor | None = None, last_values: Tensor | None = None,
-                       group_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def compute_advantages(
+    cfg: Config,
+    *,
+    rewards: Tensor,
+    mask: Tensor,
+    values: Tensor | None = None,
+    dones: Tensor | None = None,
+    last_values: Tensor | None = None,
+    group_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Advantages and returns, (B, T) each, with the configured estimator.
 
     With ``algo.normalize_adv`` the advantages of :data:`WHITENED_ESTIMATORS` (GAE) are
@@ -156,14 +164,22 @@ def compute_advantages(cfg: Config, *, rewards: Tensor, mask: Tensor, values: Te
     a = cfg.algo
     estimator = algo.get_advantage_estimator(a.adv_estimator)
     advantages, returns = estimator(
-        rewards=rewards, mask=mask, values=values, group_ids=group_ids, gamma=a.gamma, lam=a.gae_lambda,
-        dones=dones, last_values=last_values, norm_by_std=a.norm_adv_by_std_in_grpo)
+        rewards=rewards,
+        mask=mask,
+        values=values,
+        group_ids=group_ids,
+        gamma=a.gamma,
+        lam=a.gae_lambda,
+        dones=dones,
+        last_values=last_values,
+        norm_by_std=a.norm_adv_by_std_in_grpo,
+    )
     if a.normalize_adv and a.adv_estimator in WHITENED_ESTIMATORS:
         advantages = algo.whiten(advantages, mask)
     return advantages, returns
 
 
-def batch_advantages(cfg: Config, batch: "Batch") -> tuple[Tensor, Tensor]:
+def batch_advantages(cfg: Config, batch: Batch) -> tuple[Tensor, Tensor]:
     """:func:`compute_advantages` of a :class:`~ppokit.components.Batch` from its rollout:
     ``rewards``, ``mask``, ``old_values`` (GAE only), ``dones`` and ``extras["last_values"]``
     (control), ``group_ids`` (lm group estimators). Multi-turn batches (a ``traj_index``):
@@ -171,13 +187,18 @@ def batch_advantages(cfg: Config, batch: "Batch") -> tuple[Tensor, Tensor]:
     t = batch.tensors
     if "traj_index" in t:
         return trajectory_advantages(cfg, batch)
-    return compute_advantages(cfg, rewards=t["rewards"], mask=t["mask"],
-                              values=t.get("old_values") if cfg.algo.adv_estimator == "gae" else None,
-                              dones=t.get("dones"), last_values=batch.extras.get("last_values"),
-                              group_ids=t.get("group_ids"))
+    return compute_advantages(
+        cfg,
+        rewards=t["rewards"],
+        mask=t["mask"],
+        values=t.get("old_values") if cfg.algo.adv_estimator == "gae" else None,
+        dones=t.get("dones"),
+        last_values=batch.extras.get("last_values"),
+        group_ids=t.get("group_ids"),
+    )
 
 
-def trajectory_advantages(cfg: Config, batch: "Batch") -> tuple[Tensor, Tensor]:
+def trajectory_advantages(cfg: Config, batch: Batch) -> tuple[Tensor, Tensor]:
     """Multi-turn batches (:mod:`ppokit.lm.multi_turn.turn_batch`): ``algo.credit`` (token or turn GAE,
     :func:`ppokit.algo.trajectory_credit`) over each trajectory's action tokens, whose rows
     ``traj_index`` names; truncated trajectories bootstrap from ``extras["last_values"]``.
@@ -186,9 +207,18 @@ def trajectory_advantages(cfg: Config, batch: "Batch") -> tuple[Tensor, Tensor]:
     a, t = cfg.algo, batch.tensors
     truncated = batch.extras.get("traj_truncated")
     advantages, returns = algo.trajectory_credit(
-        credit=a.credit, rewards=t["rewards"], values=t["old_values"], mask=t["mask"], traj_index=t["traj_index"],
-        turn_index=t.get("turn_index"), num_trajectories=None if truncated is None else truncated.shape[0],
-        truncated=truncated, last_values=batch.extras.get("last_values"), gamma=a.gamma, lam=a.gae_lambda)
+        credit=a.credit,
+        rewards=t["rewards"],
+        values=t["old_values"],
+        mask=t["mask"],
+        traj_index=t["traj_index"],
+        turn_index=t.get("turn_index"),
+        num_trajectories=None if truncated is None else truncated.shape[0],
+        truncated=truncated,
+        last_values=batch.extras.get("last_values"),
+        gamma=a.gamma,
+        lam=a.gae_lambda,
+    )
     if a.normalize_adv:
         advantages = algo.whiten(advantages, t["mask"])
     return advantages, returns
@@ -220,18 +250,30 @@ def make_optimizer(groups: list[dict[str, Any]], cfg: Config) -> torch.optim.Ada
     (one pass per parameter; on a CPU about 10% faster than ``foreach`` for small networks,
     docs/performance.md) where it supports the parameters, else ``foreach``."""
     params = [p for g in groups for p in g["params"]]
-    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16,
-                                                                                  torch.bfloat16) for p in params)
-    return torch.optim.AdamW(groups, eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay,
-                             **({"fused": True} if fused else {"foreach": True}))
+    fused = bool(params) and all(
+        p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params
+    )
+    return torch.optim.AdamW(
+        groups,
+        eps=cfg.train.adam_eps,
+        weight_decay=cfg.train.weight_decay,
+        **({"fused": True} if fused else {"foreach": True}),
+    )
 
 
 class PPOTrainer:
     """Owns the optimizer and schedule; :meth:`update` runs one iteration's epochs."""
 
-    def __init__(self, cfg: Config, policy: TrainablePolicy, *, total_iterations: int,
-                 updates_per_iteration: int | None = None, horizon: int | None = None,
-                 parallel: DataParallel | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        policy: TrainablePolicy,
+        *,
+        total_iterations: int,
+        updates_per_iteration: int | None = None,
+        horizon: int | None = None,
+        parallel: DataParallel | None = None,
+    ):
         """``horizon``: the constant of ``seq-mean-token-sum-norm`` (Dr.GRPO), e.g. a language
         model's generation budget; None uses each batch's length. ``parallel``: the other
         learners of a data-parallel group (default: none)."""
@@ -247,29 +289,32 @@ class PPOTrainer:
         # (value head included) at train.critic_grad_clip
         t = cfg.train
         critic_clip = t.critic_grad_clip if t.critic_grad_clip is not None else t.grad_clip
-        self.clip_groups = [(g.get("name", f"group{i}"), g["params"],
-                             critic_clip if g.get("name") == "critic" else t.grad_clip)
-                            for i, g in enumerate(groups)]
+        self.clip_groups = [
+            (g.get("name", f"group{i}"), g["params"], critic_clip if g.get("name") == "critic" else t.grad_clip)
+            for i, g in enumerate(groups)
+        ]
         self.optimizer = make_optimizer(groups, cfg)
         a = cfg.algo
         self.policy_loss = algo.get_policy_loss(a.loss_mode)
-        self.penalty = (algo.AdaptivePenaltyCoef(a.penalty_coef, a.penalty_target_kl)
-                        if a.loss_mode == "penalty" else None)
+        self.penalty = (
+            algo.AdaptivePenaltyCoef(a.penalty_coef, a.penalty_target_kl) if a.loss_mode == "penalty" else None
+        )
         if updates_per_iteration is None:
             updates_per_iteration = cfg.train.epochs * (cfg.train.batch_size // cfg.mini_batch_size)
         total = total_iterations * updates_per_iteration
         warmup = int(cfg.train.lr_warmup_ratio * total)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.train.lr_scheduler_type, warmup, total))
+            self.optimizer, lr_lambda(cfg.train.lr_scheduler_type, warmup, total)
+        )
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.skipped_steps = 0   # all skipped steps of the run
+        self.skipped_steps = 0  # all skipped steps of the run
         # after train.max_bad_steps skipped steps in a row: TrainingDiverged (the run loop says where
         # the last good checkpoint is)
         self.bad_steps = BadStepGuard(cfg.train.max_bad_steps)
         # (N, T) float32: the last update's log-probs of its first mini-batch's rows, from
         # the policy that sampled them (0 on the other rows); None before the first update
         self.on_policy_log_prob: Tensor | None = None
-        self._positions_real: Tensor | int = 0        # real and computed token positions of this update
+        self._positions_real: Tensor | int = 0  # real and computed token positions of this update
         self._positions_computed = 0
 
     def fully_on_policy(self, n: int, num_mini_batches: int | None = None) -> bool:
@@ -282,8 +327,9 @@ class PPOTrainer:
         return self.cfg.mini_batch_size >= n
 
     # ------------------------------------------------------------------------ update
-    def update(self, batch: dict[str, Tensor], iteration: int = 0, num_mini_batches: int | None = None
-               ) -> dict[str, float]:
+    def update(
+        self, batch: dict[str, Tensor], iteration: int = 0, num_mini_batches: int | None = None
+    ) -> dict[str, float]:
         """Epochs over shuffled mini-batches; returns the iteration's mean metrics.
 
         ``num_mini_batches``: split each epoch into this many mini-batches of near-equal
@@ -293,14 +339,16 @@ class PPOTrainer:
         for key in REQUIRED_KEYS:
             on_policy = self.fully_on_policy(n, num_mini_batches)
             if key not in batch and not (key in OPTIONAL_WHEN_ON_POLICY and on_policy):
-                raise KeyError(f"batch is missing '{key}' (needs {', '.join(REQUIRED_KEYS)}; "
-                               f"{', '.join(OPTIONAL_WHEN_ON_POLICY)} only when the update is not fully on-policy)")
+                raise KeyError(
+                    f"batch is missing '{key}' (needs {', '.join(REQUIRED_KEYS)}; "
+                    f"{', '.join(OPTIONAL_WHEN_ON_POLICY)} only when the update is not fully on-policy)"
+                )
         cfg, a = self.cfg, self.cfg.algo
         mini = min(self.cfg.mini_batch_size, n) if num_mini_batches is None else max(1, -(-n // num_mini_batches))
         micro = min(self.cfg.micro_batch_size, mini)
         critic_only = iteration < cfg.train.critic_warmup
         horizon = self.horizon or batch["mask"].shape[1]
-        penalty_coef = self.penalty.value if self.penalty is not None else None   # this iteration's
+        penalty_coef = self.penalty.value if self.penalty is not None else None  # this iteration's
         sums: dict[str, Tensor] = {}
         weights: dict[str, float] = {}
         epochs_done = 0
@@ -311,46 +359,52 @@ class PPOTrainer:
             epoch_kl = []
             order = torch.randperm(n, generator=self.generator)
             for step, mb_index in enumerate(order.split(mini)):
-                mb_index = self.parallel.shard(mb_index)      # this learner's part of the mini-batch
+                mb_index = self.parallel.shard(mb_index)  # this learner's part of the mini-batch
                 mb = {k: v[mb_index] for k, v in batch.items()}
                 on_policy = epoch == 0 and step == 0
                 current: list[tuple[slice | Tensor, Tensor]] = []
-                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current,
-                                                    penalty_coef)
-                for rows, log_prob in current:          # (n, T') each: back into the (N, T) layout
-                    self.on_policy_log_prob[mb_index[rows], :log_prob.shape[1]] = log_prob.float()
+                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current, penalty_coef)
+                for rows, log_prob in current:  # (n, T') each: back into the (N, T) layout
+                    self.on_policy_log_prob[mb_index[rows], : log_prob.shape[1]] = log_prob.float()
                 for k, v in step_metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                     weights[k] = weights.get(k, 0.0) + 1.0
                 if "approx_kl" in step_metrics:
                     epoch_kl.append(step_metrics["approx_kl"])
             epochs_done += 1
-            if a.target_kl is not None and epoch_kl:
-                if torch.stack(epoch_kl).mean().item() > a.target_kl:
-                    break
-        self.parallel.all_reduce(self.on_policy_log_prob)      # each rank filled its own rows
+            if a.target_kl is not None and epoch_kl and torch.stack(epoch_kl).mean().item() > a.target_kl:
+                break
+        self.parallel.all_reduce(self.on_policy_log_prob)  # each rank filled its own rows
         out = {k: (torch.as_tensor(sums[k]) / weights[k]).item() for k in sums}
         if self.penalty is not None and epoch_kl:
             # the PPO paper's d: the KL after the update, measured on the last epoch's mini-batches
             out["penalty_coef"] = penalty_coef
             self.penalty.update(torch.stack(epoch_kl).mean().item())
         out["epochs"] = float(epochs_done)
-        if self._positions_computed and "attention_mask" in batch:   # token sequences: padding share computed
+        if self._positions_computed and "attention_mask" in batch:  # token sequences: padding share computed
             out["padding_frac"] = 1.0 - float(self._positions_real) / self._positions_computed
-        out["skipped_steps"] = float(self.skipped_steps - skipped_before)   # in this iteration
+        out["skipped_steps"] = float(self.skipped_steps - skipped_before)  # in this iteration
         for group in self.optimizer.param_groups:
             out[f"lr/{group.get('name', 'group')}" if len(self.optimizer.param_groups) > 1 else "lr"] = group["lr"]
         if len(self.optimizer.param_groups) > 1:
             out["lr"] = self.optimizer.param_groups[0]["lr"]
-        if "value_loss" in out:       # the critic's fit (a policy without one has no values)
+        if "value_loss" in out:  # the critic's fit (a policy without one has no values)
             with torch.no_grad():
                 out["explained_variance"] = algo.explained_variance(
-                    batch["old_values"], batch["returns"], batch["mask"]).item()
+                    batch["old_values"], batch["returns"], batch["mask"]
+                ).item()
         return out
 
-    def _optimizer_step(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
-                        on_policy: bool = False, current_out: list[tuple[slice | Tensor, Tensor]] | None = None,
-                        penalty_coef: float | None = None) -> dict[str, Tensor]:
+    def _optimizer_step(
+        self,
+        mb: dict[str, Tensor],
+        micro: int,
+        horizon: int,
+        critic_only: bool,
+        on_policy: bool = False,
+        current_out: list[tuple[slice | Tensor, Tensor]] | None = None,
+        penalty_coef: float | None = None,
+    ) -> dict[str, Tensor]:
         """One optimizer step over mini-batch ``mb`` (this rank's part of it); with ``on_policy``,
         each micro-batch's rows of ``mb`` and its detached log-probs (n, T') are appended to
         ``current_out``."""
@@ -366,15 +420,23 @@ class PPOTrainer:
         state = self.generator.get_state()
         order = torch.randperm(n, generator=self.generator)
         self.generator.set_state(state)
-        mb_index = self.parallel.shard(order[:min(self.cfg.mini_batch_size, n)])
+        mb_index = self.parallel.shard(order[: min(self.cfg.mini_batch_size, n)])
         mb = {k: v[mb_index] for k, v in batch.items()}
         micro = min(self.cfg.micro_batch_size, self.cfg.mini_batch_size)
         penalty_coef = self.penalty.value if self.penalty is not None else None
-        self._accumulate_gradients(mb, micro, self.horizon or batch["mask"].shape[1],
-                                   iteration < self.cfg.train.critic_warmup, True, [], penalty_coef)
+        self._accumulate_gradients(
+            mb,
+            micro,
+            self.horizon or batch["mask"].shape[1],
+            iteration < self.cfg.train.critic_warmup,
+            True,
+            [],
+            penalty_coef,
+        )
         names = {id(p): name for name, p in self.policy.named_parameters()}
-        grads = {names[id(p)]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-                 for p in self.params}
+        grads = {
+            names[id(p)]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for p in self.params
+        }
         self.optimizer.zero_grad()
         return grads
 
@@ -386,9 +448,16 @@ class PPOTrainer:
         count = (mask != 0).sum() if mode == "token-mean" else torch.tensor(mask.shape[0], device=mask.device)
         return self.parallel.all_reduce(count.to(torch.int64)).clamp(min=1)
 
-    def _accumulate_gradients(self, mb: dict[str, Tensor], micro: int, horizon: int, critic_only: bool,
-                              on_policy: bool, current_out: list | None,
-                              penalty_coef: float | None) -> dict[str, Tensor]:
+    def _accumulate_gradients(
+        self,
+        mb: dict[str, Tensor],
+        micro: int,
+        horizon: int,
+        critic_only: bool,
+        on_policy: bool,
+        current_out: list | None,
+        penalty_coef: float | None,
+    ) -> dict[str, Tensor]:
         """Zero the gradients, backward every micro-batch of ``mb`` with the whole mini-batch's
         normaliser, sum the gradients over the ranks; the step's metrics (reduced over the ranks)."""
         a = self.cfg.algo
@@ -402,8 +471,8 @@ class PPOTrainer:
         for rows in algo.micro_batch_indices(mb, micro, budget):
             part = {k: v[rows] for k, v in mb.items()}
             if compact is not None:
-                part = compact(part)           # (n, T') tensors: this micro-batch's padding columns dropped
-            self._positions_real = self._positions_real + part[width_key].sum()     # no host sync here
+                part = compact(part)  # (n, T') tensors: this micro-batch's padding columns dropped
+            self._positions_real = self._positions_real + part[width_key].sum()  # no host sync here
             self._positions_computed += part[width_key].numel()
             out = self.policy.evaluate(part)
             mask = part["mask"]
@@ -417,11 +486,19 @@ class PPOTrainer:
             loss = out["log_prob"].new_zeros(())
             losses: dict[str, Tensor] = {}
             metrics: dict[str, Tensor] = {}
-            if "values" in out:         # a policy without a critic (critic-free estimators) has none
+            if "values" in out:  # a policy without a critic (critic-free estimators) has none
                 v_loss, v_metrics = algo.value_loss(
-                    out["values"], part["old_values"], part["returns"], mask, clip_value=a.clip_value,
-                    huber_delta=a.huber_delta, agg_mode=mode, normalizer=normalizer, horizon=horizon,
-                    diagnostics=False)
+                    out["values"],
+                    part["old_values"],
+                    part["returns"],
+                    mask,
+                    clip_value=a.clip_value,
+                    huber_delta=a.huber_delta,
+                    agg_mode=mode,
+                    normalizer=normalizer,
+                    horizon=horizon,
+                    diagnostics=False,
+                )
                 loss = loss + a.value_coeff * v_loss
                 losses["value_loss"] = v_loss.detach()
                 metrics["vf_clipfrac"] = v_metrics["vf_clipfrac"]
@@ -431,17 +508,32 @@ class PPOTrainer:
                     if old_log_prob is not None:
                         gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
                         totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)
-                    if self.off_policy:     # the behaviour policy's log-probs stay old_log_prob
-                        lag = algo.kl_penalty(old_log_prob, current, "k3")      # KL(behaviour || current)
+                    if self.off_policy:  # the behaviour policy's log-probs stay old_log_prob
+                        lag = algo.kl_penalty(old_log_prob, current, "k3")  # KL(behaviour || current)
                         metrics["off_policy_kl"] = algo.aggregate(lag, mask, "token-mean")
-                    else:                   # the policy that sampled this data: the ratio is exactly 1
+                    else:  # the policy that sampled this data: the ratio is exactly 1
                         old_log_prob = current
-                own = (dict(penalty_coef=penalty_coef) if penalty_coef is not None else
-                       dict(lower_clip_ratio=a.lower_clip_ratio, upper_clip_ratio=a.upper_clip_ratio,
-                            clip_ratio_c=a.clip_ratio_c))
+                own = (
+                    dict(penalty_coef=penalty_coef)
+                    if penalty_coef is not None
+                    else dict(
+                        lower_clip_ratio=a.lower_clip_ratio,
+                        upper_clip_ratio=a.upper_clip_ratio,
+                        clip_ratio_c=a.clip_ratio_c,
+                    )
+                )
                 pg_loss, pg_metrics = self.policy_loss(
-                    out["log_prob"], old_log_prob, part["advantages"], mask, agg_mode=mode,
-                    ratio_level=a.ratio_level, normalizer=normalizer, horizon=horizon, diagnostics=False, **own)
+                    out["log_prob"],
+                    old_log_prob,
+                    part["advantages"],
+                    mask,
+                    agg_mode=mode,
+                    ratio_level=a.ratio_level,
+                    normalizer=normalizer,
+                    horizon=horizon,
+                    diagnostics=False,
+                    **own,
+                )
                 loss = loss + pg_loss
                 losses["policy_loss"] = pg_loss.detach()
                 metrics["approx_kl"] = pg_metrics["approx_kl_k3"]
@@ -457,8 +549,11 @@ class PPOTrainer:
                     losses["entropy"] = entropy.detach()
                 if a.beta > 0:
                     # "full": the exact KL over the vocabulary, which the policy computes from its logits
-                    kl = out["kl_full"] if a.kl_loss_type == "full" else \
-                        algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
+                    kl = (
+                        out["kl_full"]
+                        if a.kl_loss_type == "full"
+                        else algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
+                    )
                     kl_loss = algo.aggregate(kl, mask, mode, normalizer=normalizer, horizon=horizon)
                     loss = loss + a.beta * kl_loss
                     losses["kl_loss"] = kl_loss.detach()
@@ -478,7 +573,7 @@ class PPOTrainer:
     def _reduce_metrics(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
         """Step metrics over the ranks: sums (losses use the global normaliser, rates are
         weighted by each micro-batch's share of it), maxima for :data:`MAX_METRICS`."""
-        keys = sorted(totals)      # the same keys on every rank (config: each rank has samples)
+        keys = sorted(totals)  # the same keys on every rank (config: each rank has samples)
         out = {}
         for op in ("sum", "max"):
             names = [k for k in keys if (k in MAX_METRICS) == (op == "max")]
@@ -492,7 +587,7 @@ class PPOTrainer:
         """Clip each group's gradient norm at its own limit, step; ``grad_norm/<group>`` before clipping."""
         norms = {}
         for name, params, clip in self.clip_groups:
-            if any(p.grad is not None for p in params):     # (critic_warmup: the actor has none)
+            if any(p.grad is not None for p in params):  # (critic_warmup: the actor has none)
                 max_norm = clip if clip is not None else float("inf")
                 norms[f"grad_norm/{name}"] = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).detach()
         ok = all(bool(torch.isfinite(n)) for n in norms.values())
@@ -502,17 +597,21 @@ class PPOTrainer:
             self.skipped_steps += 1
         else:
             self.optimizer.step()
-        with warnings.catch_warnings():     # "lr_scheduler.step() before optimizer.step()" when a first step is skipped
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()" when a first step is skipped
             warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.step()   # the schedule advances even when a step is skipped
-        self.bad_steps.step(ok)   # raises TrainingDiverged after max_bad_steps bad steps in a row
+            self.scheduler.step()  # the schedule advances even when a step is skipped
+        self.bad_steps.step(ok)  # raises TrainingDiverged after max_bad_steps bad steps in a row
         return norms
 
     # -------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "generator": self.generator.get_state(), "skipped_steps": self.skipped_steps,
-                 "bad_steps": self.bad_steps.state_dict()}
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "skipped_steps": self.skipped_steps,
+            "bad_steps": self.bad_steps.state_dict(),
+        }
         if self.penalty is not None:
             state["penalty"] = self.penalty.state_dict()
         return state

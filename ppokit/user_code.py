@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from ppokit.errors import UserError, did_you_mean
 
@@ -41,8 +42,15 @@ def is_user_spec(spec: str) -> bool:
     return bool(sep and target and attr)
 
 
-def load_user_object(spec: str, *, what: str, kind: str, fix: str,
-                     error: type[UserError] = UserError, candidates: Callable[[Any], bool] = callable) -> Any:
+def load_user_object(
+    spec: str,
+    *,
+    what: str,
+    kind: str,
+    fix: str,
+    error: type[UserError] = UserError,
+    candidates: Callable[[Any], bool] = callable,
+) -> Any:
     """The object ``spec`` names (``module:name`` or ``path/to/file.py:name``).
 
     ``what`` names the thing in messages ("reward function", "environment"), ``kind`` what
@@ -68,8 +76,10 @@ def _import_module(spec: str, name: str, what: str, kind: str, error: type[UserE
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            raise error(f"{what} '{spec}': cannot import module '{name}' (no module named '{exc.name}'); check the "
-                        f"name, install it, or give path/to/file.py:{kind}") from None
+            raise error(
+                f"{what} '{spec}': cannot import module '{name}' (no module named '{exc.name}'); check the "
+                f"name, install it, or give path/to/file.py:{kind}"
+            ) from None
         raise error(f"{what} '{spec}': importing '{name}' failed: {one_line_error(exc)}") from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error in the user's module is the user's
         raise error(f"{what} '{spec}': importing '{name}' failed: {one_line_error(exc)}") from None
@@ -84,7 +94,7 @@ def _import_file(spec: str, path_text: str, what: str, error: type[UserError]) -
     if module_spec is None or module_spec.loader is None:
         raise error(f"{what} '{spec}': cannot load {path} as a Python file")
     module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module          # lets dataclasses and pickle inside the file work
+    sys.modules[module_name] = module  # lets dataclasses and pickle inside the file work
     try:
         module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.config import Config
 
 # workload name -> (module, class); imported on demand (the LM stack is heavy)
-WORKLOADS = {"control": ("ppokit.control.workload", "ControlWorkload"), "lm": ("ppokit.lm.single_turn.workload", "LMWorkload")}
+WORKLOADS = {
+    "control": ("ppokit.control.workload", "ControlWorkload"),
+    "lm": ("ppokit.lm.single_turn.workload", "LMWorkload"),
+}
 
 
 def make_workload(cfg: Config):
@@ -28,7 +31,7 @@ def make_workload(cfg: Config):
     or ``cluster.learners`` > 1, on Ray (:mod:`ppokit.dist`)."""
     from ppokit.dist import require_ray, wants_cluster
 
-    if cfg.workload == "lm" and cfg.textenv.env is not None:       # multi-turn episodes with a text environment
+    if cfg.workload == "lm" and cfg.textenv.env is not None:  # multi-turn episodes with a text environment
         from ppokit.lm.multi_turn.workload import MultiTurnWorkload
 
         return MultiTurnWorkload(cfg)
@@ -37,7 +40,7 @@ def make_workload(cfg: Config):
     if wants_cluster(cfg):
         from ppokit.dist.workload import DistributedWorkload
 
-        require_ray(cfg)           # a one-line error naming the extra, before a run directory exists
+        require_ray(cfg)  # a one-line error naming the extra, before a run directory exists
         workload = DistributedWorkload(workload, cfg)
     return workload
 
@@ -51,7 +54,7 @@ def check_inputs(cfg: Config) -> None:
     make_workload(cfg).check_inputs()
 
 
-def train(cfg: Config, run_dir: Path | str, resume_from: Optional[Path | str] = None) -> dict[str, Any]:
+def train(cfg: Config, run_dir: Path | str, resume_from: Path | str | None = None) -> dict[str, Any]:
     """Train ``cfg`` in ``run_dir`` (see :func:`ppokit.loop.run`)."""
     from ppokit.loop import run
 

@@ -6,8 +6,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from ppokit.rundir import read_metrics
 
@@ -89,7 +89,7 @@ def sigterm_run(cmd: list[str], run_dir: Path, rows: int, marker: str = "meta.js
     Returns the checkpoint written on the signal (the newest one, under ``checkpoints/``)."""
     import signal
 
-    from ppokit import resume, rundir
+    from ppokit import rundir
 
     proc = start_and_wait(cmd, run_dir, rows)
     assert proc.poll() is None, "the run ended before it could be interrupted"

@@ -52,8 +52,20 @@ def _quiet_main(args: list[str]) -> None:
 
 
 def _control_run(root: Path, get) -> Path:
-    _quiet_main(["train", "cartpole", "train.iterations=1", "env.eval_episodes=1", "run.tensorboard=false",
-                 "--output-dir", str(root), "--name", "control", "--no-progress"])
+    _quiet_main(
+        [
+            "train",
+            "cartpole",
+            "train.iterations=1",
+            "env.eval_episodes=1",
+            "run.tensorboard=false",
+            "--output-dir",
+            str(root),
+            "--name",
+            "control",
+            "--no-progress",
+        ]
+    )
     return root / "control"
 
 
@@ -68,11 +80,28 @@ def _lm_run(root: Path, get) -> Path:
 
     threads = torch.get_num_threads()
     try:
-        _quiet_main(["train", "arith", f"model.path={get('tiny_model')}", "data.sft_epochs=0", "data.eval_size=0",
-                     "train.iterations=1", "train.batch_size=8", "train.mini_batch_size=8",
-                     "train.micro_batch_size=8", "algo.group_size=4", "rollout.max_new_tokens=4",
-                     "run.precision=fp32", "run.tensorboard=false", "--output-dir", str(root), "--name", "lm",
-                     "--no-progress"])
+        _quiet_main(
+            [
+                "train",
+                "arith",
+                f"model.path={get('tiny_model')}",
+                "data.sft_epochs=0",
+                "data.eval_size=0",
+                "train.iterations=1",
+                "train.batch_size=8",
+                "train.mini_batch_size=8",
+                "train.micro_batch_size=8",
+                "algo.group_size=4",
+                "rollout.max_new_tokens=4",
+                "run.precision=fp32",
+                "run.tensorboard=false",
+                "--output-dir",
+                str(root),
+                "--name",
+                "lm",
+                "--no-progress",
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     return root / "lm"
@@ -93,7 +122,7 @@ def _set_dotted(obj: dict, dotted: str, value) -> None:
 def build(case_dir: Path, steps: list[dict], sources, fill) -> None:
     """Run a case's ``build`` steps inside ``case_dir`` (a temporary copy of the case folder)."""
     for step in steps:
-        (action, arg), = step.items()
+        ((action, arg),) = step.items()
         if action == "copy":
             shutil.copytree(sources(arg), case_dir / COPY_TARGET[arg])
         elif action == "truncate":
@@ -123,7 +152,7 @@ def run_cli(args: list[str], capsys) -> tuple[int, str]:
     capsys.readouterr()
     try:
         status = main(args)
-    except SystemExit as exc:   # argparse: usage errors
+    except SystemExit as exc:  # argparse: usage errors
         status = exc.code
     return status, capsys.readouterr().err
 
@@ -140,7 +169,7 @@ def assert_one_line_error(status: int, err: str, expected: str) -> None:
 def config_expectation(path: Path) -> str:
     first = path.read_text().splitlines()[0]
     assert first.startswith("# expect: "), f"{path} must start with '# expect: <message>'"
-    return first[len("# expect: "):]
+    return first[len("# expect: ") :]
 
 
 @pytest.mark.parametrize("path", CONFIG_CASES, ids=[p.stem for p in CONFIG_CASES])
@@ -161,7 +190,7 @@ def test_bad_input(case, tmp_path, monkeypatch, capsys, sources):
 
     build(case_dir, spec.get("build", []), sources, fill)
     args = [fill(str(a)) for a in spec["args"]]
-    if args[0] == "train":   # whatever a case gets through to, it writes under tmp_path
+    if args[0] == "train":  # whatever a case gets through to, it writes under tmp_path
         args += ["run.tensorboard=false", "--output-dir", str(tmp_path / "runs"), "--no-progress"]
     monkeypatch.chdir(tmp_path)
     status, err = run_cli(args, capsys)
@@ -180,6 +209,11 @@ def test_a_data_case_through_the_console_entry_point(tmp_path):
     case = CORPUS / "data" / "bad_json_line"
     spec = yaml.safe_load((case / "case.yaml").read_text())
     args = [str(a).replace("{case}", str(case)) for a in spec["args"]]
-    proc = subprocess.run([sys.executable, "-m", "ppokit", *args, "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ppokit", *args, "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert_one_line_error(proc.returncode, proc.stderr, spec["expect"].replace("{case}", str(case)))

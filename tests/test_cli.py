@@ -13,10 +13,12 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_help_and_config_commands_do_not_import_torch():
-    code = ("import sys\nfrom ppokit.cli import main\n"
-            "for argv in (['--help'], ['train', '--help'], ['config', 'list'], ['config', 'show', 'cartpole']):\n"
-            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-            "print('torch' in sys.modules, 'gymnasium' in sys.modules)")
+    code = (
+        "import sys\nfrom ppokit.cli import main\n"
+        "for argv in (['--help'], ['train', '--help'], ['config', 'list'], ['config', 'show', 'cartpole']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print('torch' in sys.modules, 'gymnasium' in sys.modules)"
+    )
     proc = run(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "False False"
@@ -28,13 +30,16 @@ def test_import_lets_idle_openmp_workers_sleep_soon_unless_the_user_chose():
 
     code = "import os, ppokit; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    cases = (({}, "PASSIVE 5000"),
-             ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE None"),            # the user's policy, OpenMP's spin
-             ({"GOMP_SPINCOUNT": "100"}, "PASSIVE 100"),                # the user's spin count
-             ({"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "7"}, " 7"))     # OpenMP's default policy
+    cases = (
+        ({}, "PASSIVE 5000"),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE None"),  # the user's policy, OpenMP's spin
+        ({"GOMP_SPINCOUNT": "100"}, "PASSIVE 100"),  # the user's spin count
+        ({"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "7"}, " 7"),
+    )  # OpenMP's default policy
     for preset, expected in cases:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                              env={**env, **preset})
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, **preset}
+        )
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.rstrip("\n") == expected, preset
 
@@ -69,21 +74,25 @@ def cli(capsys, *argv: str) -> tuple[int, str]:
 
 
 def test_seed_options_have_the_config_bound():
-    from ppokit import cli as cli_mod, config
+    from ppokit import cli as cli_mod
+    from ppokit import config
 
     assert cli_mod.SEED_MAX == config.SEED_MAX
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["eval", "RUN", "--seed", "-1"], "argument --seed: must be between 0 and 9223372036854775807 (got -1)"),
-    (["eval", "RUN", "--seed", str(2**63)], "argument --seed: must be between 0"),
-    (["eval", "RUN", "--episodes", "0"], "argument --episodes: must be >= 1 (got 0)"),
-    (["eval", "RUN", "--prompts", "-3"], "argument --prompts: must be >= 1 (got -3)"),
-    (["sft", "arithmetic", "--out", "o", "--batch-size", "0"], "argument --batch-size: must be >= 1 (got 0)"),
-    (["sft", "arithmetic", "--out", "o", "--lr", "nan"], "argument --lr: must be a finite number > 0 (got nan)"),
-    (["sft", "arithmetic", "--out", "o", "--lr=-1e-3"], "argument --lr: must be a finite number > 0"),
-    (["sft", "arithmetic", "--out", "o", "--seed", "-2"], "argument --seed: must be between 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "RUN", "--seed", "-1"], "argument --seed: must be between 0 and 9223372036854775807 (got -1)"),
+        (["eval", "RUN", "--seed", str(2**63)], "argument --seed: must be between 0"),
+        (["eval", "RUN", "--episodes", "0"], "argument --episodes: must be >= 1 (got 0)"),
+        (["eval", "RUN", "--prompts", "-3"], "argument --prompts: must be >= 1 (got -3)"),
+        (["sft", "arithmetic", "--out", "o", "--batch-size", "0"], "argument --batch-size: must be >= 1 (got 0)"),
+        (["sft", "arithmetic", "--out", "o", "--lr", "nan"], "argument --lr: must be a finite number > 0 (got nan)"),
+        (["sft", "arithmetic", "--out", "o", "--lr=-1e-3"], "argument --lr: must be a finite number > 0"),
+        (["sft", "arithmetic", "--out", "o", "--seed", "-2"], "argument --seed: must be between 0"),
+    ],
+)
 def test_numeric_options_are_checked_before_anything_runs(capsys, argv, message):
     code, err = cli(capsys, *argv)
     assert code == 2 and message in err and "Traceback" not in err
@@ -95,21 +104,27 @@ def test_overrides_may_follow_options(capsys):
     args = parse_args(build_parser(), ["train", "cartpole", "seed=1", "--name", "x", "algo.gamma=0.9", "seed=2"])
     assert (args.config, args.name, args.overrides) == ("cartpole", "x", ["seed=1", "algo.gamma=0.9", "seed=2"])
     args = parse_args(build_parser(), ["train", "cartpole", "seed=1", "--resume", "seed=2", "algo.gamma=0.9"])
-    assert (args.resume, args.overrides) == (True, ["seed=1", "seed=2", "algo.gamma=0.9"])   # not RUN_DIR seed=2
+    assert (args.resume, args.overrides) == (True, ["seed=1", "seed=2", "algo.gamma=0.9"])  # not RUN_DIR seed=2
     assert parse_args(build_parser(), ["train", "--resume", "runs/x"]).resume == "runs/x"
     code, err = cli(capsys, "config", "show", "cartpole", "--no-such-option", "algo.gamma=0.9")
-    assert code == 2 and err == ("ppokit: error: config show: unrecognized arguments: --no-such-option "
-                                 "(see ppokit config show --help)\n")
+    assert code == 2 and err == (
+        "ppokit: error: config show: unrecognized arguments: --no-such-option (see ppokit config show --help)\n"
+    )
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["eval", "RUN", "--episodes", "abc"],
-     "ppokit: error: eval: argument --episodes: invalid int value: 'abc' (see ppokit eval --help)"),
-    (["demo", "--foo"], "ppokit: error: demo: unrecognized arguments: --foo (see ppokit demo --help)"),
-    (["eval", "RUN", "extra"], "ppokit: error: eval: unrecognized arguments: extra (see ppokit eval --help)"),
-    (["frob"], "ppokit: error: argument COMMAND: invalid choice: 'frob'"),
-    (["config", "show"], "ppokit: error: config show: the following arguments are required: NAME (see"),
-])
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["eval", "RUN", "--episodes", "abc"],
+            "ppokit: error: eval: argument --episodes: invalid int value: 'abc' (see ppokit eval --help)",
+        ),
+        (["demo", "--foo"], "ppokit: error: demo: unrecognized arguments: --foo (see ppokit demo --help)"),
+        (["eval", "RUN", "extra"], "ppokit: error: eval: unrecognized arguments: extra (see ppokit eval --help)"),
+        (["frob"], "ppokit: error: argument COMMAND: invalid choice: 'frob'"),
+        (["config", "show"], "ppokit: error: config show: the following arguments are required: NAME (see"),
+    ],
+)
 def test_usage_errors_are_one_line(capsys, argv, line):
     code, err = cli(capsys, *argv)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith(line), err
@@ -125,4 +140,4 @@ def test_name_and_output_dir_options_are_strings_as_given(capsys, monkeypatch):
     cfg = load_config("cartpole", given[-1])
     assert (cfg.run.name, cfg.run.output_dir) == ("2024", "yes")
     cli_mod.main(["train", "cartpole", "--name", ""])
-    assert given[-1] == ['run.name=""']   # an error in load_config, not "no name"
+    assert given[-1] == ['run.name=""']  # an error in load_config, not "no name"

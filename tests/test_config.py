@@ -19,7 +19,7 @@ BAD_CONFIGS = sorted((Path(__file__).parent / "bad_inputs" / "config").glob("*.y
 def expected_message(path: Path) -> str:
     first = path.read_text().splitlines()[0]
     assert first.startswith("# expect: "), f"{path} must start with '# expect: <message>'"
-    return first[len("# expect: "):]
+    return first[len("# expect: ") :]
 
 
 def test_defaults_follow_seed_000():
@@ -39,20 +39,23 @@ def test_every_field_has_a_description():
     assert not missing
 
 
-@pytest.mark.parametrize("alias, value, path", [
-    ("algo.lam", 0.9, ("algo", "gae_lambda")),
-    ("algo.clip_ratio_low", 0.1, ("algo", "lower_clip_ratio")),
-    ("algo.clip_ratio_high", 0.3, ("algo", "upper_clip_ratio")),
-    ("algo.entropy_bonus", 0.01, ("algo", "entropy_coeff")),
-    ("algo.value_clip", 0.5, ("algo", "clip_value")),
-    ("algo.normalize_advantages", False, ("algo", "normalize_adv")),
-    ("algo.adv_type", "gae", ("algo", "adv_estimator")),
-    ("algo.loss_agg_func", "seq-mean-token-mean", ("algo", "loss_agg_mode")),
-    ("train.ppo_epochs", 4, ("train", "epochs")),
-    ("train.max_grad_norm", 1.0, ("train", "grad_clip")),
-    ("train.total_timesteps", 5000, ("train", "total_steps")),
-    ("env.n_steps", 64, ("env", "num_steps")),
-])
+@pytest.mark.parametrize(
+    "alias, value, path",
+    [
+        ("algo.lam", 0.9, ("algo", "gae_lambda")),
+        ("algo.clip_ratio_low", 0.1, ("algo", "lower_clip_ratio")),
+        ("algo.clip_ratio_high", 0.3, ("algo", "upper_clip_ratio")),
+        ("algo.entropy_bonus", 0.01, ("algo", "entropy_coeff")),
+        ("algo.value_clip", 0.5, ("algo", "clip_value")),
+        ("algo.normalize_advantages", False, ("algo", "normalize_adv")),
+        ("algo.adv_type", "gae", ("algo", "adv_estimator")),
+        ("algo.loss_agg_func", "seq-mean-token-mean", ("algo", "loss_agg_mode")),
+        ("train.ppo_epochs", 4, ("train", "epochs")),
+        ("train.max_grad_norm", 1.0, ("train", "grad_clip")),
+        ("train.total_timesteps", 5000, ("train", "total_steps")),
+        ("env.n_steps", 64, ("env", "num_steps")),
+    ],
+)
 def test_aliases_from_other_frameworks(alias, value, path):
     cfg = C.load_config("cartpole", [f"{alias}={value}"])
     section, name = path
@@ -66,15 +69,19 @@ def test_clip_ratio_sets_both_bounds_and_use_kl_loss_false_zeroes_beta():
 
 
 def test_verl_estimator_names_are_accepted():
-    assert C.canonicalize({"algo": {"adv_estimator": "reinforce_plus_plus"}}, C.Config, "")["algo"][
-        "adv_estimator"] == "reinforce_pp"
+    assert (
+        C.canonicalize({"algo": {"adv_estimator": "reinforce_plus_plus"}}, C.Config, "")["algo"]["adv_estimator"]
+        == "reinforce_pp"
+    )
 
 
 def test_overrides_parse_yaml_values_and_win_over_the_file(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"algo": {"gamma": 0.9}, "network": {"hidden_sizes": [32]}}))
-    cfg = C.load_config(str(path), ["algo.gamma=0.95", "network.hidden_sizes=[16, 16]", "run.name=null",
-                                    "algo.normalize_adv=false", "seed=7"])
+    cfg = C.load_config(
+        str(path),
+        ["algo.gamma=0.95", "network.hidden_sizes=[16, 16]", "run.name=null", "algo.normalize_adv=false", "seed=7"],
+    )
     assert cfg.algo.gamma == 0.95 and cfg.network.hidden_sizes == [16, 16]
     assert cfg.algo.normalize_adv is False and cfg.seed == 7 and cfg.run.name is None
     assert cfg.preset == "run"
@@ -120,11 +127,14 @@ def test_bad_config_gives_its_message(path):
     assert expected_message(path) in str(info.value)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["algo.gamma"], "override 'algo.gamma' must look like section.key=value"),
-    (["algo..gamma=1"], "must look like section.key=value"),
-    (["algo=1", "algo.gamma=0.5"], "conflicts with an earlier override of 'algo'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.gamma"], "override 'algo.gamma' must look like section.key=value"),
+        (["algo..gamma=1"], "must look like section.key=value"),
+        (["algo=1", "algo.gamma=0.5"], "conflicts with an earlier override of 'algo'"),
+    ],
+)
 def test_bad_overrides(overrides, message):
     with pytest.raises(ConfigError, match=message):
         C.load_config("cartpole", overrides)
@@ -165,8 +175,15 @@ def test_config_show_prints_resolved_yaml():
 
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     # YAML 1.1 reads 2e5 and 1e-4 as strings; the CLI's own example uses train.total_steps=2e5.
-    cfg = C.load_config("cartpole", ["train.total_steps=2e5", "train.learning_rate=1e-4",
-                                     "network.init_log_std=-3E2", "network.hidden_sizes=[1e2, 64]"])
+    cfg = C.load_config(
+        "cartpole",
+        [
+            "train.total_steps=2e5",
+            "train.learning_rate=1e-4",
+            "network.init_log_std=-3E2",
+            "network.hidden_sizes=[1e2, 64]",
+        ],
+    )
     assert cfg.train.total_steps == 200_000 and isinstance(cfg.train.total_steps, int)
     assert cfg.train.learning_rate == 1e-4 and cfg.network.init_log_std == -300.0
     assert cfg.network.hidden_sizes == [100, 64]
@@ -175,22 +192,25 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     assert C.load_config(str(path)).train.learning_rate == 3e-4
     with pytest.raises(ConfigError, match="train.total_steps: .*fractional part"):
         C.load_config("cartpole", ["train.total_steps=2.5e0"])
-    assert C.load_config("cartpole", ["run.name=1.0.0"]).run.name == "1.0.0"   # not a number
+    assert C.load_config("cartpole", ["run.name=1.0.0"]).run.name == "1.0.0"  # not a number
 
 
-@pytest.mark.parametrize("override, message", [
-    ("network.hidden_sizes=[-4]", "network.hidden_sizes.0: Input should be greater than or equal to 1"),
-    ("network.hidden_sizes=[64, 0]", "network.hidden_sizes.1: Input should be greater than or equal to 1"),
-    ("seed=99999999999999999999999", "seed: Input should be less than or equal to 9223372036854775807"),
-    ("train.learning_rate=.inf", "train.learning_rate: Input should be a finite number"),
-    ("algo.entropy_coeff=.nan", "algo.entropy_coeff: Input should be a finite number"),
-    ("network.init_log_std=.nan", "network.init_log_std: Input should be a finite number"),
-    ("rollout.temperature=.inf", "rollout.temperature: Input should be a finite number"),
-    ("algo.clip_ratio_c=-.inf", "algo.clip_ratio_c: Input should be a finite number"),
-    ("train.epochs=true", "train.epochs: expected a number, got true"),
-    ("algo.gamma=false", "algo.gamma: expected a number, got false"),
-    ("network.hidden_sizes=[true]", "network.hidden_sizes: expected a number"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("network.hidden_sizes=[-4]", "network.hidden_sizes.0: Input should be greater than or equal to 1"),
+        ("network.hidden_sizes=[64, 0]", "network.hidden_sizes.1: Input should be greater than or equal to 1"),
+        ("seed=99999999999999999999999", "seed: Input should be less than or equal to 9223372036854775807"),
+        ("train.learning_rate=.inf", "train.learning_rate: Input should be a finite number"),
+        ("algo.entropy_coeff=.nan", "algo.entropy_coeff: Input should be a finite number"),
+        ("network.init_log_std=.nan", "network.init_log_std: Input should be a finite number"),
+        ("rollout.temperature=.inf", "rollout.temperature: Input should be a finite number"),
+        ("algo.clip_ratio_c=-.inf", "algo.clip_ratio_c: Input should be a finite number"),
+        ("train.epochs=true", "train.epochs: expected a number, got true"),
+        ("algo.gamma=false", "algo.gamma: expected a number, got false"),
+        ("network.hidden_sizes=[true]", "network.hidden_sizes: expected a number"),
+    ],
+)
 def test_numbers_are_in_range_finite_and_not_booleans(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         C.load_config("cartpole", [override])
@@ -206,13 +226,21 @@ def test_every_float_field_rejects_non_finite_values():
                 C.load_config("cartpole", [f"{path}=.nan"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["algo.gamma=5", "algo.gae_lambda=7"], "algo.gamma: Input should be less than or equal to 1 (got 5); "
-                                           "algo.gae_lambda: Input should be less than or equal to 1 (got 7)"),
-    (["model.lora_target_modules=5"], "model.lora_target_modules: must be a string or a list of strings (got 5)"),
-    (["model.lora_target_modules=[q_proj, 5]"],
-     "model.lora_target_modules: must be a string or a list of strings (got ['q_proj', 5])"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["algo.gamma=5", "algo.gae_lambda=7"],
+            "algo.gamma: Input should be less than or equal to 1 (got 5); "
+            "algo.gae_lambda: Input should be less than or equal to 1 (got 7)",
+        ),
+        (["model.lora_target_modules=5"], "model.lora_target_modules: must be a string or a list of strings (got 5)"),
+        (
+            ["model.lora_target_modules=[q_proj, 5]"],
+            "model.lora_target_modules: must be a string or a list of strings (got ['q_proj', 5])",
+        ),
+    ],
+)
 def test_validation_errors_make_one_line(overrides, message):
     with pytest.raises(ConfigError) as info:
         C.load_config("cartpole", overrides)
@@ -231,8 +259,10 @@ def test_a_directory_neither_hides_a_preset_nor_passes_for_a_missing_file(tmp_pa
 
 
 def test_a_bound_given_by_clip_ratio_and_by_name_names_clip_ratio():
-    with pytest.raises(ConfigError, match=re.escape(
-            "algo.lower_clip_ratio is given twice (as 'clip_ratio' and 'lower_clip_ratio'); keep one")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("algo.lower_clip_ratio is given twice (as 'clip_ratio' and 'lower_clip_ratio'); keep one"),
+    ):
         C.load_config("cartpole", ["algo.clip_ratio=0.3", "algo.lower_clip_ratio=0.1"])
 
 
@@ -247,7 +277,7 @@ def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="key 'a' is given twice"):
         C.load_config("cartpole", ["env.kwargs={a: 1, a: 2}"])
     path.write_text("defaults: &d {gamma: 0.9, gae_lambda: 0.5}\nalgo:\n  <<: *d\n  gamma: 0.8\n")
-    assert C.read_yaml(path)["algo"] == {"gamma": 0.8, "gae_lambda": 0.5}   # a merge key may be overridden
+    assert C.read_yaml(path)["algo"] == {"gamma": 0.8, "gae_lambda": 0.5}  # a merge key may be overridden
 
 
 @pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../x", "/tmp/x"])

@@ -38,7 +38,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = module.split(".") if is_package else module.split(".")[:-1]
-                    base = base[:len(base) - node.level + 1]
+                    base = base[: len(base) - node.level + 1]
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module or ""
@@ -49,8 +49,12 @@ def import_graph() -> dict[str, set[str]]:
                 if target.split(".")[0] != "ppokit":
                     continue
                 found = resolve(target)
-                if found and found != module and not module.startswith(found + ".") \
-                        and not found.startswith(module + "."):
+                if (
+                    found
+                    and found != module
+                    and not module.startswith(found + ".")
+                    and not found.startswith(module + ".")
+                ):
                     graph[module].add(found)
     return graph
 
@@ -94,8 +98,8 @@ def test_the_checker_finds_a_cycle_through_a_function_level_import():
     graph = {"ppokit.a": {"ppokit.b"}, "ppokit.b": {"ppokit.c"}, "ppokit.c": {"ppokit.a"}, "ppokit.d": set()}
     assert cycles(graph) == [["ppokit.a", "ppokit.b", "ppokit.c"]]
     real = import_graph()
-    assert "ppokit.rundir" in real["ppokit.loop"]                     # a top-level import
-    assert "ppokit.track" in real["ppokit.loop"]                      # an import inside a function
+    assert "ppokit.rundir" in real["ppokit.loop"]  # a top-level import
+    assert "ppokit.track" in real["ppokit.loop"]  # an import inside a function
     assert "ppokit.lm.accel" in real["ppokit.lm.single_turn.workload"]
 
 
@@ -105,7 +109,15 @@ def test_ppokit_has_no_import_cycles():
 
 def test_nothing_but_the_builders_depends_on_the_cpu_acceleration():
     """lm/accel is an opt-in layer: the policy, generation and the loop run without it."""
-    users = {m for m, targets in import_graph().items()
-             if any(t == "ppokit.lm.accel" or t.startswith("ppokit.lm.accel.") for t in targets)
-             and not m.startswith("ppokit.lm.accel")}
-    assert users == {"ppokit.lm.single_turn.workload", "ppokit.lm.multi_turn.workload", "ppokit.lm.generation.loading", "ppokit.lm.rewards.reward_model"}
+    users = {
+        m
+        for m, targets in import_graph().items()
+        if any(t == "ppokit.lm.accel" or t.startswith("ppokit.lm.accel.") for t in targets)
+        and not m.startswith("ppokit.lm.accel")
+    }
+    assert users == {
+        "ppokit.lm.single_turn.workload",
+        "ppokit.lm.multi_turn.workload",
+        "ppokit.lm.generation.loading",
+        "ppokit.lm.rewards.reward_model",
+    }

@@ -19,8 +19,9 @@ def test_schedule_factor_against_its_formula(kind):
             want = (step + 1) / warmup
         else:
             progress = min(1.0, (step - warmup) / (total - warmup))
-            want = {"constant": 1.0, "linear": 1.0 - progress,
-                    "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[kind]
+            want = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[
+                kind
+            ]
         assert factor(step) == pytest.approx(want, abs=1e-15), (kind, step)
 
 

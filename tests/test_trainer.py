@@ -9,8 +9,7 @@ import torch
 
 from ppokit import algo
 from ppokit.config import build_config
-from ppokit.trainer import lr_lambda
-from ppokit.trainer import PPOTrainer, compute_advantages
+from ppokit.trainer import PPOTrainer, compute_advantages, lr_lambda
 
 
 class ToyPolicy(torch.nn.Module):
@@ -23,15 +22,22 @@ class ToyPolicy(torch.nn.Module):
         self.critic = torch.nn.Linear(n_obs, 1)
 
     def param_groups(self, cfg):
-        return [{"params": list(self.actor.parameters()), "lr": cfg.train.learning_rate, "name": "actor"},
-                {"params": list(self.critic.parameters()),
-                 "lr": cfg.train.critic_learning_rate or cfg.train.learning_rate, "name": "critic"}]
+        return [
+            {"params": list(self.actor.parameters()), "lr": cfg.train.learning_rate, "name": "actor"},
+            {
+                "params": list(self.critic.parameters()),
+                "lr": cfg.train.critic_learning_rate or cfg.train.learning_rate,
+                "name": "critic",
+            },
+        ]
 
     def evaluate(self, mb):
-        logits = self.actor(mb["obs"])                                       # (n, T, A)
-        return {"log_prob": algo.log_probs_from_logits(logits, mb["actions"]),  # (n, T)
-                "entropy": algo.entropy_from_logits(logits),
-                "values": self.critic(mb["obs"]).squeeze(-1)}
+        logits = self.actor(mb["obs"])  # (n, T, A)
+        return {
+            "log_prob": algo.log_probs_from_logits(logits, mb["actions"]),  # (n, T)
+            "entropy": algo.entropy_from_logits(logits),
+            "values": self.critic(mb["obs"]).squeeze(-1),
+        }
 
 
 def make_batch(n: int = 12, t: int = 6, seed: int = 0):
@@ -40,19 +46,33 @@ def make_batch(n: int = 12, t: int = 6, seed: int = 0):
     actions = torch.randint(0, 3, (n, t), generator=g)
     lengths = torch.randint(1, t + 1, (n,), generator=g)
     mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
-    mask[0] = 0.0   # a row with no valid position at all
-    return {"obs": obs, "actions": actions, "mask": mask,
-            "old_log_prob": torch.log(torch.full((n, t), 1 / 3)) + 0.1 * torch.randn(n, t, generator=g),
-            "advantages": torch.randn(n, t, generator=g), "returns": torch.randn(n, t, generator=g),
-            "old_values": torch.randn(n, t, generator=g), "ref_log_prob": torch.randn(n, t, generator=g) - 1}
+    mask[0] = 0.0  # a row with no valid position at all
+    return {
+        "obs": obs,
+        "actions": actions,
+        "mask": mask,
+        "old_log_prob": torch.log(torch.full((n, t), 1 / 3)) + 0.1 * torch.randn(n, t, generator=g),
+        "advantages": torch.randn(n, t, generator=g),
+        "returns": torch.randn(n, t, generator=g),
+        "old_values": torch.randn(n, t, generator=g),
+        "ref_log_prob": torch.randn(n, t, generator=g) - 1,
+    }
 
 
 def lm_like_config(**train):
     # workload=control needs batch_size = num_envs * num_steps; 12 = 3 * 4.
-    layer = {"env": {"num_envs": 3, "num_steps": 4},
-             "train": {"epochs": 1, "grad_clip": None, "learning_rate": 0.1, "lr_scheduler_type": "constant",
-                       "lr_warmup_ratio": 0.0, **train},
-             "algo": {"entropy_coeff": 0.01, "clip_value": 0.2}}
+    layer = {
+        "env": {"num_envs": 3, "num_steps": 4},
+        "train": {
+            "epochs": 1,
+            "grad_clip": None,
+            "learning_rate": 0.1,
+            "lr_scheduler_type": "constant",
+            "lr_warmup_ratio": 0.0,
+            **train,
+        },
+        "algo": {"entropy_coeff": 0.01, "clip_value": 0.2},
+    }
     return build_config([layer])
 
 
@@ -103,14 +123,14 @@ def test_the_batchs_old_log_probs_are_used_row_for_row():
     assert len(ratios) == 3 * 2 * 2
     assert all(torch.equal(r, torch.ones_like(r)) for r in ratios)
     assert metrics["clipfrac"] == 0.0 and metrics["approx_kl"] == 0.0 and metrics["old_log_prob_gap"] == 0.0
-    batch["old_log_prob"][5, 0] += 1.0            # one changed row shows up as a ratio != 1
+    batch["old_log_prob"][5, 0] += 1.0  # one changed row shows up as a ratio != 1
     ratios.clear()
     trainer.update(batch)
     assert sum(int((r != 1).sum()) for r in ratios[2:]) > 0
 
 
 def test_first_mini_batch_is_on_policy_and_reports_the_old_log_prob_gap(monkeypatch):
-    batch = make_batch()                      # old_log_prob: the policy's, off by up to ~0.3
+    batch = make_batch()  # old_log_prob: the policy's, off by up to ~0.3
     policy = ToyPolicy()
     with torch.no_grad():
         current = policy.evaluate(batch)["log_prob"]
@@ -138,7 +158,7 @@ def test_first_mini_batch_is_on_policy_and_reports_the_old_log_prob_gap(monkeypa
 def test_a_fully_on_policy_update_needs_no_old_log_prob_and_keeps_its_own():
     batch = make_batch()
     with torch.no_grad():
-        before = ToyPolicy().evaluate(batch)["log_prob"]                   # (N, T) the sampling policy
+        before = ToyPolicy().evaluate(batch)["log_prob"]  # (N, T) the sampling policy
     results = {}
     for name in ("with", "without"):
         policy = ToyPolicy()
@@ -149,10 +169,10 @@ def test_a_fully_on_policy_update_needs_no_old_log_prob_and_keeps_its_own():
         results[name] = ([p.detach().clone() for p in policy.parameters()], metrics, trainer.on_policy_log_prob)
     (p_with, m_with, lp_with), (p_without, m_without, lp_without) = results["with"], results["without"]
     for a, b in zip(p_with, p_without):
-        assert torch.equal(a, b)                       # the batch's old log-probs were not used
+        assert torch.equal(a, b)  # the batch's old log-probs were not used
     assert "old_log_prob_gap" in m_with and "old_log_prob_gap" not in m_without
     assert m_without["policy_loss"] == m_with["policy_loss"] and m_without["clipfrac"] == 0.0
-    torch.testing.assert_close(lp_without, before, rtol=0, atol=1e-6)   # every row, in batch order
+    torch.testing.assert_close(lp_without, before, rtol=0, atol=1e-6)  # every row, in batch order
     assert torch.equal(lp_with, lp_without)
 
 
@@ -220,9 +240,20 @@ def test_non_finite_gradient_skips_the_step():
 
 def lm_config(**sections):
     """A validated language-model config (a reference exists: algo.beta may be > 0)."""
-    layer = {"workload": "lm", "train": {"iterations": 1, "batch_size": 12, "epochs": 1, "grad_clip": None,
-                                          "learning_rate": 0.1, "lr_warmup_ratio": 0.0, **sections.pop("train", {})},
-             "algo": {"entropy_coeff": 0.01, "clip_value": 0.2, **sections.pop("algo", {})}, **sections}
+    layer = {
+        "workload": "lm",
+        "train": {
+            "iterations": 1,
+            "batch_size": 12,
+            "epochs": 1,
+            "grad_clip": None,
+            "learning_rate": 0.1,
+            "lr_warmup_ratio": 0.0,
+            **sections.pop("train", {}),
+        },
+        "algo": {"entropy_coeff": 0.01, "clip_value": 0.2, **sections.pop("algo", {})},
+        **sections,
+    }
     return build_config([layer])
 
 
@@ -244,7 +275,7 @@ def test_beta_adds_the_reference_kl_to_the_loss_and_its_gradient():
     m = batch["mask"].double()
     log_prob = algo.log_probs_from_logits(policy.actor(batch["obs"].double()), batch["actions"])
     d = (batch["ref_log_prob"].double() - log_prob).clamp(-20, 20)
-    kl = ((torch.exp(d) - d - 1).clamp(-10, 10) * m).sum() / m.sum()     # k3 (clamped as verl), token-mean
+    kl = ((torch.exp(d) - d - 1).clamp(-10, 10) * m).sum() / m.sum()  # k3 (clamped as verl), token-mean
     assert metrics["kl_loss"] == pytest.approx(kl.item(), rel=1e-5)
     want = torch.autograd.grad(0.5 * kl, list(policy.actor.parameters()))
     for with_kl, without, w in zip(grads[0.5][:2], grads[0.0][:2], want):
@@ -258,10 +289,18 @@ def test_missing_batch_key_is_named():
         PPOTrainer(lm_like_config(), ToyPolicy(), total_iterations=1).update(batch)
 
 
-@pytest.mark.parametrize("kind, step, expected", [
-    ("constant", 50, 1.0), ("linear", 10, 1.0), ("linear", 60, 0.5), ("linear", 110, 0.0),
-    ("cosine", 60, 0.5), ("cosine", 10, 1.0), ("constant", 4, 0.5),
-])
+@pytest.mark.parametrize(
+    "kind, step, expected",
+    [
+        ("constant", 50, 1.0),
+        ("linear", 10, 1.0),
+        ("linear", 60, 0.5),
+        ("linear", 110, 0.0),
+        ("cosine", 60, 0.5),
+        ("cosine", 10, 1.0),
+        ("constant", 4, 0.5),
+    ],
+)
 def test_lr_schedule_with_warmup(kind, step, expected):
     factor = lr_lambda(kind, warmup_steps=10, total_steps=110)
     assert factor(step) == pytest.approx(expected)

@@ -16,8 +16,17 @@ from ppokit.config import load_config
 from ppokit.rundir import read_metrics
 from ppokit.track import WANDB_ID_FILE, Tracker
 
-CARTPOLE = ["train", "cartpole", "train.iterations=2", "env.num_envs=2", "env.num_steps=16", "env.eval_episodes=1", "train.mini_batch_size=16",
-            "run.tensorboard=false", "--no-progress"]
+CARTPOLE = [
+    "train",
+    "cartpole",
+    "train.iterations=2",
+    "env.num_envs=2",
+    "env.num_steps=16",
+    "env.eval_episodes=1",
+    "train.mini_batch_size=16",
+    "run.tensorboard=false",
+    "--no-progress",
+]
 
 
 class FakeRun:
@@ -43,8 +52,9 @@ def fake_wandb(monkeypatch):
 
 
 def test_metrics_go_to_wandb_and_a_resume_continues_the_same_run(fake_wandb, tmp_path):
-    cfg = load_config("cartpole", ["run.wandb=true", "run.wandb_project=proj", "run.progress=false",
-                                   "run.tensorboard=false"])
+    cfg = load_config(
+        "cartpole", ["run.wandb=true", "run.wandb_project=proj", "run.progress=false", "run.tensorboard=false"]
+    )
     with Tracker(tmp_path, cfg, 3) as tracker:
         tracker.log(0, {"return_mean": 1.5, "global_step": 32, "note": "text", "bad": float("nan")})
     with Tracker(tmp_path, cfg, 3, purge_step=1) as tracker:
@@ -54,9 +64,11 @@ def test_metrics_go_to_wandb_and_a_resume_continues_the_same_run(fake_wandb, tmp
     assert first["id"] == second["id"] == (tmp_path / WANDB_ID_FILE).read_text().strip()
     assert first["config"]["run"]["wandb_project"] == "proj"
     assert fake_wandb["log"][0][0] == 32 and fake_wandb["log"][0][1]["return_mean"] == 1.5
-    assert "note" not in fake_wandb["log"][0][1] and "bad" not in fake_wandb["log"][0][1]   # scalars, finite
-    assert fake_wandb["log"][1] == (64, {"time": fake_wandb["log"][1][1]["time"], "return_mean": 2.5,
-                                         "global_step": 64})
+    assert "note" not in fake_wandb["log"][0][1] and "bad" not in fake_wandb["log"][0][1]  # scalars, finite
+    assert fake_wandb["log"][1] == (
+        64,
+        {"time": fake_wandb["log"][1][1]["time"], "return_mean": 2.5, "global_step": 64},
+    )
     assert fake_wandb["finish"] == 2
 
 
@@ -68,12 +80,14 @@ def test_a_training_run_logs_every_row_to_wandb(fake_wandb, tmp_path):
 
 
 def test_wandb_asked_for_but_not_installed_is_one_line(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "wandb", None)          # import wandb -> ImportError
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     assert main(CARTPOLE + ["run.wandb=true", "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["ppokit: error: run.wandb=true needs the wandb package: pip install wandb (or pip install "
-                   "'ppokit[wandb]'); or set run.wandb=false"]
-    assert not any(tmp_path.iterdir())                       # no run directory was made
+    assert err == [
+        "ppokit: error: run.wandb=true needs the wandb package: pip install wandb (or pip install "
+        "'ppokit[wandb]'); or set run.wandb=false"
+    ]
+    assert not any(tmp_path.iterdir())  # no run directory was made
 
 
 def test_wandb_not_logged_in_is_one_line(fake_wandb, monkeypatch, tmp_path, capsys):

@@ -157,7 +157,9 @@ def gae_advantages(
     Needs ``values`` (a critic).
     """
     if values is None:
-        raise ValueError("advantage estimator 'gae' needs values (a critic); use a critic-free estimator such as 'grpo'")
+        raise ValueError(
+            "advantage estimator 'gae' needs values (a critic); use a critic-free estimator such as 'grpo'"
+        )
     return compute_gae(rewards, values, gamma=gamma, lam=lam, mask=mask, dones=dones, last_values=last_values)
 
 

@@ -53,7 +53,9 @@ def _token_mean(loss_mat: torch.Tensor, m: torch.Tensor, normalizer: Normalizer,
 
 
 @AGG_MODES.register("seq-mean-token-sum")
-def _seq_mean_token_sum(loss_mat: torch.Tensor, m: torch.Tensor, normalizer: Normalizer, horizon: int | None) -> torch.Tensor:
+def _seq_mean_token_sum(
+    loss_mat: torch.Tensor, m: torch.Tensor, normalizer: Normalizer, horizon: int | None
+) -> torch.Tensor:
     """``sum_b (sum_t L m) / N``, N defaults to B."""
     total = masked_sum(loss_mat, m)  # () == sum_b sum_t L m
     if normalizer is None:
@@ -62,7 +64,9 @@ def _seq_mean_token_sum(loss_mat: torch.Tensor, m: torch.Tensor, normalizer: Nor
 
 
 @AGG_MODES.register("seq-mean-token-mean")
-def _seq_mean_token_mean(loss_mat: torch.Tensor, m: torch.Tensor, normalizer: Normalizer, horizon: int | None) -> torch.Tensor:
+def _seq_mean_token_mean(
+    loss_mat: torch.Tensor, m: torch.Tensor, normalizer: Normalizer, horizon: int | None
+) -> torch.Tensor:
     """``sum_b (sum_t L m / max(sum_t m, 1)) / N``, N defaults to B."""
     row_sum = masked_sum(loss_mat, m, dim=-1)  # (B,)
     row_len = m.sum(-1).to(row_sum.dtype).clamp(min=1)  # (B,)
@@ -72,7 +76,9 @@ def _seq_mean_token_mean(loss_mat: torch.Tensor, m: torch.Tensor, normalizer: No
 
 
 @AGG_MODES.register("seq-mean-token-sum-norm")
-def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, m: torch.Tensor, normalizer: Normalizer, horizon: int | None) -> torch.Tensor:
+def _seq_mean_token_sum_norm(
+    loss_mat: torch.Tensor, m: torch.Tensor, normalizer: Normalizer, horizon: int | None
+) -> torch.Tensor:
     """``sum_{b,t} L m / (N * H)``, N defaults to B, H to T (Dr. GRPO)."""
     total = masked_sum(loss_mat, m)  # ()
     if normalizer is None:

@@ -27,7 +27,7 @@ sum(rows x longest)`` over its micro-batches.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ def _greedy_cuts(lengths: Sequence[int], bound: int) -> list[int]:
     n = len(lengths)
     while start < n:
         starts.append(start)
-        longest = lengths[start]                           # descending: the run's first row is its longest
+        longest = lengths[start]  # descending: the run's first row is its longest
         rows = max(1, bound // longest) if longest > 0 else n - start
         start = min(n, start + rows)
     return starts
@@ -62,13 +62,13 @@ def token_budget_micro_batches(lengths: torch.Tensor, budget: int) -> list[torch
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"the token budget must be a positive int (got {budget!r})")
-    lengths = torch.as_tensor(lengths).to(torch.int64).cpu()               # (N,)
+    lengths = torch.as_tensor(lengths).to(torch.int64).cpu()  # (N,)
     if lengths.dim() != 1:
         raise ValueError(f"lengths must be 1-D (N,), got shape {tuple(lengths.shape)}")
     n = lengths.numel()
     if n == 0:
         return []
-    order = torch.sort(lengths, descending=True, stable=True).indices      # (N,) longest first
+    order = torch.sort(lengths, descending=True, stable=True).indices  # (N,) longest first
     sorted_lengths = lengths[order].tolist()
     count = len(_greedy_cuts(sorted_lengths, budget))
     # the smallest bound (<= budget) that still needs no more than `count` runs: balanced micro-batches
@@ -101,8 +101,9 @@ def row_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["attention_mask" if "attention_mask" in batch else "mask"].sum(1)
 
 
-def micro_batch_indices(batch: dict[str, torch.Tensor], micro_batch_size: int, micro_batch_tokens: int | None
-                        ) -> list[slice | torch.Tensor]:
+def micro_batch_indices(
+    batch: dict[str, torch.Tensor], micro_batch_size: int, micro_batch_tokens: int | None
+) -> list[slice | torch.Tensor]:
     """The rows of each micro-batch: slices of ``micro_batch_size`` rows in order (views, no
     copies), or with a token budget index tensors of rows of similar length
     (:func:`token_budget_micro_batches`)."""

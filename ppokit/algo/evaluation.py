@@ -54,12 +54,12 @@ def pass_at_k_per_problem(correct: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"pass@k: correct must be (problems, samples), got shape {tuple(correct.shape)}")
     n = correct.shape[1]
     _check(n, 0, k)
-    c = correct.to(torch.int64).sum(dim=1)                                     # (P,)
-    i = torch.arange(1, n + 1, dtype=torch.float64, device=correct.device)     # (n,)
-    terms = 1.0 - k / i                                                        # (n,) t_1 .. t_n
-    suffix = torch.flip(torch.cumprod(torch.flip(terms, (0,)), 0), (0,))      # (n,) suffix[j] = t_{j+1} ... t_n
-    suffix = torch.cat([suffix, suffix.new_ones(1)])                           # (n + 1,) empty product at j = n
-    miss_all = suffix[n - c]                                                   # (P,) product over i > n - c
+    c = correct.to(torch.int64).sum(dim=1)  # (P,)
+    i = torch.arange(1, n + 1, dtype=torch.float64, device=correct.device)  # (n,)
+    terms = 1.0 - k / i  # (n,) t_1 .. t_n
+    suffix = torch.flip(torch.cumprod(torch.flip(terms, (0,)), 0), (0,))  # (n,) suffix[j] = t_{j+1} ... t_n
+    suffix = torch.cat([suffix, suffix.new_ones(1)])  # (n + 1,) empty product at j = n
+    miss_all = suffix[n - c]  # (P,) product over i > n - c
     return torch.where(n - c < k, torch.ones_like(miss_all), 1.0 - miss_all)
 
 

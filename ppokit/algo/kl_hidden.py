@@ -174,7 +174,9 @@ def kl_full_from_hidden(
         if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor")
     if hidden.dim() < 1 or weight.dim() != 2:
-        raise ValueError(f"hidden must be (..., D) and weight (V, D), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden must be (..., D) and weight (V, D), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
     if ref_hidden.shape[:-1] != hidden.shape[:-1]:

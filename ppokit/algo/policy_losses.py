@@ -73,7 +73,8 @@ def _check_common(
     B = log_prob.shape[0]
     if advantages.shape not in (log_prob.shape, (B,)):
         raise ValueError(
-            f"advantages shape {tuple(advantages.shape)} must be log_prob shape {tuple(log_prob.shape)} or (B,) = ({B},)"
+            f"advantages shape {tuple(advantages.shape)} must be log_prob shape {tuple(log_prob.shape)} "
+            f"or (B,) = ({B},)"
         )
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}, got {ratio_level!r}")

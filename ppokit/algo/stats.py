@@ -120,9 +120,7 @@ def whiten(
     return y
 
 
-def explained_variance(
-    y_pred: torch.Tensor, y_true: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
+def explained_variance(y_pred: torch.Tensor, y_true: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Fraction of the variance of ``y_true`` explained by ``y_pred`` (0-dim).
 
     ``EV = 1 - Var[y - y_pred] / Var[y]`` over the valid elements. 1 is a

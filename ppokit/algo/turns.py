@@ -134,8 +134,9 @@ def gather_turn_values(token_values: torch.Tensor, turn_index: torch.Tensor, num
     """(B, K) per-turn values: ``token_values`` at each turn's first action token (0 for absent turns)."""
     _check_turn_index(turn_index, num_turns)
     if token_values.shape != turn_index.shape:
-        raise ValueError(f"token_values shape {tuple(token_values.shape)} != turn_index shape "
-                         f"{tuple(turn_index.shape)}")
+        raise ValueError(
+            f"token_values shape {tuple(token_values.shape)} != turn_index shape {tuple(turn_index.shape)}"
+        )
     B = turn_index.shape[0]
     starts = turn_start_mask(turn_index)  # (B, T)
     slot = torch.where(starts, turn_index, torch.full_like(turn_index, num_turns))  # (B, T)
@@ -149,8 +150,9 @@ def sum_turn_rewards(token_rewards: torch.Tensor, turn_index: torch.Tensor, num_
     (a KL penalty per token adds up; rewards on non-action tokens are not counted)."""
     _check_turn_index(turn_index, num_turns)
     if token_rewards.shape != turn_index.shape:
-        raise ValueError(f"token_rewards shape {tuple(token_rewards.shape)} != turn_index shape "
-                         f"{tuple(turn_index.shape)}")
+        raise ValueError(
+            f"token_rewards shape {tuple(token_rewards.shape)} != turn_index shape {tuple(turn_index.shape)}"
+        )
     B = turn_index.shape[0]
     slot = torch.where(turn_index >= 0, turn_index, torch.full_like(turn_index, num_turns))  # (B, T)
     out = token_rewards.new_zeros(B, num_turns + 1)
@@ -161,8 +163,9 @@ def sum_turn_rewards(token_rewards: torch.Tensor, turn_index: torch.Tensor, num_
 def spread_over_turns(per_turn: torch.Tensor, turn_index: torch.Tensor) -> torch.Tensor:
     """(B, T): ``per_turn[b, turn_index[b, t]]`` on action tokens, 0 elsewhere."""
     if per_turn.dim() != 2 or per_turn.shape[0] != turn_index.shape[0]:
-        raise ValueError(f"per-turn tensor shape {tuple(per_turn.shape)} does not match turn_index rows "
-                         f"{turn_index.shape[0]}")
+        raise ValueError(
+            f"per-turn tensor shape {tuple(per_turn.shape)} does not match turn_index rows {turn_index.shape[0]}"
+        )
     _check_turn_index(turn_index, per_turn.shape[1])
     valid = turn_index >= 0  # (B, T)
     gathered = per_turn.gather(1, turn_index.clamp(min=0))  # (B, T)
@@ -202,8 +205,9 @@ def turn_gae(
     masked tokens in :func:`~ppokit.algo.advantages.compute_gae` (A and R are 0 there).
     """
     if turn_rewards.shape != turn_values.shape:
-        raise ValueError(f"turn_rewards shape {tuple(turn_rewards.shape)} != turn_values shape "
-                         f"{tuple(turn_values.shape)}")
+        raise ValueError(
+            f"turn_rewards shape {tuple(turn_rewards.shape)} != turn_values shape {tuple(turn_values.shape)}"
+        )
     B = turn_rewards.shape[0]
     bootstrap = None
     if truncated is not None:
@@ -212,8 +216,10 @@ def turn_gae(
             raise ValueError(f"truncated shape {tuple(truncated.shape)} != (B,) = ({B},)")
         if last_values is None:
             if bool(truncated.any()):
-                raise ValueError("truncated episodes need last_values (B,): the value of the state after the "
-                                 "last turn (pass 0 where the episode terminated)")
+                raise ValueError(
+                    "truncated episodes need last_values (B,): the value of the state after the "
+                    "last turn (pass 0 where the episode terminated)"
+                )
         else:
             if last_values.shape != (B,):
                 raise ValueError(f"last_values shape {tuple(last_values.shape)} != (B,) = ({B},)")
@@ -273,8 +279,9 @@ def turn_level_gae(
         last = torch.where(turn_mask, position, torch.full_like(position, -1)).max(dim=1).values  # (B,)
         is_last = (position == last[:, None]) & turn_mask  # (B, K); no turn present: none
         rewards = rewards + torch.where(is_last, final_rewards.to(rewards.dtype)[:, None], rewards.new_zeros(()))
-    adv, ret = turn_gae(rewards, turn_values, gamma=gamma, lam=lam, turn_mask=turn_mask, truncated=truncated,
-                        last_values=last_values)
+    adv, ret = turn_gae(
+        rewards, turn_values, gamma=gamma, lam=lam, turn_mask=turn_mask, truncated=truncated, last_values=last_values
+    )
     return spread_over_turns(adv, turn_index), spread_over_turns(ret, turn_index)
 
 
@@ -299,11 +306,17 @@ def turn_gae_rows(
     per episode, as in :func:`turn_gae`; E = ``num_episodes`` (default: max index + 1).
     The caller broadcasts each row's advantage over that row's response tokens.
     """
-    for name, x in (("episode_index", episode_index), ("turn_number", turn_number), ("values", values),
-                    ("rewards", rewards)):
+    for name, x in (
+        ("episode_index", episode_index),
+        ("turn_number", turn_number),
+        ("values", values),
+        ("rewards", rewards),
+    ):
         if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape != episode_index.shape:
-            raise ValueError(f"{name} must be a 1-D (N,) tensor like episode_index, got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            raise ValueError(
+                f"{name} must be a 1-D (N,) tensor like episode_index, got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
     for name, x in (("episode_index", episode_index), ("turn_number", turn_number)):
         if x.dtype.is_floating_point or x.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
@@ -322,8 +335,15 @@ def turn_gae_rows(
     grid_values = values.new_zeros(E * K, dtype=dtype).index_copy_(0, flat, values.to(dtype)).view(E, K)
     grid_rewards = values.new_zeros(E * K, dtype=dtype).index_copy_(0, flat, rewards.to(dtype)).view(E, K)
     present = (counts > 0).view(E, K)  # (E, K)
-    adv, ret = turn_gae(grid_rewards, grid_values, gamma=gamma, lam=lam, turn_mask=present, truncated=truncated,
-                        last_values=None if last_values is None else last_values.to(dtype))
+    adv, ret = turn_gae(
+        grid_rewards,
+        grid_values,
+        gamma=gamma,
+        lam=lam,
+        turn_mask=present,
+        truncated=truncated,
+        last_values=None if last_values is None else last_values.to(dtype),
+    )
     return adv.reshape(-1)[flat], ret.reshape(-1)[flat]
 
 
@@ -353,8 +373,10 @@ def turn_gae_advantages(
         raise ValueError("advantage estimator 'turn_gae' needs values (a critic)")
     if turn_index is None:
         if mask is None:
-            raise ValueError("advantage estimator 'turn_gae' needs turn_index (B, T) (the turn of each action "
-                             "token, -1 elsewhere) or a mask whose runs are the turns")
+            raise ValueError(
+                "advantage estimator 'turn_gae' needs turn_index (B, T) (the turn of each action "
+                "token, -1 elsewhere) or a mask whose runs are the turns"
+            )
         turn_index = turn_index_from_mask(mask)
     if dones is not None and bool((dones != 0).any()):
         raise ValueError("advantage estimator 'turn_gae' takes one episode per row; dones must be all 0 or None")
@@ -367,8 +389,14 @@ def turn_gae_advantages(
     K = max(K, 1)
     turn_rewards = sum_turn_rewards(rewards, turn_index, K)  # (B, K)
     turn_values = gather_turn_values(values.to(rewards.dtype), turn_index, K)  # (B, K)
-    return turn_level_gae(turn_index=turn_index, turn_values=turn_values, turn_rewards=turn_rewards,
-                          last_values=last_values, gamma=gamma, lam=lam)
+    return turn_level_gae(
+        turn_index=turn_index,
+        turn_values=turn_values,
+        turn_rewards=turn_rewards,
+        last_values=last_values,
+        gamma=gamma,
+        lam=lam,
+    )
 
 
 # ----------------------------------------------------------------------------- trajectories over rows
@@ -414,13 +442,16 @@ def trajectory_credit(
     if credit not in CREDITS:
         raise ValueError(f"credit must be one of {', '.join(CREDITS)}, got {credit!r}")
     if rewards.dim() != 2 or values.shape != rewards.shape or mask.shape != rewards.shape:
-        raise ValueError(f"rewards, values and mask must be (N, T) alike, got {tuple(rewards.shape)}, "
-                         f"{tuple(values.shape)}, {tuple(mask.shape)}")
+        raise ValueError(
+            f"rewards, values and mask must be (N, T) alike, got {tuple(rewards.shape)}, "
+            f"{tuple(values.shape)}, {tuple(mask.shape)}"
+        )
     N = rewards.shape[0]
     traj_index = torch.as_tensor(traj_index, device=rewards.device)
     if traj_index.shape != (N,) or traj_index.dtype.is_floating_point or traj_index.dtype == torch.bool:
-        raise ValueError(f"traj_index must be an (N,) = ({N},) integer tensor, got {tuple(traj_index.shape)} "
-                         f"{traj_index.dtype}")
+        raise ValueError(
+            f"traj_index must be an (N,) = ({N},) integer tensor, got {tuple(traj_index.shape)} {traj_index.dtype}"
+        )
     if N and int(traj_index.min()) < 0:
         raise ValueError("traj_index must be >= 0")
     E = num_trajectories if num_trajectories is not None else (int(traj_index.max()) + 1 if N else 0)
@@ -458,7 +489,8 @@ def trajectory_credit(
         grid_r = adv.new_zeros(E, L).index_put_((traj, pos), r_tok)  # (E, L)
         grid_v = adv.new_zeros(E, L).index_put_((traj, pos), v_tok)  # (E, L)
         grid_m = torch.zeros(E, L, dtype=torch.bool, device=adv.device).index_put_(
-            (traj, pos), torch.ones_like(pos, dtype=torch.bool))  # (E, L)
+            (traj, pos), torch.ones_like(pos, dtype=torch.bool)
+        )  # (E, L)
         a_grid, r_grid = compute_gae(grid_r, grid_v, gamma=gamma, lam=lam, mask=grid_m, last_values=bootstrap)
         adv[rows, cols] = a_grid[traj, pos]
         ret[rows, cols] = r_grid[traj, pos]
@@ -479,9 +511,9 @@ def trajectory_credit(
     turn_values = adv.new_zeros(E, K).index_put_((traj[first], turn[first]), v_tok[first])  # (E, K)
     turn_rewards = adv.new_zeros(E, K).index_put_((traj, turn), r_tok, accumulate=True)  # (E, K)
     present = torch.zeros(E, K, dtype=torch.bool, device=adv.device).index_put_(
-        (traj, turn), torch.ones_like(turn, dtype=torch.bool))  # (E, K)
-    a_turn, r_turn = compute_gae(turn_rewards, turn_values, gamma=gamma, lam=lam, mask=present,
-                                 last_values=bootstrap)
+        (traj, turn), torch.ones_like(turn, dtype=torch.bool)
+    )  # (E, K)
+    a_turn, r_turn = compute_gae(turn_rewards, turn_values, gamma=gamma, lam=lam, mask=present, last_values=bootstrap)
     adv[rows, cols] = a_turn[traj, turn]
     ret[rows, cols] = r_turn[traj, turn]
     return adv, ret
@@ -525,8 +557,11 @@ def turn_group_advantages(
     if absent not in ("zero", "skip"):
         raise ValueError(f"absent must be 'zero' (unbiased) or 'skip' (MT-GRPO-style), got {absent!r}")
     B, K = turn_rewards.shape
-    m = torch.ones_like(turn_rewards, dtype=torch.bool) if turn_mask is None else (
-        turn_mask if turn_mask.dtype == torch.bool else turn_mask != 0)
+    m = (
+        torch.ones_like(turn_rewards, dtype=torch.bool)
+        if turn_mask is None
+        else (turn_mask if turn_mask.dtype == torch.bool else turn_mask != 0)
+    )
     if m.shape != (B, K):
         raise ValueError(f"turn_mask shape {tuple(m.shape)} != turn_rewards shape {(B, K)}")
     group_ids = torch.as_tensor(group_ids, device=turn_rewards.device)

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 DEMO_PRESET = "arith"
 PLOT_FILE = "reward_curve.png"
@@ -42,8 +43,9 @@ def summary_line(before: float, after: float) -> str:
     return f"held-out accuracy: {before:.1%} -> {after:.1%}"
 
 
-def plot_curves(run_dir: Path | str, eval_history: Sequence[dict[str, float]] = (),
-                out: Optional[Path | str] = None) -> Path:
+def plot_curves(
+    run_dir: Path | str, eval_history: Sequence[dict[str, float]] = (), out: Path | str | None = None
+) -> Path:
     """Reward mean per PPO iteration (+ held-out accuracy points), and the SFT curve when there is one.
 
     Reads ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/base_model/sft_curve.json``; writes a PNG
@@ -56,13 +58,21 @@ def plot_curves(run_dir: Path | str, eval_history: Sequence[dict[str, float]] = 
         ax.plot(its, rewards, color="tab:blue", alpha=0.35, lw=1, label="reward mean (samples)")
         window = max(1, len(rows) // 20)
         if window > 1:
-            smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1])
-                      for i in range(len(rewards))]
+            smooth = [
+                sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+                for i in range(len(rewards))
+            ]
             ax.plot(its, smooth, color="tab:blue", lw=2, label=f"reward mean ({window}-iteration average)")
     if eval_history:
         accuracy = [next(v for k, v in e.items() if k.startswith("eval_accuracy")) for e in eval_history]
-        ax.plot([e["iteration"] for e in eval_history], [100 * a for a in accuracy], "s-",
-                color="tab:red", ms=5, label="held-out accuracy (greedy)")
+        ax.plot(
+            [e["iteration"] for e in eval_history],
+            [100 * a for a in accuracy],
+            "s-",
+            color="tab:red",
+            ms=5,
+            label="held-out accuracy (greedy)",
+        )
     _percent_axes(ax, "PPO iteration", "% correct", "PPO with a verifier (exact match)")
     return _save(fig, Path(out) if out is not None else Path(run_dir) / PLOT_FILE)
 
@@ -87,8 +97,14 @@ def _figure(run_dir: Path | str, metric: str, sft_label: str):
     fig, axes = plt.subplots(1, 2 if sft else 1, figsize=(11 if sft else 6.5, 4), squeeze=False)
     axes = axes[0]
     if sft:
-        axes[0].plot([r["epoch"] for r in sft], [100 * r["heldout_accuracy"] for r in sft], "o-", ms=3,
-                     color="tab:gray", label=sft_label)
+        axes[0].plot(
+            [r["epoch"] for r in sft],
+            [100 * r["heldout_accuracy"] for r in sft],
+            "o-",
+            ms=3,
+            color="tab:gray",
+            label=sft_label,
+        )
         _percent_axes(axes[0], "SFT epoch", "%", "supervised warm start")
     return fig, axes[-1], rows
 
@@ -111,7 +127,7 @@ def _percent_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_ylim(0, 100)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")   # accuracy rises: the lower right stays empty
+    ax.legend(loc="lower right")  # accuracy rises: the lower right stays empty
 
 
 def textenv_summary(result: dict[str, Any], opponents: Sequence[str]) -> tuple[str, list[str]]:
@@ -119,23 +135,28 @@ def textenv_summary(result: dict[str, Any], opponents: Sequence[str]) -> tuple[s
     opponent) and the lines before it (illegal moves, the other opponents) of a text-environment
     demo's result."""
     first = opponents[0] if opponents else None
-    where = (lambda phase: f"eval_{phase}" + (f"/{first}" if first else ""))
+    where = lambda phase: f"eval_{phase}" + (f"/{first}" if first else "")
     lines = []
     before, after = result[where("before") + "/win_rate"], result[where("after") + "/win_rate"]
-    lines.append(f"illegal moves (greedy{', vs ' + first if first else ''}): "
-                 f"{result[where('before') + '/illegal_action_rate']:.2%} -> "
-                 f"{result[where('after') + '/illegal_action_rate']:.2%}")
+    lines.append(
+        f"illegal moves (greedy{', vs ' + first if first else ''}): "
+        f"{result[where('before') + '/illegal_action_rate']:.2%} -> "
+        f"{result[where('after') + '/illegal_action_rate']:.2%}"
+    )
     if "env/illegal_action_rate" in result:
         lines.append(f"illegal moves while training (sampled, last iteration): {result['env/illegal_action_rate']:.2%}")
     for other in opponents[1:]:
-        lines.append(f"win rate vs {other}: {result[f'eval_before/{other}/win_rate']:.1%} -> "
-                     f"{result[f'eval_after/{other}/win_rate']:.1%} (draws {result[f'eval_after/{other}/draw_rate']:.1%})")
+        lines.append(
+            f"win rate vs {other}: {result[f'eval_before/{other}/win_rate']:.1%} -> "
+            f"{result[f'eval_after/{other}/win_rate']:.1%} (draws {result[f'eval_after/{other}/draw_rate']:.1%})"
+        )
     label = f"win rate vs {first}" if first else "success"
     return f"{label}: {before:.1%} -> {after:.1%}", lines
 
 
-def plot_textenv_curves(run_dir: Path | str, eval_history: Sequence[dict[str, float]] = (),
-                        out: Optional[Path | str] = None) -> Path:
+def plot_textenv_curves(
+    run_dir: Path | str, eval_history: Sequence[dict[str, float]] = (), out: Path | str | None = None
+) -> Path:
     """A text-environment run: the sampled win rate and illegal-action rate per PPO iteration, the
     greedy evaluations as markers, and the warm start's held-out score. Writes a PNG (default
     ``RUN_DIR/reward_curve.png``)."""
@@ -143,8 +164,13 @@ def plot_textenv_curves(run_dir: Path | str, eval_history: Sequence[dict[str, fl
     if rows:
         its = [r["iteration"] + 1 for r in rows]
         ax.plot(its, [100 * r["env/win_rate"] for r in rows], color="tab:blue", lw=1.5, label="win rate (sampled)")
-        ax.plot(its, [100 * r["env/illegal_action_rate"] for r in rows], color="tab:orange", lw=1,
-                label="illegal actions (sampled)")
+        ax.plot(
+            its,
+            [100 * r["env/illegal_action_rate"] for r in rows],
+            color="tab:orange",
+            lw=1,
+            label="illegal actions (sampled)",
+        )
     markers = {}
     for e in eval_history:
         for key, value in e.items():
@@ -152,8 +178,13 @@ def plot_textenv_curves(run_dir: Path | str, eval_history: Sequence[dict[str, fl
                 opponent = key.split("/")[1] if key.count("/") == 2 else "success"
                 markers.setdefault(opponent, []).append((e["iteration"], 100 * value))
     for (opponent, points), style in zip(sorted(markers.items()), ("s-", "^-", "o-", "d-")):
-        ax.plot([p[0] for p in points], [p[1] for p in points], style, ms=5,
-                label=f"greedy win rate vs {opponent}" if opponent != "success" else "greedy success")
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            style,
+            ms=5,
+            label=f"greedy win rate vs {opponent}" if opponent != "success" else "greedy success",
+        )
     _percent_axes(ax, "PPO iteration", "%", "multi-turn PPO")
     return _save(fig, Path(out) if out is not None else Path(run_dir) / PLOT_FILE)
 
@@ -172,8 +203,10 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
 
     started = time.perf_counter()
     if name not in preset_names():
-        raise UserError(f"unknown demo '{name}'{did_you_mean(name, preset_names()) or ';'} demos: arith (the "
-                        "default), tictactoe, frozenlake")
+        raise UserError(
+            f"unknown demo '{name}'{did_you_mean(name, preset_names()) or ';'} demos: arith (the "
+            "default), tictactoe, frozenlake"
+        )
     cfg = load_config(name, list(overrides))
     if cfg.workload != "lm":
         raise UserError(f"the demo runs the language-model workload (got workload={cfg.workload})")
@@ -193,12 +226,12 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     else:
         plot = plot_curves(run_dir, result.get("eval_history", ()))
     echo(f"reward curve: {plot}")
-    try:   # the training curves of `ppokit plot` as well; a drawing failure must not lose the run
+    try:  # the training curves of `ppokit plot` as well; a drawing failure must not lose the run
         from ppokit.plot import plot_runs
 
         result["curves"] = plot_runs([run_dir])["out"]
         echo(f"curves: {result['curves']}")
-    except Exception as exc:   # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
         echo(f"warning: could not draw {run_dir}/curves.png ({str(exc).splitlines()[0] if str(exc) else exc!r})")
     result["run_dir"] = str(run_dir)
     result["plot"] = str(plot)

@@ -15,18 +15,31 @@ win rates or success rate, as the run's own evaluations measure them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from ppokit.errors import UserError
 from ppokit.lm.evaluate import score_texts
 
 
-def evaluate_lm(path: str | Path, *, data: Optional[str] = None, reward: Optional[str] = None,
-                size: Optional[int] = None, samples: int = 0, k: Sequence[int] = (), threshold: float = 1.0,
-                prompt_key: Optional[str] = None, answer_key: Optional[str] = None,
-                chat_template: Optional[bool] = None, reward_timeout: float = 30.0, seed: int = 0,
-                device: Optional[str] = None, **sampling: Any) -> dict[str, Any]:
+def evaluate_lm(
+    path: str | Path,
+    *,
+    data: str | None = None,
+    reward: str | None = None,
+    size: int | None = None,
+    samples: int = 0,
+    k: Sequence[int] = (),
+    threshold: float = 1.0,
+    prompt_key: str | None = None,
+    answer_key: str | None = None,
+    chat_template: bool | None = None,
+    reward_timeout: float = 30.0,
+    seed: int = 0,
+    device: str | None = None,
+    **sampling: Any,
+) -> dict[str, Any]:
     """What ``ppokit eval`` reports for a language model: a run (its trained actor) or a model directory.
 
     Prompts: ``data`` (a task, or a JSONL / Parquet file / datasets directory read with
@@ -45,37 +58,49 @@ def evaluate_lm(path: str | Path, *, data: Optional[str] = None, reward: Optiona
 
     from ppokit.algo.evaluation import mean_pass_at_k
     from ppokit.lm.generation.loading import load_generator
-    from ppokit.lm.rewards.pool import make_reward_scorer
     from ppokit.lm.rewards.functions import BUILTIN_REWARDS
+    from ppokit.lm.rewards.pool import make_reward_scorer
 
-    ks = sorted(set(int(x) for x in k))
+    ks = sorted({int(x) for x in k})
     if samples < 0 or (ks and samples < max(ks)) or any(x < 1 for x in ks):
-        raise UserError(f"--k must be between 1 and --samples (got k={ks or None}, samples={samples}); pass@k "
-                        "needs at least k samples per prompt")
+        raise UserError(
+            f"--k must be between 1 and --samples (got k={ks or None}, samples={samples}); pass@k "
+            "needs at least k samples per prompt"
+        )
     gen = load_generator(path, device=device, **sampling)
     items, reward_spec = _eval_items(gen, data, reward, prompt_key, answer_key, chat_template)
     if size is not None:
         items = items[:size]
-    scorer = make_reward_scorer(reward_spec, num_workers=None if samples else 1, timeout=reward_timeout,
-                                max_reward_errors=None)
+    scorer = make_reward_scorer(
+        reward_spec, num_workers=None if samples else 1, timeout=reward_timeout, max_reward_errors=None
+    )
     try:
         torch.manual_seed(seed)
         prompts = [it["prompt"] for it in items]
         greedy = gen.engine.generate(prompts, greedy=True, items=items)
         greedy_results = score_texts(scorer, prompts, greedy.texts, items)
-        scores = torch.tensor(greedy_results.scores, dtype=torch.float64)          # (P,)
-        out: dict[str, Any] = {"model": gen.label, "prompts": len(items), "reward": reward_spec,
-                               "mean_reward": scores.mean().item(),
-                               "pass@1_greedy": (scores >= threshold).double().mean().item(),
-                               "mean_length": greedy.response_lengths.double().mean().item(),
-                               "reward_errors": greedy_results.num_errors}
+        scores = torch.tensor(greedy_results.scores, dtype=torch.float64)  # (P,)
+        out: dict[str, Any] = {
+            "model": gen.label,
+            "prompts": len(items),
+            "reward": reward_spec,
+            "mean_reward": scores.mean().item(),
+            "pass@1_greedy": (scores >= threshold).double().mean().item(),
+            "mean_length": greedy.response_lengths.double().mean().item(),
+            "reward_errors": greedy_results.num_errors,
+        }
         if samples:
             sampled = gen.engine.generate(prompts, group_size=samples, items=items)
             results = score_texts(scorer, sampled.prompts, sampled.texts, sampled.items)
             sampled_scores = torch.tensor(results.scores, dtype=torch.float64).view(len(items), samples)  # (P, n)
-            out.update({"samples": samples, "temperature": gen.engine.cfg.temperature,
-                        "sampled_mean_reward": sampled_scores.mean().item(),
-                        "sampled_mean_length": sampled.response_lengths.double().mean().item()})
+            out.update(
+                {
+                    "samples": samples,
+                    "temperature": gen.engine.cfg.temperature,
+                    "sampled_mean_reward": sampled_scores.mean().item(),
+                    "sampled_mean_length": sampled.response_lengths.double().mean().item(),
+                }
+            )
             out["reward_errors"] += results.num_errors
             for kk in ks:
                 out[f"pass@{kk}"] = mean_pass_at_k(sampled_scores >= threshold, kk)
@@ -87,8 +112,14 @@ def evaluate_lm(path: str | Path, *, data: Optional[str] = None, reward: Optiona
     return out
 
 
-def _eval_items(gen, data: Optional[str], reward: Optional[str], prompt_key: Optional[str],
-                answer_key: Optional[str], chat_template: Optional[bool]) -> tuple[list[dict], str]:
+def _eval_items(
+    gen,
+    data: str | None,
+    reward: str | None,
+    prompt_key: str | None,
+    answer_key: str | None,
+    chat_template: bool | None,
+) -> tuple[list[dict], str]:
     """The held-out records and the reward spec for :func:`evaluate_lm`."""
     from ppokit.lm.data.chat import chat_renderer, render_records
     from ppokit.lm.data.sources import is_file_source, load_prompts
@@ -96,8 +127,10 @@ def _eval_items(gen, data: Optional[str], reward: Optional[str], prompt_key: Opt
     cfg = gen.cfg
     if data is None:
         if cfg is None:
-            raise UserError("--data is needed with a model directory: a task (e.g. arithmetic, gsm8k:path=...) or "
-                            "a JSONL / Parquet file or datasets directory of prompts and answers")
+            raise UserError(
+                "--data is needed with a model directory: a task (e.g. arithmetic, gsm8k:path=...) or "
+                "a JSONL / Parquet file or datasets directory of prompts and answers"
+            )
         from ppokit.lm.data.inputs import load_data
 
         if reward is not None:
@@ -108,13 +141,17 @@ def _eval_items(gen, data: Optional[str], reward: Optional[str], prompt_key: Opt
         if not items:
             raise UserError("the run has no held-out prompts; give them with --data")
         return items, reward_fn.spec
-    keys = {"prompt_key": prompt_key or (cfg.data.prompt_key if cfg else "prompt"),
-            "answer_key": answer_key or (cfg.data.answer_key if cfg else "answer")}
+    keys = {
+        "prompt_key": prompt_key or (cfg.data.prompt_key if cfg else "prompt"),
+        "answer_key": answer_key or (cfg.data.answer_key if cfg else "answer"),
+    }
     use_template = chat_template if chat_template is not None else bool(cfg and cfg.data.chat_template)
     if is_file_source(data):
         if reward is None:
-            raise UserError(f"--reward is needed with the file {data}: a built-in (exact_match, numeric_match, "
-                            "math, code, countdown), module:fn or file.py:fn")
+            raise UserError(
+                f"--reward is needed with the file {data}: a built-in (exact_match, numeric_match, "
+                "math, code, countdown), module:fn or file.py:fn"
+            )
         items = load_prompts(data, "eval", chat=use_template, **keys)
     else:
         from ppokit.lm.data.tasks import get_task
@@ -128,32 +165,40 @@ def _eval_items(gen, data: Optional[str], reward: Optional[str], prompt_key: Opt
 
 def format_eval_table(result: dict[str, Any]) -> str:
     """The result of :func:`evaluate_lm` as an aligned two-column table."""
-    rows = [("model", result["model"]), ("prompts", str(result["prompts"])), ("reward", str(result["reward"])),
-            ("mean reward (greedy)", f"{result['mean_reward']:.4f}"),
-            (f"pass@1 (greedy, reward >= {result['threshold']:g})", f"{result['pass@1_greedy']:.1%}"),
-            ("mean length (greedy, tokens)", f"{result['mean_length']:.1f}")]
+    rows = [
+        ("model", result["model"]),
+        ("prompts", str(result["prompts"])),
+        ("reward", str(result["reward"])),
+        ("mean reward (greedy)", f"{result['mean_reward']:.4f}"),
+        (f"pass@1 (greedy, reward >= {result['threshold']:g})", f"{result['pass@1_greedy']:.1%}"),
+        ("mean length (greedy, tokens)", f"{result['mean_length']:.1f}"),
+    ]
     if result.get("samples"):
         n = result["samples"]
-        rows += [(f"mean reward ({n} samples, T={result['temperature']:g})", f"{result['sampled_mean_reward']:.4f}"),
-                 ("mean length (sampled, tokens)", f"{result['sampled_mean_length']:.1f}")]
-        rows += [(f"{key} (unbiased, n={n})", f"{result[key]:.1%}") for key in result if key.startswith("pass@")
-                 and key != "pass@1_greedy"]
+        rows += [
+            (f"mean reward ({n} samples, T={result['temperature']:g})", f"{result['sampled_mean_reward']:.4f}"),
+            ("mean length (sampled, tokens)", f"{result['sampled_mean_length']:.1f}"),
+        ]
+        rows += [
+            (f"{key} (unbiased, n={n})", f"{result[key]:.1%}")
+            for key in result
+            if key.startswith("pass@") and key != "pass@1_greedy"
+        ]
     if result.get("reward_errors"):
         rows.append(("reward errors (scored 0)", str(result["reward_errors"])))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def evaluate_textenv_run(run_dir: str | Path, episodes: Optional[int] = None, *,
-                         device: Optional[str] = None) -> dict:
+def evaluate_textenv_run(run_dir: str | Path, episodes: int | None = None, *, device: str | None = None) -> dict:
     """A multi-turn run's greedy evaluation (:class:`~ppokit.lm.multi_turn.source.TextEnvEvaluator`) of its
     trained actor: ``{"metrics", "episodes", "message", "checkpoint"}``; ``episodes`` per
     opponent (default: the run's ``textenv.eval_episodes``, else 200)."""
     from ppokit.envs import make_env
     from ppokit.lm.evaluate import POLICY_META, find_lm_checkpoint
+    from ppokit.lm.generation.engine import max_positions
     from ppokit.lm.generation.loading import load_generator
     from ppokit.lm.multi_turn.source import TextEnvEvaluator, check_env_output, engine_generate
-    from ppokit.lm.generation.engine import max_positions
     from ppokit.lm.multi_turn.streams import StreamCodec
 
     ckpt = find_lm_checkpoint(Path(run_dir))
@@ -166,9 +211,19 @@ def evaluate_textenv_run(run_dir: str | Path, episodes: Optional[int] = None, *,
     cfg.textenv.eval_episodes = episodes or cfg.textenv.eval_episodes or 200
     probe = make_env(cfg.textenv.env, **cfg.textenv.kwargs)
     name = getattr(probe, "env_name", cfg.textenv.env)
-    codec = StreamCodec(gen.tokenizer, mode=check_env_output(probe, name), chat=cfg.data.chat_template,
-                        where=f"the checkpoint {ckpt}", env_name=name, stop_ids=gen.engine.eos_ids)
+    codec = StreamCodec(
+        gen.tokenizer,
+        mode=check_env_output(probe, name),
+        chat=cfg.data.chat_template,
+        where=f"the checkpoint {ckpt}",
+        env_name=name,
+        stop_ids=gen.engine.eos_ids,
+    )
     evaluator = TextEnvEvaluator(cfg, engine_generate(gen.engine), codec, max_positions(gen.engine.model), name)
     metrics = evaluator.evaluate("periodic")
-    return {"metrics": metrics, "episodes": cfg.textenv.eval_episodes,
-            "message": evaluator.message("periodic", metrics), "checkpoint": str(ckpt)}
+    return {
+        "metrics": metrics,
+        "episodes": cfg.textenv.eval_episodes,
+        "message": evaluator.message("periodic", metrics),
+        "checkpoint": str(ckpt),
+    }

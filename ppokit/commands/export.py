@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ppokit.errors import UserError
+from ppokit.lm.model.checkpoint import POLICY_META_FILE, base_model_of, load_adapter, read_policy_meta
 from ppokit.lm.model.hf import load_causal_lm, load_tokenizer, quiet_transformers
 from ppokit.lm.model.policy import ACTOR
-from ppokit.lm.model.checkpoint import POLICY_META_FILE, base_model_of, load_adapter, read_policy_meta
 
 
 def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
@@ -29,10 +29,14 @@ def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
 
     newest = latest_checkpoint(p) if p.is_dir() else None
     if newest is not None and (newest / POLICY_META_FILE).is_file():
-        raise UserError(f"{p} has no final checkpoint (training has not finished): finish it with "
-                        f"ppokit train --resume {p}, or export its newest checkpoint, {newest}")
-    raise UserError(f"{p} holds no LM checkpoint (expected {p}/checkpoint/{POLICY_META_FILE}); "
-                    "a run writes it when training finishes")
+        raise UserError(
+            f"{p} has no final checkpoint (training has not finished): finish it with "
+            f"ppokit train --resume {p}, or export its newest checkpoint, {newest}"
+        )
+    raise UserError(
+        f"{p} holds no LM checkpoint (expected {p}/checkpoint/{POLICY_META_FILE}); "
+        "a run writes it when training finishes"
+    )
 
 
 def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:

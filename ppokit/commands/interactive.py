@@ -21,19 +21,22 @@ sampling option (``/set temperature=0.2``), ``/help``, ``/exit`` (or end of inpu
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 from ppokit.errors import UserError
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
-HELP = ("commands: /clear (forget the conversation), /set KEY=VALUE (temperature, top_p, top_k, max_new_tokens), "
-        "/help, /exit (or end of input)")
+HELP = (
+    "commands: /clear (forget the conversation), /set KEY=VALUE (temperature, top_p, top_k, max_new_tokens), "
+    "/help, /exit (or end of input)"
+)
 
 
 class Conversation:
     """Chat history rendered with the tokenizer's chat template (no template: each turn alone)."""
 
-    def __init__(self, tokenizer, label: str, system: Optional[str] = None):
+    def __init__(self, tokenizer, label: str, system: str | None = None):
         from ppokit.lm.data.chat import encoder_adds_bos
 
         self.tokenizer, self.label, self.system = tokenizer, label, system
@@ -52,26 +55,44 @@ class Conversation:
         if not self.templated:
             return user_text
         messages = self.messages + [{"role": "user", "content": user_text}]
-        return apply_template(self.tokenizer, messages, strip_bos=self.strip_bos, generation_prompt=True,
-                              where=self.label, prompt=user_text)
+        return apply_template(
+            self.tokenizer,
+            messages,
+            strip_bos=self.strip_bos,
+            generation_prompt=True,
+            where=self.label,
+            prompt=user_text,
+        )
 
     def add_turn(self, user_text: str, reply: str) -> None:
         if self.templated:
             self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
 
 
-def _use_template(gen, chat_template: Optional[bool]) -> bool:
+def _use_template(gen, chat_template: bool | None) -> bool:
     use = chat_template if chat_template is not None else bool(gen.cfg is not None and gen.cfg.data.chat_template)
     if use and not gen.has_chat_template:
-        raise UserError(f"--chat-template: the tokenizer of {gen.label} has no chat template; leave the option "
-                        "out to use the prompt as it is")
+        raise UserError(
+            f"--chat-template: the tokenizer of {gen.label} has no chat template; leave the option "
+            "out to use the prompt as it is"
+        )
     return use
 
 
-def generate_main(path: str, prompts: Sequence[str], *, chat_template: Optional[bool] = None,
-                  system: Optional[str] = None, num_samples: int = 1, greedy: bool = False, seed: int = 0,
-                  stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, device: Optional[str] = None,
-                  **sampling: Any) -> int:
+def generate_main(
+    path: str,
+    prompts: Sequence[str],
+    *,
+    chat_template: bool | None = None,
+    system: str | None = None,
+    num_samples: int = 1,
+    greedy: bool = False,
+    seed: int = 0,
+    stdin: TextIO = sys.stdin,
+    stdout: TextIO = sys.stdout,
+    device: str | None = None,
+    **sampling: Any,
+) -> int:
     """``ppokit generate``: print the response to each prompt (module docstring)."""
     import torch
 
@@ -92,7 +113,7 @@ def generate_main(path: str, prompts: Sequence[str], *, chat_template: Optional[
     rollout = gen.engine.generate(texts, group_size=1 if greedy else num_samples, greedy=greedy)
     per_prompt = 1 if greedy else num_samples
     for i, prompt in enumerate(prompts):
-        replies = rollout.texts[i * per_prompt:(i + 1) * per_prompt]
+        replies = rollout.texts[i * per_prompt : (i + 1) * per_prompt]
         for j, reply in enumerate(replies):
             if len(prompts) > 1 or per_prompt > 1:
                 label = f"[{i + 1}]" if per_prompt == 1 else f"[{i + 1}.{j + 1}]"
@@ -102,9 +123,18 @@ def generate_main(path: str, prompts: Sequence[str], *, chat_template: Optional[
     return 0
 
 
-def chat_main(path: str, *, system: Optional[str] = None, greedy: bool = False, seed: int = 0,
-              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
-              device: Optional[str] = None, **sampling: Any) -> int:
+def chat_main(
+    path: str,
+    *,
+    system: str | None = None,
+    greedy: bool = False,
+    seed: int = 0,
+    stdin: TextIO = sys.stdin,
+    stdout: TextIO = sys.stdout,
+    stderr: TextIO = sys.stderr,
+    device: str | None = None,
+    **sampling: Any,
+) -> int:
     """``ppokit chat``: a conversation on standard input and output (module docstring)."""
     import torch
 
@@ -138,7 +168,7 @@ def chat_main(path: str, *, system: Optional[str] = None, greedy: bool = False, 
             stderr.write("(conversation cleared)\n")
             continue
         if command.startswith("/set"):
-            key, sep, value = command[len("/set"):].strip().partition("=")
+            key, sep, value = command[len("/set") :].strip().partition("=")
             key = key.strip()
             if not sep or key not in SAMPLING_KEYS:
                 stderr.write(f"usage: /set KEY=VALUE with KEY one of {', '.join(SAMPLING_KEYS)}\n")
@@ -156,7 +186,7 @@ def chat_main(path: str, *, system: Optional[str] = None, greedy: bool = False, 
         try:
             prompt = conversation.prompt_for(text)
             reply = gen.engine.generate([prompt], greedy=greedy).texts[0]
-        except UserError as exc:       # the conversation outgrew the model's positions
+        except UserError as exc:  # the conversation outgrew the model's positions
             stderr.write(f"{exc}; /clear starts over\n")
             continue
         conversation.add_turn(text, reply)

@@ -19,7 +19,8 @@ would change how it is written (``1.50`` stays ``"1.50"``, ``007`` stays ``"007"
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ppokit.errors import UserError
 
@@ -54,8 +55,9 @@ def parse_field_args(items: Sequence[str]) -> dict[str, Any]:
     return fields
 
 
-def reward_main(name: str, prompt: str, response: str, fields: Mapping[str, Any] | Sequence[str] = (), *,
-                timeout: float = 30.0) -> tuple[float, Optional[str]]:
+def reward_main(
+    name: str, prompt: str, response: str, fields: Mapping[str, Any] | Sequence[str] = (), *, timeout: float = 30.0
+) -> tuple[float, str | None]:
     """``(score, reason or None)`` of the reward ``name`` on one response.
 
     ``fields``: a dict (text values parsed by :func:`parse_value`) or ``KEY=VALUE``

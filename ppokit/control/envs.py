@@ -35,7 +35,7 @@ Normalization
 from __future__ import annotations
 
 import collections
-from typing import Any, Optional
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -50,7 +50,7 @@ EPS = 1e-8
 def resolve_spec(env_id: str) -> gym.envs.registration.EnvSpec:
     """The registered spec of ``env_id``; an unknown id is a :class:`UserError` with a hint."""
     find = getattr(gym.envs.registration, "_find_spec", gym.spec)  # _find_spec: what make_vec uses;
-    try:                                                              # it imports 'module:' prefixes
+    try:  # it imports 'module:' prefixes
         return find(env_id)
     except gym.error.Error as exc:  # NameNotFound, VersionNotFound, DeprecatedEnv, NamespaceNotFound, ...
         hint = did_you_mean(env_id.split(":")[-1], list(gym.registry.keys()))
@@ -80,8 +80,10 @@ def vectorization_mode(env_cfg: EnvConfig) -> str:
     if env_cfg.vectorization == "auto":
         return "vector_entry_point" if _native_vector_ok(spec) else "sync"
     if env_cfg.vectorization == "vector_entry_point" and not _native_vector_ok(spec):
-        raise UserError(f"env.vectorization=vector_entry_point: '{env_cfg.id}' has no native vector env with "
-                        "NEXT_STEP autoreset; use auto or sync")
+        raise UserError(
+            f"env.vectorization=vector_entry_point: '{env_cfg.id}' has no native vector env with "
+            "NEXT_STEP autoreset; use auto or sync"
+        )
     return env_cfg.vectorization
 
 
@@ -97,8 +99,9 @@ def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
         if mode == "sync":
             vector_kwargs["copy"] = False  # VecEnv copies what it keeps; no deepcopy per step
     try:
-        venv = gym.make_vec(env_cfg.id, num_envs=num_envs, vectorization_mode=mode,
-                            vector_kwargs=vector_kwargs, **kwargs)
+        venv = gym.make_vec(
+            env_cfg.id, num_envs=num_envs, vectorization_mode=mode, vector_kwargs=vector_kwargs, **kwargs
+        )
     except gym.error.DependencyNotInstalled as exc:
         raise UserError(f"env.id={env_cfg.id}: {str(exc).splitlines()[0]}") from None
     except TypeError as exc:
@@ -107,8 +110,10 @@ def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
         check_spaces(env_cfg.id, venv.single_observation_space, venv.single_action_space)
         autoreset = venv.metadata.get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
         if autoreset != gym.vector.AutoresetMode.NEXT_STEP:
-            raise UserError(f"env.id={env_cfg.id}: vector env autoresets with {autoreset}; "
-                            "ppokit needs NEXT_STEP (use env.vectorization=sync)")
+            raise UserError(
+                f"env.id={env_cfg.id}: vector env autoresets with {autoreset}; "
+                "ppokit needs NEXT_STEP (use env.vectorization=sync)"
+            )
     except UserError:
         venv.close()
         raise
@@ -118,14 +123,18 @@ def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
 def check_spaces(env_id: str, obs_space: gym.Space, act_space: gym.Space) -> None:
     """Flat Box observations; Discrete or 1-D Box actions. Anything else: one-line UserError."""
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
-        raise UserError(f"env.id={env_id}: observation space {obs_space} is not supported; the MLP policy needs "
-                        "a flat Box (wrap the env with gymnasium.wrappers.FlattenObservation)")
+        raise UserError(
+            f"env.id={env_id}: observation space {obs_space} is not supported; the MLP policy needs "
+            "a flat Box (wrap the env with gymnasium.wrappers.FlattenObservation)"
+        )
     if isinstance(act_space, gym.spaces.Discrete):
         return
     if isinstance(act_space, gym.spaces.Box) and len(act_space.shape) == 1:
         return
-    raise UserError(f"env.id={env_id}: action space {type(act_space).__name__}{_shape(act_space)} is not supported; "
-                    "ppokit handles Discrete (categorical policy) and 1-D Box (Gaussian policy)")
+    raise UserError(
+        f"env.id={env_id}: action space {type(act_space).__name__}{_shape(act_space)} is not supported; "
+        "ppokit handles Discrete (categorical policy) and 1-D Box (Gaussian policy)"
+    )
 
 
 def _shape(space: gym.Space) -> str:
@@ -152,7 +161,7 @@ class RunningMeanStd:
         delta = b_mean - self.mean
         total = self.count + n
         self.mean = self.mean + delta * (n / total)
-        m2 = self.var * self.count + b_var * n + delta ** 2 * (self.count * n / total)
+        m2 = self.var * self.count + b_var * n + delta**2 * (self.count * n / total)
         self.var = m2 / total
         self.count = total
 
@@ -185,7 +194,7 @@ class Normalizer:
         self.ret_rms = RunningMeanStd(())
         self.returns = np.zeros(num_envs, np.float64)  # discounted return per env, for ret_rms
 
-    def obs(self, obs: np.ndarray, update: Optional[np.ndarray] = None) -> np.ndarray:
+    def obs(self, obs: np.ndarray, update: np.ndarray | None = None) -> np.ndarray:
         """Normalized float32 observations (E, obs_dim); updates the stats from the ``update`` rows."""
         if not self.norm_obs:
             return obs.astype(np.float32, copy=True)
@@ -224,8 +233,9 @@ class VecEnv:
     this call was a NEXT_STEP reset (action ignored, not a transition).
     """
 
-    def __init__(self, env_cfg: EnvConfig, num_envs: int, seed: int, gamma: float, training: bool = True,
-                 stats_window: int = 100):
+    def __init__(
+        self, env_cfg: EnvConfig, num_envs: int, seed: int, gamma: float, training: bool = True, stats_window: int = 100
+    ):
         self.cfg = env_cfg
         self.num_envs = num_envs
         self.seed = seed
@@ -254,7 +264,7 @@ class VecEnv:
         self._seeded = False
 
     # ------------------------------------------------------------------ api
-    def reset(self, seed: Optional[int] = None) -> np.ndarray:
+    def reset(self, seed: int | None = None) -> np.ndarray:
         """Reset every env (seeded ``seed .. seed + E - 1`` on the first call); normalized obs."""
         if seed is None and not self._seeded:
             seed = self.seed
@@ -313,13 +323,18 @@ class VecEnv:
             env_state = envstate.snapshot(self.env) if self._seeded else None
         except envstate.NotSnapshottable:
             env_state = None
-        return {"env": env_state, "exact": env_state is not None or not self._seeded, "seeded": self._seeded,
-                "prev_done": self._prev_done.copy(), "ep_return": self._ep_return.copy(),
-                "ep_length": self._ep_length.copy(),
-                "episode_returns": np.asarray(self.episode_returns, np.float64),
-                "episode_lengths": np.asarray(self.episode_lengths, np.int64),
-                "episodes_finished": int(self.episodes_finished),
-                "norm_returns": self.normalizer.returns.copy()}
+        return {
+            "env": env_state,
+            "exact": env_state is not None or not self._seeded,
+            "seeded": self._seeded,
+            "prev_done": self._prev_done.copy(),
+            "ep_return": self._ep_return.copy(),
+            "ep_length": self._ep_length.copy(),
+            "episode_returns": np.asarray(self.episode_returns, np.float64),
+            "episode_lengths": np.asarray(self.episode_lengths, np.int64),
+            "episodes_finished": int(self.episodes_finished),
+            "norm_returns": self.normalizer.returns.copy(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore :meth:`state_dict`; False when the envs could not be restored exactly."""

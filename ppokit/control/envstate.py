@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-_NUMERIC_KINDS = "biuf"   # bool, int, uint, float
-_MAX_ARRAY = 1 << 22      # larger arrays are caches, not state (e.g. rendered frames)
+_NUMERIC_KINDS = "biuf"  # bool, int, uint, float
+_MAX_ARRAY = 1 << 22  # larger arrays are caches, not state (e.g. rendered frames)
 
 
 class NotSnapshottable(Exception):
@@ -43,7 +43,7 @@ def _plain(value: Any) -> tuple[bool, Any]:
         return True, value
     if isinstance(value, np.ndarray):
         if value.dtype.kind in _NUMERIC_KINDS and value.dtype.itemsize <= 8 and value.size <= _MAX_ARRAY:
-            if value.dtype.kind == "u" and value.dtype.itemsize > 1:   # safetensors/torch: no wide unsigned
+            if value.dtype.kind == "u" and value.dtype.itemsize > 1:  # safetensors/torch: no wide unsigned
                 return True, {"__uarray__": value.astype(np.int64), "dtype": value.dtype.str}
             return True, {"__array__": value.copy()}
         return False, None
@@ -73,15 +73,21 @@ def _value(stored: Any, current: Any) -> Any:
             from ppokit.resume import set_generator_state
 
             state = stored["__np_generator__"]
-            gen = current if isinstance(current, np.random.Generator) else \
-                np.random.Generator(getattr(np.random, state["bit_generator"])())
+            gen = (
+                current
+                if isinstance(current, np.random.Generator)
+                else np.random.Generator(getattr(np.random, state["bit_generator"])())
+            )
             set_generator_state(gen, state)
             return gen
         if "__list__" in stored:
-            cur = current if isinstance(current, list) and len(current) == len(stored["__list__"]) else \
-                [None] * len(stored["__list__"])
+            cur = (
+                current
+                if isinstance(current, list) and len(current) == len(stored["__list__"])
+                else [None] * len(stored["__list__"])
+            )
             return [_value(v, c) for v, c in zip(stored["__list__"], cur)]
-    if isinstance(stored, np.ndarray):   # a checkpoint brings 0-d arrays back as arrays
+    if isinstance(stored, np.ndarray):  # a checkpoint brings 0-d arrays back as arrays
         return stored
     return stored
 
@@ -115,7 +121,9 @@ def _restore_object(obj: Any, state: dict[str, Any], where: str) -> None:
         spec = mujoco.mjtState.mjSTATE_INTEGRATION
         buf = np.ascontiguousarray(np.asarray(state["mujoco"], np.float64))
         if buf.size != mujoco.mj_stateSize(obj.model, spec):
-            raise ValueError(f"{where}: MuJoCo state of size {buf.size}, expected {mujoco.mj_stateSize(obj.model, spec)}")
+            raise ValueError(
+                f"{where}: MuJoCo state of size {buf.size}, expected {mujoco.mj_stateSize(obj.model, spec)}"
+            )
         mujoco.mj_setState(obj.model, obj.data, buf, spec)
         mujoco.mj_forward(obj.model, obj.data)
 
@@ -156,7 +164,8 @@ def restore(venv: Any, state: dict[str, Any]) -> None:
         for i, (env, chain_state) in enumerate(zip(envs, state["envs"])):
             chain = _chain(env)
             if len(chain) != len(chain_state):
-                raise ValueError(f"env {i}: the checkpoint's wrapper chain has {len(chain_state)} layers, "
-                                 f"this one {len(chain)}")
+                raise ValueError(
+                    f"env {i}: the checkpoint's wrapper chain has {len(chain_state)} layers, this one {len(chain)}"
+                )
             for j, (layer, st) in enumerate(zip(chain, chain_state)):
                 _restore_object(layer, st, f"env {i} layer {j}")

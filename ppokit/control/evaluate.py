@@ -10,7 +10,6 @@ Episodes run in their own vector env (``min(episodes, 16)`` copies) seeded
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -27,17 +26,22 @@ MAX_EVAL_ENVS = 16
 class Evaluator:
     """A vector env for repeated deterministic evaluations during or after training."""
 
-    def __init__(self, cfg: Config, episodes: int, seed: Optional[int] = None):
+    def __init__(self, cfg: Config, episodes: int, seed: int | None = None):
         self.episodes = episodes
         self.num_envs = max(1, min(episodes, MAX_EVAL_ENVS))
-        self.venv = VecEnv(cfg.env, self.num_envs, seed=cfg.seed + EVAL_SEED_OFFSET if seed is None else seed,
-                           gamma=cfg.algo.gamma, training=False)
+        self.venv = VecEnv(
+            cfg.env,
+            self.num_envs,
+            seed=cfg.seed + EVAL_SEED_OFFSET if seed is None else seed,
+            gamma=cfg.algo.gamma,
+            training=False,
+        )
         spec = self.venv.env.spec
         limit = cfg.env.max_episode_steps or (spec.max_episode_steps if spec is not None else None)
         # A policy that never ends an episode in an env without a time limit must not hang the run.
         self.max_steps = (limit + 1) * (-(-episodes // self.num_envs)) if limit else 1_000_000
 
-    def run(self, policy: ActorCritic, normalizer_state: Optional[dict] = None) -> np.ndarray:
+    def run(self, policy: ActorCritic, normalizer_state: dict | None = None) -> np.ndarray:
         """Returns of ``episodes`` episodes (raw env rewards) under the deterministic policy."""
         venv = self.venv
         if normalizer_state is not None:
@@ -62,16 +66,19 @@ class Evaluator:
                     if (counts >= targets).all():
                         break
             else:
-                raise UserError(f"evaluation of {self.venv.cfg.id}: episodes did not end within {self.max_steps} "
-                                "steps; set env.max_episode_steps")
+                raise UserError(
+                    f"evaluation of {self.venv.cfg.id}: episodes did not end within {self.max_steps} "
+                    "steps; set env.max_episode_steps"
+                )
         return np.asarray(returns)
 
     def close(self) -> None:
         self.venv.close()
 
 
-def evaluate_policy(cfg: Config, policy: ActorCritic, normalizer_state: Optional[dict], episodes: int,
-                    seed: Optional[int] = None) -> tuple[float, float]:
+def evaluate_policy(
+    cfg: Config, policy: ActorCritic, normalizer_state: dict | None, episodes: int, seed: int | None = None
+) -> tuple[float, float]:
     """(mean, std) of the deterministic return over ``episodes`` episodes in a fresh env."""
     evaluator = Evaluator(cfg, episodes, seed)
     try:
@@ -89,19 +96,26 @@ def load_policy(path: Path | str) -> tuple[Config, ActorCritic, dict]:
     ckpt = load_checkpoint(path)
     meta_file = Path(path) / META
     parts = ckpt.parts
-    if "learner" in parts:           # the run loop's layout
+    if "learner" in parts:  # the run loop's layout
         model, norm = parts["learner"].get("model"), parts.get("source", {}).get("normalizer")
-    else:                            # checkpoints written before it
+    else:  # checkpoints written before it
         model, norm = parts.get("model"), parts.get("normalizer")
     if ckpt.meta.get("workload") != "control" or model is None or norm is None:
         raise UserError(f"checkpoint file {meta_file} is not a control-workload checkpoint")
     try:
         cfg = build_config([ckpt.meta["config"]])
-        policy = ActorCritic(int(ckpt.meta["obs_dim"]), int(ckpt.meta["action_dim"]), bool(ckpt.meta["discrete"]),
-                             cfg.network)
+        policy = ActorCritic(
+            int(ckpt.meta["obs_dim"]), int(ckpt.meta["action_dim"]), bool(ckpt.meta["discrete"]), cfg.network
+        )
         policy.load_named_state(model)
-        for key, shape in (("obs_mean", (policy.obs_dim,)), ("obs_var", (policy.obs_dim,)), ("obs_count", ()),
-                           ("ret_mean", ()), ("ret_var", ()), ("ret_count", ())):
+        for key, shape in (
+            ("obs_mean", (policy.obs_dim,)),
+            ("obs_var", (policy.obs_dim,)),
+            ("obs_count", ()),
+            ("ret_mean", ()),
+            ("ret_var", ()),
+            ("ret_count", ()),
+        ):
             if np.shape(norm[key]) != shape:
                 raise ValueError(f"normalizer '{key}' has shape {np.shape(norm[key])}, expected {shape}")
     except UserError as exc:
@@ -113,7 +127,7 @@ def load_policy(path: Path | str) -> tuple[Config, ActorCritic, dict]:
     return cfg, policy, norm
 
 
-def evaluate_run(run_dir: str | Path, episodes: int, seed: Optional[int] = None) -> tuple[float, float]:
+def evaluate_run(run_dir: str | Path, episodes: int, seed: int | None = None) -> tuple[float, float]:
     """Load ``RUN_DIR``'s config and checkpoint, run the deterministic policy: (mean, std).
 
     The checkpoint is ``RUN_DIR/checkpoint`` (the end of training), else the newest periodic
@@ -128,15 +142,22 @@ def evaluate_run(run_dir: str | Path, episodes: int, seed: Optional[int] = None)
     # RUN_DIR, or a checkpoint directory itself (RUN_DIR/checkpoint, RUN_DIR/checkpoints/iter-N)
     ckpt_dir = run_dir if (run_dir / META).is_file() else run_dir / FINAL_DIR
     if (ckpt_dir / "policy.json").is_file() or (run_dir / "policy.json").is_file():
-        raise UserError(f"{run_dir} is a language-model run; `ppokit eval` runs control policies in their "
-                        "environment (an LM run prints its held-out accuracy; `ppokit export` writes the model)")
+        raise UserError(
+            f"{run_dir} is a language-model run; `ppokit eval` runs control policies in their "
+            "environment (an LM run prints its held-out accuracy; `ppokit export` writes the model)"
+        )
     if not ckpt_dir.exists() and ckpt_dir != run_dir:
         newest = latest_checkpoint(run_dir)
         if newest is None:
-            raise UserError(f"run directory {run_dir} has no checkpoint (the final one is written when training "
-                            "finishes, others every run.checkpoint_every iterations and on SIGINT/SIGTERM)")
-        print(f"note: {run_dir} has not finished training (no {FINAL_DIR}/); evaluating its newest "
-              f"checkpoint, {newest} (to finish the run: ppokit train --resume {run_dir})", flush=True)
+            raise UserError(
+                f"run directory {run_dir} has no checkpoint (the final one is written when training "
+                "finishes, others every run.checkpoint_every iterations and on SIGINT/SIGTERM)"
+            )
+        print(
+            f"note: {run_dir} has not finished training (no {FINAL_DIR}/); evaluating its newest "
+            f"checkpoint, {newest} (to finish the run: ppokit train --resume {run_dir})",
+            flush=True,
+        )
         ckpt_dir = newest
     cfg, policy, normalizer_state = load_policy(ckpt_dir)
     torch.set_num_threads(cfg.run.torch_threads or 1)

@@ -89,14 +89,19 @@ class ActorCritic(nn.Module):
             actor.append(self.log_std)
         critic = [*([] if self.shared else self.critic.parameters()), *self.value_head.parameters()]
         lr = cfg.train.learning_rate
-        return [{"params": actor, "lr": lr, "name": "actor"},
-                {"params": critic, "lr": cfg.train.critic_learning_rate or lr, "name": "critic"}]
+        return [
+            {"params": actor, "lr": lr, "name": "actor"},
+            {"params": critic, "lr": cfg.train.critic_learning_rate or lr, "name": "critic"},
+        ]
 
     def evaluate(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """log_prob, values, entropy (n, T) of ``obs`` (n, T, D) and ``actions`` (n, T[, A])."""
         dist, values = self._dist_and_value(micro_batch["obs"])
-        return {"log_prob": self._log_prob(dist, micro_batch["actions"]), "values": values,
-                "entropy": self._entropy(dist)}
+        return {
+            "log_prob": self._log_prob(dist, micro_batch["actions"]),
+            "values": values,
+            "entropy": self._entropy(dist),
+        }
 
     # ------------------------------------------------------------------ rollout API
     def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -110,8 +115,8 @@ class ActorCritic(nn.Module):
         """
         out, values = self._head_and_value(obs)
         if self.discrete:
-            log_p = torch.log_softmax(out, dim=-1)                                   # (E, K)
-            actions = (log_p - torch.empty_like(log_p).exponential_().log_()).argmax(-1)   # (E,)
+            log_p = torch.log_softmax(out, dim=-1)  # (E, K)
+            actions = (log_p - torch.empty_like(log_p).exponential_().log_()).argmax(-1)  # (E,)
             return actions, log_p.gather(-1, actions[:, None]).squeeze(-1), values
         dist = self._dist(out)
         actions = dist.sample()  # (E, A)

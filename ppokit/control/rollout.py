@@ -20,8 +20,6 @@ After the loop, per step t (layout [E, S], time-major per env):
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -60,7 +58,7 @@ class Rollout:
         """Whether the envs were reset: the next collection continues from ``obs[-1]``."""
         return self._started
 
-    def continue_from(self, last_obs: Optional[np.ndarray]) -> None:
+    def continue_from(self, last_obs: np.ndarray | None) -> None:
         """Resume: continue from ``last_obs`` (E, D), the observation after the last collected
         step (None: the envs were never reset; the next collection resets them)."""
         if last_obs is not None:

@@ -18,7 +18,7 @@ envstate.py) and the normalization statistics.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,15 +43,14 @@ class ControlSource:
     the envs and a copy of the policy that :meth:`load_rollout_weights` updates.
     """
 
-    def __init__(self, venv: VecEnv, policy: ActorCritic, num_steps: int, *, seed: int = 0,
-                 off_policy_steps: int = 0):
+    def __init__(self, venv: VecEnv, policy: ActorCritic, num_steps: int, *, seed: int = 0, off_policy_steps: int = 0):
         self.venv, self.policy = venv, policy
         self.rollout = Rollout(venv, num_steps)
         self.steps_per_iteration = venv.num_envs * num_steps
         self._finished_before = venv.episodes_finished
         self.seed, self.off_policy_steps = seed, off_policy_steps
-        self.policy_version = 0                    # the learner's version of the policy's weights
-        self.pending: Optional[tuple[int, Batch]] = None    # a prefetched iteration and its batch
+        self.policy_version = 0  # the learner's version of the policy's weights
+        self.pending: tuple[int, Batch] | None = None  # a prefetched iteration and its batch
 
     def collect(self, iteration: int) -> Batch:
         if self.pending is not None and self.pending[0] == iteration:
@@ -64,7 +63,7 @@ class ControlSource:
         self.pending = (iteration, self._collect(iteration))
 
     def _collect(self, iteration: int) -> Batch:
-        if self.off_policy_steps:                 # seeded per iteration: the same on a Ray worker
+        if self.off_policy_steps:  # seeded per iteration: the same on a Ray worker
             with rollout_rngs(self.seed, iteration):
                 return self.collect_shard(iteration, None)
         return self.collect_shard(iteration, None)
@@ -76,16 +75,28 @@ class ControlSource:
         metrics: dict[str, float] = {"episodes": venv.episodes_finished - self._finished_before}
         self._finished_before = venv.episodes_finished
         if venv.episode_returns:
-            metrics.update(return_mean=float(np.mean(venv.episode_returns)),
-                           return_std=float(np.std(venv.episode_returns)),
-                           episode_length=float(np.mean(venv.episode_lengths)))
-        tensors = {"obs": data["obs"], "actions": data["actions"], "mask": data["mask"],
-                   "old_log_prob": data["log_probs"], "old_values": data["values"], "rewards": data["rewards"],
-                   "dones": data["dones"]}
-        return Batch(tensors=tensors, extras={"last_values": data["last_values"]}, metrics=metrics,
-                     policy_version=self.policy_version)
+            metrics.update(
+                return_mean=float(np.mean(venv.episode_returns)),
+                return_std=float(np.std(venv.episode_returns)),
+                episode_length=float(np.mean(venv.episode_lengths)),
+            )
+        tensors = {
+            "obs": data["obs"],
+            "actions": data["actions"],
+            "mask": data["mask"],
+            "old_log_prob": data["log_probs"],
+            "old_values": data["values"],
+            "rewards": data["rewards"],
+            "dones": data["dones"],
+        }
+        return Batch(
+            tensors=tensors,
+            extras={"last_values": data["last_values"]},
+            metrics=metrics,
+            policy_version=self.policy_version,
+        )
 
-    def sync_weights(self, learner: "ControlLearner") -> None:
+    def sync_weights(self, learner: ControlLearner) -> None:
         """Nothing to copy: the rollout runs the learner's own network."""
         self.policy_version = learner.policy_version
 
@@ -93,8 +104,11 @@ class ControlSource:
         self.policy.load_named_state(weights)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"venv": self.venv.state_dict(), "normalizer": self.venv.normalizer.state_dict(),
-                 "rollout": {"started": self.rollout.started, "last_obs": self.rollout.obs[-1].copy()}}
+        state = {
+            "venv": self.venv.state_dict(),
+            "normalizer": self.venv.normalizer.state_dict(),
+            "rollout": {"started": self.rollout.started, "last_obs": self.rollout.obs[-1].copy()},
+        }
         if self.pending is not None:
             state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
         return state
@@ -102,7 +116,7 @@ class ControlSource:
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         pending = state.get("pending")
         self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
-        if "shards" in state:                  # stepped by several rollout workers: another env layout
+        if "shards" in state:  # stepped by several rollout workers: another env layout
             [state], notes = regroup_env_states(state, 1)
             return self._restart(state) + notes
         if state.get("restart"):
@@ -116,8 +130,10 @@ class ControlSource:
         # AsyncVectorEnv: the episodes in flight cannot be captured; start new ones.
         cfg = self.venv.cfg
         self.rollout.continue_from(self.venv.reset(seed=self.venv.seed + 100_003 * self.venv.episodes_finished))
-        return [f"note: env.vectorization={cfg.vectorization} ({type(self.venv.env).__name__}) cannot be "
-                "snapshotted: the episodes in flight restart, so the resumed run is not bit-identical"]
+        return [
+            f"note: env.vectorization={cfg.vectorization} ({type(self.venv.env).__name__}) cannot be "
+            "snapshotted: the episodes in flight restart, so the resumed run is not bit-identical"
+        ]
 
     def _restart(self, state: dict[str, Any]) -> list[str]:
         """New episodes under the checkpoint's normalisation statistics and episode record
@@ -134,7 +150,7 @@ class ControlSource:
 def env_shards(state: dict[str, Any]) -> list[dict[str, Any]]:
     """The env states of a control source checkpoint, one per shard that stepped them
     (one: in-process, or one rollout worker)."""
-    return state["shards"] if "shards" in state else [state]
+    return state.get("shards", [state])
 
 
 def regroup_env_states(state: dict[str, Any], num_shards: int) -> tuple[list[dict[str, Any]], list[str]]:
@@ -153,20 +169,32 @@ def regroup_env_states(state: dict[str, Any], num_shards: int) -> tuple[list[dic
     for key in ("obs_count", "ret_count"):
         normalizer[key] = normalizer[key] / num_shards
     venvs = [s["venv"] for s in shards if "venv" in s]
-    finished = sum(int(v["episodes_finished"]) for v in venvs) + sum(int(s.get("episodes_finished", 0))
-                                                                     for s in shards if "venv" not in s)
-    returns = np.concatenate([np.asarray(s["venv"]["episode_returns"] if "venv" in s else s["episode_returns"],
-                                         np.float64) for s in shards])
-    lengths = np.concatenate([np.asarray(s["venv"]["episode_lengths"] if "venv" in s else s["episode_lengths"],
-                                         np.int64) for s in shards])
+    finished = sum(int(v["episodes_finished"]) for v in venvs) + sum(
+        int(s.get("episodes_finished", 0)) for s in shards if "venv" not in s
+    )
+    returns = np.concatenate(
+        [np.asarray(s["venv"]["episode_returns"] if "venv" in s else s["episode_returns"], np.float64) for s in shards]
+    )
+    lengths = np.concatenate(
+        [np.asarray(s["venv"]["episode_lengths"] if "venv" in s else s["episode_lengths"], np.int64) for s in shards]
+    )
     offset = max(finished, 1)
-    out = [{"restart": True, "normalizer": dict(normalizer), "reset_offset": offset,
+    out = [
+        {
+            "restart": True,
+            "normalizer": dict(normalizer),
+            "reset_offset": offset,
             "episodes_finished": finished if i == 0 else 0,
             "episode_returns": returns if i == 0 else np.zeros(0, np.float64),
-            "episode_lengths": lengths if i == 0 else np.zeros(0, np.int64)} for i in range(num_shards)]
-    note = (f"note: the checkpoint's envs were stepped in {len(shards)} shard(s) and this run steps them in "
-            f"{num_shards} (cluster.rollout_workers): the episodes in flight restart with the merged "
-            "normalisation statistics, so the resumed run is not bit-identical")
+            "episode_lengths": lengths if i == 0 else np.zeros(0, np.int64),
+        }
+        for i in range(num_shards)
+    ]
+    note = (
+        f"note: the checkpoint's envs were stepped in {len(shards)} shard(s) and this run steps them in "
+        f"{num_shards} (cluster.rollout_workers): the episodes in flight restart with the merged "
+        "normalisation statistics, so the resumed run is not bit-identical"
+    )
     return out, [note]
 
 
@@ -187,14 +215,17 @@ class ControlShardPlan:
         self._merge_normalizers([s["normalizer"] for s in states])
         if len(parts) == 1:
             return parts[0]
-        tensors = {k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors}      # (E, S, ...)
+        tensors = {k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors}  # (E, S, ...)
         extras = {k: torch.cat([p.extras[k] for p in parts]) for k in parts[0].extras}
         metrics: dict[str, float] = {"episodes": sum(p.metrics["episodes"] for p in parts)}
         returns = np.concatenate([np.asarray(s["venv"]["episode_returns"], np.float64) for s in states])
         lengths = np.concatenate([np.asarray(s["venv"]["episode_lengths"], np.float64) for s in states])
         if returns.size:
-            metrics.update(return_mean=float(np.mean(returns)), return_std=float(np.std(returns)),
-                           episode_length=float(np.mean(lengths)))
+            metrics.update(
+                return_mean=float(np.mean(returns)),
+                return_std=float(np.std(returns)),
+                episode_length=float(np.mean(lengths)),
+            )
         return Batch(tensors=tensors, extras=extras, metrics=metrics, policy_version=parts[0].policy_version)
 
     def _merge_normalizers(self, states: list[dict[str, Any]]) -> None:
@@ -203,7 +234,7 @@ class ControlShardPlan:
     def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
         return shard_states[0] if len(shard_states) == 1 else {"shards": shard_states}
 
-    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[Optional[dict[str, Any]]], list[str]]:
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[dict[str, Any] | None], list[str]]:
         shards, notes = regroup_env_states(state, self.num_shards)
         self._merge_normalizers([s["normalizer"] for s in shards])
         return shards, notes
@@ -215,7 +246,7 @@ def merged_normalizer_state(states: list[dict[str, Any]]) -> dict[str, Any]:
         return dict(states[0])
     merged = {}
     for prefix in ("obs_", "ret_"):
-        stats = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
+        stats = [{k[len(prefix) :]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
         merged.update({prefix + k: v for k, v in merge_running_stats(stats).items()})
     return merged
 
@@ -231,7 +262,7 @@ def merge_running_stats(stats: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         total = count + n
         delta = m - mean
         mean = mean + delta * (n / total)
-        var = (var * count + v * n + delta ** 2 * (count * n / total)) / total
+        var = (var * count + v * n + delta**2 * (count * n / total)) / total
         count = total
     return {"mean": mean, "var": var, "count": np.array(count, np.float64)}
 
@@ -239,13 +270,13 @@ def merge_running_stats(stats: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 class ControlLearner:
     """The actor-critic and the shared PPO update over the flattened transitions."""
 
-    def __init__(self, cfg: Config, policy: ActorCritic, parallel: Optional[DataParallel] = None):
+    def __init__(self, cfg: Config, policy: ActorCritic, parallel: DataParallel | None = None):
         self.policy = policy
         self.trainer = PPOTrainer(cfg, policy, total_iterations=cfg.iterations, parallel=parallel)
         self.policy_version = 0
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
-        n = batch.tensors["mask"].numel()             # E * S transitions
+        n = batch.tensors["mask"].numel()  # E * S transitions
         flat = {k: v.reshape(n, 1, *v.shape[2:]) for k, v in batch.tensors.items() if k in UPDATE_KEYS}
         metrics = self.trainer.update(flat, iteration)
         self.policy_version += 1
@@ -265,8 +296,11 @@ class ControlLearner:
         return all_finite(self.policy.named_state().values())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.policy.named_state(), "trainer": self.trainer.state_dict(),
-                "policy_version": self.policy_version}
+        return {
+            "model": self.policy.named_state(),
+            "trainer": self.trainer.state_dict(),
+            "policy_version": self.policy_version,
+        }
 
     def save_files(self, directory: Path) -> None:
         """Nothing beside the state: the weights are in it (``ppokit eval`` reads them there)."""
@@ -298,10 +332,10 @@ class ControlEvaluator:
         returns = self.periodic.run(self.policy, normalizer)
         return {"periodic_eval_return_mean": float(returns.mean()), "periodic_eval_return_std": float(returns.std())}
 
-    def message(self, phase: str, metrics: dict[str, float]) -> Optional[str]:
+    def message(self, phase: str, metrics: dict[str, float]) -> str | None:
         return None
 
-    def stop_reason(self, metrics: dict[str, float]) -> Optional[str]:
+    def stop_reason(self, metrics: dict[str, float]) -> str | None:
         target, got = self.cfg.env.stop_at_return, metrics.get("periodic_eval_return_mean")
         if target is not None and got is not None and got >= target:
             return f"periodic eval return {got:.1f} >= env.stop_at_return={target:g}"
@@ -365,14 +399,15 @@ class ControlWorkload:
     def build(self, run_dir: Path) -> Components:
         cfg, e = self.cfg, self.cfg.env
         torch.set_num_threads(cfg.run.torch_threads or 1)
-        torch.manual_seed(cfg.seed)                  # network init, then action sampling
+        torch.manual_seed(cfg.seed)  # network init, then action sampling
         np.random.seed(cfg.seed % 2**32)
         venv = VecEnv(e, e.num_envs, seed=cfg.seed, gamma=cfg.algo.gamma, training=True)
         try:
             policy = ActorCritic(venv.obs_dim, venv.action_dim, venv.discrete, cfg.network)
             learner = ControlLearner(cfg, policy)
-            source = ControlSource(venv, policy, e.num_steps, seed=cfg.seed,
-                                   off_policy_steps=cfg.rollout.off_policy_steps)
+            source = ControlSource(
+                venv, policy, e.num_steps, seed=cfg.seed, off_policy_steps=cfg.rollout.off_policy_steps
+            )
             evaluator = ControlEvaluator(cfg, policy, venv) if e.eval_episodes else None
         except BaseException:
             venv.close()
@@ -381,5 +416,12 @@ class ControlWorkload:
         if cfg.run.device not in ("auto", "cpu"):
             header.append(f"note: the control workload runs on the CPU (run.device={cfg.run.device} ignored)")
         meta = {"env_id": e.id, "obs_dim": venv.obs_dim, "action_dim": venv.action_dim, "discrete": venv.discrete}
-        return Components(source=source, learner=learner, evaluator=evaluator, description=cfg.preset or e.id,
-                          header=header, checkpoint_meta=meta, closers=[venv])
+        return Components(
+            source=source,
+            learner=learner,
+            evaluator=evaluator,
+            description=cfg.preset or e.id,
+            header=header,
+            checkpoint_meta=meta,
+            closers=[venv],
+        )

@@ -52,7 +52,7 @@ the environment and raises :class:`~ppokit.envs.checks.EnvError` at once.
 from __future__ import annotations
 
 import random
-from typing import Any, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "INFO_KEYS",
@@ -65,23 +65,31 @@ __all__ = [
 ]
 
 Message = dict  # {"role": str, "content": str}
-Observation = Union[str, list]  # a str, or a list of Message
+Observation = str | list  # a str, or a list of Message
 
 OUTCOMES = ("win", "draw", "loss")
 OBSERVATION_MODES = ("state", "message")
-INFO_KEYS = ("illegal", "illegal_reason", "outcome", "outcomes", "player", "seat", "rewards", "action",
-             "legal_actions", "env_error")
+INFO_KEYS = (
+    "illegal",
+    "illegal_reason",
+    "outcome",
+    "outcomes",
+    "player",
+    "seat",
+    "rewards",
+    "action",
+    "legal_actions",
+    "env_error",
+)
 
 
 @runtime_checkable
 class TextEnvProtocol(Protocol):
     """What a rollout needs from an environment: Gymnasium-style reset and step on text."""
 
-    def reset(self, seed: Optional[int] = None, options: Optional[dict] = None) -> tuple[Observation, dict]:
-        ...
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[Observation, dict]: ...
 
-    def step(self, action: str) -> tuple[Observation, float, bool, bool, dict]:
-        ...
+    def step(self, action: str) -> tuple[Observation, float, bool, bool, dict]: ...
 
 
 class TextEnv:
@@ -100,7 +108,7 @@ class TextEnv:
     def __init__(self) -> None:
         self.rng = random.Random()
 
-    def _seed(self, seed: Optional[int]) -> None:
+    def _seed(self, seed: int | None) -> None:
         """Gymnasium seeding: a seed restarts the random stream, ``None`` continues it.
 
         The first reset without a seed draws one from the operating system.
@@ -113,7 +121,7 @@ class TextEnv:
             self.rng = random.Random()
         self._seeded = True
 
-    def reset(self, seed: Optional[int] = None, options: Optional[dict] = None) -> tuple[Observation, dict]:
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[Observation, dict]:
         raise NotImplementedError
 
     def step(self, action: str) -> tuple[Observation, float, bool, bool, dict[str, Any]]:

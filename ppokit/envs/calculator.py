@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable, Optional
+from typing import Any
 
 from ppokit.errors import UserError
 from ppokit.expressions import ExpressionError, evaluate, format_number
@@ -46,9 +47,11 @@ from .base import OBSERVATION_MODES, TextEnv
 
 __all__ = ["CalculatorEnv", "INSTRUCTIONS", "Problem", "generate_problem", "parse_tool_action"]
 
-INSTRUCTIONS = ("Solve the word problem. To compute something, write a line 'calc: EXPRESSION' (or "
-                "<calc>EXPRESSION</calc>) and stop; the result comes back to you. When you know the result, "
-                "write a line 'answer: NUMBER' (or <answer>NUMBER</answer>).")
+INSTRUCTIONS = (
+    "Solve the word problem. To compute something, write a line 'calc: EXPRESSION' (or "
+    "<calc>EXPRESSION</calc>) and stop; the result comes back to you. When you know the result, "
+    "write a line 'answer: NUMBER' (or <answer>NUMBER</answer>)."
+)
 
 
 @dataclass(frozen=True)
@@ -67,63 +70,93 @@ _NAMES = ("ann", "bo", "cy", "dee", "eli", "fay", "gus", "ivy", "jo", "kim")
 def _mul_sub(rng: random.Random, name: str) -> Problem:
     a, b = rng.randint(2, 9), rng.randint(2, 9)
     c = rng.randint(1, a * b - 1)
-    return Problem(f"{name} has {a} bags of {b} nuts and eats {c}. how many nuts are left?",
-                   (f"{a}*{b}", f"{a * b}-{c}"), Fraction(a * b - c))
+    return Problem(
+        f"{name} has {a} bags of {b} nuts and eats {c}. how many nuts are left?",
+        (f"{a}*{b}", f"{a * b}-{c}"),
+        Fraction(a * b - c),
+    )
 
 
 def _mul_add(rng: random.Random, name: str) -> Problem:
     a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 9)
-    return Problem(f"{name} has {a} boxes of {b} pens and {c} more pens. how many pens?",
-                   (f"{a}*{b}", f"{a * b}+{c}"), Fraction(a * b + c))
+    return Problem(
+        f"{name} has {a} boxes of {b} pens and {c} more pens. how many pens?",
+        (f"{a}*{b}", f"{a * b}+{c}"),
+        Fraction(a * b + c),
+    )
 
 
 def _share_add(rng: random.Random, name: str) -> Problem:
     a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 9)
-    return Problem(f"{name} splits {a * b} sweets among {a} kids, then gives each {c} more. how many has each?",
-                   (f"{a * b}/{a}", f"{b}+{c}"), Fraction(b + c))
+    return Problem(
+        f"{name} splits {a * b} sweets among {a} kids, then gives each {c} more. how many has each?",
+        (f"{a * b}/{a}", f"{b}+{c}"),
+        Fraction(b + c),
+    )
 
 
 def _add_mul(rng: random.Random, name: str) -> Problem:
     a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 12)
-    return Problem(f"{name} buys {a} red and {b} blue packs of {c} cards. how many cards?",
-                   (f"{a}+{b}", f"{a + b}*{c}"), Fraction((a + b) * c))
+    return Problem(
+        f"{name} buys {a} red and {b} blue packs of {c} cards. how many cards?",
+        (f"{a}+{b}", f"{a + b}*{c}"),
+        Fraction((a + b) * c),
+    )
 
 
 def _sub_div(rng: random.Random, name: str) -> Problem:
     a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 12)
     total = a * b + c
-    return Problem(f"{name} has {total} coins, spends {c} and splits the rest into {a} piles. how many per pile?",
-                   (f"{total}-{c}", f"{a * b}/{a}"), Fraction(b))
+    return Problem(
+        f"{name} has {total} coins, spends {c} and splits the rest into {a} piles. how many per pile?",
+        (f"{total}-{c}", f"{a * b}/{a}"),
+        Fraction(b),
+    )
 
 
 def _earn_spend(rng: random.Random, name: str) -> Problem:
     a, b = rng.randint(2, 12), rng.randint(2, 9)
     c = rng.randint(1, a * b // 2)
     d = rng.randint(1, a * b - c - 1) if a * b - c > 1 else 0
-    return Problem(f"{name} earns {a} a day for {b} days, then spends {c} and {d}. how much is left?",
-                   (f"{a}*{b}", f"{a * b}-{c}", f"{a * b - c}-{d}"), Fraction(a * b - c - d))
+    return Problem(
+        f"{name} earns {a} a day for {b} days, then spends {c} and {d}. how much is left?",
+        (f"{a}*{b}", f"{a * b}-{c}", f"{a * b - c}-{d}"),
+        Fraction(a * b - c - d),
+    )
 
 
 def _wheels(rng: random.Random, name: str) -> Problem:
     a, b = rng.randint(2, 9), rng.randint(2, 9)
-    return Problem(f"there are {a} cars with 4 wheels and {b} bikes with 2 wheels. how many wheels?",
-                   (f"{a}*4", f"{b}*2", f"{a * 4}+{b * 2}"), Fraction(a * 4 + b * 2))
+    return Problem(
+        f"there are {a} cars with 4 wheels and {b} bikes with 2 wheels. how many wheels?",
+        (f"{a}*4", f"{b}*2", f"{a * 4}+{b * 2}"),
+        Fraction(a * 4 + b * 2),
+    )
 
 
 def _pages_left(rng: random.Random, name: str) -> Problem:
     a, b = rng.randint(2, 12), rng.randint(2, 9)
     t = a * b + rng.randint(1, 40)
-    return Problem(f"a book has {t} pages. {name} reads {a} pages a day for {b} days. how many pages are left?",
-                   (f"{a}*{b}", f"{t}-{a * b}"), Fraction(t - a * b))
+    return Problem(
+        f"a book has {t} pages. {name} reads {a} pages a day for {b} days. how many pages are left?",
+        (f"{a}*{b}", f"{t}-{a * b}"),
+        Fraction(t - a * b),
+    )
 
 
 TEMPLATES: dict[str, Callable[[random.Random, str], Problem]] = {
-    "mul_sub": _mul_sub, "mul_add": _mul_add, "share_add": _share_add, "add_mul": _add_mul,
-    "sub_div": _sub_div, "earn_spend": _earn_spend, "wheels": _wheels, "pages_left": _pages_left,
+    "mul_sub": _mul_sub,
+    "mul_add": _mul_add,
+    "share_add": _share_add,
+    "add_mul": _add_mul,
+    "sub_div": _sub_div,
+    "earn_spend": _earn_spend,
+    "wheels": _wheels,
+    "pages_left": _pages_left,
 }
 
 
-def generate_problem(rng: random.Random, templates: Optional[tuple[str, ...]] = None) -> Problem:
+def generate_problem(rng: random.Random, templates: tuple[str, ...] | None = None) -> Problem:
     """A problem from one of ``templates`` (default: all), drawn with ``rng``."""
     names = tuple(templates) if templates else tuple(TEMPLATES)
     return TEMPLATES[rng.choice(names)](rng, rng.choice(_NAMES))
@@ -139,7 +172,7 @@ _DIRECTIVES = (
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 
 
-def parse_tool_action(text: str) -> Optional[tuple[str, str]]:
+def parse_tool_action(text: str) -> tuple[str, str] | None:
     """``("calc", expression)`` or ``("answer", text)`` for the first directive in ``text``, or None."""
     if not isinstance(text, str):
         return None
@@ -152,7 +185,7 @@ def parse_tool_action(text: str) -> Optional[tuple[str, str]]:
     return kind, body.strip()
 
 
-def parse_answer(text: str) -> Optional[Fraction]:
+def parse_answer(text: str) -> Fraction | None:
     """The first number in ``text`` (``79``, ``-2.5``, ``1/3``; ``1,000`` reads as 1000), or None."""
     match = _NUMBER.search(re.sub(r"(?<=\d),(?=\d{3})", "", text))
     if match is None:
@@ -167,13 +200,23 @@ def parse_answer(text: str) -> Optional[Fraction]:
 class CalculatorEnv(TextEnv):
     """Word problems with a calculator tool; see the module docstring."""
 
-    def __init__(self, observation_mode: str = "state", max_turns: int = 6, templates: Optional[list[str]] = None,
-                 correct_reward: float = 1.0, wrong_reward: float = 0.0, call_reward: float = 0.0,
-                 illegal_penalty: float = -1.0, instructions: Optional[str] = None, tool_role: str = "tool") -> None:
+    def __init__(
+        self,
+        observation_mode: str = "state",
+        max_turns: int = 6,
+        templates: list[str] | None = None,
+        correct_reward: float = 1.0,
+        wrong_reward: float = 0.0,
+        call_reward: float = 0.0,
+        illegal_penalty: float = -1.0,
+        instructions: str | None = None,
+        tool_role: str = "tool",
+    ) -> None:
         super().__init__()
         if observation_mode not in OBSERVATION_MODES:
-            raise UserError(f"calculator: observation_mode must be one of {', '.join(OBSERVATION_MODES)} "
-                            f"(got {observation_mode!r})")
+            raise UserError(
+                f"calculator: observation_mode must be one of {', '.join(OBSERVATION_MODES)} (got {observation_mode!r})"
+            )
         if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
             raise UserError(f"calculator: max_turns must be a positive int (got {max_turns!r})")
         unknown = [t for t in templates or () if t not in TEMPLATES]
@@ -187,7 +230,7 @@ class CalculatorEnv(TextEnv):
         # state mode: no instructions unless given (the tiny model learns the format from SFT)
         self.instructions = instructions if instructions is not None or observation_mode == "state" else INSTRUCTIONS
         self.tool_role = tool_role
-        self.problem: Optional[Problem] = None
+        self.problem: Problem | None = None
         self.calls: list[tuple[str, str]] = []  # (expression, result text)
         self.turns = 0
         self.done = True
@@ -199,7 +242,7 @@ class CalculatorEnv(TextEnv):
         lines = [self.problem.text] + [f"calc: {expr} = {value}" for expr, value in self.calls]
         return head + "\n".join(lines) + "\n"
 
-    def reset(self, seed: Optional[int] = None, options: Optional[dict] = None) -> tuple[Any, dict]:
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         self._seed(seed)
         self.problem = generate_problem(self.rng, self.templates)
         self.calls, self.turns, self.done = [], 0, False
@@ -211,7 +254,7 @@ class CalculatorEnv(TextEnv):
             return messages, info
         return self.observation(), info
 
-    def _reply(self, text: Optional[str]) -> Any:
+    def _reply(self, text: str | None) -> Any:
         """State mode: the whole observation; message mode: the tool's reply (none when the episode ended)."""
         if self.observation_mode == "message":
             return [] if text is None else [{"role": self.tool_role, "content": text}]
@@ -224,15 +267,24 @@ class CalculatorEnv(TextEnv):
         parsed = parse_tool_action(action)
         if parsed is None:
             self.done = True
-            return self._reply(None), self.illegal_penalty, True, False, {
-                "illegal": True, "illegal_reason": "no 'calc:' or 'answer:' found", "outcome": "loss"}
+            return (
+                self._reply(None),
+                self.illegal_penalty,
+                True,
+                False,
+                {"illegal": True, "illegal_reason": "no 'calc:' or 'answer:' found", "outcome": "loss"},
+            )
         kind, body = parsed
         if kind == "answer":
             self.done = True
             value = parse_answer(body)
             correct = value is not None and value == self.problem.answer
-            info = {"illegal": False, "action": f"answer: {body}", "outcome": "win" if correct else "loss",
-                    "gold_answer": format_number(self.problem.answer)}
+            info = {
+                "illegal": False,
+                "action": f"answer: {body}",
+                "outcome": "win" if correct else "loss",
+                "gold_answer": format_number(self.problem.answer),
+            }
             return self._reply(None), self.correct_reward if correct else self.wrong_reward, True, False, info
         info: dict[str, Any] = {"illegal": False, "action": f"calc: {body}"}
         try:

@@ -30,7 +30,8 @@ The episode terminates in a hole (``hole_reward``, outcome ``"loss"``) or on the
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ppokit.errors import UserError
 
@@ -47,7 +48,7 @@ PROMPT = "move (left/down/right/up):"
 LETTER_PROMPT = "move (l/d/r/u):"
 
 
-def parse_direction(text: str) -> Optional[int]:
+def parse_direction(text: str) -> int | None:
     """Gymnasium's action index (0 left, 1 down, 2 right, 3 up) of the first direction
     word or letter in ``text``, or None."""
     if not isinstance(text, str):
@@ -75,22 +76,39 @@ def render_lake(desc: Sequence[str], position: int, prompt: str = PROMPT) -> str
 class FrozenLakeTextEnv(TextEnv):
     """FrozenLake with a text map; see the module docstring."""
 
-    def __init__(self, map_name: str = "4x4", desc: Optional[Sequence[str]] = None, is_slippery: bool = False,
-                 max_steps: int = 100, goal_reward: float = 1.0, hole_reward: float = 0.0, step_reward: float = 0.0,
-                 illegal_penalty: float = -1.0, letters: bool = False) -> None:
+    def __init__(
+        self,
+        map_name: str = "4x4",
+        desc: Sequence[str] | None = None,
+        is_slippery: bool = False,
+        max_steps: int = 100,
+        goal_reward: float = 1.0,
+        hole_reward: float = 0.0,
+        step_reward: float = 0.0,
+        illegal_penalty: float = -1.0,
+        letters: bool = False,
+    ) -> None:
         super().__init__()
         from gymnasium.envs.toy_text.frozen_lake import MAPS, FrozenLakeEnv
 
         if desc is None:
             if map_name not in MAPS:
-                raise UserError(f"frozenlake: unknown map_name {map_name!r}; valid: {', '.join(MAPS)}, or give desc "
-                                "(rows of S, F, H, G)")
+                raise UserError(
+                    f"frozenlake: unknown map_name {map_name!r}; valid: {', '.join(MAPS)}, or give desc "
+                    "(rows of S, F, H, G)"
+                )
             desc = MAPS[map_name]
         desc = [str(row) for row in desc]
-        if (not desc or len({len(r) for r in desc}) != 1 or any(set(r) - set("SFHG") for r in desc)
-                or "".join(desc).count("S") != 1 or "G" not in "".join(desc)):
-            raise UserError(f"frozenlake: desc must be equal-length rows of S, F, H, G with one S and a G "
-                            f"(got {desc!r})")
+        if (
+            not desc
+            or len({len(r) for r in desc}) != 1
+            or any(set(r) - set("SFHG") for r in desc)
+            or "".join(desc).count("S") != 1
+            or "G" not in "".join(desc)
+        ):
+            raise UserError(
+                f"frozenlake: desc must be equal-length rows of S, F, H, G with one S and a G (got {desc!r})"
+            )
         if not isinstance(max_steps, int) or max_steps < 1:
             raise UserError(f"frozenlake: max_steps must be a positive int (got {max_steps!r})")
         self.desc = desc
@@ -104,12 +122,12 @@ class FrozenLakeTextEnv(TextEnv):
         self.position = "".join(desc).index("S")
         self.steps = 0
         self.done = True
-        self._policy: Optional[list[int]] = None
+        self._policy: list[int] | None = None
 
     def observation(self) -> str:
         return render_lake(self.desc, self.position, LETTER_PROMPT if self.letters else PROMPT)
 
-    def reset(self, seed: Optional[int] = None, options: Optional[dict] = None) -> tuple[str, dict]:
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         self._seed(seed)
         state, _ = self._gym.reset(seed=self.rng.randrange(2**31))  # Gymnasium's RNG follows ours
         self.position = int(state)
@@ -123,8 +141,13 @@ class FrozenLakeTextEnv(TextEnv):
         move = parse_direction(action)
         if move is None:
             self.done = True
-            return self.observation(), self.illegal_penalty, True, False, {
-                "illegal": True, "illegal_reason": "no direction found", "outcome": "loss"}
+            return (
+                self.observation(),
+                self.illegal_penalty,
+                True,
+                False,
+                {"illegal": True, "illegal_reason": "no direction found", "outcome": "loss"},
+            )
         state, _, terminated, _, _ = self._gym.step(move)
         self.position = int(state)
         self.steps += 1

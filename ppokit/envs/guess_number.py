@@ -23,7 +23,7 @@ earns ``guess_reward`` (0 by default; negative for a per-guess cost). Bisection 
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.errors import UserError
 
@@ -34,7 +34,7 @@ __all__ = ["GuessNumberEnv", "parse_guess", "render_guesses"]
 _INT = re.compile(r"-?\d+")
 
 
-def parse_guess(text: str) -> Optional[int]:
+def parse_guess(text: str) -> int | None:
     """The first integer in ``text`` (a leading ``-`` counts), or None."""
     if not isinstance(text, str):
         return None
@@ -51,8 +51,16 @@ def render_guesses(low: int, high: int, history: list[tuple[int, str]], left: in
 class GuessNumberEnv(TextEnv):
     """Guess-the-number; see the module docstring."""
 
-    def __init__(self, low: int = 1, high: int = 100, max_guesses: int = 7, win_reward: float = 1.0,
-                 loss_reward: float = 0.0, guess_reward: float = 0.0, illegal_penalty: float = -1.0) -> None:
+    def __init__(
+        self,
+        low: int = 1,
+        high: int = 100,
+        max_guesses: int = 7,
+        win_reward: float = 1.0,
+        loss_reward: float = 0.0,
+        guess_reward: float = 0.0,
+        illegal_penalty: float = -1.0,
+    ) -> None:
         super().__init__()
         for name, value in (("low", low), ("high", high), ("max_guesses", max_guesses)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -71,7 +79,7 @@ class GuessNumberEnv(TextEnv):
     def observation(self) -> str:
         return render_guesses(self.low, self.high, self.history, self.max_guesses - len(self.history))
 
-    def reset(self, seed: Optional[int] = None, options: Optional[dict] = None) -> tuple[str, dict]:
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         self._seed(seed)
         self.secret = self.rng.randint(self.low, self.high)
         self.history = []
@@ -85,8 +93,13 @@ class GuessNumberEnv(TextEnv):
         if guess is None or not self.low <= guess <= self.high:
             self.done = True
             reason = "no number found" if guess is None else f"{guess} is outside {self.low}-{self.high}"
-            return self.observation(), self.illegal_penalty, True, False, {
-                "illegal": True, "illegal_reason": reason, "outcome": "loss"}
+            return (
+                self.observation(),
+                self.illegal_penalty,
+                True,
+                False,
+                {"illegal": True, "illegal_reason": reason, "outcome": "loss"},
+            )
         info: dict[str, Any] = {"illegal": False, "action": str(guess)}
         if guess == self.secret:
             self.done = True

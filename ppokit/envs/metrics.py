@@ -9,8 +9,8 @@ iteration's metrics line.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from .base import OUTCOMES
 from .checks import StepResult
@@ -24,17 +24,17 @@ class EpisodeRecord:
 
     episode_return: float = 0.0  # undiscounted sum of the seat's rewards
     turns: int = 0  # actions the seat took
-    outcome: Optional[str] = None  # "win" | "draw" | "loss" | None
+    outcome: str | None = None  # "win" | "draw" | "loss" | None
     illegal_actions: int = 0
     truncated: bool = False
     failed: bool = False  # the environment raised (step_or_fail)
-    seat: Optional[int] = None
+    seat: int | None = None
 
 
 class EpisodeTracker:
     """Accumulates one seat's episode from its step results."""
 
-    def __init__(self, seat: Optional[int] = None) -> None:
+    def __init__(self, seat: int | None = None) -> None:
         self.record = EpisodeRecord(seat=seat)
 
     def add(self, result: StepResult) -> None:
@@ -48,7 +48,7 @@ class EpisodeTracker:
             r.truncated = result.truncated
             r.failed = result.failed
 
-    def finish(self, reward: float = 0.0, outcome: Optional[str] = None) -> EpisodeRecord:
+    def finish(self, reward: float = 0.0, outcome: str | None = None) -> EpisodeRecord:
         """Close the episode; ``reward``/``outcome``: what a seat that did not make the
         last move gets at the end (``info["rewards"][seat]``, ``info["outcomes"][seat]``)."""
         self.record.episode_return += reward

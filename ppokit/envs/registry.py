@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ppokit.errors import UserError, did_you_mean
 from ppokit.user_code import is_user_spec, load_user_object, one_line_error
@@ -60,8 +61,10 @@ def load_env_factory(spec: Any) -> tuple[Callable[..., Any], str]:
     if callable(spec) and not isinstance(spec, str):
         return spec, getattr(spec, "__qualname__", None) or getattr(spec, "__name__", repr(spec))
     if not isinstance(spec, str) or not spec.strip():
-        raise EnvError(f"an environment must be a built-in name ({', '.join(env_names())}), module:Class or "
-                       f"path/to/file.py:Class (got {spec!r})")
+        raise EnvError(
+            f"an environment must be a built-in name ({', '.join(env_names())}), module:Class or "
+            f"path/to/file.py:Class (got {spec!r})"
+        )
     spec = spec.strip()
     name = _ALIASES.get(spec, spec)
     if name in _REGISTRY:
@@ -71,10 +74,18 @@ def load_env_factory(spec: Any) -> tuple[Callable[..., Any], str]:
             factory = getattr(importlib.import_module(module_name), attr)
         return factory, name
     if not is_user_spec(spec):
-        raise EnvError(f"unknown environment '{spec}'{did_you_mean(spec, env_names(True)) or ';'} built-ins: "
-                       f"{', '.join(env_names())}; or give module:Class or path/to/file.py:Class")
-    factory = load_user_object(spec, what="environment", kind="class", error=EnvError, candidates=inspect.isclass,
-                               fix="point at a class with reset(seed=None) and step(action)")
+        raise EnvError(
+            f"unknown environment '{spec}'{did_you_mean(spec, env_names(True)) or ';'} built-ins: "
+            f"{', '.join(env_names())}; or give module:Class or path/to/file.py:Class"
+        )
+    factory = load_user_object(
+        spec,
+        what="environment",
+        kind="class",
+        error=EnvError,
+        candidates=inspect.isclass,
+        fix="point at a class with reset(seed=None) and step(action)",
+    )
     return factory, spec
 
 
@@ -94,9 +105,11 @@ def make_env(spec: Any, **kwargs: Any) -> Any:
         raise EnvError(f"environment '{name}': building it failed: {one_line_error(exc)}") from None
     missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
     if missing:
-        raise EnvError(f"environment '{name}' built a {type(env).__name__} without {' or '.join(missing)}; an "
-                       "environment needs reset(seed=None) -> (observation, info) and step(action) -> "
-                       "(observation, reward, terminated, truncated, info)")
+        raise EnvError(
+            f"environment '{name}' built a {type(env).__name__} without {' or '.join(missing)}; an "
+            "environment needs reset(seed=None) -> (observation, info) and step(action) -> "
+            "(observation, reward, terminated, truncated, info)"
+        )
     try:
         env.env_name = name
     except (AttributeError, TypeError):
@@ -112,13 +125,17 @@ def _check_kwargs(factory: Callable[..., Any], name: str, kwargs: dict[str, Any]
     params = signature.parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    accepted = [n for n, p in params.items()
-                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    accepted = [
+        n
+        for n, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
     for key in kwargs:
         if key not in accepted:
             listing = ", ".join(accepted) if accepted else "none"
-            raise EnvError(f"environment '{name}' does not take '{key}'{did_you_mean(key, accepted) or ';'} "
-                           f"parameters: {listing}")
+            raise EnvError(
+                f"environment '{name}' does not take '{key}'{did_you_mean(key, accepted) or ';'} parameters: {listing}"
+            )
     try:
         signature.bind(**kwargs)
     except TypeError as exc:

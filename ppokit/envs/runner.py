@@ -21,8 +21,9 @@ and per-turn rewards: the input of turn-level credit (:mod:`ppokit.algo.turns`).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any
 
 from .base import Observation
 from .checks import checked_reset, env_label, step_or_fail
@@ -40,7 +41,7 @@ class Turn:
     observation: Observation
     action: str
     reward: float  # the step's reward (the acting seat's); final rewards of other seats are added separately
-    player: Optional[int]
+    player: int | None
     info: dict
     terminated: bool = False
     truncated: bool = False
@@ -52,14 +53,14 @@ class Episode:
 
     turns: list[Turn] = field(default_factory=list)
     reset_info: dict = field(default_factory=dict)
-    records: dict[Optional[int], EpisodeRecord] = field(default_factory=dict)
-    final_rewards: dict[Optional[int], float] = field(default_factory=dict)  # added to a non-mover's last turn
+    records: dict[int | None, EpisodeRecord] = field(default_factory=dict)
+    final_rewards: dict[int | None, float] = field(default_factory=dict)  # added to a non-mover's last turn
 
-    def seat_turns(self, seat: Optional[int] = None) -> list[Turn]:
+    def seat_turns(self, seat: int | None = None) -> list[Turn]:
         """The turns ``seat`` took (``None``: single-player, all turns)."""
         return [t for t in self.turns if t.player == seat]
 
-    def seat_rewards(self, seat: Optional[int] = None) -> list[float]:
+    def seat_rewards(self, seat: int | None = None) -> list[float]:
         """Per-turn rewards of ``seat``'s turns, the final reward of a non-mover on its last turn."""
         rewards = [t.reward for t in self.seat_turns(seat)]
         if rewards:
@@ -67,19 +68,26 @@ class Episode:
         return rewards
 
 
-def _policy_for(policy: Union[Policy, Mapping[int, Policy]], player: Optional[int]) -> Policy:
+def _policy_for(policy: Policy | Mapping[int, Policy], player: int | None) -> Policy:
     if isinstance(policy, Mapping):
         return policy[player]
     return policy
 
 
-def play_episode(env: Any, policy: Union[Policy, Mapping[int, Policy]], *, seed: Optional[int] = None,
-                 options: Optional[dict] = None, max_turns: int = 10_000, failure_reward: float = 0.0,
-                 name: Optional[str] = None) -> Episode:
+def play_episode(
+    env: Any,
+    policy: Policy | Mapping[int, Policy],
+    *,
+    seed: int | None = None,
+    options: dict | None = None,
+    max_turns: int = 10_000,
+    failure_reward: float = 0.0,
+    name: str | None = None,
+) -> Episode:
     """Play one episode; ``policy`` is one function for every seat or ``{seat: function}``."""
     observation, info = checked_reset(env, seed=seed, options=options, name=name)
     episode = Episode(reset_info=dict(info))
-    trackers: dict[Optional[int], EpisodeTracker] = {}
+    trackers: dict[int | None, EpisodeTracker] = {}
     player = info.get("player")
     if player is None and "seat" in info:
         player = info["seat"]  # a two-player env playing the other seat itself
@@ -87,8 +95,9 @@ def play_episode(env: Any, policy: Union[Policy, Mapping[int, Policy]], *, seed:
         action = _policy_for(policy, player)(observation, info)
         result = step_or_fail(env, action, failure_reward=failure_reward, name=name)
         trackers.setdefault(player, EpisodeTracker(player)).add(result)
-        episode.turns.append(Turn(observation, action, result.reward, player, result.info,
-                                  result.terminated, result.truncated))
+        episode.turns.append(
+            Turn(observation, action, result.reward, player, result.info, result.terminated, result.truncated)
+        )
         observation, info = result.observation, result.info
         if result.done:
             rewards = info.get("rewards")
@@ -110,8 +119,15 @@ def play_episode(env: Any, policy: Union[Policy, Mapping[int, Policy]], *, seed:
     return episode
 
 
-def evaluate_policy(env: Any, policy: Union[Policy, Mapping[int, Policy]], *, episodes: int, seed: int = 0,
-                    seats: Optional[Sequence[int]] = None, prefix: str = "env/") -> dict[str, float]:
+def evaluate_policy(
+    env: Any,
+    policy: Policy | Mapping[int, Policy],
+    *,
+    episodes: int,
+    seed: int = 0,
+    seats: Sequence[int] | None = None,
+    prefix: str = "env/",
+) -> dict[str, float]:
     """:func:`~ppokit.envs.metrics.episode_metrics` over ``episodes`` episodes with seeds
     ``seed, seed + 1, ...``; ``seats``: whose records count (default: all)."""
     records: list[EpisodeRecord] = []

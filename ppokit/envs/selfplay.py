@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Optional, Union
+from typing import Any
 
 from ppokit.errors import UserError
 
@@ -28,7 +28,7 @@ CURRENT = "current"  # the id :meth:`OpponentPool.sample` returns for "play the 
 SAMPLING = ("uniform", "latest")
 
 
-def assign_seat(episode: int, *, mode: Union[str, int] = "alternate", seed: int = 0, num_seats: int = 2) -> int:
+def assign_seat(episode: int, *, mode: str | int = "alternate", seed: int = 0, num_seats: int = 2) -> int:
     """The learner's seat in episode ``episode`` (0-based count over the run).
 
     ``"alternate"``: ``(episode + seed) % num_seats``; ``"random"``: uniform, a pure
@@ -53,8 +53,15 @@ class OpponentPool:
     starting policy) forever.
     """
 
-    def __init__(self, *, sampling: str = "uniform", latest_prob: float = 0.5, current_prob: float = 0.0,
-                 capacity: Optional[int] = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        sampling: str = "uniform",
+        latest_prob: float = 0.5,
+        current_prob: float = 0.0,
+        capacity: int | None = None,
+        seed: int = 0,
+    ) -> None:
         if sampling not in SAMPLING:
             raise UserError(f"opponent sampling must be one of {', '.join(SAMPLING)} (got {sampling!r})")
         for name, p in (("latest_prob", latest_prob), ("current_prob", current_prob)):
@@ -142,7 +149,7 @@ class OpponentPool:
         """The learner's outcome (win / draw / loss) in a game against ``snapshot_id``."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
-        counts = self._results.setdefault(snapshot_id, {o: 0 for o in OUTCOMES})
+        counts = self._results.setdefault(snapshot_id, dict.fromkeys(OUTCOMES, 0))
         counts[outcome] += 1
 
     def results(self) -> dict[str, dict[str, int]]:
@@ -153,7 +160,9 @@ class OpponentPool:
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = self._rng.getstate()
         return {
-            "sampling": self.sampling, "latest_prob": self.latest_prob, "current_prob": self.current_prob,
+            "sampling": self.sampling,
+            "latest_prob": self.latest_prob,
+            "current_prob": self.current_prob,
             "capacity": self.capacity,
             "snapshots": [{"id": s["id"], "pinned": s["pinned"], "meta": dict(s["meta"])} for s in self._snapshots],
             "results": self.results(),
@@ -164,13 +173,16 @@ class OpponentPool:
         try:
             sampling, capacity = state["sampling"], state["capacity"]
             latest_prob, current_prob = float(state["latest_prob"]), float(state["current_prob"])
-            snapshots = [{"id": str(s["id"]), "pinned": bool(s["pinned"]), "meta": dict(s["meta"])}
-                         for s in state["snapshots"]]
+            snapshots = [
+                {"id": str(s["id"]), "pinned": bool(s["pinned"]), "meta": dict(s["meta"])} for s in state["snapshots"]
+            ]
             results = {str(k): {o: int(v[o]) for o in OUTCOMES} for k, v in state["results"].items()}
             version, internal, gauss = state["rng_state"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise UserError(f"opponent pool state is incomplete or malformed ({type(exc).__name__}: {exc}); "
-                            "it must come from OpponentPool.state_dict()") from None
+            raise UserError(
+                f"opponent pool state is incomplete or malformed ({type(exc).__name__}: {exc}); "
+                "it must come from OpponentPool.state_dict()"
+            ) from None
         self.__init__(sampling=sampling, latest_prob=latest_prob, current_prob=current_prob, capacity=capacity)
         self._snapshots, self._results = snapshots, results
         self._rng.setstate((version, tuple(internal), gauss))

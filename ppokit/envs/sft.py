@@ -14,7 +14,8 @@ legal moves before PPO.
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ppokit.errors import UserError
 
@@ -26,9 +27,16 @@ from .tictactoe_solver import perfect_moves
 __all__ = ["TICTACTOE_SFT_POLICIES", "demonstration_records", "tictactoe_sft_records"]
 
 
-def demonstration_records(env: Any, policy: Union[Policy, Mapping[int, Policy]], *, episodes: int, seed: int = 0,
-                          seats: Optional[Sequence[Optional[int]]] = None, legal_only: bool = True,
-                          unique: bool = False) -> list[dict[str, Any]]:
+def demonstration_records(
+    env: Any,
+    policy: Policy | Mapping[int, Policy],
+    *,
+    episodes: int,
+    seed: int = 0,
+    seats: Sequence[int | None] | None = None,
+    legal_only: bool = True,
+    unique: bool = False,
+) -> list[dict[str, Any]]:
     """One record per turn of ``episodes`` episodes (seeds ``seed, seed + 1, ...``).
 
     A record: ``{"prompt": observation, "completion": action, "seat": seat or None,
@@ -44,8 +52,10 @@ def demonstration_records(env: Any, policy: Union[Policy, Mapping[int, Policy]],
         episode = play_episode(env, policy, seed=seed + i)
         for turn in episode.turns:
             if not isinstance(turn.observation, str):
-                raise UserError(f"environment '{env_label(env)}': demonstrations need text observations "
-                                "(observation_mode='state'); this one gives chat messages")
+                raise UserError(
+                    f"environment '{env_label(env)}': demonstrations need text observations "
+                    "(observation_mode='state'); this one gives chat messages"
+                )
             if seats is not None and turn.player not in seats:
                 continue
             if legal_only and turn.info.get("illegal"):
@@ -54,16 +64,16 @@ def demonstration_records(env: Any, policy: Union[Policy, Mapping[int, Policy]],
             if unique and key in seen:
                 continue
             seen.add(key)
-            records.append({"prompt": turn.observation, "completion": turn.action, "seat": turn.player,
-                            "episode": i})
+            records.append({"prompt": turn.observation, "completion": turn.action, "seat": turn.player, "episode": i})
     return records
 
 
 TICTACTOE_SFT_POLICIES = ("random", "best_response", "perfect")
 
 
-def tictactoe_sft_records(games: int, *, policy: str = "random", seed: int = 0, unique: bool = False,
-                          show_cell_numbers: bool = True) -> list[dict[str, Any]]:
+def tictactoe_sft_records(
+    games: int, *, policy: str = "random", seed: int = 0, unique: bool = False, show_cell_numbers: bool = True
+) -> list[dict[str, Any]]:
     """Tic-tac-toe warm-start records in :class:`~ppokit.envs.tictactoe.TicTacToeEnv`'s format.
 
     ``policy``:
@@ -77,10 +87,12 @@ def tictactoe_sft_records(games: int, *, policy: str = "random", seed: int = 0, 
     """
     if policy == "random":
         env = TicTacToeEnv(opponent="self", show_cell_numbers=show_cell_numbers)
-        return demonstration_records(env, random_legal_policy(random.Random(seed)), episodes=games, seed=seed,
-                                     unique=unique)
+        return demonstration_records(
+            env, random_legal_policy(random.Random(seed)), episodes=games, seed=seed, unique=unique
+        )
     if policy in ("best_response", "perfect"):
         env = TicTacToeEnv(opponent="random", policy_seat="alternate", show_cell_numbers=show_cell_numbers)
+
         def perfect(observation: Any, info: dict) -> str:
             return str(perfect_moves(env.board)[0] + 1)
 

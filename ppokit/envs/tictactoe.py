@@ -45,7 +45,8 @@ from __future__ import annotations
 import operator
 import random
 import re
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 from ppokit.errors import UserError, did_you_mean
 
@@ -113,7 +114,7 @@ def best_response_move(board: str, mark: str, rng: random.Random) -> int:
     return best_response_moves(board)[0]
 
 
-OPPONENTS: dict[str, Optional[Opponent]] = {
+OPPONENTS: dict[str, Opponent | None] = {
     "random": random_move,
     "heuristic": heuristic_move,
     "perfect": perfect_move,
@@ -123,7 +124,7 @@ OPPONENTS: dict[str, Optional[Opponent]] = {
 _DIGIT = re.compile(r"\d")
 
 
-def parse_cell(text: str) -> tuple[Optional[int], Optional[str]]:
+def parse_cell(text: str) -> tuple[int | None, str | None]:
     """``(cell 0..8, None)`` from the first digit of ``text``, or ``(None, reason)``."""
     if not isinstance(text, str):
         return None, "not text"
@@ -139,7 +140,7 @@ def parse_cell(text: str) -> tuple[Optional[int], Optional[str]]:
 def render_board(board: str, mark: str, show_cell_numbers: bool = True) -> str:
     """Three rows and ``"<mark> to move:"`` (see the module docstring)."""
     cells = [str(i + 1) if c == "." and show_cell_numbers else c for i, c in enumerate(board)]
-    rows = ["".join(cells[r * 3:r * 3 + 3]) for r in range(3)]
+    rows = ["".join(cells[r * 3 : r * 3 + 3]) for r in range(3)]
     return "\n".join(rows) + f"\n{mark} to move:"
 
 
@@ -156,21 +157,32 @@ class TicTacToeEnv(TextEnv):
 
     num_players = 2
 
-    def __init__(self, opponent: Union[str, Opponent] = "random", policy_seat: Union[str, int] = "alternate",
-                 win_reward: float = 1.0, draw_reward: float = 0.0, loss_reward: float = -1.0,
-                 illegal_penalty: float = -1.0, show_cell_numbers: bool = True) -> None:
+    def __init__(
+        self,
+        opponent: str | Opponent = "random",
+        policy_seat: str | int = "alternate",
+        win_reward: float = 1.0,
+        draw_reward: float = 0.0,
+        loss_reward: float = -1.0,
+        illegal_penalty: float = -1.0,
+        show_cell_numbers: bool = True,
+    ) -> None:
         super().__init__()
         if isinstance(opponent, str):
             if opponent not in OPPONENTS:
-                raise UserError(f"tictactoe: unknown opponent '{opponent}'{did_you_mean(opponent, OPPONENTS)} "
-                                f"valid: {', '.join(OPPONENTS)}, or a function (board, mark, rng) -> cell")
+                raise UserError(
+                    f"tictactoe: unknown opponent '{opponent}'{did_you_mean(opponent, OPPONENTS)} "
+                    f"valid: {', '.join(OPPONENTS)}, or a function (board, mark, rng) -> cell"
+                )
             self.opponent_name, self._opponent = opponent, OPPONENTS[opponent]
         elif callable(opponent):
             self.opponent_name = getattr(opponent, "__name__", "custom")
             self._opponent = opponent
         else:
-            raise UserError(f"tictactoe: opponent must be one of {', '.join(OPPONENTS)} or a function "
-                            f"(board, mark, rng) -> cell (got {opponent!r})")
+            raise UserError(
+                f"tictactoe: opponent must be one of {', '.join(OPPONENTS)} or a function "
+                f"(board, mark, rng) -> cell (got {opponent!r})"
+            )
         if policy_seat not in ("alternate", "random"):
             _seat_index(policy_seat, "policy_seat (or 'alternate' / 'random')")
         self.policy_seat = policy_seat
@@ -178,7 +190,7 @@ class TicTacToeEnv(TextEnv):
         self.illegal_penalty = float(illegal_penalty)
         self.show_cell_numbers = bool(show_cell_numbers)
         self.board = EMPTY_BOARD
-        self.seat: Optional[int] = None  # the learner's seat; None in self-play
+        self.seat: int | None = None  # the learner's seat; None in self-play
         self.done = True
         self._episodes = 0
 
@@ -202,7 +214,7 @@ class TicTacToeEnv(TextEnv):
         info.update(rewards=rewards, outcome=outcomes[mover], outcomes=outcomes)
         return self.observation(), rewards[mover], True, False, info
 
-    def _result(self) -> Optional[tuple[list[float], list[str]]]:
+    def _result(self) -> tuple[list[float], list[str]] | None:
         """Per-seat rewards and outcomes if the game is over, else None."""
         w = winner(self.board)
         if w is not None:
@@ -223,13 +235,15 @@ class TicTacToeEnv(TextEnv):
         except TypeError:
             cell = None
         if cell is None or not 0 <= cell <= 8 or self.board[cell] != ".":
-            raise EnvError(f"tictactoe: opponent {self.opponent_name} returned {raw!r} on board "
-                            f"{self.board!r}; it must return an empty cell 0-8")
+            raise EnvError(
+                f"tictactoe: opponent {self.opponent_name} returned {raw!r} on board "
+                f"{self.board!r}; it must return an empty cell 0-8"
+            )
         self.board = play(self.board, cell, mark)
         return cell
 
     # ------------------------------------------------------------------ API
-    def reset(self, seed: Optional[int] = None, options: Optional[dict] = None) -> tuple[str, dict]:
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         self._seed(seed)
         self.board = EMPTY_BOARD
         self.done = False

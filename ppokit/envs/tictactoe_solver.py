@@ -17,8 +17,7 @@ over the 5,478 reachable positions, so it is cheap after the first call.
 from __future__ import annotations
 
 from fractions import Fraction
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 __all__ = [
     "EMPTY_BOARD",
@@ -45,7 +44,7 @@ def other(mark: str) -> str:
     return "o" if mark == "x" else "x"
 
 
-def winner(board: str) -> Optional[str]:
+def winner(board: str) -> str | None:
     """``"x"`` or ``"o"`` if that mark holds a full line, else None."""
     for a, b, c in LINES:
         if board[a] != "." and board[a] == board[b] == board[c]:
@@ -73,7 +72,7 @@ def play(board: str, cell: int, mark: str) -> str:
     """The board after ``mark`` plays ``cell`` (which must be empty)."""
     if board[cell] != ".":
         raise ValueError(f"cell {cell} is not empty in {board!r}")
-    return board[:cell] + mark + board[cell + 1:]
+    return board[:cell] + mark + board[cell + 1 :]
 
 
 def _game_over(board: str) -> bool:
@@ -81,7 +80,7 @@ def _game_over(board: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- perfect play
-@lru_cache(maxsize=None)
+@cache
 def minimax_value(board: str) -> int:
     """+1 / 0 / -1: the result for the player to move when both play perfectly."""
     w = winner(board)
@@ -107,7 +106,7 @@ def _rewards_key(rewards: tuple[float, float, float]) -> tuple[Fraction, Fractio
     return tuple(Fraction(r) for r in rewards)  # type: ignore[return-value]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _br_value(board: str, learner: str, rewards: tuple[Fraction, Fraction, Fraction]) -> Fraction:
     w = winner(board)
     if w is not None:
@@ -153,8 +152,9 @@ def _choices(board: str, strategy: str, rewards: tuple[float, float, float]) -> 
     raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
 
 
-def outcome_probabilities(x_strategy: str, o_strategy: str,
-                          rewards: tuple[float, float, float] = (1, 0, -1)) -> dict[str, Fraction]:
+def outcome_probabilities(
+    x_strategy: str, o_strategy: str, rewards: tuple[float, float, float] = (1, 0, -1)
+) -> dict[str, Fraction]:
     """Exact ``{"x", "o", "draw"}`` probabilities when x and o follow the named strategies.
 
     ``"random"`` picks uniformly among legal cells, ``"perfect"`` uniformly among the

@@ -13,8 +13,9 @@ directory itself); ``ppokit eval`` itself is :mod:`ppokit.commands.evaluate`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from ppokit.errors import UserError
 from ppokit.lm.rewards.functions import score_responses
@@ -35,7 +36,7 @@ def score_texts(reward, prompts: Sequence[str], texts: Sequence[str], items: Seq
     return RewardResults(scores, [None] * len(scores), [None] * len(scores))
 
 
-def heldout_results(engine, items: Sequence[dict[str, Any]], reward, *, max_new_tokens: Optional[int] = None):
+def heldout_results(engine, items: Sequence[dict[str, Any]], reward, *, max_new_tokens: int | None = None):
     """``(rollout, RewardResults)`` of ``engine``'s greedy responses to ``items`` (prompt records
     whose other fields go to the reward; ``reward``: a scorer or a function, :func:`score_texts`)."""
     if not items:
@@ -45,8 +46,14 @@ def heldout_results(engine, items: Sequence[dict[str, Any]], reward, *, max_new_
     return rollout, score_texts(reward, prompts, rollout.texts, items)
 
 
-def heldout_accuracy(engine, items: Sequence[dict[str, Any]], reward_fn: str | Callable[..., float], *,
-                     max_new_tokens: Optional[int] = None, return_responses: bool = False):
+def heldout_accuracy(
+    engine,
+    items: Sequence[dict[str, Any]],
+    reward_fn: str | Callable[..., float],
+    *,
+    max_new_tokens: int | None = None,
+    return_responses: bool = False,
+):
     """Mean reward of ``engine``'s greedy responses to ``items`` (prompt records whose other
     fields go to the reward; ``reward_fn``: a function or a scorer, :func:`score_texts`). With
     ``return_responses``: ``(accuracy, responses, rewards)``."""
@@ -60,7 +67,7 @@ def is_lm_checkpoint(path: Path) -> bool:
     return (path / POLICY_META).is_file()
 
 
-def find_lm_checkpoint(run_dir: Path) -> Optional[Path]:
+def find_lm_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint ``ppokit eval`` reads for ``run_dir`` (None: not a language-model run)."""
     from ppokit.rundir import FINAL_DIR, latest_checkpoint
 
@@ -80,7 +87,7 @@ def _config_of(ckpt: Path):
     from ppokit.rundir import CONFIG_FILE, META
 
     saved = None
-    for meta in (ckpt / META, ckpt / "trainer" / META):      # (trainer/: checkpoints before the run loop)
+    for meta in (ckpt / META, ckpt / "trainer" / META):  # (trainer/: checkpoints before the run loop)
         if meta.is_file():
             try:
                 saved = json.loads(meta.read_text()).get("config")
@@ -94,5 +101,4 @@ def _config_of(ckpt: Path):
                 break
     if not isinstance(saved, dict):
         raise UserError(f"{ckpt}: no config found (neither {ckpt / META} nor the run's config.yaml)")
-    return build_config([saved])     # an invalid config is a one-line ConfigError
-
+    return build_config([saved])  # an invalid config is a one-line ConfigError

@@ -44,7 +44,7 @@ from one critic pass over the next prompts (:meth:`Scorer.bootstrap_values`).
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -62,9 +62,18 @@ class Scorer:
     ``metric_rows`` sequences) and the token ``rewards`` from the sequence ``scores``, minus
     ``kl_coef * KL_t`` when ``kl_ctrl`` puts the KL into the reward."""
 
-    def __init__(self, policy, infer_micro_batch_size: int, *, need_reference: bool,
-                 metric_rows: Optional[int] = None, need_old_log_prob: bool = True,
-                 kl_ctrl=None, kl_penalty: str = "kl", micro_batch_tokens: Optional[int] = None):
+    def __init__(
+        self,
+        policy,
+        infer_micro_batch_size: int,
+        *,
+        need_reference: bool,
+        metric_rows: int | None = None,
+        need_old_log_prob: bool = True,
+        kl_ctrl=None,
+        kl_penalty: str = "kl",
+        micro_batch_tokens: int | None = None,
+    ):
         self.policy = policy
         self.chunk = infer_micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
@@ -78,30 +87,31 @@ class Scorer:
         start = time.perf_counter()
         t = batch.tensors
         # a rollout that ran ahead of the update brings its behaviour policy's old_log_prob
-        scored = self.forward_passes({k: t[k] for k in (*POLICY_INPUTS, "mask")},
-                                     old_log_prob="old_log_prob" not in t)
-        if "ref_log_prob_metric" in scored:             # (K, R): not per sample
+        scored = self.forward_passes({k: t[k] for k in (*POLICY_INPUTS, "mask")}, old_log_prob="old_log_prob" not in t)
+        if "ref_log_prob_metric" in scored:  # (K, R): not per sample
             batch.extras["ref_log_prob_metric"] = scored.pop("ref_log_prob_metric")
         t.update(scored)
         mask = t["mask"]
         kl = None
         if self.kl_ctrl is not None:
-            kl = t.pop("kl_full") * mask if self.kl_penalty == "full" else \
-                kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)      # (N, R)
+            kl = (
+                t.pop("kl_full") * mask
+                if self.kl_penalty == "full"
+                else kl_to_reference(t["old_log_prob"], t["ref_log_prob"], mask, self.kl_penalty)
+            )  # (N, R)
         kl_coef = self.kl_ctrl.value if kl is not None else 0.0
-        if "token_scores" in t:        # multi-turn: each turn's reward is already on its last action token
+        if "token_scores" in t:  # multi-turn: each turn's reward is already on its last action token
             t["rewards"] = placed_rewards(t["token_scores"], mask, kl=kl, kl_coef=kl_coef)
         else:
             t["rewards"] = token_rewards(t["scores"], mask, kl=kl, kl_coef=kl_coef)
-        if "traj_truncated" in batch.extras:        # multi-turn: the values truncated trajectories bootstrap from
+        if "traj_truncated" in batch.extras:  # multi-turn: the values truncated trajectories bootstrap from
             batch.extras["last_values"] = self.bootstrap_values(batch.extras)
         if kl is not None:
             # verl's controller input: each sequence's mean KL per token, averaged over the batch
             reward_kl = algo.mean_sequence_kl(kl, mask).item()
             batch.metrics.update(kl_coef=self.kl_ctrl.value, reward_kl=reward_kl)
             self.kl_ctrl.update(reward_kl, len(batch))
-        batch.metrics["score_tokens_per_s"] = float(t["attention_mask"].sum()) / max(time.perf_counter() - start,
-                                                                                      1e-9)
+        batch.metrics["score_tokens_per_s"] = float(t["attention_mask"].sum()) / max(time.perf_counter() - start, 1e-9)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl_ctrl": self.kl_ctrl.state_dict()} if self.kl_ctrl is not None else {}
@@ -121,13 +131,16 @@ class Scorer:
         if "bootstrap_input_ids" not in extras or not self.policy.has_critic:
             return out
         ids, am = extras["bootstrap_input_ids"], extras["bootstrap_attention_mask"]
-        pad = torch.zeros_like(ids[:, :1])                                   # (B, 1) a response slot, never attended
+        pad = torch.zeros_like(ids[:, :1])  # (B, 1) a response slot, never attended
         values = []
         for s in range(0, ids.shape[0], self.chunk):
-            attention = torch.cat([am[s:s + self.chunk], pad[s:s + self.chunk]], 1)       # (b, L + 1)
-            mb = {"input_ids": torch.cat([ids[s:s + self.chunk], pad[s:s + self.chunk]], 1),
-                  "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-                  "responses": pad[s:s + self.chunk]}
+            attention = torch.cat([am[s : s + self.chunk], pad[s : s + self.chunk]], 1)  # (b, L + 1)
+            mb = {
+                "input_ids": torch.cat([ids[s : s + self.chunk], pad[s : s + self.chunk]], 1),
+                "attention_mask": attention,
+                "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+                "responses": pad[s : s + self.chunk],
+            }
             values.append(self.policy.values(mb)[:, 0])
         out[extras["bootstrap_traj"]] = torch.cat(values).float()
         return out
@@ -138,16 +151,19 @@ class Scorer:
         padding; ``old_log_prob=False``: not the actor's (a rollout that ran ahead has them)."""
         need_old = self.need_old_log_prob and old_log_prob
         mask = tensors["mask"]
-        names = ["old_values"] + (["old_log_prob"] if need_old else []) \
-            + (["ref_log_prob"] if self.need_reference else []) \
+        names = (
+            ["old_values"]
+            + (["old_log_prob"] if need_old else [])
+            + (["ref_log_prob"] if self.need_reference else [])
             + (["kl_full"] if self.kl_ctrl is not None and self.kl_penalty == "full" else [])
-        out = {k: torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for k in names}   # (N, R)
+        )
+        out = {k: torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for k in names}  # (N, R)
         inputs = {k: tensors[k] for k in POLICY_INPUTS}
         n = mask.shape[0]
         for rows in algo.micro_batch_indices(tensors, self.chunk, self.micro_batch_tokens):
-            if isinstance(rows, slice):             # rows in order: a view of the batch
+            if isinstance(rows, slice):  # rows in order: a view of the batch
                 mb = {k: v[rows] for k, v in inputs.items()}
-            else:                                   # rows of similar length, cut to their longest
+            else:  # rows of similar length, cut to their longest
                 rows = rows.to(mask.device)
                 mb = self.policy.compact({k: v[rows] for k, v in inputs.items()})
             width = mb["responses"].shape[1]
@@ -158,11 +174,12 @@ class Scorer:
                 out["ref_log_prob"][rows, :width] = self.policy.ref_log_probs(mb).float()
             if "kl_full" in out:
                 out["kl_full"][rows, :width] = self.policy.kl_to_reference(mb).float()
-        out = {k: v * mask for k, v in out.items()}                 # zeros on padding
+        out = {k: v * mask for k, v in out.items()}  # zeros on padding
         if self.metric_rows:
             k = min(self.metric_rows, n)
-            out["ref_log_prob_metric"] = self.policy.ref_log_probs(
-                {key: v[:k] for key, v in inputs.items()}) * mask[:k]               # (K, R)
+            out["ref_log_prob_metric"] = (
+                self.policy.ref_log_probs({key: v[:k] for key, v in inputs.items()}) * mask[:k]
+            )  # (K, R)
         return out
 
 
@@ -171,7 +188,7 @@ def last_token_index(mask: Tensor) -> Tensor:
     return (mask.sum(1).long() - 1).clamp(min=0)
 
 
-def token_rewards(scores: Tensor, mask: Tensor, *, kl: Optional[Tensor] = None, kl_coef: float = 0.0) -> Tensor:
+def token_rewards(scores: Tensor, mask: Tensor, *, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
     """(N, R) token rewards: ``scores`` (N,) on the last real token, minus ``kl_coef * kl`` (N, R)."""
     rewards = torch.zeros_like(mask, dtype=torch.float32)
     rows = torch.arange(mask.shape[0], device=mask.device)
@@ -182,8 +199,7 @@ def token_rewards(scores: Tensor, mask: Tensor, *, kl: Optional[Tensor] = None, 
     return rewards
 
 
-def placed_rewards(token_scores: Tensor, mask: Tensor, *, kl: Optional[Tensor] = None, kl_coef: float = 0.0
-                   ) -> Tensor:
+def placed_rewards(token_scores: Tensor, mask: Tensor, *, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
     """(N, R) token rewards from rewards already placed on tokens (multi-turn: each turn's on its
     last action token), minus ``kl_coef * kl`` on the action tokens."""
     rewards = token_scores.float() * mask

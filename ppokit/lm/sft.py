@@ -36,14 +36,15 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ppokit.errors import UserError
-from ppokit.lm.rewards.functions import load_reward_fn, score_responses
+from ppokit.lm.rewards.functions import load_reward_fn
 
 IGNORE_INDEX = -100
 CURVE_FILE = "sft_curve.json"
@@ -59,7 +60,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if autocast_dtype(precision, device) is not None else "fp32"
 
 
-def default_threads(model, device: torch.device) -> Optional[int]:
+def default_threads(model, device: torch.device) -> int | None:
     """Intra-op threads for a model: 1 for a tiny model on CPU, else None (torch's default).
 
     A sub-5M-parameter model runs ops too small to split across threads: one thread is as
@@ -72,7 +73,7 @@ def default_threads(model, device: torch.device) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def torch_threads(n: Optional[int]):
+def torch_threads(n: int | None):
     """Run the block with ``torch.set_num_threads(n)`` (None: unchanged), then restore."""
     before = torch.get_num_threads()
     if n is not None:
@@ -93,7 +94,7 @@ def autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.A
 
 
 # ---------------------------------------------------------------------------- batching
-def completion_of(item: dict[str, Any]) -> Optional[str]:
+def completion_of(item: dict[str, Any]) -> str | None:
     """The SFT target of a record: ``completion``, else ``answer`` (as text), else None."""
     if isinstance(item.get("completion"), str):
         return item["completion"]
@@ -102,8 +103,9 @@ def completion_of(item: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def encode_examples(tokenizer, examples: Sequence[dict[str, Any]], *, max_length: Optional[int] = None
-                    ) -> list[tuple[list[int], int]]:
+def encode_examples(
+    tokenizer, examples: Sequence[dict[str, Any]], *, max_length: int | None = None
+) -> list[tuple[list[int], int]]:
     """``(token ids of prompt + completion + eos, number of prompt tokens)`` per example."""
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -112,14 +114,18 @@ def encode_examples(tokenizer, examples: Sequence[dict[str, Any]], *, max_length
     for i, item in enumerate(examples):
         target = completion_of(item)
         if not isinstance(item.get("prompt"), str) or target is None:
-            raise UserError(f"SFT example {i} needs a \"prompt\" and a \"completion\" (or \"answer\"); "
-                            f"it has {', '.join(item) or 'no fields'}")
+            raise UserError(
+                f'SFT example {i} needs a "prompt" and a "completion" (or "answer"); '
+                f"it has {', '.join(item) or 'no fields'}"
+            )
         prompt_ids = tokenizer(item["prompt"])["input_ids"]
         target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [eos]
         ids = prompt_ids + target_ids
         if max_length is not None and len(ids) > max_length:
-            raise UserError(f"SFT example {i} is {len(ids)} tokens long; the model takes at most {max_length} "
-                            f"(prompt {item['prompt']!r})")
+            raise UserError(
+                f"SFT example {i} is {len(ids)} tokens long; the model takes at most {max_length} "
+                f"(prompt {item['prompt']!r})"
+            )
         encoded.append((ids, len(prompt_ids)))
     return encoded
 
@@ -131,9 +137,9 @@ def collate(encoded: Sequence[tuple[list[int], int]], pad_id: int) -> dict[str, 
     attention = torch.zeros((len(encoded), width), dtype=torch.long)
     labels = torch.full((len(encoded), width), IGNORE_INDEX, dtype=torch.long)
     for row, (ids, n_prompt) in enumerate(encoded):
-        input_ids[row, :len(ids)] = torch.tensor(ids)
-        attention[row, :len(ids)] = 1
-        labels[row, n_prompt:len(ids)] = torch.tensor(ids[n_prompt:])
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
@@ -143,19 +149,24 @@ def answer_loss(model, batch: dict[str, torch.Tensor], precision: str = "fp32") 
     batch = {k: v.to(device) for k, v in batch.items()}
     with autocast(precision, device):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-    targets = batch["labels"][:, 1:]                                                               # (B, T-1)
-    loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    targets = batch["labels"][:, 1:]  # (B, T-1)
+    loss = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
     return loss, int((targets != IGNORE_INDEX).sum())
 
 
 @torch.no_grad()
-def mean_answer_loss(model, encoded: Sequence[tuple[list[int], int]], pad_id: int, *, batch_size: int,
-                     precision: str = "fp32") -> float:
+def mean_answer_loss(
+    model, encoded: Sequence[tuple[list[int], int]], pad_id: int, *, batch_size: int, precision: str = "fp32"
+) -> float:
     """Mean per-token completion loss over ``encoded`` (no gradient)."""
     total, count = 0.0, 0
     for start in range(0, len(encoded), batch_size):
-        loss, n = answer_loss(model, collate(encoded[start:start + batch_size], pad_id), precision)
+        loss, n = answer_loss(model, collate(encoded[start : start + batch_size], pad_id), precision)
         total, count = total + float(loss), count + n
     return total / max(count, 1)
 
@@ -166,35 +177,65 @@ def eval_engine(model, tokenizer, *, max_new_tokens: int, batch_size: int, preci
     from ppokit.config import RolloutConfig
     from ppokit.lm.generation.engine import RolloutEngine
 
-    return RolloutEngine(model, tokenizer, RolloutConfig(max_new_tokens=max_new_tokens, micro_batch_size=batch_size),
-                         autocast_dtype=torch.bfloat16 if precision == "bf16" else None)
+    return RolloutEngine(
+        model,
+        tokenizer,
+        RolloutConfig(max_new_tokens=max_new_tokens, micro_batch_size=batch_size),
+        autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
+    )
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, items: Sequence[dict[str, Any]], reward_fn, *, max_new_tokens: int,
-             batch_size: int = 64, precision: str = "fp32") -> float:
+def evaluate(
+    model,
+    tokenizer,
+    items: Sequence[dict[str, Any]],
+    reward_fn,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 64,
+    precision: str = "fp32",
+) -> float:
     """Greedy held-out accuracy of ``model`` (in eval mode for the evaluation, then as it was)."""
     from ppokit.lm.evaluate import heldout_accuracy
 
     was_training = model.training
     model.eval()
     try:
-        engine = eval_engine(model, tokenizer, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                             precision=precision)
+        engine = eval_engine(
+            model, tokenizer, max_new_tokens=max_new_tokens, batch_size=batch_size, precision=precision
+        )
         return heldout_accuracy(engine, items, reward_fn)
     finally:
         model.train(was_training)
 
 
 # ---------------------------------------------------------------------------------- SFT
-def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: Sequence[dict[str, Any]],
-            eval_set: Sequence[dict[str, Any]], *, epochs_max: int = 300, batch_size: int = 32,
-            learning_rate: float = 1e-3, patience: int = 8, seed: int = 0, precision: str = "auto",
-            eval_every: int = 1, min_epochs: int = 0, warmup_steps: int = 20, weight_decay: float = 0.0,
-            grad_clip: Optional[float] = 1.0, reward_fn: str | Callable[..., float] = "exact_match",
-            max_new_tokens: Optional[int] = None, eval_batch_size: int = 256, device: str = "cpu",
-            num_threads: Optional[int] = None, overwrite: bool = False,
-            log: Optional[Callable[[str], None]] = print) -> dict[str, Any]:
+def run_sft(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    examples: Sequence[dict[str, Any]],
+    eval_set: Sequence[dict[str, Any]],
+    *,
+    epochs_max: int = 300,
+    batch_size: int = 32,
+    learning_rate: float = 1e-3,
+    patience: int = 8,
+    seed: int = 0,
+    precision: str = "auto",
+    eval_every: int = 1,
+    min_epochs: int = 0,
+    warmup_steps: int = 20,
+    weight_decay: float = 0.0,
+    grad_clip: float | None = 1.0,
+    reward_fn: str | Callable[..., float] = "exact_match",
+    max_new_tokens: int | None = None,
+    eval_batch_size: int = 256,
+    device: str = "cpu",
+    num_threads: int | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = print,
+) -> dict[str, Any]:
     """Fine-tune all weights of the model in ``model_dir`` on ``examples``; keep the best.
 
     ``examples``: ``{"prompt", "completion"}`` records (``answer`` serves when there is no
@@ -213,8 +254,13 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
     from ppokit.lm.model.hf import load_model_and_tokenizer
     from ppokit.output_paths import check_output_dir, writing_to
 
-    _check_positive(epochs_max=epochs_max, batch_size=batch_size, patience=patience, eval_every=eval_every,
-                    eval_batch_size=eval_batch_size)
+    _check_positive(
+        epochs_max=epochs_max,
+        batch_size=batch_size,
+        patience=patience,
+        eval_every=eval_every,
+        eval_batch_size=eval_batch_size,
+    )
     if not learning_rate > 0:
         raise UserError(f"learning_rate must be > 0 (got {learning_rate})")
     if not examples:
@@ -222,13 +268,25 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
     if not eval_set:
         raise UserError("no held-out examples to evaluate SFT on")
     out = Path(out_dir)
-    check_output_dir(out, "choose a new or empty output directory", replace=overwrite)   # before the work
-    reward = reward_fn if hasattr(reward_fn, "score") else load_reward_fn(reward_fn)   # a scorer: the run's pool
-    settings = {"model_dir": str(model_dir), "examples": len(examples), "eval_examples": len(eval_set),
-                "epochs_max": epochs_max, "batch_size": batch_size, "learning_rate": learning_rate,
-                "patience": patience, "eval_every": eval_every, "min_epochs": min_epochs, "seed": seed,
-                "reward_fn": reward.name, "warmup_steps": warmup_steps, "weight_decay": weight_decay,
-                "grad_clip": grad_clip, "eval_batch_size": eval_batch_size}
+    check_output_dir(out, "choose a new or empty output directory", replace=overwrite)  # before the work
+    reward = reward_fn if hasattr(reward_fn, "score") else load_reward_fn(reward_fn)  # a scorer: the run's pool
+    settings = {
+        "model_dir": str(model_dir),
+        "examples": len(examples),
+        "eval_examples": len(eval_set),
+        "epochs_max": epochs_max,
+        "batch_size": batch_size,
+        "learning_rate": learning_rate,
+        "patience": patience,
+        "eval_every": eval_every,
+        "min_epochs": min_epochs,
+        "seed": seed,
+        "reward_fn": reward.name,
+        "warmup_steps": warmup_steps,
+        "weight_decay": weight_decay,
+        "grad_clip": grad_clip,
+        "eval_batch_size": eval_batch_size,
+    }
 
     started = time.perf_counter()
     dev = resolve_device(device)
@@ -237,36 +295,79 @@ def run_sft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, examples: 
     model.to(dev)
     max_length = getattr(model.config, "max_position_embeddings", None)
     train_encoded = encode_examples(tokenizer, examples, max_length=max_length)
-    eval_encoded = encode_examples(tokenizer, eval_set, max_length=max_length) \
-        if all(completion_of(it) is not None for it in eval_set) else None
+    eval_encoded = (
+        encode_examples(tokenizer, eval_set, max_length=max_length)
+        if all(completion_of(it) is not None for it in eval_set)
+        else None
+    )
     if max_new_tokens is None:
         longest = max(len(ids) - n for ids, n in train_encoded + (eval_encoded or []))
-        max_new_tokens = longest + 2          # the answer, its EOS, and one token of slack
+        max_new_tokens = longest + 2  # the answer, its EOS, and one token of slack
     settings["max_new_tokens"] = max_new_tokens
     settings["num_threads"] = num_threads = num_threads or default_threads(model, dev)
 
     with torch_threads(num_threads):
-        summary = _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, settings,
-                         started=started, log=log or (lambda _msg: None))
+        summary = _train(
+            model,
+            tokenizer,
+            train_encoded,
+            eval_set,
+            eval_encoded,
+            reward,
+            settings,
+            started=started,
+            log=log or (lambda _msg: None),
+        )
         probe = list(examples[:256])
-        summary["train_accuracy"] = evaluate(model, tokenizer, probe, reward, batch_size=eval_batch_size,
-                                             max_new_tokens=max_new_tokens, precision=precision)
+        summary["train_accuracy"] = evaluate(
+            model,
+            tokenizer,
+            probe,
+            reward,
+            batch_size=eval_batch_size,
+            max_new_tokens=max_new_tokens,
+            precision=precision,
+        )
     summary["wall_time_s"] = round(time.perf_counter() - started, 2)
-    summary = {**{k: summary[k] for k in ("best_epoch", "best_accuracy", "best_heldout_loss", "train_accuracy",
-                                          "stopped", "epochs_run", "wall_time_s")},
-               "settings": settings, "curve": summary["curve"]}
+    summary = {
+        **{
+            k: summary[k]
+            for k in (
+                "best_epoch",
+                "best_accuracy",
+                "best_heldout_loss",
+                "train_accuracy",
+                "stopped",
+                "epochs_run",
+                "wall_time_s",
+            )
+        },
+        "settings": settings,
+        "curve": summary["curve"],
+    }
     with writing_to(out):
         _save(model, tokenizer, out, summary)
     (log or (lambda _msg: None))(
         f"sft: best held-out accuracy {summary['best_accuracy']:.1%} at epoch {summary['best_epoch']} "
         f"({summary['stopped']}); train accuracy {summary['train_accuracy']:.1%}; "
-        f"saved to {out} in {summary['wall_time_s']:.1f}s")
+        f"saved to {out} in {summary['wall_time_s']:.1f}s"
+    )
     return summary
 
 
-def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", examples: Optional[int] = None,
-             eval_prompts: Optional[str] = None, eval_size: int = 256, reward: Optional[str] = None,
-             seed: int = 0, chat_template: bool = False, **options: Any) -> dict[str, Any]:
+def sft_main(
+    prompts: str,
+    out_dir: str | os.PathLike,
+    *,
+    model: str = "tiny",
+    examples: int | None = None,
+    eval_prompts: str | None = None,
+    eval_size: int = 256,
+    reward: str | None = None,
+    seed: int = 0,
+    chat_template: bool = False,
+    **options: Any,
+) -> dict[str, Any]:
     """What ``ppokit sft`` runs: resolve data, reward and model by name, then :func:`run_sft`.
 
     ``prompts``: a built-in task (``arithmetic:digits=2``; its ``sft`` split trains, its
@@ -288,23 +389,31 @@ def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", e
     from_file = is_file_source(prompts)
     if reward is None:
         if from_file:
-            raise UserError(f"the SFT data {prompts} is a file: name a reward function to score the held-out "
-                            "answers (exact_match, numeric_match, module:fn or file.py:fn)")
+            raise UserError(
+                f"the SFT data {prompts} is a file: name a reward function to score the held-out "
+                "answers (exact_match, numeric_match, module:fn or file.py:fn)"
+            )
         from ppokit.lm.data.tasks import get_task
 
         reward = get_task(prompts).default_reward
     reward_fn = load_reward_fn(reward)
     if from_file and eval_prompts is None:
-        raise UserError(f"SFT on the file {prompts} needs held-out prompts to pick the best model: "
-                        "give an eval JSONL file (eval_prompts)")
+        raise UserError(
+            f"SFT on the file {prompts} needs held-out prompts to pick the best model: "
+            "give an eval JSONL file (eval_prompts)"
+        )
     train = load_prompts(prompts, "sft", n=examples if examples is not None or from_file else 300, chat=chat_template)
-    held_out = load_prompts(eval_prompts, "eval", chat=chat_template)[:eval_size] if eval_prompts is not None \
+    held_out = (
+        load_prompts(eval_prompts, "eval", chat=chat_template)[:eval_size]
+        if eval_prompts is not None
         else load_prompts(prompts, "eval", n=eval_size)
+    )
     if chat_template:
         from ppokit.lm.data.chat import model_chat_renderer, render_records
 
-        render = model_chat_renderer(model, what="--model", option="--chat-template",
-                                     fix="give --model a chat model's directory")
+        render = model_chat_renderer(
+            model, what="--model", option="--chat-template", fix="give --model a chat model's directory"
+        )
         train, held_out = render_records(train, render), render_records(held_out, render)
     if model != "tiny":
         return run_sft(model, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
@@ -317,31 +426,54 @@ def sft_main(prompts: str, out_dir: str | os.PathLike, *, model: str = "tiny", e
     return summary
 
 
-def _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, settings: dict[str, Any], *,
-           started: float, log: Callable[[str], None]) -> dict[str, Any]:
+def _train(
+    model,
+    tokenizer,
+    train_encoded,
+    eval_set,
+    eval_encoded,
+    reward,
+    settings: dict[str, Any],
+    *,
+    started: float,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     """The SFT loop; leaves the best weights in ``model``."""
     s = settings
     precision, pad_id = s["precision"], tokenizer.pad_token_id
     torch.manual_seed(s["seed"])
     shuffle = torch.Generator().manual_seed(s["seed"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s["learning_rate"], weight_decay=s["weight_decay"],
-                                  betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=s["learning_rate"], weight_decay=s["weight_decay"], betas=(0.9, 0.98)
+    )
     warmup = max(1, s["warmup_steps"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
 
-    def evaluate_now() -> tuple[float, Optional[float]]:
-        accuracy = evaluate(model, tokenizer, eval_set, reward, batch_size=s["eval_batch_size"],
-                            max_new_tokens=s["max_new_tokens"], precision=precision)
-        loss = None if eval_encoded is None else mean_answer_loss(
-            model, eval_encoded, pad_id, batch_size=s["eval_batch_size"], precision=precision)
+    def evaluate_now() -> tuple[float, float | None]:
+        accuracy = evaluate(
+            model,
+            tokenizer,
+            eval_set,
+            reward,
+            batch_size=s["eval_batch_size"],
+            max_new_tokens=s["max_new_tokens"],
+            precision=precision,
+        )
+        loss = (
+            None
+            if eval_encoded is None
+            else mean_answer_loss(model, eval_encoded, pad_id, batch_size=s["eval_batch_size"], precision=precision)
+        )
         return accuracy, loss
 
     accuracy, heldout_loss = evaluate_now()
     curve = [_row(0, None, accuracy, heldout_loss, started)]
     best = {"epoch": 0, "accuracy": accuracy, "loss": heldout_loss, "state": _snapshot(model)}
-    log(f"sft: {len(train_encoded)} examples, {len(eval_set)} held out, {model.num_parameters():,} parameters, "
+    log(
+        f"sft: {len(train_encoded)} examples, {len(eval_set)} held out, {model.num_parameters():,} parameters, "
         f"precision {precision}, {torch.get_num_threads()} thread(s); before training held-out accuracy "
-        f"{accuracy:.1%}")
+        f"{accuracy:.1%}"
+    )
     stale, stopped, epoch = 0, "epochs_max", 0
     model.train()
     try:
@@ -349,7 +481,7 @@ def _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, sett
             order = torch.randperm(len(train_encoded), generator=shuffle).tolist()
             total, count = 0.0, 0
             for start in range(0, len(order), s["batch_size"]):
-                batch = collate([train_encoded[i] for i in order[start:start + s["batch_size"]]], pad_id)
+                batch = collate([train_encoded[i] for i in order[start : start + s["batch_size"]]], pad_id)
                 loss_sum, n_tokens = answer_loss(model, batch, precision)
                 optimizer.zero_grad(set_to_none=True)
                 (loss_sum / max(n_tokens, 1)).backward()
@@ -370,9 +502,11 @@ def _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, sett
                 stale = 0
             else:
                 stale += 1
-            log(f"sft epoch {epoch:4d}  train loss {train_loss:.4f}  held-out accuracy {accuracy:6.1%}"
+            log(
+                f"sft epoch {epoch:4d}  train loss {train_loss:.4f}  held-out accuracy {accuracy:6.1%}"
                 + (f"  loss {heldout_loss:.3f}" if heldout_loss is not None else "")
-                + f"  best {best['accuracy']:.1%} @ {best['epoch']}  {time.perf_counter() - started:6.1f}s")
+                + f"  best {best['accuracy']:.1%} @ {best['epoch']}  {time.perf_counter() - started:6.1f}s"
+            )
             if stale >= s["patience"] and epoch >= s["min_epochs"]:
                 stopped = "patience"
                 break
@@ -381,8 +515,14 @@ def _train(model, tokenizer, train_encoded, eval_set, eval_encoded, reward, sett
         log("sft: interrupted; saving the best model so far")
     model.load_state_dict(best["state"])
     model.eval()
-    return {"best_epoch": best["epoch"], "best_accuracy": best["accuracy"], "best_heldout_loss": best["loss"],
-            "stopped": stopped, "epochs_run": epoch, "curve": curve}
+    return {
+        "best_epoch": best["epoch"],
+        "best_accuracy": best["accuracy"],
+        "best_heldout_loss": best["loss"],
+        "stopped": stopped,
+        "epochs_run": epoch,
+        "curve": curve,
+    }
 
 
 def _check_positive(**values: int) -> None:
@@ -391,17 +531,23 @@ def _check_positive(**values: int) -> None:
             raise UserError(f"{name} must be a positive integer (got {value!r})")
 
 
-def _row(epoch: int, train_loss: Optional[float], accuracy: float, heldout_loss: Optional[float],
-         started: float) -> dict[str, Any]:
-    return {"epoch": epoch, "train_loss": train_loss, "heldout_accuracy": accuracy, "heldout_loss": heldout_loss,
-            "elapsed_s": round(time.perf_counter() - started, 2)}
+def _row(
+    epoch: int, train_loss: float | None, accuracy: float, heldout_loss: float | None, started: float
+) -> dict[str, Any]:
+    return {
+        "epoch": epoch,
+        "train_loss": train_loss,
+        "heldout_accuracy": accuracy,
+        "heldout_loss": heldout_loss,
+        "elapsed_s": round(time.perf_counter() - started, 2),
+    }
 
 
-def _improves(accuracy: float, loss: Optional[float], best: dict[str, Any]) -> bool:
+def _improves(accuracy: float, loss: float | None, best: dict[str, Any]) -> bool:
     if accuracy > best["accuracy"] + 1e-9:
         return True
     if accuracy >= best["accuracy"] - 1e-9 and loss is not None and best["loss"] is not None:
-        return loss < best["loss"] * (1 - 1e-3)            # equal accuracy, answer loss 0.1% lower
+        return loss < best["loss"] * (1 - 1e-3)  # equal accuracy, answer loss 0.1% lower
     return False
 
 
@@ -421,7 +567,7 @@ def _save(model, tokenizer, out: Path, summary: dict[str, Any]) -> None:
         config_path = tmp / "tokenizer_config.json"
         if config_path.is_file():
             config = json.loads(config_path.read_text())
-            if config.get("tokenizer_class") == "TokenizersBackend":   # the generic name 4.x also knows
+            if config.get("tokenizer_class") == "TokenizersBackend":  # the generic name 4.x also knows
                 config["tokenizer_class"] = "PreTrainedTokenizerFast"
                 config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         (tmp / CURVE_FILE).write_text(json.dumps(summary, indent=2) + "\n")

@@ -137,8 +137,17 @@ def test_microbatch_accumulation_policy_loss(mode, ratio_level):
 
     def make(rows, norm, h):
         loss, _ = policy_loss(
-            logp[rows], old[rows], adv[rows], m[rows], lower_clip_ratio=0.1, upper_clip_ratio=0.25,
-            clip_ratio_c=3.0, agg_mode=mode, ratio_level=ratio_level, normalizer=norm, horizon=h,
+            logp[rows],
+            old[rows],
+            adv[rows],
+            m[rows],
+            lower_clip_ratio=0.1,
+            upper_clip_ratio=0.25,
+            clip_ratio_c=3.0,
+            agg_mode=mode,
+            ratio_level=ratio_level,
+            normalizer=norm,
+            horizon=h,
         )
         return loss
 
@@ -153,8 +162,17 @@ def test_microbatch_accumulation_value_loss(mode):
     ret = torch.randn(m.shape, generator=g, dtype=torch.float64)
 
     def make(rows, norm, h):
-        loss, _ = value_loss(v[rows], old_v[rows], ret[rows], m[rows], clip_value=0.2, huber_delta=1.0,
-                             agg_mode=mode, normalizer=norm, horizon=h)
+        loss, _ = value_loss(
+            v[rows],
+            old_v[rows],
+            ret[rows],
+            m[rows],
+            clip_value=0.2,
+            huber_delta=1.0,
+            agg_mode=mode,
+            normalizer=norm,
+            horizon=h,
+        )
         return loss
 
     _check_accumulation(make, v, m, mode, horizon=16)

@@ -30,10 +30,9 @@ def naive_gae(rewards, values, gamma, lam, mask=None, dones=None, last_values=No
             return rewards[b][s] + gamma * v_next * (1 - dones[b][s]) - values[b][s]
 
         for i, t in enumerate(valid):
-            total, k = 0.0, 0
-            for j in range(i, len(valid)):
+            total = 0.0
+            for k, j in enumerate(range(i, len(valid))):
                 total += (gamma * lam) ** k * delta(j)
-                k += 1
                 if dones[b][valid[j]]:
                     break
             adv[b][t] = total
@@ -71,7 +70,9 @@ def test_gae_matches_naive_with_masks_dones_and_bootstrap(seed, gamma, lam):
 def test_gae_without_mask_matches_naive_and_all_ones_mask(seed):
     rewards, values, _, dones, last_values = _random_case(seed, B=4, T=9)
     adv, ret = compute_gae(rewards, values, gamma=0.97, lam=0.9, dones=dones, last_values=last_values)
-    ref_adv, ref_ret = naive_gae(rewards.tolist(), values.tolist(), 0.97, 0.9, None, dones.int().tolist(), last_values.tolist())
+    ref_adv, ref_ret = naive_gae(
+        rewards.tolist(), values.tolist(), 0.97, 0.9, None, dones.int().tolist(), last_values.tolist()
+    )
     torch.testing.assert_close(adv, torch.tensor(ref_adv, dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, torch.tensor(ref_ret, dtype=torch.float64), rtol=0, atol=1e-12)
     adv2, ret2 = compute_gae(
@@ -92,7 +93,9 @@ def test_gae_gap_bootstraps_across_observation_tokens_hand_case():
     a0 = (1.0 + gamma * 0.25 - 0.5) + gamma * lam * a3
     expected = torch.tensor([[a0, 0.0, 0.0, a3]], dtype=torch.float64)
     torch.testing.assert_close(adv, expected, rtol=0, atol=1e-14)
-    torch.testing.assert_close(ret, torch.tensor([[a0 + 0.5, 0, 0, a3 + 0.25]], dtype=torch.float64), rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        ret, torch.tensor([[a0 + 0.5, 0, 0, a3 + 0.25]], dtype=torch.float64), rtol=0, atol=1e-14
+    )
 
 
 @pytest.mark.parametrize("gamma,lam,c", [(0.99, 0.95, 0.0), (0.9, 0.7, 2.0), (0.5, 1.0, -1.0)])
@@ -105,7 +108,9 @@ def test_gae_closed_form_constant_value_unit_reward(gamma, lam, c):
     values = torch.full((1, n), c, dtype=torch.float64)
     dones = torch.zeros(1, n)
     dones[0, -1] = 1
-    adv, ret = compute_gae(rewards, values, gamma=gamma, lam=lam, dones=dones, last_values=torch.tensor([123.0], dtype=torch.float64))
+    adv, ret = compute_gae(
+        rewards, values, gamma=gamma, lam=lam, dones=dones, last_values=torch.tensor([123.0], dtype=torch.float64)
+    )
     gl = gamma * lam
     for t in range(n):
         m = n - 1 - t
@@ -138,7 +143,9 @@ def test_gae_lambda_one_is_monte_carlo_return_minus_value():
     rewards, values, _, dones, last_values = _random_case(11, B=3, T=10)
     gamma = 0.95
     adv, ret = compute_gae(rewards, values, gamma=gamma, lam=1.0, dones=dones, last_values=last_values)
-    mc = torch.tensor(_discounted_mc(rewards.tolist(), dones.int().tolist(), last_values.tolist(), gamma), dtype=torch.float64)
+    mc = torch.tensor(
+        _discounted_mc(rewards.tolist(), dones.int().tolist(), last_values.tolist(), gamma), dtype=torch.float64
+    )
     torch.testing.assert_close(adv, mc - values, rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, mc, rtol=0, atol=1e-12)
 
@@ -168,7 +175,16 @@ def test_gae_keeps_input_dtype_and_validates():
 def test_gae_estimator_wrapper_needs_values_and_matches():
     rewards, values, mask, dones, last_values = _random_case(3)
     fn = get_advantage_estimator("gae")
-    adv, ret = fn(rewards=rewards, mask=mask, values=values, gamma=0.9, lam=0.8, dones=dones, last_values=last_values, group_ids=None)
+    adv, ret = fn(
+        rewards=rewards,
+        mask=mask,
+        values=values,
+        gamma=0.9,
+        lam=0.8,
+        dones=dones,
+        last_values=last_values,
+        group_ids=None,
+    )
     adv2, ret2 = compute_gae(rewards, values, gamma=0.9, lam=0.8, mask=mask, dones=dones, last_values=last_values)
     assert torch.equal(adv, adv2) and torch.equal(ret, ret2)
     with pytest.raises(ValueError, match="needs values"):

@@ -117,8 +117,17 @@ def test_every_estimator_accepts_the_uniform_signature():
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
     values = torch.zeros_like(rewards)
     kwargs = dict(
-        rewards=rewards, mask=mask, values=values, group_ids=GROUP_IDS, gamma=1.0, lam=1.0, dones=None,
-        last_values=None, norm_by_std=True, eps=1e-6, some_future_option=123,
+        rewards=rewards,
+        mask=mask,
+        values=values,
+        group_ids=GROUP_IDS,
+        gamma=1.0,
+        lam=1.0,
+        dones=None,
+        last_values=None,
+        norm_by_std=True,
+        eps=1e-6,
+        some_future_option=123,
     )
     for name in ADVANTAGE_ESTIMATORS.names():
         adv, ret = ADVANTAGE_ESTIMATORS.get(name)(**kwargs)

@@ -81,7 +81,9 @@ def test_kl_full_matches_torch_distributions():
     a2, b2 = a.clone(), b.clone()
     a2[..., 0] = float("-inf")
     b2[..., 0] = float("-inf")
-    torch.testing.assert_close(kl_full(a2, b2), kl_divergence(Categorical(logits=a2[..., 1:]), Categorical(logits=b2[..., 1:])))
+    torch.testing.assert_close(
+        kl_full(a2, b2), kl_divergence(Categorical(logits=a2[..., 1:]), Categorical(logits=b2[..., 1:]))
+    )
     assert kl_full(a.bfloat16(), b.bfloat16()).dtype == torch.float32
 
 

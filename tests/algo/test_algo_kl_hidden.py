@@ -92,13 +92,15 @@ def test_gradcheck(temperature):
     h.requires_grad_()
     # only the hidden states train, the reference shares the frozen weight (the LoRA case)
     assert torch.autograd.gradcheck(
-        lambda h: kl_full_from_hidden(h, rh[..., :4], w, temperature=temperature, chunk_size=4), (h,))
+        lambda h: kl_full_from_hidden(h, rh[..., :4], w, temperature=temperature, chunk_size=4), (h,)
+    )
     # hidden, weight and bias train; the reference has its own weight and bias
     w.requires_grad_()
     b.requires_grad_()
     assert torch.autograd.gradcheck(
         lambda h, w, b: kl_full_from_hidden(h, rh, w, rw, bias=b, ref_bias=rb, temperature=temperature, chunk_size=5),
-        (h, w, b))
+        (h, w, b),
+    )
     # chunk of one row, weight without bias
     assert torch.autograd.gradcheck(lambda h, w: kl_full_from_hidden(h, rh, w, rw, chunk_size=1), (h, w))
 

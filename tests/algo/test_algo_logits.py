@@ -49,7 +49,9 @@ def test_entropy_extreme_and_banned_logits():
     h.sum().backward()
     assert torch.isfinite(z.grad).all()
     # uniform over V -> log V; -inf logits are banned tokens that contribute nothing
-    assert entropy_from_logits(torch.zeros(2, 8, dtype=D)).tolist() == pytest.approx([torch.log(torch.tensor(8.0)).item()] * 2)
+    assert entropy_from_logits(torch.zeros(2, 8, dtype=D)).tolist() == pytest.approx(
+        [torch.log(torch.tensor(8.0)).item()] * 2
+    )
     banned = torch.zeros(1, 6, dtype=D)
     banned[0, :2] = float("-inf")
     banned.requires_grad_()

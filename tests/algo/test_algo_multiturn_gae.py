@@ -61,7 +61,7 @@ def test_gae_over_action_tokens_matches_a_reference_that_never_sees_env_tokens(s
     rng = random.Random(seed)
     B, T = 6, 40
     masks, turn_rewards = [], []
-    for b in range(B):
+    for _ in range(B):
         mask, turns = _layout(rng, T, n_turns=rng.randint(1, 5))
         masks.append(mask)
         turn_rewards.append([rng.gauss(0, 1) for _ in turns])
@@ -70,7 +70,7 @@ def test_gae_over_action_tokens_matches_a_reference_that_never_sees_env_tokens(s
     K = int(turn_index.max()) + 1
     per_turn = torch.zeros(B, K, dtype=torch.float64)
     for b, rs in enumerate(turn_rewards):
-        per_turn[b, :len(rs)] = torch.tensor(rs, dtype=torch.float64)
+        per_turn[b, : len(rs)] = torch.tensor(rs, dtype=torch.float64)
     rewards = place_at_turn_ends(per_turn, turn_index)  # (B, T)
     g = torch.Generator().manual_seed(seed)
     values = torch.randn(B, T, generator=g, dtype=torch.float64)
@@ -82,8 +82,9 @@ def test_gae_over_action_tokens_matches_a_reference_that_never_sees_env_tokens(s
 
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
     for b in range(B):
-        ref_adv, ref_ret = naive_multiturn_gae(rewards[b].tolist(), values[b].tolist(), masks[b], gamma, lam,
-                                               float(last_values[b]))
+        ref_adv, ref_ret = naive_multiturn_gae(
+            rewards[b].tolist(), values[b].tolist(), masks[b], gamma, lam, float(last_values[b])
+        )
         torch.testing.assert_close(adv[b], torch.tensor(ref_adv, dtype=torch.float64), rtol=0, atol=1e-12)
         torch.testing.assert_close(ret[b], torch.tensor(ref_ret, dtype=torch.float64), rtol=0, atol=1e-12)
 
@@ -100,8 +101,7 @@ def test_last_token_of_a_turn_bootstraps_from_the_first_token_of_the_next_turn()
     a1 = 0.0 + gamma * 0.25 - 0.5 + gamma * lam * a2
     expected = torch.tensor([[0.0, a1, a2, 0.0, 0.0, 0.0, a6, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(adv, expected, rtol=0, atol=1e-14)
-    torch.testing.assert_close(ret, torch.where(mask, expected + values, torch.zeros_like(values)), rtol=0,
-                               atol=1e-14)
+    torch.testing.assert_close(ret, torch.where(mask, expected + values, torch.zeros_like(values)), rtol=0, atol=1e-14)
 
 
 def test_a_reward_left_on_an_environment_token_is_ignored_so_place_it_on_the_turn():

@@ -109,8 +109,13 @@ def test_metrics():
     valid = [0.5, 1.5, 2.0, 1.0]
     k3 = sum((x - 1) - math.log(x) for x in valid) / 4
     expected = {
-        "kl_old": k3, "clipfrac": 0.0, "approx_kl_k1": sum(-math.log(x) for x in valid) / 4,
-        "approx_kl_k3": k3, "ratio_max": 2.0, "ratio_mean": 5.0 / 4, "ratio_min": 0.5,
+        "kl_old": k3,
+        "clipfrac": 0.0,
+        "approx_kl_k1": sum(-math.log(x) for x in valid) / 4,
+        "approx_kl_k3": k3,
+        "ratio_max": 2.0,
+        "ratio_mean": 5.0 / 4,
+        "ratio_min": 0.5,
     }
     assert set(m) == set(expected)
     for k, v in expected.items():
@@ -177,8 +182,19 @@ def test_micro_batches_add_up_to_the_mini_batch(mode):
     adv = torch.where(mask, adv, 0.0)
     n = aggregation_normalizer(mask, mode)
     full, _ = ppo_penalty_loss(logp, old, adv, mask, agg_mode=mode, normalizer=n, horizon=5, penalty_coef=0.7)
-    parts = [ppo_penalty_loss(logp[i:i + 3], old[i:i + 3], adv[i:i + 3], mask[i:i + 3], agg_mode=mode,
-                              normalizer=n, horizon=5, penalty_coef=0.7)[0] for i in range(0, 8, 3)]
+    parts = [
+        ppo_penalty_loss(
+            logp[i : i + 3],
+            old[i : i + 3],
+            adv[i : i + 3],
+            mask[i : i + 3],
+            agg_mode=mode,
+            normalizer=n,
+            horizon=5,
+            penalty_coef=0.7,
+        )[0]
+        for i in range(0, 8, 3)
+    ]
     g_full = torch.autograd.grad(full, logp)[0]
     g_parts = torch.autograd.grad(sum(parts), logp)[0]
     assert sum(parts).item() == pytest.approx(full.item(), abs=1e-14)
@@ -218,10 +234,17 @@ def test_generic_call_through_the_registry(level):
     logp, old, adv, mask = _case(7)
     adv = torch.where(mask, adv, 0.0)
     common = dict(agg_mode="seq-mean-token-mean", normalizer=None, horizon=None, diagnostics=False, ratio_level=level)
-    own = {"clip": dict(lower_clip_ratio=0.999, upper_clip_ratio=1e6, clip_ratio_c=None), "penalty": dict(penalty_coef=0.0)}
-    results = {name: get_policy_loss(name)(logp, old, adv, mask, **common, **own[name]) for name in POLICY_LOSSES.names()}
+    own = {
+        "clip": dict(lower_clip_ratio=0.999, upper_clip_ratio=1e6, clip_ratio_c=None),
+        "penalty": dict(penalty_coef=0.0),
+    }
+    results = {
+        name: get_policy_loss(name)(logp, old, adv, mask, **common, **own[name]) for name in POLICY_LOSSES.names()
+    }
     (lc, mc), (lp, mp) = results["clip"], results["penalty"]
     assert lc.item() == pytest.approx(lp.item(), rel=1e-13)
-    torch.testing.assert_close(torch.autograd.grad(lc, logp)[0], torch.autograd.grad(lp, logp)[0], rtol=1e-12, atol=1e-16)
+    torch.testing.assert_close(
+        torch.autograd.grad(lc, logp)[0], torch.autograd.grad(lp, logp)[0], rtol=1e-12, atol=1e-16
+    )
     for key in ("clipfrac", "approx_kl_k1", "approx_kl_k3", "ratio_max"):  # what a trainer logs for either
         assert mc[key].item() == pytest.approx(mp[key].item(), abs=1e-14), key

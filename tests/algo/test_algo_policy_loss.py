@@ -123,8 +123,15 @@ def test_metrics_hand_case():
     k1 = sum(-math.log(x) for x in valid) / 3
     k3 = sum((x - 1) - math.log(x) for x in valid) / 3
     expected = {
-        "clipfrac": 2 / 3, "clipfrac_lower": 1 / 3, "clipfrac_upper": 1 / 3, "clipfrac_dual": 0.0,
-        "approx_kl_k1": k1, "approx_kl_k3": k3, "ratio_mean": 3.1 / 3, "ratio_max": 1.5, "ratio_min": 0.5,
+        "clipfrac": 2 / 3,
+        "clipfrac_lower": 1 / 3,
+        "clipfrac_upper": 1 / 3,
+        "clipfrac_dual": 0.0,
+        "approx_kl_k1": k1,
+        "approx_kl_k3": k3,
+        "ratio_mean": 3.1 / 3,
+        "ratio_max": 1.5,
+        "ratio_min": 0.5,
     }
     assert set(m) == set(expected)
     for k, v in expected.items():
@@ -195,8 +202,17 @@ def test_sequence_level_matches_naive(mode, c):
     mask[0] = True
     mask[3] = False  # an empty row
     lo, hi = 0.1, 0.15
-    loss, m = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi, clip_ratio_c=c,
-                          agg_mode=mode, ratio_level="sequence")
+    loss, m = policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        lower_clip_ratio=lo,
+        upper_clip_ratio=hi,
+        clip_ratio_c=c,
+        agg_mode=mode,
+        ratio_level="sequence",
+    )
     ref = _naive_sequence_loss(logp, old, adv, mask, lo, hi, c, mode)
     (g1,) = torch.autograd.grad(loss, logp)
     (g2,) = torch.autograd.grad(ref, logp)
@@ -231,7 +247,9 @@ def test_validation():
 
     def call(**kw):
         args = {**ok, **kw}
-        return policy_loss(args.pop("log_prob"), args.pop("old_log_prob"), args.pop("advantages"), args.pop("mask"), **args)
+        return policy_loss(
+            args.pop("log_prob"), args.pop("old_log_prob"), args.pop("advantages"), args.pop("mask"), **args
+        )
 
     for c in (1.0, 0.5, -3.0):
         with pytest.raises(ValueError, match="clip_ratio_c"):
@@ -333,8 +351,17 @@ def test_gspo_matches_naive(mode, c):
     lo, hi = 3e-4, 4e-4  # the GSPO paper's clip range
     for seed in range(3):
         logp, old, adv, mask = _gspo_case(seed)
-        loss, m = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi, clip_ratio_c=c,
-                              agg_mode=mode, ratio_level="gspo")
+        loss, m = policy_loss(
+            logp,
+            old,
+            adv,
+            mask,
+            lower_clip_ratio=lo,
+            upper_clip_ratio=hi,
+            clip_ratio_c=c,
+            agg_mode=mode,
+            ratio_level="gspo",
+        )
         (grad,) = torch.autograd.grad(loss, logp)
         ref_loss, ref_grad = _naive_gspo(logp.detach(), old, adv, mask, lo, hi, c, mode)
         assert loss.item() == pytest.approx(ref_loss, abs=1e-13)
@@ -362,16 +389,25 @@ def test_gspo_with_one_advantage_per_row_has_the_gradient_of_the_sequence_object
 
     clipped_rows = 0
     for adv in (a, a[:, None].expand_as(logp).clone()):  # (B,) or equal per-token advantages
-        loss, m = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi,
-                              agg_mode="seq-mean-token-mean", ratio_level="gspo")
+        loss, m = policy_loss(
+            logp,
+            old,
+            adv,
+            mask,
+            lower_clip_ratio=lo,
+            upper_clip_ratio=hi,
+            agg_mode="seq-mean-token-mean",
+            ratio_level="gspo",
+        )
         ref = sequence_objective(False) / B
         g1, g2 = (torch.autograd.grad(x, logp)[0] for x in (loss, ref))
         assert loss.item() == pytest.approx(ref.item(), abs=1e-14)
         torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-16)
         clipped_rows = (g1.abs().sum(-1) == 0).sum().item() - 1  # minus the empty row
         # token-mean weighs each row by its token count
-        loss, _ = policy_loss(logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi,
-                              agg_mode="token-mean", ratio_level="gspo")
+        loss, _ = policy_loss(
+            logp, old, adv, mask, lower_clip_ratio=lo, upper_clip_ratio=hi, agg_mode="token-mean", ratio_level="gspo"
+        )
         ref = sequence_objective(True) / mask.sum()
         g1, g2 = (torch.autograd.grad(x, logp)[0] for x in (loss, ref))
         torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-16)
@@ -389,8 +425,9 @@ def test_gspo_on_single_token_rows_is_token_level_ppo():
         l1, m1 = policy_loss(logp, old, adv, mask, agg_mode=mode, ratio_level="gspo", clip_ratio_c=2.0)
         l2, m2 = policy_loss(logp, old, adv, mask, agg_mode=mode, ratio_level="token", clip_ratio_c=2.0)
         assert l1.item() == pytest.approx(l2.item(), abs=1e-15)
-        torch.testing.assert_close(torch.autograd.grad(l1, logp)[0], torch.autograd.grad(l2, logp)[0],
-                                   rtol=1e-14, atol=0)
+        torch.testing.assert_close(
+            torch.autograd.grad(l1, logp)[0], torch.autograd.grad(l2, logp)[0], rtol=1e-14, atol=0
+        )
         for k in m1:
             assert m1[k].item() == pytest.approx(m2[k].item(), abs=1e-14), k
 

@@ -44,7 +44,8 @@ def test_unknown_name_message_is_one_line_with_suggestion_and_valid_names():
     assert isinstance(info.value, ValueError) and not isinstance(info.value, KeyError)
     assert info.value.suggestion == "gae" and "grpo" in info.value.valid
     with pytest.raises(
-        UnknownNameError, match=r"^unknown policy loss 'zzz'; valid: clip, penalty \(aliases: ppo, vanilla, ppo_penalty\)$"
+        UnknownNameError,
+        match=r"^unknown policy loss 'zzz'; valid: clip, penalty \(aliases: ppo, vanilla, ppo_penalty\)$",
     ):
         POLICY_LOSSES.get("zzz")  # nothing close: no suggestion
 

@@ -42,11 +42,11 @@ def build_batch(rng: random.Random, n_traj: int, T: int = 24):
                     t += 1
             rows.append((e, cells))
     queues = [[i for i, (e, _) in enumerate(rows) if e == t] for t in range(n_traj)]
-    order = []                       # a random merge: trajectories interleave, each keeps its row order
+    order = []  # a random merge: trajectories interleave, each keeps its row order
     while any(queues):
         order.append(rng.choice([q for q in queues if q]).pop(0))
     N = len(rows)
-    rewards = torch.randn(N, T, dtype=torch.float64)     # junk where the mask is 0: must be ignored
+    rewards = torch.randn(N, T, dtype=torch.float64)  # junk where the mask is 0: must be ignored
     values = torch.randn(N, T, dtype=torch.float64)
     mask = torch.zeros(N, T)
     turn_index = torch.full((N, T), -1, dtype=torch.long)
@@ -108,9 +108,18 @@ def test_matches_float64_reference_across_rows(credit, naive, seed, gamma, lam):
     rewards, values, mask, turn_index, traj_index, trajectories = build_batch(rng, E)
     truncated = torch.tensor([rng.random() < 0.5 for _ in range(E)])
     last_values = torch.randn(E, dtype=torch.float64)
-    adv, ret = trajectory_credit(credit=credit, rewards=rewards, values=values, mask=mask, traj_index=traj_index,
-                                 turn_index=turn_index, truncated=truncated, last_values=last_values,
-                                 gamma=gamma, lam=lam)
+    adv, ret = trajectory_credit(
+        credit=credit,
+        rewards=rewards,
+        values=values,
+        mask=mask,
+        traj_index=traj_index,
+        turn_index=turn_index,
+        truncated=truncated,
+        last_values=last_values,
+        gamma=gamma,
+        lam=lam,
+    )
     assert adv.dtype == torch.float64
     assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
     got = gather(adv, ret, mask, turn_index, traj_index, E)
@@ -129,12 +138,21 @@ def test_token_credit_bootstraps_across_row_boundaries_and_turn_credit_reads_fir
     mask = torch.tensor([[0, 0, 1, 1], [0, 1, 0, 0]])
     turn_index = torch.tensor([[-1, -1, 0, 0], [-1, 1, -1, -1]])
     traj = torch.tensor([0, 0])
-    adv, _ = trajectory_credit(credit="token", rewards=rewards, values=values, mask=mask, traj_index=traj,
-                               gamma=1.0, lam=1.0)
+    adv, _ = trajectory_credit(
+        credit="token", rewards=rewards, values=values, mask=mask, traj_index=traj, gamma=1.0, lam=1.0
+    )
     # Monte-Carlo return 1 everywhere: A_t = 1 - V_t
     assert adv[0, 2:].tolist() == pytest.approx([0.8, 0.6]) and adv[1, 1].item() == pytest.approx(0.4)
-    adv, ret = trajectory_credit(credit="turn", rewards=rewards, values=values, mask=mask, traj_index=traj,
-                                 turn_index=turn_index, gamma=1.0, lam=0.0)
+    adv, ret = trajectory_credit(
+        credit="turn",
+        rewards=rewards,
+        values=values,
+        mask=mask,
+        traj_index=traj,
+        turn_index=turn_index,
+        gamma=1.0,
+        lam=0.0,
+    )
     # lam = 0: A_0 = r_0 + V_1 - V_0 = 0 + 0.6 - 0.2 (the turn's value is its first token's, not 0.4)
     assert adv[0, 2:].tolist() == pytest.approx([0.4, 0.4]) and adv[1, 1].item() == pytest.approx(0.4)
     assert ret[0, 2:].tolist() == pytest.approx([0.6, 0.6])
@@ -147,9 +165,21 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="needs turn_index"):
         trajectory_credit(credit="turn", rewards=z, values=z, mask=z + 1, traj_index=torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="truncated trajectories need last_values"):
-        trajectory_credit(credit="token", rewards=z, values=z, mask=z + 1, traj_index=torch.tensor([0, 1]),
-                          truncated=torch.tensor([True, False]))
+        trajectory_credit(
+            credit="token",
+            rewards=z,
+            values=z,
+            mask=z + 1,
+            traj_index=torch.tensor([0, 1]),
+            truncated=torch.tensor([True, False]),
+        )
     bad_turns = torch.tensor([[1, 0, -1], [0, 0, 0]])
     with pytest.raises(ValueError, match="turn_index decreases"):
-        trajectory_credit(credit="turn", rewards=z, values=z, mask=bad_turns >= 0, traj_index=torch.tensor([0, 1]),
-                          turn_index=bad_turns)
+        trajectory_credit(
+            credit="turn",
+            rewards=z,
+            values=z,
+            mask=bad_turns >= 0,
+            traj_index=torch.tensor([0, 1]),
+            turn_index=bad_turns,
+        )

@@ -29,31 +29,23 @@ F64 = torch.float64
 
 # ----------------------------------------------------------------------------- layout helpers
 def test_turn_index_from_mask_numbers_runs_of_action_tokens():
-    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0, 1, 1, 1, 0],
-                         [1, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0],
-                         [0] * 11])
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0, 1, 1, 1, 0], [1, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0], [0] * 11])
     ti = turn_index_from_mask(mask)
-    assert ti.tolist() == [[-1, 0, 0, -1, -1, 1, -1, 2, 2, 2, -1],
-                           [0, -1, 1, 1, 1, 1, -1, -1, -1, -1, -1],
-                           [-1] * 11]
+    assert ti.tolist() == [[-1, 0, 0, -1, -1, 1, -1, 2, 2, 2, -1], [0, -1, 1, 1, 1, 1, -1, -1, -1, -1, -1], [-1] * 11]
     assert turn_start_mask(ti).int().tolist()[0] == [0, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0]
     assert turn_end_mask(ti).int().tolist()[0] == [0, 0, 1, 0, 0, 1, 0, 0, 0, 1, 0]
-    assert turns_present(ti, 4).tolist() == [[True, True, True, False], [True, True, False, False],
-                                             [False] * 4]
+    assert turns_present(ti, 4).tolist() == [[True, True, True, False], [True, True, False, False], [False] * 4]
 
 
 def test_gather_sum_spread_and_place_are_inverse_views_of_the_layout():
-    ti = torch.tensor([[-1, 0, 0, -1, 1, 1, 1, -1],
-                       [0, -1, -1, 1, -1, 2, 2, -1]])
+    ti = torch.tensor([[-1, 0, 0, -1, 1, 1, 1, -1], [0, -1, -1, 1, -1, 2, 2, -1]])
     token_values = torch.arange(16, dtype=F64).reshape(2, 8)
     assert gather_turn_values(token_values, ti, 3).tolist() == [[1.0, 4.0, 0.0], [8.0, 11.0, 13.0]]
     token_rewards = torch.ones(2, 8, dtype=F64)
     assert sum_turn_rewards(token_rewards, ti, 3).tolist() == [[2.0, 3.0, 0.0], [1.0, 1.0, 2.0]]
     per_turn = torch.tensor([[10.0, 20.0, 30.0], [40.0, 50.0, 60.0]], dtype=F64)
-    assert spread_over_turns(per_turn, ti).tolist() == [[0, 10, 10, 0, 20, 20, 20, 0],
-                                                        [40, 0, 0, 50, 0, 60, 60, 0]]
-    assert place_at_turn_ends(per_turn, ti).tolist() == [[0, 0, 10, 0, 0, 0, 20, 0],
-                                                         [40, 0, 0, 50, 0, 0, 60, 0]]
+    assert spread_over_turns(per_turn, ti).tolist() == [[0, 10, 10, 0, 20, 20, 20, 0], [40, 0, 0, 50, 0, 60, 60, 0]]
+    assert place_at_turn_ends(per_turn, ti).tolist() == [[0, 0, 10, 0, 0, 0, 20, 0], [40, 0, 0, 50, 0, 0, 60, 0]]
     assert sum_turn_rewards(place_at_turn_ends(per_turn, ti), ti, 3)[0, :2].tolist() == [10.0, 20.0]
 
 
@@ -103,7 +95,7 @@ def _random_turn_batch(seed, B=5, T=30, K=5):
             length = rng.randint(1, 3)
             if t + length > T:
                 break
-            row[t:t + length] = [k] * length
+            row[t : t + length] = [k] * length
             t += length + rng.randint(1, 3)
         rows.append(row)
     g = torch.Generator().manual_seed(seed)
@@ -120,10 +112,19 @@ def _random_turn_batch(seed, B=5, T=30, K=5):
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.7, 0.3)])
 def test_turn_level_gae_matches_naive(seed, gamma, lam):
     ti, tv, tr, fr, trunc, lv = _random_turn_batch(seed)
-    adv, ret = turn_level_gae(turn_index=ti, turn_values=tv, turn_rewards=tr, final_rewards=fr, truncated=trunc,
-                              last_values=lv, gamma=gamma, lam=lam)
-    ref_adv, ref_ret = naive_turn_level(ti.tolist(), tv.tolist(), tr.tolist(), fr.tolist(), trunc.tolist(),
-                                        lv.tolist(), gamma, lam)
+    adv, ret = turn_level_gae(
+        turn_index=ti,
+        turn_values=tv,
+        turn_rewards=tr,
+        final_rewards=fr,
+        truncated=trunc,
+        last_values=lv,
+        gamma=gamma,
+        lam=lam,
+    )
+    ref_adv, ref_ret = naive_turn_level(
+        ti.tolist(), tv.tolist(), tr.tolist(), fr.tolist(), trunc.tolist(), lv.tolist(), gamma, lam
+    )
     torch.testing.assert_close(adv, torch.tensor(ref_adv, dtype=F64), rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, torch.tensor(ref_ret, dtype=F64), rtol=0, atol=1e-12)
     assert (adv[ti < 0] == 0).all() and (ret[ti < 0] == 0).all()
@@ -135,14 +136,16 @@ def test_turn_level_gae_closed_form_three_turns():
     v = torch.tensor([[0.2, 0.4, 0.8]], dtype=F64)
     r = torch.tensor([[0.0, -0.1, 0.0]], dtype=F64)
     gamma, lam = 0.9, 0.8
-    adv, ret = turn_level_gae(turn_index=ti, turn_values=v, turn_rewards=r,
-                              final_rewards=torch.tensor([1.0], dtype=F64), gamma=gamma, lam=lam)
+    adv, ret = turn_level_gae(
+        turn_index=ti, turn_values=v, turn_rewards=r, final_rewards=torch.tensor([1.0], dtype=F64), gamma=gamma, lam=lam
+    )
     a2 = 1.0 - 0.8
     a1 = -0.1 + gamma * 0.8 - 0.4 + gamma * lam * a2
     a0 = 0.0 + gamma * 0.4 - 0.2 + gamma * lam * a1
     assert adv[0].tolist() == pytest.approx([0, a0, a0, 0, a1, 0, 0, a2, a2, 0], abs=1e-14)
-    assert ret[0].tolist() == pytest.approx([0, a0 + 0.2, a0 + 0.2, 0, a1 + 0.4, 0, 0, a2 + 0.8, a2 + 0.8, 0],
-                                            abs=1e-14)
+    assert ret[0].tolist() == pytest.approx(
+        [0, a0 + 0.2, a0 + 0.2, 0, a1 + 0.4, 0, 0, a2 + 0.8, a2 + 0.8, 0], abs=1e-14
+    )
 
 
 def test_truncation_bootstraps_from_last_values_and_termination_from_zero():
@@ -175,10 +178,24 @@ def test_uniform_signature_reads_values_at_turn_starts_and_sums_token_rewards():
     mask = ti >= 0
     values = torch.tensor([[9.0, 0.3, 5.0, 5.0, 9.0, 0.6, 5.0]], dtype=F64)
     rewards = torch.tensor([[0.0, -0.01, -0.01, 0.2, 0.0, -0.01, 1.0]], dtype=F64)  # per-token KL + turn rewards
-    adv, ret = turn_gae_advantages(rewards=rewards, mask=mask, values=values, turn_index=ti, gamma=1.0, lam=1.0,
-                                   last_values=torch.zeros(1, dtype=F64), group_ids=None, unused_option=1)
-    ref_adv, ref_ret = turn_level_gae(turn_index=ti, turn_values=torch.tensor([[0.3, 0.6]], dtype=F64),
-                                      turn_rewards=torch.tensor([[0.18, 0.99]], dtype=F64), gamma=1.0, lam=1.0)
+    adv, ret = turn_gae_advantages(
+        rewards=rewards,
+        mask=mask,
+        values=values,
+        turn_index=ti,
+        gamma=1.0,
+        lam=1.0,
+        last_values=torch.zeros(1, dtype=F64),
+        group_ids=None,
+        unused_option=1,
+    )
+    ref_adv, ref_ret = turn_level_gae(
+        turn_index=ti,
+        turn_values=torch.tensor([[0.3, 0.6]], dtype=F64),
+        turn_rewards=torch.tensor([[0.18, 0.99]], dtype=F64),
+        gamma=1.0,
+        lam=1.0,
+    )
     torch.testing.assert_close(adv, ref_adv, rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, ref_ret, rtol=0, atol=1e-12)
     assert adv[0, 1].item() == pytest.approx(0.18 + 0.99 - 0.3)
@@ -196,11 +213,20 @@ def test_turn_level_argument_errors():
     with pytest.raises(ValueError, match="needs values"):
         turn_gae_advantages(rewards=v, mask=None, turn_index=ti)
     with pytest.raises(ValueError, match="one episode per row"):
-        turn_gae_advantages(rewards=torch.zeros(1, 3, dtype=F64), mask=None, values=torch.zeros(1, 3, dtype=F64),
-                            turn_index=ti, dones=torch.tensor([[0.0, 1.0, 0.0]]))
+        turn_gae_advantages(
+            rewards=torch.zeros(1, 3, dtype=F64),
+            mask=None,
+            values=torch.zeros(1, 3, dtype=F64),
+            turn_index=ti,
+            dones=torch.tensor([[0.0, 1.0, 0.0]]),
+        )
     with pytest.raises(ValueError, match="mask excludes"):
-        turn_gae_advantages(rewards=torch.zeros(1, 3, dtype=F64), mask=torch.tensor([[True, False, False]]),
-                            values=torch.zeros(1, 3, dtype=F64), turn_index=ti)
+        turn_gae_advantages(
+            rewards=torch.zeros(1, 3, dtype=F64),
+            mask=torch.tensor([[True, False, False]]),
+            values=torch.zeros(1, 3, dtype=F64),
+            turn_index=ti,
+        )
 
 
 def test_turn_gae_with_a_gap_in_the_turn_mask_skips_the_missing_turn():
@@ -214,21 +240,38 @@ def test_turn_gae_with_a_gap_in_the_turn_mask_skips_the_missing_turn():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_turn_gae_rows_matches_the_stream_layout_for_shuffled_rows(seed):
     ti, tv, tr, fr, trunc, lv = _random_turn_batch(seed)
-    stream_adv, stream_ret = turn_level_gae(turn_index=ti, turn_values=tv, turn_rewards=tr, final_rewards=fr,
-                                            truncated=trunc, last_values=lv, gamma=0.9, lam=0.7)
+    stream_adv, stream_ret = turn_level_gae(
+        turn_index=ti,
+        turn_values=tv,
+        turn_rewards=tr,
+        final_rewards=fr,
+        truncated=trunc,
+        last_values=lv,
+        gamma=0.9,
+        lam=0.7,
+    )
     rows = []  # one row per (episode, turn present), with the final reward on the last turn
     for b in range(ti.shape[0]):
         present = sorted({k for k in ti[b].tolist() if k >= 0})
         for k in present:
             reward = tr[b, k].item() + (fr[b].item() if k == present[-1] else 0.0)
             first_token = ti[b].tolist().index(k)
-            rows.append((b, k, tv[b, k].item(), reward, stream_adv[b, first_token].item(),
-                         stream_ret[b, first_token].item()))
+            rows.append(
+                (b, k, tv[b, k].item(), reward, stream_adv[b, first_token].item(), stream_ret[b, first_token].item())
+            )
     random.Random(seed).shuffle(rows)
     columns = list(zip(*rows))
-    adv, ret = turn_gae_rows(episode_index=torch.tensor(columns[0]), turn_number=torch.tensor(columns[1]),
-                             values=torch.tensor(columns[2], dtype=F64), rewards=torch.tensor(columns[3], dtype=F64),
-                             truncated=trunc, last_values=lv, num_episodes=ti.shape[0], gamma=0.9, lam=0.7)
+    adv, ret = turn_gae_rows(
+        episode_index=torch.tensor(columns[0]),
+        turn_number=torch.tensor(columns[1]),
+        values=torch.tensor(columns[2], dtype=F64),
+        rewards=torch.tensor(columns[3], dtype=F64),
+        truncated=trunc,
+        last_values=lv,
+        num_episodes=ti.shape[0],
+        gamma=0.9,
+        lam=0.7,
+    )
     torch.testing.assert_close(adv, torch.tensor(columns[4], dtype=F64), rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, torch.tensor(columns[5], dtype=F64), rtol=0, atol=1e-12)
 
@@ -240,8 +283,13 @@ def test_turn_gae_rows_errors():
     with pytest.raises(ValueError, match="turn_number must be an integer tensor"):
         turn_gae_rows(episode_index=torch.tensor([0, 0]), turn_number=one, values=one, rewards=one)
     with pytest.raises(ValueError, match="num_episodes is 1"):
-        turn_gae_rows(episode_index=torch.tensor([0, 1]), turn_number=torch.tensor([0, 0]), values=one,
-                      rewards=one, num_episodes=1)
+        turn_gae_rows(
+            episode_index=torch.tensor([0, 1]),
+            turn_number=torch.tensor([0, 0]),
+            values=one,
+            rewards=one,
+            num_episodes=1,
+        )
 
 
 # ----------------------------------------------------------------------------- per-turn group advantages
@@ -280,8 +328,14 @@ def test_turn_group_advantages_match_naive(absent, norm_by_std, seed):
     lengths = [rng.randint(1, K) for _ in range(B)]
     mask = [[k < lengths[b] for k in range(K)] for b in range(B)]
     rewards = [[rng.gauss(0, 1) for _ in range(K)] for _ in range(B)]
-    adv = turn_group_advantages(torch.tensor(rewards, dtype=F64), torch.tensor(groups),
-                                turn_mask=torch.tensor(mask), gamma=0.9, absent=absent, norm_by_std=norm_by_std)
+    adv = turn_group_advantages(
+        torch.tensor(rewards, dtype=F64),
+        torch.tensor(groups),
+        turn_mask=torch.tensor(mask),
+        gamma=0.9,
+        absent=absent,
+        norm_by_std=norm_by_std,
+    )
     ref = naive_turn_group(rewards, mask, groups, 0.9, absent, norm_by_std)
     torch.testing.assert_close(adv, torch.tensor(ref, dtype=F64), rtol=0, atol=1e-10)
     assert (adv[8] == 0).all()  # single-sample group

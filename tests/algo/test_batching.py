@@ -23,7 +23,7 @@ def set_partitions(items):
     for partition in set_partitions(rest):
         yield [[first]] + partition
         for i in range(len(partition)):
-            yield partition[:i] + [[first] + partition[i]] + partition[i + 1:]
+            yield partition[:i] + [[first] + partition[i]] + partition[i + 1 :]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -33,13 +33,13 @@ def test_partition_is_optimal_against_brute_force(seed):
     lengths = torch.randint(1, 40, (n,), generator=g).tolist()
     budget = int(torch.randint(max(lengths), 3 * max(lengths) + 1, (1,), generator=g))
     parts = [p.tolist() for p in token_budget_micro_batches(torch.tensor(lengths), budget)]
-    assert sorted(i for p in parts for i in p) == list(range(n))                 # every row exactly once
+    assert sorted(i for p in parts for i in p) == list(range(n))  # every row exactly once
     assert all(cost(lengths, p) <= budget for p in parts)
     feasible = [q for q in set_partitions(list(range(n))) if all(cost(lengths, b) <= budget for b in q)]
     fewest = min(len(q) for q in feasible)
-    assert len(parts) == fewest                                                   # the fewest micro-batches
+    assert len(parts) == fewest  # the fewest micro-batches
     best_max = min(max(cost(lengths, b) for b in q) for q in feasible if len(q) == fewest)
-    assert max(cost(lengths, p) for p in parts) == best_max                       # balanced: smallest largest cost
+    assert max(cost(lengths, p) for p in parts) == best_max  # balanced: smallest largest cost
 
 
 def test_rows_are_sorted_longest_first_and_a_long_row_goes_alone():
@@ -47,7 +47,7 @@ def test_rows_are_sorted_longest_first_and_a_long_row_goes_alone():
     parts = token_budget_micro_batches(lengths, 100)
     flat = torch.cat(parts)
     assert lengths[flat].tolist() == sorted(lengths.tolist(), reverse=True)
-    assert parts[0].tolist() == [1] and parts[1].tolist() == [5]                 # longer than the budget: alone
+    assert parts[0].tolist() == [1] and parts[1].tolist() == [5]  # longer than the budget: alone
     assert all(len(p) * int(lengths[p].max()) <= 100 for p in parts[2:])
 
 

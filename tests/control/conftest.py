@@ -29,8 +29,8 @@ def make_cfg(tmp_path):
 @pytest.fixture
 def train(tmp_path):
     """Run ``train_control`` on a config; returns (result, run_dir)."""
-    from ppokit.workloads import train as train_control
     from ppokit.rundir import create_run_dir
+    from ppokit.workloads import train as train_control
 
     def run(cfg):
         run_dir = create_run_dir(cfg)

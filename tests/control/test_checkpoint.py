@@ -18,9 +18,26 @@ def _state():
     model(torch.randn(5, 3)).sum().backward()
     opt.step()
     gen = torch.Generator().manual_seed(3)
-    return model, opt, {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                        "misc": {"np": np.arange(6.0).reshape(2, 3), "np0": np.array(2.5), "t0": torch.tensor(3), "tuple": (1, 2.5), "none": None,
-                                 "flag": True, "name": "x", 7: "int key", "inf": float("inf")}}
+    return (
+        model,
+        opt,
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "gen": gen.get_state(),
+            "misc": {
+                "np": np.arange(6.0).reshape(2, 3),
+                "np0": np.array(2.5),
+                "t0": torch.tensor(3),
+                "tuple": (1, 2.5),
+                "none": None,
+                "flag": True,
+                "name": "x",
+                7: "int key",
+                "inf": float("inf"),
+            },
+        },
+    )
 
 
 def test_round_trip_restores_every_kind_of_value(tmp_path):
@@ -79,14 +96,20 @@ def _saved(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("damage, file", [
-    (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:100]), "model.safetensors"),
-    (lambda p: (p / "model.safetensors").write_bytes(b"\x00garbage" * 10), "model.safetensors"),
-    (lambda p: (p / "model.safetensors").unlink(), "model.safetensors"),
-    (lambda p: (p / "meta.json").write_text('{"format": "ppokit-checkpoint", "par'), "meta.json"),
-    (lambda p: (p / "meta.json").write_text(json.dumps({"hello": 1})), "meta.json"),
-    (lambda p: (p / "meta.json").unlink(), "meta.json"),
-])
+@pytest.mark.parametrize(
+    "damage, file",
+    [
+        (
+            lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:100]),
+            "model.safetensors",
+        ),
+        (lambda p: (p / "model.safetensors").write_bytes(b"\x00garbage" * 10), "model.safetensors"),
+        (lambda p: (p / "model.safetensors").unlink(), "model.safetensors"),
+        (lambda p: (p / "meta.json").write_text('{"format": "ppokit-checkpoint", "par'), "meta.json"),
+        (lambda p: (p / "meta.json").write_text(json.dumps({"hello": 1})), "meta.json"),
+        (lambda p: (p / "meta.json").unlink(), "meta.json"),
+    ],
+)
 def test_damaged_checkpoints_raise_one_line_user_errors_naming_the_file(tmp_path, damage, file):
     path = _saved(tmp_path)
     damage(path)
@@ -118,9 +141,9 @@ def test_a_live_writers_temporary_directories_are_left_alone(tmp_path):
 
     live, dead = os.getpid(), dead_pid()
     checkpoint.save_checkpoint(tmp_path / "iter-000001", {"a": {"x": torch.zeros(1)}}, {"iteration": 1})
-    (tmp_path / f".iter-000002.tmp-{live}").mkdir()                 # being written
-    (tmp_path / "iter-000001").rename(tmp_path / f".iter-000001.old-{live}")   # being replaced
-    (tmp_path / f".iter-000003.tmp-{dead}").mkdir()                 # a killed writer's
+    (tmp_path / f".iter-000002.tmp-{live}").mkdir()  # being written
+    (tmp_path / "iter-000001").rename(tmp_path / f".iter-000001.old-{live}")  # being replaced
+    (tmp_path / f".iter-000003.tmp-{dead}").mkdir()  # a killed writer's
     checkpoint.recover_interrupted(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".iter-000001.old-{live}", f".iter-000002.tmp-{live}"]
     assert checkpoint.pid_alive(live) and not checkpoint.pid_alive(dead)

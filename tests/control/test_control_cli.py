@@ -36,15 +36,26 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_unknown_env_id_in_a_real_process(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "ppokit", "train", "cartpole", "env.id=CartPol-v1", "--no-progress"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ppokit", "train", "cartpole", "env.id=CartPol-v1", "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     _one_line(proc.stderr, "CartPol-v1", "did you mean 'CartPole-v1'")
 
 
-@pytest.mark.parametrize("env_id, fragment", [("control_toy_envs:ppokit-test/MultiBinary-v0", "MultiBinary"),
-                                              ("ppokit-test/DictObs-v0", "observation space"),
-                                              ("Blackjack-v1", "observation space")])
+@pytest.mark.parametrize(
+    "env_id, fragment",
+    [
+        ("control_toy_envs:ppokit-test/MultiBinary-v0", "MultiBinary"),
+        ("ppokit-test/DictObs-v0", "observation space"),
+        ("Blackjack-v1", "observation space"),
+    ],
+)
 def test_unsupported_space(tmp_path, capsys, env_id, fragment):
     code, _, err = cli(capsys, "train", "cartpole", f"env.id={env_id}", f"run.output_dir={tmp_path}", "--no-progress")
     assert code == 2
@@ -52,8 +63,17 @@ def test_unsupported_space(tmp_path, capsys, env_id, fragment):
 
 
 def test_corrupt_checkpoint_and_a_good_one(tmp_path, capsys):
-    code, _, err = cli(capsys, "train", "cartpole", "train.total_steps=512", "env.eval_episodes=1", "run.name=tiny",
-                       "run.tensorboard=false", f"run.output_dir={tmp_path}", "--no-progress")
+    code, _, err = cli(
+        capsys,
+        "train",
+        "cartpole",
+        "train.total_steps=512",
+        "env.eval_episodes=1",
+        "run.name=tiny",
+        "run.tensorboard=false",
+        f"run.output_dir={tmp_path}",
+        "--no-progress",
+    )
     assert code == 0, err
     run_dir = tmp_path / "tiny"
     code, out, err = cli(capsys, "eval", str(run_dir), "--episodes", "2")

@@ -16,9 +16,14 @@ def test_unknown_env_id_suggests_a_registered_one(make_cfg):
         resolve_spec("no_such_module_xyz:Foo-v0")
 
 
-@pytest.mark.parametrize("env_id, what", [("ppokit-test/MultiBinary-v0", "action space MultiBinary"),
-                                          ("ppokit-test/DictObs-v0", "observation space"),
-                                          ("Blackjack-v1", "observation space")])
+@pytest.mark.parametrize(
+    "env_id, what",
+    [
+        ("ppokit-test/MultiBinary-v0", "action space MultiBinary"),
+        ("ppokit-test/DictObs-v0", "observation space"),
+        ("Blackjack-v1", "observation space"),
+    ],
+)
 def test_unsupported_spaces_are_user_errors(make_cfg, env_id, what):
     cfg = make_cfg(f"env.id={env_id}")
     with pytest.raises(UserError, match=what) as info:
@@ -84,7 +89,7 @@ def test_reward_normalization_follows_vecnormalize(make_cfg):
     rng = np.random.default_rng(1)
     ret = np.zeros(2)
     ref = RunningMeanStd(())
-    for t in range(50):
+    for _t in range(50):
         reward = rng.normal(size=2) * 10
         done = rng.random(2) < 0.1
         valid = np.ones(2, bool)

@@ -36,7 +36,7 @@ def _reference(net: ActorCritic, obs: torch.Tensor, activation: str = "tanh") ->
 
     def hidden(prefix: str) -> torch.Tensor:
         h = obs.double()
-        for i in range(0, 99, 2):   # nn.Sequential: Linear at even indices, activation at odd ones
+        for i in range(0, 99, 2):  # nn.Sequential: Linear at even indices, activation at odd ones
             if f"{prefix}.{i}.weight" not in s:
                 return h
             h = act(h @ s[f"{prefix}.{i}.weight"].T + s[f"{prefix}.{i}.bias"])
@@ -49,14 +49,16 @@ def _reference(net: ActorCritic, obs: torch.Tensor, activation: str = "tanh") ->
     return out, value
 
 
-def _log_prob_entropy64(net: ActorCritic, out: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _log_prob_entropy64(
+    net: ActorCritic, out: torch.Tensor, actions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 log pi(a|s) and H(pi(.|s)) written out."""
     if net.discrete:
-        log_p = out - torch.log(torch.exp(out).sum(-1, keepdim=True))   # (..., K)
+        log_p = out - torch.log(torch.exp(out).sum(-1, keepdim=True))  # (..., K)
         log_prob = torch.take_along_dim(log_p, actions.long()[..., None], -1).squeeze(-1)
         entropy = -(log_p.exp() * log_p).sum(-1)
         return log_prob, entropy
-    log_std = net.named_state()["log_std"].double()   # (A,)
+    log_std = net.named_state()["log_std"].double()  # (A,)
     z = (actions.double() - out) / torch.exp(log_std)
     log_prob = (-0.5 * z**2 - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
     entropy = (0.5 + 0.5 * math.log(2 * math.pi) + log_std).sum().expand(out.shape[:-1])
@@ -67,8 +69,13 @@ def _log_prob_entropy64(net: ActorCritic, out: torch.Tensor, actions: torch.Tens
 @pytest.mark.parametrize("activation", ["tanh", "relu", "gelu"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_forward_matches_float64_mlp(make_cfg, activation, shared):
-    net = _net(make_cfg, False, f"network.activation={activation}", f"network.shared_trunk={shared}",
-               "network.hidden_sizes=[16,8,12]")
+    net = _net(
+        make_cfg,
+        False,
+        f"network.activation={activation}",
+        f"network.shared_trunk={shared}",
+        "network.hidden_sizes=[16,8,12]",
+    )
     _randomize(net)
     obs = torch.randn(7, OBS_DIM)
     out, value = _reference(net, obs, activation)
@@ -80,13 +87,13 @@ def test_forward_matches_float64_mlp(make_cfg, activation, shared):
 @pytest.mark.parametrize("shared", [False, True])
 def test_evaluate_log_prob_entropy_and_values_match_float64_formulas(make_cfg, discrete, shared):
     net = _net(make_cfg, discrete, "network.init_log_std=-0.3", f"network.shared_trunk={shared}")
-    _randomize(net)   # log_std too: a different std per action dimension
-    obs = torch.randn(6, 4, OBS_DIM)   # (n, T, D)
+    _randomize(net)  # log_std too: a different std per action dimension
+    obs = torch.randn(6, 4, OBS_DIM)  # (n, T, D)
     out, value = _reference(net, obs)
     if discrete:
-        actions = torch.randint(0, ACTION_DIM, (6, 4))   # (n, T)
+        actions = torch.randint(0, ACTION_DIM, (6, 4))  # (n, T)
     else:
-        actions = out.float() + torch.randn(6, 4, ACTION_DIM) * 2.0   # (n, T, A), also far from the mean
+        actions = out.float() + torch.randn(6, 4, ACTION_DIM) * 2.0  # (n, T, A), also far from the mean
     ref_lp, ref_ent = _log_prob_entropy64(net, out, actions)
     res = net.evaluate({"obs": obs, "actions": actions})
     assert res["log_prob"].shape == res["values"].shape == res["entropy"].shape == (6, 4)
@@ -133,14 +140,14 @@ def test_act_returns_the_sampled_actions_log_prob_and_value(make_cfg, discrete):
 def test_act_samples_from_the_policy_distribution(make_cfg, discrete):
     net = _net(make_cfg, discrete, "network.init_log_std=-0.7")
     _randomize(net)
-    obs = torch.randn(1, OBS_DIM).expand(20_000, OBS_DIM)   # one state, many draws
+    obs = torch.randn(1, OBS_DIM).expand(20_000, OBS_DIM)  # one state, many draws
     torch.manual_seed(3)
     with torch.inference_mode():
         actions, _, _ = net.act(obs)
     out, _ = _reference(net, obs[:1])
     if discrete:
         freq = torch.bincount(actions, minlength=ACTION_DIM).double() / len(actions)
-        torch.testing.assert_close(freq, torch.softmax(out[0], -1), rtol=0, atol=0.015)   # > 5 sigma
+        torch.testing.assert_close(freq, torch.softmax(out[0], -1), rtol=0, atol=0.015)  # > 5 sigma
     else:
         std = torch.exp(net.named_state()["log_std"].double())
         torch.testing.assert_close(actions.double().mean(0), out[0], rtol=0, atol=float(6 * std.max() / 141))
@@ -155,11 +162,11 @@ def test_sampling_draws_only_from_the_global_torch_rng(make_cfg, discrete):
     with torch.inference_mode():
         first = [net.act(obs)[0].clone() for _ in range(3)]
         after = torch.get_rng_state()
-        torch.set_rng_state(state)   # what a resumed run does
+        torch.set_rng_state(state)  # what a resumed run does
         again = [net.act(obs)[0].clone() for _ in range(3)]
-    assert not torch.equal(after, state)   # the global generator was consumed
+    assert not torch.equal(after, state)  # the global generator was consumed
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    assert not torch.equal(first[0], first[1])   # fresh draws on every call
+    assert not torch.equal(first[0], first[1])  # fresh draws on every call
 
 
 def test_deterministic_action_is_the_mode(make_cfg):
@@ -172,10 +179,10 @@ def test_deterministic_action_is_the_mode(make_cfg):
     cont = _net(make_cfg, False)
     _randomize(cont)
     out, _ = _reference(cont, obs)
-    torch.testing.assert_close(cont.act_deterministic(obs).double(), out, rtol=1e-5, atol=1e-5)   # the mean
+    torch.testing.assert_close(cont.act_deterministic(obs).double(), out, rtol=1e-5, atol=1e-5)  # the mean
     state = torch.get_rng_state()
     cont.act_deterministic(obs)
-    assert torch.equal(torch.get_rng_state(), state)   # no random draw
+    assert torch.equal(torch.get_rng_state(), state)  # no random draw
 
 
 # ----------------------------------------------------------------------------- init
@@ -186,21 +193,25 @@ def _svals(w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_orthogonal_init_gains_and_zero_biases(make_cfg, shared):
-    net = _net(make_cfg, False, "network.hidden_sizes=[32,16]", "network.init_log_std=-0.4",
-               f"network.shared_trunk={shared}")
+    net = _net(
+        make_cfg, False, "network.hidden_sizes=[32,16]", "network.init_log_std=-0.4", f"network.shared_trunk={shared}"
+    )
     state = net.named_state()
     trunks = ["trunk"] if shared else ["actor", "critic"]
     hidden = [f"{t}.{i}" for t in trunks for i in (0, 2)]
     assert {f"{h}.weight" for h in hidden} == {k for k in state if k.endswith(".weight") and "head" not in k}
     for name in hidden:
         w = state[f"{name}.weight"]
-        torch.testing.assert_close(_svals(w), torch.full((min(w.shape),), math.sqrt(2), dtype=torch.float64),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            _svals(w), torch.full((min(w.shape),), math.sqrt(2), dtype=torch.float64), rtol=1e-5, atol=1e-6
+        )
         assert torch.all(state[f"{name}.bias"] == 0)
-    torch.testing.assert_close(_svals(state["policy_head.weight"]), torch.full((ACTION_DIM,), 0.01, dtype=torch.float64),
-                               rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(_svals(state["value_head.weight"]), torch.ones(1, dtype=torch.float64), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        _svals(state["policy_head.weight"]), torch.full((ACTION_DIM,), 0.01, dtype=torch.float64), rtol=1e-5, atol=1e-8
+    )
+    torch.testing.assert_close(
+        _svals(state["value_head.weight"]), torch.ones(1, dtype=torch.float64), rtol=1e-5, atol=1e-6
+    )
     assert torch.all(state["policy_head.bias"] == 0) and torch.all(state["value_head.bias"] == 0)
     assert torch.all(state["log_std"] == -0.4)
 
@@ -208,15 +219,20 @@ def test_orthogonal_init_gains_and_zero_biases(make_cfg, shared):
 def test_without_ortho_init_pytorch_default_init(make_cfg):
     net = _net(make_cfg, False, "network.ortho_init=false", "network.hidden_sizes=[32,16]", "network.init_log_std=0.2")
     state = net.named_state()
-    for name, fan_in in (("actor.0", OBS_DIM), ("actor.2", 32), ("critic.2", 32), ("policy_head", 16),
-                         ("value_head", 16)):
+    for name, fan_in in (
+        ("actor.0", OBS_DIM),
+        ("actor.2", 32),
+        ("critic.2", 32),
+        ("policy_head", 16),
+        ("value_head", 16),
+    ):
         w, b = state[f"{name}.weight"], state[f"{name}.bias"]
-        bound = 1 / math.sqrt(fan_in)   # nn.Linear: kaiming_uniform(a=sqrt(5)) and U(-bound, bound) biases
+        bound = 1 / math.sqrt(fan_in)  # nn.Linear: kaiming_uniform(a=sqrt(5)) and U(-bound, bound) biases
         assert w.abs().max() <= bound and b.abs().max() <= bound
-        assert b.abs().max() > 0   # not the zero biases of the orthogonal init
+        assert b.abs().max() > 0  # not the zero biases of the orthogonal init
     s = _svals(state["actor.2.weight"])
-    assert s.max() / s.min() > 1.5   # not orthogonal
-    assert _svals(state["policy_head.weight"]).max() > 0.1   # not the 0.01 head
+    assert s.max() / s.min() > 1.5  # not orthogonal
+    assert _svals(state["policy_head.weight"]).max() > 0.1  # not the 0.01 head
     assert torch.all(state["log_std"] == 0.2)
 
 
@@ -248,16 +264,24 @@ def test_param_groups_shared_trunk(make_cfg):
     cfg = make_cfg("network.shared_trunk=true")
     net = ActorCritic(4, 2, True, cfg.network)
     groups = {g["name"]: g for g in net.param_groups(cfg)}
-    assert groups["critic"]["lr"] == groups["actor"]["lr"] == cfg.train.learning_rate   # critic lr null -> lr
+    assert groups["critic"]["lr"] == groups["actor"]["lr"] == cfg.train.learning_rate  # critic lr null -> lr
     names = set(net.named_state())
-    assert names == {"trunk.0.weight", "trunk.0.bias", "trunk.2.weight", "trunk.2.bias", "policy_head.weight",
-                     "policy_head.bias", "value_head.weight", "value_head.bias"}   # discrete: no log_std
-    assert [tuple(p.shape) for p in groups["critic"]["params"]] == [(1, 64), (1,)]   # the value head only
+    assert names == {
+        "trunk.0.weight",
+        "trunk.0.bias",
+        "trunk.2.weight",
+        "trunk.2.bias",
+        "policy_head.weight",
+        "policy_head.bias",
+        "value_head.weight",
+        "value_head.bias",
+    }  # discrete: no log_std
+    assert [tuple(p.shape) for p in groups["critic"]["params"]] == [(1, 64), (1,)]  # the value head only
     trunk = {id(p) for p in net.trunk.parameters()}
     assert trunk <= {id(p) for p in groups["actor"]["params"]}
     assert len(groups["actor"]["params"]) + len(groups["critic"]["params"]) == len(list(net.parameters()))
     net.value(torch.randn(8, 4)).sum().backward()
-    assert all(p.grad.abs().sum() > 0 for p in net.trunk.parameters())   # the shared trunk learns from the critic
+    assert all(p.grad.abs().sum() > 0 for p in net.trunk.parameters())  # the shared trunk learns from the critic
     assert net.policy_head.weight.grad is None
 
 
@@ -300,4 +324,4 @@ def test_load_named_state_errors(make_cfg):
     before = [p.detach().clone() for p in net.parameters()]
     with pytest.raises(ValueError):
         net.load_named_state({**{k: torch.zeros_like(v) for k, v in good.items()}, "value_head.bias": torch.zeros(2)})
-    assert all(torch.equal(x, y) for x, y in zip(before, net.parameters()))   # nothing half-loaded
+    assert all(torch.equal(x, y) for x, y in zip(before, net.parameters()))  # nothing half-loaded

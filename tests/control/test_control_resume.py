@@ -18,19 +18,37 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from resume_helpers import (
+    assert_same_metrics,
+    assert_same_state,
+    poison_value_loss,
+    read_rows,
+    sigterm_run,
+    start_and_wait,
+    train_cmd,
+)
 
 from ppokit import checkpoint, resume, rundir
 from ppokit.cli import main
-from resume_helpers import (assert_same_state, assert_same_metrics, poison_value_loss, read_rows, sigterm_run, start_and_wait,
-                            train_cmd)
 from ppokit.errors import UserError
 
-TIMING = {"time", "sps", "time_collect", "time_update", "time_iteration", "wall_time"}   # differ between any two runs
+TIMING = {"time", "sps", "time_collect", "time_update", "time_iteration", "wall_time"}  # differ between any two runs
 ITERATIONS = 12
-RUN_ARGS = ["cartpole", "env.num_envs=4", "env.num_steps=32", f"train.total_steps={ITERATIONS * 128}",
-            "train.mini_batch_size=64", "train.epochs=2", "env.eval_every=4", "env.eval_episodes=2",
-            "env.normalize_obs=true", "env.normalize_reward=true",
-            "run.progress=false", "run.tensorboard=false", "run.keep_checkpoints=2"]
+RUN_ARGS = [
+    "cartpole",
+    "env.num_envs=4",
+    "env.num_steps=32",
+    f"train.total_steps={ITERATIONS * 128}",
+    "train.mini_batch_size=64",
+    "train.epochs=2",
+    "env.eval_every=4",
+    "env.eval_episodes=2",
+    "env.normalize_obs=true",
+    "env.normalize_reward=true",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "run.keep_checkpoints=2",
+]
 
 
 def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
@@ -39,7 +57,7 @@ def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
 
 def _assert_same_weights(a: Path, b: Path) -> None:
     ca, cb = checkpoint.load_checkpoint(a / "checkpoint"), checkpoint.load_checkpoint(b / "checkpoint")
-    assert_same_state(ca.parts["learner"], cb.parts["learner"])   # weights, Adam moments and steps, schedule
+    assert_same_state(ca.parts["learner"], cb.parts["learner"])  # weights, Adam moments and steps, schedule
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +73,7 @@ def test_sigkill_at_several_points_then_resume_matches_the_uninterrupted_run(ref
     run_dir = tmp_path / "killed"
     args = [*RUN_ARGS, f"run.output_dir={tmp_path}", "run.name=killed", "run.checkpoint_every=1"]
     kills = 0
-    for rows in (2, 6, 9):   # SIGKILL as soon as the row appears: usually inside the checkpoint write
+    for rows in (2, 6, 9):  # SIGKILL as soon as the row appears: usually inside the checkpoint write
         first = rows == 2
         proc = start_and_wait(train_cmd(*args) if first else train_cmd(*args, "--resume"), run_dir, rows)
         if proc.poll() is None:
@@ -67,8 +85,8 @@ def test_sigkill_at_several_points_then_resume_matches_the_uninterrupted_run(ref
         latest = rundir.latest_checkpoint(run_dir)
         if latest is not None:
             checkpoint.load_checkpoint(latest)
-        assert not [p for p in (run_dir / "checkpoints").glob(".*")], "stale temp dirs were not cleaned"
-    assert kills >= 1   # (>= 2 unless the machine stalls this process for a whole run)
+        assert not list((run_dir / "checkpoints").glob(".*")), "stale temp dirs were not cleaned"
+    assert kills >= 1  # (>= 2 unless the machine stalls this process for a whole run)
     assert main(["train", "--resume", str(run_dir)]) == 0
     assert "resuming from" in capsys.readouterr().out
     _assert_same_metrics(read_rows(run_dir), read_rows(reference))
@@ -90,8 +108,18 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(reference, tmp_p
 
 # --------------------------------------------------------------------------- in process
 def _small(tmp_path, *extra):
-    return ["cartpole", "env.num_envs=2", "env.num_steps=16", "train.total_steps=192", "train.mini_batch_size=16",
-            "train.epochs=2", "run.progress=false", "run.tensorboard=false", f"run.output_dir={tmp_path}", *extra]
+    return [
+        "cartpole",
+        "env.num_envs=2",
+        "env.num_steps=16",
+        "train.total_steps=192",
+        "train.mini_batch_size=16",
+        "train.epochs=2",
+        "run.progress=false",
+        "run.tensorboard=false",
+        f"run.output_dir={tmp_path}",
+        *extra,
+    ]
 
 
 def test_config_resume_and_run_resume_auto(tmp_path, capsys):
@@ -108,8 +136,9 @@ def test_config_resume_and_run_resume_auto(tmp_path, capsys):
     assert main(["train", *_small(tmp_path, "run.name=a", "run.checkpoint_every=2"), "--resume"]) == 0
     assert "resuming from" in capsys.readouterr().out
     again = read_rows(tmp_path / "a")
-    assert [{k: v for k, v in r.items() if k not in TIMING} for r in again] == \
-        [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in again] == [
+        {k: v for k, v in r.items() if k not in TIMING} for r in rows
+    ]
     # run.resume=auto: a fresh start when there is no checkpoint, a resume when there is
     assert main(["train", *_small(tmp_path, "run.name=b", "run.resume=auto")]) == 0
     assert main(["train", *_small(tmp_path, "run.name=b", "run.resume=auto")]) == 0
@@ -117,11 +146,14 @@ def test_config_resume_and_run_resume_auto(tmp_path, capsys):
     assert len(read_rows(tmp_path / "b")) == 6
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--resume"], "--resume needs a fixed run directory: set run.name"),
-    (["run.name=nothing", "--resume"], "run directory"),
-    (["run.resume=auto"], "run.resume=auto needs a fixed run directory"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--resume"], "--resume needs a fixed run directory: set run.name"),
+        (["run.name=nothing", "--resume"], "run directory"),
+        (["run.resume=auto"], "run.resume=auto needs a fixed run directory"),
+    ],
+)
 def test_resume_without_a_run_directory_is_a_one_line_error(tmp_path, capsys, argv, message):
     assert main(["train", *_small(tmp_path), *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -157,7 +189,7 @@ def test_resume_errors_name_the_problem(tmp_path, capsys):
 
 
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
-    poison_value_loss(monkeypatch, lambda n: n > 8)   # 4 optimizer steps per iteration: NaN from the 3rd on
+    poison_value_loss(monkeypatch, lambda n: n > 8)  # 4 optimizer steps per iteration: NaN from the 3rd on
     argv = _small(tmp_path, "run.name=nan", "run.checkpoint_every=1", "train.max_bad_steps=3")
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -184,8 +216,14 @@ def test_rng_capture_and_restore_round_trip_through_a_checkpoint(tmp_path):
     random.random(), np.random.normal(), torch.rand(3), torch.rand(2, generator=tgen), ngen.normal()
     gens = {"shuffle": tgen, "env": ngen}
     checkpoint.save_checkpoint(tmp_path / "ck", {"rng": resume.capture_rng(gens)}, {})
-    draw = lambda: (random.random(), np.random.normal(), torch.rand(3).tolist(),  # noqa: E731
-                    torch.rand(2, generator=tgen).tolist(), ngen.normal(), ngen.integers(1 << 60))
+    draw = lambda: (
+        random.random(),
+        np.random.normal(),
+        torch.rand(3).tolist(),  # noqa: E731
+        torch.rand(2, generator=tgen).tolist(),
+        ngen.normal(),
+        ngen.integers(1 << 60),
+    )
     want = draw()
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     tgen.manual_seed(9)
@@ -204,13 +242,16 @@ def _vec(env_id: str, n: int, **env):
     return VecEnv(cfg.env, n, seed=7, gamma=0.99)
 
 
-@pytest.mark.parametrize("env_id, extra", [
-    ("CartPole-v1", {"max_episode_steps": 15}),                          # native vector env
-    ("CartPole-v1", {"max_episode_steps": 15, "vectorization": "sync"}),
-    ("Acrobot-v1", {"max_episode_steps": 12, "normalize_obs": True, "normalize_reward": True}),
-    ("Pendulum-v1", {"max_episode_steps": 10}),
-    ("HalfCheetah-v5", {"max_episode_steps": 10}),                       # MuJoCo: mj_getState/mj_setState
-])
+@pytest.mark.parametrize(
+    "env_id, extra",
+    [
+        ("CartPole-v1", {"max_episode_steps": 15}),  # native vector env
+        ("CartPole-v1", {"max_episode_steps": 15, "vectorization": "sync"}),
+        ("Acrobot-v1", {"max_episode_steps": 12, "normalize_obs": True, "normalize_reward": True}),
+        ("Pendulum-v1", {"max_episode_steps": 10}),
+        ("HalfCheetah-v5", {"max_episode_steps": 10}),  # MuJoCo: mj_getState/mj_setState
+    ],
+)
 def test_env_snapshot_continues_bit_identically(tmp_path, env_id, extra):
     if env_id.startswith("HalfCheetah"):
         pytest.importorskip("mujoco")
@@ -224,7 +265,7 @@ def test_env_snapshot_continues_bit_identically(tmp_path, env_id, extra):
 
     try:
         a.reset()
-        for _ in range(23):   # mid-episode, after some time-limit resets
+        for _ in range(23):  # mid-episode, after some time-limit resets
             a.step(actions())
         checkpoint.save_checkpoint(tmp_path / "ck", {"venv": a.state_dict(), "norm": a.normalizer.state_dict()}, {})
         parts = checkpoint.load_checkpoint(tmp_path / "ck").parts
@@ -262,7 +303,7 @@ def test_leftovers_of_a_killed_writer_are_recovered(tmp_path):
     from resume_helpers import dead_pid
 
     ck = tmp_path / "checkpoints"
-    pid = dead_pid()   # the killed writer's
+    pid = dead_pid()  # the killed writer's
     for i in (1, 2):
         checkpoint.save_checkpoint(ck / f"iter-{i:06d}", {"a": {"x": torch.full((2,), float(i))}}, {"iteration": i})
     # killed while writing iter-3 (temp dir only) ...

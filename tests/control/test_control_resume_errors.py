@@ -8,16 +8,26 @@ import shutil
 from pathlib import Path
 
 import pytest
+from resume_helpers import copy_without_final_checkpoint
 
 from ppokit.cli import main
 from ppokit.rundir import read_metrics
-from resume_helpers import copy_without_final_checkpoint
 
 
 def _small(tmp_path, *extra):
-    return ["cartpole", "env.num_envs=2", "env.num_steps=16", "train.total_steps=128", "train.mini_batch_size=16",
-            "train.epochs=1", "env.eval_episodes=1", "run.progress=false", "run.tensorboard=false",
-            f"run.output_dir={tmp_path}", *extra]
+    return [
+        "cartpole",
+        "env.num_envs=2",
+        "env.num_steps=16",
+        "train.total_steps=128",
+        "train.mini_batch_size=16",
+        "train.epochs=1",
+        "env.eval_episodes=1",
+        "run.progress=false",
+        "run.tensorboard=false",
+        f"run.output_dir={tmp_path}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +66,9 @@ def test_a_damaged_checkpoint_file_says_which_checkpoint_to_resume_from(interrup
     assert main(["train", "--resume", str(interrupted)]) == 2
     err = capsys.readouterr().err.strip()
     assert f"checkpoint file {damaged} is corrupt or truncated" in err and "\n" not in err, err
-    assert err.endswith(f"; move it out of the run directory to resume from {interrupted / 'checkpoints'}"
-                        "/iter-000002"), err
+    assert err.endswith(
+        f"; move it out of the run directory to resume from {interrupted / 'checkpoints'}/iter-000002"
+    ), err
     assert (interrupted / "metrics.jsonl").read_bytes() == before
 
 
@@ -98,7 +109,7 @@ def test_a_run_that_failed_before_its_first_iteration_can_be_run_again(tmp_path,
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(Rollout, "collect", interrupted)     # Ctrl-C during the first rollout
+        m.setattr(Rollout, "collect", interrupted)  # Ctrl-C during the first rollout
         assert main(["train", *_small(tmp_path, "run.name=r")]) == 130
     run_dir = tmp_path / "r"
     assert (run_dir / "config.yaml").is_file() and read_metrics(run_dir) == []
@@ -111,8 +122,10 @@ def test_a_run_that_failed_before_its_first_iteration_can_be_run_again(tmp_path,
     (run_dir / "base_model").mkdir()
     assert main(["train", *_small(tmp_path, "run.name=r", "seed=7")]) == 2
     err = capsys.readouterr().err
-    assert "stopped before its first iteration, with another config (seed (1 in the run, 7 now)) and what it " \
-           "built (base_model)" in err
+    assert (
+        "stopped before its first iteration, with another config (seed (1 in the run, 7 now)) and what it "
+        "built (base_model)" in err
+    )
     # the same config: the run starts in that directory
     assert main(["train", *_small(tmp_path, "run.name=r")]) == 0
     assert len(read_metrics(run_dir)) == 4

@@ -47,8 +47,9 @@ def test_mask_carries_over_an_iteration_boundary(make_cfg):
 @pytest.mark.parametrize("truncation", ["bootstrap", "terminal"])
 def test_truncated_steps_bootstrap_from_the_final_observation(make_cfg, truncation):
     # ConstantReward has a 10-step time limit: truncated at t = 9 and t = 20; t = 10, 21 are reset steps
-    cfg, venv, policy, rollout = _rollout(make_cfg, "ppokit-test/ConstantReward-v0", 2, 25,
-                                          f"env.truncation={truncation}", "algo.gamma=0.9")
+    cfg, venv, policy, rollout = _rollout(
+        make_cfg, "ppokit-test/ConstantReward-v0", 2, 25, f"env.truncation={truncation}", "algo.gamma=0.9"
+    )
     state = policy.named_state()
     state["value_head.bias"].fill_(3.0)  # V(s) = 3 + a little for the constant observation
     policy.load_named_state(state)

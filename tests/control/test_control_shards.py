@@ -18,11 +18,11 @@ def test_merged_statistics_are_those_of_the_union():
             rms.update(chunk)
         shards.append(rms.state_dict())
     merged = merge_running_stats(shards)
-    union = np.concatenate(streams)                      # float64 naive statistics of everything
-    prior = 1e-4 * len(streams)                          # each shard's tiny prior: mean 0, var 1
+    union = np.concatenate(streams)  # float64 naive statistics of everything
+    prior = 1e-4 * len(streams)  # each shard's tiny prior: mean 0, var 1
     n = len(union) + prior
     mean = union.sum(0) / n
-    var = (((union - mean) ** 2).sum(0) + prior * (1.0 + mean ** 2)) / n
+    var = (((union - mean) ** 2).sum(0) + prior * (1.0 + mean**2)) / n
     np.testing.assert_allclose(merged["mean"], mean, rtol=1e-9)
     np.testing.assert_allclose(merged["var"], var, rtol=1e-9)
     assert abs(float(merged["count"]) - n) < 1e-9
@@ -46,7 +46,7 @@ def _shard_sources(num_shards: int, iterations: int):
 
 
 def _stats(state: dict, prefix: str) -> dict:
-    return {k[len(prefix):]: np.asarray(v, np.float64) for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: np.asarray(v, np.float64) for k, v in state.items() if k.startswith(prefix)}
 
 
 def test_env_states_move_between_shard_layouts():
@@ -61,11 +61,11 @@ def test_env_states_move_between_shard_layouts():
     assert len(state["shards"]) == 2
     finished = [s.venv.episodes_finished for s in two]
     returns = [list(s.venv.episode_returns) for s in two]
-    assert min(finished) > 0                                   # episodes ended on both shards
+    assert min(finished) > 0  # episodes ended on both shards
 
     [one] = _shard_sources(1, 0)
     notes = one.load_state_dict(state)
-    restarted = one.venv.env.unwrapped.state.copy()            # the new episodes' first states
+    restarted = one.venv.env.unwrapped.state.copy()  # the new episodes' first states
     assert len(notes) == 1 and "2 shard(s)" in notes[0] and "not bit-identical" in notes[0]
     norm = one.venv.normalizer.state_dict()
     for prefix in ("obs_", "ret_"):
@@ -74,12 +74,12 @@ def test_env_states_move_between_shard_layouts():
         for key in ("mean", "var", "count"):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-12)
     assert one.venv.episodes_finished == sum(finished)
-    assert list(one.venv.episode_returns) == (returns[0] + returns[1])[-one.venv.episode_returns.maxlen:]
+    assert list(one.venv.episode_returns) == (returns[0] + returns[1])[-one.venv.episode_returns.maxlen :]
     batch = one.collect(3)
     assert batch.tensors["obs"].shape[:2] == (4, 64) and batch.metrics["episodes"] >= 0
     [fresh] = _shard_sources(1, 0)
     fresh.venv.reset()
-    assert not np.array_equal(restarted, fresh.venv.env.unwrapped.state)   # seeded apart from the first reset
+    assert not np.array_equal(restarted, fresh.venv.env.unwrapped.state)  # seeded apart from the first reset
 
     back, notes = regroup_env_states(one.state_dict(), 2)
     assert len(back) == 2 and len(notes) == 1
@@ -98,6 +98,7 @@ def test_the_same_layout_keeps_the_states_as_they_are():
     two = _shard_sources(2, 1)
     states = [s.state_dict() for s in two]
     same, notes = regroup_env_states({"shards": states}, 2)
-    assert notes == [] and [s["venv"]["episodes_finished"] for s in same] == [s["venv"]["episodes_finished"]
-                                                                             for s in states]
+    assert notes == [] and [s["venv"]["episodes_finished"] for s in same] == [
+        s["venv"]["episodes_finished"] for s in states
+    ]
     assert not any(s.get("restart") for s in same)

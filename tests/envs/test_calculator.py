@@ -11,25 +11,36 @@ from ppokit.expressions import evaluate
 from ppokit.lm.model.tiny import DEFAULT_ALPHABET
 
 
-@pytest.mark.parametrize("text,parsed", [
-    ("calc: 12*7", ("calc", "12*7")),
-    ("calc:12*7\n", ("calc", "12*7")),
-    ("CALC : 12 * 7 = 84", ("calc", "12 * 7")),
-    ("first i multiply.\ncalc: 3*4\nanswer: 12", ("calc", "3*4")),
-    ("<calc>(2+3)*4</calc> then <answer>20</answer>", ("calc", "(2+3)*4")),
-    ("I know it.\n<answer> 79 </answer>", ("answer", "79")),
-    ("answer: 79\ncalc: 1+1", ("answer", "79")),
-    ("the calc: 3*4 is not at a line start", None),
-    ("just 12", None),
-])
+@pytest.mark.parametrize(
+    "text,parsed",
+    [
+        ("calc: 12*7", ("calc", "12*7")),
+        ("calc:12*7\n", ("calc", "12*7")),
+        ("CALC : 12 * 7 = 84", ("calc", "12 * 7")),
+        ("first i multiply.\ncalc: 3*4\nanswer: 12", ("calc", "3*4")),
+        ("<calc>(2+3)*4</calc> then <answer>20</answer>", ("calc", "(2+3)*4")),
+        ("I know it.\n<answer> 79 </answer>", ("answer", "79")),
+        ("answer: 79\ncalc: 1+1", ("answer", "79")),
+        ("the calc: 3*4 is not at a line start", None),
+        ("just 12", None),
+    ],
+)
 def test_parse_tool_action(text, parsed):
     assert parse_tool_action(text) == parsed
 
 
-@pytest.mark.parametrize("text,value", [
-    ("79", 79), ("79.", 79), ("-2.5 apples", Fraction(-5, 2)), ("1/3", Fraction(1, 3)), ("1,000", 1000),
-    ("about 7 or 8", 7), ("seven", None),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("79", 79),
+        ("79.", 79),
+        ("-2.5 apples", Fraction(-5, 2)),
+        ("1/3", Fraction(1, 3)),
+        ("1,000", 1000),
+        ("about 7 or 8", 7),
+        ("seven", None),
+    ],
+)
 def test_parse_answer(text, value):
     assert parse_answer(text) == value
 
@@ -120,6 +131,9 @@ def test_expert_solves_every_problem_and_is_deterministic():
     assert metrics["env/win_rate"] == 1.0 and 3.0 <= metrics["env/turns_mean"] <= 4.0
     first = [t.observation for t in play_episode(env, expert_policy(env), seed=11).turns]
     assert first == [t.observation for t in play_episode(env, expert_policy(env), seed=11).turns]
-    longest = max(len(t.observation) + len(t.action) for s in range(300)
-                  for t in play_episode(env, expert_policy(env), seed=s).turns)
+    longest = max(
+        len(t.observation) + len(t.action)
+        for s in range(300)
+        for t in play_episode(env, expert_policy(env), seed=s).turns
+    )
     assert longest <= 160  # characters of observation + action: a context the tiny model can be built with

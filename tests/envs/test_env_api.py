@@ -29,8 +29,16 @@ def _one_line(exc_info) -> str:
 # ----------------------------------------------------------------------------- registry
 def test_builtins_and_aliases_build():
     assert env_names() == ("tictactoe", "frozenlake", "guess_number", "calculator")
-    for name in ("tictactoe", "tic-tac-toe", "frozenlake", "frozen-lake", "guess_number", "guess", "calculator",
-                 "calc"):
+    for name in (
+        "tictactoe",
+        "tic-tac-toe",
+        "frozenlake",
+        "frozen-lake",
+        "guess_number",
+        "guess",
+        "calculator",
+        "calc",
+    ):
         env = make_env(name)
         assert isinstance(env, TextEnv) and isinstance(env, TextEnvProtocol)
         obs, info = checked_reset(env, seed=0)
@@ -120,11 +128,14 @@ def test_user_environment_from_a_file_and_a_module(user_file, monkeypatch):
     assert checked_reset(env)[0] == "say yes"
 
 
-@pytest.mark.parametrize("suffix,expected", [
-    (":Ecko", "has no attribute 'Ecko'; did you mean 'Echo'?"),
-    (":NOT_A_CLASS", "NOT_A_CLASS is a int, not a class"),
-    (":NoStep", "built a NoStep without step"),
-])
+@pytest.mark.parametrize(
+    "suffix,expected",
+    [
+        (":Ecko", "has no attribute 'Ecko'; did you mean 'Echo'?"),
+        (":NOT_A_CLASS", "NOT_A_CLASS is a int, not a class"),
+        (":NoStep", "built a NoStep without step"),
+    ],
+)
 def test_user_environment_mistakes_are_one_line(user_file, suffix, expected):
     with pytest.raises(EnvError) as exc:
         make_env(f"{user_file}{suffix}")
@@ -142,8 +153,10 @@ def test_user_environment_file_and_module_problems(tmp_path):
     with pytest.raises(EnvError, match=r"cannot import module 'no_such_pkg_xyz\.envs' \(no module named 'no_such_pkg"):
         make_env("no_such_pkg_xyz.envs:Env")
     failing = tmp_path / "failing.py"
-    failing.write_text("class Env:\n    def __init__(self):\n        raise RuntimeError('no licence key\\nmore')\n"
-                       "    def reset(self, seed=None): pass\n    def step(self, a): pass\n")
+    failing.write_text(
+        "class Env:\n    def __init__(self):\n        raise RuntimeError('no licence key\\nmore')\n"
+        "    def reset(self, seed=None): pass\n    def step(self, a): pass\n"
+    )
     with pytest.raises(EnvError) as exc:
         make_env(f"{failing}:Env")
     assert _one_line(exc).endswith("building it failed: RuntimeError: no licence key")
@@ -167,20 +180,26 @@ class Scripted(TextEnv):
         return self.step_out
 
 
-@pytest.mark.parametrize("step_out,expected", [
-    ((3, 0.0, False, False, {}), "step returned a int (3) as the observation; return a str or a list"),
-    (([{"role": "user"}], 0.0, False, False, {}), "message 0 has no string 'content'"),
-    ((["hi"], 0.0, False, False, {}), "item 0 is a str ('hi'), not a message"),
-    (("o", "1", False, False, {}), "step returned str '1' as the reward"),
-    (("o", True, False, False, {}), "returned bool True as the reward"),
-    (("o", float("nan"), False, False, {}), "the reward nan; rewards must be finite"),
-    (("o", 0.0, 1, False, {}), "returned 1 as terminated; return True or False"),
-    (("o", 0.0, False, False), "step returned a 4-tuple; return (observation, reward, terminated, truncated, info)"),
-    (("o", 0.0, False, False, None), "returned a NoneType (None) as info; return a dict"),
-    (("o", 0.0, True, False, {"outcome": "won"}), "info['outcome'] is 'won'; use one of win, draw, loss"),
-    (("o", 0.0, False, False, {"illegal": "yes"}), "info['illegal'] is 'yes'"),
-    (("o", 0.0, False, False, {"player": "x"}), "info['player'] is 'x'"),
-])
+@pytest.mark.parametrize(
+    "step_out,expected",
+    [
+        ((3, 0.0, False, False, {}), "step returned a int (3) as the observation; return a str or a list"),
+        (([{"role": "user"}], 0.0, False, False, {}), "message 0 has no string 'content'"),
+        ((["hi"], 0.0, False, False, {}), "item 0 is a str ('hi'), not a message"),
+        (("o", "1", False, False, {}), "step returned str '1' as the reward"),
+        (("o", True, False, False, {}), "returned bool True as the reward"),
+        (("o", float("nan"), False, False, {}), "the reward nan; rewards must be finite"),
+        (("o", 0.0, 1, False, {}), "returned 1 as terminated; return True or False"),
+        (
+            ("o", 0.0, False, False),
+            "step returned a 4-tuple; return (observation, reward, terminated, truncated, info)",
+        ),
+        (("o", 0.0, False, False, None), "returned a NoneType (None) as info; return a dict"),
+        (("o", 0.0, True, False, {"outcome": "won"}), "info['outcome'] is 'won'; use one of win, draw, loss"),
+        (("o", 0.0, False, False, {"illegal": "yes"}), "info['illegal'] is 'yes'"),
+        (("o", 0.0, False, False, {"player": "x"}), "info['player'] is 'x'"),
+    ],
+)
 def test_bad_step_returns_name_the_environment_and_what_came_back(step_out, expected):
     env = Scripted(step_out=step_out)
     with pytest.raises(EnvError) as exc:
@@ -239,8 +258,10 @@ def test_failure_rate_guard():
     check_failure_rate(1, 10, max_rate=0.1, env_name="calc")
     with pytest.raises(EnvError) as exc:
         check_failure_rate(2, 10, max_rate=0.1, env_name="calc", first_error="ValueError: boom")
-    assert _one_line(exc) == ("environment 'calc' failed in 2 of 10 episodes (first: ValueError: boom); fix the "
-                              "environment, or allow more failures than 0.1 of the episodes")
+    assert _one_line(exc) == (
+        "environment 'calc' failed in 2 of 10 episodes (first: ValueError: boom); fix the "
+        "environment, or allow more failures than 0.1 of the episodes"
+    )
 
 
 def test_seeding_follows_gymnasium():

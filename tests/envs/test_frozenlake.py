@@ -23,10 +23,22 @@ def test_observation_format_is_exact():
     assert obs.startswith("....\n.p.h\n") and (reward, terminated, info["outcome"]) == (0.0, True, "loss")
 
 
-@pytest.mark.parametrize("text,action", [
-    ("left", 0), ("Down", 1), (" right\n", 2), ("up.", 3), ("u", 3), ("go left", 0), ("r", 2),
-    ("i think down, then up", 1), ("", None), ("north", None), ("leftwards", None),
-])
+@pytest.mark.parametrize(
+    "text,action",
+    [
+        ("left", 0),
+        ("Down", 1),
+        (" right\n", 2),
+        ("up.", 3),
+        ("u", 3),
+        ("go left", 0),
+        ("r", 2),
+        ("i think down, then up", 1),
+        ("", None),
+        ("north", None),
+        ("leftwards", None),
+    ],
+)
 def test_parse_direction(text, action):
     assert parse_direction(text) == action
 
@@ -124,6 +136,6 @@ def test_letters_make_one_character_moves_the_listed_and_expert_actions():
     obs, info = env.reset(seed=0)
     assert obs.endswith("\nmove (l/d/r/u):") and info["legal_actions"] == ["l", "d", "r", "u"]
     assert env.expert_action() in ("d", "r")
-    obs, _, _, _, info = env.step("d")                 # parsed as before: a letter or a word
+    obs, _, _, _, info = env.step("d")  # parsed as before: a letter or a word
     assert obs.startswith("....\nph.h\n") and info["legal_actions"] == ["l", "d", "r", "u"]
-    assert env.step("right")[4]["action"] == "right"   # into the hole; words still parse
+    assert env.step("right")[4]["action"] == "right"  # into the hole; words still parse

@@ -32,8 +32,9 @@ def test_running_out_of_guesses_is_a_loss():
     assert (terminated, truncated, info["outcome"]) == (True, False, "loss") and reward == pytest.approx(-1.1)
 
 
-@pytest.mark.parametrize("action,reason", [("none", "no number found"), ("101", "101 is outside 1-100"),
-                                           ("-3", "-3 is outside 1-100")])
+@pytest.mark.parametrize(
+    "action,reason", [("none", "no number found"), ("101", "101 is outside 1-100"), ("-3", "-3 is outside 1-100")]
+)
 def test_illegal_guesses(action, reason):
     env = GuessNumberEnv(illegal_penalty=-2.0)
     env.reset(seed=0)

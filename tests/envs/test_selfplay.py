@@ -17,7 +17,7 @@ def test_assign_seat_alternates_or_draws_from_the_seed():
     assert drawn == [assign_seat(i, mode="random", seed=7) for i in range(4000)]
     assert drawn != [assign_seat(i, mode="random", seed=8) for i in range(4000)]
     assert drawn.count(0) / 4000 == pytest.approx(0.5, abs=0.04)
-    assert set(assign_seat(i, mode="random", num_seats=3) for i in range(100)) == {0, 1, 2}
+    assert {assign_seat(i, mode="random", num_seats=3) for i in range(100)} == {0, 1, 2}
     with pytest.raises(UserError, match="seat mode must be one of alternate, random"):
         assign_seat(0, mode="altern")
     with pytest.raises(UserError, match="seat 2 does not exist"):

@@ -78,7 +78,6 @@ def test_illegal_turns_are_dropped_unless_asked():
         return lambda obs, info: rng.choice(["5", "x"])  # "5" again, or no move: illegal
 
     kept = demonstration_records(TicTacToeEnv(policy_seat="x"), sloppy(), episodes=30, seed=0)
-    everything = demonstration_records(TicTacToeEnv(policy_seat="x"), sloppy(), episodes=30, seed=0,
-                                       legal_only=False)
+    everything = demonstration_records(TicTacToeEnv(policy_seat="x"), sloppy(), episodes=30, seed=0, legal_only=False)
     assert [r for r in everything if r["completion"] == "5" and "5" in r["prompt"]] == kept
     assert len(kept) < len(everything)

@@ -31,20 +31,33 @@ def test_observation_format_is_exact():
     assert reward == 0.0 and not terminated and not truncated
     assert info["action"] == "5" and info["player"] == 0 and info["illegal"] is False
     opp = int(info["opponent_action"])
-    assert obs[:-len("x to move:")].replace("\n", "")[opp - 1] == "o" and len(obs) == 22
+    assert obs[: -len("x to move:")].replace("\n", "")[opp - 1] == "o" and len(obs) == 22
 
 
-@pytest.mark.parametrize("text,cell,reason", [
-    ("5", 4, None), ("5\n", 4, None), (" i play 7 then 3", 6, None), ("9", 8, None),
-    ("", None, "no move found"), ("centre", None, "no move found"), ("0", None, "cell 0 does not exist"),
-])
+@pytest.mark.parametrize(
+    "text,cell,reason",
+    [
+        ("5", 4, None),
+        ("5\n", 4, None),
+        (" i play 7 then 3", 6, None),
+        ("9", 8, None),
+        ("", None, "no move found"),
+        ("centre", None, "no move found"),
+        ("0", None, "cell 0 does not exist"),
+    ],
+)
 def test_parse_first_digit(text, cell, reason):
     assert parse_cell(text) == (cell, reason)
 
 
-@pytest.mark.parametrize("action,reason", [
-    ("5", "occupied"), ("pass", "no move found"), ("0", "cell 0 does not exist"),
-])
+@pytest.mark.parametrize(
+    "action,reason",
+    [
+        ("5", "occupied"),
+        ("pass", "no move found"),
+        ("0", "cell 0 does not exist"),
+    ],
+)
 def test_illegal_action_ends_the_episode_with_the_penalty(action, reason):
     env = TicTacToeEnv(opponent="random", policy_seat="o", illegal_penalty=-2.0)
     env.reset(seed=1)
@@ -160,7 +173,7 @@ def test_exact_outcome_probabilities_match_the_known_figures():
 def test_best_response_is_better_than_every_other_first_move():
     # the expectimax value of the chosen first move beats the value of any other first move
     best = best_response_moves(EMPTY_BOARD)
-    values = {c: best_response_value(EMPTY_BOARD[:c] + "x" + EMPTY_BOARD[c + 1:], "x") for c in range(9)}
+    values = {c: best_response_value(EMPTY_BOARD[:c] + "x" + EMPTY_BOARD[c + 1 :], "x") for c in range(9)}
     assert all(values[b] == max(values.values()) for b in best)
     assert max(values.values()) > values[1]  # an edge opening is worse
     assert isinstance(values[0], Fraction)

@@ -7,8 +7,10 @@ import torch
 
 # Tests that compare numbers across passes run on every device there is: the CPU always,
 # CUDA where a GPU is present (CI has none; the GPU run is reported in the README).
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                  reason="needs a CUDA device"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
 
 
 def randomize(policy, std=0.1, seed=0):
@@ -26,5 +28,7 @@ def randomize(policy, std=0.1, seed=0):
 
 # A chat template written with characters of the tiny alphabet; it writes the BOS itself,
 # as Llama 3's does.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}a:{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)

@@ -10,9 +10,20 @@ from pathlib import Path
 
 import pytest
 
-TINY = ["data.eval_size=8", "data.sft_examples=32", "data.sft_epochs=1", "train.iterations=2", "train.batch_size=16", "train.mini_batch_size=16",
-        "train.micro_batch_size=16", "train.infer_micro_batch_size=16", "rollout.max_new_tokens=4",
-        "run.progress=false", "run.tensorboard=false", "run.precision=fp32"]
+TINY = [
+    "data.eval_size=8",
+    "data.sft_examples=32",
+    "data.sft_epochs=1",
+    "train.iterations=2",
+    "train.batch_size=16",
+    "train.mini_batch_size=16",
+    "train.micro_batch_size=16",
+    "train.infer_micro_batch_size=16",
+    "rollout.max_new_tokens=4",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "run.precision=fp32",
+]
 
 
 def train_without_a_compiler(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -22,9 +33,24 @@ def train_without_a_compiler(tmp_path: Path, *overrides: str) -> subprocess.Comp
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "CC"}
     env.update(PATH=str(empty), PPOKIT_CACHE_DIR=str(tmp_path / "kernel-cache"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "ppokit", "train", "arith", *TINY, *overrides,
-                           f"run.output_dir={tmp_path}", "run.name=run"],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ppokit",
+            "train",
+            "arith",
+            *TINY,
+            *overrides,
+            f"run.output_dir={tmp_path}",
+            "run.name=run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.slow
@@ -32,7 +58,7 @@ def test_lm_training_runs_without_a_c_compiler(tmp_path):
     proc = train_without_a_compiler(tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     header = next(line for line in proc.stdout.splitlines() if line.startswith("lm: "))
-    assert "fused CPU kernels" not in header                          # none could be built
+    assert "fused CPU kernels" not in header  # none could be built
     assert not (tmp_path / "kernel-cache").exists() or not any((tmp_path / "kernel-cache").rglob("*.so"))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and "held-out accuracy" in proc.stdout

@@ -8,13 +8,12 @@ import shutil
 
 import pytest
 import torch
+from test_policy import lm_config
 
 from ppokit.errors import UserError
-from ppokit.lm.model.hf import load_causal_lm
+from ppokit.lm.model.hf import load_causal_lm, load_model_and_tokenizer
 from ppokit.lm.model.policy import build_policy
-from ppokit.lm.model.hf import load_model_and_tokenizer
 from ppokit.lm.model.tiny import build_tiny_model
-from test_policy import lm_config
 
 CPU = torch.device("cpu")
 
@@ -54,8 +53,9 @@ def test_truncated_weights(tiny_dir, tmp_path, load, capfd):
     assert str(model) in one_line(info)
 
 
-@pytest.mark.parametrize("change, weight", [({"intermediate_size": 100}, "mlp"),
-                                            ({"vocab_size": 20}, "embed_tokens|lm_head")])
+@pytest.mark.parametrize(
+    "change, weight", [({"intermediate_size": 100}, "mlp"), ({"vocab_size": 20}, "embed_tokens|lm_head")]
+)
 @pytest.mark.parametrize("load", [load_causal_lm, load_model_and_tokenizer], ids=["policy", "sft"])
 def test_config_that_does_not_fit_the_weights(tiny_dir, tmp_path, load, change, weight, capfd):
     model = edit_config(tiny_dir, tmp_path, **change)
@@ -65,7 +65,7 @@ def test_config_that_does_not_fit_the_weights(tiny_dir, tmp_path, load, change, 
     text = one_line(info)
     assert str(model) in text
     assert re.search(weight, text), text
-    assert "LOAD REPORT" not in capfd.readouterr().err      # transformers' table is not printed
+    assert "LOAD REPORT" not in capfd.readouterr().err  # transformers' table is not printed
 
 
 def test_full_mode_critic_with_a_smaller_vocabulary(tiny_dir, tmp_path):
@@ -86,11 +86,13 @@ def test_lora_target_modules_that_do_not_exist(tiny_dir):
 def test_flash_attention_without_flash_attn(tiny_dir):
     try:
         import flash_attn  # noqa: F401
+
         pytest.skip("flash-attn is installed")
     except ImportError:
         pass
-    with pytest.raises(UserError, match="model.attn_implementation=flash_attention_2:.*use auto, sdpa or eager") \
-            as info:
+    with pytest.raises(
+        UserError, match="model.attn_implementation=flash_attention_2:.*use auto, sdpa or eager"
+    ) as info:
         load_causal_lm(tiny_dir, attn_implementation="flash_attention_2")
     one_line(info)
 
@@ -104,8 +106,16 @@ def short_gpt2(tiny_dir, tmp_path):
     from ppokit.lm.model.hf import load_tokenizer
 
     tok = load_tokenizer(tiny_dir)
-    config = GPT2Config(n_positions=8, vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = GPT2Config(
+        n_positions=8,
+        vocab_size=len(tok),
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     out = tmp_path / "gpt2short"
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(out)
@@ -114,23 +124,28 @@ def short_gpt2(tiny_dir, tmp_path):
 
 
 def test_prompt_plus_response_longer_than_the_model_takes(short_gpt2):
-    from ppokit.lm.model.hf import load_tokenizer
     from ppokit.lm.generation.engine import RolloutEngine, check_prompts_fit
+    from ppokit.lm.model.hf import load_tokenizer
     from ppokit.lm.sft import evaluate
 
     cfg = lm_config(short_gpt2, rollout={"max_new_tokens": 6})
     policy = build_policy(cfg, short_gpt2, device=CPU, autocast_dtype=None)
     tok = load_tokenizer(short_gpt2)
-    prompts = ["1+2=", "12+30="]                        # 5 and 7 tokens with <bos>
+    prompts = ["1+2=", "12+30="]  # 5 and 7 tokens with <bos>
     message = r"'12\+30=' is 7 tokens .* at most 8 positions .* lower rollout.max_new_tokens to 1"
     with pytest.raises(UserError, match=message):
         check_prompts_fit(policy.actor_model, tok, prompts, 6)
     with pytest.raises(UserError, match=message):
         RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(prompts)
     with pytest.raises(UserError, match=message):
-        evaluate(policy.actor_model.get_base_model(), tok, [{"prompt": p, "answer": "3"} for p in prompts],
-                 "exact_match", max_new_tokens=6)
-    check_prompts_fit(policy.actor_model, tok, prompts, 1)              # fits: no error
+        evaluate(
+            policy.actor_model.get_base_model(),
+            tok,
+            [{"prompt": p, "answer": "3"} for p in prompts],
+            "exact_match",
+            max_new_tokens=6,
+        )
+    check_prompts_fit(policy.actor_model, tok, prompts, 1)  # fits: no error
     assert len(RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(prompts, max_new_tokens=1)) == 2
 
 
@@ -138,10 +153,27 @@ def test_train_with_a_model_too_short_for_the_rollouts(short_gpt2, tmp_path, mon
     from ppokit import cli
 
     monkeypatch.chdir(tmp_path)
-    code = cli.main(["train", "arith", f"model.path={short_gpt2}", "train.iterations=1", "train.batch_size=8",
-                     "train.mini_batch_size=8", "train.micro_batch_size=8", "train.infer_micro_batch_size=8",
-                     "rollout.micro_batch_size=8", "data.sft_epochs=0", "data.eval_size=4", "run.tensorboard=false",
-                     "--output-dir", "runs", "--no-progress", "--name", "short"])
+    code = cli.main(
+        [
+            "train",
+            "arith",
+            f"model.path={short_gpt2}",
+            "train.iterations=1",
+            "train.batch_size=8",
+            "train.mini_batch_size=8",
+            "train.micro_batch_size=8",
+            "train.infer_micro_batch_size=8",
+            "rollout.micro_batch_size=8",
+            "data.sft_epochs=0",
+            "data.eval_size=4",
+            "run.tensorboard=false",
+            "--output-dir",
+            "runs",
+            "--no-progress",
+            "--name",
+            "short",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "max_position_embeddings" in err[0], err
 
@@ -156,13 +188,31 @@ def test_train_checks_every_prompt_before_the_first_rollout(short_gpt2, tmp_path
     prompts.write_text("".join(f'{{"prompt": "{i}+1="}}\n' for i in range(8)) + '{"prompt": "12+30=12+30="}\n')
     calls = []
     generate = rollout.RolloutEngine.generate
-    monkeypatch.setattr(rollout.RolloutEngine, "generate",
-                        lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
-    code = cli.main(["train", "arith", f"model.path={short_gpt2}", f"data.prompts={prompts}",
-                     "rollout.max_new_tokens=1",
-                     "train.iterations=1", "train.batch_size=8", "train.mini_batch_size=8", "train.micro_batch_size=8",
-                     "train.infer_micro_batch_size=8", "rollout.micro_batch_size=8", "data.sft_epochs=0",
-                     "run.tensorboard=false", "--output-dir", "runs", "--no-progress", "--name", "long"])
+    monkeypatch.setattr(
+        rollout.RolloutEngine, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k)
+    )
+    code = cli.main(
+        [
+            "train",
+            "arith",
+            f"model.path={short_gpt2}",
+            f"data.prompts={prompts}",
+            "rollout.max_new_tokens=1",
+            "train.iterations=1",
+            "train.batch_size=8",
+            "train.mini_batch_size=8",
+            "train.micro_batch_size=8",
+            "train.infer_micro_batch_size=8",
+            "rollout.micro_batch_size=8",
+            "data.sft_epochs=0",
+            "run.tensorboard=false",
+            "--output-dir",
+            "runs",
+            "--no-progress",
+            "--name",
+            "long",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "'12+30=12+30='" in err[0] and "max_position_embeddings" in err[0], err
     assert calls == []
@@ -176,4 +226,3 @@ def test_lora_on_conv1d_layers_prints_no_peft_note(short_gpt2):
         warnings.simplefilter("always")
         build_policy(lm_config(short_gpt2), short_gpt2, device=CPU, autocast_dtype=None)
     assert not [w for w in caught if "fan_in_fan_out" in str(w.message)], [str(w.message) for w in caught]
-

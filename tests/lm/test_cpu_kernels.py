@@ -17,8 +17,15 @@ from torch import nn
 from transformers.models.llama import modeling_llama
 
 from ppokit.lm.accel.kernels import cpu_library
-from ppokit.lm.accel.kernels.functions import (AttentionFunction, RMSNormFunction, RotaryFunction, SiluMulFunction,
-                                         decode_attention, lora_amx_ready, lora_kernels_kind)
+from ppokit.lm.accel.kernels.functions import (
+    AttentionFunction,
+    RMSNormFunction,
+    RotaryFunction,
+    SiluMulFunction,
+    decode_attention,
+    lora_amx_ready,
+    lora_kernels_kind,
+)
 from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels, unfuse_cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,13 +76,13 @@ def transformers_rms_norm(x, w, eps):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 37])          # 37: the vector loops' remainders
+@pytest.mark.parametrize("d", [64, 37])  # 37: the vector loops' remainders
 def test_rms_norm_matches_its_float64_formula_and_gradient(d, dtype):
     g = gen()
     x = torch.randn(3, 5, d, generator=g).to(dtype)
     w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
     upstream = torch.randn(3, 5, d, generator=g).to(dtype)
-    x[0, 0] = 0                                  # a zero row: eps keeps it finite
+    x[0, 0] = 0  # a zero row: eps keeps it finite
     xk = x.clone().requires_grad_()
     y = RMSNormFunction.apply(xk, w, 1e-5)
     (grad,) = torch.autograd.grad(y, xk, upstream)
@@ -110,7 +117,7 @@ def test_rms_norm_rounds_like_transformers_bf16_graph():
 def test_silu_mul_matches_its_float64_formula_and_gradients_including_saturation(dtype):
     g = gen(2)
     gate = (4 * torch.randn(6, 53, generator=g)).to(dtype)
-    gate[0, :4] = torch.tensor([100.0, -100.0, 0.0, -30.0])     # far into both tails
+    gate[0, :4] = torch.tensor([100.0, -100.0, 0.0, -30.0])  # far into both tails
     up = torch.randn(6, 53, generator=g).to(dtype)
     upstream = torch.randn(6, 53, generator=g).to(dtype)
     gk, uk = gate.clone().requires_grad_(), up.clone().requires_grad_()
@@ -124,7 +131,7 @@ def test_silu_mul_matches_its_float64_formula_and_gradients_including_saturation
     assert_close_to_float64(out, out64.detach())
     for got, want in zip(grads, grads64):
         assert_close_to_float64(got, want)
-    assert out[0, 0] == (100 * up[0, 0].float()).to(dtype)         # silu(100) = 100
+    assert out[0, 0] == (100 * up[0, 0].float()).to(dtype)  # silu(100) = 100
     assert abs(float(out[0, 1])) < 1e-30 and float(out[0, 2]) == 0.0
 
 
@@ -139,7 +146,7 @@ def test_silu_mul_rounds_like_torch_bf16_graph():
     theirs = F.silu(theirs_in[0]) * theirs_in[1]
     mine.backward(upstream)
     theirs.backward(upstream)
-    assert_same_bf16(mine, theirs, max_fraction_off=1e-2)       # exp differs from torch's in the last bits
+    assert_same_bf16(mine, theirs, max_fraction_off=1e-2)  # exp differs from torch's in the last bits
     for a, b in zip(mine_in, theirs_in):
         assert_same_bf16(a.grad, b.grad, max_fraction_off=1e-2)
 
@@ -156,8 +163,17 @@ def rotary_inputs(seed, batch=2, heads=3, length=5, dim=8, cos_batch=None, tied=
     return q, angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-@pytest.mark.parametrize("shape", [dict(), dict(length=1), dict(cos_batch=1), dict(dim=16, heads=1),
-                                   dict(tied=False), dict(tied=False, dtype=torch.float32)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),
+        dict(length=1),
+        dict(cos_batch=1),
+        dict(dim=16, heads=1),
+        dict(tied=False),
+        dict(tied=False, dtype=torch.float32),
+    ],
+)
 def test_rotary_matches_its_float64_formula_and_gradient(shape):
     q, cos, sin = rotary_inputs(4, **shape)
     upstream = torch.randn(q.shape, generator=gen(5)).to(q.dtype)
@@ -200,14 +216,18 @@ def test_threads_split_the_work_without_changing_a_bit():
     x = torch.randn(rows, d, generator=g).to(BF16).requires_grad_()
     w = torch.randn(d, generator=g).to(BF16)
     gate, up = torch.randn(rows, d, generator=g).to(BF16).requires_grad_(), torch.randn(rows, d, generator=g).to(BF16)
-    q, cos, sin = rotary_inputs(14, batch=64, heads=4, length=16, dim=64)      # 262144 values
+    q, cos, sin = rotary_inputs(14, batch=64, heads=4, length=16, dim=64)  # 262144 values
     q.requires_grad_()
-    aq, ak, av, am = attention_inputs(15, B=8, H=4, Hkv=2, T=16, S=16, D=32)    # 16 KV groups of 32768 products
+    aq, ak, av, am = attention_inputs(15, B=8, H=4, Hkv=2, T=16, S=16, D=32)  # 16 KV groups of 32768 products
     calls = []
 
     def everything():
-        outs = [RMSNormFunction.apply(x, w, 1e-6), SiluMulFunction.apply(gate, up), RotaryFunction.apply(q, cos, sin),
-                AttentionFunction.apply(aq, ak, av, am, 0.25)]
+        outs = [
+            RMSNormFunction.apply(x, w, 1e-6),
+            SiluMulFunction.apply(gate, up),
+            RotaryFunction.apply(q, cos, sin),
+            AttentionFunction.apply(aq, ak, av, am, 0.25),
+        ]
         grads = torch.autograd.grad([o.float().square().sum() for o in outs], [x, gate, q, aq, ak, av])
         return [o.detach() for o in outs] + list(grads)
 
@@ -221,7 +241,7 @@ def test_threads_split_the_work_without_changing_a_bit():
     finally:
         functions.in_parallel = original
     assert all(torch.equal(a, b) for a, b in zip(one, three))
-    assert min(calls) >= functions.PARALLEL_MIN_ELEMENTS      # every call was big enough to split
+    assert min(calls) >= functions.PARALLEL_MIN_ELEMENTS  # every call was big enough to split
 
 
 def test_float32_kernels_agree_with_pytorch_float32_graphs():
@@ -234,9 +254,11 @@ def test_float32_kernels_agree_with_pytorch_float32_graphs():
     q.requires_grad_()
     k = torch.randn(3, 7, 1, 16, generator=g).transpose(1, 2)
     original = getattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__", modeling_llama.apply_rotary_pos_emb)
-    pairs = [(RMSNormFunction.apply(x, w, 1e-6), transformers_rms_norm(x, w, 1e-6)),
-             (SiluMulFunction.apply(gate, up), F.silu(gate) * up),
-             (RotaryFunction.apply(q, cos, sin), original(q, k, cos, sin)[0])]
+    pairs = [
+        (RMSNormFunction.apply(x, w, 1e-6), transformers_rms_norm(x, w, 1e-6)),
+        (SiluMulFunction.apply(gate, up), F.silu(gate) * up),
+        (RotaryFunction.apply(q, cos, sin), original(q, k, cos, sin)[0]),
+    ]
     for mine, theirs in pairs:
         upstream = torch.randn(mine.shape, generator=g)
         leaves = [t for t in (x, gate, up, q) if t.requires_grad]
@@ -256,9 +278,9 @@ def test_a_forked_child_splits_work_on_threads_of_its_own():
     x = torch.randn(4 * functions.PARALLEL_MIN_ELEMENTS // 128, 128).to(BF16)
     w = torch.ones(128, dtype=BF16)
     torch.set_num_threads(2)
-    expected = RMSNormFunction.apply(x, w, 1e-6)                  # the parent's pool exists now
+    expected = RMSNormFunction.apply(x, w, 1e-6)  # the parent's pool exists now
     pid = os.fork()
-    if pid == 0:                        # the child (compared in numpy: torch's own threads are not ours to test)
+    if pid == 0:  # the child (compared in numpy: torch's own threads are not ours to test)
         got = RMSNormFunction.apply(x, w, 1e-6)
         os._exit(0 if (got.view(torch.int16).numpy() == expected.view(torch.int16).numpy()).all() else 3)
     deadline = __import__("time").monotonic() + 60
@@ -277,22 +299,22 @@ def naive_decode_attention(q, k, v, mask, scale):
     """float64: softmax(q k^T * scale + mask) v per head, kv head h // (H / Hkv); [B, 1, H, D]."""
     B, H, _, D = q.shape
     rep = H // k.shape[1]
-    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)     # [B, H, T, D]
-    s = (q.double() @ k.transpose(2, 3)) * scale                                     # [B, H, 1, T]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)  # [B, H, T, D]
+    s = (q.double() @ k.transpose(2, 3)) * scale  # [B, H, 1, T]
     if mask is not None:
         s = s + mask.double()
-    return (torch.softmax(s, -1) @ v).transpose(1, 2)                               # [B, 1, H, D]
+    return (torch.softmax(s, -1) @ v).transpose(1, 2)  # [B, 1, H, D]
 
 
 def decode_inputs(seed, B=3, H=4, Hkv=2, T=9, D=16, dtype=BF16, mask="min"):
     g = gen(seed)
-    q = torch.randn(B, 1, H, D, generator=g).to(dtype).transpose(1, 2)             # [B, H, 1, D], strided
+    q = torch.randn(B, 1, H, D, generator=g).to(dtype).transpose(1, 2)  # [B, H, 1, D], strided
     k = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
     v = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
     m = None
     if mask is not None:
         m = torch.zeros(B, 1, 1, T, dtype=dtype if mask == "min" else torch.float32)
-        m[0, ..., :3] = torch.finfo(m.dtype).min if mask == "min" else float("-inf")   # left padding
+        m[0, ..., :3] = torch.finfo(m.dtype).min if mask == "min" else float("-inf")  # left padding
         if B > 1:
             m[1, ..., :1] = m[0, 0, 0, 0]
     return q, k, v, m
@@ -304,12 +326,12 @@ def decode_inputs(seed, B=3, H=4, Hkv=2, T=9, D=16, dtype=BF16, mask="min"):
 def test_decode_attention_matches_its_float64_formula(dtype, shape, mask):
     B, H, Hkv, T, D = shape
     q, k, v, m = decode_inputs(20, B, H, Hkv, T, D, dtype, mask if T > 3 else None)
-    got = decode_attention(q, k, v, m, D ** -0.5)
+    got = decode_attention(q, k, v, m, D**-0.5)
     assert got.shape == (B, 1, H, D) and got.dtype == dtype and got.is_contiguous()
-    assert_close_to_float64(got, naive_decode_attention(q, k, v, m, D ** -0.5))
-    if m is not None:                                   # one mask row for the whole batch
-        got = decode_attention(q, k, v, m[:1], D ** -0.5)
-        assert_close_to_float64(got, naive_decode_attention(q, k, v, m[:1], D ** -0.5))
+    assert_close_to_float64(got, naive_decode_attention(q, k, v, m, D**-0.5))
+    if m is not None:  # one mask row for the whole batch
+        got = decode_attention(q, k, v, m[:1], D**-0.5)
+        assert_close_to_float64(got, naive_decode_attention(q, k, v, m[:1], D**-0.5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -321,11 +343,11 @@ def test_decode_attention_masks_keys_in_every_lane(dtype, masked):
     q, k, v, _ = decode_inputs(24, B, H, H, T, D, dtype, mask=None)
     m = torch.zeros(B, 1, 1, T, dtype=dtype if masked == "min" else torch.float32)
     hide = torch.rand(B, 1, 1, T, generator=gen(25)) < 0.4
-    hide[..., 0] = False                                        # every row keeps a key
+    hide[..., 0] = False  # every row keeps a key
     hide[0, ..., 15] = hide[1, ..., 31] = hide[2, ..., 16] = True
     m[hide] = torch.finfo(m.dtype).min if masked == "min" else float("-inf")
-    got = decode_attention(q, k, v, m, D ** -0.5)
-    assert_close_to_float64(got, naive_decode_attention(q, k, v, m, D ** -0.5))
+    got = decode_attention(q, k, v, m, D**-0.5)
+    assert_close_to_float64(got, naive_decode_attention(q, k, v, m, D**-0.5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -334,11 +356,12 @@ def test_decode_attention_rounds_like_transformers_eager_attention(dtype):
 
     original = getattr(modeling_llama.eager_attention_forward, "__wrapped__", modeling_llama.eager_attention_forward)
     # 1/8 is a power of two (scaling a rounded score is exact); 128^-0.5 is not
-    for seed, mask, scale in ((21, "min", 0.125), (22, None, 0.125), (23, "min", 128 ** -0.5)):
+    for seed, mask, scale in ((21, "min", 0.125), (22, None, 0.125), (23, "min", 128**-0.5)):
         q, k, v, m = decode_inputs(seed, B=4, H=8, Hkv=4, T=33, D=64, dtype=dtype, mask=mask)
         with torch.no_grad():
-            theirs, _ = original(SimpleNamespace(num_key_value_groups=2, training=False), q, k, v, m,
-                                 scaling=scale, dropout=0.0)
+            theirs, _ = original(
+                SimpleNamespace(num_key_value_groups=2, training=False), q, k, v, m, scaling=scale, dropout=0.0
+            )
         mine = decode_attention(q, k, v, m, scale)
         if dtype == BF16:
             assert_same_up_to_rounding(mine, theirs, attention_rounding_bounds(q, k, v, m, scale)[0])
@@ -352,25 +375,39 @@ def test_generation_through_the_decoding_kernel_equals_transformers(monkeypatch)
     model = tiny_llama(3)
     ids = torch.randint(0, 50, (3, 6), generator=gen(23))
     mask = torch.ones_like(ids)
-    mask[0, :2] = 0                                                # a left-padded row
+    mask[0, :2] = 0  # a left-padded row
     with torch.no_grad():
-        plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                               output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        plain = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
     fuse_cpu_kernels(model)
     calls = []
     kernel = fuse.decode_attention
     monkeypatch.setattr(fuse, "decode_attention", lambda *a: calls.append(a[0].shape) or kernel(*a))
     with torch.no_grad():
-        fused = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                               output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    assert len(calls) == 2 * 5 and all(shape[2] == 1 for shape in calls)   # 2 layers x 5 decoding steps
+        fused = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    assert len(calls) == 2 * 5 and all(shape[2] == 1 for shape in calls)  # 2 layers x 5 decoding steps
     assert torch.equal(fused.sequences, plain.sequences)
     for a, b in zip(fused.scores, plain.scores):
         torch.testing.assert_close(a, b, rtol=0, atol=0.05)
     calls.clear()
-    model(ids, attention_mask=mask)                                # a whole sequence: the other kernel
+    model(ids, attention_mask=mask)  # a whole sequence: the other kernel
     with torch.no_grad():
-        model(ids[:, :1], attention_mask=mask[:, :1])              # no cache, one token: the kernel
+        model(ids[:, :1], attention_mask=mask[:, :1])  # no cache, one token: the kernel
     assert len(calls) == 2
 
 
@@ -378,11 +415,11 @@ def test_generation_through_the_decoding_kernel_equals_transformers(monkeypatch)
 def naive_attention(q, k, v, mask, scale):
     """float64: softmax(q k^T * scale + mask) v per head, kv head h // (H / Hkv); [B, T, H, D]."""
     rep = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)     # [B, H, S, D]
-    s = (q.double() @ k.transpose(2, 3)) * scale                                     # [B, H, T, S]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)  # [B, H, S, D]
+    s = (q.double() @ k.transpose(2, 3)) * scale  # [B, H, T, S]
     if mask is not None:
         s = s + mask.double()
-    return (torch.softmax(s, -1) @ v).transpose(1, 2)                               # [B, T, H, D]
+    return (torch.softmax(s, -1) @ v).transpose(1, 2)  # [B, T, H, D]
 
 
 def attention_rounding_bounds(q, k, v, mask, scale, go=None):
@@ -398,19 +435,21 @@ def attention_rounding_bounds(q, k, v, mask, scale, go=None):
     Hkv, S = k.shape[1], k.shape[2]
     rep = H // Hkv
     q64 = q.detach().double()
-    k64, v64 = (t.detach().double().repeat_interleave(rep, 1) for t in (k, v))          # [B, H, S, D]
+    k64, v64 = (t.detach().double().repeat_interleave(rep, 1) for t in (k, v))  # [B, H, S, D]
     s = (q64 @ k64.transpose(2, 3)) * scale
-    p = torch.softmax(s + mask.double() if mask is not None else s, -1)               # [B, H, T, S]
-    step = 2 ** -7
-    bounds = [step * (p @ v64.abs()).transpose(1, 2)]                                 # out [B, T, H, D]
+    p = torch.softmax(s + mask.double() if mask is not None else s, -1)  # [B, H, T, S]
+    step = 2**-7
+    bounds = [step * (p @ v64.abs()).transpose(1, 2)]  # out [B, T, H, D]
     if go is not None:
-        go64 = go.double().transpose(1, 2)                                           # [B, H, T, D]
+        go64 = go.double().transpose(1, 2)  # [B, H, T, D]
         dp = (go64 @ v64.transpose(2, 3)).abs()
-        ds = p * (dp + (p * dp).sum(-1, keepdim=True))                               # >= |ds|
-        group = lambda x: x.view(B, Hkv, rep, S, D).sum(2)                            # noqa: E731
-        bounds += [step * scale * (ds @ k64.abs()),                                  # dq
-                   group(step * scale * (ds.transpose(2, 3) @ q64.abs())),           # dk
-                   group(step * (p.transpose(2, 3) @ go64.abs()))]                   # dv
+        ds = p * (dp + (p * dp).sum(-1, keepdim=True))  # >= |ds|
+        group = lambda x: x.view(B, Hkv, rep, S, D).sum(2)  # noqa: E731
+        bounds += [
+            step * scale * (ds @ k64.abs()),  # dq
+            group(step * scale * (ds.transpose(2, 3) @ q64.abs())),  # dk
+            group(step * (p.transpose(2, 3) @ go64.abs())),
+        ]  # dv
     return bounds
 
 
@@ -423,7 +462,7 @@ def assert_same_up_to_rounding(mine, theirs, bound, max_fraction_off=0.01):
     assert mine.dtype == theirs.dtype == BF16 and mine.shape == theirs.shape
     assert float((mine != theirs).float().mean()) <= max_fraction_off
     off = (mine.double() - theirs.double()).abs()
-    assert bool((off <= bound + 2 ** -7 * theirs.double().abs()).all())
+    assert bool((off <= bound + 2**-7 * theirs.double().abs()).all())
 
 
 def attention_inputs(seed, B=3, H=4, Hkv=2, T=9, S=9, D=16, dtype=BF16, mask="min"):
@@ -439,12 +478,12 @@ def attention_inputs(seed, B=3, H=4, Hkv=2, T=9, S=9, D=16, dtype=BF16, mask="mi
         mdtype = dtype if mask == "min" else torch.float32
         low = torch.finfo(mdtype).min if mask == "min" else float("-inf")
         m = torch.zeros(B, 1, T, S, dtype=mdtype)
-        m[:, :, torch.arange(T)[:, None] + (S - T) < torch.arange(S)[None, :]] = low    # causal
-        m[0, ..., :3] = low                                                          # left padding
+        m[:, :, torch.arange(T)[:, None] + (S - T) < torch.arange(S)[None, :]] = low  # causal
+        m[0, ..., :3] = low  # left padding
         if B > 1:
             m[1, ..., :1] = low
         rows = torch.arange(T)
-        m[:, 0, rows, rows + S - T] = 0                    # each query sees itself: no row is all masked
+        m[:, 0, rows, rows + S - T] = 0  # each query sees itself: no row is all masked
     return q, k, v, m
 
 
@@ -454,23 +493,28 @@ def attention_and_grads(fn, q, k, v, upstream):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(3, 4, 2, 9, 9, 16), (2, 6, 6, 5, 5, 64), (2, 8, 1, 40, 40, 128),
-                                   (1, 2, 2, 7, 19, 24), (2, 2, 1, 33, 33, 32)])
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 4, 2, 9, 9, 16), (2, 6, 6, 5, 5, 64), (2, 8, 1, 40, 40, 128), (1, 2, 2, 7, 19, 24), (2, 2, 1, 33, 33, 32)],
+)
 @pytest.mark.parametrize("mask", ["min", "-inf", None])
 def test_attention_matches_its_float64_formula_and_gradients(dtype, shape, mask):
     B, H, Hkv, T, S, D = shape
     q, k, v, m = attention_inputs(30, B, H, Hkv, T, S, D, dtype, mask)
     upstream = torch.randn(B, T, H, D, generator=gen(31)).to(dtype)
-    got = attention_and_grads(lambda *a: AttentionFunction.apply(*a, m, D ** -0.5), q, k, v, upstream)
+    got = attention_and_grads(lambda *a: AttentionFunction.apply(*a, m, D**-0.5), q, k, v, upstream)
     assert got[0].shape == (B, T, H, D) and got[0].dtype == dtype and got[0].is_contiguous()
     assert [t.shape for t in got[1:]] == [q.shape, k.shape, v.shape]
-    want = attention_and_grads(lambda *a: naive_attention(*a, m, D ** -0.5), *(t.detach().double().requires_grad_()
-                                                                               for t in (q, k, v)), upstream.double())
+    want = attention_and_grads(
+        lambda *a: naive_attention(*a, m, D**-0.5),
+        *(t.detach().double().requires_grad_() for t in (q, k, v)),
+        upstream.double(),
+    )
     for a, b in zip(got, want):
         assert_close_to_float64(a, b)
-    if m is not None:                                   # one mask for the whole batch
-        got = AttentionFunction.apply(q, k, v, m[:1], D ** -0.5)
-        assert_close_to_float64(got, naive_attention(q, k, v, m[:1], D ** -0.5))
+    if m is not None:  # one mask for the whole batch
+        got = AttentionFunction.apply(q, k, v, m[:1], D**-0.5)
+        assert_close_to_float64(got, naive_attention(q, k, v, m[:1], D**-0.5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -483,22 +527,27 @@ def test_attention_rounds_like_transformers_eager_attention(dtype):
 
     original = getattr(modeling_llama.eager_attention_forward, "__wrapped__", modeling_llama.eager_attention_forward)
     # 1/8 is a power of two (scaling a rounded score is exact); 128^-0.5 is not
-    for seed, (H, Hkv), mask, scale in ((32, (8, 8), "min", 0.125), (33, (8, 4), "min", 0.125),
-                                        (34, (4, 4), None, 0.125), (38, (4, 4), "min", 128 ** -0.5)):
+    for seed, (H, Hkv), mask, scale in (
+        (32, (8, 8), "min", 0.125),
+        (33, (8, 4), "min", 0.125),
+        (34, (4, 4), None, 0.125),
+        (38, (4, 4), "min", 128**-0.5),
+    ):
         q, k, v, m = attention_inputs(seed, B=4, H=H, Hkv=Hkv, T=33, S=33, D=64, dtype=dtype, mask=mask)
         upstream = torch.randn(4, 33, H, 64, generator=gen(seed)).to(dtype)
         stand_in = SimpleNamespace(num_key_value_groups=H // Hkv, training=True)
-        theirs = attention_and_grads(lambda *a: original(stand_in, *a, m, scaling=scale, dropout=0.0)[0],
-                                     q, k, v, upstream)
+        theirs = attention_and_grads(
+            lambda *a: original(stand_in, *a, m, scaling=scale, dropout=0.0)[0], q, k, v, upstream
+        )
         mine = attention_and_grads(lambda *a: AttentionFunction.apply(*a, m, scale), q, k, v, upstream)
         bounds = attention_rounding_bounds(q, k, v, m, scale, upstream)
         for i, (a, b) in enumerate(zip(mine, theirs)):
             if dtype == torch.float32:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
-            elif i < 2 or H == Hkv:                     # output and dq; dk, dv without groups
+            elif i < 2 or Hkv == H:  # output and dq; dk, dv without groups
                 assert_same_up_to_rounding(a, b, bounds[i])
             else:
-                assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
+                assert (a.float() - b.float()).abs().max() <= 2**-7 * b.float().abs().max()
 
 
 def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention():
@@ -510,8 +559,9 @@ def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention():
     q, k, v, _ = attention_inputs(36, B=4, H=4, Hkv=4, T=33, S=33, D=64, mask=None)
     bias = (torch.randn(4, 1, 33, 33, generator=gen(37)) * 3).to(BF16)
     with torch.no_grad():
-        theirs = original(SimpleNamespace(num_key_value_groups=1, training=False), q, k, v, bias, scaling=0.125,
-                          dropout=0.0)[0]
+        theirs = original(
+            SimpleNamespace(num_key_value_groups=1, training=False), q, k, v, bias, scaling=0.125, dropout=0.0
+        )[0]
         mine = AttentionFunction.apply(q, k, v, bias, 0.125)
     assert_same_up_to_rounding(mine, theirs, attention_rounding_bounds(q, k, v, bias, 0.125)[0])
 
@@ -573,7 +623,7 @@ def test_attention_dispatcher_takes_the_kernels_only_where_they_apply(monkeypatc
     model.train()
     ids = torch.randint(0, 50, (2, 7), generator=gen(36))
     model(ids).logits.float().sum().backward()
-    assert calls == [7, 7]                                           # one per layer
+    assert calls == [7, 7]  # one per layer
     calls.clear()
     monkeypatch.setattr(fuse, "ATTENTION_MAX_KEYS", 6)
     model(ids)
@@ -581,9 +631,9 @@ def test_attention_dispatcher_takes_the_kernels_only_where_they_apply(monkeypatc
     monkeypatch.setattr(fuse, "ATTENTION_MAX_KEYS", 64)
     q, k, v, m = attention_inputs(37, B=1, H=4, Hkv=2, T=5, S=5, D=16)
     stand_in = SimpleNamespace(num_key_value_groups=2, training=True)
-    assert fuse._fast_attention(stand_in, q, k, v, m, 0.25, 0.1, {}) is None        # dropout
+    assert fuse._fast_attention(stand_in, q, k, v, m, 0.25, 0.1, {}) is None  # dropout
     assert fuse._fast_attention(stand_in, q, k, v, m, 0.25, 0.0, {"sliding_window": 4}) is None
-    assert fuse._fast_attention(stand_in, q, k, v, m.float()[:, :, :2], 0.25, 0.0, {}) is None   # wrong shape
+    assert fuse._fast_attention(stand_in, q, k, v, m.float()[:, :, :2], 0.25, 0.0, {}) is None  # wrong shape
     assert fuse._fast_attention(stand_in, q, k, v, m, 0.25, 0.0, {}) is not None
 
 
@@ -592,9 +642,16 @@ def tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
     return LlamaForCausalLM(config).to(BF16).eval()
 
 
@@ -610,14 +667,15 @@ def test_fused_model_computes_what_transformers_computes():
     ids = torch.randint(0, 50, (3, 11), generator=gen(9))
     plain_logits, plain_grad = forward_and_input_gradient(model, ids)
     counts = fuse_cpu_kernels(model)
-    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 2, "attention": 2}   # 2 per layer + the final norm
+    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 2, "attention": 2}  # 2 per layer + the final norm
     assert type(model.model.norm).__name__ == "FusedLlamaRMSNorm"
     fused_logits, fused_grad = forward_and_input_gradient(model, ids)
     # one bf16 rounding apart here and there, carried through two layers
     torch.testing.assert_close(fused_logits, plain_logits, rtol=0, atol=0.05)
-    torch.testing.assert_close(fused_grad.float(), plain_grad.float(), rtol=0.05,
-                               atol=0.05 * plain_grad.float().abs().max().item())
-    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "attention": 0}   # already fused
+    torch.testing.assert_close(
+        fused_grad.float(), plain_grad.float(), rtol=0.05, atol=0.05 * plain_grad.float().abs().max().item()
+    )
+    assert fuse_cpu_kernels(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "attention": 0}  # already fused
     assert unfuse_cpu_kernels(model) == 9
     assert torch.equal(forward_and_input_gradient(model, ids)[0], plain_logits)
 
@@ -634,16 +692,16 @@ def test_mixed_dtypes_and_trained_norm_weights_take_transformers_path(monkeypatc
     x = torch.randn(2, 3, 64, generator=gen(10)).to(BF16)
     w = 1 + 0.3 * torch.randn(64, generator=gen(11))
 
-    norm.weight.data = w.clone()                                 # a float32 weight on a bf16 stream
+    norm.weight.data = w.clone()  # a float32 weight on a bf16 stream
     out = norm(x)
     assert out.dtype == torch.float32 and torch.equal(out, transformers_rms_norm(x, w, norm.variance_epsilon))
     norm.weight.data = w.to(BF16)
-    norm.weight.requires_grad_(True)                             # a trained weight gets its gradient
+    norm.weight.requires_grad_(True)  # a trained weight gets its gradient
     norm(x).float().sum().backward()
     assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
     assert calls == []
     norm.weight.requires_grad_(False)
-    norm(x)                                                      # frozen and of the stream's dtype: the kernel
+    norm(x)  # frozen and of the stream's dtype: the kernel
     assert calls == [1]
 
 
@@ -663,7 +721,7 @@ def test_rotary_dispatcher_calls_the_original_outside_fused_attention():
         modeling_llama.apply_rotary_pos_emb = dispatcher
     expected = original(q, k, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(outside, expected))
-    assert len(calls) == 2                                      # one per layer went through the dispatcher
+    assert len(calls) == 2  # one per layer went through the dispatcher
 
 
 class OnePlusWeightNorm(nn.Module):
@@ -698,16 +756,22 @@ def test_probe_leaves_other_formulas_alone():
 
 # ----------------------------------------------------------------------------- the build
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                **env}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, cwd=ROOT,
-                          timeout=300)
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=300
+    )
 
 
 def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_path):
-    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
-            "from ppokit.lm.accel.kernels import cpu_library\nlib = cpu_library()\n"
-            "print('LIB', None if lib is None else lib._name)")
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "from ppokit.lm.accel.kernels import cpu_library\nlib = cpu_library()\n"
+        "print('LIB', None if lib is None else lib._name)"
+    )
     cache = tmp_path / "cache"
     first = run_python(code, PPOKIT_CACHE_DIR=str(cache))
     built = first.stdout.split("LIB ")[1].strip()
@@ -722,7 +786,7 @@ def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_pa
     assert "LIB None" in broken.stdout
     assert "fused CPU kernels off: building cpu_kernels.c failed" in broken.stderr
 
-    Path(built).write_bytes(b"not a shared library")          # a damaged cache entry is built again
+    Path(built).write_bytes(b"not a shared library")  # a damaged cache entry is built again
     damaged = run_python(code, PPOKIT_CACHE_DIR=str(cache))
     assert damaged.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_size > 1000
 
@@ -733,25 +797,38 @@ def test_the_accel_layer_fuses_a_cpu_policy_in_one_call(tiny_dir):
     from ppokit.lm.model.policy import build_policy
 
     def lm_config(tiny_dir, model=None):
-        return build_config([{"workload": "lm", "model": {"path": str(tiny_dir), **(model or {})},
-                              "run": {"progress": False, "tensorboard": False}}])
+        return build_config(
+            [
+                {
+                    "workload": "lm",
+                    "model": {"path": str(tiny_dir), **(model or {})},
+                    "run": {"progress": False, "tensorboard": False},
+                }
+            ]
+        )
 
     def fused_modules(policy):
         return sum(type(m).__module__ == "ppokit.lm.accel.kernels.fuse" for m in policy.lm.modules())
 
     cpu = torch.device("cpu")
     bf16 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=BF16)
-    assert fused_modules(bf16) == 0                              # a built policy is plain transformers + peft
+    assert fused_modules(bf16) == 0  # a built policy is plain transformers + peft
     acceleration = accelerate_policy(bf16)
-    layers = 2                                                   # the test model's
-    kind = lora_kernels_kind()                                   # amx, avx512 or None
-    lora = {f"lora_{kind}": 7 * layers} if kind else {}          # every linear layer's LoRA
-    assert acceleration.counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": layers,
-                                   "attention": layers, **lora}
+    layers = 2  # the test model's
+    kind = lora_kernels_kind()  # amx, avx512 or None
+    lora = {f"lora_{kind}": 7 * layers} if kind else {}  # every linear layer's LoRA
+    assert acceleration.counts == {
+        "rms_norm": 2 * layers + 1,
+        "mlp": layers,
+        "rotary": layers,
+        "attention": layers,
+        **lora,
+    }
     assert fused_modules(bf16) == 4 * layers + 1
-    assert acceleration.kv_cache is not None                     # the decoding kernel reads it in place
-    assert acceleration.describe() == (" + fused CPU kernels (rms_norm 5, mlp 2, rotary 2, attention 2"
-                                       + (f", lora_{kind} 14)" if kind else ")"))
+    assert acceleration.kv_cache is not None  # the decoding kernel reads it in place
+    assert acceleration.describe() == (
+        " + fused CPU kernels (rms_norm 5, mlp 2, rotary 2, attention 2" + (f", lora_{kind} 14)" if kind else ")")
+    )
     fp32 = build_policy(lm_config(tiny_dir), tiny_dir, device=cpu, autocast_dtype=None)
     fp32_counts = {name: n for name, n in acceleration.counts.items() if not name.startswith("lora_")}
-    assert accelerate_policy(fp32).counts == fp32_counts     # the float32 kernels; LoRA's are bf16 only
+    assert accelerate_policy(fp32).counts == fp32_counts  # the float32 kernels; LoRA's are bf16 only

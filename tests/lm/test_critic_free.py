@@ -13,19 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ppokit.lm.model.checkpoint import load_trained_state
-from ppokit.lm.model.checkpoint import save_policy
-from ppokit.cli import main
-from ppokit.config import ConfigError, build_config
-from ppokit.errors import UserError
-from ppokit.lm.model.hf import load_tokenizer
-from ppokit.lm.model.policy import build_policy
-from ppokit.lm.model.checkpoint import load_policy
-from ppokit.trainer import PPOTrainer
 from lm_helpers import randomize
 from resume_helpers import assert_same_metrics, copy_without_final_checkpoint, read_rows
 from test_policy import handmade_batch, lm_config
+
+from ppokit.cli import main
+from ppokit.config import ConfigError
+from ppokit.errors import UserError
+from ppokit.lm.model.checkpoint import load_policy, load_trained_state, save_policy
+from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.policy import build_policy
+from ppokit.trainer import PPOTrainer
 
 CPU = torch.device("cpu")
 GRPO = {"adv_estimator": "grpo", "group_size": 2}
@@ -48,8 +46,7 @@ def test_critic_free_estimators_build_no_critic_adapter(tiny_dir, estimator):
     assert {id(p) for p in group["params"]} == {id(p) for p in policy.adapter_parameters("actor")}
     with_critic = build_policy(lm_config(tiny_dir), tiny_dir, device=CPU, autocast_dtype=None)
     assert with_critic.has_critic and set(with_critic.lm.peft_config) == {"actor", "critic"}
-    critic_size = sum(p.numel() for p in with_critic.adapter_parameters("critic")) + \
-        n_params(with_critic.value_head)
+    critic_size = sum(p.numel() for p in with_critic.adapter_parameters("critic")) + n_params(with_critic.value_head)
     assert n_params(policy) == n_params(with_critic) - critic_size
 
 
@@ -58,7 +55,7 @@ def test_full_mode_grpo_loads_no_critic_model(tiny_dir):
     cfg = lm_config(tiny_dir, model={"mode": "full"}, algo=GRPO)
     grpo = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
     assert gae.critic_lm is not None and grpo.critic_lm is None and grpo.value_head is None
-    assert n_params(grpo) == n_params(gae.lm)          # one model where gae holds two
+    assert n_params(grpo) == n_params(gae.lm)  # one model where gae holds two
     trainer = PPOTrainer(cfg, grpo, total_iterations=1)
     assert sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"]) == n_params(grpo.lm)
 
@@ -74,8 +71,13 @@ def test_critic_free_update_trains_the_actor_and_reports_no_value_metrics(tiny_d
     assert "values" not in policy.evaluate(mb) and not values.any()
     mask = mb["mask"]
     g = torch.Generator().manual_seed(3)
-    batch = {**{k: v for k, v in mb.items() if k != "truncated"}, "old_log_prob": old, "old_values": values,
-             "advantages": torch.randn(mask.shape, generator=g) * mask, "returns": torch.zeros_like(mask)}
+    batch = {
+        **{k: v for k, v in mb.items() if k != "truncated"},
+        "old_log_prob": old,
+        "old_values": values,
+        "advantages": torch.randn(mask.shape, generator=g) * mask,
+        "returns": torch.zeros_like(mask),
+    }
     before = [p.detach().clone() for p in policy.adapter_parameters("actor")]
     metrics = PPOTrainer(cfg, policy, total_iterations=1).update(batch)
     assert not VALUE_METRICS & set(metrics)
@@ -85,20 +87,27 @@ def test_critic_free_update_trains_the_actor_and_reports_no_value_metrics(tiny_d
 
 
 def test_critic_warmup_without_a_critic_is_a_config_error(tiny_dir):
-    with pytest.raises(ConfigError, match="train.critic_warmup=2 trains the critic, but "
-                                          "algo.adv_estimator=grpo has none"):
+    with pytest.raises(
+        ConfigError, match="train.critic_warmup=2 trains the critic, but algo.adv_estimator=grpo has none"
+    ):
         lm_config(tiny_dir, algo=GRPO, train={"critic_warmup": 2, "iterations": 5})
 
 
 def test_a_critic_path_without_a_critic_is_a_config_error(tiny_dir):
-    with pytest.raises(ConfigError, match=r"model.critic_path=/some/critic is the critic's model, but "
-                                          r"algo.adv_estimator=grpo trains no critic; remove model.critic_path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.critic_path=/some/critic is the critic's model, but "
+        r"algo.adv_estimator=grpo trains no critic; remove model.critic_path",
+    ):
         lm_config(tiny_dir, algo=GRPO, model={"mode": "full", "critic_path": "/some/critic"})
 
 
 def test_a_critic_path_in_lora_mode_is_a_config_error(tiny_dir):
-    with pytest.raises(ConfigError, match=r"in lora mode the critic is a LoRA adapter on model.path: "
-                                          r"set model.mode=full, or remove model.critic_path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"in lora mode the critic is a LoRA adapter on model.path: "
+        r"set model.mode=full, or remove model.critic_path",
+    ):
         lm_config(tiny_dir, model={"mode": "lora", "critic_path": "/some/critic"})
     assert lm_config(tiny_dir, model={"mode": "full", "critic_path": "/some/critic"}).model.critic_path
 
@@ -116,8 +125,7 @@ def test_checkpoint_of_a_critic_free_policy_holds_the_actor_alone(tiny_dir, tmp_
     assert not reloaded.has_critic
     mb = handmade_batch(load_tokenizer(tiny_dir))
     with torch.no_grad():
-        torch.testing.assert_close(reloaded.log_probs(mb)["log_prob"], policy.log_probs(mb)["log_prob"],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(reloaded.log_probs(mb)["log_prob"], policy.log_probs(mb)["log_prob"], rtol=0, atol=0)
     # a gae run cannot take this checkpoint's (missing) critic
     gae = build_policy(lm_config(tiny_dir, model={"mode": mode}), tiny_dir, device=CPU, autocast_dtype=None)
     with pytest.raises(UserError, match="has no critic"):
@@ -126,18 +134,50 @@ def test_checkpoint_of_a_critic_free_policy_holds_the_actor_alone(tiny_dir, tmp_
 
 # ----------------------------------------------------------------------------- runs
 ITERATIONS = 3
-TIMING = {"time", "wall_time", "time_collect", "time_iteration", "time_generate", "time_score", "time_reward", "time_update",
-          "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s"}
+TIMING = {
+    "time",
+    "wall_time",
+    "time_collect",
+    "time_iteration",
+    "time_generate",
+    "time_score",
+    "time_reward",
+    "time_update",
+    "gen_tokens_per_s",
+    "score_tokens_per_s",
+    "train_tokens_per_s",
+}
 
 
 def grpo_run(tiny_dir, out: Path, name: str) -> Path:
-    args = ["train", "arith", f"model.path={tiny_dir}", "data.prompts=arithmetic:digits=1",
-            "data.reward=exact_match", "data.sft_epochs=0", "data.eval_size=4", f"train.iterations={ITERATIONS}",
-            "train.batch_size=8", "train.mini_batch_size=4", "train.micro_batch_size=4", "train.epochs=2",
-            "algo.adv_estimator=grpo", "algo.group_size=4", "rollout.max_new_tokens=2", "run.precision=fp32",
-            "run.checkpoint_every=1", "run.keep_checkpoints=3", "run.tensorboard=false", "run.log_samples=3",
-            "run.samples_every=1",
-            "--output-dir", str(out), "--name", name, "--no-progress"]
+    args = [
+        "train",
+        "arith",
+        f"model.path={tiny_dir}",
+        "data.prompts=arithmetic:digits=1",
+        "data.reward=exact_match",
+        "data.sft_epochs=0",
+        "data.eval_size=4",
+        f"train.iterations={ITERATIONS}",
+        "train.batch_size=8",
+        "train.mini_batch_size=4",
+        "train.micro_batch_size=4",
+        "train.epochs=2",
+        "algo.adv_estimator=grpo",
+        "algo.group_size=4",
+        "rollout.max_new_tokens=2",
+        "run.precision=fp32",
+        "run.checkpoint_every=1",
+        "run.keep_checkpoints=3",
+        "run.tensorboard=false",
+        "run.log_samples=3",
+        "run.samples_every=1",
+        "--output-dir",
+        str(out),
+        "--name",
+        name,
+        "--no-progress",
+    ]
     assert main(args) == 0
     return out / name
 
@@ -162,9 +202,18 @@ def test_samples_jsonl_holds_each_iterations_first_sequences_and_their_rewards(f
     rows = [json.loads(line) for line in (finished / "samples.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for r in rows:
-        assert r["reward"] == float(r["response"].strip() == r["fields"]["answer"])      # exact_match
-        assert set(r) == {"iteration", "prompt", "response", "reward", "length", "truncated", "fields",
-                          "reward_error", "reward_note"}
+        assert r["reward"] == float(r["response"].strip() == r["fields"]["answer"])  # exact_match
+        assert set(r) == {
+            "iteration",
+            "prompt",
+            "response",
+            "reward",
+            "length",
+            "truncated",
+            "fields",
+            "reward_error",
+            "reward_note",
+        }
         assert r["reward_error"] is None and r["reward_note"] is None
         assert r["prompt"].endswith("=") and 1 <= r["length"] <= 2
 
@@ -183,8 +232,9 @@ def test_eval_and_export_of_a_grpo_run(finished, tmp_path, capsys):
     mb = handmade_batch(load_tokenizer(out))
     R = mb["responses"].shape[1]
     with torch.no_grad():
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                       position_ids=mb["position_ids"]).logits[:, -R - 1:-1]
+        logits = model(
+            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"]
+        ).logits[:, -R - 1 : -1]
         want = policy.log_probs(mb)["log_prob"]
     got = torch.log_softmax(logits / policy.temperature, -1).gather(-1, mb["responses"][..., None]).squeeze(-1)
     mask = mb["mask"].bool()

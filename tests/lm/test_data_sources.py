@@ -12,10 +12,14 @@ from ppokit.lm.data.sources import PromptIterator, drop_long_prompts, is_file_so
 
 datasets = pytest.importorskip("datasets")
 
-ROWS = [{"question": "2+2=", "solution": "4", "tests": ["assert f() == 4"], "level": 1},
-        {"question": "3+3=", "solution": "6", "tests": [], "level": 2}]
-EXPECTED = [{"prompt": "2+2=", "answer": "4", "tests": ["assert f() == 4"], "level": 1},
-            {"prompt": "3+3=", "answer": "6", "tests": [], "level": 2}]
+ROWS = [
+    {"question": "2+2=", "solution": "4", "tests": ["assert f() == 4"], "level": 1},
+    {"question": "3+3=", "solution": "6", "tests": [], "level": 2},
+]
+EXPECTED = [
+    {"prompt": "2+2=", "answer": "4", "tests": ["assert f() == 4"], "level": 1},
+    {"prompt": "3+3=", "answer": "6", "tests": [], "level": 2},
+]
 
 
 def _jsonl(path, rows):
@@ -40,8 +44,9 @@ def test_a_dataset_dict_directory_gives_its_train_and_test_splits(tmp_path):
     train = [{"prompt": f"t{i}", "answer": str(i)} for i in range(3)]
     test = [{"prompt": "held out", "answer": "9"}]
     saved = tmp_path / "dict"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
-                          "test": datasets.Dataset.from_list(test)}).save_to_disk(str(saved))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(train), "test": datasets.Dataset.from_list(test)}
+    ).save_to_disk(str(saved))
     assert load_prompts(str(saved), "train") == train
     assert load_prompts(str(saved), "eval") == test
     only_train = tmp_path / "only_train"
@@ -125,10 +130,10 @@ def _prompts(batch):
 def test_every_epoch_is_a_seeded_permutation(num_items, batch_size):
     items = [{"prompt": str(i)} for i in range(num_items)]
     it = PromptIterator(items, batch_size, seed=3)
-    drawn = sum((_prompts(it.next_batch()) for _ in range(4 * num_items)), [])   # 4 * batch_size epochs
-    epochs = [drawn[e * num_items:(e + 1) * num_items] for e in range(len(drawn) // num_items)]
+    drawn = sum((_prompts(it.next_batch()) for _ in range(4 * num_items)), [])  # 4 * batch_size epochs
+    epochs = [drawn[e * num_items : (e + 1) * num_items] for e in range(len(drawn) // num_items)]
     assert all(sorted(e, key=int) == [str(i) for i in range(num_items)] for e in epochs)
-    assert len({tuple(e) for e in epochs}) > 1                     # reshuffled each epoch
+    assert len({tuple(e) for e in epochs}) > 1  # reshuffled each epoch
     again = PromptIterator(items, batch_size, seed=3)
     assert sum((_prompts(again.next_batch()) for _ in range(4 * num_items)), []) == drawn
     other = PromptIterator(items, batch_size, seed=4)
@@ -146,7 +151,7 @@ def test_resume_continues_the_same_order_and_step_count(stop_after):
 
     first = PromptIterator(items, 4, seed=11)
     got = [_prompts(first.next_batch()) for _ in range(stop_after)]
-    state = json.loads(json.dumps(first.state_dict()))              # as a checkpoint stores it
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
     assert all(type(state[k]) is int for k in ("epoch", "position"))
     if stop_after % 3 == 0:
         assert (state["epoch"], state["position"]) == (stop_after // 3, 0)

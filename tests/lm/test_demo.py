@@ -9,10 +9,20 @@ from pathlib import Path
 from ppokit.cli import main
 
 # A few seconds: a handful of SFT examples and epochs, two PPO iterations of 16 sequences.
-TINY_DEMO = ["data.sft_examples=32", "data.sft_epochs=2", "data.eval_size=16", "train.iterations=2",
-             "train.batch_size=16", "train.mini_batch_size=16", "train.micro_batch_size=16",
-             "train.infer_micro_batch_size=16", "algo.group_size=4", "data.eval_every=1",
-             "run.progress=false", "run.tensorboard=false"]
+TINY_DEMO = [
+    "data.sft_examples=32",
+    "data.sft_epochs=2",
+    "data.eval_size=16",
+    "train.iterations=2",
+    "train.batch_size=16",
+    "train.mini_batch_size=16",
+    "train.micro_batch_size=16",
+    "train.infer_micro_batch_size=16",
+    "algo.group_size=4",
+    "data.eval_every=1",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
 SUMMARY = re.compile(r"^held-out accuracy: (\d+\.\d)% -> (\d+\.\d)%$")
 
 
@@ -21,23 +31,25 @@ def test_demo_cli_prints_summary_and_writes_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0
     lines = [line for line in out.splitlines() if line.strip()]
-    assert SUMMARY.match(lines[-1]), lines[-1]                                  # the last line
-    assert sum(bool(SUMMARY.match(line)) for line in lines) == 1                # exactly one summary
+    assert SUMMARY.match(lines[-1]), lines[-1]  # the last line
+    assert sum(bool(SUMMARY.match(line)) for line in lines) == 1  # exactly one summary
     before, after = (float(x) for x in SUMMARY.match(lines[-1]).groups())
 
     run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert len(run_dirs) == 1
     # the line reports the accuracies the run measured (its checkpoint's summary)
     summary = json.loads((run_dirs[0] / "checkpoint" / "meta.json").read_text())["summary"]
-    assert (before, after) == (round(100 * summary["eval_accuracy_before"], 1),
-                               round(100 * summary["eval_accuracy_after"], 1))
+    assert (before, after) == (
+        round(100 * summary["eval_accuracy_before"], 1),
+        round(100 * summary["eval_accuracy_after"], 1),
+    )
     png = run_dirs[0] / "reward_curve.png"
     assert png.is_file()
     assert f"reward curve: {png}" in out
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data.rstrip()[-8:-4] == b"IEND"
     assert (run_dirs[0] / "metrics.jsonl").is_file()
-    curves = run_dirs[0] / "curves.png"                                         # the `ppokit plot` panels too
+    curves = run_dirs[0] / "curves.png"  # the `ppokit plot` panels too
     assert f"curves: {curves}" in out and curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -55,9 +67,19 @@ def test_plot_curves_without_metrics(tmp_path):
 
 
 # The tic-tac-toe demo in a few seconds: a tiny warm start, two PPO iterations of 8 games.
-TINY_TTT = ["data.sft_examples=64", "data.sft_epochs=1", "train.iterations=2", "train.batch_size=8",
-            "train.mini_batch_size=8", "train.micro_batch_size=64", "train.infer_micro_batch_size=64",
-            "textenv.eval_episodes=16", "textenv.eval_every=0", "run.progress=false", "run.tensorboard=false"]
+TINY_TTT = [
+    "data.sft_examples=64",
+    "data.sft_epochs=1",
+    "train.iterations=2",
+    "train.batch_size=8",
+    "train.mini_batch_size=8",
+    "train.micro_batch_size=64",
+    "train.infer_micro_batch_size=64",
+    "textenv.eval_episodes=16",
+    "textenv.eval_every=0",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
 WIN = re.compile(r"^win rate vs random: (\d+\.\d)% -> (\d+\.\d)%$")
 
 
@@ -70,11 +92,15 @@ def test_tictactoe_demo_prints_illegal_moves_and_ends_with_the_win_rates(tmp_pat
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     summary = json.loads((run_dir / "checkpoint" / "meta.json").read_text())["summary"]
     before, after = (float(x) for x in WIN.match(lines[-1]).groups())
-    assert (before, after) == (round(100 * summary["eval_before/random/win_rate"], 1),
-                               round(100 * summary["eval_after/random/win_rate"], 1))
+    assert (before, after) == (
+        round(100 * summary["eval_before/random/win_rate"], 1),
+        round(100 * summary["eval_after/random/win_rate"], 1),
+    )
     illegal = [line for line in lines if line.startswith("illegal moves (greedy, vs random): ")]
-    assert illegal == [f"illegal moves (greedy, vs random): {summary['eval_before/random/illegal_action_rate']:.2%} "
-                       f"-> {summary['eval_after/random/illegal_action_rate']:.2%}"]
+    assert illegal == [
+        f"illegal moves (greedy, vs random): {summary['eval_before/random/illegal_action_rate']:.2%} "
+        f"-> {summary['eval_after/random/illegal_action_rate']:.2%}"
+    ]
     assert any(line.startswith("illegal moves while training (sampled") for line in lines)
     assert any(line.startswith("win rate vs heuristic: ") for line in lines)
     assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

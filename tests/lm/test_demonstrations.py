@@ -24,15 +24,15 @@ def test_random_wins_keeps_only_the_turns_of_won_episodes():
     env = make_env("frozenlake", **LAKE)
     wins = moves(demonstration_examples(env, "random_wins", 300, seed=0, name="frozenlake"))
     played = moves(demonstration_examples(env, "random", 300, seed=0, name="frozenlake"))
-    assert played[(0, "r")] > 0                     # random play walks into the hole ...
-    assert wins[(0, "r")] == 0                      # ... and those episodes are dropped
-    assert wins[(2, "r")] > 0 and wins[(0, "d")] > 0 # the winning moves are there
+    assert played[(0, "r")] > 0  # random play walks into the hole ...
+    assert wins[(0, "r")] == 0  # ... and those episodes are dropped
+    assert wins[(2, "r")] > 0 and wins[(0, "d")] > 0  # the winning moves are there
     # every kept episode ends with the winning move, and goes through F once per visit of it
     assert wins[(2, "r")] <= wins[(0, "d")]
-    assert set(cell for cell, _ in wins) <= {0, 2}
+    assert {cell for cell, _ in wins} <= {0, 2}
 
 
 def test_random_wins_with_no_win_in_reach_is_a_one_line_error():
-    env = make_env("frozenlake", desc=["SH", "HG"], max_steps=5, letters=True)   # the goal cannot be reached
+    env = make_env("frozenlake", desc=["SH", "HG"], max_steps=5, letters=True)  # the goal cannot be reached
     with pytest.raises(UserError, match="turns of winning seats; use textenv.sft_policy=random"):
         demonstration_examples(env, "random_wins", 2, seed=0, name="frozenlake")

@@ -7,14 +7,12 @@ import json
 import pytest
 import torch
 
+from ppokit.commands.export import export_merged
 from ppokit.config import build_config
 from ppokit.errors import UserError
-from ppokit.commands.export import export_merged
-from ppokit.lm.model.hf import load_tokenizer
-from ppokit.lm.model.checkpoint import load_policy
 from ppokit.lm.generation.engine import RolloutEngine
-
-
+from ppokit.lm.model.checkpoint import load_policy
+from ppokit.lm.model.hf import load_tokenizer
 
 
 def train(tiny_dir, out, mode):
@@ -24,13 +22,25 @@ def train(tiny_dir, out, mode):
     out.mkdir(parents=True, exist_ok=True)
     reward = out / "length_reward.py"
     reward.write_text("def length(prompt, response, **fields):\n    return len(response) / 5\n")
-    cfg = build_config([{
-        "workload": "lm", "model": {"path": str(tiny_dir), "mode": mode},
-        "rollout": {"temperature": 0.8, "max_new_tokens": 5},
-        "data": {"prompts": "arithmetic", "reward": f"{reward}:length", "eval_size": 0},
-        "train": {"iterations": 2, "batch_size": 8, "mini_batch_size": 8, "micro_batch_size": 8,
-                  "learning_rate": 3e-2 if mode == "lora" else 3e-3, "critic_learning_rate": 1e-2},
-        "run": {"precision": "fp32", "progress": False, "tensorboard": False}}])
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir), "mode": mode},
+                "rollout": {"temperature": 0.8, "max_new_tokens": 5},
+                "data": {"prompts": "arithmetic", "reward": f"{reward}:length", "eval_size": 0},
+                "train": {
+                    "iterations": 2,
+                    "batch_size": 8,
+                    "mini_batch_size": 8,
+                    "micro_batch_size": 8,
+                    "learning_rate": 3e-2 if mode == "lora" else 3e-3,
+                    "critic_learning_rate": 1e-2,
+                },
+                "run": {"precision": "fp32", "progress": False, "tensorboard": False},
+            }
+        ]
+    )
     train_lm(cfg, out)
     return cfg, out / "checkpoint"
 
@@ -56,7 +66,7 @@ def test_checkpoint_layout(lora_run):
     assert (ckpt / "value_head.safetensors").is_file() and (ckpt / "tokenizer_config.json").is_file()
     meta = json.loads((ckpt / "policy.json").read_text())
     assert meta["mode"] == "lora" and meta["temperature"] == cfg.rollout.temperature
-    assert (ckpt / "meta.json").is_file() and (ckpt / "learner.safetensors").is_file()   # the run loop's state
+    assert (ckpt / "meta.json").is_file() and (ckpt / "learner.safetensors").is_file()  # the run loop's state
     assert not (ckpt.parent / ".checkpoint.tmp").exists()
 
 
@@ -69,8 +79,8 @@ def test_reload_gives_the_trained_policy(lora_run, tiny_dir):
         values = policy.values(ro.tensors())
         ref = policy.ref_log_probs(ro.tensors())
     mask = ro.mask.bool()
-    assert (lp - ref)[mask].abs().max() > 1e-2          # the trained actor is not the base model
-    assert values.abs().max() > 0                        # nor is the value head its zero init
+    assert (lp - ref)[mask].abs().max() > 1e-2  # the trained actor is not the base model
+    assert values.abs().max() > 0  # nor is the value head its zero init
     again = load_policy(ckpt)
     with torch.no_grad():
         assert torch.equal(again.log_probs(ro.tensors())["log_prob"], lp)
@@ -95,8 +105,9 @@ def test_exported_model_gives_the_policy_log_probs(lora_run, tmp_path):
     assert tok.eos_token_id == load_tokenizer(ckpt).eos_token_id and tok.padding_side == "left"
     R = ro.responses.shape[1]
     with torch.no_grad():
-        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                       position_ids=ro.position_ids).logits[:, -R - 1:-1]
+        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask, position_ids=ro.position_ids).logits[
+            :, -R - 1 : -1
+        ]
     got = torch.log_softmax(logits / policy.temperature, -1).gather(-1, ro.responses[..., None]).squeeze(-1)
     mask = ro.mask.bool()
     torch.testing.assert_close(got[mask], expected[mask], rtol=1e-4, atol=1e-4)
@@ -117,8 +128,9 @@ def test_full_mode_round_trip(tiny_dir, tmp_path):
     model = load_causal_lm(out)
     R = ro.responses.shape[1]
     with torch.no_grad():
-        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                       position_ids=ro.position_ids).logits[:, -R - 1:-1]
+        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask, position_ids=ro.position_ids).logits[
+            :, -R - 1 : -1
+        ]
     got = torch.log_softmax(logits / policy.temperature, -1).gather(-1, ro.responses[..., None]).squeeze(-1)
     torch.testing.assert_close(got[ro.mask.bool()], expected[ro.mask.bool()], rtol=1e-5, atol=1e-5)
 
@@ -132,8 +144,7 @@ def test_export_of_an_unfinished_run_names_its_newest_checkpoint(lora_run, tmp_p
     import shutil
 
     run = tmp_path / "run"
-    shutil.copytree(lora_run[1], run / "checkpoints" / "iter-000002")   # a periodic one, no final one
+    shutil.copytree(lora_run[1], run / "checkpoints" / "iter-000002")  # a periodic one, no final one
     with pytest.raises(UserError, match=r"has no final checkpoint .*--resume .*checkpoints/iter-000002"):
         export_merged(run, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-

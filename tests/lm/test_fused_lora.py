@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lm_helpers import DEVICES
 from torch import nn
 
-from lm_helpers import DEVICES
 from ppokit.lm.accel.fused_lora import LoRALinearFunction, _fusable_adapter, fuse_lora_layers, unfuse_lora_layers
 
 
@@ -40,7 +40,7 @@ def test_function_matches_the_naive_float64_formula_and_its_gradients(with_bias)
 
 
 def test_function_skips_gradients_nobody_asked_for():
-    x = torch.randn(4, 3, dtype=torch.float64)                       # no grad: the first layer's input
+    x = torch.randn(4, 3, dtype=torch.float64)  # no grad: the first layer's input
     a = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     bb = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
     y = LoRALinearFunction.apply(x, torch.randn(5, 3, dtype=torch.float64), None, a, bb, 0.5)
@@ -71,7 +71,7 @@ def peft_model(dropout=0.0, seed=0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.normal_(0, 0.3)                  # lora_B starts at zero: make every gradient count
+                p.normal_(0, 0.3)  # lora_B starts at zero: make every gradient count
     return model
 
 
@@ -115,8 +115,10 @@ def test_fused_layers_under_bf16_autocast_stay_as_close_to_fp32_as_peft(device):
         with torch.autocast(device, dtype=torch.bfloat16):
             y, _, grads = run(model, x)
         assert y.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads.values())
-        errors[kind] = max([(y.float() - exact_y).abs().max().item()]
-                           + [(grads[n] - exact_grads[n]).abs().max().item() for n in exact_grads])
+        errors[kind] = max(
+            [(y.float() - exact_y).abs().max().item()]
+            + [(grads[n] - exact_grads[n]).abs().max().item() for n in exact_grads]
+        )
     assert errors["fused"] <= 2 * errors["peft"] + 1e-6
 
 
@@ -124,28 +126,33 @@ def test_disabled_adapters_and_mixed_batches_take_peft_path():
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(3))
     base = TwoLinears()
     fused = peft_model()
-    base.load_state_dict({k.replace("base_model.model.", "").replace(".base_layer", ""): v
-                          for k, v in fused.state_dict().items() if "lora_" not in k})
+    base.load_state_dict(
+        {
+            k.replace("base_model.model.", "").replace(".base_layer", ""): v
+            for k, v in fused.state_dict().items()
+            if "lora_" not in k
+        }
+    )
     fuse_lora_layers(fused)
     with fused.disable_adapter(), torch.no_grad():
-        torch.testing.assert_close(fused(x), base(x))            # the reference policy: the bare backbone
+        torch.testing.assert_close(fused(x), base(x))  # the reference policy: the bare backbone
     plain = peft_model()
-    fused.eval(), plain.eval()                                   # peft takes adapter_names in eval mode only
-    with torch.no_grad():                                        # peft's per-row adapter names
+    fused.eval(), plain.eval()  # peft takes adapter_names in eval mode only
+    with torch.no_grad():  # peft's per-row adapter names
         names = ["actor", "critic", "actor"]
         torch.testing.assert_close(fused(x, adapter_names=names), plain(x, adapter_names=names))
 
 
 def test_layers_the_fused_path_cannot_compute_exactly_are_left_to_peft():
     layer = peft_model(dropout=0.1).base_model.model.up
-    assert _fusable_adapter(layer) is None                       # dropout
+    assert _fusable_adapter(layer) is None  # dropout
     layer = peft_model().base_model.model.up
     assert _fusable_adapter(layer) == "actor"
     layer.merge()
-    assert _fusable_adapter(layer) is None                       # merged into the base weight
+    assert _fusable_adapter(layer) is None  # merged into the base weight
     layer.unmerge()
     layer.set_adapter(["actor", "critic"])
-    assert _fusable_adapter(layer) is None                       # several active adapters
+    assert _fusable_adapter(layer) is None  # several active adapters
 
 
 def test_fusing_keeps_the_state_dict_is_idempotent_and_undoes():

@@ -28,17 +28,34 @@ PROMPTS = ["12+30=", "7+8="]
 @pytest.fixture(scope="module")
 def run_dir(tiny_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("commands")
-    args = ["train", "arith", f"model.path={tiny_dir}", "data.sft_epochs=0", "data.eval_size=4", "train.iterations=1",
-            "train.batch_size=8", "train.mini_batch_size=8", "train.micro_batch_size=8", "algo.group_size=4",
-            "rollout.max_new_tokens=4", "run.precision=fp32", "run.tensorboard=false", "--output-dir", str(out),
-            "--name", "run", "--no-progress"]
+    args = [
+        "train",
+        "arith",
+        f"model.path={tiny_dir}",
+        "data.sft_epochs=0",
+        "data.eval_size=4",
+        "train.iterations=1",
+        "train.batch_size=8",
+        "train.mini_batch_size=8",
+        "train.micro_batch_size=8",
+        "algo.group_size=4",
+        "rollout.max_new_tokens=4",
+        "run.precision=fp32",
+        "run.tensorboard=false",
+        "--output-dir",
+        str(out),
+        "--name",
+        "run",
+        "--no-progress",
+    ]
     assert main(args) == 0
     return out / "run"
 
 
 def ppokit(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ppokit", *args], input=stdin, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ppokit", *args], input=stdin, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_reads_prompts_from_stdin_like_from_options(run_dir):
@@ -54,9 +71,9 @@ def test_generate_reads_prompts_from_stdin_like_from_options(run_dir):
 
 
 def test_generate_is_the_trained_actor_through_the_rollout_engine(run_dir):
-    from ppokit.lm.model.hf import load_tokenizer
-    from ppokit.lm.model.checkpoint import load_policy
     from ppokit.config import RolloutConfig
+    from ppokit.lm.model.checkpoint import load_policy
+    from ppokit.lm.model.hf import load_tokenizer
 
     ckpt = run_dir / "checkpoint"
     policy = load_policy(ckpt)
@@ -90,10 +107,10 @@ def test_chat_keeps_the_conversation_and_its_commands(chat_dir, monkeypatch):
     assert chat_main(str(chat_dir), system="add", greedy=True, stdin=stdin, stdout=out, stderr=err) == 0
     replies = out.getvalue().splitlines()
     assert len(seen) == 3
-    assert seen[0] == "s:add\nu:1+1=\na:"                                   # the template, with the system message
-    assert seen[1] == f"s:add\nu:1+1=\na:{replies[0]}\nu:2+2=\na:"          # the history goes with the next turn
-    assert seen[2] == "s:add\nu:3+3=\na:"                                   # /clear forgot it
-    assert "(max_new_tokens = 3)" in err.getvalue() and "top_p" in err.getvalue()     # /set, and a bad /set
+    assert seen[0] == "s:add\nu:1+1=\na:"  # the template, with the system message
+    assert seen[1] == f"s:add\nu:1+1=\na:{replies[0]}\nu:2+2=\na:"  # the history goes with the next turn
+    assert seen[2] == "s:add\nu:3+3=\na:"  # /clear forgot it
+    assert "(max_new_tokens = 3)" in err.getvalue() and "top_p" in err.getvalue()  # /set, and a bad /set
     assert "never read" not in "".join(seen)
 
 
@@ -107,7 +124,7 @@ def test_eval_table_and_json_for_a_run(run_dir, capsys):
     assert main(["eval", str(run_dir), "--samples", "4", "--k", "1", "2", "4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["prompts"] == 4 and result["samples"] == 4
-    assert result["pass@1"] == pytest.approx(result["sampled_mean_reward"])     # unbiased pass@1 = mean of 0/1
+    assert result["pass@1"] == pytest.approx(result["sampled_mean_reward"])  # unbiased pass@1 = mean of 0/1
     assert result["pass@1"] <= result["pass@2"] <= result["pass@4"]
     assert result["pass@1_greedy"] == pytest.approx(result["mean_reward"])
     assert main(["eval", str(run_dir), "--prompts", "2"]) == 0
@@ -118,28 +135,46 @@ def test_eval_table_and_json_for_a_run(run_dir, capsys):
 def test_eval_of_a_model_directory_on_a_dataset(tiny_dir, tmp_path, capsys):
     data = tmp_path / "test.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i}+1=", "gold": str(i + 1)}) + "\n" for i in range(5)))
-    (tmp_path / "always.py").write_text("def one(prompt, response, **fields):\n    return 1.0\n"
-                                        "def half(prompt, response, answer):\n"
-                                        "    return 0.5 if int(answer) == int(prompt[:-3]) + 1 else 0.0\n")
-    base = ["eval", str(tiny_dir), "--data", str(data), "--prompt-key", "question", "--answer-key", "gold",
-            "--samples", "3", "--json", "--max-new-tokens", "3"]
+    (tmp_path / "always.py").write_text(
+        "def one(prompt, response, **fields):\n    return 1.0\n"
+        "def half(prompt, response, answer):\n"
+        "    return 0.5 if int(answer) == int(prompt[:-3]) + 1 else 0.0\n"
+    )
+    base = [
+        "eval",
+        str(tiny_dir),
+        "--data",
+        str(data),
+        "--prompt-key",
+        "question",
+        "--answer-key",
+        "gold",
+        "--samples",
+        "3",
+        "--json",
+        "--max-new-tokens",
+        "3",
+    ]
     assert main(base + ["--reward", f"{tmp_path / 'always.py'}:one"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["prompts"] == 5 and result["mean_reward"] == 1.0 and result["pass@3"] == 1.0
     assert result["mean_length"] <= 3
-    assert main(base + ["--reward", f"{tmp_path / 'always.py'}:half"]) == 0      # gold is the answer field
+    assert main(base + ["--reward", f"{tmp_path / 'always.py'}:half"]) == 0  # gold is the answer field
     result = json.loads(capsys.readouterr().out)
     assert result["mean_reward"] == 0.5 and result["pass@1_greedy"] == 0.0 and result["pass@3"] == 0.0
     assert main(base + ["--reward", f"{tmp_path / 'always.py'}:half", "--threshold", "0.5"]) == 0
     assert json.loads(capsys.readouterr().out)["pass@3"] == 1.0
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--samples", "2", "--k", "4"], "--k must be between 1 and --samples"),
-    (["--data", "nope.jsonl", "--reward", "exact_match"], "nope.jsonl does not exist"),
-    (["--data", "arithmetic", "--reward", "nosuch"], "unknown reward function 'nosuch'"),
-    (["--temperature", "0"], "argument --temperature: must be a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--samples", "2", "--k", "4"], "--k must be between 1 and --samples"),
+        (["--data", "nope.jsonl", "--reward", "exact_match"], "nope.jsonl does not exist"),
+        (["--data", "arithmetic", "--reward", "nosuch"], "unknown reward function 'nosuch'"),
+        (["--temperature", "0"], "argument --temperature: must be a finite number > 0"),
+    ],
+)
 def test_eval_bad_arguments_are_one_line(run_dir, args, message, capsys):
     try:
         status = main(["eval", str(run_dir), *args])
@@ -155,18 +190,31 @@ def test_a_model_directory_needs_data(tiny_dir, capsys):
 
 
 def test_reward_command_prints_score_and_reason(tmp_path):
-    done = ppokit("reward", "countdown", "--prompt", "p", "--response", "<answer>3 * 7</answer>",
-                  "--field", "numbers=[3, 5, 7]", "--field", "target=15")
+    done = ppokit(
+        "reward",
+        "countdown",
+        "--prompt",
+        "p",
+        "--response",
+        "<answer>3 * 7</answer>",
+        "--field",
+        "numbers=[3, 5, 7]",
+        "--field",
+        "target=15",
+    )
     assert done.returncode == 0 and done.stdout == "score: 0\nreason: wrong value\n", done.stderr
     (tmp_path / "r.py").write_text("import time\ndef slow(prompt, response, **f):\n    time.sleep(60)\n")
     done = ppokit("reward", f"{tmp_path / 'r.py'}:slow", "--prompt", "p", "--response", "r", "--timeout", "1")
     assert done.returncode == 0 and done.stdout == "score: 0\nreason: timeout: timed out after 1 s\n", done.stdout
-    for args, message in ((["nosuch", "--prompt", "p", "--response", "r"], "unknown reward function 'nosuch'"),
-                          (["math", "--prompt", "p", "--response", "r", "--field", "answer"], "KEY=VALUE"),
-                          (["math", "--prompt", "p"], "the following arguments are required: --response")):
+    for args, message in (
+        (["nosuch", "--prompt", "p", "--response", "r"], "unknown reward function 'nosuch'"),
+        (["math", "--prompt", "p", "--response", "r", "--field", "answer"], "KEY=VALUE"),
+        (["math", "--prompt", "p"], "the following arguments are required: --response"),
+    ):
         done = ppokit("reward", *args)
-        assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, \
+        assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, (
             done.stderr
+        )
 
 
 def test_generate_bad_inputs(run_dir, tmp_path, capsys):

@@ -18,15 +18,26 @@ import shutil
 from pathlib import Path
 
 import pytest
+from resume_helpers import assert_same_metrics, read_rows
 
 from ppokit import rundir
 from ppokit.cli import main
 from ppokit.lm import reward_pool
-from resume_helpers import assert_same_metrics, read_rows
 
-TIMING = {"time", "wall_time", "time_collect", "time_iteration", "time_generate", "time_score", "time_reward",
-          "time_update", "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s"}
-REWARD = '''
+TIMING = {
+    "time",
+    "wall_time",
+    "time_collect",
+    "time_iteration",
+    "time_generate",
+    "time_score",
+    "time_reward",
+    "time_update",
+    "gen_tokens_per_s",
+    "score_tokens_per_s",
+    "train_tokens_per_s",
+}
+REWARD = """
 import time
 
 def flaky(prompt, response, mode):
@@ -35,21 +46,40 @@ def flaky(prompt, response, mode):
     if mode == "hang":
         time.sleep(120)
     return 1.0
-'''
+"""
 
 
 def base_args(tiny_dir, out: Path, name: str, data: Path, reward: str, *extra: str) -> list[str]:
-    return ["train", "arith", f"model.path={tiny_dir}", f"data.prompts={data}", f"data.reward={reward}",
-            "data.sft_epochs=0", "data.eval_size=0", "rollout.max_new_tokens=3", "run.precision=fp32",
-            "run.tensorboard=false", "run.torch_threads=1", "--output-dir", str(out), "--name", name,
-            "--no-progress", *extra]
+    return [
+        "train",
+        "arith",
+        f"model.path={tiny_dir}",
+        f"data.prompts={data}",
+        f"data.reward={reward}",
+        "data.sft_epochs=0",
+        "data.eval_size=0",
+        "rollout.max_new_tokens=3",
+        "run.precision=fp32",
+        "run.tensorboard=false",
+        "run.torch_threads=1",
+        "--output-dir",
+        str(out),
+        "--name",
+        name,
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.fixture
 def flaky_data(tmp_path) -> tuple[Path, str]:
     data = tmp_path / "data.jsonl"
-    rows = [{"question": "1+1=", "mode": "ok"}, {"question": "2+2=", "mode": "raise"},
-            {"question": "3+3=", "mode": "hang"}, {"question": "4+4=", "mode": "ok"}]
+    rows = [
+        {"question": "1+1=", "mode": "ok"},
+        {"question": "2+2=", "mode": "raise"},
+        {"question": "3+3=", "mode": "hang"},
+        {"question": "4+4=", "mode": "ok"},
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "flaky.py").write_text(REWARD)
     return data, f"{tmp_path / 'flaky.py'}:flaky"
@@ -58,18 +88,33 @@ def flaky_data(tmp_path) -> tuple[Path, str]:
 def test_failing_rewards_get_reward_on_error_are_counted_and_marked(tiny_dir, tmp_path, flaky_data, monkeypatch):
     starts, closes = [], []
     real_init, real_close = reward_pool.RewardPool.__init__, reward_pool.RewardPool.close
-    monkeypatch.setattr(reward_pool.RewardPool, "__init__",
-                        lambda self, *a, **k: (starts.append(1), real_init(self, *a, **k))[1])
+    monkeypatch.setattr(
+        reward_pool.RewardPool, "__init__", lambda self, *a, **k: (starts.append(1), real_init(self, *a, **k))[1]
+    )
     monkeypatch.setattr(reward_pool.RewardPool, "close", lambda self: (closes.append(1), real_close(self))[1])
     data, reward = flaky_data
-    args = base_args(tiny_dir, tmp_path, "run", data, reward, "data.prompt_key=question", "data.reward_timeout=1",
-                     "data.reward_on_error=-0.5", "data.max_reward_errors=null", "data.reward_workers=2",
-                     "train.iterations=2", "train.batch_size=8", "train.mini_batch_size=8", "algo.group_size=2",
-                     "run.log_samples=8", "run.samples_every=1")
+    args = base_args(
+        tiny_dir,
+        tmp_path,
+        "run",
+        data,
+        reward,
+        "data.prompt_key=question",
+        "data.reward_timeout=1",
+        "data.reward_on_error=-0.5",
+        "data.max_reward_errors=null",
+        "data.reward_workers=2",
+        "train.iterations=2",
+        "train.batch_size=8",
+        "train.mini_batch_size=8",
+        "algo.group_size=2",
+        "run.log_samples=8",
+        "run.samples_every=1",
+    )
     assert main(args) == 0
-    assert len(starts) == 1 and len(closes) >= 1           # one pool for the run, closed at its end
+    assert len(starts) == 1 and len(closes) >= 1  # one pool for the run, closed at its end
     rows = read_rows(tmp_path / "run")
-    for row in rows:                                      # every batch holds all 4 prompts, twice each
+    for row in rows:  # every batch holds all 4 prompts, twice each
         assert row["reward_errors"] == 4 and row["reward_errors/error"] == 2 and row["reward_errors/timeout"] == 2
         assert row["reward_mean"] == pytest.approx((4 * 1.0 + 4 * -0.5) / 8)
     assert rows[-1]["reward_errors_total"] == 8
@@ -84,26 +129,41 @@ def test_failing_rewards_get_reward_on_error_are_counted_and_marked(tiny_dir, tm
             assert sample["reward_error"] == want and sample["reward"] == -0.5
 
 
-@pytest.mark.parametrize("limit, message, rows", [
-    ("5", "failed on 8 samples so far (more than data.max_reward_errors=5); most often", 1),   # count over the run
-    ("0.25", "failed on 4 of 8 samples (more than data.max_reward_errors=0.25 of the batch)", 0),   # per batch
-])
-def test_too_many_reward_errors_stop_the_run_with_one_line(tiny_dir, tmp_path, flaky_data, capsys, limit, message,
-                                                           rows):
+@pytest.mark.parametrize(
+    "limit, message, rows",
+    [
+        ("5", "failed on 8 samples so far (more than data.max_reward_errors=5); most often", 1),  # count over the run
+        ("0.25", "failed on 4 of 8 samples (more than data.max_reward_errors=0.25 of the batch)", 0),  # per batch
+    ],
+)
+def test_too_many_reward_errors_stop_the_run_with_one_line(
+    tiny_dir, tmp_path, flaky_data, capsys, limit, message, rows
+):
     data, reward = flaky_data
-    args = base_args(tiny_dir, tmp_path, "run", data, reward, "data.prompt_key=question", "data.reward_timeout=1",
-                     f"data.max_reward_errors={limit}", "train.iterations=3", "train.batch_size=8",
-                     "train.mini_batch_size=8", "algo.group_size=2")
+    args = base_args(
+        tiny_dir,
+        tmp_path,
+        "run",
+        data,
+        reward,
+        "data.prompt_key=question",
+        "data.reward_timeout=1",
+        f"data.max_reward_errors={limit}",
+        "train.iterations=3",
+        "train.batch_size=8",
+        "train.mini_batch_size=8",
+        "algo.group_size=2",
+    )
     capsys.readouterr()
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ppokit: error: reward function") and message in err[0], err
-    assert len(read_rows(tmp_path / "run")) == rows                          # what was written stays
+    assert len(read_rows(tmp_path / "run")) == rows  # what was written stays
 
 
 # ----------------------------------------------------------------------------- epochs and resume
 EPOCH_PROMPTS = 6
-ITERATIONS = 7          # 2 prompts per iteration: epochs end after iterations 2 and 5
+ITERATIONS = 7  # 2 prompts per iteration: epochs end after iterations 2 and 5
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +172,25 @@ def epoch_run(tiny_dir, tmp_path_factory):
     data = root / "data.parquet"
     import datasets
 
-    datasets.Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)}
-                                for i in range(EPOCH_PROMPTS)]).to_parquet(str(data))
-    args = base_args(tiny_dir, root, "ref", data, "exact_match", f"train.iterations={ITERATIONS}",
-                     "train.batch_size=4", "train.mini_batch_size=4", "algo.group_size=2", "run.log_samples=4",
-                     "run.samples_every=1", "run.checkpoint_every=1", "run.keep_checkpoints=10", "seed=5")
+    datasets.Dataset.from_list(
+        [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(EPOCH_PROMPTS)]
+    ).to_parquet(str(data))
+    args = base_args(
+        tiny_dir,
+        root,
+        "ref",
+        data,
+        "exact_match",
+        f"train.iterations={ITERATIONS}",
+        "train.batch_size=4",
+        "train.mini_batch_size=4",
+        "algo.group_size=2",
+        "run.log_samples=4",
+        "run.samples_every=1",
+        "run.checkpoint_every=1",
+        "run.keep_checkpoints=10",
+        "seed=5",
+    )
     assert main(args) == 0
     return root, root / "ref"
 
@@ -135,8 +209,8 @@ def test_each_epoch_is_a_seeded_permutation_of_the_data(epoch_run):
     assert len(order) == ITERATIONS and all(len(p) == 2 for p in order)
     epoch0, epoch1 = sum(order[0:3], []), sum(order[3:6], [])
     everything = sorted(f"{i}+{i}=" for i in range(EPOCH_PROMPTS))
-    assert sorted(epoch0) == everything and sorted(epoch1) == everything       # each prompt once per epoch
-    assert epoch0 != epoch1                                                   # reshuffled (seed 5)
+    assert sorted(epoch0) == everything and sorted(epoch1) == everything  # each prompt once per epoch
+    assert epoch0 != epoch1  # reshuffled (seed 5)
     rows = read_rows(run)
     assert [r["data_epoch"] for r in rows][2] == 1.0 and rows[5]["data_epoch"] == 2.0
 

@@ -17,14 +17,13 @@ ALL_LINEAR_AND_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_model_dir):
-    return tiny_model_dir          # tests/lm/conftest.py: a random tiny Llama + char tokenizer
+    return tiny_model_dir  # tests/lm/conftest.py: a random tiny Llama + char tokenizer
 
 
 @pytest.fixture(scope="module")
 def sevens(tmp_path_factory):
     path = tmp_path_factory.mktemp("reward") / "sevens.py"
-    path.write_text("def sevens(prompt, response, **fields):\n"
-                    "    return response.count('7') / max(1, len(response))\n")
+    path.write_text("def sevens(prompt, response, **fields):\n    return response.count('7') / max(1, len(response))\n")
     return f"{path}:sevens"
 
 
@@ -32,20 +31,37 @@ def sevens(tmp_path_factory):
 def one_thread():
     threads = torch.get_num_threads()
     yield
-    torch.set_num_threads(threads)     # train_lm picks one thread for a small model
+    torch.set_num_threads(threads)  # train_lm picks one thread for a small model
 
 
 def config(tiny_dir, tmp_path, **sections):
-    base = {"workload": "lm", "seed": 1,
-            "model": {"path": str(tiny_dir), "lora_target_modules": ALL_LINEAR_AND_HEAD},
-            "rollout": {"temperature": 1.0, "max_new_tokens": 8},
-            "data": {"prompts": "arithmetic", "eval_size": 32},
-            "train": {"iterations": 12, "batch_size": 64, "mini_batch_size": 32, "micro_batch_size": 32,
-                      "infer_micro_batch_size": 64, "learning_rate": 2e-2, "critic_learning_rate": 1e-2,
-                      "epochs": 2, "grad_clip": 1.0, "lr_warmup_ratio": 0.0},
-            "algo": {"gamma": 1.0, "gae_lambda": 0.95, "group_size": 4},
-            "run": {"precision": "fp32", "progress": False, "tensorboard": False, "output_dir": str(tmp_path),
-                    "name": "run"}}
+    base = {
+        "workload": "lm",
+        "seed": 1,
+        "model": {"path": str(tiny_dir), "lora_target_modules": ALL_LINEAR_AND_HEAD},
+        "rollout": {"temperature": 1.0, "max_new_tokens": 8},
+        "data": {"prompts": "arithmetic", "eval_size": 32},
+        "train": {
+            "iterations": 12,
+            "batch_size": 64,
+            "mini_batch_size": 32,
+            "micro_batch_size": 32,
+            "infer_micro_batch_size": 64,
+            "learning_rate": 2e-2,
+            "critic_learning_rate": 1e-2,
+            "epochs": 2,
+            "grad_clip": 1.0,
+            "lr_warmup_ratio": 0.0,
+        },
+        "algo": {"gamma": 1.0, "gae_lambda": 0.95, "group_size": 4},
+        "run": {
+            "precision": "fp32",
+            "progress": False,
+            "tensorboard": False,
+            "output_dir": str(tmp_path),
+            "name": "run",
+        },
+    }
     return build_config([base, sections])
 
 
@@ -61,10 +77,20 @@ def test_ppo_raises_the_reward(tiny_dir, tmp_path, sevens):
     # A random model writes a '7' about once in 56 characters.
     assert first < 0.1 and last > 0.5 and last > first + 0.4, rewards
     assert result["eval_accuracy_before"] < 0.1 and result["eval_accuracy_after"] > 0.5, result
-    for key in ("kl_ref", "approx_kl", "clipfrac", "entropy", "value_loss", "explained_variance",
-                "response_length", "reward_std", "gen_tokens_per_s", "train_tokens_per_s"):
+    for key in (
+        "kl_ref",
+        "approx_kl",
+        "clipfrac",
+        "entropy",
+        "value_loss",
+        "explained_variance",
+        "response_length",
+        "reward_std",
+        "gen_tokens_per_s",
+        "train_tokens_per_s",
+    ):
         assert key in rows[-1], key
-    assert rows[-1]["kl_ref"] > rows[0]["kl_ref"]        # it moved away from the reference
+    assert rows[-1]["kl_ref"] > rows[0]["kl_ref"]  # it moved away from the reference
     # Two epochs: the scorer's log-probs are used, and checked against the update's first
     # forward. The same kernels on a CPU: equal. A GPU picks kernels by batch shape (the
     # scorer's chunks of 64 against the update's 32): within 1e-4 (3.8e-6 on an H100).
@@ -79,14 +105,17 @@ def test_a_fully_on_policy_run_takes_its_old_log_probs_from_the_update(tiny_dir,
     built = []
     scorer_class = workload.Scorer
     monkeypatch.setattr(workload, "Scorer", lambda *a, **kw: built.append(kw) or scorer_class(*a, **kw))
-    cfg = config(tiny_dir, tmp_path, data={"reward": sevens, "eval_size": 0},
-                 train={"iterations": 3, "batch_size": 16, "mini_batch_size": 16, "micro_batch_size": 8,
-                        "epochs": 1})
+    cfg = config(
+        tiny_dir,
+        tmp_path,
+        data={"reward": sevens, "eval_size": 0},
+        train={"iterations": 3, "batch_size": 16, "mini_batch_size": 16, "micro_batch_size": 8, "epochs": 1},
+    )
     train_lm(cfg, tmp_path / "run")
     assert built[0]["need_old_log_prob"] is False
     rows = read_metrics(tmp_path / "run")
     assert all("old_log_prob_gap" not in r for r in rows)
-    assert all(r["clipfrac"] == 0.0 for r in rows)            # one step: every ratio is 1
+    assert all(r["clipfrac"] == 0.0 for r in rows)  # one step: every ratio is 1
     # kl_ref from the update's own log-probs: 0 before the first step, then growing
     assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[-1]["kl_ref"] > 1e-4
 
@@ -94,10 +123,18 @@ def test_a_fully_on_policy_run_takes_its_old_log_probs_from_the_update(tiny_dir,
 def test_group_estimator_with_adaptive_kl_in_reward(tiny_dir, tmp_path, sevens):
     from ppokit.workloads import train as train_lm
 
-    cfg = config(tiny_dir, tmp_path, data={"reward": sevens, "eval_size": 0},
-                 train={"iterations": 3, "batch_size": 16, "mini_batch_size": 16, "micro_batch_size": 8},
-                 algo={"adv_estimator": "grpo", "use_kl_in_reward": True, "kl_penalty": "low_var_kl",
-                       "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100}})
+    cfg = config(
+        tiny_dir,
+        tmp_path,
+        data={"reward": sevens, "eval_size": 0},
+        train={"iterations": 3, "batch_size": 16, "mini_batch_size": 16, "micro_batch_size": 8},
+        algo={
+            "adv_estimator": "grpo",
+            "use_kl_in_reward": True,
+            "kl_penalty": "low_var_kl",
+            "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100},
+        },
+    )
     train_lm(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     # verl's rule on verl's input (reward_kl: each sequence's mean KL per token, averaged):
@@ -106,19 +143,30 @@ def test_group_estimator_with_adaptive_kl_in_reward(tiny_dir, tmp_path, sevens):
     for row in rows:
         assert row["kl_coef"] == pytest.approx(coef, rel=1e-12)
         coef *= 1 + min(max(row["reward_kl"] / 0.01 - 1, -0.2), 0.2) * 16 / 100
-    assert rows[0]["reward_kl"] == 0.0                      # LoRA's B starts at 0: the actor is the reference
-    assert rows[1]["kl_coef"] < 0.05                        # below target: it shrank...
+    assert rows[0]["reward_kl"] == 0.0  # LoRA's B starts at 0: the actor is the reference
+    assert rows[1]["kl_coef"] < 0.05  # below target: it shrank...
     assert all(r["reward_kl"] > 0.01 for r in rows[1:]) and rows[2]["kl_coef"] > rows[1]["kl_coef"]  # ...above: grew
-    assert not {"value_loss", "explained_variance"} & set(rows[-1])   # GRPO trains no critic
+    assert not {"value_loss", "explained_variance"} & set(rows[-1])  # GRPO trains no critic
 
 
 def test_full_mode_with_kl_loss(tiny_dir, tmp_path, sevens):
     from ppokit.workloads import train as train_lm
 
-    cfg = config(tiny_dir, tmp_path, model={"mode": "full"}, data={"reward": sevens, "eval_size": 4},
-                 train={"iterations": 2, "batch_size": 8, "mini_batch_size": 8, "micro_batch_size": 4,
-                        "learning_rate": 1e-3, "epochs": 1},
-                 algo={"beta": 0.1, "kl_loss_type": "low_var_kl"})
+    cfg = config(
+        tiny_dir,
+        tmp_path,
+        model={"mode": "full"},
+        data={"reward": sevens, "eval_size": 4},
+        train={
+            "iterations": 2,
+            "batch_size": 8,
+            "mini_batch_size": 8,
+            "micro_batch_size": 4,
+            "learning_rate": 1e-3,
+            "epochs": 1,
+        },
+        algo={"beta": 0.1, "kl_loss_type": "low_var_kl"},
+    )
     result = train_lm(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     # the frozen reference copy is the actor before its first step: KL 0 (to the rounding of
@@ -129,12 +177,24 @@ def test_full_mode_with_kl_loss(tiny_dir, tmp_path, sevens):
     assert meta["mode"] == "full" and "eval_accuracy_after" in result
 
 
-@pytest.mark.parametrize("algo_settings", [
-    {"adv_estimator": "grpo"}, {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False}, {"adv_estimator": "rloo"},
-    {"adv_estimator": "reinforce_pp"}, {"adv_estimator": "reinforce_pp_baseline"},
-    {"adv_estimator": "grpo", "ratio_level": "gspo", "lower_clip_ratio": 3e-4, "upper_clip_ratio": 4e-4,
-     "loss_agg_mode": "seq-mean-token-mean"},
-], ids=["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"])
+@pytest.mark.parametrize(
+    "algo_settings",
+    [
+        {"adv_estimator": "grpo"},
+        {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False},
+        {"adv_estimator": "rloo"},
+        {"adv_estimator": "reinforce_pp"},
+        {"adv_estimator": "reinforce_pp_baseline"},
+        {
+            "adv_estimator": "grpo",
+            "ratio_level": "gspo",
+            "lower_clip_ratio": 3e-4,
+            "upper_clip_ratio": 4e-4,
+            "loss_agg_mode": "seq-mean-token-mean",
+        },
+    ],
+    ids=["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"],
+)
 def test_critic_free_estimators_raise_the_reward(tiny_dir, tmp_path, sevens, algo_settings):
     """Each critic-free estimator takes a random tiny model from about 2% sevens to most of
     its characters being 7 in 12 iterations of 64 sequences (seed 1; measured: 0.9-1.0)."""

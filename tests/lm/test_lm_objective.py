@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lm_helpers import randomize
+from test_policy import handmade_batch, lm_config
 
 from ppokit import algo
 from ppokit.lm.model.hf import load_causal_lm, load_tokenizer
 from ppokit.lm.model.policy import build_policy
 from ppokit.lm.scoring import Scorer
 from ppokit.trainer import PPOTrainer
-from lm_helpers import randomize
-from test_policy import handmade_batch, lm_config
 
 CPU = torch.device("cpu")
 
@@ -23,15 +23,16 @@ def float64_kl(policy, tiny_dir, batch, temperature):
     R = batch["responses"].shape[1]
 
     def logits(model):
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"]).logits[:, -R - 1:-1]
+        out = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits[:, -R - 1 : -1]
         return out.double() / temperature
 
     with torch.no_grad(), policy.use("actor"):
         actor = logits(policy.lm)
     reference = logits(load_causal_lm(tiny_dir))
     p, q = torch.log_softmax(actor, -1), torch.log_softmax(reference, -1)
-    return (p.exp() * (p - q)).sum(-1)                                               # (n, R)
+    return (p.exp() * (p - q)).sum(-1)  # (n, R)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -42,7 +43,7 @@ def test_the_full_kl_in_the_loss_against_float64(tiny_dir, mode):
     if mode == "lora":
         randomize(policy)
     else:
-        with torch.no_grad():                                   # an actor away from its reference copy
+        with torch.no_grad():  # an actor away from its reference copy
             for p in policy.lm.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.02)
     batch = handmade_batch(load_tokenizer(tiny_dir))
@@ -51,10 +52,26 @@ def test_the_full_kl_in_the_loss_against_float64(tiny_dir, mode):
     if mode == "full":
         with torch.no_grad():
             R = batch["responses"].shape[1]
-            a = policy.lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          position_ids=batch["position_ids"]).logits[:, -R - 1:-1].double() / 0.7
-            r = policy.ref_lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              position_ids=batch["position_ids"]).logits[:, -R - 1:-1].double() / 0.7
+            a = (
+                policy.lm(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"],
+                )
+                .logits[:, -R - 1 : -1]
+                .double()
+                / 0.7
+            )
+            r = (
+                policy.ref_lm(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"],
+                )
+                .logits[:, -R - 1 : -1]
+                .double()
+                / 0.7
+            )
             want = algo.kl_full(a, r)
     mask = batch["mask"].bool()
     torch.testing.assert_close(out["kl_full"].double()[mask], want[mask], rtol=1e-4, atol=1e-6)
@@ -63,12 +80,16 @@ def test_the_full_kl_in_the_loss_against_float64(tiny_dir, mode):
     trainer = PPOTrainer(cfg, policy, total_iterations=1)
     grads = []
     trainer.optimizer.step = lambda: grads.append([p.grad for p in trainer.params])
-    tensors = {**batch, "old_values": torch.zeros_like(batch["mask"]), "advantages": torch.zeros_like(batch["mask"]),
-               "returns": torch.zeros_like(batch["mask"])}
+    tensors = {
+        **batch,
+        "old_values": torch.zeros_like(batch["mask"]),
+        "advantages": torch.zeros_like(batch["mask"]),
+        "returns": torch.zeros_like(batch["mask"]),
+    }
     metrics = trainer.update(tensors)
     m = batch["mask"].double()
     assert metrics["kl_loss"] == pytest.approx(((want * m).sum() / m.sum()).item(), rel=1e-4)
-    assert any(g is not None and g.abs().sum() > 0 for g in grads[0])     # zero advantages: the KL's gradient
+    assert any(g is not None and g.abs().sum() > 0 for g in grads[0])  # zero advantages: the KL's gradient
 
 
 def test_the_full_kl_in_the_reward_and_verls_controller_input(tiny_dir):
@@ -104,8 +125,12 @@ def test_the_full_kl_in_the_reward_and_verls_controller_input(tiny_dir):
 def test_the_lm_learner_uses_the_generation_budget_as_horizon(tiny_dir):
     from ppokit.lm.single_turn.workload import LMLearner
 
-    cfg = lm_config(tiny_dir, rollout={"max_new_tokens": 9}, train={"batch_size": 8},
-                    algo={"loss_agg_mode": "seq-mean-token-sum-norm", "adv_estimator": "grpo", "group_size": 2})
+    cfg = lm_config(
+        tiny_dir,
+        rollout={"max_new_tokens": 9},
+        train={"batch_size": 8},
+        algo={"loss_agg_mode": "seq-mean-token-sum-norm", "adv_estimator": "grpo", "group_size": 2},
+    )
     policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
     learner = LMLearner(cfg, policy, load_tokenizer(tiny_dir), tiny_dir)
     assert learner.trainer.horizon == 9

@@ -18,16 +18,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from resume_helpers import assert_same_metrics, poison_value_loss, read_rows, sigterm_run, start_and_wait, train_cmd
 from safetensors.torch import load_file
 
-from ppokit import checkpoint, resume, rundir
+from ppokit import checkpoint, rundir
 from ppokit.cli import main
-from resume_helpers import (assert_same_metrics, poison_value_loss, read_rows, sigterm_run, start_and_wait,
-                            train_cmd)
 
 # Differ between any two runs (wall-clock times and rates); every other field must match.
-TIMING = {"time", "wall_time", "time_collect", "time_iteration", "time_generate", "time_score", "time_reward", "time_update",
-          "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s"}
+TIMING = {
+    "time",
+    "wall_time",
+    "time_collect",
+    "time_iteration",
+    "time_generate",
+    "time_score",
+    "time_reward",
+    "time_update",
+    "gen_tokens_per_s",
+    "score_tokens_per_s",
+    "train_tokens_per_s",
+}
 ITERATIONS = 7
 TRAINED_FILES = ("actor/adapter_model.safetensors", "critic/adapter_model.safetensors", "value_head.safetensors")
 
@@ -36,23 +46,46 @@ TRAINED_FILES = ("actor/adapter_model.safetensors", "critic/adapter_model.safete
 def config(tiny_dir, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("lm-resume")
     reward = root / "digits.py"
-    reward.write_text("def digits(prompt, response, **fields):\n"
-                      "    return sum(c.isdigit() for c in response) / 4\n")
+    reward.write_text("def digits(prompt, response, **fields):\n    return sum(c.isdigit() for c in response) / 4\n")
     cfg = {
-        "workload": "lm", "seed": 3,
+        "workload": "lm",
+        "seed": 3,
         "model": {"path": str(tiny_dir), "mode": "lora", "lora_rank": 4, "lora_alpha": 8},
-        "data": {"prompts": "arithmetic:digits=1", "reward": f"{reward}:digits", "sft_epochs": 1,
-                 "sft_examples": 16, "sft_batch_size": 8, "eval_size": 8, "eval_every": 2},
+        "data": {
+            "prompts": "arithmetic:digits=1",
+            "reward": f"{reward}:digits",
+            "sft_epochs": 1,
+            "sft_examples": 16,
+            "sft_batch_size": 8,
+            "eval_size": 8,
+            "eval_every": 2,
+        },
         "rollout": {"temperature": 1.0, "max_new_tokens": 4, "micro_batch_size": 8},
-        "train": {"iterations": ITERATIONS, "batch_size": 8, "mini_batch_size": 4, "micro_batch_size": 4,
-                  "infer_micro_batch_size": 8, "epochs": 2, "learning_rate": 0.01, "critic_learning_rate": 0.01},
-        "algo": {"group_size": 4, "use_kl_in_reward": True,
-                 "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100}},
-        "run": {"precision": "fp32", "torch_threads": 1, "progress": False, "tensorboard": False,
-                "keep_checkpoints": 2},
+        "train": {
+            "iterations": ITERATIONS,
+            "batch_size": 8,
+            "mini_batch_size": 4,
+            "micro_batch_size": 4,
+            "infer_micro_batch_size": 8,
+            "epochs": 2,
+            "learning_rate": 0.01,
+            "critic_learning_rate": 0.01,
+        },
+        "algo": {
+            "group_size": 4,
+            "use_kl_in_reward": True,
+            "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100},
+        },
+        "run": {
+            "precision": "fp32",
+            "torch_threads": 1,
+            "progress": False,
+            "tensorboard": False,
+            "keep_checkpoints": 2,
+        },
     }
     path = root / "lm.yaml"
-    path.write_text(json.dumps(cfg))   # JSON is YAML
+    path.write_text(json.dumps(cfg))  # JSON is YAML
     return path
 
 
@@ -61,8 +94,12 @@ def reference(config, tmp_path_factory) -> Path:
     """An uninterrupted run with a checkpoint every iteration, in this process (run.resume=auto
     on a run directory that does not exist yet: a fresh start)."""
     out = tmp_path_factory.mktemp("ref")
-    assert main(["train", str(config), f"run.output_dir={out}", "run.name=ref", "run.checkpoint_every=1",
-                 "run.resume=auto"]) == 0
+    assert (
+        main(
+            ["train", str(config), f"run.output_dir={out}", "run.name=ref", "run.checkpoint_every=1", "run.resume=auto"]
+        )
+        == 0
+    )
     return out / "ref"
 
 
@@ -93,7 +130,7 @@ def _assert_same_final_state(a: Path, b: Path) -> None:
             assert torch.equal(ta[key], tb[key]), f"{name}: {key}"
     ca = checkpoint.load_checkpoint(a / "checkpoint")
     cb = checkpoint.load_checkpoint(b / "checkpoint")
-    for part in ("learner", "source", "scorer", "rng"):   # optimizer, schedule, shuffle generator, ...
+    for part in ("learner", "source", "scorer", "rng"):  # optimizer, schedule, shuffle generator, ...
         _same(ca.parts[part], cb.parts[part], part)
     for key in ("iteration", "finished", "summary"):
         assert ca.meta[key] == cb.meta[key], key
@@ -106,7 +143,7 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
     run_dir = tmp_path / "killed"
     args = [str(config), f"run.output_dir={tmp_path}", "run.name=killed", "run.checkpoint_every=1"]
     kills = 0
-    for rows in (2, 5):   # SIGKILL as soon as the row appears: usually inside the checkpoint write
+    for rows in (2, 5):  # SIGKILL as soon as the row appears: usually inside the checkpoint write
         first = rows == 2
         proc = start_and_wait(train_cmd(*args) if first else train_cmd(*args, "--resume"), run_dir, rows)
         if proc.poll() is None:
@@ -115,15 +152,15 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
         _, err = proc.communicate(timeout=60)
         assert len(read_rows(run_dir)) >= rows, err
         latest = rundir.latest_checkpoint(run_dir)
-        if latest is not None:   # whatever the writer left, the newest complete checkpoint loads
+        if latest is not None:  # whatever the writer left, the newest complete checkpoint loads
             checkpoint.load_checkpoint(latest)
         assert not list((run_dir / "checkpoints").glob(".*")), "stale temp dirs were not cleaned"
-    assert kills >= 1   # (2 unless the machine stalls this process for a whole run)
+    assert kills >= 1  # (2 unless the machine stalls this process for a whole run)
     assert (run_dir / "base_model" / "ppokit_base_model.json").is_file()
     capsys.readouterr()
     assert main(["train", "--resume", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert "resuming from" in out and "sft:" not in out   # the complete warm-started model is reused
+    assert "resuming from" in out and "sft:" not in out  # the complete warm-started model is reused
     _assert_same_metrics(read_rows(run_dir), read_rows(reference))
     _assert_same_final_state(run_dir, reference)
     # the final checkpoint and a periodic one stay loadable (export, load_policy)
@@ -138,8 +175,7 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
     assert (export_merged(run_dir, tmp_path / "exported") / "config.json").is_file()
     # resuming a finished run does nothing, in every form
     assert main(["train", "--resume", str(run_dir)]) == 0
-    assert main(["train", str(config), f"run.output_dir={reference.parent}", "run.name=ref",
-                 "run.resume=auto"]) == 0
+    assert main(["train", str(config), f"run.output_dir={reference.parent}", "run.name=ref", "run.resume=auto"]) == 0
     assert capsys.readouterr().out.count("had already finished") == 2
     assert len(read_rows(run_dir)) == len(read_rows(reference)) == ITERATIONS
 
@@ -158,9 +194,14 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(config, referenc
 
 # --------------------------------------------------------------------------- in process
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(config, tmp_path, capsys, monkeypatch):
-    poison_value_loss(monkeypatch, lambda n: n > 8)   # 4 optimizer steps per iteration: NaN from the 3rd on
-    argv = [str(config), f"run.output_dir={tmp_path}", "run.name=nan", "run.checkpoint_every=1",
-            "train.max_bad_steps=3"]
+    poison_value_loss(monkeypatch, lambda n: n > 8)  # 4 optimizer steps per iteration: NaN from the 3rd on
+    argv = [
+        str(config),
+        f"run.output_dir={tmp_path}",
+        "run.name=nan",
+        "run.checkpoint_every=1",
+        "train.max_bad_steps=3",
+    ]
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err.strip()
     good = tmp_path / "nan" / "checkpoints" / "iter-000002"

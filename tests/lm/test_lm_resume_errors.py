@@ -12,10 +12,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from resume_helpers import copy_without_final_checkpoint
 
 from ppokit.cli import main
 from ppokit.rundir import read_metrics
-from resume_helpers import copy_without_final_checkpoint
 
 ITERATIONS = 4
 
@@ -25,12 +25,30 @@ def finished_run(tiny_dir, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("lm-resume-errors")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8)))
-    args = ["train", "arith", f"model.path={tiny_dir}", f"data.prompts={prompts}", "data.reward=exact_match",
-            "data.sft_epochs=0", "data.eval_size=0", f"train.iterations={ITERATIONS}", "train.batch_size=8",
-            "train.mini_batch_size=8", "train.micro_batch_size=8", "algo.group_size=4", "rollout.max_new_tokens=2",
-            "run.precision=fp32", "run.checkpoint_every=1", "run.keep_checkpoints=3",
-            f"run.tensorboard={'true' if _has_tensorboard() else 'false'}",
-            "--output-dir", str(root), "--name", "run", "--no-progress"]
+    args = [
+        "train",
+        "arith",
+        f"model.path={tiny_dir}",
+        f"data.prompts={prompts}",
+        "data.reward=exact_match",
+        "data.sft_epochs=0",
+        "data.eval_size=0",
+        f"train.iterations={ITERATIONS}",
+        "train.batch_size=8",
+        "train.mini_batch_size=8",
+        "train.micro_batch_size=8",
+        "algo.group_size=4",
+        "rollout.max_new_tokens=2",
+        "run.precision=fp32",
+        "run.checkpoint_every=1",
+        "run.keep_checkpoints=3",
+        f"run.tensorboard={'true' if _has_tensorboard() else 'false'}",
+        "--output-dir",
+        str(root),
+        "--name",
+        "run",
+        "--no-progress",
+    ]
     assert main(args) == 0
     return root / "run"
 
@@ -66,7 +84,7 @@ def _set_iteration(ckpt: Path, value) -> None:
 
 def _damage_prompts(run_dir: Path) -> None:
     cfg = json.loads(_meta(run_dir / "checkpoints" / "iter-000003").read_text())["config"]
-    with open(cfg["data"]["prompts"], "a") as f:      # the prompt data changed since the checkpoint
+    with open(cfg["data"]["prompts"], "a") as f:  # the prompt data changed since the checkpoint
         f.write(json.dumps({"prompt": "9+9=", "answer": "18"}) + "\n")
 
 
@@ -78,8 +96,12 @@ def _restore_prompts(run_dir: Path) -> None:
 
 LATEST = "checkpoints/iter-000003"
 DAMAGES = {
-    "adapter truncated": (lambda r: (r / LATEST / "actor" / "adapter_model.safetensors").write_bytes(
-        (r / LATEST / "actor" / "adapter_model.safetensors").read_bytes()[:1000]), "adapter_model.safetensors"),
+    "adapter truncated": (
+        lambda r: (r / LATEST / "actor" / "adapter_model.safetensors").write_bytes(
+            (r / LATEST / "actor" / "adapter_model.safetensors").read_bytes()[:1000]
+        ),
+        "adapter_model.safetensors",
+    ),
     "value head empty": (lambda r: (r / LATEST / "value_head.safetensors").write_bytes(b""), "value_head"),
     "critic missing": (lambda r: shutil.rmtree(r / LATEST / "critic"), "critic"),
     "policy.json broken": (lambda r: (r / LATEST / "policy.json").write_text("{"), "policy.json"),
@@ -100,9 +122,8 @@ def test_a_failing_resume_keeps_metrics_and_tensorboard(run, capsys, case):
             _restore_prompts(run)
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
-    if case in ("adapter truncated", "value head empty"):     # a damaged file: what to do about it
-        assert err.endswith(f"; move it out of the run directory to resume from {run / 'checkpoints'}"
-                            "/iter-000002"), err
+    if case in ("adapter truncated", "value head empty"):  # a damaged file: what to do about it
+        assert err.endswith(f"; move it out of the run directory to resume from {run / 'checkpoints'}/iter-000002"), err
     assert _snapshot(run) == before
 
 
@@ -133,8 +154,10 @@ def test_resume_with_a_damaged_config_yaml_uses_the_checkpoints_config(run, caps
     (run / "config.yaml").write_text(text)
     assert main(["train", "--resume", str(run), "run.progress=false"]) == 0
     captured = capsys.readouterr()
-    assert f"{run / 'config.yaml'} is empty or not a ppokit config; using the config saved in " \
-           f"{run / LATEST / 'meta.json'}" in captured.err, captured.err
+    assert (
+        f"{run / 'config.yaml'} is empty or not a ppokit config; using the config saved in "
+        f"{run / LATEST / 'meta.json'}" in captured.err
+    ), captured.err
     assert [r["iteration"] for r in read_metrics(run)] == list(range(ITERATIONS))
 
 

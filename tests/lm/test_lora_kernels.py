@@ -12,15 +12,31 @@ import pytest
 import torch
 
 from ppokit.lm.accel.fused_lora import LoRALinearFunction, enable_lora_kernels, fuse_lora_layers
-from ppokit.lm.accel.kernels.functions import (lora_amx_ready, lora_down, lora_kernels_eligible, lora_kernels_kind,
-                                         lora_outer, lora_up_add_)
+from ppokit.lm.accel.kernels.functions import (
+    lora_amx_ready,
+    lora_down,
+    lora_kernels_eligible,
+    lora_kernels_kind,
+    lora_outer,
+    lora_up_add_,
+)
 
 pytestmark = pytest.mark.skipif(lora_kernels_kind() is None, reason="no AMX or AVX512-BF16 here (or no C compiler)")
 amx_only = pytest.mark.skipif(not lora_amx_ready(), reason="no AMX here")
 BF16 = torch.bfloat16
 # (rows, width, rank): whole tiles, and ragged rows, columns and ranks
-SHAPES = [(64, 128, 8), (1568, 640, 8), (37, 100, 6), (5, 1712, 16), (33, 70, 2), (300, 96, 14),
-          (100, 130, 32), (40, 64, 20), (70, 200, 36), (33, 96, 64)]
+SHAPES = [
+    (64, 128, 8),
+    (1568, 640, 8),
+    (37, 100, 6),
+    (5, 1712, 16),
+    (33, 70, 2),
+    (300, 96, 14),
+    (100, 130, 32),
+    (40, 64, 20),
+    (70, 200, 36),
+    (33, 96, 64),
+]
 
 
 def gen(seed):
@@ -32,7 +48,7 @@ def assert_bf16_of(got: torch.Tensor, want: torch.Tensor):
     values' scale (the sum's terms are exact products, summed in another order)."""
     assert got.dtype == BF16 and got.shape == want.shape
     scale = want.abs().max().item()
-    torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=2 ** -7 * scale)
+    torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7 * scale)
 
 
 @pytest.mark.parametrize("n,d,r", SHAPES)
@@ -52,7 +68,7 @@ def test_up_add_adds_the_scaled_product_in_place_as_addmm_does(n, d, r):
     assert out.data_ptr() == y.data_ptr()
     assert_bf16_of(y, want)
     off = (y.view(torch.int16).int() - theirs.view(torch.int16).int()).abs()
-    assert int(off.max()) <= 1 and float((off > 0).float().mean()) <= 1e-3   # oneDNN's sums, one rounding
+    assert int(off.max()) <= 1 and float((off > 0).float().mean()) <= 1e-3  # oneDNN's sums, one rounding
 
 
 @pytest.mark.parametrize("n,d,r", SHAPES)
@@ -104,10 +120,12 @@ def test_onednn_bf16_matmuls_between_the_kernels_stay_right():
 def test_kernels_ask_for_the_tile_state_in_a_fresh_process():
     """A tile instruction before Linux grants the AMX state is an illegal instruction: the
     kernels' entry points ask for it first, whatever ran before them in the process."""
-    code = ("import torch\n"
-            "from ppokit.lm.accel.kernels.functions import lora_down\n"
-            "x, m = torch.ones(40, 64, dtype=torch.bfloat16), torch.ones(8, 64, dtype=torch.bfloat16)\n"
-            "assert bool((lora_down(x, m) == 64).all())\n")
+    code = (
+        "import torch\n"
+        "from ppokit.lm.accel.kernels.functions import lora_down\n"
+        "x, m = torch.ones(40, 64, dtype=torch.bfloat16), torch.ones(8, 64, dtype=torch.bfloat16)\n"
+        "assert bool((lora_down(x, m) == 64).all())\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -115,8 +133,8 @@ def test_kernels_ask_for_the_tile_state_in_a_fresh_process():
 def test_eligibility():
     x, a, b = torch.zeros(4, 8, dtype=BF16), torch.zeros(2, 8, dtype=BF16), torch.zeros(6, 2, dtype=BF16)
     assert lora_kernels_eligible(x, a, b)
-    assert not lora_kernels_eligible(x.float(), a.float(), b.float())                  # float32: the matmuls
-    assert not lora_kernels_eligible(x, torch.zeros(3, 8, dtype=BF16), torch.zeros(6, 3, dtype=BF16))   # odd rank
+    assert not lora_kernels_eligible(x.float(), a.float(), b.float())  # float32: the matmuls
+    assert not lora_kernels_eligible(x, torch.zeros(3, 8, dtype=BF16), torch.zeros(6, 3, dtype=BF16))  # odd rank
     assert lora_kernels_eligible(x, torch.zeros(64, 8, dtype=BF16), torch.zeros(6, 64, dtype=BF16))
     assert not lora_kernels_eligible(x, torch.zeros(66, 8, dtype=BF16), torch.zeros(6, 66, dtype=BF16))  # rank > 64
 
@@ -126,9 +144,9 @@ def test_layer_on_the_kernels_matches_its_matmul_path_and_the_float64_formula(wi
     g = gen(10)
     n, d_in, d_out, r, s = 70, 96, 200, 8, 2.0
     x = torch.randn(n, d_in, generator=g).to(BF16)
-    w = (torch.randn(d_out, d_in, generator=g) / d_in ** 0.5).to(BF16)
+    w = (torch.randn(d_out, d_in, generator=g) / d_in**0.5).to(BF16)
     bias = torch.randn(d_out, generator=g).to(BF16) if with_bias else None
-    a = (torch.randn(r, d_in, generator=g) / d_in ** 0.5).to(BF16)
+    a = (torch.randn(r, d_in, generator=g) / d_in**0.5).to(BF16)
     b = torch.randn(d_out, r, generator=g).to(BF16)
     upstream = torch.randn(n, d_out, generator=g).to(BF16)
     results = {}
@@ -143,9 +161,9 @@ def test_layer_on_the_kernels_matches_its_matmul_path_and_the_float64_formula(wi
     for kernels in (False, True):
         for got, want in zip(results[kernels], [y64.detach(), x64.grad, a64.grad, b64.grad]):
             assert_bf16_of(got, want)
-    for mine, theirs in zip(results[True], results[False]):       # the two paths agree as closely
+    for mine, theirs in zip(results[True], results[False]):  # the two paths agree as closely
         scale = theirs.double().abs().max().item()
-        assert (mine.double() - theirs.double()).abs().max().item() <= 2 ** -7 * scale
+        assert (mine.double() - theirs.double()).abs().max().item() <= 2**-7 * scale
 
 
 def test_peft_layers_on_the_kernels_stay_as_close_to_fp32_as_peft_under_bf16_autocast():
@@ -195,14 +213,14 @@ def test_the_kernels_take_every_pass_on_amx_and_only_decoding_steps_on_vectors()
     fuse_lora_layers(net)
     layer = net.base_model.model[0]
     step, sequence = torch.zeros(5, 1, 64, dtype=BF16), torch.zeros(5, 7, 64, dtype=BF16)
-    assert not _use_kernels(layer, step)                        # not enabled yet
+    assert not _use_kernels(layer, step)  # not enabled yet
     assert enable_lora_kernels(net) == 1
     on_amx = lora_kernels_kind() == "amx"
     with torch.no_grad():
         assert _use_kernels(layer, step)
-        assert _use_kernels(layer, sequence) == on_amx          # scoring and prefill
-    assert _use_kernels(layer, step) == on_amx                  # with gradient
-    assert _use_kernels(layer, sequence) == on_amx              # training
+        assert _use_kernels(layer, sequence) == on_amx  # scoring and prefill
+    assert _use_kernels(layer, step) == on_amx  # with gradient
+    assert _use_kernels(layer, sequence) == on_amx  # training
     enable_lora_kernels(net, False)
     with torch.no_grad():
         assert not _use_kernels(layer, step)
@@ -212,8 +230,9 @@ def test_a_decoding_step_through_the_kernels_is_the_layers_formula():
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(12)
-    net = get_peft_model(torch.nn.Sequential(torch.nn.Linear(64, 96)), LoraConfig(r=8, lora_alpha=16,
-                                                                                target_modules=["0"]))
+    net = get_peft_model(
+        torch.nn.Sequential(torch.nn.Linear(64, 96)), LoraConfig(r=8, lora_alpha=16, target_modules=["0"])
+    )
     with torch.no_grad():
         for name, p in net.named_parameters():
             if "lora_" in name:
@@ -227,7 +246,7 @@ def test_a_decoding_step_through_the_kernels_is_the_layers_formula():
     w, b = (t.detach().to(BF16).double() for t in (layer.base_layer.weight, layer.base_layer.bias))
     a, bb = (t.detach().to(BF16).double() for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight))
     x64 = x.double()
-    h = (x64 @ a.T).to(BF16).double()                       # h is rounded once, as the kernel stores it
+    h = (x64 @ a.T).to(BF16).double()  # h is rounded once, as the kernel stores it
     assert_bf16_of(got, (x64 @ w.T + b).to(BF16).double() + 2.0 * h @ bb.T)
 
 
@@ -239,4 +258,4 @@ def test_ranks_the_kernels_cannot_take_are_refused():
         lora_outer(torch.zeros(4, 66, dtype=BF16), x, 1.0)
     with pytest.raises(ValueError, match="rank 3 is not an even number"):
         lora_up_add_(y, torch.zeros(4, 3, dtype=BF16), torch.zeros(3, 16, dtype=BF16), 1.0)
-    assert torch.equal(y, torch.zeros(4, 16, dtype=BF16))          # nothing written
+    assert torch.equal(y, torch.zeros(4, 16, dtype=BF16))  # nothing written

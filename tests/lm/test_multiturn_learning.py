@@ -33,21 +33,45 @@ ALL_LINEAR_AND_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 
 
 def lake_config(tiny_dir, tmp_path, credit):
-    return build_config([{
-        "workload": "lm", "seed": 2,
-        # LoRA on lm_head too: on the small test model the other adapters alone move the logits slowly
-        "model": {"path": str(tiny_dir), "lora_target_modules": ALL_LINEAR_AND_HEAD},
-        "data": {"sft_epochs": 12, "sft_examples": 300, "sft_learning_rate": 3e-3},
-        "textenv": {"env": "frozenlake", "kwargs": {"desc": ["SFFG", "HHHH"], "max_steps": 6, "letters": True},
+    return build_config(
+        [
+            {
+                "workload": "lm",
+                "seed": 2,
+                # LoRA on lm_head too: on the small test model the other adapters alone move the logits slowly
+                "model": {"path": str(tiny_dir), "lora_target_modules": ALL_LINEAR_AND_HEAD},
+                "data": {"sft_epochs": 12, "sft_examples": 300, "sft_learning_rate": 3e-3},
+                "textenv": {
+                    "env": "frozenlake",
+                    "kwargs": {"desc": ["SFFG", "HHHH"], "max_steps": 6, "letters": True},
                     "max_turns": 6,
-                    "eval_episodes": 8, "eval_every": 0},
-        "rollout": {"temperature": 1.0, "max_new_tokens": 2},
-        "train": {"iterations": 10, "batch_size": 64, "mini_batch_size": 32, "micro_batch_size": 256,
-                  "infer_micro_batch_size": 256, "epochs": 2, "learning_rate": 3e-3, "critic_learning_rate": 5e-3,
-                  "grad_clip": 1.0, "lr_warmup_ratio": 0.0},
-        "algo": {"gamma": 0.9, "gae_lambda": 1.0, "credit": credit},
-        "run": {"precision": "fp32", "progress": False, "tensorboard": False, "output_dir": str(tmp_path),
-                "name": "run"}}])
+                    "eval_episodes": 8,
+                    "eval_every": 0,
+                },
+                "rollout": {"temperature": 1.0, "max_new_tokens": 2},
+                "train": {
+                    "iterations": 10,
+                    "batch_size": 64,
+                    "mini_batch_size": 32,
+                    "micro_batch_size": 256,
+                    "infer_micro_batch_size": 256,
+                    "epochs": 2,
+                    "learning_rate": 3e-3,
+                    "critic_learning_rate": 5e-3,
+                    "grad_clip": 1.0,
+                    "lr_warmup_ratio": 0.0,
+                },
+                "algo": {"gamma": 0.9, "gae_lambda": 1.0, "credit": credit},
+                "run": {
+                    "precision": "fp32",
+                    "progress": False,
+                    "tensorboard": False,
+                    "output_dir": str(tmp_path),
+                    "name": "run",
+                },
+            }
+        ]
+    )
 
 
 @pytest.mark.slow

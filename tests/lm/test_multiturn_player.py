@@ -12,10 +12,10 @@ import pytest
 from ppokit.config import build_config
 from ppokit.envs import CURRENT, make_env, play_episode
 from ppokit.envs.tictactoe_solver import best_response_moves, legal_moves
+from ppokit.lm.model.tiny import build_char_tokenizer
 from ppokit.lm.multi_turn.episodes import EpisodePlayer
 from ppokit.lm.multi_turn.source import MultiTurnSource, TextEnvEvaluator
 from ppokit.lm.multi_turn.streams import StreamCodec
-from ppokit.lm.model.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,9 @@ def first_legal(board):
 def test_self_play_turns_rewards_and_outcomes_equal_the_reference_loop(tok):
     envs = [make_env("tictactoe", opponent="self") for _ in range(6)]
     generate = scripted(tok, first_legal)
-    player = EpisodePlayer(envs, StreamCodec(tok, mode="state", chat=False), generate, max_turns=9,
-                           max_new_tokens=2, context=64)
+    player = EpisodePlayer(
+        envs, StreamCodec(tok, mode="state", chat=False), generate, max_turns=9, max_new_tokens=2, context=64
+    )
     seeds = [3, 4, 5, 6, 7, 8]
     result = player.play(seeds, seat_actors=lambda i, info: {0: CURRENT, 1: CURRENT, "learner": i % 2})
     # one batched generate per turn (every live episode at once), not one per episode
@@ -68,10 +69,21 @@ def test_self_play_turns_rewards_and_outcomes_equal_the_reference_loop(tok):
 
 
 def test_the_evaluator_tracks_win_rates_against_random_and_heuristic(tok):
-    cfg = build_config([{"workload": "lm", "train": {"iterations": 1},
-                         "textenv": {"env": "tictactoe", "kwargs": {"opponent": "self", "policy_seat": "x"},
-                                     "eval_episodes": 200, "eval_opponents": ["random", "heuristic"]},
-                         "rollout": {"max_new_tokens": 2}}])
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "train": {"iterations": 1},
+                "textenv": {
+                    "env": "tictactoe",
+                    "kwargs": {"opponent": "self", "policy_seat": "x"},
+                    "eval_episodes": 200,
+                    "eval_opponents": ["random", "heuristic"],
+                },
+                "rollout": {"max_new_tokens": 2},
+            }
+        ]
+    )
     codec = StreamCodec(tok, mode="state", chat=False)
     best = TextEnvEvaluator(cfg, scripted(tok, lambda b: best_response_moves(b)[0]), codec, 64, "tictactoe")
     metrics = best.evaluate("final")
@@ -86,8 +98,14 @@ def test_the_evaluator_tracks_win_rates_against_random_and_heuristic(tok):
 
 def test_an_illegal_move_is_counted_and_ends_the_episode(tok):
     envs = [make_env("tictactoe", opponent="random", policy_seat="x") for _ in range(4)]
-    player = EpisodePlayer(envs, StreamCodec(tok, mode="state", chat=False), scripted(tok, lambda b: 4),
-                           max_turns=9, max_new_tokens=2, context=64)
+    player = EpisodePlayer(
+        envs,
+        StreamCodec(tok, mode="state", chat=False),
+        scripted(tok, lambda b: 4),
+        max_turns=9,
+        max_new_tokens=2,
+        context=64,
+    )
     result = player.play([1, 2, 3, 4], seat_actors=lambda i, info: {})
     # cell 5 (index 4) every turn: legal once, then occupied: illegal, -1, a loss
     for traj in result.trajectories:
@@ -96,17 +114,30 @@ def test_an_illegal_move_is_counted_and_ends_the_episode(tok):
 
 
 def test_role_baselines_subtract_each_seats_running_mean(tok):
-    cfg = build_config([{"workload": "lm", "train": {"iterations": 1, "batch_size": 4},
-                         "textenv": {"env": "tictactoe", "kwargs": {"opponent": "self"}, "role_baseline_tau": 0.5}}])
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "train": {"iterations": 1, "batch_size": 4},
+                "textenv": {"env": "tictactoe", "kwargs": {"opponent": "self"}, "role_baseline_tau": 0.5},
+            }
+        ]
+    )
     envs = [make_env("tictactoe", opponent="self") for _ in range(4)]
-    player = EpisodePlayer(envs, StreamCodec(tok, mode="state", chat=False), scripted(tok, first_legal),
-                           max_turns=9, max_new_tokens=2, context=64)
+    player = EpisodePlayer(
+        envs,
+        StreamCodec(tok, mode="state", chat=False),
+        scripted(tok, first_legal),
+        max_turns=9,
+        max_new_tokens=2,
+        context=64,
+    )
     source = MultiTurnSource(cfg, player, mode="state", pad_id=tok.pad_token_id, device="cpu")
     result = player.play([1, 2, 3, 4], seat_actors=lambda i, info: {0: CURRENT, 1: CURRENT, "learner": 0})
     returns = {(t.episode, t.seat): t.episode_return for t in result.trajectories}
     metrics = source._role_baselines(result.trajectories)
     ema, shifted = {"0": 0.0, "1": 0.0}, {}
-    for t in result.trajectories:                       # in order: subtract the mean so far, then update it
+    for t in result.trajectories:  # in order: subtract the mean so far, then update it
         key = str(t.seat)
         shifted[(t.episode, t.seat)] = returns[(t.episode, t.seat)] - ema[key]
         ema[key] = 0.5 * ema[key] + 0.5 * returns[(t.episode, t.seat)]

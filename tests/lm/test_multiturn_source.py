@@ -10,28 +10,39 @@ from pathlib import Path
 
 import pytest
 import torch
+from lm_helpers import randomize
 
 from ppokit.config import build_config
 from ppokit.envs import CURRENT
 from ppokit.envs.checks import EnvError
 from ppokit.lm.model.hf import load_tokenizer
-from ppokit.lm.multi_turn.workload import MultiTurnWorkload
 from ppokit.lm.multi_turn.opponents import OPPONENT
+from ppokit.lm.multi_turn.workload import MultiTurnWorkload
 from ppokit.trainer import batch_advantages
-from lm_helpers import randomize
 
 ENVS = Path(__file__).with_name("textenvs.py")
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like .optimizer.step:UserWarning")
 
 
 def mt_config(tiny_dir, tmp_path, textenv=None, **sections):
-    base = {"workload": "lm", "seed": 3, "model": {"path": str(tiny_dir), "cpu_kernels": False},
-            "textenv": {"env": f"{ENVS}:Counter", "eval_episodes": 0, "max_turns": 4},
-            "rollout": {"max_new_tokens": 3, "temperature": 1.0},
-            "train": {"batch_size": 8, "mini_batch_size": 4, "micro_batch_size": 8, "infer_micro_batch_size": 8,
-                      "epochs": 1, "iterations": 2, "learning_rate": 1e-3},
-            "algo": {"gamma": 1.0, "gae_lambda": 1.0},
-            "run": {"precision": "fp32", "progress": False, "tensorboard": False, "output_dir": str(tmp_path)}}
+    base = {
+        "workload": "lm",
+        "seed": 3,
+        "model": {"path": str(tiny_dir), "cpu_kernels": False},
+        "textenv": {"env": f"{ENVS}:Counter", "eval_episodes": 0, "max_turns": 4},
+        "rollout": {"max_new_tokens": 3, "temperature": 1.0},
+        "train": {
+            "batch_size": 8,
+            "mini_batch_size": 4,
+            "micro_batch_size": 8,
+            "infer_micro_batch_size": 8,
+            "epochs": 1,
+            "iterations": 2,
+            "learning_rate": 1e-3,
+        },
+        "algo": {"gamma": 1.0, "gae_lambda": 1.0},
+        "run": {"precision": "fp32", "progress": False, "tensorboard": False, "output_dir": str(tmp_path)},
+    }
     base["textenv"].update(textenv or {})
     return build_config([base, sections])
 
@@ -53,22 +64,27 @@ def test_a_user_env_from_a_file_truncated_by_max_turns_bootstraps_from_its_next_
     # (every episode's next observation is "3:": whitening would remove the common bootstrap)
     cfg = mt_config(tiny_dir, tmp_path, {"max_turns": 3}, algo={"normalize_adv": False})
     c = build(cfg, tmp_path)
-    randomize(c.learner.policy, seed=1)               # a critic that says something
+    randomize(c.learner.policy, seed=1)  # a critic that says something
     batch = c.source.collect(0)
     assert batch.metrics["env/truncated_by_max_turns"] == 1.0 and batch.metrics["env/turns_mean"] == 3
     rows = trajectories_of(batch)
-    assert len(rows) == 8 and all(len(r) == 3 for r in rows.values())          # state mode: one row per turn
+    assert len(rows) == 8 and all(len(r) == 3 for r in rows.values())  # state mode: one row per turn
     tok = load_tokenizer(tiny_dir)
-    assert batch.extras["bootstrap_input_ids"][0].tolist()[-3:] == tok("3:")["input_ids"]   # the next observation
+    assert batch.extras["bootstrap_input_ids"][0].tolist()[-3:] == tok("3:")["input_ids"]  # the next observation
     assert batch.extras["traj_truncated"].all()
     c.scorer.score(batch)
     last = batch.extras["last_values"]
     boot = {k: batch.extras[k] for k in ("bootstrap_input_ids", "bootstrap_attention_mask")}
     pad = torch.zeros_like(boot["bootstrap_input_ids"][:, :1])
     am = torch.cat([boot["bootstrap_attention_mask"], pad], 1)
-    want = c.learner.policy.values({"input_ids": torch.cat([boot["bootstrap_input_ids"], pad], 1),
-                                    "attention_mask": am, "position_ids": (am.cumsum(1) - 1).clamp(min=0),
-                                    "responses": pad})[:, 0]
+    want = c.learner.policy.values(
+        {
+            "input_ids": torch.cat([boot["bootstrap_input_ids"], pad], 1),
+            "attention_mask": am,
+            "position_ids": (am.cumsum(1) - 1).clamp(min=0),
+            "responses": pad,
+        }
+    )[:, 0]
     torch.testing.assert_close(last[batch.extras["bootstrap_traj"]], want)
     assert last.abs().min() > 0
     # the bootstrap enters the advantage: gamma = lambda = 1, so it adds V(next) to every action token
@@ -95,21 +111,26 @@ def test_truncation_by_the_episode_token_budget(tiny_dir, tmp_path):
 
 def test_truncation_by_the_models_context_in_message_mode(tiny_dir, tmp_path):
     # the test model has 64 positions; a 40-character first observation, then "n:" after each action
-    cfg = mt_config(tiny_dir, tmp_path, {"max_turns": 50, "kwargs": {"observation_mode": "message",
-                                                                      "first": "count with me, one number a turn:"}})
+    cfg = mt_config(
+        tiny_dir,
+        tmp_path,
+        {"max_turns": 50, "kwargs": {"observation_mode": "message", "first": "count with me, one number a turn:"}},
+    )
     c = build(cfg, tmp_path)
     batch = c.source.collect(0)
     assert batch.metrics["env/truncated_by_context"] == 1.0
     t = batch.tensors
-    assert len(t["traj_index"]) == 8                   # message mode: one row per trajectory
+    assert len(t["traj_index"]) == 8  # message mode: one row per trajectory
     lengths = t["attention_mask"].sum(1)
     bootstrap_lengths = batch.extras["bootstrap_attention_mask"].sum(1)
-    assert (bootstrap_lengths + 3 > 64).all()          # the next turn would not have fit
+    assert (bootstrap_lengths + 3 > 64).all()  # the next turn would not have fit
     assert (lengths <= 64).all()
     # turn numbers run 0.. along each row, on the action tokens only
     for row in range(8):
         turns = t["turn_index"][row][t["mask"][row] == 1].tolist()
-        assert turns == sorted(turns) and turns[0] == 0 and len(set(turns)) == batch.tensors["turn_index"][row].max() + 1
+        assert (
+            turns == sorted(turns) and turns[0] == 0 and len(set(turns)) == batch.tensors["turn_index"][row].max() + 1
+        )
 
 
 def test_the_per_turn_token_budget_cuts_replies_not_episodes(tiny_dir, tmp_path):
@@ -117,11 +138,11 @@ def test_the_per_turn_token_budget_cuts_replies_not_episodes(tiny_dir, tmp_path)
     c = build(cfg, tmp_path)
     batch = c.source.collect(0)
     t = batch.tensors
-    lengths = t["mask"].sum(1).long()                         # state mode: one turn per row
+    lengths = t["mask"].sum(1).long()  # state mode: one turn per row
     assert lengths.min() >= 1 and lengths.max() <= 2
     last = t["responses"].gather(1, (lengths - 1)[:, None])[:, 0]
     stops = torch.tensor(sorted(c.source.player.codec.stop_ids))
-    cut = (lengths == 2) & ~torch.isin(last, stops)             # reached the budget without a stop token
+    cut = (lengths == 2) & ~torch.isin(last, stops)  # reached the budget without a stop token
     assert cut.any()
     assert batch.metrics["env/reply_cut_rate"] == pytest.approx(cut.float().mean().item())
     # a cut reply is still the turn's action: the episodes go on to max_turns
@@ -154,19 +175,25 @@ def test_an_env_that_raises_ends_that_episode_with_the_failure_reward_and_the_ru
     t = batch.tensors
     one_turn = [rows for rows in trajectories_of(batch).values() if len(rows) == 1]
     assert len(one_turn) == failed and all(t["token_scores"][r[0]].sum() == -2.5 for r in one_turn)
-    c.scorer.score(batch)          # and the iteration trains
+    c.scorer.score(batch)  # and the iteration trains
     batch.tensors.update(zip(("advantages", "returns"), batch_advantages(cfg, batch)))
     assert c.learner.update(batch, 0)["epochs"] == 1
     cfg = mt_config(tiny_dir, tmp_path, {"kwargs": {"raise_on": 2}, "max_failure_rate": 0.1})
-    with pytest.raises(EnvError, match=r"environment '.*textenvs.py:Counter' failed in \d of 8 episodes \(first: "
-                                       r"RuntimeError: tool crashed on seed \d+\); fix the environment"):
+    with pytest.raises(
+        EnvError,
+        match=r"environment '.*textenvs.py:Counter' failed in \d of 8 episodes \(first: "
+        r"RuntimeError: tool crashed on seed \d+\); fix the environment",
+    ):
         build(cfg, tmp_path / "strict").source.collect(0)
 
 
 def test_an_env_returning_something_other_than_text_is_a_one_line_error(tiny_dir, tmp_path):
     cfg = mt_config(tiny_dir, tmp_path, {"kwargs": {"bad_return": True}})
-    with pytest.raises(EnvError, match=r"^environment '.*textenvs.py:Counter' step returned a int \(42\) as the "
-                                       r"observation; return a str or a list of"):
+    with pytest.raises(
+        EnvError,
+        match=r"^environment '.*textenvs.py:Counter' step returned a int \(42\) as the "
+        r"observation; return a str or a list of",
+    ):
         build(cfg, tmp_path).source.collect(0)
 
 
@@ -178,9 +205,12 @@ def test_a_user_env_that_does_not_exist_is_named(tiny_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- self-play
 def selfplay_config(tiny_dir, tmp_path, **pool):
-    return mt_config(tiny_dir, tmp_path, {"env": "tictactoe", "kwargs": {"opponent": "self", "illegal_penalty": -1},
-                                          "max_turns": 9, "pool": pool},
-                     rollout={"max_new_tokens": 2})
+    return mt_config(
+        tiny_dir,
+        tmp_path,
+        {"env": "tictactoe", "kwargs": {"opponent": "self", "illegal_penalty": -1}, "max_turns": 9, "pool": pool},
+        rollout={"max_new_tokens": 2},
+    )
 
 
 def test_self_play_seats_alternate_and_both_current_seats_are_trained(tiny_dir, tmp_path):
@@ -192,21 +222,21 @@ def test_self_play_seats_alternate_and_both_current_seats_are_trained(tiny_dir, 
     for e in range(4):
         seats = sorted(t.seat for t in result.trajectories if t.episode == e)
         moves = sum(r.turns for r in result.records[e].values())
-        assert seats == ([0, 1] if moves > 1 else [0])       # every seat that moved is trained on
+        assert seats == ([0, 1] if moves > 1 else [0])  # every seat that moved is trained on
     batch = c.source.collect(0)
-    assert batch.metrics["trajectories"] > 8                  # both seats of most episodes
-    assert "selfplay/pool_size" not in batch.metrics          # no pool configured
+    assert batch.metrics["trajectories"] > 8  # both seats of most episodes
+    assert "selfplay/pool_size" not in batch.metrics  # no pool configured
 
 
 def test_the_opponent_pool_plays_snapshots_from_a_spare_adapter_slot(tiny_dir, tmp_path):
     cfg = selfplay_config(tiny_dir, tmp_path, snapshot_every=1, current_prob=0.0)
     c = build(cfg, tmp_path)
     source, policy = c.source, c.learner.policy
-    assert source.pool.ids() == ["update-0"]               # the starting policy, pinned
+    assert source.pool.ids() == ["update-0"]  # the starting policy, pinned
     tok = load_tokenizer(tiny_dir)
     prompt = tok("123\n456\n789\nx to move:")["input_ids"]
     before = source.player.generate(CURRENT, [prompt] * 3, True)
-    randomize(policy, std=0.5, seed=4)                      # the actor moves on
+    randomize(policy, std=0.5, seed=4)  # the actor moves on
     after = source.player.generate(CURRENT, [prompt] * 3, True)
     assert after != before
     # the snapshot still plays the starting policy's moves, and the actor is untouched by playing it
@@ -225,14 +255,14 @@ def test_the_opponent_pool_plays_snapshots_from_a_spare_adapter_slot(tiny_dir, t
     assert result.trajectories and all(t.seat == result.actors[t.episode]["learner"] for t in result.trajectories)
     assert all(a[1 - a["learner"]] == "update-0" for a in result.actors)
     assert sum(source.pool.results()["update-0"].values()) == 8
-    source.sync_weights(c.learner)                           # one update later: a new snapshot
+    source.sync_weights(c.learner)  # one update later: a new snapshot
     assert source.pool.ids() == ["update-0", "update-1"]
     snap = source.opponents.tensors["update-1"]
     from peft import get_peft_model_state_dict
 
     now = get_peft_model_state_dict(policy.lm, adapter_name="actor")
     assert snap.keys() == now.keys() and all(torch.equal(snap[k], now[k]) for k in snap)
-    state = source.state_dict()                              # what a checkpoint keeps, and gets back
+    state = source.state_dict()  # what a checkpoint keeps, and gets back
     fresh = build(cfg, tmp_path / "fresh").source
     fresh.load_state_dict(state)
     assert fresh.pool.ids() == ["update-0", "update-1"] and fresh.updates == 1

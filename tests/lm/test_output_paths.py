@@ -7,16 +7,16 @@ import subprocess
 
 import pytest
 import torch
+from test_policy import lm_config
 
-from ppokit.errors import UserError
-from ppokit.lm.model.checkpoint import save_policy
-from ppokit.lm import sft
 from ppokit.commands.export import export_merged
+from ppokit.errors import UserError
+from ppokit.lm import sft
+from ppokit.lm.data.tasks import ArithmeticTask
+from ppokit.lm.model.checkpoint import save_policy
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
-from ppokit.lm.data.tasks import ArithmeticTask
 from ppokit.lm.model.tiny import build_tiny_model
-from test_policy import lm_config
 
 
 @pytest.fixture
@@ -46,12 +46,15 @@ def mount(tmp_path):
 def checkpoint(tiny_dir, tmp_path):
     """An untrained lora checkpoint (what a run saves), made without training."""
     policy = build_policy(lm_config(tiny_dir), tiny_dir, device=torch.device("cpu"), autocast_dtype=None)
-    return save_policy(policy, tmp_path / "run" / "checkpoint", base_model=str(tiny_dir), tokenizer=load_tokenizer(tiny_dir))
+    return save_policy(
+        policy, tmp_path / "run" / "checkpoint", base_model=str(tiny_dir), tokenizer=load_tokenizer(tiny_dir)
+    )
 
 
 @pytest.fixture
 def no_training(monkeypatch):
     """SFT that fails the test if it starts training: output checks must come first."""
+
     def train(*args, **kwargs):
         raise AssertionError("trained before checking the output directory")
 
@@ -60,8 +63,9 @@ def no_training(monkeypatch):
 
 def run_sft(model_dir, out, **options):
     examples = ArithmeticTask(digits=1, seed=0).items("sft", 4)
-    return sft.run_sft(model_dir, out, examples, examples, epochs_max=1, batch_size=4, precision="fp32",
-                       log=None, **options)
+    return sft.run_sft(
+        model_dir, out, examples, examples, epochs_max=1, batch_size=4, precision="fp32", log=None, **options
+    )
 
 
 def test_sft_output_that_is_a_file_or_not_empty(tiny_dir, tmp_path, no_training):
@@ -96,7 +100,7 @@ def test_read_only_output_fails_before_the_work(tiny_dir, checkpoint, mount, no_
 
 
 def test_full_disk_leaves_nothing_half_written(tiny_dir, checkpoint, mount):
-    full = mount("size=64k")                 # room for the tokenizer, not for the weights
+    full = mount("size=64k")  # room for the tokenizer, not for the weights
     with pytest.raises(UserError, match=f"cannot write {full}/exp: No space left on device"):
         export_merged(checkpoint.parent, full / "exp")
     with pytest.raises(UserError, match=f"cannot write {full}/tiny: No space left on device"):
@@ -110,8 +114,9 @@ def test_a_mount_point_as_output_fails_before_the_work(tiny_dir, checkpoint, mou
     for options in ("ro,size=64k", "size=64k"):
         point = mount(options)
         for make in (lambda: run_sft(tiny_dir, point), lambda: export_merged(checkpoint, point)):
-            with pytest.raises(UserError, match="is a mount point, which the output cannot replace; give a new "
-                                                "directory inside it"):
+            with pytest.raises(
+                UserError, match="is a mount point, which the output cannot replace; give a new directory inside it"
+            ):
                 make()
         assert list(point.iterdir()) == []
 

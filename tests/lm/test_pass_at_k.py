@@ -25,13 +25,13 @@ def test_matches_the_closed_form_on_random_inputs():
 
 
 def test_edge_cases():
-    assert pass_at_k(10, 0, 1) == 0.0 and pass_at_k(10, 0, 10) == 0.0          # c = 0
-    assert pass_at_k(10, 8, 3) == 1.0 and pass_at_k(5, 1, 5) == 1.0           # n - c < k
+    assert pass_at_k(10, 0, 1) == 0.0 and pass_at_k(10, 0, 10) == 0.0  # c = 0
+    assert pass_at_k(10, 8, 3) == 1.0 and pass_at_k(5, 1, 5) == 1.0  # n - c < k
     assert pass_at_k(10, 10, 1) == 1.0
-    assert pass_at_k(7, 3, 1) == pytest.approx(3 / 7)                         # k = 1 is the fraction correct
+    assert pass_at_k(7, 3, 1) == pytest.approx(3 / 7)  # k = 1 is the fraction correct
     for c in range(1, 6):
-        assert pass_at_k(5, c, 5) == 1.0                                      # k = n, any correct
-    assert pass_at_k(2000, 1, 1000) == pytest.approx(0.5, abs=1e-12)          # large n: no overflow
+        assert pass_at_k(5, c, 5) == 1.0  # k = n, any correct
+    assert pass_at_k(2000, 1, 1000) == pytest.approx(0.5, abs=1e-12)  # large n: no overflow
     for bad in [(3, 4, 1), (3, -1, 1), (3, 1, 0), (3, 1, 4)]:
         with pytest.raises(ValueError):
             pass_at_k(*bad)
@@ -42,7 +42,7 @@ def test_edge_cases():
 @pytest.mark.parametrize("n,k", [(1, 1), (8, 1), (8, 3), (8, 8), (50, 10)])
 def test_per_problem_tensor_form_matches_the_scalar(n, k):
     generator = torch.Generator().manual_seed(n * 100 + k)
-    correct = torch.rand(64, n, generator=generator) < torch.rand(64, 1, generator=generator)   # (P, n)
+    correct = torch.rand(64, n, generator=generator) < torch.rand(64, 1, generator=generator)  # (P, n)
     correct[0] = False
     correct[1] = True
     got = pass_at_k_per_problem(correct, k)

@@ -9,29 +9,37 @@ import sys
 
 import pytest
 import torch
+from lm_helpers import randomize
 
 from ppokit.config import build_config
-from ppokit.lm.model.checkpoint import save_policy
 from ppokit.errors import UserError
+from ppokit.lm.generation.engine import assemble
+from ppokit.lm.model.checkpoint import save_policy
 from ppokit.lm.model.hf import load_causal_lm, load_tokenizer
 from ppokit.lm.model.policy import build_policy
-from ppokit.lm.generation.engine import assemble
 from ppokit.trainer import PPOTrainer
-from lm_helpers import randomize
 
 CPU = torch.device("cpu")
 
 
-
-
 def lm_config(tiny_dir, **sections):
-    base = {"workload": "lm", "model": {"path": str(tiny_dir)},
-            "rollout": {"temperature": 0.7, "max_new_tokens": 6},
-            "train": {"batch_size": 8, "micro_batch_size": 8, "epochs": 1, "grad_clip": None, "iterations": 1,
-                      "learning_rate": 1e-2, "critic_learning_rate": 1e-2, "lr_warmup_ratio": 0.0},
-            "run": {"precision": "fp32", "progress": False, "tensorboard": False}}
+    base = {
+        "workload": "lm",
+        "model": {"path": str(tiny_dir)},
+        "rollout": {"temperature": 0.7, "max_new_tokens": 6},
+        "train": {
+            "batch_size": 8,
+            "micro_batch_size": 8,
+            "epochs": 1,
+            "grad_clip": None,
+            "iterations": 1,
+            "learning_rate": 1e-2,
+            "critic_learning_rate": 1e-2,
+            "lr_warmup_ratio": 0.0,
+        },
+        "run": {"precision": "fp32", "progress": False, "tensorboard": False},
+    }
     return build_config([base, sections])
-
 
 
 def handmade_batch(tokenizer, n=4):
@@ -41,9 +49,9 @@ def handmade_batch(tokenizer, n=4):
     g = torch.Generator().manual_seed(1)
     raw = torch.randint(4, tokenizer.vocab_size if hasattr(tokenizer, "vocab_size") else 50, (n, 6), generator=g)
     eos = tokenizer.eos_token_id
-    raw[0, 2] = eos          # EOS in the middle: tokens after it are masked
-    raw[1, 5] = eos          # EOS as the last token
-    raw[3, 0] = eos          # an immediate EOS
+    raw[0, 2] = eos  # EOS in the middle: tokens after it are masked
+    raw[1, 5] = eos  # EOS as the last token
+    raw[3, 0] = eos  # an immediate EOS
     return assemble(enc["input_ids"], enc["attention_mask"], raw, eos_ids=[eos], pad_id=tokenizer.pad_token_id)
 
 
@@ -112,9 +120,13 @@ def test_updates_never_change_the_backbone(tiny_dir):
         values = policy.values(mb)
     mask = mb["mask"]
     g = torch.Generator().manual_seed(3)
-    batch = {**{k: v for k, v in mb.items() if k != "truncated"}, "old_log_prob": old, "old_values": values,
-             "advantages": torch.randn(mask.shape, generator=g) * mask,
-             "returns": torch.randn(mask.shape, generator=g) * mask}
+    batch = {
+        **{k: v for k, v in mb.items() if k != "truncated"},
+        "old_log_prob": old,
+        "old_values": values,
+        "advantages": torch.randn(mask.shape, generator=g) * mask,
+        "returns": torch.randn(mask.shape, generator=g) * mask,
+    }
     backbone = {n: p.detach().clone() for n, p in policy.lm.named_parameters() if "lora_" not in n}
     adapters = {n: p.detach().clone() for n, p in policy.lm.named_parameters() if "lora_" in n}
     trainer = PPOTrainer(cfg, policy, total_iterations=1)
@@ -133,11 +145,13 @@ def test_param_groups_use_the_two_learning_rates(tiny_dir):
     actor, critic = policy.param_groups(cfg)
     assert (actor["name"], actor["lr"], critic["name"], critic["lr"]) == ("actor", 1e-4, "critic", 3e-4)
     assert {id(p) for p in actor["params"]} == {id(p) for p in policy.adapter_parameters("actor")}
-    assert {id(p) for p in critic["params"]} == ({id(p) for p in policy.adapter_parameters("critic")}
-                                                 | {id(p) for p in policy.value_head.parameters()})
+    assert {id(p) for p in critic["params"]} == (
+        {id(p) for p in policy.adapter_parameters("critic")} | {id(p) for p in policy.value_head.parameters()}
+    )
     # and exactly those require grad from the start (the run's header counts them)
-    assert {id(p) for p in policy.parameters() if p.requires_grad} == \
-        {id(p) for g in (actor, critic) for p in g["params"]}
+    assert {id(p) for p in policy.parameters() if p.requires_grad} == {
+        id(p) for g in (actor, critic) for p in g["params"]
+    }
 
 
 def test_bf16_keeps_trained_weights_fp32_and_stores_the_frozen_backbone_in_bf16(tiny_dir):
@@ -179,8 +193,11 @@ def full_logits_log_probs(model, mb, temperature):
     """The plain way: all logits of a fresh model, log_softmax, gather (float64)."""
     R = mb["responses"].shape[1]
     with torch.no_grad():
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                       position_ids=mb["position_ids"]).logits[:, -R - 1:-1].double()
+        logits = (
+            model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"])
+            .logits[:, -R - 1 : -1]
+            .double()
+        )
     return torch.log_softmax(logits / temperature, -1).gather(-1, mb["responses"][..., None]).squeeze(-1)
 
 
@@ -195,7 +212,7 @@ def test_reference_is_the_base_model(tiny_dir):
     mask = mb["mask"].bool()
     torch.testing.assert_close(ref[mask], expected[mask], rtol=1e-5, atol=1e-5)
     actor = policy.log_probs(mb)["log_prob"].detach()
-    assert (actor[mask] - expected[mask]).abs().max() > 1e-2          # the adapters do matter
+    assert (actor[mask] - expected[mask]).abs().max() > 1e-2  # the adapters do matter
     # the reference pass leaves the adapters trainable
     assert all(p.requires_grad for p in policy.adapter_parameters("actor"))
 
@@ -215,7 +232,7 @@ def test_full_mode_separate_critic_and_reference_only_when_needed(tiny_dir):
     assert all(p.grad is None for p in policy.ref_lm.parameters())
     assert nonzero(policy.value_head.linear.weight.grad)
     assert {id(p) for p in actor["params"]}.isdisjoint({id(p) for p in critic["params"]})
-    torch.testing.assert_close(policy.ref_log_probs(mb), out["log_prob"].detach())   # not trained yet
+    torch.testing.assert_close(policy.ref_log_probs(mb), out["log_prob"].detach())  # not trained yet
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -228,7 +245,9 @@ def test_model_path_that_does_not_exist(tmp_path):
 def test_directory_that_is_not_a_causal_lm(tmp_path):
     from transformers import ViTConfig
 
-    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        tmp_path
+    )
     with pytest.raises(UserError, match="ViTConfig is not a causal language model") as info:
         load_causal_lm(tmp_path)
     assert "\n" not in str(info.value)
@@ -263,15 +282,15 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(tiny_dir, tmp_path):
 
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "ppokit", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "ppokit", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def test_bad_inputs_exit_2_with_one_line(tiny_dir, tmp_path, monkeypatch, capsys):
     from ppokit import cli
 
     (tmp_path / "run.yaml").write_text(
-        f"workload: lm\nmodel:\n  path: {tiny_dir}\ntrain:\n  iterations: 1\n  batch_size: 4\n")
+        f"workload: lm\nmodel:\n  path: {tiny_dir}\ntrain:\n  iterations: 1\n  batch_size: 4\n"
+    )
     # One real subprocess: exit status 2, one line on stderr, no traceback.
     proc = run_cli("train", "run.yaml", "model.path=" + str(tmp_path / "missing"), "--no-progress", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
@@ -286,7 +305,8 @@ def test_bad_inputs_exit_2_with_one_line(tiny_dir, tmp_path, monkeypatch, capsys
     from transformers import ViTConfig
 
     ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
-        tmp_path / "vit")
+        tmp_path / "vit"
+    )
     monkeypatch.chdir(tmp_path)
     cases = [
         (["data.reward=no_such_module_xyz:reward"], "cannot import module 'no_such_module_xyz'"),

@@ -11,32 +11,44 @@ import torch
 from ppokit.cli import main
 from ppokit.errors import UserError
 from ppokit.lm.data.chat import RAW_PROMPT
-from ppokit.lm.rewards.reward_model import RewardModel
 from ppokit.lm.model.tiny import build_char_tokenizer
+from ppokit.lm.rewards.reward_model import RewardModel
 from ppokit.rundir import read_metrics
 
 CPU = torch.device("cpu")
-TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}a:{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
 
 
-def make_reward_model(path: Path, *, num_labels: int = 1, positions: int = 64, chat: bool = False,
-                      causal: bool = False) -> Path:
+def make_reward_model(
+    path: Path, *, num_labels: int = 1, positions: int = 64, chat: bool = False, causal: bool = False
+) -> Path:
     """A tiny Llama with a random score head (or an LM head), the character tokenizer, saved."""
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     tok = build_char_tokenizer(padding_side="right")
     if chat:
         tok.chat_template = TEMPLATE
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions,
-                         num_labels=num_labels, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        num_labels=num_labels,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     model = (LlamaForCausalLM if causal else LlamaForSequenceClassification)(config)
     if not causal:
         with torch.no_grad():
-            model.score.weight.normal_(0, 1.0)      # scores of order 1, different for different texts
+            model.score.weight.normal_(0, 1.0)  # scores of order 1, different for different texts
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -64,7 +76,7 @@ def test_batched_scores_equal_each_sequence_alone(rm_dir):
     got = rm.score(prompts, responses)
     want = one_by_one(rm, [p + r for p, r in zip(prompts, responses)])
     assert got == pytest.approx(want, abs=1e-5)
-    assert len(set(round(s, 4) for s in got)) == len(got)          # the texts do score differently
+    assert len({round(s, 4) for s in got}) == len(got)  # the texts do score differently
 
 
 def test_long_inputs_are_cut_from_the_left_so_the_response_stays(tmp_path):
@@ -73,7 +85,7 @@ def test_long_inputs_are_cut_from_the_left_so_the_response_stays(tmp_path):
     [got] = rm.score([prompt], [response])
     ids = rm.tokenizer(prompt + response)["input_ids"]
     assert len(ids) > 16 and ids[0] == rm.tokenizer.bos_token_id
-    kept = ids[:1] + ids[-15:]          # the BOS, then the last 15 tokens: the response is kept
+    kept = ids[:1] + ids[-15:]  # the BOS, then the last 15 tokens: the response is kept
     with torch.no_grad():
         want = rm.model(input_ids=torch.tensor([kept])).logits[0, 0].item()
     assert got == pytest.approx(want, abs=1e-5)
@@ -83,7 +95,7 @@ def test_a_chat_reward_model_reads_the_conversation_in_its_own_format(tmp_path):
     rm = RewardModel(make_reward_model(tmp_path / "chat", chat=True), device=CPU)
     item = {RAW_PROMPT: [{"role": "system", "content": "add"}, {"role": "user", "content": "1+1="}]}
     assert rm.text("policy-rendered text", "2", item) == "s:add\nu:1+1=\na:2\n"
-    assert rm.text("3+3=", "6", {}) == "u:3+3=\na:6\n"      # a plain prompt is one user message
+    assert rm.text("3+3=", "6", {}) == "u:3+3=\na:6\n"  # a plain prompt is one user message
     assert rm.score(["x"], ["2"], [item]) == pytest.approx(one_by_one(rm, ["s:add\nu:1+1=\na:2\n"]), abs=1e-5)
 
 
@@ -107,7 +119,7 @@ def test_the_fused_cpu_kernels_score_as_transformers_layers_do(tmp_path, dtype):
     assert {"rms_norm", "mlp", "rotary", "attention"} <= set(fused.fused_kernel_counts)
     assert plain.fused_kernel_counts == {}
     want = plain.score(prompts, responses)
-    assert len(set(want)) == len(want)                       # the texts score apart
+    assert len(set(want)) == len(want)  # the texts score apart
     # right-padded batches of different lengths. bf16: the kernels round as transformers'
     # layers do but sum in another order, so a score may land one bf16 step (0.4%) apart
     # (here they are equal; fp32 3e-7 apart)
@@ -115,11 +127,14 @@ def test_the_fused_cpu_kernels_score_as_transformers_layers_do(tmp_path, dtype):
     assert fused.score(prompts, responses) == pytest.approx(want, **tolerance)
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("missing", "no such model directory"),
-    ("classifier", r"a reward model has one output \(num_labels=1\); this one has 3"),
-    ("causal", "no score head"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("missing", "no such model directory"),
+        ("classifier", r"a reward model has one output \(num_labels=1\); this one has 3"),
+        ("causal", "no score head"),
+    ],
+)
 def test_models_that_are_not_reward_models(tmp_path, kind, message):
     path = tmp_path / kind
     if kind == "classifier":
@@ -135,11 +150,28 @@ def test_models_that_are_not_reward_models(tmp_path, kind, message):
 def train_args(tiny_dir, tmp_path: Path, name: str, *extra: str) -> list[str]:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8)))
-    return ["train", "arith", f"model.path={tiny_dir}", f"data.prompts={prompts}", "data.sft_epochs=0",
-            "train.iterations=2", "train.batch_size=8", "train.mini_batch_size=8", "train.micro_batch_size=8",
-            "train.infer_micro_batch_size=3", "algo.group_size=4", "rollout.max_new_tokens=2",
-            "run.precision=fp32", "run.tensorboard=false", *extra,
-            "--output-dir", str(tmp_path), "--name", name, "--no-progress"]
+    return [
+        "train",
+        "arith",
+        f"model.path={tiny_dir}",
+        f"data.prompts={prompts}",
+        "data.sft_epochs=0",
+        "train.iterations=2",
+        "train.batch_size=8",
+        "train.mini_batch_size=8",
+        "train.micro_batch_size=8",
+        "train.infer_micro_batch_size=3",
+        "algo.group_size=4",
+        "rollout.max_new_tokens=2",
+        "run.precision=fp32",
+        "run.tensorboard=false",
+        *extra,
+        "--output-dir",
+        str(tmp_path),
+        "--name",
+        name,
+        "--no-progress",
+    ]
 
 
 def test_a_run_scored_by_the_reward_model_alone(tiny_dir, rm_dir, tmp_path, capsys):
@@ -148,26 +180,45 @@ def test_a_run_scored_by_the_reward_model_alone(tiny_dir, rm_dir, tmp_path, caps
     rows = read_metrics(tmp_path / "rm")
     assert len(rows) == 2 and "reward/verifier_mean" not in rows[0]
     capsys.readouterr()
-    assert main(["eval", str(tmp_path / "rm")]) == 2          # no verifier: no held-out accuracy
+    assert main(["eval", str(tmp_path / "rm")]) == 2  # no verifier: no held-out accuracy
     assert "scored by its reward model alone" in capsys.readouterr().err
     for row in rows:
         assert row["reward_mean"] == pytest.approx(row["reward/reward_model_mean"], abs=1e-6)
-        assert row["reward_std"] > 0                        # real, varying scores
+        assert row["reward_std"] > 0  # real, varying scores
 
 
 def test_a_reward_model_plus_a_verifier_sums_them_with_their_weights(tiny_dir, rm_dir, tmp_path):
-    assert main(train_args(tiny_dir, tmp_path, "both", f"data.reward_model={rm_dir}", "data.reward=exact_match",
-                           "data.shaping.reward_model_weight=0.5", "data.shaping.verifier_weight=2")) == 0
+    assert (
+        main(
+            train_args(
+                tiny_dir,
+                tmp_path,
+                "both",
+                f"data.reward_model={rm_dir}",
+                "data.reward=exact_match",
+                "data.shaping.reward_model_weight=0.5",
+                "data.shaping.verifier_weight=2",
+            )
+        )
+        == 0
+    )
     for row in read_metrics(tmp_path / "both"):
-        assert row["reward_mean"] == pytest.approx(0.5 * row["reward/reward_model_mean"]
-                                                   + 2 * row["reward/verifier_mean"], abs=1e-5)
+        assert row["reward_mean"] == pytest.approx(
+            0.5 * row["reward/reward_model_mean"] + 2 * row["reward/verifier_mean"], abs=1e-5
+        )
 
 
 def test_held_out_prompts_with_only_a_reward_model_are_refused(tiny_dir, rm_dir, tmp_path, capsys):
     held = tmp_path / "held.jsonl"
     held.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    assert main(train_args(tiny_dir, tmp_path, "r", f"data.reward_model={rm_dir}", "data.reward=null",
-                           f"data.eval_prompts={held}")) == 2
+    assert (
+        main(
+            train_args(
+                tiny_dir, tmp_path, "r", f"data.reward_model={rm_dir}", "data.reward=null", f"data.eval_prompts={held}"
+            )
+        )
+        == 2
+    )
     assert "the held-out accuracy is scored by data.reward" in capsys.readouterr().err
     assert main(train_args(tiny_dir, tmp_path, "r2", f"data.reward_model={tmp_path / 'nope'}")) == 2
     assert "data.reward_model=" in capsys.readouterr().err
@@ -187,14 +238,14 @@ def digit_reward_model(path: Path) -> Path:
     with torch.no_grad():
         embed = model.model.embed_tokens.weight
         embed.zero_()
-        embed[:, 0] = 1.0                                       # every token: direction 0
+        embed[:, 0] = 1.0  # every token: direction 0
         embed[digits, 0] = 0.0
-        embed[digits, 1] = 1.0                                  # digits alone: direction 1
+        embed[digits, 1] = 1.0  # digits alone: direction 1
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.score.weight.zero_()
-        model.score.weight[0, 1] = width ** -0.5                 # RMSNorm scales a unit vector by sqrt(width)
+        model.score.weight[0, 1] = width**-0.5  # RMSNorm scales a unit vector by sqrt(width)
     model.save_pretrained(path)
     return path
 

@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.lm.rewards.shaping import (RunningRewardScaler, clip_rewards, combine_rewards, format_score,
-                                      normalize_batch, overlong_penalty, truncation_penalty)
+from ppokit.lm.rewards.shaping import (
+    RunningRewardScaler,
+    clip_rewards,
+    combine_rewards,
+    format_score,
+    normalize_batch,
+    overlong_penalty,
+    truncation_penalty,
+)
 
 
 def naive_overlong(length: int, l_max: int, l_cache: int) -> float:
@@ -36,8 +43,9 @@ def test_overlong_penalty_matches_the_dapo_formula():
 
 
 def test_truncation_and_clipping():
-    torch.testing.assert_close(truncation_penalty(torch.tensor([True, False, True]), 0.5),
-                               torch.tensor([-0.5, 0.0, -0.5]))
+    torch.testing.assert_close(
+        truncation_penalty(torch.tensor([True, False, True]), 0.5), torch.tensor([-0.5, 0.0, -0.5])
+    )
     r = torch.tensor([-3.0, -0.5, 0.2, 4.0])
     torch.testing.assert_close(clip_rewards(r, -1.0, 1.0), torch.tensor([-1.0, -0.5, 0.2, 1.0]))
     torch.testing.assert_close(clip_rewards(r, high=0.0), torch.tensor([-3.0, -0.5, 0.0, 0.0]))
@@ -50,7 +58,7 @@ def test_batch_normalisation():
     x = rng.normal(3.0, 2.0, size=100)
     got = normalize_batch(torch.tensor(x, dtype=torch.float64), eps=0.0)
     np.testing.assert_allclose(got.numpy(), (x - x.mean()) / x.std(), rtol=1e-12)
-    assert torch.all(normalize_batch(torch.ones(4)) == 0)                     # no spread: zeros, not NaN
+    assert torch.all(normalize_batch(torch.ones(4)) == 0)  # no spread: zeros, not NaN
 
 
 def test_running_scaler_matches_the_variance_of_everything_seen():
@@ -68,16 +76,20 @@ def test_running_scaler_matches_the_variance_of_everything_seen():
     restored = RunningRewardScaler(eps=0.0)
     restored.load_state_dict(scaler.state_dict())
     torch.testing.assert_close(restored.scale(last), scaler.scale(last))
-    assert RunningRewardScaler().var == 1.0                                   # nothing seen: unscaled
+    assert RunningRewardScaler().var == 1.0  # nothing seen: unscaled
 
 
 def test_combine_rewards_weights_sources_and_reports_means():
-    sources = {"reward_model": torch.tensor([0.5, -1.0, 2.0]), "verifier": torch.tensor([1.0, 0.0, 1.0]),
-               "format": torch.tensor([1.0, 1.0, 0.0])}
+    sources = {
+        "reward_model": torch.tensor([0.5, -1.0, 2.0]),
+        "verifier": torch.tensor([1.0, 0.0, 1.0]),
+        "format": torch.tensor([1.0, 1.0, 0.0]),
+    }
     total, metrics = combine_rewards(sources, {"reward_model": 0.5, "format": 0.1})
     torch.testing.assert_close(total, torch.tensor([0.25 + 1.0 + 0.1, -0.5 + 0.0 + 0.1, 1.0 + 1.0 + 0.0]))
-    assert metrics == pytest.approx({"reward/reward_model_mean": 0.5, "reward/verifier_mean": 2 / 3,
-                                     "reward/format_mean": 2 / 3})
+    assert metrics == pytest.approx(
+        {"reward/reward_model_mean": 0.5, "reward/verifier_mean": 2 / 3, "reward/format_mean": 2 / 3}
+    )
     with pytest.raises(ValueError, match="unknown sources \\['verifer'\\]"):
         combine_rewards(sources, {"verifer": 1.0})
     with pytest.raises(ValueError, match="same N"):

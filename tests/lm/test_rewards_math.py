@@ -9,32 +9,38 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-from ppokit.lm.rewards.pool import RewardPool  # noqa: E402
 from ppokit.lm.rewards.functions import load_reward_fn  # noqa: E402
 from ppokit.lm.rewards.math_answers import math_reward  # noqa: E402
+from ppokit.lm.rewards.pool import RewardPool  # noqa: E402
 
 
-@pytest.mark.parametrize("gold,response", [
-    ("\\frac{1}{2}", "0.5"),
-    ("0.5", "The answer is $\\frac{1}{2}$."),
-    ("2", "so the answer is \\boxed{2}"),
-    ("\\boxed{2}", "2"),
-    ("1/2", "0.5"),
-    ("x+1", "We get $1+x$."),
-    ("\\frac{\\sqrt{2}}{2}", "$\\frac{1}{\\sqrt{2}}$"),
-    (42, "First 40, then \\boxed{42}"),
-])
+@pytest.mark.parametrize(
+    "gold,response",
+    [
+        ("\\frac{1}{2}", "0.5"),
+        ("0.5", "The answer is $\\frac{1}{2}$."),
+        ("2", "so the answer is \\boxed{2}"),
+        ("\\boxed{2}", "2"),
+        ("1/2", "0.5"),
+        ("x+1", "We get $1+x$."),
+        ("\\frac{\\sqrt{2}}{2}", "$\\frac{1}{\\sqrt{2}}$"),
+        (42, "First 40, then \\boxed{42}"),
+    ],
+)
 def test_equivalent_answers_are_accepted(gold, response):
     assert math_reward("p", response, answer=gold) == 1.0
 
 
-@pytest.mark.parametrize("gold,response", [
-    ("\\frac{1}{2}", "0.4"),
-    ("2", "\\boxed{3}"),
-    ("x+1", "$x-1$"),
-    ("42", "I do not know"),
-    ("42", ""),
-])
+@pytest.mark.parametrize(
+    "gold,response",
+    [
+        ("\\frac{1}{2}", "0.4"),
+        ("2", "\\boxed{3}"),
+        ("x+1", "$x-1$"),
+        ("42", "I do not know"),
+        ("42", ""),
+    ],
+)
 def test_wrong_answers_are_rejected(gold, response):
     assert math_reward("p", response, answer=gold) == 0.0
 
@@ -55,7 +61,7 @@ def test_math_is_a_built_in_reward_and_works_off_the_main_thread():
     thread = threading.Thread(target=score)
     thread.start()
     thread.join(120)
-    assert out == {"right": 1.0, "wrong": 0.0}         # not 0 for everything, not an exception
+    assert out == {"right": 1.0, "wrong": 0.0}  # not 0 for everything, not an exception
 
 
 def test_the_pool_enforces_the_time_limit_on_math():

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lm_helpers import DEVICES, randomize
 
 from ppokit import algo
 from ppokit.config import build_config
 from ppokit.errors import UserError
+from ppokit.lm.generation.engine import RolloutEngine, assemble, response_mask
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
-from ppokit.lm.generation.engine import RolloutEngine, assemble, response_mask
 from ppokit.lm.scoring import Scorer, kl_ref_metric, token_rewards
 from ppokit.trainer import PPOTrainer, compute_advantages
-from lm_helpers import DEVICES, randomize
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like .optimizer.step:UserWarning")
 PROMPTS = ["12+3=", "7+88=", "1=", "99+99=", "5-4=", "123*45="]
-
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +26,26 @@ def tok(tiny_dir):
 
 
 def lm_config(tiny_dir, **sections):
-    base = {"workload": "lm", "model": {"path": str(tiny_dir)},
-            "rollout": {"temperature": 0.7, "max_new_tokens": 6, "micro_batch_size": 5},
-            "train": {"batch_size": 12, "mini_batch_size": 6, "micro_batch_size": 4, "infer_micro_batch_size": 5,
-                      "epochs": 2, "grad_clip": None, "iterations": 2, "learning_rate": 3e-2,
-                      "critic_learning_rate": 3e-2, "lr_warmup_ratio": 0.0},
-            "algo": {"group_size": 2, "gamma": 1.0},
-            "run": {"precision": "fp32", "progress": False, "tensorboard": False}}
+    base = {
+        "workload": "lm",
+        "model": {"path": str(tiny_dir)},
+        "rollout": {"temperature": 0.7, "max_new_tokens": 6, "micro_batch_size": 5},
+        "train": {
+            "batch_size": 12,
+            "mini_batch_size": 6,
+            "micro_batch_size": 4,
+            "infer_micro_batch_size": 5,
+            "epochs": 2,
+            "grad_clip": None,
+            "iterations": 2,
+            "learning_rate": 3e-2,
+            "critic_learning_rate": 3e-2,
+            "lr_warmup_ratio": 0.0,
+        },
+        "algo": {"group_size": 2, "gamma": 1.0},
+        "run": {"precision": "fp32", "progress": False, "tensorboard": False},
+    }
     return build_config([base, sections])
-
 
 
 def make_eos_likely(policy, tok, strength=0.25):
@@ -45,22 +55,30 @@ def make_eos_likely(policy, tok, strength=0.25):
         base.lm_head.weight[tok.eos_token_id] += strength * base.model.norm.weight
 
 
-
 # ----------------------------------------------------------------------------- masks
 def test_response_mask_counts_eos_and_flags_truncation():
     eos, pad = 3, 0
-    raw = torch.tensor([[5, 6, 3, 7, 8],      # EOS at 2: tokens 0..2 count, 3..4 do not
-                        [5, 6, 7, 8, 9],      # no EOS: truncated, all count
-                        [3, 5, 3, 5, 5],      # immediate EOS: only it counts
-                        [5, 6, 7, 8, 3]])     # EOS as the last allowed token: not truncated
+    raw = torch.tensor(
+        [
+            [5, 6, 3, 7, 8],  # EOS at 2: tokens 0..2 count, 3..4 do not
+            [5, 6, 7, 8, 9],  # no EOS: truncated, all count
+            [3, 5, 3, 5, 5],  # immediate EOS: only it counts
+            [5, 6, 7, 8, 3],
+        ]
+    )  # EOS as the last allowed token: not truncated
     mask, truncated = response_mask(raw, torch.tensor([eos]))
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert truncated.tolist() == [False, True, False, False]
     # pad == eos (GPT-2 style tokenizers): the first EOS still ends the response
     mask2, _ = response_mask(torch.tensor([[5, 0, 0, 0]]), torch.tensor([0]))
     assert mask2.tolist() == [[1, 1, 0, 0]]
-    out = assemble(torch.tensor([[0, 2, 9], [2, 9, 9], [2, 8, 8], [0, 0, 2]]),
-                   torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1], [0, 0, 1]]), raw, eos_ids=[eos], pad_id=pad)
+    out = assemble(
+        torch.tensor([[0, 2, 9], [2, 9, 9], [2, 8, 8], [0, 0, 2]]),
+        torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1], [0, 0, 1]]),
+        raw,
+        eos_ids=[eos],
+        pad_id=pad,
+    )
     assert out["responses"][0].tolist() == [5, 6, 3, pad, pad]
     assert out["attention_mask"][0].tolist() == [0, 1, 1, 1, 1, 1, 0, 0]
     assert out["position_ids"][0].tolist()[1:6] == [0, 1, 2, 3, 4]
@@ -74,7 +92,7 @@ def test_reward_sits_on_the_last_real_token():
     assert r.tolist() == [[0, 0, 1, 0, 0], [0, 0, 0, 0, 2], [3, 0, 0, 0, 0]]
     kl = torch.full(mask.shape, 0.5)
     r = token_rewards(scores, mask, kl=kl, kl_coef=0.1)
-    assert torch.equal(r * (1 - mask), torch.zeros_like(r))        # nothing on padding
+    assert torch.equal(r * (1 - mask), torch.zeros_like(r))  # nothing on padding
     torch.testing.assert_close(r[0], torch.tensor([-0.05, -0.05, 0.95, 0, 0]))
 
 
@@ -106,9 +124,9 @@ def test_generation_layout(tiny_dir, tok):
         am = ro.attention_mask[i].tolist()
         first = am.index(1)
         assert am[:first] == [0] * first and am[first:P] == [1] * (P - first)
-        assert ro.position_ids[i, first:P + n].tolist() == list(range(P - first + n))
+        assert ro.position_ids[i, first : P + n].tolist() == list(range(P - first + n))
         assert tok.decode(resp[:n], skip_special_tokens=True) == ro.texts[i]
-    assert 0 < ended < N          # both kinds present
+    assert 0 < ended < N  # both kinds present
 
 
 def random_policy_rollout(tiny_dir, tok, *, seed: int, group_size: int, device: str = "cpu"):
@@ -129,25 +147,37 @@ def test_static_cache_generates_what_the_dynamic_cache_does(tiny_dir, tok, devic
         pytest.skip("compiled bf16 kernels round differently: greedy ties break apart")
     responses = {}
     for kind in ("dynamic", "static"):
-        cfg = lm_config(tiny_dir, model={"mode": mode}, run={"precision": precision},
-                        rollout={"max_new_tokens": 8, "cache_implementation": kind})
-        policy = build_policy(cfg, tiny_dir, device=torch.device(device), seed=0,
-                              autocast_dtype=torch.bfloat16 if precision == "bf16" else None)
+        cfg = lm_config(
+            tiny_dir,
+            model={"mode": mode},
+            run={"precision": precision},
+            rollout={"max_new_tokens": 8, "cache_implementation": kind},
+        )
+        policy = build_policy(
+            cfg,
+            tiny_dir,
+            device=torch.device(device),
+            seed=0,
+            autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
+        )
         if mode == "lora":
-            randomize(policy)                   # actor adapter != backbone
+            randomize(policy)  # actor adapter != backbone
         engine = RolloutEngine.for_policy(policy, tok, cfg.rollout)
         assert engine.generation_config(greedy=True, max_new_tokens=8).cache_implementation == (
-            "static" if kind == "static" else None)
-        responses[kind] = [engine.generate(prompts, greedy=True).responses
-                           for prompts in (PROMPTS, PROMPTS[:3] + ["1+1="], PROMPTS)]
+            "static" if kind == "static" else None
+        )
+        responses[kind] = [
+            engine.generate(prompts, greedy=True).responses for prompts in (PROMPTS, PROMPTS[:3] + ["1+1="], PROMPTS)
+        ]
     for dynamic, static in zip(responses["dynamic"], responses["static"], strict=True):
         assert torch.equal(dynamic, static)
 
 
 def test_static_cache_is_refused_in_full_mode_under_bf16(tiny_dir, tok):
     # precision=bf16 is refused by the config (tests/bad_inputs); auto resolves to bf16 later
-    cfg = lm_config(tiny_dir, model={"mode": "full"}, run={"precision": "auto"},
-                    rollout={"cache_implementation": "static"})
+    cfg = lm_config(
+        tiny_dir, model={"mode": "full"}, run={"precision": "auto"}, rollout={"cache_implementation": "static"}
+    )
     policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=torch.bfloat16)
     with pytest.raises(UserError, match="cache_implementation=static does not work with model.mode=full"):
         RolloutEngine.for_policy(policy, tok, cfg.rollout)
@@ -163,12 +193,15 @@ def test_left_padding_gives_the_unpadded_log_probs(tiny_dir, tok, device):
         padded = policy.log_probs(batch)["log_prob"]
         padded_v = policy.values(batch)
         for i in range(len(ro)):
-            keep = ro.attention_mask[i, :ro.prompt_length].bool()
+            keep = ro.attention_mask[i, : ro.prompt_length].bool()
             n = int(ro.mask[i].sum())
-            ids = torch.cat([ro.input_ids[i, :ro.prompt_length][keep], ro.responses[i, :n]])[None]
-            single = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                      "position_ids": torch.arange(ids.shape[1], device=ids.device)[None],
-                      "responses": ro.responses[i:i + 1, :n]}
+            ids = torch.cat([ro.input_ids[i, : ro.prompt_length][keep], ro.responses[i, :n]])[None]
+            single = {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "position_ids": torch.arange(ids.shape[1], device=ids.device)[None],
+                "responses": ro.responses[i : i + 1, :n],
+            }
             torch.testing.assert_close(policy.log_probs(single)["log_prob"][0], padded[i, :n], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(policy.values(single)[0], padded_v[i, :n], rtol=1e-5, atol=1e-5)
 
@@ -177,11 +210,14 @@ def test_left_padding_gives_the_unpadded_log_probs(tiny_dir, tok, device):
 def one_iteration_batch(cfg, policy, tok, prompts, scorer):
     ro = RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(prompts, group_size=cfg.algo.group_size)
     scored = scorer.forward_passes(ro.tensors())
-    scores = torch.tensor([(sum(map(ord, t)) % 7) / 7.0 for t in ro.texts],      # any non-constant reward
-                          device=ro.mask.device)
+    scores = torch.tensor(
+        [(sum(map(ord, t)) % 7) / 7.0 for t in ro.texts],  # any non-constant reward
+        device=ro.mask.device,
+    )
     rewards = token_rewards(scores, ro.mask)
-    adv, ret = compute_advantages(cfg, rewards=rewards, mask=ro.mask, values=scored["old_values"],
-                                  group_ids=ro.group_ids)
+    adv, ret = compute_advantages(
+        cfg, rewards=rewards, mask=ro.mask, values=scored["old_values"], group_ids=ro.group_ids
+    )
     return {**ro.tensors(), **scored, "advantages": adv, "returns": ret}
 
 
@@ -195,7 +231,7 @@ def test_first_ratio_is_exactly_one(tiny_dir, tok, precision, device, monkeypatc
     assert policy.temperature == 0.7
     scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=True)
     trainer = PPOTrainer(cfg, policy, total_iterations=2)
-    forwards, losses = [], []          # (update's log-prob, scorer's old log-prob, mask); loss inputs
+    forwards, losses = [], []  # (update's log-prob, scorer's old log-prob, mask); loss inputs
     evaluate = policy.evaluate
 
     def spy_evaluate(mb):
@@ -211,7 +247,7 @@ def test_first_ratio_is_exactly_one(tiny_dir, tok, precision, device, monkeypatc
     policy_loss = trainer.policy_loss
     trainer.policy_loss = spy_loss
     micro_per_mini = -(-cfg.mini_batch_size // cfg.micro_batch_size)
-    for iteration in range(2):            # the second iteration starts from trained adapters
+    for iteration in range(2):  # the second iteration starts from trained adapters
         forwards.clear()
         losses.clear()
         batch = one_iteration_batch(cfg, policy, tok, PROMPTS, scorer)
@@ -228,7 +264,7 @@ def test_first_ratio_is_exactly_one(tiny_dir, tok, precision, device, monkeypatc
             assert gap == 0.0, (precision, iteration)
         else:
             assert gap < (5e-2 if precision == "bf16" else 1e-4), (precision, iteration, gap)
-        later_new, later_old = losses[-1]       # after optimizer steps: the scorer's log-probs again
+        later_new, later_old = losses[-1]  # after optimizer steps: the scorer's log-probs again
         later_mask = forwards[-1][2]
         assert torch.equal(later_old, forwards[-1][1])
         assert not torch.equal(later_new[later_mask], later_old[later_mask])
@@ -236,8 +272,11 @@ def test_first_ratio_is_exactly_one(tiny_dir, tok, precision, device, monkeypatc
 
 # ----------------------------------------------------------------------------- the update
 def test_tokens_after_eos_carry_no_loss(tiny_dir, tok):
-    cfg = lm_config(tiny_dir, train={"mini_batch_size": 12, "micro_batch_size": 12, "epochs": 2},
-                    algo={"entropy_coeff": 0.01, "beta": 0.1})
+    cfg = lm_config(
+        tiny_dir,
+        train={"mini_batch_size": 12, "micro_batch_size": 12, "epochs": 2},
+        algo={"entropy_coeff": 0.01, "beta": 0.1},
+    )
     policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
     randomize(policy)
     make_eos_likely(policy, tok, strength=1.0)
@@ -262,7 +301,7 @@ def test_tokens_after_eos_carry_no_loss(tiny_dir, tok):
         captured = []
         trainer.optimizer.step = lambda: captured.append([p.grad.clone() for p in trainer.params])
         trainer.update(b)
-        return captured[0] + captured[1]    # the on-policy step, then one that reads old_log_prob
+        return captured[0] + captured[1]  # the on-policy step, then one that reads old_log_prob
 
     for a, b in zip(gradient(batch), gradient(junk), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -273,8 +312,11 @@ def test_tokens_after_eos_carry_no_loss(tiny_dir, tok):
 def test_micro_batches_give_the_mini_batch_gradient(tiny_dir, tok, mode, device):
     # two epochs, the second step's gradient: the first mini-batch of the first epoch is
     # on-policy (ratio 1); the second reads the batch's old log-probs, moved off-policy below
-    cfg = lm_config(tiny_dir, algo={"loss_agg_mode": mode, "entropy_coeff": 0.01},
-                    train={"mini_batch_size": 12, "micro_batch_size": 12, "epochs": 2})
+    cfg = lm_config(
+        tiny_dir,
+        algo={"loss_agg_mode": mode, "entropy_coeff": 0.01},
+        train={"mini_batch_size": 12, "micro_batch_size": 12, "epochs": 2},
+    )
     policy = build_policy(cfg, tiny_dir, device=torch.device(device), autocast_dtype=None)
     randomize(policy)
     torch.manual_seed(3)
@@ -321,7 +363,7 @@ def test_scoring_chunks_do_not_change_the_scores(tiny_dir, tok, device):
 def test_without_a_kl_term_the_reference_scores_only_the_metric_rows(tiny_dir, tok):
     policy, ro = random_policy_rollout(tiny_dir, tok, seed=5, group_size=2)
     full = Scorer(policy, 12, need_reference=True, metric_rows=3).forward_passes(ro.tensors())
-    assert "ref_log_prob_metric" not in full                      # a KL term: every row, nothing extra
+    assert "ref_log_prob_metric" not in full  # a KL term: every row, nothing extra
     sample = Scorer(policy, 12, need_reference=False, metric_rows=3).forward_passes(ro.tensors())
     assert "ref_log_prob" not in sample
     assert sample["ref_log_prob_metric"].shape == (3, ro.mask.shape[1])

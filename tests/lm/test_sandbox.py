@@ -65,20 +65,20 @@ def test_bombs_are_contained_and_score_zero_with_their_reason(isolation_kind, li
         "memory": "blob = bytearray(8 * 1024 ** 3)\n" + ADD,
         "processes": "import os\nwhile True:\n    os.fork()\n" + ADD,
     }
-    if sandbox.process_limit() == "none":      # root without a pids cgroup: a real fork bomb; not here
+    if sandbox.process_limit() == "none":  # root without a pids cgroup: a real fork bomb; not here
         del cases["processes"]
     for reason, program in cases.items():
         assert code_reward("p", program, **fields) == (0.0, reason), reason
     network = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')\n" + ADD
     if isolation_kind == "none":
-        assert code_reward("p", network, **fields) == (1.0, None)       # not contained: said at start instead
+        assert code_reward("p", network, **fields) == (1.0, None)  # not contained: said at start instead
         assert _connected(listening_port) and sandbox.isolation_warning() is not None
     else:
         assert code_reward("p", network, **fields) == (0.0, "network")
         assert not _connected(listening_port) and sandbox.isolation_warning() is None
-    assert code_reward("p", ADD, **fields) == (1.0, None)                # the sandbox still runs good code
+    assert code_reward("p", ADD, **fields) == (1.0, None)  # the sandbox still runs good code
     leftover = subprocess.run(["pgrep", "-f", "cfg = json.loads"], capture_output=True, text=True).stdout.split()
-    assert not leftover                                                    # no sandbox process outlives its run
+    assert not leftover  # no sandbox process outlives its run
 
 
 def test_assert_and_stdin_tests_score_the_fraction_passed():
@@ -103,13 +103,12 @@ def test_early_exit_syntax_errors_and_timeouts():
 
 
 def test_output_limit_and_a_clean_working_directory():
-    flood = run_python("while True:\n    print('x' * 10000)\n",
-                       limits=sandbox.SandboxLimits(timeout=5, file_size_mb=1))
+    flood = run_python("while True:\n    print('x' * 10000)\n", limits=sandbox.SandboxLimits(timeout=5, file_size_mb=1))
     assert flood.status == "output_limit" and len(flood.stdout) <= 1 << 20
     first = run_python("import os\nprint(os.getcwd())\nopen('left.txt', 'w').write('x')\n", limits=LIMITS)
     assert first.status == "ok"
     workdir = first.stdout.strip()
-    assert not os.path.exists(workdir)                                    # removed afterwards
+    assert not os.path.exists(workdir)  # removed afterwards
     second = run_python("import os\nprint(sorted(os.listdir('.')))\n", limits=LIMITS)
     assert "left.txt" not in second.stdout
 
@@ -144,7 +143,7 @@ def test_a_worker_killed_mid_run_leaves_no_sandbox_behind(isolation_kind):
     with RewardPool("code", num_workers=1, timeout=1.0, max_reward_errors=None) as pool:
         results = pool.score(["p"], [sleeper], [fields])
     assert results.errors[0][0] == "timeout"
-    for _ in range(50):                                   # the kernel delivers the parent-death signal
+    for _ in range(50):  # the kernel delivers the parent-death signal
         leftover = subprocess.run(["pgrep", "-f", "cfg = json.loads"], capture_output=True, text=True).stdout.split()
         if not leftover:
             break
@@ -162,9 +161,9 @@ def test_an_interpreter_under_tmp_is_bound_back_into_the_sandboxs_fresh_tmp(monk
     monkeypatch.setattr(sandbox.sys, "prefix", str(venv))
     monkeypatch.setattr(sandbox.sys, "executable", str(venv / "bin" / "python"))
     monkeypatch.setattr(sandbox.sys, "base_prefix", "/usr")
-    assert sandbox._interpreter_paths_under(str(tmp_path)) == [os.path.realpath(venv)]   # bin/ is inside it
+    assert sandbox._interpreter_paths_under(str(tmp_path)) == [os.path.realpath(venv)]  # bin/ is inside it
     assert sandbox._interpreter_paths_under(str(tmp_path / "elsewhere")) == []
     prefix = sandbox._isolation_prefix("bwrap", str(tmp_path / "work"), None)
     if prefix is not None and str(tmp_path).startswith("/tmp/"):
         i = prefix.index("--tmpfs")
-        assert prefix[i + 2:i + 5] == ["--ro-bind", os.path.realpath(venv), os.path.realpath(venv)]
+        assert prefix[i + 2 : i + 5] == ["--ro-bind", os.path.realpath(venv), os.path.realpath(venv)]

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from ppokit.errors import UserError
+from ppokit.lm.data.tasks import ArithmeticTask
 from ppokit.lm.model.hf import load_model_and_tokenizer
 from ppokit.lm.sft import CURVE_FILE, IGNORE_INDEX, collate, encode_examples, eval_engine, evaluate, run_sft, sft_main
-from ppokit.lm.data.tasks import ArithmeticTask
 
 
 def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):
@@ -21,7 +20,7 @@ def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):
     assert tok.decode(ids[0]) == "<bos>12+30=42<eos>"
     assert labels[0].tolist() == [IGNORE_INDEX] * 7 + tok("42", add_special_tokens=False)["input_ids"] + [3]
     assert labels[1].tolist() == [IGNORE_INDEX] * 5 + [tok.convert_tokens_to_ids("3"), 3] + [IGNORE_INDEX] * 3
-    assert mask[1].tolist() == [1] * 7 + [0] * 3                               # right padding for training
+    assert mask[1].tolist() == [1] * 7 + [0] * 3  # right padding for training
     assert ids[1, 7:].tolist() == [tok.pad_token_id] * 3
     with pytest.raises(UserError, match="SFT example 0 needs"):
         encode_examples(tok, [{"prompt": "1+1="}])
@@ -34,10 +33,13 @@ def test_generation_batches_match_single_prompts(tiny_model_dir):
     what each prompt gives alone."""
     model, tok = load_model_and_tokenizer(tiny_model_dir)
     prompts = ["1+2=", "37+48=", "5=", "123+456="]
-    together = eval_engine(model, tok, max_new_tokens=5, batch_size=4, precision="fp32").generate(
-        prompts, greedy=True).texts
-    alone = [eval_engine(model, tok, max_new_tokens=5, batch_size=1, precision="fp32").generate(
-        [p], greedy=True).texts[0] for p in prompts]
+    together = (
+        eval_engine(model, tok, max_new_tokens=5, batch_size=4, precision="fp32").generate(prompts, greedy=True).texts
+    )
+    alone = [
+        eval_engine(model, tok, max_new_tokens=5, batch_size=1, precision="fp32").generate([p], greedy=True).texts[0]
+        for p in prompts
+    ]
     assert together == alone
     assert all(len(r) <= 5 and "<" not in r for r in together)
 
@@ -45,18 +47,30 @@ def test_generation_batches_match_single_prompts(tiny_model_dir):
 def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
     examples = ArithmeticTask(digits=1, seed=0).items("sft", 24)
     out = tmp_path / "sft"
-    summary = run_sft(tiny_model_dir, out, examples, examples, epochs_max=25, batch_size=8, learning_rate=3e-3,
-                      patience=25, warmup_steps=5, seed=0, precision="fp32", log=None)
+    summary = run_sft(
+        tiny_model_dir,
+        out,
+        examples,
+        examples,
+        epochs_max=25,
+        batch_size=8,
+        learning_rate=3e-3,
+        patience=25,
+        warmup_steps=5,
+        seed=0,
+        precision="fp32",
+        log=None,
+    )
     curve = summary["curve"]
-    assert curve[0]["epoch"] == 0 and curve[0]["heldout_accuracy"] <= 0.1      # random init: nothing right
-    assert summary["best_heldout_loss"] < 0.5 * curve[0]["heldout_loss"]        # answer loss falls
+    assert curve[0]["epoch"] == 0 and curve[0]["heldout_accuracy"] <= 0.1  # random init: nothing right
+    assert summary["best_heldout_loss"] < 0.5 * curve[0]["heldout_loss"]  # answer loss falls
     assert curve[-1]["train_loss"] < 0.5 * curve[1]["train_loss"]
-    assert summary["train_accuracy"] >= 0.75                                    # memorised
+    assert summary["train_accuracy"] >= 0.75  # memorised
     assert summary["best_accuracy"] == max(row["heldout_accuracy"] for row in curve)
 
     saved = json.loads((out / CURVE_FILE).read_text())
     assert saved["best_epoch"] == summary["best_epoch"] and len(saved["curve"]) == len(curve)
-    model, tok = load_model_and_tokenizer(out)                                  # the best model, reloadable
+    model, tok = load_model_and_tokenizer(out)  # the best model, reloadable
     assert tok.padding_side == "left" and not (out / "ppokit_tiny.json").exists()
     accuracy = evaluate(model, tok, examples, "exact_match", batch_size=16, max_new_tokens=4)
     assert accuracy == pytest.approx(summary["train_accuracy"])
@@ -68,9 +82,20 @@ def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
 def test_sft_stops_on_patience(tiny_model_dir, tmp_path):
     examples = ArithmeticTask(digits=1, seed=0).items("sft", 8)
     lines = []
-    summary = run_sft(tiny_model_dir, tmp_path / "sft", examples, examples, epochs_max=50, batch_size=8,
-                      learning_rate=1e-7, patience=2, warmup_steps=1, precision="fp32", log=lines.append)
-    assert summary["stopped"] == "patience" and summary["epochs_run"] == 2   # nothing improves at lr 1e-7
+    summary = run_sft(
+        tiny_model_dir,
+        tmp_path / "sft",
+        examples,
+        examples,
+        epochs_max=50,
+        batch_size=8,
+        learning_rate=1e-7,
+        patience=2,
+        warmup_steps=1,
+        precision="fp32",
+        log=lines.append,
+    )
+    assert summary["stopped"] == "patience" and summary["epochs_run"] == 2  # nothing improves at lr 1e-7
     assert len(lines) == 1 + 2 + 1 and "held-out accuracy" in lines[1]
 
 

@@ -8,20 +8,28 @@ keeps its tokens, positions and mask, so a policy's log-probs of a row are the p
 from __future__ import annotations
 
 import torch
+from lm_helpers import randomize
 
 from ppokit.config import build_config
+from ppokit.lm.generation.engine import RolloutEngine
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
-from ppokit.lm.generation.engine import RolloutEngine
 from ppokit.lm.scoring import POLICY_INPUTS
 from ppokit.lm.single_turn.workload import RolloutPart, concat_parts
-from lm_helpers import randomize
 
 
 def test_parts_of_different_widths_keep_their_rows(tiny_dir):
-    cfg = build_config([{"workload": "lm", "model": {"path": str(tiny_dir)},
-                         "rollout": {"temperature": 1.0, "max_new_tokens": 6},
-                         "train": {"iterations": 1, "batch_size": 8}, "run": {"precision": "fp32"}}])
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir)},
+                "rollout": {"temperature": 1.0, "max_new_tokens": 6},
+                "train": {"iterations": 1, "batch_size": 8},
+                "run": {"precision": "fp32"},
+            }
+        ]
+    )
     tok = load_tokenizer(tiny_dir)
     torch.manual_seed(0)
     policy = build_policy(cfg, tiny_dir, device=torch.device("cpu"), autocast_dtype=None, seed=0)
@@ -56,4 +64,4 @@ def test_parts_of_different_widths_keep_their_rows(tiny_dir):
     assert m.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert m.prompts == a.prompts + b.prompts and m.texts == a.texts + b.texts
     assert torch.equal(m.truncated, torch.cat([a.truncated, b.truncated]))
-    assert m.generation_time == 3.0 and merged.behaviour_time == 0.3          # the slowest worker
+    assert m.generation_time == 3.0 and merged.behaviour_time == 0.3  # the slowest worker

@@ -12,8 +12,8 @@ import pytest
 
 from ppokit.errors import UserError
 from ppokit.lm.data.sources import PromptIterator, load_prompts, read_jsonl
-from ppokit.lm.rewards.functions import exact_match, load_reward_fn, numeric_match, parse_first_number, score_responses
 from ppokit.lm.data.tasks import ArithmeticTask, get_task
+from ppokit.lm.rewards.functions import exact_match, load_reward_fn, numeric_match, parse_first_number, score_responses
 
 
 # ------------------------------------------------------------------------------ tasks
@@ -25,7 +25,7 @@ def test_arithmetic_splits_are_disjoint_and_cover_everything(digits, op):
     assert len(sft | train | held) == task.num_problems
     for item in task.items("eval", 5) + task.items("train", 5):
         a, b = item["prompt"][:-1].split(op, 1) if op != "-" else item["prompt"][:-1].rsplit("-", 1)
-        assert item["prompt"].endswith("=") and set(item) == {"prompt", "answer"}   # no answer in the text
+        assert item["prompt"].endswith("=") and set(item) == {"prompt", "answer"}  # no answer in the text
         assert int(item["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
         assert len(a) == len(b) == digits or digits == 1
 
@@ -35,15 +35,24 @@ def test_splits_are_deterministic_prefixes_and_seed_independent_in_membership():
     assert a.items("sft", 300) == b.items("sft", 300)
     assert a.items("eval", 50) == a.items("eval", 200)[:50]
     other = ArithmeticTask(seed=1)
-    assert other.items("eval", 50) != a.items("eval", 50)                           # another order...
-    assert set(other.indices("eval").tolist()) == set(a.indices("eval").tolist())   # ...same members
+    assert other.items("eval", 50) != a.items("eval", 50)  # another order...
+    assert set(other.indices("eval").tolist()) == set(a.indices("eval").tolist())  # ...same members
     sft_prompts = {x["prompt"] for x in a.items("sft", 2000)}
     assert not sft_prompts & {x["prompt"] for x in other.items("eval", 700)}
     assert not sft_prompts & {x["prompt"] for x in a.items("train")}
     ex = a.items("sft", 1)[0]
     assert set(ex) == {"prompt", "completion", "answer"} and ex["completion"] == ex["answer"]
     assert set(a.items("train", 1)[0]) == {"prompt", "answer"}
-    assert 700 < len(a.items("eval", )) < 860 and a.max_answer_length == 3
+    assert (
+        700
+        < len(
+            a.items(
+                "eval",
+            )
+        )
+        < 860
+        and a.max_answer_length == 3
+    )
 
 
 def test_large_problem_spaces_are_sampled_disjointly():
@@ -76,7 +85,7 @@ def test_builtin_rewards_on_hand_cases():
     assert exact_match("1+1=", "", answer="2") == 0.0
     assert numeric_match("", "the answer is 85.", answer="85") == 1.0
     assert numeric_match("", "85.0000001", answer=85) == 1.0
-    assert numeric_match("", "5 then -12", answer="-12") == 1.0          # the last number counts
+    assert numeric_match("", "5 then -12", answer="-12") == 1.0  # the last number counts
     assert numeric_match("", "1,234", answer="1234") == 1.0
     assert numeric_match("", "84", answer="85") == 0.0
     assert numeric_match("", "no number", answer="85") == 0.0
@@ -87,21 +96,23 @@ def test_load_reward_fn_by_name_module_and_file(tmp_path):
     assert load_reward_fn("exact_match")("p", "2", answer="2") == 1.0
     assert load_reward_fn("ppokit.lm.rewards.functions:numeric_match")("p", "2", answer="2") == 1.0
     path = tmp_path / "my_reward.py"
-    path.write_text("def strict(prompt, response, answer):\n    return float(response == answer)\n"
-                    "THRESHOLD = 3\n")
+    path.write_text("def strict(prompt, response, answer):\n    return float(response == answer)\nTHRESHOLD = 3\n")
     fn = load_reward_fn(f"{path}:strict")
     assert fn("p", "7", answer="7", source="extra fields are dropped") == 1.0
     assert score_responses(fn, ["a", "b"], ["7", "8"], [{"answer": "7"}, {"answer": "7"}]) == [1.0, 0.0]
 
 
-@pytest.mark.parametrize("spec,pattern", [
-    ("exact_mtch", "did you mean 'exact_match'"),
-    ("no_such_pkg_xyz.rewards:fn", "cannot import module 'no_such_pkg_xyz.rewards'"),
-    ("ppokit.lm.rewards.functions:exact_mach", "has no attribute 'exact_mach'; did you mean 'exact_match'"),
-    ("ppokit.lm.rewards.functions:BUILTIN_REWARDS", "not a function"),
-    ("ppokit.lm.rewards.functions:parse_first_number", "must take \\(prompt, response"),
-    ("missing/file.py:fn", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "spec,pattern",
+    [
+        ("exact_mtch", "did you mean 'exact_match'"),
+        ("no_such_pkg_xyz.rewards:fn", "cannot import module 'no_such_pkg_xyz.rewards'"),
+        ("ppokit.lm.rewards.functions:exact_mach", "has no attribute 'exact_mach'; did you mean 'exact_match'"),
+        ("ppokit.lm.rewards.functions:BUILTIN_REWARDS", "not a function"),
+        ("ppokit.lm.rewards.functions:parse_first_number", "must take \\(prompt, response"),
+        ("missing/file.py:fn", "does not exist"),
+    ],
+)
 def test_load_reward_fn_errors_name_the_spec(spec, pattern):
     with pytest.raises(UserError, match=pattern) as info:
         load_reward_fn(spec)
@@ -139,7 +150,7 @@ def test_jsonl_records_and_errors_name_the_line(tmp_path):
     good.write_text('{"prompt": "2+2=", "answer": "4", "id": 7}\n\n{"prompt": "3+3=", "answer": "6"}\n')
     records = load_prompts(str(good))
     assert records == [{"prompt": "2+2=", "answer": "4", "id": 7}, {"prompt": "3+3=", "answer": "6"}]
-    with pytest.raises(UserError, match="line 1: missing \"completion\""):
+    with pytest.raises(UserError, match='line 1: missing "completion"'):
         load_prompts(str(good), "sft")
 
     cases = {
@@ -164,8 +175,8 @@ def test_jsonl_records_and_errors_name_the_line(tmp_path):
 def test_prompt_iterator_is_deterministic_and_resumes_exactly():
     items = [{"prompt": str(i)} for i in range(10)]
     it = PromptIterator(items, 4, seed=5)
-    first = [[x["prompt"] for x in it.next_batch()] for _ in range(3)]      # crosses an epoch boundary
-    assert sorted(sum(first, [])[:10]) == sorted(x["prompt"] for x in items)   # epoch 0 is a permutation
+    first = [[x["prompt"] for x in it.next_batch()] for _ in range(3)]  # crosses an epoch boundary
+    assert sorted(sum(first, [])[:10]) == sorted(x["prompt"] for x in items)  # epoch 0 is a permutation
     again = PromptIterator(items, 4, seed=5)
     assert [[x["prompt"] for x in again.next_batch()] for _ in range(3)] == first
     assert [[x["prompt"] for x in PromptIterator(items, 4, seed=6).next_batch()]] != first[:1]
@@ -182,7 +193,7 @@ def test_prompt_iterator_is_deterministic_and_resumes_exactly():
 
 def test_rewards_that_overflow_or_exit_are_user_errors(tmp_path):
     def huge(prompt, response, **fields):
-        return 10 ** 400
+        return 10**400
 
     def exits(prompt, response, **fields):
         sys.exit(3)
@@ -212,11 +223,14 @@ def test_keyword_only_and_async_rewards_are_refused_up_front():
     async def coro(prompt, response, **fields):
         return 1.0
 
-    with pytest.raises(UserError, match=r"prompt and response as its first two positional parameters; "
-                                        r"it takes \(\*, prompt, response\)"):
+    with pytest.raises(
+        UserError,
+        match=r"prompt and response as its first two positional parameters; "
+        r"it takes \(\*, prompt, response\)",
+    ):
         load_reward_fn(kwonly)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")       # no "coroutine was never awaited"
+        warnings.simplefilter("error")  # no "coroutine was never awaited"
         with pytest.raises(UserError, match="is an async def; .* make it a plain def"):
             load_reward_fn(coro)
 

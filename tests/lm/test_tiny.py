@@ -9,7 +9,15 @@ import torch
 
 from ppokit.errors import UserError
 from ppokit.lm.model.hf import load_model_and_tokenizer
-from ppokit.lm.model.tiny import DEFAULT_ALPHABET, DEFAULT_TINY_SPEC, SPEC_FILE, TinySpec, build_char_tokenizer, build_tiny_model, read_tiny_spec
+from ppokit.lm.model.tiny import (
+    DEFAULT_ALPHABET,
+    DEFAULT_TINY_SPEC,
+    SPEC_FILE,
+    TinySpec,
+    build_char_tokenizer,
+    build_tiny_model,
+    read_tiny_spec,
+)
 
 
 def test_char_tokenizer_round_trip(tmp_path):
@@ -21,10 +29,10 @@ def test_char_tokenizer_round_trip(tmp_path):
     for t in (tok, loaded):
         ids = t("37+48=")["input_ids"]
         assert ids[0] == t.bos_token_id
-        assert len(ids) == 1 + len("37+48=")                              # one id per character
+        assert len(ids) == 1 + len("37+48=")  # one id per character
         assert t.convert_ids_to_tokens(ids[1:]) == list("37+48=")
         text = "12 + 3 = 15, what?\nok"
-        assert t.decode(t(text)["input_ids"], skip_special_tokens=True) == text   # no inserted spaces
+        assert t.decode(t(text)["input_ids"], skip_special_tokens=True) == text  # no inserted spaces
         assert (t.pad_token_id, t.unk_token_id, t.bos_token_id, t.eos_token_id) == (0, 1, 2, 3)
         assert t.padding_side == "left"
         batch = t(["1+2=", "37+48="], padding=True)
@@ -51,6 +59,7 @@ def test_default_spec_is_about_point_eight_million_parameters():
     from transformers import LlamaForCausalLM
 
     from ppokit.lm.model.tiny import tiny_config
+
     assert LlamaForCausalLM(tiny_config(spec)).num_parameters() == spec.num_parameters()
 
 
@@ -76,7 +85,7 @@ def test_model_save_reload_gives_identical_logits(tiny_model_dir):
 def test_build_is_seeded_and_idempotent(tmp_path, tiny_model_dir):
     spec = read_tiny_spec(tiny_model_dir)
     before = (tiny_model_dir / "model.safetensors").stat().st_mtime_ns
-    again = build_tiny_model(tiny_model_dir, **spec.to_dict())            # reused, not rebuilt
+    again = build_tiny_model(tiny_model_dir, **spec.to_dict())  # reused, not rebuilt
     assert again == tiny_model_dir
     assert (tiny_model_dir / "model.safetensors").stat().st_mtime_ns == before
     record = json.loads((tiny_model_dir / SPEC_FILE).read_text())

@@ -11,27 +11,40 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lm_helpers import randomize
 
 from ppokit.config import build_config
+from ppokit.lm.generation.engine import assemble
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import LMPolicy, build_policy
-from ppokit.lm.generation.engine import assemble
 from ppokit.lm.scoring import Scorer
 from ppokit.trainer import PPOTrainer
-from lm_helpers import randomize
 
 CPU = torch.device("cpu")
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 def lm_cfg(tiny_dir, mode, micro_batch_size=None, micro_batch_tokens=None, **algo):
-    return build_config([{
-        "workload": "lm", "model": {"path": str(tiny_dir), "lora_rank": 4},
-        "rollout": {"max_new_tokens": 12},
-        "algo": {"loss_agg_mode": mode, "entropy_coeff": 0.01, "beta": 0.1, **algo},
-        "train": {"batch_size": 8, "micro_batch_size": micro_batch_size, "micro_batch_tokens": micro_batch_tokens,
-                  "epochs": 1, "grad_clip": None, "iterations": 1, "lr_warmup_ratio": 0.0},
-        "run": {"precision": "fp32", "progress": False, "tensorboard": False}}])
+    return build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir), "lora_rank": 4},
+                "rollout": {"max_new_tokens": 12},
+                "algo": {"loss_agg_mode": mode, "entropy_coeff": 0.01, "beta": 0.1, **algo},
+                "train": {
+                    "batch_size": 8,
+                    "micro_batch_size": micro_batch_size,
+                    "micro_batch_tokens": micro_batch_tokens,
+                    "epochs": 1,
+                    "grad_clip": None,
+                    "iterations": 1,
+                    "lr_warmup_ratio": 0.0,
+                },
+                "run": {"precision": "fp32", "progress": False, "tensorboard": False},
+            }
+        ]
+    )
 
 
 def mixed_batch(tokenizer, seed=0):
@@ -42,8 +55,9 @@ def mixed_batch(tokenizer, seed=0):
     raw = torch.randint(4, 30, (8, 12), generator=g)
     for row, end in enumerate([0, 11, 3, 7, 1, 5, 9, 2]):
         raw[row, end] = tokenizer.eos_token_id
-    return assemble(enc["input_ids"], enc["attention_mask"], raw, eos_ids=[tokenizer.eos_token_id],
-                    pad_id=tokenizer.pad_token_id)
+    return assemble(
+        enc["input_ids"], enc["attention_mask"], raw, eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id
+    )
 
 
 def update_batch(policy, mb, seed=1):
@@ -53,16 +67,21 @@ def update_batch(policy, mb, seed=1):
         old = policy.log_probs(mb)["log_prob"]
         ref = policy.ref_log_probs(mb)
     batch = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids", "responses", "mask")}
-    noise = lambda: torch.randn(mask.shape, generator=g) * mask      # noqa: E731
-    batch.update(old_log_prob=(old + 0.1 * noise()) * mask, ref_log_prob=(ref + 0.1 * noise()) * mask,
-                 advantages=noise(), returns=noise(), old_values=noise())
+    noise = lambda: torch.randn(mask.shape, generator=g) * mask  # noqa: E731
+    batch.update(
+        old_log_prob=(old + 0.1 * noise()) * mask,
+        ref_log_prob=(ref + 0.1 * noise()) * mask,
+        advantages=noise(),
+        returns=noise(),
+        old_values=noise(),
+    )
     return batch
 
 
 def one_step(cfg, policy, batch):
     """Gradients and loss terms of one optimizer step (the step itself is not taken)."""
     trainer = PPOTrainer(cfg, policy, total_iterations=1)
-    trainer._clip_and_step = lambda: {}          # keep the gradients, leave the weights
+    trainer._clip_and_step = lambda: {}  # keep the gradients, leave the weights
     totals = trainer._optimizer_step(batch, cfg.micro_batch_size, batch["mask"].shape[1], critic_only=False)
     grads = [p.grad.detach().clone() for p in trainer.params]
     return grads, {k: float(v) for k, v in totals.items() if k != "grad_norm"}, trainer
@@ -82,12 +101,14 @@ def test_tiny_llama_gradient_is_the_mini_batch_gradient(tiny_dir, mode):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()))
         for key in ("policy_loss", "value_loss", "entropy", "kl_loss"):
             assert terms[key] == pytest.approx(whole_terms[key], rel=1e-4, abs=1e-7), key
-        if mode == "token-mean":    # rates are weighted by each micro-batch's share of the normaliser: tokens here
+        if mode == "token-mean":  # rates are weighted by each micro-batch's share of the normaliser: tokens here
             for key in ("clipfrac", "approx_kl"):
                 assert terms[key] == pytest.approx(whole_terms[key], rel=1e-4, abs=1e-7), key
     # the budget cut the padding: fewer positions computed than fixed micro-batches of the full width
-    assert float(trainer._positions_real) / trainer._positions_computed > \
-        float(batch["attention_mask"].sum()) / batch["attention_mask"].numel()
+    assert (
+        float(trainer._positions_real) / trainer._positions_computed
+        > float(batch["attention_mask"].sum()) / batch["attention_mask"].numel()
+    )
     assert any(g.abs().sum() > 0 for g in budget)
 
 
@@ -97,18 +118,21 @@ class ToyPolicy(torch.nn.Module):
     def __init__(self, vocab=24, features=5):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.table = torch.randn(vocab, features, generator=g, dtype=torch.float64)       # fixed features
+        self.table = torch.randn(vocab, features, generator=g, dtype=torch.float64)  # fixed features
         self.w = torch.nn.Parameter(torch.randn(features, 3, generator=g, dtype=torch.float64))
-        self.compact = LMPolicy.compact             # the LM policy's cut, on the same layout
+        self.compact = LMPolicy.compact  # the LM policy's cut, on the same layout
 
     def param_groups(self, cfg):
         return [{"params": [self.w], "lr": 1e-3, "name": "actor"}]
 
     def evaluate(self, mb):
         R = mb["responses"].shape[1]
-        out = self.table[mb["input_ids"][:, -R:]] @ self.w                    # (n, R, 3)
-        return {"log_prob": -torch.nn.functional.softplus(out[..., 0]), "values": out[..., 1],
-                "entropy": torch.nn.functional.softplus(out[..., 2])}
+        out = self.table[mb["input_ids"][:, -R:]] @ self.w  # (n, R, 3)
+        return {
+            "log_prob": -torch.nn.functional.softplus(out[..., 0]),
+            "values": out[..., 1],
+            "entropy": torch.nn.functional.softplus(out[..., 2]),
+        }
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -118,13 +142,21 @@ def test_toy_policy_exact_in_float64(tiny_dir, mode):
     prompt_len = torch.randint(1, P + 1, (n,), generator=g)
     response_len = torch.randint(1, R + 1, (n,), generator=g)
     cols = torch.arange(P + R)
-    am = ((cols >= P - prompt_len[:, None]) & (cols < P + response_len[:, None])).long()     # (n, P + R)
-    ids = torch.randint(1, 24, (n, P + R), generator=g) * am                                  # 0 on padding
-    mask = am[:, P:].double()                                                                 # (n, R)
-    noise = lambda: torch.randn(n, R, generator=g, dtype=torch.float64) * mask              # noqa: E731
-    batch = {"input_ids": ids, "attention_mask": am, "position_ids": (am.cumsum(1) - 1).clamp(min=0),
-             "responses": ids[:, P:].clone(), "mask": mask, "old_log_prob": noise() - 1, "advantages": noise(),
-             "returns": noise(), "old_values": noise()}
+    am = ((cols >= P - prompt_len[:, None]) & (cols < P + response_len[:, None])).long()  # (n, P + R)
+    ids = torch.randint(1, 24, (n, P + R), generator=g) * am  # 0 on padding
+    mask = am[:, P:].double()  # (n, R)
+    noise = lambda: torch.randn(n, R, generator=g, dtype=torch.float64) * mask  # noqa: E731
+    batch = {
+        "input_ids": ids,
+        "attention_mask": am,
+        "position_ids": (am.cumsum(1) - 1).clamp(min=0),
+        "responses": ids[:, P:].clone(),
+        "mask": mask,
+        "old_log_prob": noise() - 1,
+        "advantages": noise(),
+        "returns": noise(),
+        "old_values": noise(),
+    }
     results = []
     for micro, tokens in ((n, None), (2, None), (2, 24), (2, 7)):
         cfg = lm_cfg(tiny_dir, mode, micro, micro_batch_tokens=tokens, beta=0.0)
@@ -151,7 +183,7 @@ def test_scorer_passes_agree_with_a_token_budget(tiny_dir):
 
 def test_compact_drops_only_padding(tiny_dir):
     mb = mixed_batch(load_tokenizer(tiny_dir))
-    rows = torch.tensor([0, 4, 7])                       # responses of 1, 2 and 3 tokens
+    rows = torch.tensor([0, 4, 7])  # responses of 1, 2 and 3 tokens
     part = LMPolicy.compact({k: v[rows] for k, v in mb.items() if k != "truncated"})
     assert part["responses"].shape[1] == 3 and part["mask"].shape == (3, 3)
     assert int(part["attention_mask"].sum()) == int(mb["attention_mask"][rows].sum())

@@ -12,8 +12,14 @@ class Counter(TextEnv):
     raise in episodes whose reset seed is divisible by it; ``bad_return`` makes it return a
     number instead of text."""
 
-    def __init__(self, observation_mode: str = "state", raise_on: int = 0, bad_return: bool = False,
-                 first: str = "0:", time_limit: int = 0):
+    def __init__(
+        self,
+        observation_mode: str = "state",
+        raise_on: int = 0,
+        bad_return: bool = False,
+        first: str = "0:",
+        time_limit: int = 0,
+    ):
         super().__init__()
         self.observation_mode = observation_mode
         self.raise_on, self.bad_return, self.first, self.time_limit = raise_on, bad_return, first, time_limit

@@ -24,8 +24,9 @@ piece: docs/performance.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ class Acceleration:
 
     counts: dict[str, int] = field(default_factory=dict)
     # (model, capacity) -> a transformers Cache for ``generate``; None: transformers' own cache
-    kv_cache: Optional[Callable[[Any, int], Any]] = None
+    kv_cache: Callable[[Any, int], Any] | None = None
 
     def describe(self) -> str:
         """``" + fused CPU kernels (rms_norm 21, mlp 10, ...)"``, or ``""`` when nothing was fused."""
@@ -49,7 +50,7 @@ class Acceleration:
         return " + fused CPU kernels (" + ", ".join(f"{kind} {n}" for kind, n in counts.items()) + ")"
 
 
-def accelerate_model(model: nn.Module, autocast_dtype: Optional[torch.dtype]) -> dict[str, int]:
+def accelerate_model(model: nn.Module, autocast_dtype: torch.dtype | None) -> dict[str, int]:
     """The CPU kernels and, in bf16, the column-major wide frozen weights for one transformers
     model (not LoRA: see :func:`accelerate_policy`); how many layers of each kind were fused."""
     from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels
@@ -73,12 +74,12 @@ def accelerate_policy(policy) -> Acceleration:
         return Acceleration()
     counts: dict[str, int] = {}
     if policy.mode == "lora":
-        fuse_lora_layers(policy.lm)                 # matmul-only LoRA forward and backward
+        fuse_lora_layers(policy.lm)  # matmul-only LoRA forward and backward
     for lm in policy.models():
         for kind, n in accelerate_model(lm, policy.autocast_dtype).items():
             counts[kind] = counts.get(kind, 0) + n
     if policy.mode == "lora" and policy.autocast_dtype == torch.bfloat16:
-        layers = enable_lora_kernels(policy.lm)     # LoRA's rank-r products on AMX or AVX512-BF16
+        layers = enable_lora_kernels(policy.lm)  # LoRA's rank-r products on AMX or AVX512-BF16
         if layers:
             counts[f"lora_{lora_kernels_kind()}"] = layers
     # The preallocated cache pays where the decoding-attention kernel reads it in place; not in

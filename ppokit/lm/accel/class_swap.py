@@ -8,7 +8,7 @@ stay as they were, and the original forward is one attribute away.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -17,8 +17,11 @@ def fused_subclass(registry: dict[type, type], cls: type, forward: Callable, mod
     """The subclass ``Fused<cls>`` of ``cls`` with ``forward`` (``cls.forward`` stays reachable
     as ``_unfused_forward``), made once and kept in ``registry`` (original -> subclass)."""
     if cls not in registry:
-        registry[cls] = type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "_unfused_forward": cls.forward,
-                                                               "__module__": module_name})
+        registry[cls] = type(
+            f"Fused{cls.__name__}",
+            (cls,),
+            {"forward": forward, "_unfused_forward": cls.forward, "__module__": module_name},
+        )
     return registry[cls]
 
 

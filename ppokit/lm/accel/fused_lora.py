@@ -43,13 +43,17 @@ not apply: adapters disabled or merged, several active adapters, dropout, DoRA,
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
 from ppokit.lm.accel.class_swap import fused_subclass, restore_classes
-from ppokit.lm.accel.kernels.functions import lora_down, lora_kernels_eligible, lora_kernels_kind, lora_outer, lora_up_add_
+from ppokit.lm.accel.kernels.functions import (
+    lora_down,
+    lora_kernels_eligible,
+    lora_kernels_kind,
+    lora_outer,
+    lora_up_add_,
+)
 
 
 def _matmul_down(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -88,8 +92,8 @@ class LoRALinearFunction(torch.autograd.Function):
         kernels = kernels and lora_kernels_eligible(x, lora_a, lora_b)
         down, up_add_, _ = KERNEL_PRODUCTS if kernels else MATMUL_PRODUCTS
         # The order keeps x in cache between the two products that read it.
-        y = torch.addmm(bias, x, weight.t()) if bias is not None else x @ weight.t()   # [N, d_out]
-        h = down(x, lora_a)                                                 # [N, r]
+        y = torch.addmm(bias, x, weight.t()) if bias is not None else x @ weight.t()  # [N, d_out]
+        h = down(x, lora_a)  # [N, r]
         up_add_(y, h, lora_b.t(), scaling)
         ctx.save_for_backward(x, weight, lora_a, lora_b, h)
         ctx.scaling, ctx.kernels = scaling, kernels
@@ -102,18 +106,18 @@ class LoRALinearFunction(torch.autograd.Function):
         down, up_add_, outer = KERNEL_PRODUCTS if ctx.kernels else MATMUL_PRODUCTS
         # Ordered by the tensor each product reads, so that it is still in cache: the two
         # passes over g first, then the input gradient, then the pass over x.
-        grad_h = down(grad_y, lora_b.t()).mul_(s)                           # [N, r]
+        grad_h = down(grad_y, lora_b.t()).mul_(s)  # [N, r]
         grad_x = grad_a = grad_b = None
         if ctx.needs_input_grad[4]:
-            grad_b = outer(h, grad_y, s).t()                                # [d_out, r] (a view)
+            grad_b = outer(h, grad_y, s).t()  # [d_out, r] (a view)
         if ctx.needs_input_grad[0]:
-            grad_x = up_add_(grad_y @ weight, grad_h, lora_a, 1.0)          # [N, d_in]
+            grad_x = up_add_(grad_y @ weight, grad_h, lora_a, 1.0)  # [N, d_in]
         if ctx.needs_input_grad[3]:
-            grad_a = outer(grad_h, x, 1.0)                                  # [r, d_in]
+            grad_a = outer(grad_h, x, 1.0)  # [r, d_in]
         return grad_x, None, None, grad_a, grad_b, None, None
 
 
-def _fusable_adapter(layer) -> Optional[str]:
+def _fusable_adapter(layer) -> str | None:
     """The single active adapter of ``layer`` when the fused path computes exactly what
     peft would, else None (peft's forward then runs)."""
     if layer.disable_adapters or layer.merged:
@@ -150,14 +154,15 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         dtype = base.weight.dtype
     weight = base.weight.to(dtype)
     bias = base.bias.to(dtype) if base.bias is not None else None
-    x2 = x.reshape(-1, x.shape[-1]).to(dtype)                                 # [N, d_in]
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # [N, d_in]
     with torch.autocast(device_type, enabled=False):
-        y = LoRALinearFunction.apply(x2, weight, bias, lora_a.to(dtype), lora_b.to(dtype),
-                                     float(self.scaling[name]), _use_kernels(self, x))
+        y = LoRALinearFunction.apply(
+            x2, weight, bias, lora_a.to(dtype), lora_b.to(dtype), float(self.scaling[name]), _use_kernels(self, x)
+        )
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-_FUSED_CLASSES: dict[type, type] = {}      # peft layer class -> its fused subclass
+_FUSED_CLASSES: dict[type, type] = {}  # peft layer class -> its fused subclass
 
 
 def fuse_lora_layers(model: nn.Module) -> int:
@@ -177,7 +182,7 @@ def fuse_lora_layers(model: nn.Module) -> int:
     return count
 
 
-KERNELS_ALWAYS, KERNELS_WHEN_DECODING = "always", "decoding"     # a layer's ppokit_lora_kernels
+KERNELS_ALWAYS, KERNELS_WHEN_DECODING = "always", "decoding"  # a layer's ppokit_lora_kernels
 
 
 def enable_lora_kernels(model: nn.Module, enabled: bool = True) -> int:
@@ -209,7 +214,7 @@ def enable_lora_kernels(model: nn.Module, enabled: bool = True) -> int:
 def _use_kernels(layer, x: torch.Tensor) -> bool:
     """Whether this call of a fused layer runs its rank-r products on ppokit's kernels."""
     mode = getattr(layer, "ppokit_lora_kernels", None)
-    if mode == KERNELS_WHEN_DECODING:           # x [B, 1, d_in]: one new position per sequence
+    if mode == KERNELS_WHEN_DECODING:  # x [B, 1, d_in]: one new position per sequence
         return x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled()
     return mode == KERNELS_ALWAYS
 

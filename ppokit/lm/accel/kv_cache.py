@@ -18,14 +18,13 @@ generation than planned stays correct.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import torch
 from torch import Tensor
 
 
-@lru_cache(maxsize=None)
+@cache
 def _layer_class():
     """``PreallocatedLayer``, defined on first use (transformers is imported lazily)."""
     from transformers.cache_utils import DynamicLayer
@@ -38,28 +37,28 @@ def _layer_class():
             super().__init__()
             self.capacity = capacity
             self.length = 0
-            self._keys: Optional[Tensor] = None
-            self._values: Optional[Tensor] = None
+            self._keys: Tensor | None = None
+            self._values: Tensor | None = None
 
         def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
             B, H, _, D = key_states.shape
             self.dtype, self.device = key_states.dtype, key_states.device
-            self._keys = key_states.new_empty(B, H, self.capacity, D)                      # [B, H, C, D]
+            self._keys = key_states.new_empty(B, H, self.capacity, D)  # [B, H, C, D]
             self._values = value_states.new_empty(B, value_states.shape[1], self.capacity, value_states.shape[3])
             self.length = 0
             self._views()
             self.is_initialized = True
 
         def _views(self) -> None:
-            self.keys = self._keys[:, :, :self.length]
-            self.values = self._values[:, :, :self.length]
+            self.keys = self._keys[:, :, : self.length]
+            self.values = self._values[:, :, : self.length]
 
         def _grow(self, needed: int) -> None:
             capacity = max(needed, 2 * self._keys.shape[2])
             for name in ("_keys", "_values"):
                 old = getattr(self, name)
                 new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
-                new[:, :, :self.length] = old[:, :, :self.length]
+                new[:, :, : self.length] = old[:, :, : self.length]
                 setattr(self, name, new)
 
         def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -73,7 +72,7 @@ def _layer_class():
             self.length = end
             self._views()
             if start == 0:
-                return key_states, value_states        # the prompt's pass: contiguous, as given
+                return key_states, value_states  # the prompt's pass: contiguous, as given
             return self.keys, self.values
 
         def get_seq_length(self) -> int:
@@ -85,7 +84,7 @@ def _layer_class():
             super().reset()
 
         def crop(self, tokens_to_remove: int) -> None:
-            super().crop(tokens_to_remove)             # checks the argument, crops the views
+            super().crop(tokens_to_remove)  # checks the argument, crops the views
             if self.is_initialized:
                 self.length = self.keys.shape[-2]
 
@@ -97,8 +96,9 @@ def _layer_class():
 
         def batch_repeat_interleave(self, repeats: int) -> None:
             if self.get_seq_length() > 0:
-                self._replace(self.keys.repeat_interleave(repeats, dim=0),
-                              self.values.repeat_interleave(repeats, dim=0))
+                self._replace(
+                    self.keys.repeat_interleave(repeats, dim=0), self.values.repeat_interleave(repeats, dim=0)
+                )
 
         def batch_select_indices(self, indices: Tensor) -> None:
             if self.get_seq_length() > 0:

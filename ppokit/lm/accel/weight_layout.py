@@ -43,9 +43,15 @@ def transpose_wide_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16
         if type(module) is not nn.Linear or not isinstance(weight, torch.Tensor):
             continue
         out_features, in_features = weight.shape
-        if (weight.requires_grad or weight.dtype != dtype or weight.device.type != "cpu"
-                or out_features <= in_features or uses[id(weight)] > 1 or weight.t().is_contiguous()):
+        if (
+            weight.requires_grad
+            or weight.dtype != dtype
+            or weight.device.type != "cpu"
+            or out_features <= in_features
+            or uses[id(weight)] > 1
+            or weight.t().is_contiguous()
+        ):
             continue
-        weight.data = weight.data.t().contiguous().t()                      # [out, in], strides (1, out)
+        weight.data = weight.data.t().contiguous().t()  # [out, in], strides (1, out)
         count += 1
     return count

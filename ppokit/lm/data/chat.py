@@ -18,7 +18,8 @@ leading BOS in the rendered text is dropped, so that encoding gives exactly one.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ppokit.errors import UserError
 
@@ -31,11 +32,13 @@ def message_problem(value: Any) -> str | None:
         return f"expected {ROLES_HINT}"
     for i, message in enumerate(value):
         if not isinstance(message, dict):
-            return f"message {i} is a {type(message).__name__}, expected an object like " \
-                   '{"role": "user", "content": "..."}'
+            return (
+                f"message {i} is a {type(message).__name__}, expected an object like "
+                '{"role": "user", "content": "..."}'
+            )
         for key in ("role", "content"):
             if not isinstance(message.get(key), str) or not message[key]:
-                return f"message {i} needs a non-empty string \"{key}\" (got {message.get(key)!r})"
+                return f'message {i} needs a non-empty string "{key}" (got {message.get(key)!r})'
     return None
 
 
@@ -43,14 +46,17 @@ def chat_renderer(tokenizer, where: str) -> Callable[[Any], str]:
     """``render(prompt) -> text`` with ``tokenizer``'s chat template (``where`` names the
     model in errors); a tokenizer without a template is a :class:`UserError`."""
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"data.chat_template=true, but the tokenizer of {where} has no chat template "
-                        "(no chat_template in its tokenizer_config.json or chat_template.jinja); use a chat "
-                        "model, or set data.chat_template=false and write the prompts as plain text")
+        raise UserError(
+            f"data.chat_template=true, but the tokenizer of {where} has no chat template "
+            "(no chat_template in its tokenizer_config.json or chat_template.jinja); use a chat "
+            "model, or set data.chat_template=false and write the prompts as plain text"
+        )
     strip_bos = encoder_adds_bos(tokenizer)
 
     def render(prompt: Any) -> str:
-        return apply_template(tokenizer, as_messages(prompt), strip_bos=strip_bos, generation_prompt=True,
-                              where=where, prompt=prompt)
+        return apply_template(
+            tokenizer, as_messages(prompt), strip_bos=strip_bos, generation_prompt=True, where=where, prompt=prompt
+        )
 
     return render
 
@@ -76,18 +82,19 @@ def encoder_adds_bos(tokenizer) -> bool:
     return bool(tokenizer.bos_token) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
 
 
-def apply_template(tokenizer, messages: list[dict[str, Any]], *, strip_bos: bool, generation_prompt: bool,
-                   where: str, prompt: Any) -> str:
+def apply_template(
+    tokenizer, messages: list[dict[str, Any]], *, strip_bos: bool, generation_prompt: bool, where: str, prompt: Any
+) -> str:
     """``messages`` as text in ``tokenizer``'s chat template; with ``strip_bos`` (the encoder adds
     one: :func:`encoder_adds_bos`) a leading BOS is dropped, so that encoding gives exactly one.
     A template that rejects the messages is a UserError naming ``where`` and ``prompt``."""
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except Exception as exc:      # jinja errors: the template rejects these messages
+    except Exception as exc:  # jinja errors: the template rejects these messages
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"the chat template of {where} failed on the prompt {prompt!r}: {first}") from None
     bos = tokenizer.bos_token
-    return text[len(bos):] if strip_bos and text.startswith(bos) else text
+    return text[len(bos) :] if strip_bos and text.startswith(bos) else text
 
 
 # A record's prompt as written (string or messages), kept beside the rendered one for a

@@ -23,7 +23,7 @@ import re
 import zlib
 from collections import Counter
 from fractions import Fraction
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -34,8 +34,10 @@ SPLITS = ("eval", "sft", "train")
 _BUCKETS = 1000
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _NOT_ALLOWED = re.compile(r"//|%|\*\*")
-PROMPT = ("Using the numbers {numbers}, each at most once, and + - * / with parentheses, write an expression "
-          "equal to {target}. Give the expression in <answer> </answer> tags.\n")
+PROMPT = (
+    "Using the numbers {numbers}, each at most once, and + - * / with parentheses, write an expression "
+    "equal to {target}. Give the expression in <answer> </answer> tags.\n"
+)
 
 
 class CountdownTask:
@@ -49,10 +51,23 @@ class CountdownTask:
     name = "countdown"
     default_reward = "countdown"
 
-    def __init__(self, num_count: int = 4, max_number: int = 100, max_target: int = 1000, seed: int = 0,
-                 train_size: int = 20000, eval_fraction: float = 0.1, sft_fraction: float = 0.3) -> None:
-        for label, value, low in (("num_count", num_count, 2), ("max_number", max_number, 2),
-                                  ("max_target", max_target, 1), ("seed", seed, 0), ("train_size", train_size, 1)):
+    def __init__(
+        self,
+        num_count: int = 4,
+        max_number: int = 100,
+        max_target: int = 1000,
+        seed: int = 0,
+        train_size: int = 20000,
+        eval_fraction: float = 0.1,
+        sft_fraction: float = 0.3,
+    ) -> None:
+        for label, value, low in (
+            ("num_count", num_count, 2),
+            ("max_number", max_number, 2),
+            ("max_target", max_target, 1),
+            ("seed", seed, 0),
+            ("train_size", train_size, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise UserError(f"task countdown: {label} must be an integer >= {low} (got {value!r})")
         if num_count > 8:
@@ -62,8 +77,10 @@ class CountdownTask:
                 raise UserError(f"task countdown: {label} must be between {1 / _BUCKETS} and 1 (got {value!r})")
         self._cuts = (round(eval_fraction * _BUCKETS), round((eval_fraction + sft_fraction) * _BUCKETS))
         if not 0 < self._cuts[0] < self._cuts[1] < _BUCKETS:
-            raise UserError(f"task countdown: eval_fraction={eval_fraction} and sft_fraction={sft_fraction} "
-                            "leave no problems for training; make their sum < 1")
+            raise UserError(
+                f"task countdown: eval_fraction={eval_fraction} and sft_fraction={sft_fraction} "
+                "leave no problems for training; make their sum < 1"
+            )
         self.num_count, self.max_number, self.max_target = num_count, max_number, max_target
         self.seed, self.train_size = seed, train_size
         self._cache: dict[str, list[dict[str, Any]]] = {}
@@ -80,23 +97,23 @@ class CountdownTask:
         bucket = zlib.crc32(key) % _BUCKETS
         return "eval" if bucket < self._cuts[0] else "sft" if bucket < self._cuts[1] else "train"
 
-    def _problem_from(self, u: list[float]) -> Optional[tuple[list[int], int, str]]:
+    def _problem_from(self, u: list[float]) -> tuple[list[int], int, str] | None:
         """A random problem from uniforms ``u`` (:meth:`_width` of them), or None when the
         drawn expression is not usable (a fraction, a division by 0, a target out of range)."""
         k = self.num_count
         numbers = [1 + int(x * self.max_number) for x in u[:k]]
-        used = 2 + int(u[k] * (k - 1))                                  # 2 .. k numbers in the solution
+        used = 2 + int(u[k] * (k - 1))  # 2 .. k numbers in the solution
         order = sorted(range(k), key=lambda i: u[k + 1 + i])[:used]
         terms = [(str(numbers[i]), numbers[i]) for i in order]
-        draws = iter(u[2 * k + 1:])
-        while len(terms) > 1:                     # combine two random terms until one is left
+        draws = iter(u[2 * k + 1 :])
+        while len(terms) > 1:  # combine two random terms until one is left
             i = int(next(draws) * len(terms))
             j = int(next(draws) * (len(terms) - 1))
             j += j >= i
             op = "+-*/"[int(next(draws) * 4)]
             (a_text, a), (b_text, b) = terms[i], terms[j]
             if op == "/":
-                if b == 0 or a % b:               # exact divisions only: every value stays an integer
+                if b == 0 or a % b:  # exact divisions only: every value stays an integer
                     return None
                 value = a // b
             else:
@@ -131,11 +148,17 @@ class CountdownTask:
                 if key in seen or self.split_of(numbers, target) != split:
                     continue
                 seen.add(key)
-                items.append({"prompt": PROMPT.format(numbers=numbers, target=target), "numbers": numbers,
-                              "target": target, "answer": solution})
+                items.append(
+                    {
+                        "prompt": PROMPT.format(numbers=numbers, target=target),
+                        "numbers": numbers,
+                        "target": target,
+                        "answer": solution,
+                    }
+                )
         return items[:n]
 
-    def items(self, split: str, n: Optional[int] = None) -> list[dict[str, Any]]:
+    def items(self, split: str, n: int | None = None) -> list[dict[str, Any]]:
         """The first ``n`` problems of a split (``train``: ``train_size`` when ``n`` is None).
 
         Records: ``{"prompt", "numbers", "target", "answer"}`` (``answer``: one solution);
@@ -148,8 +171,9 @@ class CountdownTask:
                 raise UserError(f"{self!r}: the {split} split is unbounded; ask for a number of problems")
             n = self.train_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise UserError(f"task countdown: the number of {split} problems must be a non-negative integer "
-                            f"(got {n!r})")
+            raise UserError(
+                f"task countdown: the number of {split} problems must be a non-negative integer (got {n!r})"
+            )
         items = [dict(it) for it in self._generate(split, n)]
         if split == "sft":
             for it in items:
@@ -157,9 +181,8 @@ class CountdownTask:
         return items
 
 
-
 # --------------------------------------------------------------------------- verifier
-def extract_expression(response: str) -> Optional[str]:
+def extract_expression(response: str) -> str | None:
     """The expression a response gives: the last ``<answer>...</answer>``, else its last
     non-empty line; an ``= value`` tail is dropped. None when there is nothing."""
     tagged = _ANSWER.findall(response)
@@ -174,7 +197,7 @@ def extract_expression(response: str) -> Optional[str]:
     return text or None
 
 
-def check_countdown(expression: str, numbers: list[int], target: int) -> Optional[str]:
+def check_countdown(expression: str, numbers: list[int], target: int) -> str | None:
     """None when ``expression`` is a valid solution, else the reason it is not."""
     if _NOT_ALLOWED.search(expression):
         return "operator not allowed (only + - * /)"
@@ -191,13 +214,14 @@ def check_countdown(expression: str, numbers: list[int], target: int) -> Optiona
     return None
 
 
-def countdown_reward(prompt: str, response: str, *, numbers: Any, target: Any, **_: Any) -> tuple[float, Optional[str]]:
+def countdown_reward(prompt: str, response: str, *, numbers: Any, target: Any, **_: Any) -> tuple[float, str | None]:
     """``(1.0, None)`` when the response's expression uses only the given ``numbers`` (each at
     most once) and ``+ - * /``, and equals ``target``; else ``(0.0, reason)`` with reason
     ``no expression``, ``operator not allowed``, ``not an arithmetic expression``, ``uses
     numbers not given`` or ``wrong value``."""
-    if not isinstance(numbers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                         for x in numbers):
+    if not isinstance(numbers, (list, tuple)) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in numbers
+    ):
         raise ValueError(f"countdown: the numbers field must be a list of integers (got {numbers!r})")
     expression = extract_expression(response)
     if expression is None:

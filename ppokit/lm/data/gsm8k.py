@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.errors import UserError
 from ppokit.lm.data.records import read_records
@@ -32,7 +32,7 @@ _NUMBER = re.compile(r"^[-+]?(?:\d[\d,]*)(?:\.\d+)?$")
 _BUCKETS = 1000
 
 
-def gsm8k_final_answer(text: str) -> Optional[str]:
+def gsm8k_final_answer(text: str) -> str | None:
     """The number after the last ``####`` of a GSM8K answer (commas removed), or None."""
     marks = text.rsplit("####", 1)
     if len(marks) != 2:
@@ -47,10 +47,12 @@ class GSM8KTask:
     name = "gsm8k"
     default_reward = "math"
 
-    def __init__(self, path: str = "", eval_path: Optional[str] = None, eval_fraction: float = 0.1) -> None:
+    def __init__(self, path: str = "", eval_path: str | None = None, eval_fraction: float = 0.1) -> None:
         if not isinstance(path, str) or not path:
-            raise UserError("task gsm8k needs the data file: gsm8k:path=train.jsonl (JSONL, Parquet or a datasets "
-                            "directory with question and answer fields)")
+            raise UserError(
+                "task gsm8k needs the data file: gsm8k:path=train.jsonl (JSONL, Parquet or a datasets "
+                "directory with question and answer fields)"
+            )
         if not isinstance(eval_fraction, (int, float)) or not 0 <= eval_fraction < 1:
             raise UserError(f"task gsm8k: eval_fraction must be in [0, 1) (got {eval_fraction!r})")
         self.path, self.eval_path, self.eval_fraction = path, eval_path, float(eval_fraction)
@@ -59,14 +61,17 @@ class GSM8KTask:
         return f"GSM8KTask(path={self.path!r})"
 
     def _read(self, path: str, split: str) -> list[dict[str, Any]]:
-        records = read_records(path, split="eval" if split == "eval" else "train", prompt_key="question",
-                               require=("prompt", "answer"))
+        records = read_records(
+            path, split="eval" if split == "eval" else "train", prompt_key="question", require=("prompt", "answer")
+        )
         out = []
         for i, record in enumerate(records, start=1):
             final = gsm8k_final_answer(record["answer"])
             if final is None:
-                raise UserError(f"{path} record {i}: the answer must end with '#### N', a number "
-                                f"(got ...{record['answer'][-40:]!r})")
+                raise UserError(
+                    f"{path} record {i}: the answer must end with '#### N', a number "
+                    f"(got ...{record['answer'][-40:]!r})"
+                )
             solution = _CALCULATOR.sub("", record.pop("answer")).strip()
             out.append({**record, "answer": final, "solution": solution})
         return out
@@ -74,7 +79,7 @@ class GSM8KTask:
     def _held_out(self, record: dict[str, Any]) -> bool:
         return zlib.crc32(record["prompt"].encode()) % _BUCKETS < round(self.eval_fraction * _BUCKETS)
 
-    def items(self, split: str, n: Optional[int] = None) -> list[dict[str, Any]]:
+    def items(self, split: str, n: int | None = None) -> list[dict[str, Any]]:
         """``{"prompt", "answer", "solution", ...}`` records of a split (``sft`` adds
         ``"completion"``, the solution); the first ``n`` of them, in file order."""
         if split not in SPLITS:
@@ -86,12 +91,15 @@ class GSM8KTask:
             if self.eval_path is None:
                 records = [r for r in records if self._held_out(r) == (split == "eval")]
         if not records:
-            raise UserError(f"{self!r}: the {split} split is empty (eval_fraction={self.eval_fraction:g}); "
-                            "give eval_path or change eval_fraction")
+            raise UserError(
+                f"{self!r}: the {split} split is empty (eval_fraction={self.eval_fraction:g}); "
+                "give eval_path or change eval_fraction"
+            )
         if n is not None:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise UserError(f"task gsm8k: the number of {split} problems must be a non-negative integer "
-                                f"(got {n!r})")
+                raise UserError(
+                    f"task gsm8k: the number of {split} problems must be a non-negative integer (got {n!r})"
+                )
             if n > len(records):
                 raise UserError(f"{self!r} has {len(records)} {split} problems; asked for {n}")
             records = records[:n]

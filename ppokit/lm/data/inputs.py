@@ -8,13 +8,13 @@ read them through it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.config import Config
 from ppokit.errors import UserError
 
 
-def chat_render(cfg: Config, tokenizer=None, where: Optional[str] = None):
+def chat_render(cfg: Config, tokenizer=None, where: str | None = None):
     """``data.chat_template``'s renderer (:func:`ppokit.lm.data.chat.chat_renderer`) with ``tokenizer``
     (default: model.path's), or None when prompts are used as they are."""
     from ppokit.lm.data.chat import chat_renderer, model_chat_renderer
@@ -22,12 +22,16 @@ def chat_render(cfg: Config, tokenizer=None, where: Optional[str] = None):
     if not cfg.data.chat_template:
         return None
     if tokenizer is None:
-        return model_chat_renderer(cfg.model.path, what="model.path", option="data.chat_template=true",
-                                   fix="set model.path to a chat model's directory")
+        return model_chat_renderer(
+            cfg.model.path,
+            what="model.path",
+            option="data.chat_template=true",
+            fix="set model.path to a chat model's directory",
+        )
     return chat_renderer(tokenizer, where or "the model")
 
 
-def load_data(cfg: Config, tokenizer=None, where: Optional[str] = None) -> tuple[list[dict], list[dict], Any]:
+def load_data(cfg: Config, tokenizer=None, where: str | None = None) -> tuple[list[dict], list[dict], Any]:
     """(train prompt records, held-out records, reward function), checked before any model loads.
 
     Files are read with ``data.prompt_key`` / ``data.answer_key``. The reward function is
@@ -45,12 +49,16 @@ def load_data(cfg: Config, tokenizer=None, where: Optional[str] = None) -> tuple
     if d.reward is None:
         if from_file:
             if d.reward_model is None:
-                raise UserError(f"data.reward: the prompt file {d.prompts} needs a reward function "
-                                "(a built-in name, module:fn or file.py:fn) or data.reward_model")
+                raise UserError(
+                    f"data.reward: the prompt file {d.prompts} needs a reward function "
+                    "(a built-in name, module:fn or file.py:fn) or data.reward_model"
+                )
             if d.eval_prompts is not None and d.eval_size:
-                raise UserError("data.eval_prompts: the held-out accuracy is scored by data.reward (a verifier), "
-                                "and the reward model alone does not say what is correct; set data.reward, or "
-                                "data.eval_size=0")
+                raise UserError(
+                    "data.eval_prompts: the held-out accuracy is scored by data.reward (a verifier), "
+                    "and the reward model alone does not say what is correct; set data.reward, or "
+                    "data.eval_size=0"
+                )
             reward_spec = None
         else:
             from ppokit.lm.data.tasks import get_task
@@ -65,7 +73,7 @@ def load_data(cfg: Config, tokenizer=None, where: Optional[str] = None) -> tuple
     if d.eval_size == 0:
         eval_items = []
     elif d.eval_prompts is not None:
-        eval_items = load_prompts(d.eval_prompts, "eval", chat=chat, **keys)[:d.eval_size]
+        eval_items = load_prompts(d.eval_prompts, "eval", chat=chat, **keys)[: d.eval_size]
     elif not from_file:
         eval_items = load_prompts(d.prompts, "eval", n=d.eval_size)
     else:

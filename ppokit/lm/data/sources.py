@@ -32,14 +32,22 @@ resume, at an epoch boundary included.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
 from ppokit.errors import UserError
-from ppokit.lm.data.records import (JSONL_SUFFIXES, PARQUET_SUFFIXES, RESERVED_FIELD, count_tokens_with,  # noqa: F401
-                               drop_long_prompts, read_jsonl, read_records)
+from ppokit.lm.data.records import (  # noqa: F401
+    JSONL_SUFFIXES,
+    PARQUET_SUFFIXES,
+    RESERVED_FIELD,
+    count_tokens_with,
+    drop_long_prompts,
+    read_jsonl,
+    read_records,
+)
 
 SPLIT_ALIASES = {"train": "train", "rl": "train", "sft": "sft", "eval": "eval", "test": "eval", "heldout": "eval"}
 
@@ -58,12 +66,19 @@ def is_file_source(source: str) -> bool:
     if name in TASKS and (sep or not path.exists()):
         return False
     suffix = path.suffix.lower()
-    return suffix in JSONL_SUFFIXES or suffix in PARQUET_SUFFIXES or path.exists() or "/" in source \
-        or "\\" in source
+    return suffix in JSONL_SUFFIXES or suffix in PARQUET_SUFFIXES or path.exists() or "/" in source or "\\" in source
 
 
-def load_prompts(source: str, split: str = "train", n: Optional[int] = None, *, chat: bool = False,
-                 prompt_key: str = "prompt", answer_key: str = "answer", **task_kwargs: Any) -> list[dict[str, Any]]:
+def load_prompts(
+    source: str,
+    split: str = "train",
+    n: int | None = None,
+    *,
+    chat: bool = False,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    **task_kwargs: Any,
+) -> list[dict[str, Any]]:
     """Records from a file (JSONL, Parquet, ``save_to_disk`` directory) or a built-in task's
     split (``train``, ``sft``, ``eval``).
 
@@ -81,16 +96,23 @@ def load_prompts(source: str, split: str = "train", n: Optional[int] = None, *, 
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise UserError(f"the number of prompts must be a positive integer (got {n!r})")
     if not isinstance(source, str) or not source.strip():
-        raise UserError("prompt data: give a built-in task name (e.g. arithmetic), a JSONL or Parquet file, or a "
-                        "datasets directory")
+        raise UserError(
+            "prompt data: give a built-in task name (e.g. arithmetic), a JSONL or Parquet file, or a datasets directory"
+        )
     for label, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
         if not isinstance(key, str) or not key:
             raise UserError(f"{label} must be a non-empty column name (got {key!r})")
     if is_file_source(source):
         if task_kwargs:
             raise UserError(f"options {', '.join(task_kwargs)} apply to built-in tasks, not to the file {source}")
-        records = read_records(source, split=split, require=("prompt", "completion") if split == "sft" else ("prompt",),
-                               chat=chat, prompt_key=prompt_key, answer_key=answer_key)
+        records = read_records(
+            source,
+            split=split,
+            require=("prompt", "completion") if split == "sft" else ("prompt",),
+            chat=chat,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+        )
         if n is not None:
             if n > len(records):
                 raise UserError(f"{source} has {len(records)} records; asked for {n}")
@@ -118,8 +140,9 @@ class PromptIterator:
     the same way): never an empty epoch.
     """
 
-    def __init__(self, items: Sequence[dict[str, Any]], batch_size: int, *, seed: int = 0,
-                 shuffle: bool = True) -> None:
+    def __init__(
+        self, items: Sequence[dict[str, Any]], batch_size: int, *, seed: int = 0, shuffle: bool = True
+    ) -> None:
         if not items:
             raise UserError("no prompts to train on")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -130,7 +153,7 @@ class PromptIterator:
         self.shuffle = shuffle
         self.epoch = 0
         self.position = 0
-        self._order: Optional[np.ndarray] = None
+        self._order: np.ndarray | None = None
         self._order_epoch = -1
 
     def __len__(self) -> int:
@@ -157,7 +180,7 @@ class PromptIterator:
         while len(batch) < self.batch_size:
             order = self._epoch_order()
             take = min(self.batch_size - len(batch), len(order) - self.position)
-            batch += [self.items[int(i)] for i in order[self.position:self.position + take]]
+            batch += [self.items[int(i)] for i in order[self.position : self.position + take]]
             self.position += take
             if self.position == len(order):
                 self.epoch += 1
@@ -172,20 +195,29 @@ class PromptIterator:
 
     def state_dict(self) -> dict[str, int]:
         """Plain JSON-able ints: where the next batch starts, and what it walks over."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_items": len(self.items), "batch_size": self.batch_size, "shuffle": int(self.shuffle)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_items": len(self.items),
+            "batch_size": self.batch_size,
+            "shuffle": int(self.shuffle),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position; the data must be the data it was saved with."""
         if int(state["num_items"]) != len(self.items):
-            raise UserError(f"the prompt data changed since the checkpoint ({state['num_items']} prompts then, "
-                            f"{len(self.items)} now); resume with the same data")
+            raise UserError(
+                f"the prompt data changed since the checkpoint ({state['num_items']} prompts then, "
+                f"{len(self.items)} now); resume with the same data"
+            )
         if int(state["seed"]) != self.seed or bool(state.get("shuffle", 1)) != self.shuffle:
-            raise UserError("the prompt order changed since the checkpoint (seed or shuffle differ); "
-                            "resume with the same seed")
+            raise UserError(
+                "the prompt order changed since the checkpoint (seed or shuffle differ); resume with the same seed"
+            )
         epoch, position = int(state["epoch"]), int(state["position"])
         if not 0 <= position <= len(self.items) or epoch < 0:
             raise ValueError(f"corrupt prompt iterator state: {state}")
-        if position == len(self.items):          # saved as "end of epoch": the next one's start
+        if position == len(self.items):  # saved as "end of epoch": the next one's start
             epoch, position = epoch + 1, 0
         self.epoch, self.position = epoch, position

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import inspect
 import zlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from ppokit.lm.data.countdown import CountdownTask
 from ppokit.lm.data.gsm8k import GSM8KTask
 
 SPLITS = ("eval", "sft", "train")
-_ENUMERATE_MAX = 1 << 21          # problem spaces up to this size are enumerated exactly
+_ENUMERATE_MAX = 1 << 21  # problem spaces up to this size are enumerated exactly
 _BUCKETS = 1000
 
 
@@ -58,11 +59,15 @@ class ArithmeticTask:
 
     name = "arithmetic"
     default_reward = "exact_match"
-    OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b,
-                                                 "*": lambda a, b: a * b}
+    OPS: dict[str, Callable[[int, int], int]] = {
+        "+": lambda a, b: a + b,
+        "-": lambda a, b: a - b,
+        "*": lambda a, b: a * b,
+    }
 
-    def __init__(self, digits: int = 2, op: str = "+", seed: int = 0, eval_fraction: float = 0.1,
-                 sft_fraction: float = 0.3) -> None:
+    def __init__(
+        self, digits: int = 2, op: str = "+", seed: int = 0, eval_fraction: float = 0.1, sft_fraction: float = 0.3
+    ) -> None:
         if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= 9:
             raise UserError(f"task arithmetic: digits must be an integer from 1 to 9 (got {digits!r})")
         if op not in self.OPS:
@@ -73,17 +78,21 @@ class ArithmeticTask:
             if not isinstance(value, (int, float)) or not 1 / _BUCKETS <= value < 1:
                 raise UserError(f"task arithmetic: {label} must be between {1 / _BUCKETS} and 1 (got {value!r})")
         if eval_fraction + sft_fraction >= 1:
-            raise UserError(f"task arithmetic: eval_fraction + sft_fraction = {eval_fraction + sft_fraction:g} "
-                            "must be < 1 to leave problems for RL")
+            raise UserError(
+                f"task arithmetic: eval_fraction + sft_fraction = {eval_fraction + sft_fraction:g} "
+                "must be < 1 to leave problems for RL"
+            )
         self.digits, self.op, self.seed = digits, op, seed
         self.lo = 0 if digits == 1 else 10 ** (digits - 1)
-        self.k = 10 ** digits - self.lo                     # operands per side
+        self.k = 10**digits - self.lo  # operands per side
         self.num_problems = self.k * self.k
         # bucket < eval_cut: eval; < sft_cut: sft; else train
         self._cuts = (round(eval_fraction * _BUCKETS), round((eval_fraction + sft_fraction) * _BUCKETS))
-        if not 0 < self._cuts[0] < self._cuts[1] < _BUCKETS:   # every split non-empty (sampling terminates)
-            raise UserError(f"task arithmetic: eval_fraction={eval_fraction} and sft_fraction={sft_fraction} "
-                            f"leave a split empty; use multiples of {1 / _BUCKETS}")
+        if not 0 < self._cuts[0] < self._cuts[1] < _BUCKETS:  # every split non-empty (sampling terminates)
+            raise UserError(
+                f"task arithmetic: eval_fraction={eval_fraction} and sft_fraction={sft_fraction} "
+                f"leave a split empty; use multiples of {1 / _BUCKETS}"
+            )
         self._salt = np.uint64(zlib.crc32(f"arithmetic{op}{digits}".encode()))
         self._order: dict[str, np.ndarray] = {}
 
@@ -98,7 +107,7 @@ class ArithmeticTask:
     @property
     def max_answer_length(self) -> int:
         """Characters in the longest answer (to size ``max_new_tokens``)."""
-        lo, hi = self.lo, 10 ** self.digits - 1
+        lo, hi = self.lo, 10**self.digits - 1
         return max(len(str(self.OPS[self.op](a, b))) for a in (lo, hi) for b in (lo, hi))
 
     def split_of(self, indices: np.ndarray) -> np.ndarray:
@@ -106,24 +115,26 @@ class ArithmeticTask:
         bucket = _mix64(np.asarray(indices, dtype=np.uint64) + self._salt) % np.uint64(_BUCKETS)
         return (bucket >= self._cuts[0]).astype(np.int64) + (bucket >= self._cuts[1]).astype(np.int64)
 
-    def split_size(self, split: str) -> Optional[int]:
+    def split_size(self, split: str) -> int | None:
         """Problems in ``split`` (None when the space is too large to enumerate)."""
         if self.num_problems > _ENUMERATE_MAX:
             return None
         return len(self._enumerated(split))
 
-    def indices(self, split: str, n: Optional[int] = None) -> np.ndarray:
+    def indices(self, split: str, n: int | None = None) -> np.ndarray:
         """The first ``n`` problem indices of ``split`` in this seed's order."""
         if split not in SPLITS:
             raise UserError(f"unknown split {split!r}{did_you_mean(str(split), SPLITS)} splits: {', '.join(SPLITS)}")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise UserError(f"task arithmetic: the number of {split} problems must be a non-negative integer "
-                            f"(got {n!r})")
+            raise UserError(
+                f"task arithmetic: the number of {split} problems must be a non-negative integer (got {n!r})"
+            )
         if self.num_problems <= _ENUMERATE_MAX:
             order = self._enumerated(split)
             if n is not None and n > len(order):
-                raise UserError(f"{self!r} has {len(order)} {split} problems; asked for {n} "
-                                f"(use more digits or ask for fewer)")
+                raise UserError(
+                    f"{self!r} has {len(order)} {split} problems; asked for {n} (use more digits or ask for fewer)"
+                )
             return order if n is None else order[:n]
         if n is None:
             raise UserError(f"{self!r} has too many problems to list them all; ask for a number of them")
@@ -149,7 +160,7 @@ class ArithmeticTask:
                     out.append(i)
         return np.asarray(out[:n], dtype=np.int64)
 
-    def items(self, split: str, n: Optional[int] = None) -> list[dict[str, Any]]:
+    def items(self, split: str, n: int | None = None) -> list[dict[str, Any]]:
         """The first ``n`` items of a split by name (``sft``, ``train``, ``eval``)."""
         items = [self.problem(int(i)) for i in self.indices(split, n)]
         if split == "sft":
@@ -176,16 +187,19 @@ def get_task(spec: str, **kwargs: Any):
         raise UserError(f"a task name must be a non-empty string; built-in tasks: {', '.join(task_names())}")
     name, _, options = spec.strip().partition(":")
     if name not in TASKS:
-        raise UserError(f"unknown task '{name}'{did_you_mean(name, TASKS)} "
-                        f"built-in tasks: {', '.join(task_names())}; or give a JSONL or Parquet file of prompts")
+        raise UserError(
+            f"unknown task '{name}'{did_you_mean(name, TASKS)} "
+            f"built-in tasks: {', '.join(task_names())}; or give a JSONL or Parquet file of prompts"
+        )
     cls = TASKS[name]
     parsed = _parse_options(spec, options) if options else {}
     parsed.update(kwargs)
     allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
     for key in parsed:
         if key not in allowed:
-            raise UserError(f"task '{name}' has no option '{key}'{did_you_mean(key, allowed)} "
-                            f"options: {', '.join(allowed)}")
+            raise UserError(
+                f"task '{name}' has no option '{key}'{did_you_mean(key, allowed)} options: {', '.join(allowed)}"
+            )
     return cls(**parsed)
 
 

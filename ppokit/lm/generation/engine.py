@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any
 
 import torch
 import transformers
@@ -46,16 +48,16 @@ TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask
 class RolloutBatch:
     """One iteration's sequences (see the module docstring for the layout)."""
 
-    input_ids: Tensor          # (N, P + R) long
-    attention_mask: Tensor     # (N, P + R) long
-    position_ids: Tensor       # (N, P + R) long
-    responses: Tensor          # (N, R) long
-    mask: Tensor               # (N, R) float32
-    truncated: Tensor          # (N,) bool
-    group_ids: Tensor          # (N,) long: index of the prompt each sequence answers
-    prompts: list[str]         # (N) the prompt of each sequence
-    texts: list[str]           # (N) the decoded responses (special tokens dropped)
-    items: list[dict[str, Any]] = field(default_factory=list)   # (N) the prompt's data fields
+    input_ids: Tensor  # (N, P + R) long
+    attention_mask: Tensor  # (N, P + R) long
+    position_ids: Tensor  # (N, P + R) long
+    responses: Tensor  # (N, R) long
+    mask: Tensor  # (N, R) float32
+    truncated: Tensor  # (N,) bool
+    group_ids: Tensor  # (N,) long: index of the prompt each sequence answers
+    prompts: list[str]  # (N) the prompt of each sequence
+    texts: list[str]  # (N) the decoded responses (special tokens dropped)
+    items: list[dict[str, Any]] = field(default_factory=list)  # (N) the prompt's data fields
     generation_time: float = 0.0
 
     @property
@@ -79,8 +81,8 @@ def response_mask(responses: Tensor, eos_ids: Tensor) -> tuple[Tensor, Tensor]:
 
     ``responses`` (N, R) long, ``eos_ids`` (k,) long -> mask (N, R) float32, truncated (N,) bool.
     """
-    is_eos = torch.isin(responses, eos_ids)                                   # (N, R)
-    eos_before = (is_eos.cumsum(1) - is_eos.long()) > 0                       # an EOS strictly earlier
+    is_eos = torch.isin(responses, eos_ids)  # (N, R)
+    eos_before = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly earlier
     return (~eos_before).float(), ~is_eos.any(1)
 
 
@@ -89,8 +91,9 @@ def position_ids_from(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def assemble(prompt_ids: Tensor, prompt_mask: Tensor, raw_responses: Tensor, *, eos_ids: Sequence[int],
-             pad_id: int) -> dict[str, Tensor]:
+def assemble(
+    prompt_ids: Tensor, prompt_mask: Tensor, raw_responses: Tensor, *, eos_ids: Sequence[int], pad_id: int
+) -> dict[str, Tensor]:
     """The batch layout from left-padded prompts (N, P) and generated tokens (N, R).
 
     Tokens after the first EOS become ``pad_id`` with ``mask = 0`` and attention 0.
@@ -98,12 +101,17 @@ def assemble(prompt_ids: Tensor, prompt_mask: Tensor, raw_responses: Tensor, *, 
     ``truncated``.
     """
     eos = torch.tensor(list(eos_ids), device=raw_responses.device)
-    mask, truncated = response_mask(raw_responses, eos)                          # (N, R), (N,)
+    mask, truncated = response_mask(raw_responses, eos)  # (N, R), (N,)
     responses = torch.where(mask.bool(), raw_responses, torch.full_like(raw_responses, pad_id))
-    attention_mask = torch.cat([prompt_mask.long(), mask.long()], 1)              # (N, P + R)
-    return {"input_ids": torch.cat([prompt_ids, responses], 1), "attention_mask": attention_mask,
-            "position_ids": position_ids_from(attention_mask), "responses": responses, "mask": mask,
-            "truncated": truncated}
+    attention_mask = torch.cat([prompt_mask.long(), mask.long()], 1)  # (N, P + R)
+    return {
+        "input_ids": torch.cat([prompt_ids, responses], 1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from(attention_mask),
+        "responses": responses,
+        "mask": mask,
+        "truncated": truncated,
+    }
 
 
 def eos_token_ids(tokenizer, model=None) -> list[int]:
@@ -119,7 +127,7 @@ def eos_token_ids(tokenizer, model=None) -> list[int]:
     return ids
 
 
-def max_positions(model) -> Optional[int]:
+def max_positions(model) -> int | None:
     """The longest sequence the model's config declares (``max_position_embeddings``), or None."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return limit if isinstance(limit, int) and limit > 0 else None
@@ -133,10 +141,12 @@ def check_context(model, prompts: Sequence[str], prompt_lengths: Sequence[int], 
     longest = max(range(len(prompt_lengths)), key=lambda i: int(prompt_lengths[i]))
     n = int(prompt_lengths[longest])
     if n + max_new_tokens > limit:
-        raise UserError(f"the prompt {prompts[longest]!r} is {n} tokens and up to {max_new_tokens} more are "
-                        f"generated (rollout.max_new_tokens), but the model takes at most {limit} positions "
-                        f"(max_position_embeddings); lower rollout.max_new_tokens to {max(limit - n, 0)} or "
-                        "shorten the prompts")
+        raise UserError(
+            f"the prompt {prompts[longest]!r} is {n} tokens and up to {max_new_tokens} more are "
+            f"generated (rollout.max_new_tokens), but the model takes at most {limit} positions "
+            f"(max_position_embeddings); lower rollout.max_new_tokens to {max(limit - n, 0)} or "
+            "shorten the prompts"
+        )
 
 
 def check_prompts_fit(model, tokenizer, prompts: Sequence[str], max_new_tokens: int) -> None:
@@ -155,10 +165,18 @@ class RolloutEngine:
     transformers' dynamic one (:mod:`ppokit.lm.accel` gives one on a CPU).
     """
 
-    def __init__(self, model, tokenizer, rollout_cfg, *, autocast_dtype: Optional[torch.dtype] = None,
-                 activate: Optional[Callable[[], ContextManager]] = None,
-                 kv_cache: Optional[Callable[[Any, int], Any]] = None, eos_ids: Optional[Sequence[int]] = None,
-                 generation_kwargs: Optional[dict[str, Any]] = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        rollout_cfg,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        activate: Callable[[], AbstractContextManager] | None = None,
+        kv_cache: Callable[[Any, int], Any] | None = None,
+        eos_ids: Sequence[int] | None = None,
+        generation_kwargs: dict[str, Any] | None = None,
+    ):
         if tokenizer.padding_side != "left":
             raise ValueError("the tokenizer must pad on the left for batched generation")
         self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -166,21 +184,29 @@ class RolloutEngine:
         self.cfg = rollout_cfg
         self.autocast_dtype = autocast_dtype
         self.activate = activate
-        self.generation_kwargs = dict(generation_kwargs or {})   # extra GenerationConfig fields
+        self.generation_kwargs = dict(generation_kwargs or {})  # extra GenerationConfig fields
         self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, self.model)
         self.pad_id = int(tokenizer.pad_token_id)
         self.kv_cache = kv_cache if rollout_cfg.use_cache and rollout_cfg.cache_implementation == "dynamic" else None
 
     @classmethod
-    def for_policy(cls, policy, tokenizer, rollout_cfg, *, kv_cache: Optional[Callable[[Any, int], Any]] = None,
-                   **kwargs: Any) -> "RolloutEngine":
+    def for_policy(
+        cls, policy, tokenizer, rollout_cfg, *, kv_cache: Callable[[Any, int], Any] | None = None, **kwargs: Any
+    ) -> RolloutEngine:
         """An engine generating with ``policy``'s actor, in its precision."""
         if rollout_cfg.cache_implementation == "static" and policy.mode == "full" and policy.autocast_dtype:
             # Under autocast the rotary embedding returns fp32 keys (fp32 model) beside bf16
             # values, and a preallocated cache holds one dtype.
             raise UserError(STATIC_CACHE_FULL_BF16)
-        return cls(policy.actor_model, tokenizer, rollout_cfg, autocast_dtype=policy.autocast_dtype,
-                   activate=lambda: policy.use("actor"), kv_cache=kv_cache, **kwargs)
+        return cls(
+            policy.actor_model,
+            tokenizer,
+            rollout_cfg,
+            autocast_dtype=policy.autocast_dtype,
+            activate=lambda: policy.use("actor"),
+            kv_cache=kv_cache,
+            **kwargs,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -190,9 +216,14 @@ class RolloutEngine:
         from transformers import GenerationConfig
 
         c = self.cfg
-        kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
-                                      pad_token_id=self.pad_id, use_cache=c.use_cache, do_sample=not greedy)
-        if c.cache_implementation == "static":        # the config requires use_cache for it
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            use_cache=c.use_cache,
+            do_sample=not greedy,
+        )
+        if c.cache_implementation == "static":  # the config requires use_cache for it
             kwargs["cache_implementation"] = "static"
         if not greedy:
             kwargs.update(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
@@ -202,64 +233,114 @@ class RolloutEngine:
         return GenerationConfig(**kwargs)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[str], *, group_size: int = 1, items: Optional[list[dict]] = None,
-                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: Sequence[str],
+        *,
+        group_size: int = 1,
+        items: list[dict] | None = None,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+    ) -> RolloutBatch:
         """``group_size`` samples for each prompt (greedy: one deterministic sample each)."""
         start = time.perf_counter()
         enc = self.tokenizer(list(prompts), padding=True, return_tensors="pt")
-        return self._generate(enc["input_ids"], enc["attention_mask"], list(prompts), group_size=group_size,
-                              items=items, greedy=greedy, max_new_tokens=max_new_tokens, start=start)
+        return self._generate(
+            enc["input_ids"],
+            enc["attention_mask"],
+            list(prompts),
+            group_size=group_size,
+            items=items,
+            greedy=greedy,
+            max_new_tokens=max_new_tokens,
+            start=start,
+        )
 
     @torch.no_grad()
-    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], *, prompts: Optional[Sequence[str]] = None,
-                     group_size: int = 1, items: Optional[list[dict]] = None, greedy: bool = False,
-                     max_new_tokens: Optional[int] = None) -> RolloutBatch:
+    def generate_ids(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        prompts: Sequence[str] | None = None,
+        group_size: int = 1,
+        items: list[dict] | None = None,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+    ) -> RolloutBatch:
         """:meth:`generate` from token ids (multi-turn streams: the model's earlier tokens as sampled,
         never re-tokenised). The prompts are left-padded as the tokenizer pads; ``prompts``: their
         text for the batch's records (default: decoded)."""
         start = time.perf_counter()
-        ids, am = left_pad(prompt_ids, self.pad_id)                                  # (n, P) each
+        ids, am = left_pad(prompt_ids, self.pad_id)  # (n, P) each
         if prompts is None:
             prompts = self.tokenizer.batch_decode([list(p) for p in prompt_ids], skip_special_tokens=True)
-        return self._generate(ids, am, list(prompts), group_size=group_size, items=items, greedy=greedy,
-                              max_new_tokens=max_new_tokens, start=start)
+        return self._generate(
+            ids,
+            am,
+            list(prompts),
+            group_size=group_size,
+            items=items,
+            greedy=greedy,
+            max_new_tokens=max_new_tokens,
+            start=start,
+        )
 
-    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor, prompts: list[str], *, group_size: int,
-                  items: Optional[list[dict]], greedy: bool, max_new_tokens: Optional[int],
-                  start: float) -> RolloutBatch:
+    def _generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        prompts: list[str],
+        *,
+        group_size: int,
+        items: list[dict] | None,
+        greedy: bool,
+        max_new_tokens: int | None,
+        start: float,
+    ) -> RolloutBatch:
         device = self.device
         max_new = max_new_tokens or self.cfg.max_new_tokens
-        ids = prompt_ids.repeat_interleave(group_size, 0).to(device)               # (N, P)
-        am = prompt_mask.repeat_interleave(group_size, 0).to(device)               # (N, P)
-        group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)       # (N,)
+        ids = prompt_ids.repeat_interleave(group_size, 0).to(device)  # (N, P)
+        am = prompt_mask.repeat_interleave(group_size, 0).to(device)  # (N, P)
+        group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)  # (N,)
         P = ids.shape[1]
         check_context(self.model, prompts, prompt_mask.sum(1).tolist(), max_new)
         gen_cfg = self.generation_config(greedy=greedy, max_new_tokens=max_new)
         chunks = []
         dtype = self.autocast_dtype
-        with (self.activate() if self.activate is not None else contextlib.nullcontext()), \
-                torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        with (
+            self.activate() if self.activate is not None else contextlib.nullcontext(),
+            torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None),
+        ):
             for s in range(0, ids.shape[0], self.cfg.micro_batch_size):
                 extra = {}
                 if self.kv_cache is not None:
                     cache = self.kv_cache(self.model, P + max_new)
                     if cache is not None:
                         extra[GENERATE_CACHE_KWARG] = cache
-                out = self.model.generate(input_ids=ids[s:s + self.cfg.micro_batch_size],
-                                          attention_mask=am[s:s + self.cfg.micro_batch_size],
-                                          generation_config=gen_cfg, **extra)
-                chunks.append(out[:, P:])                                          # (n, R_chunk)
+                out = self.model.generate(
+                    input_ids=ids[s : s + self.cfg.micro_batch_size],
+                    attention_mask=am[s : s + self.cfg.micro_batch_size],
+                    generation_config=gen_cfg,
+                    **extra,
+                )
+                chunks.append(out[:, P:])  # (n, R_chunk)
         R = max(c.shape[1] for c in chunks)
-        raw = torch.cat([torch.nn.functional.pad(c, (0, R - c.shape[1]), value=self.pad_id)
-                         for c in chunks])                                          # (N, R)
+        raw = torch.cat([torch.nn.functional.pad(c, (0, R - c.shape[1]), value=self.pad_id) for c in chunks])  # (N, R)
         tensors = assemble(ids, am, raw, eos_ids=self.eos_ids, pad_id=self.pad_id)
         lengths = tensors["mask"].sum(1).long().tolist()
-        texts = self.tokenizer.batch_decode([r[:n] for r, n in zip(tensors["responses"].tolist(), lengths)],
-                                            skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(
+            [r[:n] for r, n in zip(tensors["responses"].tolist(), lengths)], skip_special_tokens=True
+        )
         per_seq_prompts = [p for p in prompts for _ in range(group_size)]
         per_seq_items = [it for it in (items or [{}] * len(prompts)) for _ in range(group_size)]
-        return RolloutBatch(**tensors, group_ids=group_ids.to(device), prompts=per_seq_prompts, texts=texts,
-                            items=per_seq_items, generation_time=time.perf_counter() - start)
+        return RolloutBatch(
+            **tensors,
+            group_ids=group_ids.to(device),
+            prompts=per_seq_prompts,
+            texts=texts,
+            items=per_seq_items,
+            generation_time=time.perf_counter() - start,
+        )
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -271,6 +352,6 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, T
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
-        mask[row, width - len(seq):] = 1
+        ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, width - len(seq) :] = 1
     return ids, mask

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.errors import UserError
 
@@ -49,22 +49,24 @@ def rollout_options(base, **overrides: Any):
         raise UserError(format_validation_error(exc).replace("rollout.", "")) from None
 
 
-def load_generator(path: str | Path, *, device: Optional[str] = None, precision: Optional[str] = None,
-                   **sampling: Any) -> Generator:
+def load_generator(
+    path: str | Path, *, device: str | None = None, precision: str | None = None, **sampling: Any
+) -> Generator:
     """The generator of ``path``: a run or checkpoint directory, or a model directory (module docstring).
     ``device``/``precision``: as ``run.device``/``run.precision`` (default: the run's, else auto).
     ``sampling``: temperature, top_p, top_k, max_new_tokens (None keeps the run's)."""
     import torch
 
-    from ppokit.lm.model.device import one_thread_if_small, resolve_device, resolve_precision
     from ppokit.lm.evaluate import _config_of, find_lm_checkpoint
-    from ppokit.lm.model.hf import causal_lm_config, load_causal_lm, load_tokenizer
     from ppokit.lm.generation.engine import RolloutEngine
+    from ppokit.lm.model.device import one_thread_if_small, resolve_device, resolve_precision
+    from ppokit.lm.model.hf import causal_lm_config, load_causal_lm, load_tokenizer
 
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"{path} is not a directory; give a run directory (ppokit train's) or a Hugging Face "
-                        "model directory")
+        raise UserError(
+            f"{path} is not a directory; give a run directory (ppokit train's) or a Hugging Face model directory"
+        )
     ckpt = find_lm_checkpoint(path)
     if ckpt is not None:
         from ppokit.lm.model.checkpoint import load_policy
@@ -77,18 +79,21 @@ def load_generator(path: str | Path, *, device: Optional[str] = None, precision:
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         kv_cache = None
-        if cfg.model.cpu_kernels:            # the run's CPU kernels, as in training (a no-op off the CPU)
+        if cfg.model.cpu_kernels:  # the run's CPU kernels, as in training (a no-op off the CPU)
             from ppokit.lm.accel import accelerate_policy
 
             kv_cache = accelerate_policy(policy).kv_cache
         one_thread_if_small(cfg, policy, dev)
-        engine = RolloutEngine.for_policy(policy, tokenizer, rollout_options(cfg.rollout, **sampling),
-                                          kv_cache=kv_cache)
+        engine = RolloutEngine.for_policy(
+            policy, tokenizer, rollout_options(cfg.rollout, **sampling), kv_cache=kv_cache
+        )
         return Generator(engine, tokenizer, cfg, f"the trained actor of {ckpt}")
     if not (path / "config.json").is_file():
-        raise UserError(f"{path} is neither a run directory with a language-model checkpoint nor a model "
-                        "directory (no config.json); give RUN_DIR (after ppokit train) or a Hugging Face model "
-                        "directory")
+        raise UserError(
+            f"{path} is neither a run directory with a language-model checkpoint nor a model "
+            "directory (no config.json); give RUN_DIR (after ppokit train) or a Hugging Face model "
+            "directory"
+        )
     causal_lm_config(path, "the model directory")
     dev = resolve_device(device or "auto")
     dtype = resolve_precision(precision or "auto", dev)

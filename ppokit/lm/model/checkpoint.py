@@ -20,7 +20,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -48,19 +48,24 @@ def save_policy(policy: LMPolicy, out_dir: str | Path, *, base_model: str, token
     if policy.mode == "lora":
         # peft writes an adapter not named "default" into a sub-folder of its name:
         # out/actor/adapter_model.safetensors, out/critic/...
-        policy.lm.save_pretrained(str(out), selected_adapters=list(policy.adapter_names),
-                                  save_embedding_layers=False)
+        policy.lm.save_pretrained(str(out), selected_adapters=list(policy.adapter_names), save_embedding_layers=False)
     else:
         policy.lm.save_pretrained(str(out / ACTOR))
         if policy.has_critic:
             policy.critic_lm.save_pretrained(str(out / CRITIC))
     if policy.has_critic:
-        save_file({k: v.detach().float().contiguous().cpu() for k, v in policy.value_head.state_dict().items()},
-                  str(out / VALUE_HEAD_FILE))
+        save_file(
+            {k: v.detach().float().contiguous().cpu() for k, v in policy.value_head.state_dict().items()},
+            str(out / VALUE_HEAD_FILE),
+        )
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
-    meta = {"mode": policy.mode, "base_model": _portable_path(Path(base_model), out),
-            "temperature": policy.temperature, "critic": policy.has_critic}
+    meta = {
+        "mode": policy.mode,
+        "base_model": _portable_path(Path(base_model), out),
+        "temperature": policy.temperature,
+        "critic": policy.has_critic,
+    }
     if policy.has_critic:
         meta["hidden_size"] = policy.value_head.linear.in_features
     (out / POLICY_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -83,8 +88,10 @@ def load_trained_state(policy: LMPolicy, ckpt_dir: str | Path) -> None:
     if meta["mode"] != policy.mode:
         raise UserError(f"checkpoint {ckpt} holds a {meta['mode']} policy, this run trains a {policy.mode} one")
     if policy.has_critic and not meta["critic"]:
-        raise UserError(f"checkpoint {ckpt} has no critic (it was trained with a critic-free "
-                        "algo.adv_estimator), but this run trains one (gae); resume it with its own estimator")
+        raise UserError(
+            f"checkpoint {ckpt} has no critic (it was trained with a critic-free "
+            "algo.adv_estimator), but this run trains one (gae); resume it with its own estimator"
+        )
 
     def read(file: Path) -> dict[str, Tensor]:
         if not file.is_file():
@@ -99,7 +106,7 @@ def load_trained_state(policy: LMPolicy, ckpt_dir: str | Path) -> None:
             if policy.mode == "lora":
                 from peft import set_peft_model_state_dict
 
-                for name in policy.adapter_names:     # a checkpoint's unused critic is left out
+                for name in policy.adapter_names:  # a checkpoint's unused critic is left out
                     file = ckpt / name / "adapter_model.safetensors"
                     state = read(file)
                     with warnings.catch_warnings():
@@ -107,8 +114,10 @@ def load_trained_state(policy: LMPolicy, ckpt_dir: str | Path) -> None:
                         result = set_peft_model_state_dict(policy.lm, state, adapter_name=name)
                     loaded = len(state) - len(getattr(result, "unexpected_keys", []) or [])
                     if getattr(result, "unexpected_keys", None) or loaded != len(policy.adapter_parameters(name)):
-                        raise UserError(f"checkpoint file {file} does not fit this model's {name} adapter "
-                                        f"({loaded} of {len(policy.adapter_parameters(name))} LoRA tensors)")
+                        raise UserError(
+                            f"checkpoint file {file} does not fit this model's {name} adapter "
+                            f"({loaded} of {len(policy.adapter_parameters(name))} LoRA tensors)"
+                        )
             else:
                 for name, lm in ((ACTOR, policy.lm), (CRITIC, policy.critic_lm)):
                     if lm is not None:
@@ -137,8 +146,11 @@ def _load_hf_weights(model: nn.Module, folder: Path, read) -> None:
     unknown = [k for k in state if k not in own]
     if unknown:
         raise UserError(f"checkpoint {folder} does not fit this run's model (unexpected weight {unknown[0]})")
-    tied = {k for k in own if k not in state and any(own[k] is own[o] or own[k].data_ptr() == own[o].data_ptr()
-                                                       for o in state if o in own)}
+    tied = {
+        k
+        for k in own
+        if k not in state and any(own[k] is own[o] or own[k].data_ptr() == own[o].data_ptr() for o in state if o in own)
+    }
     missing = [k for k in own if k not in state and k not in tied and "rotary_emb" not in k]
     if missing:
         raise UserError(f"checkpoint {folder} does not fit this run's model (no weight {missing[0]})")
@@ -172,8 +184,9 @@ def _load_value_head(ckpt: Path, hidden_size: int) -> ValueHead:
     except (SafetensorError, OSError) as exc:
         raise UserError(f"checkpoint file {head_file} is corrupt or truncated ({first_line(exc)})") from None
     except (RuntimeError, KeyError) as exc:
-        raise UserError(f"checkpoint file {head_file} does not fit hidden_size={hidden_size} "
-                        f"({first_line(exc)})") from None
+        raise UserError(
+            f"checkpoint file {head_file} does not fit hidden_size={hidden_size} ({first_line(exc)})"
+        ) from None
     return head
 
 
@@ -192,9 +205,10 @@ def read_policy_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     if meta.get("mode") not in ("lora", "full"):
         raise UserError(f"checkpoint file {path} is corrupt: mode is {meta.get('mode')!r}, expected 'lora' or 'full'")
     if meta["mode"] == "lora" and not isinstance(meta.get("base_model"), str):
-        raise UserError(f"checkpoint file {path} is corrupt: a lora checkpoint needs base_model (the backbone "
-                        "directory)")
-    meta.setdefault("critic", True)          # checkpoints before critic-free policies always had one
+        raise UserError(
+            f"checkpoint file {path} is corrupt: a lora checkpoint needs base_model (the backbone directory)"
+        )
+    meta.setdefault("critic", True)  # checkpoints before critic-free policies always had one
     if not isinstance(meta["critic"], bool):
         raise UserError(f"checkpoint file {path} is corrupt: critic is {meta['critic']!r}, expected true or false")
     if meta["critic"] and (isinstance(meta.get("hidden_size"), bool) or not isinstance(meta.get("hidden_size"), int)):
@@ -220,14 +234,17 @@ def load_adapter(lm: nn.Module, ckpt_dir: str | Path, name: str, *, trainable: b
                 return lm
             return PeftModel.from_pretrained(lm, str(folder), adapter_name=name, is_trainable=trainable)
     except SafetensorError as exc:
-        raise UserError(f"checkpoint file {folder / 'adapter_model.safetensors'} is corrupt or truncated "
-                        f"({first_line(exc)})") from None
+        raise UserError(
+            f"checkpoint file {folder / 'adapter_model.safetensors'} is corrupt or truncated ({first_line(exc)})"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"checkpoint file {folder / 'adapter_config.json'} is corrupt or truncated "
-                        f"({type(exc).__name__})") from None
+        raise UserError(
+            f"checkpoint file {folder / 'adapter_config.json'} is corrupt or truncated ({type(exc).__name__})"
+        ) from None
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise UserError(f"checkpoint {folder}: cannot load the {name} adapter onto the base model "
-                        f"({first_line(exc)})") from None
+        raise UserError(
+            f"checkpoint {folder}: cannot load the {name} adapter onto the base model ({first_line(exc)})"
+        ) from None
 
 
 def base_model_of(ckpt_dir: str | Path) -> Path:
@@ -238,9 +255,14 @@ def base_model_of(ckpt_dir: str | Path) -> Path:
     return path if path.is_absolute() else (ckpt / path).resolve()
 
 
-def load_policy(ckpt_dir: str | Path, *, device: torch.device | str = "cpu",
-                autocast_dtype: Optional[torch.dtype] = None, trainable: bool = False,
-                attn_implementation: str = "auto") -> LMPolicy:
+def load_policy(
+    ckpt_dir: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    autocast_dtype: torch.dtype | None = None,
+    trainable: bool = False,
+    attn_implementation: str = "auto",
+) -> LMPolicy:
     """Reload a policy saved by :func:`save_policy` (the reference of lora mode comes with it)."""
     ckpt = Path(ckpt_dir)
     meta = read_policy_meta(ckpt)
@@ -255,11 +277,18 @@ def load_policy(ckpt_dir: str | Path, *, device: torch.device | str = "cpu",
     else:
         lm = load_causal_lm(ckpt / ACTOR, "the checkpoint's actor", attn_implementation=attn)
         if critic:
-            policy_kwargs["critic_lm"] = load_causal_lm(ckpt / CRITIC, "the checkpoint's critic",
-                                                        attn_implementation=attn)
+            policy_kwargs["critic_lm"] = load_causal_lm(
+                ckpt / CRITIC, "the checkpoint's critic", attn_implementation=attn
+            )
     head = _load_value_head(ckpt, int(meta["hidden_size"])) if critic else None
-    policy = LMPolicy(lm, head, mode=meta["mode"], temperature=meta.get("temperature", 1.0),
-                      autocast_dtype=autocast_dtype, **policy_kwargs)
+    policy = LMPolicy(
+        lm,
+        head,
+        mode=meta["mode"],
+        temperature=meta.get("temperature", 1.0),
+        autocast_dtype=autocast_dtype,
+        **policy_kwargs,
+    )
     if not trainable:
         policy.freeze()
     policy.to(device)

@@ -4,13 +4,12 @@ the attention kernel and the number of torch threads."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from ppokit.errors import UserError
 
-SMALL_MODEL_PARAMS = 20_000_000   # CPU: below this, one torch thread unless run.torch_threads says otherwise
+SMALL_MODEL_PARAMS = 20_000_000  # CPU: below this, one torch thread unless run.torch_threads says otherwise
 
 
 def resolve_device(name: str) -> torch.device:
@@ -37,7 +36,7 @@ def bf16_supported(device: torch.device) -> bool:
     return False
 
 
-def resolve_precision(name: str, device: torch.device) -> Optional[torch.dtype]:
+def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype: ``torch.bfloat16`` or None (fp32). ``auto`` = bf16 where supported."""
     if name == "fp32":
         return None
@@ -48,8 +47,7 @@ def resolve_precision(name: str, device: torch.device) -> Optional[torch.dtype]:
     return torch.bfloat16 if bf16_supported(device) else None
 
 
-
-def attention_implementation(name: str, device: torch.device) -> Optional[str]:
+def attention_implementation(name: str, device: torch.device) -> str | None:
     """``auto``: eager attention on CPU (its backward is faster there than the CPU SDPA
     kernel's at the short lengths a CPU trains), the model's default elsewhere."""
     if name == "auto":
@@ -83,6 +81,9 @@ def one_thread_if_small(cfg, model: torch.nn.Module, device: torch.device) -> No
     Small matmuls gain little from threads, and more threads than free cores (other
     processes) slow them down many times over.
     """
-    if cfg.run.torch_threads is None and device.type == "cpu" and \
-            sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+    if (
+        cfg.run.torch_threads is None
+        and device.type == "cpu"
+        and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS
+    ):
         torch.set_num_threads(1)

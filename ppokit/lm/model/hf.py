@@ -18,20 +18,36 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ppokit.errors import UserError
 
-__all__ = ["TOKENIZER_FILES", "causal_lm_config", "hf_config", "held_load_report", "load_causal_lm", "load_hf_model",
-           "load_model_and_tokenizer", "load_tokenizer", "quiet_transformers", "weights_problem"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "causal_lm_config",
+    "hf_config",
+    "held_load_report",
+    "load_causal_lm",
+    "load_hf_model",
+    "load_model_and_tokenizer",
+    "load_tokenizer",
+    "quiet_transformers",
+    "weights_problem",
+]
 
 # Files a Hugging Face tokenizer is loaded from; a directory with none of them has no tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 
 
 def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bool = True):
@@ -44,23 +60,29 @@ def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bo
 
     _check_local_dir(path, what)
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-        raise UserError(f"{what}={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the "
-                        "model's tokenizer into the directory (tokenizer.save_pretrained)")
+        raise UserError(
+            f"{what}={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the "
+            "model's tokenizer into the directory (tokenizer.save_pretrained)"
+        )
     side = "left" if generation else "right"
     try:
         tok = AutoTokenizer.from_pretrained(str(path), padding_side=side, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{what}={path}: no usable tokenizer there ({first_line(exc)}); save the model's "
-                        "tokenizer into the directory") from None
+        raise UserError(
+            f"{what}={path}: no usable tokenizer there ({first_line(exc)}); save the model's "
+            "tokenizer into the directory"
+        ) from None
     tok.padding_side = side
     if not generation:
-        tok.truncation_side = "left"          # a scored text keeps its end (the response)
+        tok.truncation_side = "left"  # a scored text keeps its end (the response)
         return tok
     if tok.eos_token_id is None:
-        raise UserError(f"{what}={path}: the tokenizer has no EOS token; set eos_token in its "
-                        "tokenizer_config.json so that responses can end")
+        raise UserError(
+            f"{what}={path}: the tokenizer has no EOS token; set eos_token in its "
+            "tokenizer_config.json so that responses can end"
+        )
     if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token        # the module's rule: pad with EOS (masked out anyway)
+        tok.pad_token = tok.eos_token  # the module's rule: pad with EOS (masked out anyway)
     return tok
 
 
@@ -68,8 +90,9 @@ def causal_lm_config(path: str | Path, what: str = "model.path"):
     """The model config of a local directory, checked to be a causal LM (no weights loaded)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return hf_config(path, what, MODEL_FOR_CAUSAL_LM_MAPPING,
-                     "is not a causal language model (AutoModelForCausalLM cannot load it)")
+    return hf_config(
+        path, what, MODEL_FOR_CAUSAL_LM_MAPPING, "is not a causal language model (AutoModelForCausalLM cannot load it)"
+    )
 
 
 def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
@@ -79,8 +102,10 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
 
     _check_local_dir(path, what)
     if not (Path(path) / "config.json").is_file():
-        raise UserError(f"{what}={path}: no config.json there, so not a Hugging Face model directory (save the "
-                        "model with save_pretrained)")
+        raise UserError(
+            f"{what}={path}: no config.json there, so not a Hugging Face model directory (save the "
+            "model with save_pretrained)"
+        )
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -88,17 +113,22 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
         if unknown:
             import transformers
 
-            raise UserError(f"{what}={path}: config.json has model_type '{unknown.group(1)}', which transformers "
-                            f"{transformers.__version__} does not know; upgrade transformers or fix config.json") \
-                from None
+            raise UserError(
+                f"{what}={path}: config.json has model_type '{unknown.group(1)}', which transformers "
+                f"{transformers.__version__} does not know; upgrade transformers or fix config.json"
+            ) from None
         raise UserError(f"{what}={path}: not a Hugging Face model directory ({first_line(exc)})") from None
     if type(config) not in mapping:
         raise UserError(f"{what}={path}: a {type(config).__name__} {not_loadable}")
     return config
 
 
-def load_causal_lm(path: str | Path, what: str = "model.path", dtype: torch.dtype = torch.float32,
-                   attn_implementation: Optional[str] = None) -> nn.Module:
+def load_causal_lm(
+    path: str | Path,
+    what: str = "model.path",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` of a local directory; UserError on bad input.
 
     ``attn_implementation``: None keeps the model's default (sdpa where supported).
@@ -112,30 +142,33 @@ def load_causal_lm(path: str | Path, what: str = "model.path", dtype: torch.dtyp
     return load_hf_model(AutoModelForCausalLM, path, what, config, dtype=dtype, **kwargs)
 
 
-def load_hf_model(auto_class, path: str | Path, what: str, config, *,
-                  check: Optional[Callable[[nn.Module, dict], None]] = None, **kwargs) -> nn.Module:
+def load_hf_model(
+    auto_class, path: str | Path, what: str, config, *, check: Callable[[nn.Module, dict], None] | None = None, **kwargs
+) -> nn.Module:
     """``auto_class.from_pretrained`` of a local directory with a config from :func:`hf_config`,
     in ``eval()`` mode; any failure is a UserError naming the directory. ``check(model,
     loading_info)`` may raise one too, before transformers' load report is printed (it is
     dropped when loading fails)."""
     with held_load_report() as report:
         try:
-            model, info = auto_class.from_pretrained(str(path), config=config, local_files_only=True,
-                                                     output_loading_info=True, **kwargs)
+            model, info = auto_class.from_pretrained(
+                str(path), config=config, local_files_only=True, output_loading_info=True, **kwargs
+            )
         except ImportError as exc:
-            raise UserError(f"model.attn_implementation={kwargs.get('attn_implementation')}: "
-                            f"{first_line(exc).rstrip('.')}; install the package it needs or use auto, sdpa "
-                            "or eager") from None
+            raise UserError(
+                f"model.attn_implementation={kwargs.get('attn_implementation')}: "
+                f"{first_line(exc).rstrip('.')}; install the package it needs or use auto, sdpa "
+                "or eager"
+            ) from None
         except ValueError as exc:
             if "Unrecognized configuration class" in str(exc) or auto_class.__name__ in str(exc):
-                raise UserError(f"{what}={path}: {auto_class.__name__} cannot load a "
-                                f"{type(config).__name__}") from None
+                raise UserError(f"{what}={path}: {auto_class.__name__} cannot load a {type(config).__name__}") from None
             raise UserError(f"{what}={path}: cannot load the model ({first_line(exc)})") from None
         except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, RuntimeError: the files are bad
             raise UserError(f"{what}={path}: {weights_problem(exc, report)}") from None
         if check is not None:
             check(model, info)
-    model.eval()   # no dropout anywhere: scoring and update passes must agree exactly
+    model.eval()  # no dropout anywhere: scoring and update passes must agree exactly
     return model
 
 
@@ -169,13 +202,16 @@ def held_load_report() -> Iterator[list[str]]:
         logger.removeHandler(hold)
         for handler in handlers:
             logger.addHandler(handler)
-    for record in held:          # only reached when the block succeeded
+    for record in held:  # only reached when the block succeeded
         logger.handle(record)
 
 
 # a row of transformers' load report: "NAME | MISMATCH | ... ckpt: torch.Size([..]) vs model: torch.Size([..])"
-_MISMATCH = re.compile(r"^([^|\n]+?)\s*\|\s*MISMATCH\b.*?"
-                       r"ckpt: torch\.Size\((\[[^\]]*\])\) vs model: ?torch\.Size\((\[[^\]]*\])\)", re.MULTILINE)
+_MISMATCH = re.compile(
+    r"^([^|\n]+?)\s*\|\s*MISMATCH\b.*?"
+    r"ckpt: torch\.Size\((\[[^\]]*\])\) vs model: ?torch\.Size\((\[[^\]]*\])\)",
+    re.MULTILINE,
+)
 
 
 def weights_problem(exc: BaseException, report: Sequence[str] = ()) -> str:
@@ -185,30 +221,34 @@ def weights_problem(exc: BaseException, report: Sequence[str] = ()) -> str:
     mismatch = next((m for text in report for m in [_MISMATCH.search(text)] if m), None)
     if mismatch:
         name, saved, configured = mismatch.groups()
-        return (f"the weights do not fit config.json ({name} is {saved} in the weights, {configured} by "
-                "config.json); fix config.json or save the model again with save_pretrained")
+        return (
+            f"the weights do not fit config.json ({name} is {saved} in the weights, {configured} by "
+            "config.json); fix config.json or save the model again with save_pretrained"
+        )
     if "size mismatch" in str(exc) or "ignore_mismatched_sizes" in str(exc):
         return "the weights do not fit config.json; fix config.json or save the model again with save_pretrained"
     if isinstance(exc, OSError) and "no file named" in str(exc):
-        return (f"cannot load the model weights: the directory holds no weight file ({first_line(exc)}); "
-                "save the model there with save_pretrained")
+        return (
+            f"cannot load the model weights: the directory holds no weight file ({first_line(exc)}); "
+            "save the model there with save_pretrained"
+        )
     if isinstance(exc, SafetensorError) or "safetensors" in str(exc).lower():
-        return (f"the weight file is corrupt or truncated ({first_line(exc)}); copy or save the model "
-                "again")
+        return f"the weight file is corrupt or truncated ({first_line(exc)}); copy or save the model again"
     return f"cannot load the model weights ({type(exc).__name__}: {first_line(exc)})"
 
 
 def _check_local_dir(path: str | Path, what: str) -> None:
     p = Path(path)
     if not p.is_dir():
-        raise UserError(f"{what}={path}: no such model directory (give a local Hugging Face model "
-                        "directory; ppokit does not download models)")
+        raise UserError(
+            f"{what}={path}: no such model directory (give a local Hugging Face model "
+            "directory; ppokit does not download models)"
+        )
 
 
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:200] if text else type(exc).__name__
-
 
 
 def load_model_and_tokenizer(path: str | Path, what: str = "model.path") -> tuple[nn.Module, object]:

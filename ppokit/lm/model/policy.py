@@ -51,8 +51,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -77,7 +78,7 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
-    def forward(self, hidden: Tensor) -> Tensor:   # (n, R, H) -> (n, R)
+    def forward(self, hidden: Tensor) -> Tensor:  # (n, R, H) -> (n, R)
         with torch.autocast(hidden.device.type, enabled=False):
             return self.linear(hidden.float()).squeeze(-1)
 
@@ -96,23 +97,32 @@ class LMPolicy(nn.Module):
         responses       (n, R)      the response tokens (pad after EOS)
     """
 
-    def __init__(self, lm: nn.Module, value_head: Optional[ValueHead], *, mode: str, temperature: float = 1.0,
-                 autocast_dtype: Optional[torch.dtype] = None, critic_lm: Optional[nn.Module] = None,
-                 ref_lm: Optional[nn.Module] = None, compute_entropy: bool = True):
+    def __init__(
+        self,
+        lm: nn.Module,
+        value_head: ValueHead | None,
+        *,
+        mode: str,
+        temperature: float = 1.0,
+        autocast_dtype: torch.dtype | None = None,
+        critic_lm: nn.Module | None = None,
+        ref_lm: nn.Module | None = None,
+        compute_entropy: bool = True,
+    ):
         super().__init__()
         if mode not in ("lora", "full"):
             raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
         self.mode = mode
-        self.lm = lm                      # lora: a PeftModel with adapters actor (+ critic)
-        self.value_head = value_head      # None: no critic (critic-free estimators)
-        self.critic_lm = critic_lm        # full mode with a critic only
-        self.ref_lm = ref_lm              # full mode only, frozen, None unless a KL term needs it
+        self.lm = lm  # lora: a PeftModel with adapters actor (+ critic)
+        self.value_head = value_head  # None: no critic (critic-free estimators)
+        self.critic_lm = critic_lm  # full mode with a critic only
+        self.ref_lm = ref_lm  # full mode only, frozen, None unless a KL term needs it
         self.temperature = float(temperature)
         self.autocast_dtype = autocast_dtype
         self.compute_entropy = compute_entropy
-        self.full_kl = False              # evaluate() adds kl_full (algo.kl_loss_type: full)
-        self.trainable = True             # False: adapters stay frozen across swaps (inference)
-        self._active: Optional[str] = None
+        self.full_kl = False  # evaluate() adds kl_full (algo.kl_loss_type: full)
+        self.trainable = True  # False: adapters stay frozen across swaps (inference)
+        self._active: str | None = None
         self._adapter_params: dict[str, list[nn.Parameter]] = {}
         if mode == "full" and (critic_lm is None) != (value_head is None):
             raise ValueError("full mode takes a critic model and a value head together, or neither")
@@ -125,8 +135,8 @@ class LMPolicy(nn.Module):
             ids = {id(p) for ps in self._adapter_params.values() for p in ps}
             for p in lm.parameters():
                 if id(p) not in ids:
-                    p.requires_grad_(False)          # the backbone is frozen
-            with self.use(ACTOR):                    # the actor active, both adapters trainable
+                    p.requires_grad_(False)  # the backbone is frozen
+            with self.use(ACTOR):  # the actor active, both adapters trainable
                 pass
         else:
             if ref_lm is not None:
@@ -187,7 +197,7 @@ class LMPolicy(nn.Module):
                 with self.lm.disable_adapter():
                     yield
             finally:
-                self._restore_requires_grad()   # disabling cleared it on every adapter
+                self._restore_requires_grad()  # disabling cleared it on every adapter
         else:
             if self.ref_lm is None:
                 raise RuntimeError("no reference model loaded (full mode loads one only when a KL term needs it)")
@@ -200,7 +210,7 @@ class LMPolicy(nn.Module):
         with self.use(ACTOR):
             pass
 
-    def freeze(self) -> "LMPolicy":
+    def freeze(self) -> LMPolicy:
         """Inference only: no parameter requires grad, and swaps do not re-enable them."""
         self.trainable = False
         self.requires_grad_(False)
@@ -216,7 +226,7 @@ class LMPolicy(nn.Module):
             for p in params:
                 p.requires_grad_(True)
 
-    def cast_frozen_weights(self, dtype: Optional[torch.dtype]) -> int:
+    def cast_frozen_weights(self, dtype: torch.dtype | None) -> int:
         """Store frozen parameters (the lora backbone, the full-mode reference) in ``dtype``.
 
         Under bf16 autocast every matmul casts an fp32 weight to bf16 on each call (the
@@ -252,51 +262,56 @@ class LMPolicy(nn.Module):
         """Hidden states that predict the response tokens (n, R, H)."""
         input_ids, responses = mb["input_ids"], mb["responses"]
         R = responses.shape[1]
-        start = input_ids.shape[1] - R - 1                       # position P - 1
-        kwargs = dict(input_ids=input_ids, attention_mask=mb["attention_mask"],
-                      position_ids=mb["position_ids"], use_cache=False)
+        start = input_ids.shape[1] - R - 1  # position P - 1
+        kwargs = dict(
+            input_ids=input_ids, attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False
+        )
         if self._direct_head[id(lm)]:
-            hidden = _decoder(lm)(**kwargs).last_hidden_state     # (n, P + R, H)
+            hidden = _decoder(lm)(**kwargs).last_hidden_state  # (n, P + R, H)
         else:
             hidden = lm(**kwargs, output_hidden_states=True).hidden_states[-1]
-        return hidden[:, start:start + R]
+        return hidden[:, start : start + R]
 
-    def _token_log_probs(self, lm: nn.Module, mb: dict[str, Tensor], entropy: bool,
-                         keep_hidden: bool = False) -> dict[str, Tensor]:
+    def _token_log_probs(
+        self, lm: nn.Module, mb: dict[str, Tensor], entropy: bool, keep_hidden: bool = False
+    ) -> dict[str, Tensor]:
         """``log_prob`` (and ``entropy``) (n, R) float32; with ``keep_hidden`` also ``hidden``
         (n, R, H), the states the logits came from (models whose logits are lm_head(hidden))."""
         responses = mb["responses"]
         out: dict[str, Tensor] = {}
         with self.autocast():
             if self._direct_head[id(lm)]:
-                hidden = self._hidden(lm, mb)                                 # (n, R, H)
+                hidden = self._hidden(lm, mb)  # (n, R, H)
                 if keep_hidden:
                     out["hidden"] = hidden
                 head = lm.get_output_embeddings()
                 if getattr(head, "bias", None) is None and self.temperature != 1.0:
-                    logits = head(hidden / self.temperature)                  # (n, R, V): W(h/T) = (Wh)/T
+                    logits = head(hidden / self.temperature)  # (n, R, V): W(h/T) = (Wh)/T
                 else:
                     logits = head(hidden)
                     if self.temperature != 1.0:
                         logits = logits.div_(self.temperature)
-            else:   # a model whose logits are not lm_head(last hidden state): full logits, sliced
+            else:  # a model whose logits are not lm_head(last hidden state): full logits, sliced
                 R = responses.shape[1]
                 start = mb["input_ids"].shape[1] - R - 1
-                logits = lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                            position_ids=mb["position_ids"], use_cache=False).logits[:, start:start + R]
+                logits = lm(
+                    input_ids=mb["input_ids"],
+                    attention_mask=mb["attention_mask"],
+                    position_ids=mb["position_ids"],
+                    use_cache=False,
+                ).logits[:, start : start + R]
                 logits = logits / self.temperature
-            out["log_prob"] = algo.log_probs_from_logits(logits, responses)   # (n, R) float32
+            out["log_prob"] = algo.log_probs_from_logits(logits, responses)  # (n, R) float32
             if entropy:
                 out["entropy"] = algo.entropy_from_logits(logits)
         return out
 
-    def log_probs(self, mb: dict[str, Tensor], entropy: bool = False, keep_hidden: bool = False
-                  ) -> dict[str, Tensor]:
+    def log_probs(self, mb: dict[str, Tensor], entropy: bool = False, keep_hidden: bool = False) -> dict[str, Tensor]:
         """Actor log-probs (and entropy) of the response tokens, (n, R) float32."""
         with self.use(ACTOR):
             return self._token_log_probs(self.lm, mb, entropy, keep_hidden)
 
-    def kl_to_reference(self, mb: dict[str, Tensor], hidden: Optional[Tensor] = None) -> Tensor:
+    def kl_to_reference(self, mb: dict[str, Tensor], hidden: Tensor | None = None) -> Tensor:
         """The exact ``KL(pi || pi_ref)`` over the vocabulary at each response token, (n, R) float32.
 
         ``sum_v p_v (log p_v - log q_v)`` on the temperature-scaled distributions of the actor
@@ -317,21 +332,29 @@ class LMPolicy(nn.Module):
         if hidden is None:
             hidden = self.log_probs(mb, keep_hidden=True)["hidden"]
         with torch.no_grad(), self.reference(), self.autocast():
-            ref_hidden = self._hidden(ref_lm, mb)                              # (n, R, H)
+            ref_hidden = self._hidden(ref_lm, mb)  # (n, R, H)
         head, ref_head = self.lm.get_output_embeddings(), ref_lm.get_output_embeddings()
-        return algo.kl_full_from_hidden(hidden, ref_hidden, head.weight,
-                                        None if ref_head is head else ref_head.weight,
-                                        bias=getattr(head, "bias", None),
-                                        ref_bias=None if ref_head is head else getattr(ref_head, "bias", None),
-                                        temperature=self.temperature)
+        return algo.kl_full_from_hidden(
+            hidden,
+            ref_hidden,
+            head.weight,
+            None if ref_head is head else ref_head.weight,
+            bias=getattr(head, "bias", None),
+            ref_bias=None if ref_head is head else getattr(ref_head, "bias", None),
+            temperature=self.temperature,
+        )
 
-    def _full_logits(self, lm: nn.Module, mb: dict[str, Tensor], adapter: Optional[str]) -> Tensor:
+    def _full_logits(self, lm: nn.Module, mb: dict[str, Tensor], adapter: str | None) -> Tensor:
         """(n, R, V) temperature-scaled logits of the response positions (the general path)."""
         R = mb["responses"].shape[1]
         start = mb["input_ids"].shape[1] - R - 1
-        with (self.use(adapter) if adapter else contextlib.nullcontext()), self.autocast():
-            logits = lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                        position_ids=mb["position_ids"], use_cache=False).logits[:, start:start + R]
+        with self.use(adapter) if adapter else contextlib.nullcontext(), self.autocast():
+            logits = lm(
+                input_ids=mb["input_ids"],
+                attention_mask=mb["attention_mask"],
+                position_ids=mb["position_ids"],
+                use_cache=False,
+            ).logits[:, start : start + R]
         return logits.float() / self.temperature
 
     def ref_log_probs(self, mb: dict[str, Tensor]) -> Tensor:
@@ -346,7 +369,7 @@ class LMPolicy(nn.Module):
             return torch.zeros(mb["responses"].shape, dtype=torch.float32, device=mb["responses"].device)
         lm = self.lm if self.mode == "lora" else self.critic_lm
         with self.use(CRITIC), self.autocast():
-            hidden = self._hidden(lm, mb)                                     # (n, R, H)
+            hidden = self._hidden(lm, mb)  # (n, R, H)
         return self.value_head(hidden)
 
     # ------------------------------------------------------------------ trainer protocol
@@ -358,15 +381,15 @@ class LMPolicy(nn.Module):
         (n, R) tensor (``responses``, ``mask``, advantages, ...) becomes (n, R'). Only padding is
         dropped (positions are kept as they were), so every pass gives the same values on the
         real tokens."""
-        am = micro_batch["attention_mask"]                                   # (n, P + R)
+        am = micro_batch["attention_mask"]  # (n, P + R)
         R = micro_batch["responses"].shape[1]
         P = am.shape[1] - R
-        response_len = max(int(am[:, P:].sum(1).max()), 1)                  # R'
-        prompt_start = int((am[:, :P].sum(0) > 0).int().argmax())            # first column any prompt uses
+        response_len = max(int(am[:, P:].sum(1).max()), 1)  # R'
+        prompt_start = int((am[:, :P].sum(0) > 0).int().argmax())  # first column any prompt uses
         out = {}
         for key, value in micro_batch.items():
             if key in ("input_ids", "attention_mask", "position_ids"):
-                out[key] = value[:, prompt_start:P + response_len]
+                out[key] = value[:, prompt_start : P + response_len]
             elif value.dim() >= 2 and value.shape[1] == R:
                 out[key] = value[:, :response_len]
             else:
@@ -426,23 +449,35 @@ def _hidden_then_head_matches(lm: nn.Module) -> bool:
         try:
             full = base(input_ids=ids, use_cache=False).logits
             split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
-        except Exception:   # noqa: BLE001 - any failure means "use the general path"
+        except Exception:  # noqa: BLE001 - any failure means "use the general path"
             return False
     return full.shape == split.shape and torch.allclose(full, split, rtol=1e-4, atol=1e-5)
-
 
 
 # ----------------------------------------------------------------------------- building
 def lora_config(model_cfg):
     from peft import LoraConfig
 
-    return LoraConfig(r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0,
-                      target_modules=model_cfg.lora_target_modules, bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=model_cfg.lora_rank,
+        lora_alpha=model_cfg.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=model_cfg.lora_target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
-def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_dtype: Optional[torch.dtype],
-                 need_reference: Optional[bool] = None, need_critic: Optional[bool] = None,
-                 seed: Optional[int] = None) -> LMPolicy:
+def build_policy(
+    cfg,
+    model_path: str | Path,
+    *,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+    need_reference: bool | None = None,
+    need_critic: bool | None = None,
+    seed: int | None = None,
+) -> LMPolicy:
     """The configured policy around the model at ``model_path`` (fresh adapters / value head).
 
     ``need_reference`` (full mode): load the frozen reference copy; default: when
@@ -464,10 +499,10 @@ def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_
         from peft import get_peft_model
 
         lm.requires_grad_(False)
-        names = linear_module_names(lm)      # before peft wraps them
+        names = linear_module_names(lm)  # before peft wraps them
         try:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)   # peft asks a deprecated transformers property
+                warnings.simplefilter("ignore", FutureWarning)  # peft asks a deprecated transformers property
                 # GPT-2's Conv1D layers: peft says it sets fan_in_fan_out itself, which it does
                 warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
                 peft_model = get_peft_model(lm, lora_config(m), adapter_name=ACTOR)
@@ -476,43 +511,67 @@ def build_policy(cfg, model_path: str | Path, *, device: torch.device, autocast_
         except ValueError as exc:
             if "not found in the base model" not in str(exc):
                 raise
-            raise UserError(f"model.lora_target_modules={m.lora_target_modules}: no such module in {model_path}; "
-                            f"its linear layers are {', '.join(names)} (or use all-linear)") from None
-        policy = LMPolicy(peft_model, ValueHead(hidden) if need_critic else None, mode="lora",
-                          temperature=cfg.rollout.temperature, autocast_dtype=autocast_dtype)
+            raise UserError(
+                f"model.lora_target_modules={m.lora_target_modules}: no such module in {model_path}; "
+                f"its linear layers are {', '.join(names)} (or use all-linear)"
+            ) from None
+        policy = LMPolicy(
+            peft_model,
+            ValueHead(hidden) if need_critic else None,
+            mode="lora",
+            temperature=cfg.rollout.temperature,
+            autocast_dtype=autocast_dtype,
+        )
     else:
         critic = _load_critic(m, model_path, lm, attn) if need_critic else None
-        ref = load_causal_lm(model_path, "model.path", attn_implementation=attn).requires_grad_(False) \
-            if need_reference else None
-        policy = LMPolicy(lm, ValueHead(_hidden_size(critic)) if need_critic else None, mode="full",
-                          temperature=cfg.rollout.temperature, autocast_dtype=autocast_dtype, critic_lm=critic,
-                          ref_lm=ref)
+        ref = (
+            load_causal_lm(model_path, "model.path", attn_implementation=attn).requires_grad_(False)
+            if need_reference
+            else None
+        )
+        policy = LMPolicy(
+            lm,
+            ValueHead(_hidden_size(critic)) if need_critic else None,
+            mode="full",
+            temperature=cfg.rollout.temperature,
+            autocast_dtype=autocast_dtype,
+            critic_lm=critic,
+            ref_lm=ref,
+        )
     policy.full_kl = cfg.algo.beta > 0 and cfg.algo.kl_loss_type == "full"
     policy.to(device)
     policy.cast_frozen_weights(autocast_dtype)
     return policy
 
 
-def _load_critic(m, model_path: str | Path, lm: nn.Module, attn: Optional[str]) -> nn.Module:
+def _load_critic(m, model_path: str | Path, lm: nn.Module, attn: str | None) -> nn.Module:
     """Full mode's critic model: ``model.critic_path`` (or the policy's path), its LM head frozen."""
     critic_path = m.critic_path or model_path
-    critic = load_causal_lm(critic_path, "model.critic_path" if m.critic_path else "model.path",
-                            attn_implementation=attn)
+    critic = load_causal_lm(
+        critic_path, "model.critic_path" if m.critic_path else "model.path", attn_implementation=attn
+    )
     vocab, critic_vocab = _vocab_size(lm), _vocab_size(critic)
     if critic_vocab < vocab:
-        raise UserError(f"model.critic_path={critic_path}: the critic embeds {critic_vocab} tokens but the "
-                        f"policy (model.path={model_path}) and its tokenizer use {vocab}; give a critic with "
-                        "the policy's tokenizer and vocabulary (or leave model.critic_path null)")
+        raise UserError(
+            f"model.critic_path={critic_path}: the critic embeds {critic_vocab} tokens but the "
+            f"policy (model.path={model_path}) and its tokenizer use {vocab}; give a critic with "
+            "the policy's tokenizer and vocabulary (or leave model.critic_path null)"
+        )
     out_emb = critic.get_output_embeddings()
     if out_emb is not None and out_emb.weight is not critic.get_input_embeddings().weight:
-        out_emb.requires_grad_(False)   # the critic's LM head is unused
+        out_emb.requires_grad_(False)  # the critic's LM head is unused
     return critic
 
 
 def linear_module_names(lm: nn.Module) -> list[str]:
     """The distinct names of a model's linear layers: what ``model.lora_target_modules`` can name."""
-    return sorted({name.rsplit(".", 1)[-1] for name, module in lm.named_modules()
-                   if name and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")})
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in lm.named_modules()
+            if name and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")
+        }
+    )
 
 
 def _vocab_size(lm: nn.Module) -> int:

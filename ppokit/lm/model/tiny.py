@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.errors import UserError
 from ppokit.lm.model.hf import quiet_transformers
@@ -48,7 +48,7 @@ class TinySpec:
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
-    intermediate_size: Optional[int] = None   # None: 8/3 * hidden, rounded up to a multiple of 8
+    intermediate_size: int | None = None  # None: 8/3 * hidden, rounded up to a multiple of 8
     max_position_embeddings: int = 64
     seed: int = 0
     alphabet: str = DEFAULT_ALPHABET
@@ -58,23 +58,28 @@ class TinySpec:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"tiny model: {name} must be a positive integer (got {getattr(self, name)!r})")
         if self.hidden_size % self.num_heads:
-            raise UserError(f"tiny model: hidden_size={self.hidden_size} must be a multiple of "
-                            f"num_heads={self.num_heads}")
+            raise UserError(
+                f"tiny model: hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}"
+            )
         if (self.hidden_size // self.num_heads) % 2:
-            raise UserError(f"tiny model: hidden_size / num_heads = {self.hidden_size // self.num_heads} "
-                            "must be even (rotary embeddings)")
-        if self.intermediate_size is not None and (not isinstance(self.intermediate_size, int)
-                                                   or self.intermediate_size < 1):
-            raise UserError(f"tiny model: intermediate_size must be a positive integer or null "
-                            f"(got {self.intermediate_size!r})")
+            raise UserError(
+                f"tiny model: hidden_size / num_heads = {self.hidden_size // self.num_heads} "
+                "must be even (rotary embeddings)"
+            )
+        if self.intermediate_size is not None and (
+            not isinstance(self.intermediate_size, int) or self.intermediate_size < 1
+        ):
+            raise UserError(
+                f"tiny model: intermediate_size must be a positive integer or null (got {self.intermediate_size!r})"
+            )
         _check_alphabet(self.alphabet)
 
     @property
     def mlp_size(self) -> int:
         if self.intermediate_size is not None:
             return self.intermediate_size
-        third = -(-8 * self.hidden_size // 3)           # ceil(8/3 * hidden), the Llama ratio
-        return -(-third // 8) * 8                          # rounded up to a multiple of 8
+        third = -(-8 * self.hidden_size // 3)  # ceil(8/3 * hidden), the Llama ratio
+        return -(-third // 8) * 8  # rounded up to a multiple of 8
 
     @property
     def vocab_size(self) -> int:
@@ -83,8 +88,8 @@ class TinySpec:
     def num_parameters(self) -> int:
         """Parameter count of the model this spec builds (untied embeddings)."""
         h, f, v, n = self.hidden_size, self.mlp_size, self.vocab_size, self.num_layers
-        per_layer = 4 * h * h + 3 * h * f + 2 * h      # q, k, v, o; gate, up, down; two RMSNorms
-        return 2 * v * h + n * per_layer + h           # embeddings + lm_head, layers, final norm
+        per_layer = 4 * h * h + 3 * h * f + 2 * h  # q, k, v, o; gate, up, down; two RMSNorms
+        return 2 * v * h + n * per_layer + h  # embeddings + lm_head, layers, final norm
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,8 +101,9 @@ def _check_alphabet(alphabet: str) -> None:
     seen = set()
     dupes = sorted({c for c in alphabet if c in seen or seen.add(c)})
     if dupes:
-        raise UserError(f"tiny model: the alphabet repeats {', '.join(repr(c) for c in dupes)}; "
-                        "list each character once")
+        raise UserError(
+            f"tiny model: the alphabet repeats {', '.join(repr(c) for c in dupes)}; list each character once"
+        )
 
 
 DEFAULT_TINY_SPEC = TinySpec()
@@ -122,12 +128,19 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, padding_side: str = "
     vocab = {token: i for i, token in enumerate(list(SPECIAL_TOKENS) + list(alphabet))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char a word
-    core.decoder = decoders.Fuse()                                                    # join without spaces
+    core.decoder = decoders.Fuse()  # join without spaces
     core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=EOS,
-        padding_side=padding_side, model_max_length=1_000_000)
+        tokenizer_object=core,
+        pad_token=PAD,
+        unk_token=UNK,
+        bos_token=BOS,
+        eos_token=EOS,
+        padding_side=padding_side,
+        model_max_length=1_000_000,
+    )
 
 
 # ----------------------------------------------------------------------------- model
@@ -136,27 +149,47 @@ def tiny_config(spec: TinySpec):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.mlp_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads, max_position_embeddings=spec.max_position_embeddings,
-        pad_token_id=SPECIAL_TOKENS.index(PAD), bos_token_id=SPECIAL_TOKENS.index(BOS),
-        eos_token_id=SPECIAL_TOKENS.index(EOS), tie_word_embeddings=False, initializer_range=0.02)
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.mlp_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    )
 
 
-def build_tiny_model(out_dir: str | os.PathLike, *, hidden_size: int = DEFAULT_TINY_SPEC.hidden_size,
-                     num_layers: int = DEFAULT_TINY_SPEC.num_layers, num_heads: int = DEFAULT_TINY_SPEC.num_heads,
-                     intermediate_size: Optional[int] = DEFAULT_TINY_SPEC.intermediate_size,
-                     max_position_embeddings: int = DEFAULT_TINY_SPEC.max_position_embeddings,
-                     seed: int = DEFAULT_TINY_SPEC.seed, alphabet: str = DEFAULT_ALPHABET) -> Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    *,
+    hidden_size: int = DEFAULT_TINY_SPEC.hidden_size,
+    num_layers: int = DEFAULT_TINY_SPEC.num_layers,
+    num_heads: int = DEFAULT_TINY_SPEC.num_heads,
+    intermediate_size: int | None = DEFAULT_TINY_SPEC.intermediate_size,
+    max_position_embeddings: int = DEFAULT_TINY_SPEC.max_position_embeddings,
+    seed: int = DEFAULT_TINY_SPEC.seed,
+    alphabet: str = DEFAULT_ALPHABET,
+) -> Path:
     """Build (or reuse) a randomly initialised tiny model + tokenizer in ``out_dir``.
 
     Idempotent: when ``out_dir`` already holds a model built from the same spec it is
     returned as is. A directory holding anything else is never overwritten (UserError).
     The directory appears atomically (built in a sibling temporary directory, renamed).
     """
-    spec = TinySpec(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                    intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-                    seed=seed, alphabet=alphabet)
+    spec = TinySpec(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        seed=seed,
+        alphabet=alphabet,
+    )
     return build_tiny_model_from_spec(out_dir, spec)
 
 
@@ -168,16 +201,18 @@ def build_tiny_model_from_spec(out_dir: str | os.PathLike, spec: TinySpec = DEFA
         if recorded == spec:
             return out
         changed = [f.name for f in fields(TinySpec) if getattr(recorded, f.name) != getattr(spec, f.name)]
-        raise UserError(f"{out} holds a tiny model built with a different spec ({', '.join(changed)} "
-                        f"{'differs' if len(changed) == 1 else 'differ'}); "
-                        "choose another directory or delete it")
+        raise UserError(
+            f"{out} holds a tiny model built with a different spec ({', '.join(changed)} "
+            f"{'differs' if len(changed) == 1 else 'differ'}); "
+            "choose another directory or delete it"
+        )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not a ppokit tiny model; choose an empty or new directory")
 
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 
-    with writing_to(out):        # a read-only or full file system: a UserError, nothing left behind
+    with writing_to(out):  # a read-only or full file system: a UserError, nothing left behind
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
@@ -187,8 +222,8 @@ def build_tiny_model_from_spec(out_dir: str | os.PathLike, spec: TinySpec = DEFA
                 torch.manual_seed(spec.seed)
                 model = LlamaForCausalLM(config)
             model.generation_config = GenerationConfig(
-                bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                pad_token_id=config.pad_token_id)
+                bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+            )
             with quiet_transformers():
                 model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
@@ -196,17 +231,17 @@ def build_tiny_model_from_spec(out_dir: str | os.PathLike, spec: TinySpec = DEFA
             record = {"format": SPEC_FORMAT, "spec": spec.to_dict(), "num_parameters": model.num_parameters()}
             (tmp / SPEC_FILE).write_text(json.dumps(record, indent=2) + "\n")
             if out.exists():
-                out.rmdir()          # empty (checked above)
+                out.rmdir()  # empty (checked above)
             os.replace(tmp, out)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, OSError) and read_tiny_spec(out) == spec:   # another process built it meanwhile
+            if isinstance(exc, OSError) and read_tiny_spec(out) == spec:  # another process built it meanwhile
                 return out
             raise
     return out
 
 
-def read_tiny_spec(model_dir: str | os.PathLike) -> Optional[TinySpec]:
+def read_tiny_spec(model_dir: str | os.PathLike) -> TinySpec | None:
     """The :class:`TinySpec` recorded in ``model_dir``, or None if it is not a tiny model."""
     path = Path(model_dir) / SPEC_FILE
     if not path.is_file():

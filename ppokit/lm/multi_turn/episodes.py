@@ -43,8 +43,9 @@ An environment that raises in ``step`` ends that episode with ``failure_reward``
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from ppokit.envs.checks import checked_reset, step_or_fail
 from ppokit.envs.metrics import EpisodeRecord, EpisodeTracker
@@ -63,10 +64,10 @@ Generate = Callable[[str, list[list[int]], bool], tuple[list[list[int]], list[st
 class TurnData:
     """One action of a trained seat."""
 
-    prompt_ids: list[int]        # the tokens the action was generated from
-    action_ids: list[int]        # as sampled, up to and including the stop token
+    prompt_ids: list[int]  # the tokens the action was generated from
+    action_ids: list[int]  # as sampled, up to and including the stop token
     reward: float = 0.0
-    observation: Any = ""        # the observation the action answered (for samples.jsonl)
+    observation: Any = ""  # the observation the action answered (for samples.jsonl)
     action_text: str = ""
 
 
@@ -75,12 +76,12 @@ class Trajectory:
     """One seat of one episode played by the current policy: the rows PPO trains on."""
 
     episode: int
-    seat: Optional[int]
+    seat: int | None
     stream: Stream
     turns: list[TurnData] = field(default_factory=list)
     truncated: bool = False
-    bootstrap_ids: Optional[list[int]] = None     # the next prompt, when it bootstraps
-    record: Optional[EpisodeRecord] = None
+    bootstrap_ids: list[int] | None = None  # the next prompt, when it bootstraps
+    record: EpisodeRecord | None = None
 
     @property
     def episode_return(self) -> float:
@@ -92,26 +93,26 @@ class PlayResult:
     """The trajectories of the current policy, every seat's record, and what was measured."""
 
     trajectories: list[Trajectory]
-    records: list[dict[Optional[int], EpisodeRecord]]       # per episode: seat -> record
-    actors: list[dict[Optional[int], str]]                  # per episode: seat -> actor id
+    records: list[dict[int | None, EpisodeRecord]]  # per episode: seat -> record
+    actors: list[dict[int | None, str]]  # per episode: seat -> actor id
     truncations: dict[str, int]
     failures: int
-    first_error: Optional[str]
+    first_error: str | None
     time_generate: float
     time_env: float
     generated_tokens: int
-    actions: int = 0              # replies generated
-    cut_replies: int = 0          # of them, cut by max_new_tokens before a stop token
+    actions: int = 0  # replies generated
+    cut_replies: int = 0  # of them, cut by max_new_tokens before a stop token
 
 
 class _Episode:
     def __init__(self, index: int, env: Any):
         self.index, self.env = index, env
-        self.streams: dict[Optional[int], Stream] = {}
-        self.trackers: dict[Optional[int], EpisodeTracker] = {}
-        self.trajectories: dict[Optional[int], Trajectory] = {}
-        self.actors: dict[Optional[int], str] = {}
-        self.seat: Optional[int] = None            # the seat to act
+        self.streams: dict[int | None, Stream] = {}
+        self.trackers: dict[int | None, EpisodeTracker] = {}
+        self.trajectories: dict[int | None, Trajectory] = {}
+        self.actors: dict[int | None, str] = {}
+        self.seat: int | None = None  # the seat to act
         self.observation: Any = None
         self.steps = 0
         self.done = False
@@ -120,23 +121,40 @@ class _Episode:
 class EpisodePlayer:
     """Plays batches of episodes; see the module docstring."""
 
-    def __init__(self, envs: Sequence[Any], codec: StreamCodec, generate: Generate, *, max_turns: int,
-                 max_new_tokens: int, context: Optional[int], max_episode_tokens: Optional[int] = None,
-                 bootstrap: bool = True, failure_reward: float = 0.0, env_name: str = "the environment"):
+    def __init__(
+        self,
+        envs: Sequence[Any],
+        codec: StreamCodec,
+        generate: Generate,
+        *,
+        max_turns: int,
+        max_new_tokens: int,
+        context: int | None,
+        max_episode_tokens: int | None = None,
+        bootstrap: bool = True,
+        failure_reward: float = 0.0,
+        env_name: str = "the environment",
+    ):
         self.envs = list(envs)
         self.codec, self.generate = codec, generate
         self.max_turns, self.max_new_tokens, self.context = max_turns, max_new_tokens, context
         self.max_episode_tokens, self.bootstrap = max_episode_tokens, bootstrap
         self.failure_reward, self.env_name = failure_reward, env_name
 
-    def play(self, seeds: Sequence[int], *, seat_actors: Callable[[int, dict], dict[Optional[int], str]],
-             greedy: bool = False, options: Optional[Sequence[Optional[dict]]] = None) -> PlayResult:
+    def play(
+        self,
+        seeds: Sequence[int],
+        *,
+        seat_actors: Callable[[int, dict], dict[int | None, str]],
+        greedy: bool = False,
+        options: Sequence[dict | None] | None = None,
+    ) -> PlayResult:
         """Play ``len(seeds)`` episodes (episode i on ``envs[i]``, reset with ``seeds[i]``)."""
         if len(seeds) > len(self.envs):
             raise ValueError(f"{len(seeds)} episodes but only {len(self.envs)} environments")
         t_env = t_gen = 0.0
         tokens = actions_played = cut = 0
-        truncations = {reason: 0 for reason in TRUNCATION_REASONS}
+        truncations = dict.fromkeys(TRUNCATION_REASONS, 0)
         failures, first_error = 0, None
         episodes = []
         start = time.perf_counter()
@@ -182,32 +200,44 @@ class EpisodePlayer:
             t_env += time.perf_counter() - start
             live = [ep for ep in ready if not ep.done]
         for ep in episodes:
-            trajectories += [ep.trajectories[s] for s in sorted(ep.trajectories, key=_seat_key)
-                             if ep.trajectories[s].turns]
-        return PlayResult(trajectories=trajectories,
-                          records=[{s: t.record for s, t in ep.trackers.items()} for ep in episodes],
-                          actors=[ep.actors for ep in episodes], truncations=truncations, failures=failures,
-                          first_error=first_error, time_generate=t_gen, time_env=t_env, generated_tokens=tokens,
-                          actions=actions_played, cut_replies=cut)
+            trajectories += [
+                ep.trajectories[s] for s in sorted(ep.trajectories, key=_seat_key) if ep.trajectories[s].turns
+            ]
+        return PlayResult(
+            trajectories=trajectories,
+            records=[{s: t.record for s, t in ep.trackers.items()} for ep in episodes],
+            actors=[ep.actors for ep in episodes],
+            truncations=truncations,
+            failures=failures,
+            first_error=first_error,
+            time_generate=t_gen,
+            time_env=t_env,
+            generated_tokens=tokens,
+            actions=actions_played,
+            cut_replies=cut,
+        )
 
     # ------------------------------------------------------------------ one episode
-    def _observe(self, ep: _Episode, seat: Optional[int], observation: Any) -> None:
+    def _observe(self, ep: _Episode, seat: int | None, observation: Any) -> None:
         stream = ep.streams.get(seat)
         if stream is None:
             stream = ep.streams[seat] = self.codec.new_stream()
         stream.observe(observation)
         ep.observation = observation
 
-    def _budget_cut(self, ep: _Episode) -> Optional[str]:
+    def _budget_cut(self, ep: _Episode) -> str | None:
         stream = ep.streams[ep.seat]
         need = len(stream.ids) + self.max_new_tokens
         if self.context is not None and need > self.context:
             return "context"
-        if self.max_episode_tokens is not None and stream.episode_tokens + self.max_new_tokens > self.max_episode_tokens:
+        if (
+            self.max_episode_tokens is not None
+            and stream.episode_tokens + self.max_new_tokens > self.max_episode_tokens
+        ):
             return "episode_tokens"
         return None
 
-    def _step(self, ep: _Episode, action_ids: list[int], text: str, truncations: dict[str, int]) -> Optional[str]:
+    def _step(self, ep: _Episode, action_ids: list[int], text: str, truncations: dict[str, int]) -> str | None:
         """Apply one action; returns the error text when the environment raised."""
         seat = ep.seat
         stream = ep.streams[seat]
@@ -225,7 +255,7 @@ class EpisodePlayer:
         if result.done:
             ep.done = True
             rewards, outcomes = info.get("rewards"), info.get("outcomes")
-            for other in ep.actors:         # a seat that never got to move still has an outcome
+            for other in ep.actors:  # a seat that never got to move still has an outcome
                 if isinstance(other, int) and other not in ep.trackers:
                     ep.trackers[other] = EpisodeTracker(other)
             for other, tracker in ep.trackers.items():
@@ -252,7 +282,7 @@ class EpisodePlayer:
             self._truncate(ep, bootstrap_seat=next_seat)
         return None
 
-    def _truncate(self, ep: _Episode, *, bootstrap_seat: Optional[int], count_records: bool = True) -> None:
+    def _truncate(self, ep: _Episode, *, bootstrap_seat: int | None, count_records: bool = True) -> None:
         ep.done = True
         for seat, trajectory in ep.trajectories.items():
             trajectory.truncated = True
@@ -269,7 +299,7 @@ class EpisodePlayer:
             trajectory.record = ep.trackers[seat].record
 
 
-def _acting_seat(info: dict) -> Optional[int]:
+def _acting_seat(info: dict) -> int | None:
     """The seat to act: ``info["player"]``, else the learner's ``info["seat"]``, else None (one player)."""
     if "player" in info:
         return int(info["player"])
@@ -278,5 +308,5 @@ def _acting_seat(info: dict) -> Optional[int]:
     return None
 
 
-def _seat_key(seat: Optional[int]) -> int:
+def _seat_key(seat: int | None) -> int:
     return -1 if seat is None else seat

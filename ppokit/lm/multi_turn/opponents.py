@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,9 +46,9 @@ class AdapterSnapshots:
         for name, p in policy.lm.named_parameters():
             if f".{OPPONENT}." in name:
                 p.requires_grad_(False)
-        policy.reset_adapters()                       # the actor active again, trained weights requiring grad
+        policy.reset_adapters()  # the actor active again, trained weights requiring grad
         self.tensors: dict[str, dict[str, Tensor]] = {}
-        self.loaded: Optional[str] = None
+        self.loaded: str | None = None
         self.load_seconds = 0.0
         self.loads = 0
 

@@ -44,7 +44,8 @@ before training, every ``textenv.eval_every`` iterations and after.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ppokit.components import Batch
 from ppokit.config import Config
@@ -57,7 +58,7 @@ from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
 
 __all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs"]
 
-EVAL_SEED_BASE = 10**15      # evaluation episodes use seeds EVAL_SEED_BASE + i: the same games every time
+EVAL_SEED_BASE = 10**15  # evaluation episodes use seeds EVAL_SEED_BASE + i: the same games every time
 
 
 def episode_seed(seed: int, iteration: int, episode: int) -> int:
@@ -86,12 +87,22 @@ def engine_generate(engine, opponents=None, opponent_engine=None) -> Callable:
     return generate
 
 
-def player_for(cfg: Config, envs: Sequence[Any], codec: StreamCodec, generate: Callable, context: Optional[int],
-               env_name: str) -> EpisodePlayer:
+def player_for(
+    cfg: Config, envs: Sequence[Any], codec: StreamCodec, generate: Callable, context: int | None, env_name: str
+) -> EpisodePlayer:
     t = cfg.textenv
-    return EpisodePlayer(envs, codec, generate, max_turns=t.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
-                         context=context, max_episode_tokens=t.max_episode_tokens,
-                         bootstrap=t.truncation == "bootstrap", failure_reward=t.failure_reward, env_name=env_name)
+    return EpisodePlayer(
+        envs,
+        codec,
+        generate,
+        max_turns=t.max_turns,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        context=context,
+        max_episode_tokens=t.max_episode_tokens,
+        bootstrap=t.truncation == "bootstrap",
+        failure_reward=t.failure_reward,
+        env_name=env_name,
+    )
 
 
 class MultiTurnSource:
@@ -99,16 +110,30 @@ class MultiTurnSource:
 
     steps_per_iteration = None
 
-    def __init__(self, cfg: Config, player: EpisodePlayer, *, mode: str, pad_id: int, device,
-                 opponents=None, env_name: str = "the environment"):
+    def __init__(
+        self,
+        cfg: Config,
+        player: EpisodePlayer,
+        *,
+        mode: str,
+        pad_id: int,
+        device,
+        opponents=None,
+        env_name: str = "the environment",
+    ):
         self.cfg, self.player, self.mode, self.pad_id, self.device = cfg, player, mode, pad_id, device
-        self.opponents = opponents            # AdapterSnapshots, with a pool
+        self.opponents = opponents  # AdapterSnapshots, with a pool
         self.env_name = env_name
         p = cfg.textenv.pool
-        self.pool: Optional[OpponentPool] = None
+        self.pool: OpponentPool | None = None
         if opponents is not None:
-            self.pool = OpponentPool(sampling=p.sampling, latest_prob=p.latest_prob, current_prob=p.current_prob,
-                                     capacity=p.capacity, seed=cfg.seed)
+            self.pool = OpponentPool(
+                sampling=p.sampling,
+                latest_prob=p.latest_prob,
+                current_prob=p.current_prob,
+                capacity=p.capacity,
+                seed=cfg.seed,
+            )
             self._add_snapshot(pinned=True)
         self.updates = 0
         self.role_baseline: dict[str, float] = {}
@@ -118,29 +143,42 @@ class MultiTurnSource:
         n = self.cfg.train.batch_size
         seeds = [episode_seed(self.cfg.seed, iteration, i) for i in range(n)]
         result = self.player.play(seeds, seat_actors=self._seat_actors(iteration, n))
-        check_failure_rate(result.failures, n, max_rate=self.cfg.textenv.max_failure_rate, env_name=self.env_name,
-                           first_error=result.first_error)
+        check_failure_rate(
+            result.failures,
+            n,
+            max_rate=self.cfg.textenv.max_failure_rate,
+            env_name=self.env_name,
+            first_error=result.first_error,
+        )
         learner = self._learner_records(result)
         shift = self._role_baselines(result.trajectories)
-        tensors, extras = trajectory_tensors(result.trajectories, mode=self.mode, pad_id=self.pad_id,
-                                             device=self.device)
+        tensors, extras = trajectory_tensors(
+            result.trajectories, mode=self.mode, pad_id=self.pad_id, device=self.device
+        )
         metrics = episode_metrics(learner)
         # the learner's mean episode return, under the name the progress line and `ppokit plot` read
         metrics["reward_mean"] = metrics.get("env/return_mean", 0.0)
         metrics.update(self._play_metrics(result, n))
-        metrics.update(rows=float(len(tensors["mask"])), trajectories=float(len(result.trajectories)),
-                       action_tokens=float(tensors["mask"].sum()), **shift)
+        metrics.update(
+            rows=float(len(tensors["mask"])),
+            trajectories=float(len(result.trajectories)),
+            action_tokens=float(tensors["mask"].sum()),
+            **shift,
+        )
         if self.pool is not None:
             metrics.update(self._pool_metrics(result, iteration, n))
-        return Batch(tensors=tensors, extras=extras, samples=trajectory_samples(result.trajectories,
-                                                                                 self.cfg.run.log_samples),
-                     metrics=metrics)
+        return Batch(
+            tensors=tensors,
+            extras=extras,
+            samples=trajectory_samples(result.trajectories, self.cfg.run.log_samples),
+            metrics=metrics,
+        )
 
     def _seat_actors(self, iteration: int, n: int) -> Callable[[int, dict], dict]:
         seat_mode = self.cfg.textenv.seat
 
         def seat_actors(i: int, info: dict) -> dict:
-            if "player" not in info or "seat" in info:       # one player, or the environment plays the other seat
+            if "player" not in info or "seat" in info:  # one player, or the environment plays the other seat
                 return {}
             learner = assign_seat(iteration * n + i, mode=seat_mode, seed=self.cfg.seed)
             other = self.pool.sample() if self.pool is not None else CURRENT
@@ -159,10 +197,13 @@ class MultiTurnSource:
         return records
 
     def _play_metrics(self, result: PlayResult, n: int) -> dict[str, float]:
-        out = {"time_env": result.time_env, "time_generate": result.time_generate,
-               "gen_tokens_per_s": result.generated_tokens / max(result.time_generate, 1e-9),
-               "env/failures": float(result.failures),
-               "env/reply_cut_rate": result.cut_replies / max(result.actions, 1)}
+        out = {
+            "time_env": result.time_env,
+            "time_generate": result.time_generate,
+            "gen_tokens_per_s": result.generated_tokens / max(result.time_generate, 1e-9),
+            "env/failures": float(result.failures),
+            "env/reply_cut_rate": result.cut_replies / max(result.actions, 1),
+        }
         for reason in TRUNCATION_REASONS:
             out[f"env/truncated_by_{reason}"] = result.truncations[reason] / n
         if self.opponents is not None:
@@ -201,8 +242,11 @@ class MultiTurnSource:
                 games[outcome] += 1
                 self.pool.record(other, outcome)
         total = sum(games.values())
-        out = {"selfplay/pool_size": float(len(self.pool)), "selfplay/vs_current_episodes": float(current),
-               "selfplay/vs_pool_episodes": float(total)}
+        out = {
+            "selfplay/pool_size": float(len(self.pool)),
+            "selfplay/vs_current_episodes": float(current),
+            "selfplay/vs_pool_episodes": float(total),
+        }
         if total:
             out.update({f"selfplay/vs_pool_{k}_rate": v / total for k, v in games.items()})
         return out
@@ -243,11 +287,20 @@ def trajectory_samples(trajectories: Sequence[Trajectory], k: int) -> list[dict[
     rows = []
     for traj in trajectories[:k]:
         record = traj.record
-        rows.append({"prompt": _text(traj.turns[0].observation), "seat": traj.seat,
-                     "turns": [{"observation": _text(t.observation), "action": t.action_text, "reward": t.reward}
-                               for t in traj.turns],
-                     "reward": traj.episode_return, "outcome": record.outcome if record else None,
-                     "truncated": traj.truncated, "illegal_actions": record.illegal_actions if record else 0})
+        rows.append(
+            {
+                "prompt": _text(traj.turns[0].observation),
+                "seat": traj.seat,
+                "turns": [
+                    {"observation": _text(t.observation), "action": t.action_text, "reward": t.reward}
+                    for t in traj.turns
+                ],
+                "reward": traj.episode_return,
+                "outcome": record.outcome if record else None,
+                "truncated": traj.truncated,
+                "illegal_actions": record.illegal_actions if record else 0,
+            }
+        )
     return rows
 
 
@@ -267,7 +320,7 @@ class TextEnvEvaluator:
 
     at_start = True
 
-    def __init__(self, cfg: Config, generate: Callable, codec: StreamCodec, context: Optional[int], env_name: str):
+    def __init__(self, cfg: Config, generate: Callable, codec: StreamCodec, context: int | None, env_name: str):
         t = cfg.textenv
         self.every = t.eval_every
         self.episodes = t.eval_episodes
@@ -290,25 +343,34 @@ class TextEnvEvaluator:
             records = [r for episode in result.records for r in episode.values()]
             metrics = episode_metrics(records, prefix="")
             where = f"eval{suffix}" + (f"/{opponent}" if opponent is not None else "")
-            for key in ("win_rate", "draw_rate", "loss_rate", "return_mean", "turns_mean", "illegal_action_rate",
-                        "truncated_rate"):
+            for key in (
+                "win_rate",
+                "draw_rate",
+                "loss_rate",
+                "return_mean",
+                "turns_mean",
+                "illegal_action_rate",
+                "truncated_rate",
+            ):
                 out[f"{where}/{key}"] = metrics.get(key, 0.0)
         if phase == "before":
             self.before = dict(out)
         return out
 
-    def message(self, phase: str, metrics: dict[str, float]) -> Optional[str]:
+    def message(self, phase: str, metrics: dict[str, float]) -> str | None:
         suffix = {"before": "_before", "final": "_after"}.get(phase, "")
         label = {"before": "before PPO", "final": "after PPO"}.get(phase, "evaluation")
         parts = []
         for opponent in self.opponents:
             where = f"eval{suffix}" + (f"/{opponent}" if opponent is not None else "")
             vs = f"vs {opponent}" if opponent is not None else "success"
-            parts.append(f"{vs} {metrics[where + '/win_rate']:.1%} (draw {metrics[where + '/draw_rate']:.1%}, "
-                         f"illegal moves {metrics[where + '/illegal_action_rate']:.2%})")
+            parts.append(
+                f"{vs} {metrics[where + '/win_rate']:.1%} (draw {metrics[where + '/draw_rate']:.1%}, "
+                f"illegal moves {metrics[where + '/illegal_action_rate']:.2%})"
+            )
         return f"{label}: " + "; ".join(parts) + f" ({self.episodes} greedy episodes each)"
 
-    def stop_reason(self, metrics: dict[str, float]) -> Optional[str]:
+    def stop_reason(self, metrics: dict[str, float]) -> str | None:
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -325,7 +387,8 @@ def check_env_output(env: Any, name: str) -> str:
     """The environment's observation mode, checked (``state`` or ``message``)."""
     mode = getattr(env, "observation_mode", "state")
     if mode not in ("state", "message"):
-        raise UserError(f"environment '{name}' has observation_mode={mode!r}; it must be 'state' (each observation "
-                        "is the whole context) or 'message' (observations are appended to a conversation)")
+        raise UserError(
+            f"environment '{name}' has observation_mode={mode!r}; it must be 'state' (each observation "
+            "is the whole context) or 'message' (observations are appended to a conversation)"
+        )
     return mode
-

@@ -38,7 +38,7 @@ everything else is environment tokens, with mask 0 in the batch.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.envs.checks import EnvError
 from ppokit.errors import UserError
@@ -53,19 +53,30 @@ class StreamCodec:
     """Tokenises observations for one run: ``tokenizer``, ``mode`` (state | message), ``chat``
     (``data.chat_template``); ``where`` names the model and ``env_name`` the environment in errors."""
 
-    def __init__(self, tokenizer, *, mode: str, chat: bool, where: str = "the model", env_name: str = "the environment",
-                 stop_ids: Optional[list[int]] = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        mode: str,
+        chat: bool,
+        where: str = "the model",
+        env_name: str = "the environment",
+        stop_ids: list[int] | None = None,
+    ):
         if mode not in MODES:
-            raise UserError(f"environment '{env_name}': observation_mode must be one of {', '.join(MODES)} "
-                            f"(got {mode!r})")
+            raise UserError(
+                f"environment '{env_name}': observation_mode must be one of {', '.join(MODES)} (got {mode!r})"
+            )
         if chat and not getattr(tokenizer, "chat_template", None):
-            raise UserError(f"data.chat_template=true, but the tokenizer of {where} has no chat template; use a chat "
-                            "model, or set data.chat_template=false")
+            raise UserError(
+                f"data.chat_template=true, but the tokenizer of {where} has no chat template; use a chat "
+                "model, or set data.chat_template=false"
+            )
         self.tokenizer, self.mode, self.chat, self.where, self.env_name = tokenizer, mode, chat, where, env_name
         self.stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_token_id])
         self.strip_bos = encoder_adds_bos(tokenizer) if chat else False
 
-    def new_stream(self) -> "Stream":
+    def new_stream(self) -> Stream:
         return Stream(self)
 
     # ------------------------------------------------------------------ pieces
@@ -73,12 +84,20 @@ class StreamCodec:
         """A plain-text observation; chat messages without a chat template are an error."""
         if isinstance(observation, str):
             return observation
-        raise EnvError(f"environment '{self.env_name}' gave chat messages as the observation, but data.chat_template "
-                       "is false; set data.chat_template=true (a model with a chat template), or return text")
+        raise EnvError(
+            f"environment '{self.env_name}' gave chat messages as the observation, but data.chat_template "
+            "is false; set data.chat_template=true (a model with a chat template), or return text"
+        )
 
     def render(self, messages: list[dict[str, Any]]) -> str:
-        return apply_template(self.tokenizer, messages, strip_bos=self.strip_bos, generation_prompt=True,
-                              where=self.where, prompt=messages[-1].get("content") if messages else "")
+        return apply_template(
+            self.tokenizer,
+            messages,
+            strip_bos=self.strip_bos,
+            generation_prompt=True,
+            where=self.where,
+            prompt=messages[-1].get("content") if messages else "",
+        )
 
     def encode_prompt(self, text: str) -> list[int]:
         """A stream's first tokens (the encoder's BOS included, as for any prompt)."""
@@ -109,9 +128,9 @@ class Stream:
         self.action_tokens = 0
         self.turns = 0
         self._messages: list[dict[str, Any]] = []
-        self._rendered = ""             # chat: the template's text of the conversation up to the last observation
-        self._last_action: Optional[list[int]] = None
-        self._pending = False           # an observation was given and not yet acted on
+        self._rendered = ""  # chat: the template's text of the conversation up to the last observation
+        self._last_action: list[int] | None = None
+        self._pending = False  # an observation was given and not yet acted on
 
     @property
     def started(self) -> bool:
@@ -177,26 +196,32 @@ class Stream:
         if not c.chat:
             return c.encode_more(c.text_of(observation))
         action = self._last_action or []
-        content = c.decode([t for t in action if t not in c.stop_ids] if action and action[-1] in c.stop_ids
-                           else action, keep_special=False)
+        content = c.decode(
+            [t for t in action if t not in c.stop_ids] if action and action[-1] in c.stop_ids else action,
+            keep_special=False,
+        )
         as_sampled = c.decode(action, keep_special=True)
         messages = self._messages + [{"role": "assistant", "content": content}] + as_messages(observation)
         rendered = c.render(messages)
         turn = self.turns
         if not rendered.startswith(self._rendered):
-            raise UserError(f"the chat template of {c.where} is not append-only: its rendering of the conversation "
-                            f"after turn {turn} does not start with its rendering before it (it rewrites earlier "
-                            "messages), so a multi-turn token stream cannot keep the model's tokens; use a template "
-                            "that only appends, or an environment with observation_mode='state'")
-        rest = rendered[len(self._rendered):]
+            raise UserError(
+                f"the chat template of {c.where} is not append-only: its rendering of the conversation "
+                f"after turn {turn} does not start with its rendering before it (it rewrites earlier "
+                "messages), so a multi-turn token stream cannot keep the model's tokens; use a template "
+                "that only appends, or an environment with observation_mode='state'"
+            )
+        rest = rendered[len(self._rendered) :]
         if rest.startswith(as_sampled):
-            tail = rest[len(as_sampled):]
+            tail = rest[len(as_sampled) :]
         elif action and action[-1] in c.stop_ids and rest.startswith(content):
-            tail = rest[len(content):]          # the template ends the turn with its own text
+            tail = rest[len(content) :]  # the template ends the turn with its own text
         else:
-            raise UserError(f"the chat template of {c.where} does not write the model's reply of turn {turn} as the "
-                            f"model wrote it ({as_sampled[:40]!r} became {rest[:40]!r}), so a multi-turn token "
-                            "stream cannot keep the model's tokens; use a template that writes the assistant's "
-                            "content unchanged, or an environment with observation_mode='state'")
+            raise UserError(
+                f"the chat template of {c.where} does not write the model's reply of turn {turn} as the "
+                f"model wrote it ({as_sampled[:40]!r} became {rest[:40]!r}), so a multi-turn token "
+                "stream cannot keep the model's tokens; use a template that writes the assistant's "
+                "content unchanged, or an environment with observation_mode='state'"
+            )
         self._messages, self._rendered = messages, rendered
         return c.encode_more(tail)

@@ -29,19 +29,20 @@ and, per trajectory (E of them): ``traj_truncated`` (E,), and for those that boo
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ppokit.lm.multi_turn.episodes import Trajectory
 from ppokit.lm.generation.engine import left_pad, position_ids_from
+from ppokit.lm.multi_turn.episodes import Trajectory
 
 __all__ = ["trajectory_rows", "trajectory_tensors"]
 
 
-def trajectory_rows(trajectories: Sequence[Trajectory], mode: str
-                    ) -> list[tuple[int, list[int], list[int], list[tuple[int, int, int, float]]]]:
+def trajectory_rows(
+    trajectories: Sequence[Trajectory], mode: str
+) -> list[tuple[int, list[int], list[int], list[tuple[int, int, int, float]]]]:
     """``(trajectory, prompt ids, response ids, [(start, end, turn, reward)])`` per row;
     ``start:end`` is an action's span in the response ids."""
     rows = []
@@ -52,20 +53,27 @@ def trajectory_rows(trajectories: Sequence[Trajectory], mode: str
             continue
         stream = traj.stream
         first = stream.first_prompt_length
-        spans = stream.action_spans[:len(traj.turns)]
+        spans = stream.action_spans[: len(traj.turns)]
         end = spans[-1][1]
-        rows.append((e, stream.ids[:first], stream.ids[first:end],
-                     [(s - first, t - first, k, turn.reward) for k, ((s, t), turn) in enumerate(zip(spans, traj.turns))]))
+        rows.append(
+            (
+                e,
+                stream.ids[:first],
+                stream.ids[first:end],
+                [(s - first, t - first, k, turn.reward) for k, ((s, t), turn) in enumerate(zip(spans, traj.turns))],
+            )
+        )
     return rows
 
 
-def trajectory_tensors(trajectories: Sequence[Trajectory], *, mode: str, pad_id: int,
-                       device: torch.device | str = "cpu") -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def trajectory_tensors(
+    trajectories: Sequence[Trajectory], *, mode: str, pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """``(tensors, extras)`` of the module docstring."""
     rows = trajectory_rows(trajectories, mode)
     if not rows:
         raise ValueError("no trajectory has a turn to train on")
-    prompt_ids, prompt_mask = left_pad([r[1] for r in rows], pad_id)                # (N, P)
+    prompt_ids, prompt_mask = left_pad([r[1] for r in rows], pad_id)  # (N, P)
     N, R = len(rows), max(len(r[2]) for r in rows)
     responses = torch.full((N, R), pad_id, dtype=torch.long)
     response_attention = torch.zeros((N, R), dtype=torch.long)
@@ -74,20 +82,30 @@ def trajectory_tensors(trajectories: Sequence[Trajectory], *, mode: str, pad_id:
     turn_index = torch.full((N, R), -1, dtype=torch.long)
     traj_index = torch.tensor([r[0] for r in rows], dtype=torch.long)
     for n, (_, _, response, spans) in enumerate(rows):
-        responses[n, :len(response)] = torch.tensor(response, dtype=torch.long)
-        response_attention[n, :len(response)] = 1
+        responses[n, : len(response)] = torch.tensor(response, dtype=torch.long)
+        response_attention[n, : len(response)] = 1
         for start, end, turn, reward in spans:
             mask[n, start:end] = 1.0
             turn_index[n, start:end] = turn
             token_scores[n, end - 1] += reward
-    attention_mask = torch.cat([prompt_mask, response_attention], 1)                # (N, P + R)
-    tensors = {"input_ids": torch.cat([prompt_ids, responses], 1), "attention_mask": attention_mask,
-               "position_ids": position_ids_from(attention_mask), "responses": responses, "mask": mask,
-               "token_scores": token_scores, "turn_index": turn_index, "traj_index": traj_index}
+    attention_mask = torch.cat([prompt_mask, response_attention], 1)  # (N, P + R)
+    tensors = {
+        "input_ids": torch.cat([prompt_ids, responses], 1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from(attention_mask),
+        "responses": responses,
+        "mask": mask,
+        "token_scores": token_scores,
+        "turn_index": turn_index,
+        "traj_index": traj_index,
+    }
     extras = {"traj_truncated": torch.tensor([t.truncated for t in trajectories], dtype=torch.bool)}
     boot = [(e, t.bootstrap_ids) for e, t in enumerate(trajectories) if t.bootstrap_ids is not None]
     if boot:
         ids, am = left_pad([b for _, b in boot], pad_id)
-        extras.update(bootstrap_input_ids=ids, bootstrap_attention_mask=am,
-                      bootstrap_traj=torch.tensor([e for e, _ in boot], dtype=torch.long))
+        extras.update(
+            bootstrap_input_ids=ids,
+            bootstrap_attention_mask=am,
+            bootstrap_traj=torch.tensor([e for e, _ in boot], dtype=torch.long),
+        )
     return {k: v.to(device) for k, v in tensors.items()}, {k: v.to(device) for k, v in extras.items()}

@@ -20,8 +20,9 @@ in state mode, one per seat in message mode), so each epoch is split into
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ppokit.components import Components
 from ppokit.config import Config
@@ -33,7 +34,7 @@ from ppokit.lm.single_turn.workload import KL_METRIC_ROWS, LMLearner, _print, ne
 __all__ = ["MultiTurnWorkload", "demonstration_examples", "legal_action_reward"]
 
 SFT_EVAL_RECORDS = 256
-SFT_EVAL_SEED = 10**12          # held-out demonstration episodes: seeds far from the training ones
+SFT_EVAL_SEED = 10**12  # held-out demonstration episodes: seeds far from the training ones
 
 
 def legal_action_reward(prompt: str, response: str, *, legal_actions: list, **_: Any) -> float:
@@ -51,25 +52,37 @@ def demonstration_examples(env: Any, policy_kind: str, n: int, *, seed: int, nam
     if policy_kind in ("random", "random_wins"):
         _, info = checked_reset(env, seed=seed, name=name)
         if not info.get("legal_actions"):
-            raise UserError(f"textenv.sft_policy={policy_kind} needs an environment that lists info['legal_actions'] "
-                            f"('{name}' does not); use textenv.sft_policy=expert")
+            raise UserError(
+                f"textenv.sft_policy={policy_kind} needs an environment that lists info['legal_actions'] "
+                f"('{name}' does not); use textenv.sft_policy=expert"
+            )
         policy = random_legal_policy(random.Random(seed))
     else:
         try:
             policy = expert_policy(env)
         except TypeError:
-            raise UserError(f"textenv.sft_policy=expert needs the environment's expert_action() ('{name}' has "
-                            "none); use textenv.sft_policy=random or data.sft_epochs=0") from None
+            raise UserError(
+                f"textenv.sft_policy=expert needs the environment's expert_action() ('{name}' has "
+                "none); use textenv.sft_policy=random or data.sft_epochs=0"
+            ) from None
     records: list[dict[str, Any]] = []
-    turns: list[dict[str, Any]] = []           # this episode's, in turn order
+    turns: list[dict[str, Any]] = []  # this episode's, in turn order
 
     def recording(observation: Any, info: dict) -> str:
         if not isinstance(observation, str):
-            raise UserError(f"environment '{name}': a warm start from demonstrations needs text observations "
-                            "(observation_mode='state'); set data.sft_epochs=0")
+            raise UserError(
+                f"environment '{name}': a warm start from demonstrations needs text observations "
+                "(observation_mode='state'); set data.sft_epochs=0"
+            )
         action = policy(observation, info)
-        turns.append({"prompt": observation, "completion": action, "answer": action,
-                      "legal_actions": list(info.get("legal_actions") or [])})
+        turns.append(
+            {
+                "prompt": observation,
+                "completion": action,
+                "answer": action,
+                "legal_actions": list(info.get("legal_actions") or []),
+            }
+        )
         return action
 
     episode = 0
@@ -83,9 +96,11 @@ def demonstration_examples(env: Any, policy_kind: str, n: int, *, seed: int, nam
             records.extend(turns)
         episode += 1
         if episode > 1000 * n:
-            raise UserError(f"environment '{name}': {episode} demonstration episodes gave only {len(records)} "
-                            f"turns{' of winning seats' if policy_kind == 'random_wins' else ''}; use "
-                            "textenv.sft_policy=random")
+            raise UserError(
+                f"environment '{name}': {episode} demonstration episodes gave only {len(records)} "
+                f"turns{' of winning seats' if policy_kind == 'random_wins' else ''}; use "
+                "textenv.sft_policy=random"
+            )
     return records[:n]
 
 
@@ -113,13 +128,19 @@ class MultiTurnWorkload:
 
     def build(self, run_dir: Path) -> Components:
         from ppokit import algo
+        from ppokit.lm.generation.engine import RolloutEngine, max_positions
         from ppokit.lm.model.device import one_thread_if_small
         from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
-        from ppokit.lm.multi_turn.source import (MultiTurnSource, TextEnvEvaluator, check_env_output, engine_generate,
-                                         make_envs, player_for)
-        from ppokit.lm.multi_turn.opponents import AdapterSnapshots
         from ppokit.lm.model.policy import build_policy, lora_config
-        from ppokit.lm.generation.engine import RolloutEngine, max_positions
+        from ppokit.lm.multi_turn.opponents import AdapterSnapshots
+        from ppokit.lm.multi_turn.source import (
+            MultiTurnSource,
+            TextEnvEvaluator,
+            check_env_output,
+            engine_generate,
+            make_envs,
+            player_for,
+        )
         from ppokit.lm.multi_turn.streams import StreamCodec
 
         cfg, t, a = self.cfg, self.cfg.textenv, self.cfg.algo
@@ -143,35 +164,70 @@ class MultiTurnWorkload:
         engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
         opponent_engine = None
         if opponents is not None:
-            opponent_engine = RolloutEngine(policy.actor_model, tokenizer, cfg.rollout,
-                                            autocast_dtype=policy.autocast_dtype, activate=opponents.activate,
-                                            kv_cache=kv_cache, eos_ids=engine.eos_ids)
-        codec = StreamCodec(tokenizer, mode=mode, chat=cfg.data.chat_template, where=f"model.path={cfg.model.path}",
-                            env_name=env_name, stop_ids=engine.eos_ids)
+            opponent_engine = RolloutEngine(
+                policy.actor_model,
+                tokenizer,
+                cfg.rollout,
+                autocast_dtype=policy.autocast_dtype,
+                activate=opponents.activate,
+                kv_cache=kv_cache,
+                eos_ids=engine.eos_ids,
+            )
+        codec = StreamCodec(
+            tokenizer,
+            mode=mode,
+            chat=cfg.data.chat_template,
+            where=f"model.path={cfg.model.path}",
+            env_name=env_name,
+            stop_ids=engine.eos_ids,
+        )
         context = max_positions(engine.model)
         generate = engine_generate(engine, opponents, opponent_engine)
-        player = player_for(cfg, make_envs(t.env, t.kwargs, cfg.train.batch_size), codec, generate, context,
-                            env_name)
-        source = MultiTurnSource(cfg, player, mode=mode, pad_id=tokenizer.pad_token_id, device=device,
-                                 opponents=opponents, env_name=env_name)
-        learner = LMLearner(cfg, policy, tokenizer, model_path,
-                            num_mini_batches=cfg.train.batch_size // cfg.mini_batch_size,
-                            horizon=t.max_episode_tokens)
-        kl_ctrl = algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
-                                          a.kl_ctrl.horizon) if a.use_kl_in_reward else None
-        scorer = Scorer(policy, cfg.train.infer_micro_batch_size, need_reference=needs_ref_log_prob(cfg),
-                        metric_rows=KL_METRIC_ROWS, need_old_log_prob=learner.needs_scored_old_log_prob(),
-                        kl_ctrl=kl_ctrl, kl_penalty=a.kl_penalty, micro_batch_tokens=cfg.train.micro_batch_tokens)
+        player = player_for(cfg, make_envs(t.env, t.kwargs, cfg.train.batch_size), codec, generate, context, env_name)
+        source = MultiTurnSource(
+            cfg, player, mode=mode, pad_id=tokenizer.pad_token_id, device=device, opponents=opponents, env_name=env_name
+        )
+        learner = LMLearner(
+            cfg,
+            policy,
+            tokenizer,
+            model_path,
+            num_mini_batches=cfg.train.batch_size // cfg.mini_batch_size,
+            horizon=t.max_episode_tokens,
+        )
+        kl_ctrl = (
+            algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
+            if a.use_kl_in_reward
+            else None
+        )
+        scorer = Scorer(
+            policy,
+            cfg.train.infer_micro_batch_size,
+            need_reference=needs_ref_log_prob(cfg),
+            metric_rows=KL_METRIC_ROWS,
+            need_old_log_prob=learner.needs_scored_old_log_prob(),
+            kl_ctrl=kl_ctrl,
+            kl_penalty=a.kl_penalty,
+            micro_batch_tokens=cfg.train.micro_batch_tokens,
+        )
         evaluator = None
         if t.eval_episodes:
             evaluator = TextEnvEvaluator(cfg, engine_generate(engine), codec, context, env_name)
         precision = "bf16" if autocast_dtype is not None else "fp32"
         trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-        header = [f"lm on {env_name} ({mode} mode, credit by {a.credit}): {model_path} ({cfg.model.mode}, "
-                  f"{trainable:,} trainable parameters), {device}, {precision}{accel_note}, {cfg.iterations} "
-                  f"iterations of {cfg.train.batch_size} episodes"]
-        return Components(source=source, learner=learner, scorer=scorer, evaluator=evaluator,
-                          description=cfg.preset or f"lm-{t.env}", header=header)
+        header = [
+            f"lm on {env_name} ({mode} mode, credit by {a.credit}): {model_path} ({cfg.model.mode}, "
+            f"{trainable:,} trainable parameters), {device}, {precision}{accel_note}, {cfg.iterations} "
+            f"iterations of {cfg.train.batch_size} episodes"
+        ]
+        return Components(
+            source=source,
+            learner=learner,
+            scorer=scorer,
+            evaluator=evaluator,
+            description=cfg.preset or f"lm-{t.env}",
+            header=header,
+        )
 
     def _prepare_model(self, run_dir: Path, env: Any, env_name: str, mode: str) -> Path:
         """The backbone: model.path or the tiny model, warm-started on demonstrations when data.sft_epochs > 0."""
@@ -179,11 +235,13 @@ class MultiTurnWorkload:
         if not cfg.data.sft_epochs:
             return prepare_model(cfg, run_dir, [], None, _print)
         if mode != "state":
-            raise UserError(f"environment '{env_name}' has observation_mode='message'; a warm start from "
-                            "demonstrations needs 'state' observations: set data.sft_epochs=0")
+            raise UserError(
+                f"environment '{env_name}' has observation_mode='message'; a warm start from "
+                "demonstrations needs 'state' observations: set data.sft_epochs=0"
+            )
         from ppokit.lm.single_turn.workload import BASE_MODEL_DIR, BASE_MODEL_MARKER
 
-        if (run_dir / BASE_MODEL_DIR / BASE_MODEL_MARKER).is_file():      # a resumed run: warm-started already
+        if (run_dir / BASE_MODEL_DIR / BASE_MODEL_MARKER).is_file():  # a resumed run: warm-started already
             return prepare_model(cfg, run_dir, [], None, _print)
         kind = cfg.textenv.sft_policy
         train = demonstration_examples(env, kind, cfg.data.sft_examples, seed=cfg.seed, name=env_name)
@@ -195,7 +253,8 @@ class MultiTurnWorkload:
             held_out = render_records(held_out, chat_render(cfg))
         reward: Callable = legal_action_reward if kind != "expert" else "exact_match"
         score = "the legal-action rate" if kind != "expert" else "agreement with the expert"
-        _print(f"warm start on {len(train)} {kind} demonstration turns of {env_name} (held out: "
-               f"{len(held_out)}, scored by {score})")
+        _print(
+            f"warm start on {len(train)} {kind} demonstration turns of {env_name} (held out: "
+            f"{len(held_out)}, scored by {score})"
+        )
         return prepare_model(cfg, run_dir, held_out, reward, _print, sft_examples=train)
-

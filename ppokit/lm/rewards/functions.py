@@ -31,13 +31,14 @@ import inspect
 import math
 import numbers
 import re
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ppokit.errors import UserError, did_you_mean
 from ppokit.user_code import is_user_spec, load_user_object, one_line_error
 
 RewardCallable = Callable[..., float]
-INTERNAL_PREFIX = "_ppokit"      # record keys ppokit keeps for itself (ppokit.lm.data.chat.RAW_PROMPT)
+INTERNAL_PREFIX = "_ppokit"  # record keys ppokit keeps for itself (ppokit.lm.data.chat.RAW_PROMPT)
 
 # A number: optional sign (only where it cannot be a minus between two operands, as in "3-5"),
 # digits with optional thousands commas, optional decimals and exponent; or a bare ".5".
@@ -52,7 +53,7 @@ def exact_match(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
     return float(response.strip() == str(answer).strip())
 
 
-def _to_float(text: str) -> Optional[float]:
+def _to_float(text: str) -> float | None:
     try:
         value = float(text.replace(",", ""))
     except (ValueError, OverflowError):
@@ -60,19 +61,19 @@ def _to_float(text: str) -> Optional[float]:
     return value if math.isfinite(value) else None
 
 
-def parse_first_number(text: str) -> Optional[float]:
+def parse_first_number(text: str) -> float | None:
     """The first number in ``text`` (``-12``, ``3.5``, ``1,234``, ``2e3``), or None."""
     match = _NUMBER.search(text)
     return None if match is None else _to_float(match.group())
 
 
-def parse_last_number(text: str) -> Optional[float]:
+def parse_last_number(text: str) -> float | None:
     """The last number in ``text``, or None."""
     matches = _NUMBER.findall(text)
     return _to_float(matches[-1]) if matches else None
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     r"""The content of the last ``\boxed{...}`` (or ``\fbox{...}``) in ``text``, nested braces
     matched (``\boxed{\frac{1}{2}}`` -> ``\frac{1}{2}``); None if there is none or it is unclosed."""
     for match in reversed(list(_BOXED.finditer(text))):
@@ -87,7 +88,7 @@ def last_boxed(text: str) -> Optional[str]:
     return None
 
 
-def final_number(text: str) -> Optional[float]:
+def final_number(text: str) -> float | None:
     r"""The number a chain-of-thought response gives as its final answer, or None.
 
     The rule, in order:
@@ -113,8 +114,9 @@ def final_number(text: str) -> Optional[float]:
     return parse_last_number(text)
 
 
-def numeric_match(prompt: str, response: str, *, answer: Any, rel_tol: float = 1e-6,
-                  abs_tol: float = 1e-6, **_: Any) -> float:
+def numeric_match(
+    prompt: str, response: str, *, answer: Any, rel_tol: float = 1e-6, abs_tol: float = 1e-6, **_: Any
+) -> float:
     r"""1.0 when the response's final number equals ``answer`` numerically, else 0.0.
 
     The response's number is :func:`final_number`'s: the one after ``####``, else the single
@@ -123,8 +125,11 @@ def numeric_match(prompt: str, response: str, *, answer: Any, rel_tol: float = 1
     (``"42"``, ``"... #### 42"``). Equal within ``max(abs_tol, rel_tol * |answer|)``; 0.0 when
     the response has no number.
     """
-    target = float(answer) if isinstance(answer, numbers.Real) and not isinstance(answer, bool) \
+    target = (
+        float(answer)
+        if isinstance(answer, numbers.Real) and not isinstance(answer, bool)
         else final_number(str(answer))
+    )
     if target is None or not math.isfinite(target):
         raise ValueError(f"the answer field {answer!r} is not a number")
     got = final_number(response)
@@ -142,7 +147,7 @@ def math_reward(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
     return score(prompt, response, answer=answer)
 
 
-def code_reward(prompt: str, response: str, *, tests: Any, **fields: Any) -> tuple[float, Optional[str]]:
+def code_reward(prompt: str, response: str, *, tests: Any, **fields: Any) -> tuple[float, str | None]:
     """The fraction of ``tests`` the response's Python program passes in a sandbox, and why
     it failed: :func:`ppokit.lm.rewards.sandbox.code_reward` (the test format is documented there)."""
     from ppokit.lm.rewards.sandbox import code_reward as score
@@ -150,8 +155,7 @@ def code_reward(prompt: str, response: str, *, tests: Any, **fields: Any) -> tup
     return score(prompt, response, tests=tests, **fields)
 
 
-def countdown_reward(prompt: str, response: str, *, numbers: Any, target: Any,
-                     **_: Any) -> tuple[float, Optional[str]]:
+def countdown_reward(prompt: str, response: str, *, numbers: Any, target: Any, **_: Any) -> tuple[float, str | None]:
     """1.0 when the response's expression reaches ``target`` from ``numbers`` (each at most
     once, ``+ - * /``): :func:`ppokit.lm.data.countdown.countdown_reward`."""
     from ppokit.lm.data.countdown import countdown_reward as score
@@ -172,12 +176,16 @@ def _warm_up_code() -> None:
 
 
 # A reward worker calls fn.warm_up() once before its first sample (ppokit.lm.rewards.pool).
-math_reward.warm_up = _warm_up_math          # type: ignore[attr-defined]
-code_reward.warm_up = _warm_up_code          # type: ignore[attr-defined]
+math_reward.warm_up = _warm_up_math  # type: ignore[attr-defined]
+code_reward.warm_up = _warm_up_code  # type: ignore[attr-defined]
 
-BUILTIN_REWARDS: dict[str, RewardCallable] = {"exact_match": exact_match, "numeric_match": numeric_match,
-                                              "math": math_reward, "code": code_reward,
-                                              "countdown": countdown_reward}
+BUILTIN_REWARDS: dict[str, RewardCallable] = {
+    "exact_match": exact_match,
+    "numeric_match": numeric_match,
+    "math": math_reward,
+    "code": code_reward,
+    "countdown": countdown_reward,
+}
 # Built-ins that cannot hang on any text (countdown's expressions are size-limited): cheap
 # enough to score in the trainer's process.
 IN_PROCESS_REWARDS = frozenset({"exact_match", "numeric_match", "countdown"})
@@ -191,14 +199,16 @@ class RewardFunction:
         self.fn = fn
         self.spec = spec
         self.name = spec
-        if any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
-               for f in (fn, getattr(fn, "__call__", None))):
-            raise UserError(f"reward function '{spec}' is an async def; rewards are called synchronously, "
-                            "so make it a plain def that returns a float")
+        call = getattr(fn, "__call__", None)  # noqa: B004 (an object's async __call__ counts too)
+        if any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in (fn, call)):
+            raise UserError(
+                f"reward function '{spec}' is an async def; rewards are called synchronously, "
+                "so make it a plain def that returns a float"
+            )
         try:
             signature = inspect.signature(fn)
             params = signature.parameters.values()
-        except (TypeError, ValueError):          # some builtins/C callables have no signature
+        except (TypeError, ValueError):  # some builtins/C callables have no signature
             params = None
         if params is None:
             self._takes_all, self._accepted, self._required = True, set(), set()
@@ -207,15 +217,19 @@ class RewardFunction:
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         has_varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
         if len(positional) < 2 and not has_varargs:
-            raise UserError(f"reward function '{spec}' must take (prompt, response, **fields), prompt and "
-                            f"response as its first two positional parameters; it takes {signature}")
+            raise UserError(
+                f"reward function '{spec}' must take (prompt, response, **fields), prompt and "
+                f"response as its first two positional parameters; it takes {signature}"
+            )
         rest = positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY]
         self._accepted = {p.name for p in rest}
         self._required = {p.name for p in rest if p.default is p.empty}
         positional_only_extra = [p.name for p in positional[2:] if p.kind is p.POSITIONAL_ONLY]
         if positional_only_extra:
-            raise UserError(f"reward function '{spec}': field parameters must be passable by name "
-                            f"({', '.join(positional_only_extra)} are positional-only)")
+            raise UserError(
+                f"reward function '{spec}': field parameters must be passable by name "
+                f"({', '.join(positional_only_extra)} are positional-only)"
+            )
 
     def select_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
         """The fields this function accepts; raises KeyError naming a missing required one."""
@@ -246,16 +260,21 @@ def load_reward_fn(spec: str | RewardCallable) -> RewardFunction:
     if callable(spec):
         return RewardFunction(spec, getattr(spec, "__qualname__", None) or getattr(spec, "__name__", repr(spec)))
     if not isinstance(spec, str) or not spec.strip():
-        raise UserError(f"a reward function must be a built-in name ({', '.join(BUILTIN_REWARDS)}), "
-                        f"module:function or path/to/file.py:function (got {spec!r})")
+        raise UserError(
+            f"a reward function must be a built-in name ({', '.join(BUILTIN_REWARDS)}), "
+            f"module:function or path/to/file.py:function (got {spec!r})"
+        )
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return RewardFunction(BUILTIN_REWARDS[spec], spec)
     if not is_user_spec(spec):
-        raise UserError(f"unknown reward function '{spec}'{did_you_mean(spec, BUILTIN_REWARDS)} built-ins: "
-                        f"{', '.join(BUILTIN_REWARDS)}; or give module:function or path/to/file.py:function")
-    fn = load_user_object(spec, what="reward function", kind="function",
-                          fix="point at a def taking (prompt, response, **fields)")
+        raise UserError(
+            f"unknown reward function '{spec}'{did_you_mean(spec, BUILTIN_REWARDS)} built-ins: "
+            f"{', '.join(BUILTIN_REWARDS)}; or give module:function or path/to/file.py:function"
+        )
+    fn = load_user_object(
+        spec, what="reward function", kind="function", fix="point at a def taking (prompt, response, **fields)"
+    )
     return RewardFunction(fn, spec)
 
 
@@ -266,8 +285,12 @@ def reward_fields(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k != "prompt" and not k.startswith(INTERNAL_PREFIX)}
 
 
-def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses: Sequence[str],
-                    fields_list: Optional[Sequence[dict[str, Any]]] = None) -> list[float]:
+def score_responses(
+    fn: str | RewardCallable,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    fields_list: Sequence[dict[str, Any]] | None = None,
+) -> list[float]:
     """Call the reward function on each sample; a list of floats.
 
     A raised exception, or a return that is not a finite number, becomes a UserError
@@ -277,21 +300,24 @@ def score_responses(fn: str | RewardCallable, prompts: Sequence[str], responses:
     if fields_list is None:
         fields_list = [{}] * len(prompts)
     if not len(prompts) == len(responses) == len(fields_list):
-        raise ValueError(f"score_responses: {len(prompts)} prompts, {len(responses)} responses and "
-                         f"{len(fields_list)} field dicts must have the same length")
+        raise ValueError(
+            f"score_responses: {len(prompts)} prompts, {len(responses)} responses and "
+            f"{len(fields_list)} field dicts must have the same length"
+        )
     scores = []
     for i, (prompt, response, fields) in enumerate(zip(prompts, responses, fields_list)):
         fields = reward_fields(fields)
         try:
             value = reward(prompt, response, **fields)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed
-            raise UserError(f"reward function '{reward.name}' failed on sample {i} (prompt {_short(prompt)}): "
-                            f"{one_line_error(exc)}") from None
+            raise UserError(
+                f"reward function '{reward.name}' failed on sample {i} (prompt {_short(prompt)}): {one_line_error(exc)}"
+            ) from None
         scores.append(_as_score(value, reward.name, i, prompt))
     return scores
 
 
-def split_outcome(value: Any) -> tuple[Any, Optional[str]]:
+def split_outcome(value: Any) -> tuple[Any, str | None]:
     """A reward function's return as ``(score, note)``: a function may return a number, or
     ``(number, reason)`` where ``reason`` (a string, or None) says why the score is low
     (the ``code`` reward's "timeout", say); notes are counted, not errors."""
@@ -302,24 +328,32 @@ def split_outcome(value: Any) -> tuple[Any, Optional[str]]:
 
 def _as_score(value: Any, name: str, index: int, prompt: str) -> float:
     value, _ = split_outcome(value)
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):       # numpy / torch scalar
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy / torch scalar
         item = value.item()
         if not isinstance(item, numbers.Real):
-            raise UserError(f"reward function '{name}' returned {value!r} on sample {index} "
-                            f"(prompt {_short(prompt)}); it must return a number")
+            raise UserError(
+                f"reward function '{name}' returned {value!r} on sample {index} "
+                f"(prompt {_short(prompt)}); it must return a number"
+            )
         value = item
     if isinstance(value, numbers.Real):
         try:
             score = float(value)
         except OverflowError:
-            raise UserError(f"reward function '{name}' returned a number too large for a float on sample {index} "
-                            f"(prompt {_short(prompt)}); rewards must be finite floats") from None
+            raise UserError(
+                f"reward function '{name}' returned a number too large for a float on sample {index} "
+                f"(prompt {_short(prompt)}); rewards must be finite floats"
+            ) from None
     else:
-        raise UserError(f"reward function '{name}' returned {type(value).__name__} {_short(repr(value))} on sample "
-                        f"{index} (prompt {_short(prompt)}); it must return a float")
+        raise UserError(
+            f"reward function '{name}' returned {type(value).__name__} {_short(repr(value))} on sample "
+            f"{index} (prompt {_short(prompt)}); it must return a float"
+        )
     if not math.isfinite(score):
-        raise UserError(f"reward function '{name}' returned {score} on sample {index} (prompt {_short(prompt)}); "
-                        "rewards must be finite")
+        raise UserError(
+            f"reward function '{name}' returned {score} on sample {index} (prompt {_short(prompt)}); "
+            "rewards must be finite"
+        )
     return score
 
 

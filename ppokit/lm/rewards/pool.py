@@ -44,18 +44,19 @@ import sys
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from ppokit.errors import UserError
 
 ERROR_KINDS = ("error", "bad_value", "timeout", "worker_died")
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_ERRORS = 0.1
-START_TIMEOUT = 120.0          # seconds for a worker to import the reward function
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])       # the folder holding ppokit/
+START_TIMEOUT = 120.0  # seconds for a worker to import the reward function
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding ppokit/
 
 
 # ----------------------------------------------------------------------------- results
@@ -69,8 +70,8 @@ class RewardResults:
     """
 
     scores: list[float]
-    errors: list[Optional[tuple[str, str]]]
-    notes: list[Optional[str]] = field(default_factory=list)
+    errors: list[tuple[str, str] | None]
+    notes: list[str | None] = field(default_factory=list)
 
     @property
     def num_errors(self) -> int:
@@ -94,7 +95,7 @@ class RewardResults:
         return out
 
 
-def error_limit(max_reward_errors: Optional[float], batch_size: int) -> Optional[int]:
+def error_limit(max_reward_errors: float | None, batch_size: int) -> int | None:
     """The number of errors a batch of ``batch_size`` may have: ``max_reward_errors`` itself
     when it is 1 or more, else that fraction of the batch (rounded down); None = no limit."""
     if max_reward_errors is None:
@@ -104,7 +105,7 @@ def error_limit(max_reward_errors: Optional[float], batch_size: int) -> Optional
     return int(max_reward_errors)
 
 
-def check_error_limit(results: RewardResults, max_reward_errors: Optional[float], name: str) -> None:
+def check_error_limit(results: RewardResults, max_reward_errors: float | None, name: str) -> None:
     """Raise a one-line :class:`UserError` when ``results`` has more errors than allowed."""
     limit = error_limit(max_reward_errors, len(results.scores))
     if limit is None or results.num_errors <= limit:
@@ -113,21 +114,27 @@ def check_error_limit(results: RewardResults, max_reward_errors: Optional[float]
     reason, count = reasons.most_common(1)[0]
     first = next(i for i, e in enumerate(results.errors) if e is not None and e[1] == reason)
     allowed = f"{max_reward_errors:g} of the batch" if max_reward_errors < 1 else f"{limit}"
-    raise UserError(f"reward function '{name}' failed on {results.num_errors} of {len(results.scores)} samples "
-                    f"(more than data.max_reward_errors={allowed}); most often ({count}x, first on sample {first}): "
-                    f"{reason}; fix the function, or raise data.max_reward_errors")
+    raise UserError(
+        f"reward function '{name}' failed on {results.num_errors} of {len(results.scores)} samples "
+        f"(more than data.max_reward_errors={allowed}); most often ({count}x, first on sample {first}): "
+        f"{reason}; fix the function, or raise data.max_reward_errors"
+    )
 
 
-def _check_options(timeout: Optional[float], reward_on_error: float, max_reward_errors: Optional[float]) -> None:
-    if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                                    and 0 < timeout < math.inf):
+def _check_options(timeout: float | None, reward_on_error: float, max_reward_errors: float | None) -> None:
+    if timeout is not None and not (
+        isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf
+    ):
         raise UserError(f"the reward time limit must be a positive number of seconds (got {timeout!r})")
     if not (isinstance(reward_on_error, (int, float)) and math.isfinite(reward_on_error)):
         raise UserError(f"reward_on_error must be a finite number (got {reward_on_error!r})")
-    if max_reward_errors is not None and not (isinstance(max_reward_errors, (int, float))
-                                              and max_reward_errors >= 0 and math.isfinite(max_reward_errors)):
-        raise UserError("max_reward_errors must be a count (>= 1), a fraction of the batch (< 1), or null "
-                        f"(got {max_reward_errors!r})")
+    if max_reward_errors is not None and not (
+        isinstance(max_reward_errors, (int, float)) and max_reward_errors >= 0 and math.isfinite(max_reward_errors)
+    ):
+        raise UserError(
+            "max_reward_errors must be a count (>= 1), a fraction of the batch (< 1), or null "
+            f"(got {max_reward_errors!r})"
+        )
 
 
 # ------------------------------------------------------------------------- in-process
@@ -135,8 +142,9 @@ class InProcessScorer:
     """Scores in the calling process: errors caught per sample, no time limit. For the
     built-ins that cannot hang (:data:`ppokit.lm.rewards.functions.IN_PROCESS_REWARDS`)."""
 
-    def __init__(self, spec: Any, *, reward_on_error: float = 0.0,
-                 max_reward_errors: Optional[float] = DEFAULT_MAX_ERRORS) -> None:
+    def __init__(
+        self, spec: Any, *, reward_on_error: float = 0.0, max_reward_errors: float | None = DEFAULT_MAX_ERRORS
+    ) -> None:
         from ppokit.lm.rewards.functions import load_reward_fn
 
         _check_options(None, reward_on_error, max_reward_errors)
@@ -145,8 +153,9 @@ class InProcessScorer:
         self.reward_on_error = float(reward_on_error)
         self.max_reward_errors = max_reward_errors
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str],
-              fields_list: Optional[Sequence[dict[str, Any]]] = None) -> RewardResults:
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], fields_list: Sequence[dict[str, Any]] | None = None
+    ) -> RewardResults:
         tasks = _tasks(prompts, responses, fields_list)
         results = RewardResults([self.reward_on_error] * len(tasks), [None] * len(tasks), [None] * len(tasks))
         for index, prompt, response, fields in tasks:
@@ -158,7 +167,7 @@ class InProcessScorer:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "InProcessScorer":
+    def __enter__(self) -> InProcessScorer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -172,22 +181,30 @@ class _Worker:
     def __init__(self, payload: tuple) -> None:
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                               if p])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", "from ppokit.lm.rewards.pool import _worker_entry; _worker_entry()",
-                 str(child_sock.fileno())],
-                pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True)            # Ctrl-C in a terminal is the trainer's to handle
+                [
+                    sys.executable,
+                    "-c",
+                    "from ppokit.lm.rewards.pool import _worker_entry; _worker_entry()",
+                    str(child_sock.fileno()),
+                ],
+                pass_fds=[child_sock.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )  # Ctrl-C in a terminal is the trainer's to handle
         finally:
-            child_sock.close()                      # the worker's end: EOF here when the worker dies
+            child_sock.close()  # the worker's end: EOF here when the worker dies
         self.conn = Connection(parent_sock.detach())
         self.conn.send(payload)
         self.ready = False
         self.spawned = time.monotonic()
-        self.chunk: deque[int] = deque()            # sample indices sent and not answered yet
-        self.started = 0.0                          # when chunk[0] began (as seen from here)
+        self.chunk: deque[int] = deque()  # sample indices sent and not answered yet
+        self.started = 0.0  # when chunk[0] began (as seen from here)
 
     @property
     def pid(self) -> int:
@@ -219,9 +236,16 @@ class RewardPool:
     as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, spec: Any, *, num_workers: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT,
-                 reward_on_error: float = 0.0, max_reward_errors: Optional[float] = DEFAULT_MAX_ERRORS,
-                 start_timeout: float = START_TIMEOUT) -> None:
+    def __init__(
+        self,
+        spec: Any,
+        *,
+        num_workers: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        reward_on_error: float = 0.0,
+        max_reward_errors: float | None = DEFAULT_MAX_ERRORS,
+        start_timeout: float = START_TIMEOUT,
+    ) -> None:
         from ppokit.lm.rewards.functions import load_reward_fn
 
         _check_options(timeout, reward_on_error, max_reward_errors)
@@ -231,7 +255,7 @@ class RewardPool:
             raise UserError(f"reward workers must be a positive integer (got {num_workers!r})")
         if timeout is None:
             raise UserError("the reward pool needs a time limit per sample (timeout, in seconds)")
-        reward = load_reward_fn(spec)           # a bad spec fails here, in one line, before any worker starts
+        reward = load_reward_fn(spec)  # a bad spec fails here, in one line, before any worker starts
         self.name = reward.name
         self.timeout = float(timeout)
         self.reward_on_error = float(reward_on_error)
@@ -270,7 +294,7 @@ class RewardPool:
                 pass
             worker.kill()
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -293,8 +317,9 @@ class RewardPool:
         self.workers_replaced += 1
 
     # ------------------------------------------------------------------- scoring
-    def score(self, prompts: Sequence[str], responses: Sequence[str],
-              fields_list: Optional[Sequence[dict[str, Any]]] = None) -> RewardResults:
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], fields_list: Sequence[dict[str, Any]] | None = None
+    ) -> RewardResults:
         """Scores of a batch in input order (:class:`RewardResults`); raises :class:`UserError`
         when the batch has more than ``max_reward_errors`` errors."""
         if self._closed:
@@ -305,7 +330,7 @@ class RewardPool:
         chunk_size = max(1, min(32, -(-len(tasks) // (4 * len(self._workers)))))
         busy: list[_Worker] = []
         while pending or busy:
-            for worker in self._workers:                      # hand out work to idle, ready workers
+            for worker in self._workers:  # hand out work to idle, ready workers
                 if worker.ready and pending and worker not in busy:
                     indices = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
                     worker.chunk = deque(indices)
@@ -328,38 +353,48 @@ class RewardPool:
                 self._on_start_message(worker)
                 continue
             try:
-                while worker.chunk:                            # drain what this worker has sent
+                while worker.chunk:  # drain what this worker has sent
                     index, status, value, note = conn.recv()
                     worker.chunk.popleft()
                     worker.started = time.monotonic()
                     _record(results, index, status, value, note, self.reward_on_error)
                     if not conn.poll():
                         break
-            except (EOFError, OSError):                        # the worker died (os._exit, a signal, OOM)
-                self._give_up_on(worker, "worker_died", f"the worker process died ({worker.exit_description()})",
-                                 busy, results, pending)
+            except (EOFError, OSError):  # the worker died (os._exit, a signal, OOM)
+                self._give_up_on(
+                    worker,
+                    "worker_died",
+                    f"the worker process died ({worker.exit_description()})",
+                    busy,
+                    results,
+                    pending,
+                )
                 continue
             if not worker.chunk:
                 busy.remove(worker)
         now = time.monotonic()
         for worker in [w for w in busy if now - w.started > self.timeout and not w.conn.poll()]:
             self._give_up_on(worker, "timeout", f"timed out after {self.timeout:g} s", busy, results, pending)
-        for worker in [w for w in self._workers if not w.ready and now - w.spawned > self.start_timeout]:
-            self._fail(f"reward function '{self.name}': a reward worker did not load it within "
-                       f"{self.start_timeout:g} s (does importing it hang?)")
+        if any(not w.ready and now - w.spawned > self.start_timeout for w in self._workers):
+            self._fail(
+                f"reward function '{self.name}': a reward worker did not load it within "
+                f"{self.start_timeout:g} s (does importing it hang?)"
+            )
 
     def _on_start_message(self, worker: _Worker) -> None:
         try:
             message = worker.conn.recv()
         except (EOFError, OSError):
-            self._fail(f"reward function '{self.name}': a reward worker exited while loading it "
-                       f"({worker.exit_description()})")
+            self._fail(
+                f"reward function '{self.name}': a reward worker exited while loading it ({worker.exit_description()})"
+            )
         if message[0] == "load_error":
             self._fail(message[1])
         worker.ready = True
 
-    def _give_up_on(self, worker: _Worker, kind: str, reason: str, busy: list[_Worker], results: RewardResults,
-                    pending: deque) -> None:
+    def _give_up_on(
+        self, worker: _Worker, kind: str, reason: str, busy: list[_Worker], results: RewardResults, pending: deque
+    ) -> None:
         """The sample ``worker`` is on fails with ``reason``; its other samples go back in the queue."""
         _record(results, worker.chunk.popleft(), kind, reason, None, self.reward_on_error)
         pending.extendleft(reversed(worker.chunk))
@@ -367,9 +402,15 @@ class RewardPool:
         self._replace(worker)
 
 
-def make_reward_scorer(spec: Any, *, num_workers: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT,
-                       reward_on_error: float = 0.0, max_reward_errors: Optional[float] = DEFAULT_MAX_ERRORS,
-                       in_process: Optional[bool] = None):
+def make_reward_scorer(
+    spec: Any,
+    *,
+    num_workers: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    reward_on_error: float = 0.0,
+    max_reward_errors: float | None = DEFAULT_MAX_ERRORS,
+    in_process: bool | None = None,
+):
     """The scorer for ``spec``: :class:`InProcessScorer` for the cheap built-ins
     (``exact_match``, ``numeric_match``) unless ``in_process=False``, else a
     :class:`RewardPool`. Both have ``score(prompts, responses, fields_list)`` and ``close()``."""
@@ -379,25 +420,34 @@ def make_reward_scorer(spec: Any, *, num_workers: Optional[int] = None, timeout:
         in_process = isinstance(spec, str) and spec.strip() in IN_PROCESS_REWARDS
     if in_process:
         return InProcessScorer(spec, reward_on_error=reward_on_error, max_reward_errors=max_reward_errors)
-    return RewardPool(spec, num_workers=num_workers, timeout=timeout, reward_on_error=reward_on_error,
-                      max_reward_errors=max_reward_errors)
+    return RewardPool(
+        spec,
+        num_workers=num_workers,
+        timeout=timeout,
+        reward_on_error=reward_on_error,
+        max_reward_errors=max_reward_errors,
+    )
 
 
 # ------------------------------------------------------------------------ helpers
-def _tasks(prompts: Sequence[str], responses: Sequence[str],
-           fields_list: Optional[Sequence[dict[str, Any]]]) -> list[tuple[int, str, str, dict[str, Any]]]:
+def _tasks(
+    prompts: Sequence[str], responses: Sequence[str], fields_list: Sequence[dict[str, Any]] | None
+) -> list[tuple[int, str, str, dict[str, Any]]]:
     from ppokit.lm.rewards.functions import reward_fields
 
     if fields_list is None:
         fields_list = [{}] * len(prompts)
     if not len(prompts) == len(responses) == len(fields_list):
-        raise ValueError(f"reward scoring: {len(prompts)} prompts, {len(responses)} responses and "
-                         f"{len(fields_list)} field dicts must have the same length")
+        raise ValueError(
+            f"reward scoring: {len(prompts)} prompts, {len(responses)} responses and "
+            f"{len(fields_list)} field dicts must have the same length"
+        )
     return [(i, p, r, reward_fields(f)) for i, (p, r, f) in enumerate(zip(prompts, responses, fields_list))]
 
 
-def _record(results: RewardResults, index: int, status: str, value: Any, note: Optional[str],
-            reward_on_error: float) -> None:
+def _record(
+    results: RewardResults, index: int, status: str, value: Any, note: str | None, reward_on_error: float
+) -> None:
     if status == "ok":
         results.scores[index] = value
         results.notes[index] = note
@@ -431,7 +481,7 @@ def _portable_spec(spec: Any, reward) -> Any:
     if isinstance(spec, str):
         text = spec.strip()
     elif isinstance(spec, RewardFunction) and (BUILTIN_REWARDS.get(spec.spec) is spec.fn or ":" in spec.spec):
-        text = spec.spec                       # loaded from a spec: the worker loads it the same way
+        text = spec.spec  # loaded from a spec: the worker loads it the same way
     if text is not None:
         target, sep, attr = text.rpartition(":")
         if sep and (target.endswith(".py") or "/" in target or "\\" in target):
@@ -440,8 +490,10 @@ def _portable_spec(spec: Any, reward) -> Any:
     try:
         return ("pickled", pickle.dumps(reward.fn))
     except Exception:  # noqa: BLE001 - lambdas, closures, functions of a file loaded by path
-        raise UserError(f"reward function '{reward.name}' cannot be sent to the reward workers (it is not "
-                        "importable); give it as 'module:function' or 'path/to/file.py:function'") from None
+        raise UserError(
+            f"reward function '{reward.name}' cannot be sent to the reward workers (it is not "
+            "importable); give it as 'module:function' or 'path/to/file.py:function'"
+        ) from None
 
 
 def _worker_entry() -> None:
@@ -453,7 +505,7 @@ def _worker_entry() -> None:
         return
     parent = os.getppid()
 
-    def watch_parent() -> None:               # the trainer was killed: do not linger in a hung function
+    def watch_parent() -> None:  # the trainer was killed: do not linger in a hung function
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
@@ -482,7 +534,7 @@ def _worker_main(conn, payload: tuple) -> None:
         conn.send(("load_error", f"a reward worker could not load the reward function: {exc}"))
         return
     warm_up = getattr(reward.fn, "warm_up", None)
-    if callable(warm_up):                  # heavy imports now, not inside the first sample's time limit
+    if callable(warm_up):  # heavy imports now, not inside the first sample's time limit
         try:
             warm_up()
         except Exception as exc:  # noqa: BLE001

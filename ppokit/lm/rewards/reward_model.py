@@ -22,8 +22,9 @@ with ``data.reward`` set as well, the reward is the sum of the two.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -35,25 +36,35 @@ from ppokit.lm.model.hf import load_tokenizer
 class RewardModel:
     """``score(prompts, responses, items) -> list[float]`` with a sequence-classification model."""
 
-    def __init__(self, path: str | Path, *, device: torch.device, autocast_dtype: Optional[torch.dtype] = None,
-                 batch_size: int = 8, where: str = "data.reward_model", cpu_kernels: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None = None,
+        batch_size: int = 8,
+        where: str = "data.reward_model",
+        cpu_kernels: bool = True,
+    ) -> None:
         path = Path(path)
         self.where = f"{where}={path}"
-        self.tokenizer = load_tokenizer(path, where, generation=False)   # right padding, cut from the left
+        self.tokenizer = load_tokenizer(path, where, generation=False)  # right padding, cut from the left
         model = _load_model(path, where)
-        if self.tokenizer.pad_token_id is None:          # batched scoring needs a pad id to find the last token
-            self.tokenizer.pad_token = self.tokenizer.eos_token      # (ppokit.lm.model.hf's rule)
+        if self.tokenizer.pad_token_id is None:  # batched scoring needs a pad id to find the last token
+            self.tokenizer.pad_token = self.tokenizer.eos_token  # (ppokit.lm.model.hf's rule)
         if self.tokenizer.pad_token_id is None:
-            raise UserError(f"{self.where}: the tokenizer has neither a pad nor an EOS token; add a pad token "
-                            "to its tokenizer_config.json")
+            raise UserError(
+                f"{self.where}: the tokenizer has neither a pad nor an EOS token; add a pad token "
+                "to its tokenizer_config.json"
+            )
         model.config.pad_token_id = self.tokenizer.pad_token_id
-        model.requires_grad_(False)                      # (load_hf_model leaves it in eval mode)
+        model.requires_grad_(False)  # (load_hf_model leaves it in eval mode)
         if autocast_dtype is not None:
-            model.to(autocast_dtype)                     # frozen: stored in the autocast dtype, as the backbone
+            model.to(autocast_dtype)  # frozen: stored in the autocast dtype, as the backbone
         self.model = model.to(device)
         self.device = torch.device(device)
         self.fused_kernel_counts: dict[str, int] = {}
-        if cpu_kernels:                                  # CPU acceleration (ppokit.lm.accel), CPU only
+        if cpu_kernels:  # CPU acceleration (ppokit.lm.accel), CPU only
             from ppokit.lm.accel import accelerate_model
 
             self.fused_kernel_counts = accelerate_model(model, autocast_dtype)
@@ -69,27 +80,42 @@ class RewardModel:
             return prompt + response
         messages = as_messages(item.get(RAW_PROMPT, item.get("prompt", prompt)))
         messages.append({"role": "assistant", "content": response})
-        return apply_template(self.tokenizer, messages, strip_bos=self._strip_bos, generation_prompt=False,
-                              where=self.where, prompt=prompt)
+        return apply_template(
+            self.tokenizer,
+            messages,
+            strip_bos=self._strip_bos,
+            generation_prompt=False,
+            where=self.where,
+            prompt=prompt,
+        )
 
     @torch.no_grad()
-    def score(self, prompts: Sequence[str], responses: Sequence[str],
-              items: Optional[Sequence[dict[str, Any]]] = None) -> list[float]:
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], items: Sequence[dict[str, Any]] | None = None
+    ) -> list[float]:
         """One float per sample: the reward model's output at the last real token."""
         items = list(items) if items is not None else [{}] * len(prompts)
         texts = [self.text(p, r, it) for p, r, it in zip(prompts, responses, items)]
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[start:start + self.batch_size], padding=True, truncation=True,
-                                 max_length=self.max_length, return_tensors="pt").to(self.device)
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                                enabled=self.autocast_dtype is not None):
-                logits = self.model(**enc).logits                 # (n, 1)
+            enc = self.tokenizer(
+                texts[start : start + self.batch_size],
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            ).to(self.device)
+            with torch.autocast(
+                self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+            ):
+                logits = self.model(**enc).logits  # (n, 1)
             scores += logits[:, 0].float().cpu().tolist()
         bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
         if bad:
-            raise UserError(f"{self.where} gave a non-finite score ({scores[bad[0]]}) on sample {bad[0]} "
-                            f"(prompt {prompts[bad[0]]!r}); check the model's weights")
+            raise UserError(
+                f"{self.where} gave a non-finite score ({scores[bad[0]]}) on sample {bad[0]} "
+                f"(prompt {prompts[bad[0]]!r}); check the model's weights"
+            )
         return scores
 
 
@@ -101,24 +127,33 @@ def _load_model(path: Path, where: str):
 
     from ppokit.lm.model.hf import hf_config, load_hf_model
 
-    config = hf_config(path, where, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
-                       "has no sequence-classification head (AutoModelForSequenceClassification cannot load it)")
+    config = hf_config(
+        path,
+        where,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+        "has no sequence-classification head (AutoModelForSequenceClassification cannot load it)",
+    )
 
     def is_reward_model(model, info: dict) -> None:
         head = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in ("score", "classifier")]
         if head:
-            raise UserError(f"{where}={path}: the weights have no score head ({head[0]} would start random): "
-                            "a language model, not a trained reward model (AutoModelForSequenceClassification)")
+            raise UserError(
+                f"{where}={path}: the weights have no score head ({head[0]} would start random): "
+                "a language model, not a trained reward model (AutoModelForSequenceClassification)"
+            )
         labels = getattr(model.config, "num_labels", None)
         if labels != 1:
-            raise UserError(f"{where}={path}: a reward model has one output (num_labels=1); this one has "
-                            f"{labels} (a classifier, not a reward model?)")
+            raise UserError(
+                f"{where}={path}: a reward model has one output (num_labels=1); this one has "
+                f"{labels} (a classifier, not a reward model?)"
+            )
 
-    return load_hf_model(AutoModelForSequenceClassification, path, where, config, check=is_reward_model,
-                         dtype=torch.float32)
+    return load_hf_model(
+        AutoModelForSequenceClassification, path, where, config, check=is_reward_model, dtype=torch.float32
+    )
 
 
-def _max_length(model, tokenizer) -> Optional[int]:
+def _max_length(model, tokenizer) -> int | None:
     """The longest input the model takes: its positions, else the tokenizer's (None: no limit)."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if isinstance(limit, int) and limit > 0:

@@ -1,4 +1,4 @@
-'''The ``code`` reward: run the response's Python program against the record's tests, sandboxed.
+"""The ``code`` reward: run the response's Python program against the record's tests, sandboxed.
 
 The program is the last fenced block of the response marked ``python`` or ``py``, else
 the last fenced block, else the whole response. The tests are the record's ``tests``
@@ -39,7 +39,7 @@ user when the interpreter is usable by it; otherwise it limits processes with a
 says when neither is possible. The harness runs in the program's own interpreter: it
 contains accidents and the usual reward hacks (``sys.exit(0)`` before the asserts fails
 the test), not a program that inspects the harness's own frames.
-'''
+"""
 
 from __future__ import annotations
 
@@ -58,13 +58,22 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 NOBODY = 65534
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 # Failure kinds, most telling first: the reason reported for a sample with several failures.
-FAILURE_ORDER = ("no_program", "syntax_error", "network", "processes", "memory", "timeout", "output_limit",
-                 "error", "wrong_answer")
+FAILURE_ORDER = (
+    "no_program",
+    "syntax_error",
+    "network",
+    "processes",
+    "memory",
+    "timeout",
+    "output_limit",
+    "error",
+    "wrong_answer",
+)
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,7 @@ class SandboxLimits:
     ``file_size_mb`` for any file it writes (its output included)."""
 
     timeout: float = 5.0
-    cpu_seconds: Optional[int] = None
+    cpu_seconds: int | None = None
     memory_mb: int = 1024
     max_processes: int = 8
     file_size_mb: int = 16
@@ -90,13 +99,13 @@ class RunResult:
     :data:`FAILURE_ORDER`; ``stdout`` / ``stderr`` as text (cut at the file-size limit)."""
 
     status: str
-    returncode: Optional[int]
+    returncode: int | None
     stdout: str
     stderr: str
 
 
 # --------------------------------------------------------------------------- isolation
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def isolation() -> str:
     """The network isolation in use: ``bwrap``, ``unshare``, ``unshare-user`` or ``none``
     (probed once per process: the first that runs a program here wins)."""
@@ -104,13 +113,14 @@ def isolation() -> str:
     if forced:
         return forced
     for kind in ("bwrap", "unshare", "unshare-user"):
-        with tempfile.TemporaryDirectory(prefix="ppokit-probe-") as workdir:    # as a program's own directory
+        with tempfile.TemporaryDirectory(prefix="ppokit-probe-") as workdir:  # as a program's own directory
             prefix = _isolation_prefix(kind, workdir, None)
             if prefix is None:
                 continue
             try:
-                done = subprocess.run(prefix + [sys.executable, "-I", "-c", "pass"], capture_output=True,
-                                      timeout=30, cwd=workdir)
+                done = subprocess.run(
+                    prefix + [sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30, cwd=workdir
+                )
             except (OSError, subprocess.TimeoutExpired):
                 continue
         if done.returncode == 0:
@@ -118,14 +128,21 @@ def isolation() -> str:
     return "none"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _drop_to_nobody() -> bool:
     """Run as root: whether the program can run as ``nobody`` (the interpreter readable by it)."""
     if os.geteuid() != 0:
         return False
     try:
-        done = subprocess.run([sys.executable, "-I", "-c", "pass"], user=NOBODY, group=NOBODY, extra_groups=[],
-                              capture_output=True, timeout=30, cwd="/")
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", "pass"],
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+            capture_output=True,
+            timeout=30,
+            cwd="/",
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -140,41 +157,71 @@ def process_limit() -> str:
 
 def describe_isolation() -> str:
     """One line for the run's log: what contains the programs the ``code`` reward runs."""
-    network = {"bwrap": "no network (bubblewrap)", "unshare": "no network (unshare --net)",
-               "unshare-user": "no network (unshare --user --net)",
-               "none": "NETWORK NOT ISOLATED (install bubblewrap, or allow unshare)"}[isolation()]
-    processes = {"rlimit": "process limit (RLIMIT_NPROC)", "cgroup": "process limit (pids cgroup)",
-                 "none": "NO PROCESS LIMIT (running as root without a pids cgroup)"}[process_limit()]
+    network = {
+        "bwrap": "no network (bubblewrap)",
+        "unshare": "no network (unshare --net)",
+        "unshare-user": "no network (unshare --user --net)",
+        "none": "NETWORK NOT ISOLATED (install bubblewrap, or allow unshare)",
+    }[isolation()]
+    processes = {
+        "rlimit": "process limit (RLIMIT_NPROC)",
+        "cgroup": "process limit (pids cgroup)",
+        "none": "NO PROCESS LIMIT (running as root without a pids cgroup)",
+    }[process_limit()]
     user = "as nobody" if _drop_to_nobody() else ("as root" if os.geteuid() == 0 else "as this user")
     files = "read-only file system" if isolation() == "bwrap" else "file system writable " + user
     return f"code sandbox: {network}, {processes}, CPU/memory/file-size limits, {files}"
 
 
-def isolation_warning() -> Optional[str]:
+def isolation_warning() -> str | None:
     """A warning to print once at start when programs run without network isolation, else None."""
     if isolation() != "none":
         return None
-    return ("the code reward runs programs WITHOUT network isolation: neither bubblewrap (bwrap) nor unshare "
-            "works here; install bubblewrap (apt-get install bubblewrap) to cut programs off the network")
+    return (
+        "the code reward runs programs WITHOUT network isolation: neither bubblewrap (bwrap) nor unshare "
+        "works here; install bubblewrap (apt-get install bubblewrap) to cut programs off the network"
+    )
 
 
 def _interpreter_paths_under(directory: str) -> list[str]:
     """The interpreter's directories (the virtual environment, the base installation, the
     executable's) that lie inside ``directory``, outermost first, without nested repeats."""
     root = os.path.realpath(directory) + os.sep
-    candidates = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable),
-                                                 os.path.dirname(os.path.realpath(sys.executable)))}
+    candidates = {
+        os.path.realpath(p)
+        for p in (
+            sys.prefix,
+            sys.base_prefix,
+            os.path.dirname(sys.executable),
+            os.path.dirname(os.path.realpath(sys.executable)),
+        )
+    }
     inside = sorted(p for p in candidates if (p + os.sep).startswith(root))
     return [p for i, p in enumerate(inside) if not any((p + os.sep).startswith(q + os.sep) for q in inside[:i])]
 
 
-def _isolation_prefix(kind: str, workdir: str, cgroup: Optional[str]) -> Optional[list[str]]:
+def _isolation_prefix(kind: str, workdir: str, cgroup: str | None) -> list[str] | None:
     if kind == "bwrap":
         if shutil.which("bwrap") is None:
             return None
-        prefix = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
-                  "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-        for path in _interpreter_paths_under("/tmp"):      # a venv in /tmp stays visible under the fresh /tmp
+        prefix = [
+            "bwrap",
+            "--unshare-net",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--die-with-parent",
+            "--new-session",
+            "--ro-bind",
+            "/",
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--tmpfs",
+            "/tmp",
+        ]
+        for path in _interpreter_paths_under("/tmp"):  # a venv in /tmp stays visible under the fresh /tmp
             prefix += ["--ro-bind", path, path]
         prefix += ["--bind", workdir, workdir, "--chdir", workdir]
         if cgroup is not None:
@@ -190,25 +237,28 @@ def _isolation_prefix(kind: str, workdir: str, cgroup: Optional[str]) -> Optiona
         return orphan_guard + ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--"]
     if kind == "none":
         return orphan_guard
-    raise ValueError(f"unknown sandbox isolation {kind!r} (PPOKIT_SANDBOX_ISOLATION): bwrap, unshare, "
-                     "unshare-user or none")
+    raise ValueError(
+        f"unknown sandbox isolation {kind!r} (PPOKIT_SANDBOX_ISOLATION): bwrap, unshare, unshare-user or none"
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_pdeathsig() -> bool:
     """Whether util-linux's setpriv can set the parent-death signal here."""
     if shutil.which("setpriv") is None:
         return False
     try:
-        return subprocess.run(["setpriv", "--pdeathsig", "KILL", "--", "true"], capture_output=True,
-                              timeout=10).returncode == 0
+        return (
+            subprocess.run(["setpriv", "--pdeathsig", "KILL", "--", "true"], capture_output=True, timeout=10).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
 
 # ------------------------------------------------------------------------ pids cgroup
-@functools.lru_cache(maxsize=None)
-def _pids_cgroup_parent() -> Optional[str]:
+@functools.cache
+def _pids_cgroup_parent() -> str | None:
     """The writable cgroup-v1 ``pids`` folder of this process, or None."""
     if os.geteuid() != 0:
         return None
@@ -217,8 +267,14 @@ def _pids_cgroup_parent() -> Optional[str]:
         groups = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
-    root = next((line.split()[1] for line in mounts
-                 if line.split()[2:3] == ["cgroup"] and "pids" in line.split()[3].split(",")), None)
+    root = next(
+        (
+            line.split()[1]
+            for line in mounts
+            if line.split()[2:3] == ["cgroup"] and "pids" in line.split()[3].split(",")
+        ),
+        None,
+    )
     own = next((line.split(":", 2)[2] for line in groups if line.split(":")[1:2] == ["pids"]), None)
     if root is None or own is None:
         return None
@@ -233,13 +289,13 @@ def _pids_cgroup_parent() -> Optional[str]:
     return parent if ok else None
 
 
-@functools.lru_cache(maxsize=None)
-def _own_cgroup(max_processes: int) -> Optional[str]:
+@functools.cache
+def _own_cgroup(max_processes: int) -> str | None:
     """This process's pids cgroup for its sandbox runs (one run at a time per process)."""
     parent = _pids_cgroup_parent()
     if parent is None:
         return None
-    for stale in Path(parent).glob("ppokit-sandbox-*"):       # left by killed reward workers
+    for stale in Path(parent).glob("ppokit-sandbox-*"):  # left by killed reward workers
         pid = stale.name.rsplit("-", 2)[-2]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             try:
@@ -249,7 +305,7 @@ def _own_cgroup(max_processes: int) -> Optional[str]:
     path = os.path.join(parent, f"ppokit-sandbox-{os.getpid()}-{max_processes}")
     try:
         os.makedirs(path, exist_ok=True)
-        Path(path, "pids.max").write_text(str(max_processes + 3))   # the launcher, its init and the program too
+        Path(path, "pids.max").write_text(str(max_processes + 3))  # the launcher, its init and the program too
     except OSError:
         return None
     atexit.register(_remove_cgroup, path)
@@ -264,7 +320,7 @@ def _remove_cgroup(path: str) -> None:
 
 
 # ------------------------------------------------------------------------------ running
-LAUNCHER = r'''
+LAUNCHER = r"""
 import json, os, resource, signal, sys
 cfg = json.loads(sys.argv[1])
 if cfg["cgroup"]:
@@ -314,13 +370,14 @@ def run(mode):                # locals, not module globals: the program cannot r
 mode = cfg["mode"]
 del cfg, limits, json
 run(mode)
-'''
+"""
 
 _ENV_KEEP = ("PATH", "LANG", "LC_ALL", "SYSTEMROOT")
 
 
-def run_python(program: str, *, stdin: str = "", test: Optional[str] = None,
-               limits: SandboxLimits = SandboxLimits()) -> RunResult:
+def run_python(
+    program: str, *, stdin: str = "", test: str | None = None, limits: SandboxLimits = SandboxLimits()
+) -> RunResult:
     """Run ``program`` in the sandbox (module docstring): as ``__main__`` with ``stdin``, or,
     with ``test``, as module ``solution`` followed by the test statements (``ok`` only when
     the test ran to its end)."""
@@ -331,7 +388,7 @@ def run_python(program: str, *, stdin: str = "", test: Optional[str] = None,
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run_in(workdir: str, program: str, stdin: str, test: Optional[str], limits: SandboxLimits) -> RunResult:
+def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: SandboxLimits) -> RunResult:
     drop = _drop_to_nobody()
     Path(workdir, "solution.py").write_text(program, encoding="utf-8")
     if test is not None:
@@ -340,13 +397,27 @@ def _run_in(workdir: str, program: str, stdin: str, test: Optional[str], limits:
         for path in (workdir, *(os.path.join(workdir, f) for f in os.listdir(workdir))):
             os.chown(path, NOBODY, NOBODY)
     cgroup = _own_cgroup(limits.max_processes) if process_limit() == "cgroup" else None
-    cfg = {"cpu": limits.cpu, "memory": limits.memory_mb << 20, "fsize": limits.file_size_mb << 20,
-           "nproc": limits.max_processes, "mode": "assert" if test is not None else "main",
-           "uid": NOBODY if drop else None, "cgroup": cgroup}
+    cfg = {
+        "cpu": limits.cpu,
+        "memory": limits.memory_mb << 20,
+        "fsize": limits.file_size_mb << 20,
+        "nproc": limits.max_processes,
+        "mode": "assert" if test is not None else "main",
+        "uid": NOBODY if drop else None,
+        "cgroup": cgroup,
+    }
     prefix = _isolation_prefix(isolation(), workdir, cgroup) or []
     env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
-    env.update(HOME=workdir, TMPDIR=workdir, PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1",
-               PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.update(
+        HOME=workdir,
+        TMPDIR=workdir,
+        PYTHONHASHSEED="0",
+        PYTHONDONTWRITEBYTECODE="1",
+        PYTHONIOENCODING="utf-8",
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+    )
     nonce = secrets.token_hex(16)
     out_path, err_path = os.path.join(workdir, ".stdout"), os.path.join(workdir, ".stderr")
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
@@ -359,9 +430,15 @@ def _run_in(workdir: str, program: str, stdin: str, test: Optional[str], limits:
         Path(in_path).write_bytes(stdin.encode("utf-8") if test is None else b"")
         start = time.monotonic()
         with open(in_path, "rb") as given:
-            proc = subprocess.Popen(prefix + [sys.executable, "-I", "-c", LAUNCHER, json.dumps(cfg)], cwd=workdir,
-                                    env=env, stdin=subprocess.PIPE if test is not None else given, stdout=out,
-                                    stderr=err, start_new_session=True)
+            proc = subprocess.Popen(
+                prefix + [sys.executable, "-I", "-c", LAUNCHER, json.dumps(cfg)],
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.PIPE if test is not None else given,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
         timed_out = False
         try:
             if test is not None:
@@ -382,7 +459,7 @@ def _run_in(workdir: str, program: str, stdin: str, test: Optional[str], limits:
     signum = -code if code is not None and code < 0 else code - 128 if code is not None and code > 128 else None
     if test is not None and code == 0:
         lines = stdout.rstrip("\n").split("\n")
-        code = 0 if lines and lines[-1] == nonce else 1        # exited early (sys.exit before the test)
+        code = 0 if lines and lines[-1] == nonce else 1  # exited early (sys.exit before the test)
         stdout = "\n".join(lines[:-1]) if code == 0 else stdout
         if code:
             stderr += "\nthe program exited before the test finished"
@@ -409,7 +486,7 @@ def _read_capped(path: str, limit: int) -> str:
         return ""
 
 
-def _classify(timed_out: bool, signum: Optional[int], stderr: str, elapsed: float, limits: SandboxLimits) -> str:
+def _classify(timed_out: bool, signum: int | None, stderr: str, elapsed: float, limits: SandboxLimits) -> str:
     last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
     if timed_out or signum in (signal.SIGXCPU, signal.SIGKILL) and elapsed >= min(limits.cpu, limits.timeout) * 0.5:
         return "timeout"
@@ -419,9 +496,18 @@ def _classify(timed_out: bool, signum: Optional[int], stderr: str, elapsed: floa
         return "memory"
     if "BlockingIOError" in last or "Resource temporarily unavailable" in last:
         return "processes"
-    if any(marker in last for marker in ("ConnectionRefusedError", "Network is unreachable", "gaierror",
-                                          "Temporary failure in name resolution", "Name or service not known",
-                                          "Errno 101", "Errno 99")):
+    if any(
+        marker in last
+        for marker in (
+            "ConnectionRefusedError",
+            "Network is unreachable",
+            "gaierror",
+            "Temporary failure in name resolution",
+            "Name or service not known",
+            "Errno 101",
+            "Errno 99",
+        )
+    ):
         return "network"
     if last.startswith("AssertionError"):
         return "wrong_answer"
@@ -449,8 +535,10 @@ def parse_tests(tests: Any) -> list[dict[str, str] | str]:
         try:
             tests = json.loads(tests)
         except json.JSONDecodeError:
-            raise ValueError("code: the tests field is text but not JSON; give a list of assert statements or "
-                             'of {"input": ..., "output": ...}') from None
+            raise ValueError(
+                "code: the tests field is text but not JSON; give a list of assert statements or "
+                'of {"input": ..., "output": ...}'
+            ) from None
     if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
         if len(tests["inputs"]) != len(tests["outputs"]):
             raise ValueError("code: tests has different numbers of inputs and outputs")
@@ -464,13 +552,16 @@ def parse_tests(tests: Any) -> list[dict[str, str] | str]:
         elif isinstance(test, dict) and isinstance(test.get("input"), str) and isinstance(test.get("output"), str):
             parsed.append({"input": test["input"], "output": test["output"]})
         else:
-            raise ValueError(f"code: test {i} must be a string of Python statements or "
-                             f'{{"input": str, "output": str}} (got {test!r:.60})')
+            raise ValueError(
+                f"code: test {i} must be a string of Python statements or "
+                f'{{"input": str, "output": str}} (got {test!r:.60})'
+            )
     return parsed
 
 
 def same_output(got: str, expected: str) -> bool:
     """Equal line by line, trailing whitespace and trailing blank lines ignored."""
+
     def lines(text: str) -> list[str]:
         out = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
         while out and not out[-1]:
@@ -480,8 +571,9 @@ def same_output(got: str, expected: str) -> bool:
     return lines(got) == lines(expected)
 
 
-def code_reward(prompt: str, response: str, *, tests: Any, timeout: float = 5.0, memory_mb: int = 1024,
-                **_: Any) -> tuple[float, Optional[str]]:
+def code_reward(
+    prompt: str, response: str, *, tests: Any, timeout: float = 5.0, memory_mb: int = 1024, **_: Any
+) -> tuple[float, str | None]:
     """``(fraction of tests passed, reason or None)`` for the response's program (module
     docstring). ``timeout`` (wall seconds per test) and ``memory_mb`` may also come as
     fields of the record."""

@@ -24,7 +24,7 @@ a fraction (< 1) of one batch.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -43,17 +43,22 @@ class SequenceRewards:
         self.max_new_tokens = max_new_tokens
         self.verifier, self.reward_model = verifier, reward_model
         if verifier is None and reward_model is None and self.shaping.format_pattern is None:
-            raise UserError("no reward: set data.reward (a verifier), data.reward_model or "
-                            "data.shaping.format_pattern")
+            raise UserError("no reward: set data.reward (a verifier), data.reward_model or data.shaping.format_pattern")
         self.scaler = RunningRewardScaler() if self.shaping.normalize == "running" else None
-        self.total_errors = 0            # reward-function failures over the run
+        self.total_errors = 0  # reward-function failures over the run
         self.reasons: Counter = Counter()
 
     def __call__(self, rollout) -> tuple[torch.Tensor, dict[str, float], list[dict[str, Any]]]:
         """``(rewards (N,), metrics, marks)``; ``marks[i]`` has ``reward_error`` (``"kind: reason"``
         or None) and ``reward_note`` (the reason a function gave with its score, or None)."""
-        from ppokit.lm.rewards.shaping import (clip_rewards, combine_rewards, format_score, normalize_batch,
-                                              overlong_penalty, truncation_penalty)
+        from ppokit.lm.rewards.shaping import (
+            clip_rewards,
+            combine_rewards,
+            format_score,
+            normalize_batch,
+            overlong_penalty,
+            truncation_penalty,
+        )
 
         s = self.shaping
         n = len(rollout)
@@ -63,8 +68,10 @@ class SequenceRewards:
         marks: list[dict[str, Any]] = [{"reward_error": None, "reward_note": None} for _ in range(n)]
         if self.verifier is not None:
             results = self.verifier.score(rollout.prompts, rollout.texts, rollout.items)
-            sources["verifier"], weights["verifier"] = torch.tensor(results.scores, dtype=torch.float32), \
-                s.verifier_weight
+            sources["verifier"], weights["verifier"] = (
+                torch.tensor(results.scores, dtype=torch.float32),
+                s.verifier_weight,
+            )
             metrics.update(results.metrics())
             for mark, error, note in zip(marks, results.errors, results.notes):
                 mark["reward_error"] = f"{error[0]}: {error[1]}" if error is not None else None
@@ -72,17 +79,19 @@ class SequenceRewards:
             self._count_errors(results)
             metrics["reward_errors_total"] = float(self.total_errors)
         if self.reward_model is not None:
-            sources["reward_model"] = torch.tensor(self.reward_model.score(rollout.prompts, rollout.texts,
-                                                                           rollout.items), dtype=torch.float32)
+            sources["reward_model"] = torch.tensor(
+                self.reward_model.score(rollout.prompts, rollout.texts, rollout.items), dtype=torch.float32
+            )
             weights["reward_model"] = s.reward_model_weight
         if s.format_pattern is not None:
             sources["format"], weights["format"] = format_score(rollout.texts, s.format_pattern), s.format_weight
-        rewards, source_metrics = combine_rewards(sources, weights)                  # (N,)
+        rewards, source_metrics = combine_rewards(sources, weights)  # (N,)
         metrics.update(source_metrics)
         lengths = rollout.response_lengths.cpu()
         if s.overlong_cache_length is not None:
-            penalty = overlong_penalty(lengths, self.max_new_tokens, s.overlong_cache_length,
-                                       s.overlong_penalty_factor)                     # (N,) <= 0
+            penalty = overlong_penalty(
+                lengths, self.max_new_tokens, s.overlong_cache_length, s.overlong_penalty_factor
+            )  # (N,) <= 0
             rewards = rewards + penalty
             metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
             metrics["reward/overlong_frac"] = (penalty < 0).float().mean().item()
@@ -100,7 +109,7 @@ class SequenceRewards:
                 rewards = normalize_batch(rewards)
             else:
                 rewards = self.scaler(rewards)
-                metrics["reward/running_std"] = self.scaler.var ** 0.5
+                metrics["reward/running_std"] = self.scaler.var**0.5
         return rewards, metrics, marks
 
     def _count_errors(self, results) -> None:
@@ -112,22 +121,26 @@ class SequenceRewards:
         self.reasons.update(e[1] for e in results.errors if e is not None)
         if limit is None:
             return
-        if limit < 1:                                       # a fraction of this batch
+        if limit < 1:  # a fraction of this batch
             check_error_limit(results, limit, name)
-        elif self.total_errors > limit:                     # a count over the run
+        elif self.total_errors > limit:  # a count over the run
             reason, count = self.reasons.most_common(1)[0]
-            raise UserError(f"reward function '{name}' failed on {self.total_errors} samples so far (more than "
-                            f"data.max_reward_errors={int(limit)}); most often ({count}x): {reason}; fix the "
-                            "function (try it with: ppokit reward NAME --prompt ... --response ...), or raise "
-                            "data.max_reward_errors")
+            raise UserError(
+                f"reward function '{name}' failed on {self.total_errors} samples so far (more than "
+                f"data.max_reward_errors={int(limit)}); most often ({count}x): {reason}; fix the "
+                "function (try it with: ppokit reward NAME --prompt ... --response ...), or raise "
+                "data.max_reward_errors"
+            )
 
-    def describe(self) -> Optional[str]:
+    def describe(self) -> str | None:
         """One line for the run's header: the sources and weights and the shaping, or None when
         the reward is one source used as it is."""
         s = self.shaping
-        sources = [("verifier", self.verifier is not None, s.verifier_weight),
-                   ("reward_model", self.reward_model is not None, s.reward_model_weight),
-                   ("format", s.format_pattern is not None, s.format_weight)]
+        sources = [
+            ("verifier", self.verifier is not None, s.verifier_weight),
+            ("reward_model", self.reward_model is not None, s.reward_model_weight),
+            ("format", s.format_pattern is not None, s.format_weight),
+        ]
         used = [(name, w) for name, on, w in sources if on]
         parts = []
         if len(used) > 1 or any(w != 1.0 for _, w in used):

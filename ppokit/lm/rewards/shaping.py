@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -40,11 +40,12 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int, 
     to ``-factor`` at ``max_length`` (``L_max``: the generation limit).
     """
     if not (isinstance(cache_length, int) and 0 < cache_length <= max_length):
-        raise ValueError(f"overlong_penalty: cache_length must be in [1, max_length] (got {cache_length}, "
-                         f"max_length {max_length})")
-    lengths = lengths.to(torch.float64)                                       # (N,)
+        raise ValueError(
+            f"overlong_penalty: cache_length must be in [1, max_length] (got {cache_length}, max_length {max_length})"
+        )
+    lengths = lengths.to(torch.float64)  # (N,)
     start = max_length - cache_length
-    penalty = ((start - lengths) / cache_length).clamp(min=-1.0, max=0.0)     # (N,)
+    penalty = ((start - lengths) / cache_length).clamp(min=-1.0, max=0.0)  # (N,)
     return (penalty * factor).to(torch.float32)
 
 
@@ -53,7 +54,7 @@ def truncation_penalty(truncated: torch.Tensor, penalty: float) -> torch.Tensor:
     return truncated.to(torch.float32) * -float(penalty)
 
 
-def clip_rewards(rewards: torch.Tensor, low: Optional[float] = None, high: Optional[float] = None) -> torch.Tensor:
+def clip_rewards(rewards: torch.Tensor, low: float | None = None, high: float | None = None) -> torch.Tensor:
     """Rewards clamped to ``[low, high]`` (either bound may be None)."""
     if low is not None and high is not None and low > high:
         raise ValueError(f"clip_rewards: low {low} > high {high}")
@@ -112,8 +113,9 @@ class RunningRewardScaler:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
-def combine_rewards(sources: Mapping[str, torch.Tensor],
-                    weights: Optional[Mapping[str, float]] = None) -> tuple[torch.Tensor, dict[str, float]]:
+def combine_rewards(
+    sources: Mapping[str, torch.Tensor], weights: Mapping[str, float] | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``(sum_s w_s * r_s, metrics)``: the weighted sum of reward sources, (N,) each -> (N,).
 
     A source without a weight counts once (w = 1). ``metrics`` has each source's mean as

@@ -30,15 +30,20 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Optional
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FAST_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno",
-              "-fno-trapping-math"]
+FAST_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+]
 PORTABLE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
 DISABLE_ENV = "PPOKIT_CPU_KERNELS"
 
@@ -53,7 +58,7 @@ KERNEL_ARGS = {
     "attention_forward": [_P] * 7 + [_L] * 17 + [_F, _I],
     "attention_backward": [_P] * 9 + [_L] * 19 + [_F],
 }
-TYPE_SUFFIXES = ("bf16", "f32")          # each kernel is built for bf16 and for float32
+TYPE_SUFFIXES = ("bf16", "f32")  # each kernel is built for bf16 and for float32
 # LoRA's rank-r products on AMX: bf16 only, and stubs in a build without AMX
 BF16_KERNEL_ARGS = {
     "lora_down": [_P, _L, _P, _P, _L, _L, _L, _L, _P],
@@ -73,7 +78,7 @@ def cache_dir() -> Path:
     return Path(base) / "ppokit"
 
 
-def find_compiler() -> Optional[str]:
+def find_compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
@@ -90,32 +95,37 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
-def _compile(compiler: str, flags: list[str], out: Path) -> Optional[str]:
+def _compile(compiler: str, flags: list[str], out: Path) -> str | None:
     """Build ``out``; returns None on success, else the compiler's last error line."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
             return lines[-1] if lines else f"exit status {proc.returncode}"
-        os.replace(tmp, out)            # atomic: a concurrent process sees the old or the whole file
+        os.replace(tmp, out)  # atomic: a concurrent process sees the old or the whole file
         return None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def build(compiler: str, flags: list[str]) -> tuple[Optional[Path], str]:
+def build(compiler: str, flags: list[str]) -> tuple[Path | None, str]:
     """The built library for ``flags`` (from the cache when present) and, on failure, why."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{compiler} --version failed ({exc})"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode()
+    ).hexdigest()[:16]
     for directory in (cache_dir(), Path(tempfile.gettempdir()) / "ppokit-cache"):
         out = directory / "kernels" / f"cpu_kernels-{key}.so"
         if out.is_file():
@@ -124,14 +134,14 @@ def build(compiler: str, flags: list[str]) -> tuple[Optional[Path], str]:
             error = _compile(compiler, flags, out)
         except subprocess.SubprocessError as exc:
             return None, str(exc)
-        except OSError as exc:          # an unwritable cache directory: try the temporary one
+        except OSError as exc:  # an unwritable cache directory: try the temporary one
             error = f"{directory}: {exc}"
             continue
         return (out, "") if error is None else (None, error)
     return None, error
 
 
-def _load(path: Path) -> tuple[Optional[ctypes.CDLL], str]:
+def _load(path: Path) -> tuple[ctypes.CDLL | None, str]:
     try:
         lib = ctypes.CDLL(str(path))
         for name, argtypes in SIGNATURES.items():
@@ -142,18 +152,18 @@ def _load(path: Path) -> tuple[Optional[ctypes.CDLL], str]:
         lib.attention_amx_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
         lib.attention_amx_scratch_floats.restype = ctypes.c_long
         lib.attention_on_amx.argtypes, lib.attention_on_amx.restype = [ctypes.c_long] * 3, ctypes.c_int
-    except (OSError, AttributeError) as exc:       # unloadable, or a stale build without a kernel
+    except (OSError, AttributeError) as exc:  # unloadable, or a stale build without a kernel
         return None, f"loading {path} failed ({exc})"
     return lib, ""
 
 
-def _build_and_load(compiler: str) -> tuple[Optional[ctypes.CDLL], str]:
+def _build_and_load(compiler: str) -> tuple[ctypes.CDLL | None, str]:
     errors = []
     for flags in (FAST_FLAGS, PORTABLE_FLAGS):
         path, error = build(compiler, flags)
         if path is not None:
             lib, error = _load(path)
-            if lib is None:                  # a damaged cache entry: build it once more
+            if lib is None:  # a damaged cache entry: build it once more
                 path.unlink(missing_ok=True)
                 path, error = build(compiler, flags)
                 lib, error = _load(path) if path is not None else (None, error)
@@ -163,8 +173,8 @@ def _build_and_load(compiler: str) -> tuple[Optional[ctypes.CDLL], str]:
     return None, "; ".join(errors)
 
 
-@lru_cache(maxsize=None)
-def cpu_library() -> Optional[ctypes.CDLL]:
+@cache
+def cpu_library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (switched off, no compiler, or the build failed)."""
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
         return None
@@ -174,6 +184,5 @@ def cpu_library() -> Optional[ctypes.CDLL]:
         return None
     lib, error = _build_and_load(compiler)
     if lib is None:
-        log.warning("fused CPU kernels off: building %s failed (%s); transformers' layers are used",
-                    SOURCE.name, error)
+        log.warning("fused CPU kernels off: building %s failed (%s); transformers' layers are used", SOURCE.name, error)
     return lib

@@ -22,23 +22,23 @@ releases the GIL during the call), so the kernels use the cores PyTorch is told 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
 
 import torch
 
 from ppokit.lm.accel.kernels import cpu_library
 
-KEY_BLOCK = 32                           # keys per block in the attention kernels (cpu_kernels.c)
-MAX_HEAD_DIM = 256                       # their largest head size
-PARALLEL_MIN_ELEMENTS = 1 << 17          # below this a thread hand-off costs more than it saves
-_POOL: Optional[ThreadPoolExecutor] = None
+KEY_BLOCK = 32  # keys per block in the attention kernels (cpu_kernels.c)
+MAX_HEAD_DIM = 256  # their largest head size
+PARALLEL_MIN_ELEMENTS = 1 << 17  # below this a thread hand-off costs more than it saves
+_POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
     global _POOL, _POOL_SIZE
-    if _POOL is None or _POOL_SIZE < workers:
+    if _POOL is None or workers > _POOL_SIZE:
         _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ppokit-kernel"), workers
     return _POOL
 
@@ -98,12 +98,13 @@ class RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         d = x.shape[-1]
         rows = x.numel() // d
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)           # [..., d]
-        rstd = torch.empty(rows, dtype=torch.float32)                              # [rows]
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)  # [..., d]
+        rstd = torch.empty(rows, dtype=torch.float32)  # [rows]
         kernel, size = _kernel("rms_norm_forward", x.dtype), x.element_size()
         xp, wp, yp, rp = _ptr(x), _ptr(weight), _ptr(y), _ptr(rstd)
-        in_parallel(rows, d, lambda a, b: kernel(xp + size * a * d, wp, yp + size * a * d, rp + 4 * a, b - a, d,
-                                                 float(eps)))
+        in_parallel(
+            rows, d, lambda a, b: kernel(xp + size * a * d, wp, yp + size * a * d, rp + 4 * a, b - a, d, float(eps))
+        )
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -115,8 +116,11 @@ class RMSNormFunction(torch.autograd.Function):
         d = x.shape[-1]
         kernel, size = _kernel("rms_norm_backward", x.dtype), x.element_size()
         gp, xp, wp, rp, dp = _ptr(grad_y), _ptr(x), _ptr(weight), _ptr(rstd), _ptr(grad_x)
-        in_parallel(x.numel() // d, d, lambda a, b: kernel(gp + size * a * d, xp + size * a * d, wp, rp + 4 * a,
-                                                           dp + size * a * d, b - a, d))
+        in_parallel(
+            x.numel() // d,
+            d,
+            lambda a, b: kernel(gp + size * a * d, xp + size * a * d, wp, rp + 4 * a, dp + size * a * d, b - a, d),
+        )
         return grad_x, None, None
 
 
@@ -141,20 +145,40 @@ class SiluMulFunction(torch.autograd.Function):
         grad_up = torch.empty_like(up, memory_format=torch.contiguous_format)
         kernel, size = _kernel("silu_mul_backward", gate.dtype), gate.element_size()
         go, gp, up_, dg, du = _ptr(grad_out), _ptr(gate), _ptr(up), _ptr(grad_gate), _ptr(grad_up)
-        in_parallel(gate.numel(), 1, lambda a, b: kernel(go + size * a, gp + size * a, up_ + size * a,
-                                                         dg + size * a, du + size * a, b - a))
+        in_parallel(
+            gate.numel(),
+            1,
+            lambda a, b: kernel(go + size * a, gp + size * a, up_ + size * a, dg + size * a, du + size * a, b - a),
+        )
         return grad_gate, grad_up
 
 
 def _rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     B, H, T, D = q.shape
-    out = torch.empty(B, H, T, D, dtype=q.dtype)                                   # [B, H, T, D]
+    out = torch.empty(B, H, T, D, dtype=q.dtype)  # [B, H, T, D]
     kernel, size = _kernel("rotary", q.dtype), q.element_size()
     qp, cp, sp, op = _ptr(q), _ptr(cos), _ptr(sin), _ptr(out)
     (sq_b, sq_h, sq_t), sc_b, sc_t = q.stride()[:3], cos.stride(0), cos.stride(1)
-    in_parallel(B, H * T * D, lambda a, b: kernel(qp + size * a * sq_b, cp + size * a * sc_b, sp + size * a * sc_b,
-                                                  op + size * a * H * T * D, b - a, H, T, D, sq_b, sq_h, sq_t,
-                                                  sc_b, sc_t, int(backward)))
+    in_parallel(
+        B,
+        H * T * D,
+        lambda a, b: kernel(
+            qp + size * a * sq_b,
+            cp + size * a * sc_b,
+            sp + size * a * sc_b,
+            op + size * a * H * T * D,
+            b - a,
+            H,
+            T,
+            D,
+            sq_b,
+            sq_h,
+            sq_t,
+            sc_b,
+            sc_t,
+            int(backward),
+        ),
+    )
     return out
 
 
@@ -177,18 +201,19 @@ class RotaryFunction(torch.autograd.Function):
         return _rotary(grad_out, cos, sin, backward=True), None, None
 
 
-def _mask_rows(mask: Optional[torch.Tensor], query: torch.Tensor, T: int, S: int):
+def _mask_rows(mask: torch.Tensor | None, query: torch.Tensor, T: int, S: int):
     """The additive mask as float32 [B or 1, T, S] rows, its batch stride, and whether the
     add rounds (a mask of the query's dtype, as eager attention adds it)."""
     if mask is None:
         return None, 0, 0
-    m = mask[:, 0].float().expand(mask.shape[0], T, S).contiguous()                # [B or 1, T, S]
+    m = mask[:, 0].float().expand(mask.shape[0], T, S).contiguous()  # [B or 1, T, S]
     round_mask = int(mask.dtype == query.dtype and query.dtype != torch.float32)
     return m, (T * S if m.shape[0] > 1 else 0), round_mask
 
 
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
-                     scaling: float) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
     """Eager attention for one new token per sequence, in one pass over the cache, no grad.
 
     query [B, H, 1, D], key and value [B, Hkv, T, D] (H a multiple of Hkv; any strides with
@@ -197,8 +222,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     B, H, _, D = query.shape
     Hkv, T = key.shape[1], key.shape[2]
-    out = torch.empty(B, 1, H, D, dtype=query.dtype)                                # [B, 1, H, D]
-    m, sm_b, round_mask = _mask_rows(mask, query, 1, T)                            # [B or 1, 1, T]
+    out = torch.empty(B, 1, H, D, dtype=query.dtype)  # [B, 1, H, D]
+    m, sm_b, round_mask = _mask_rows(mask, query, 1, T)  # [B or 1, 1, T]
     mask_ptr = _ptr(m) if m is not None else None
     kernel = _kernel("decode_attention", query.dtype)
     qp, kp, vp, op = _ptr(query), _ptr(key), _ptr(value), _ptr(out)
@@ -206,8 +231,31 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     def run(a: int, b: int) -> None:
         scratch = torch.empty(T + D, dtype=torch.float32)
-        kernel(qp, kp, vp, mask_ptr, op, _ptr(scratch), a, b, H, Hkv, T, D, sq_b, sq_h, sk_b, sk_h, sk_t,
-               sv_b, sv_h, sv_t, sm_b, scaling, round_mask)
+        kernel(
+            qp,
+            kp,
+            vp,
+            mask_ptr,
+            op,
+            _ptr(scratch),
+            a,
+            b,
+            H,
+            Hkv,
+            T,
+            D,
+            sq_b,
+            sq_h,
+            sk_b,
+            sk_h,
+            sk_t,
+            sv_b,
+            sv_h,
+            sv_t,
+            sm_b,
+            scaling,
+            round_mask,
+        )
 
     in_parallel(B * H, 2 * T * D, run)
     return out
@@ -234,8 +282,8 @@ class AttentionFunction(torch.autograd.Function):
         Hkv, S = key.shape[1], key.shape[2]
         if D > MAX_HEAD_DIM:
             raise ValueError(f"AttentionFunction takes head sizes up to {MAX_HEAD_DIM}, not {D}")
-        out = torch.empty(B, T, H, D, dtype=query.dtype)                             # [B, T, H, D]
-        probs = torch.empty(B, H, T, S, dtype=torch.float32)                        # [B, H, T, S]
+        out = torch.empty(B, T, H, D, dtype=query.dtype)  # [B, T, H, D]
+        probs = torch.empty(B, H, T, S, dtype=torch.float32)  # [B, H, T, S]
         m, sm_b, round_mask = _mask_rows(mask, query, T, S)
         kernel = _kernel("attention_forward", query.dtype)
         ptrs = [_ptr(t) for t in (query, key, value)] + [_ptr(m) if m is not None else None, _ptr(out), _ptr(probs)]
@@ -260,13 +308,19 @@ class AttentionFunction(torch.autograd.Function):
         grad_out = grad_out.to(query.dtype)
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
-        dq = torch.empty(B, H, T, D, dtype=query.dtype)                              # [B, H, T, D]
-        dk = torch.empty(B, Hkv, S, D, dtype=query.dtype)                            # [B, Hkv, S, D]
-        dv = torch.empty(B, S, Hkv, D, dtype=query.dtype)                            # [B, S, Hkv, D]
+        dq = torch.empty(B, H, T, D, dtype=query.dtype)  # [B, H, T, D]
+        dk = torch.empty(B, Hkv, S, D, dtype=query.dtype)  # [B, Hkv, S, D]
+        dv = torch.empty(B, S, Hkv, D, dtype=query.dtype)  # [B, S, Hkv, D]
         kernel = _kernel("attention_backward", query.dtype)
         ptrs = [_ptr(t) for t in (query, key, value, probs, grad_out, dq, dk, dv)]
-        strides = [*query.stride()[:3], *key.stride()[:3], *value.stride()[:3], grad_out.stride(0),
-                   grad_out.stride(1), grad_out.stride(2)]
+        strides = [
+            *query.stride()[:3],
+            *key.stride()[:3],
+            *value.stride()[:3],
+            grad_out.stride(0),
+            grad_out.stride(1),
+            grad_out.stride(2),
+        ]
 
         floats = max(D * (4 * S + KEY_BLOCK) + 2 * S + 2 * D, cpu_library().attention_amx_scratch_floats(H // Hkv, D))
 
@@ -279,7 +333,7 @@ class AttentionFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- LoRA's kernels
-LORA_MAX_RANK = 64                       # the LoRA kernels' largest rank (AMX and vectors)
+LORA_MAX_RANK = 64  # the LoRA kernels' largest rank (AMX and vectors)
 
 
 def lora_amx_ready() -> bool:
@@ -288,10 +342,10 @@ def lora_amx_ready() -> bool:
     return lib is not None and bool(lib.lora_amx_available())
 
 
-def lora_kernels_kind() -> Optional[str]:
+def lora_kernels_kind() -> str | None:
     """Which kernels run LoRA's rank-r products here: ``"amx"`` (the tile units), ``"avx512"``
     (AVX512-BF16 vectors, on CPUs without tiles) or None (oneDNN's matmuls)."""
-    if lora_amx_ready():                     # asks Linux for the tile state first
+    if lora_amx_ready():  # asks Linux for the tile state first
         return "amx"
     lib = cpu_library()
     return "avx512" if lib is not None and lib.lora_vector_available() else None
@@ -301,8 +355,13 @@ def lora_kernels_eligible(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
     """Whether LoRA's rank-r products for input x [N, d_in], A [r, d_in] and B [d_out, r] can
     run on ppokit's kernels: bf16 CPU tensors, an even rank up to ``LORA_MAX_RANK``."""
     r = lora_a.shape[0]
-    return (x.dtype == lora_a.dtype == lora_b.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and 0 < r <= LORA_MAX_RANK and r % 2 == 0 and lora_kernels_kind() is not None)
+    return (
+        x.dtype == lora_a.dtype == lora_b.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and 0 < r <= LORA_MAX_RANK
+        and r % 2 == 0
+        and lora_kernels_kind() is not None
+    )
 
 
 def _lora_library():
@@ -310,8 +369,10 @@ def _lora_library():
     AMX (a tile instruction before that is an illegal instruction); RuntimeError where
     neither AMX nor AVX512-BF16 runs them."""
     if lora_kernels_kind() is None:
-        raise RuntimeError("the LoRA kernels need a CPU with AMX or AVX512-BF16 and the fused CPU kernels "
-                           "built (check lora_kernels_kind() first)")
+        raise RuntimeError(
+            "the LoRA kernels need a CPU with AMX or AVX512-BF16 and the fused CPU kernels "
+            "built (check lora_kernels_kind() first)"
+        )
     return cpu_library()
 
 
@@ -319,8 +380,10 @@ def _check_rank(r: int, even: bool = False) -> None:
     """The kernels' ranks: 1 to LORA_MAX_RANK (up_add: even); beyond that they would read
     and write past their buffers, so they refuse."""
     if not 0 < r <= LORA_MAX_RANK or (even and r % 2):
-        raise ValueError(f"LoRA kernels: rank {r} is not {'an even number' if even else 'a number'} from "
-                         f"{2 if even else 1} to {LORA_MAX_RANK} (use oneDNN's matmuls for it)")
+        raise ValueError(
+            f"LoRA kernels: rank {r} is not {'an even number' if even else 'a number'} from "
+            f"{2 if even else 1} to {LORA_MAX_RANK} (use oneDNN's matmuls for it)"
+        )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -336,8 +399,10 @@ def lora_down(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     _check_rank(r)
     h = torch.empty(N, r, dtype=torch.bfloat16)
     kernel, chunks = _lora_library().lora_down_bf16, (d + 31) // 32
-    scratch_bytes = max(2 * ((r + 15) // 16 * chunks * 512 + 32 * chunks * 32) + 4 * 512,     # AMX
-                        2 * ((r + 7) // 8 * 8) * (32 * chunks))                             # vectors
+    scratch_bytes = max(
+        2 * ((r + 15) // 16 * chunks * 512 + 32 * chunks * 32) + 4 * 512,  # AMX
+        2 * ((r + 7) // 8 * 8) * (32 * chunks),
+    )  # vectors
 
     def run(a: int, b: int) -> None:
         scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
@@ -355,7 +420,7 @@ def lora_up_add_(y: torch.Tensor, h: torch.Tensor, m: torch.Tensor, scale: float
     r = m.shape[0]
     _check_rank(r, even=True)
     kernel, chunks = _lora_library().lora_up_add_bf16, (d + 63) // 64
-    scratch_bytes = max(2 * (chunks * 64 * r + 1024) + 4 * 1024, 2 * r * ((d + 15) // 16 * 16))   # AMX, vectors
+    scratch_bytes = max(2 * (chunks * 64 * r + 1024) + 4 * 1024, 2 * r * ((d + 15) // 16 * 16))  # AMX, vectors
 
     def run(a: int, b: int) -> None:
         scratch = torch.empty(scratch_bytes, dtype=torch.uint8)

@@ -1,5 +1,6 @@
 import time
 
+
 def stuck(prompt, response, **fields):
     time.sleep(600)
     return 1.0
