@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ppokit.lm import sandbox
+from ppokit.lm.rewards import sandbox
 from ppokit.lm.rewards.pool import RewardPool
 from ppokit.lm.rewards.sandbox import code_reward, extract_program, parse_tests, run_python, same_output
 
@@ -154,7 +154,7 @@ def test_a_worker_killed_mid_run_leaves_no_sandbox_behind(isolation_kind):
 def test_an_interpreter_under_tmp_is_bound_back_into_the_sandboxs_fresh_tmp(monkeypatch, tmp_path):
     """bwrap gives programs an empty /tmp; a virtual environment that lives there (a fresh
     clone in a mktemp directory) must be bound back, or the sandbox cannot start Python."""
-    from ppokit.lm import sandbox
+    from ppokit.lm.rewards import sandbox
 
     venv = tmp_path / "clone" / ".venv"
     (venv / "bin").mkdir(parents=True)
