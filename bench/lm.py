@@ -160,16 +160,19 @@ class Pieces:
         import torch
 
         from ppokit.lm.generation.engine import RolloutEngine
+        from ppokit.lm.learner import LMLearner
+        from ppokit.lm.model.device import placement
         from ppokit.lm.model.hf import load_tokenizer
         from ppokit.lm.model.policy import build_policy
         from ppokit.lm.scoring import Scorer
-        from ppokit.lm.single_turn.workload import LMLearner, setup
+        from ppokit.resume import seed_globals
 
         path = model_dir(a)
         self.cfg = cfg = make_config(a, mode, path, use_cache, cache)
         if a.threads:
             torch.set_num_threads(a.threads)
-        self.device, self.dtype = setup(cfg)
+        seed_globals(cfg.seed)
+        self.device, self.dtype = placement(cfg)
         self.tok = load_tokenizer(path)
         self.policy = build_policy(cfg, path, device=self.device, autocast_dtype=self.dtype, seed=0)
         kv_cache = None

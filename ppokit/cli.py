@@ -518,7 +518,7 @@ def _write_curves(run_dir) -> None:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from ppokit.lm.sft import sft_main
+    from ppokit.commands.sft import sft_main
 
     summary = sft_main(
         args.prompts,
@@ -570,18 +570,20 @@ LM_EVAL_OPTIONS = (
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ppokit.lm.evaluate import _config_of, find_lm_checkpoint
+    from ppokit.rundir import evaluation_checkpoint, saved_config
 
     path = Path(args.run_dir)
     is_model_dir = path.is_dir() and (path / "config.json").is_file()
-    ckpt = find_lm_checkpoint(path) if path.is_dir() else None
-    if ckpt is not None and _config_of(ckpt).textenv.env is not None:  # a multi-turn run
+    ckpt = evaluation_checkpoint(path) if path.is_dir() else None
+    saved = (saved_config(ckpt) if ckpt is not None else None) or {}
+    is_lm_run = saved.get("workload") == "lm"
+    if is_lm_run and (saved.get("textenv") or {}).get("env") is not None:  # a multi-turn run
         from ppokit.commands.evaluate import evaluate_textenv_run
 
         result = evaluate_textenv_run(path, args.episodes, device=args.device)
         print(f"{result['message']} ({result['checkpoint']})")
         return 0
-    if path.is_dir() and (ckpt is not None or is_model_dir):
+    if path.is_dir() and (is_lm_run or is_model_dir):
         from ppokit.commands.evaluate import evaluate_lm, format_eval_table
 
         k = args.k if args.k is not None else (sorted({1, args.samples}) if args.samples else [])

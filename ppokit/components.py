@@ -7,7 +7,7 @@ The run loop (:mod:`ppokit.loop`) drives four objects that a workload builds
     batch = source.collect(iteration)        # RolloutSource: generate text / step envs
     source.prefetch(iteration + 1)           # rollout.off_policy_steps=1 only: the next rollout starts
     scorer.score(batch)                      # Scorer: old/ref log-probs, values, final rewards
-    advantages(batch)                        # ppokit.trainer.compute_advantages (the loop)
+    advantages(cfg, batch)                   # components.advantages, else ppokit.trainer.batch_advantages
     metrics = learner.update(batch, iteration)   # Learner: the PPO update
     source.sync_weights(learner)             # the rollout gets the new policy
     evaluator.evaluate(phase)                # Evaluator: on the loop's schedule
@@ -22,6 +22,7 @@ rollout worker or a learner rank builds in its own process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -217,6 +218,8 @@ class Components:
     header: list[str] = field(default_factory=list)  # lines printed when the run starts
     checkpoint_meta: dict[str, Any] = field(default_factory=dict)  # extra JSON in every checkpoint
     closers: list[Any] = field(default_factory=list)  # objects with close(), called when the run ends
+    # (cfg, batch) -> (advantages, returns), each (N, T); None: ppokit.trainer.batch_advantages
+    advantages: Callable[[Any, Batch], tuple[Tensor, Tensor]] | None = None
 
     def close(self) -> None:
         for obj in [self.evaluator, *self.closers]:
@@ -263,9 +266,14 @@ class ShardPlan(Protocol):
 
 
 class Workload(Protocol):
-    """Builds a run's components from its config (``ppokit.control.workload``, ``ppokit.lm.single_turn.workload``)."""
+    """Builds a run's components from its config (:mod:`ppokit.control.workload`,
+    :mod:`ppokit.lm.single_turn.workload`, :mod:`ppokit.lm.multi_turn.workload`)."""
 
     name: str
+
+    def check_inputs(self) -> None:
+        """Raise :class:`~ppokit.errors.UserError` on an input that cannot work (a data file, a
+        model directory, an environment id, a reward function), before a run directory exists."""
 
     def build(self, run_dir: Path) -> Components:
         """Everything a run needs, built exactly the same way for a fresh run and a resume

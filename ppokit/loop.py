@@ -12,7 +12,7 @@ evaluation schedule, metrics and samples, checkpoints and their rotation::
         batch = source.collect(it)               # rollouts
         source.prefetch(it + 1)                  # rollout.off_policy_steps=1: overlaps the update
         scorer.score(batch)                      # old/ref log-probs, values, final rewards
-        batch += compute_advantages(cfg, batch)  # GAE or a group estimator (ppokit.trainer)
+        batch += advantages(cfg, batch)          # GAE or a group estimator (ppokit.trainer; multi-turn: its own)
         metrics = learner.update(batch, it)      # epochs x mini-batches x micro-batches
         source.sync_weights(learner)
         evaluation on schedule; tracker.log(it, metrics)      # the row, then the checkpoint
@@ -79,6 +79,7 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
             components.learner,
             components.evaluator,
         )
+        advantages = components.advantages or batch_advantages
         start_it, history, summary, notes = 0, [], {}, []
         if saved is not None:
             start_it, history, summary, notes = _load_state(saved, components, run_dir)
@@ -123,7 +124,7 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
                 if scorer is not None:
                     scorer.score(batch)
                 t2 = time.perf_counter()
-                batch.tensors.update(zip(("advantages", "returns"), batch_advantages(cfg, batch)))
+                batch.tensors.update(zip(("advantages", "returns"), advantages(cfg, batch)))
                 version = learner.policy_version
                 try:
                     metrics = learner.update(batch, it)

@@ -100,6 +100,17 @@ def set_generator_state(gen: Any, state: Any) -> None:
         raise TypeError(f"not a random generator: {type(gen).__name__}")
 
 
+def seed_globals(seed: int) -> None:
+    """Seed every global RNG a model build, a reward function or a sampler may draw from
+    (Python's, NumPy's and torch's; all of them are checkpointed by :func:`capture_rng`)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every RNG state a run depends on, as checkpoint-storable data (see :mod:`ppokit.checkpoint`).
 

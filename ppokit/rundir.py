@@ -330,6 +330,38 @@ def latest_checkpoint(run_dir: Path | str) -> Path | None:
     return found[-1][1] if found else None
 
 
+def evaluation_checkpoint(path: Path | str) -> Path | None:
+    """The checkpoint a run is evaluated, sampled or exported from: ``path`` itself when it is a
+    checkpoint directory, else ``RUN_DIR/checkpoint`` (the end of training), else the newest
+    periodic checkpoint (an interrupted or running run); None when there is none."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    if (path / FINAL_DIR / META).is_file():
+        return path / FINAL_DIR
+    return latest_checkpoint(path)
+
+
+def saved_config(ckpt: Path | str) -> dict | None:
+    """The config a checkpoint was trained with, as a plain dict: its ``meta.json``'s, else the
+    run's ``config.yaml`` (beside the checkpoint or one or two levels up); None when neither
+    exists. A corrupt ``meta.json`` is a :class:`UserError`."""
+    ckpt = Path(ckpt)
+    for meta in (ckpt / META, ckpt / "trainer" / META):  # (trainer/: checkpoints before the run loop)
+        if meta.is_file():
+            try:
+                saved = json.loads(meta.read_text()).get("config")
+            except (OSError, ValueError, AttributeError):
+                raise UserError(f"checkpoint file {meta} is corrupt or truncated") from None
+            if isinstance(saved, dict):
+                return saved
+            break
+    for candidate in (ckpt / CONFIG_FILE, ckpt.parent / CONFIG_FILE, ckpt.parent.parent / CONFIG_FILE):
+        if candidate.is_file():
+            return read_run_config(candidate)
+    return None
+
+
 def checked_iteration(meta: Mapping[str, Any], path: Path | str, iterations: int, run_dir: Path | str) -> int:
     """The checkpoint's count of completed iterations, checked to be sane.
 

@@ -182,11 +182,9 @@ def compute_advantages(
 def batch_advantages(cfg: Config, batch: Batch) -> tuple[Tensor, Tensor]:
     """:func:`compute_advantages` of a :class:`~ppokit.components.Batch` from its rollout:
     ``rewards``, ``mask``, ``old_values`` (GAE only), ``dones`` and ``extras["last_values"]``
-    (control), ``group_ids`` (lm group estimators). Multi-turn batches (a ``traj_index``):
-    :func:`trajectory_advantages`."""
+    (control), ``group_ids`` (lm group estimators). The run loop's default; a workload whose
+    batches need another rule gives its own (:attr:`ppokit.components.Components.advantages`)."""
     t = batch.tensors
-    if "traj_index" in t:
-        return trajectory_advantages(cfg, batch)
     return compute_advantages(
         cfg,
         rewards=t["rewards"],
@@ -196,32 +194,6 @@ def batch_advantages(cfg: Config, batch: Batch) -> tuple[Tensor, Tensor]:
         last_values=batch.extras.get("last_values"),
         group_ids=t.get("group_ids"),
     )
-
-
-def trajectory_advantages(cfg: Config, batch: Batch) -> tuple[Tensor, Tensor]:
-    """Multi-turn batches (:mod:`ppokit.lm.multi_turn.turn_batch`): ``algo.credit`` (token or turn GAE,
-    :func:`ppokit.algo.trajectory_credit`) over each trajectory's action tokens, whose rows
-    ``traj_index`` names; truncated trajectories bootstrap from ``extras["last_values"]``.
-    With ``algo.normalize_adv`` the advantages are whitened over all action tokens of the
-    batch at once, never per turn index (see :mod:`ppokit.algo.turns`)."""
-    a, t = cfg.algo, batch.tensors
-    truncated = batch.extras.get("traj_truncated")
-    advantages, returns = algo.trajectory_credit(
-        credit=a.credit,
-        rewards=t["rewards"],
-        values=t["old_values"],
-        mask=t["mask"],
-        traj_index=t["traj_index"],
-        turn_index=t.get("turn_index"),
-        num_trajectories=None if truncated is None else truncated.shape[0],
-        truncated=truncated,
-        last_values=batch.extras.get("last_values"),
-        gamma=a.gamma,
-        lam=a.gae_lambda,
-    )
-    if a.normalize_adv:
-        advantages = algo.whiten(advantages, t["mask"])
-    return advantages, returns
 
 
 def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:

@@ -100,7 +100,7 @@ def test_the_checker_finds_a_cycle_through_a_function_level_import():
     real = import_graph()
     assert "ppokit.rundir" in real["ppokit.loop"]  # a top-level import
     assert "ppokit.track" in real["ppokit.loop"]  # an import inside a function
-    assert "ppokit.lm.accel" in real["ppokit.lm.single_turn.workload"]
+    assert "ppokit.lm.accel" in real["ppokit.lm.model.stack"]
 
 
 def test_ppokit_has_no_import_cycles():
@@ -108,16 +108,12 @@ def test_ppokit_has_no_import_cycles():
 
 
 def test_nothing_but_the_builders_depends_on_the_cpu_acceleration():
-    """lm/accel is an opt-in layer: the policy, generation and the loop run without it."""
+    """lm/accel is an opt-in layer: the policy, generation and the loop run without it; the one
+    recipe that builds a policy (lm/model/stack.py) and the reward model apply it."""
     users = {
         m
         for m, targets in import_graph().items()
         if any(t == "ppokit.lm.accel" or t.startswith("ppokit.lm.accel.") for t in targets)
         and not m.startswith("ppokit.lm.accel")
     }
-    assert users == {
-        "ppokit.lm.single_turn.workload",
-        "ppokit.lm.multi_turn.workload",
-        "ppokit.lm.generation.loading",
-        "ppokit.lm.rewards.reward_model",
-    }
+    assert users == {"ppokit.lm.model.stack", "ppokit.lm.rewards.reward_model"}

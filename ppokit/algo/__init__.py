@@ -19,6 +19,7 @@ Modules, one job each:
 - :mod:`.logits`      chunked log-probs and entropy from logits
 - :mod:`.turns`       multi-turn credit: turn layout, turn-level GAE, per-turn group advantages
 - :mod:`.batching`    micro-batches by a token budget, sorted and balanced; padding fraction
+- :mod:`.evaluation`  pass@k, estimated without bias from n samples
 """
 
 from .advantages import (

@@ -5,6 +5,7 @@
 - :mod:`.export`       ``ppokit export``
 - :mod:`.interactive`  ``ppokit generate`` and ``ppokit chat``
 - :mod:`.reward`       ``ppokit reward``
+- :mod:`.sft`          ``ppokit sft``
 
 Nothing is imported here: ``ppokit --help`` does not load torch.
 """

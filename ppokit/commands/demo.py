@@ -86,8 +86,8 @@ def _figure(run_dir: Path | str, metric: str, sft_label: str):
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    from ppokit.lm.base_model import BASE_MODEL_DIR
     from ppokit.lm.sft import CURVE_FILE
-    from ppokit.lm.single_turn.workload import BASE_MODEL_DIR
     from ppokit.rundir import read_metrics
 
     run_dir = Path(run_dir)

@@ -1,6 +1,7 @@
 """``ppokit eval`` for a language model: mean reward, greedy pass@1, sampled pass@k, mean length.
 
-:func:`evaluate_lm` evaluates a run directory (its trained actor, :func:`ppokit.lm.evaluate.find_lm_checkpoint`)
+:func:`evaluate_lm` evaluates a run directory (its trained actor,
+:func:`ppokit.lm.model.checkpoint.find_lm_checkpoint`)
 or a Hugging Face model directory, on the run's held-out set or on a dataset (``--data``).
 It reports the greedy mean reward, greedy pass@1, sampled pass@k (the unbiased estimator
 of :mod:`ppokit.algo.evaluation`) and the mean response length. The run's held-out set and
@@ -195,15 +196,15 @@ def evaluate_textenv_run(run_dir: str | Path, episodes: int | None = None, *, de
     trained actor: ``{"metrics", "episodes", "message", "checkpoint"}``; ``episodes`` per
     opponent (default: the run's ``textenv.eval_episodes``, else 200)."""
     from ppokit.envs import make_env
-    from ppokit.lm.evaluate import POLICY_META, find_lm_checkpoint
     from ppokit.lm.generation.engine import max_positions
     from ppokit.lm.generation.loading import load_generator
+    from ppokit.lm.model.checkpoint import POLICY_META_FILE, find_lm_checkpoint
     from ppokit.lm.multi_turn.source import TextEnvEvaluator, check_env_output, engine_generate
     from ppokit.lm.multi_turn.streams import StreamCodec
 
     ckpt = find_lm_checkpoint(Path(run_dir))
     if ckpt is None:
-        raise UserError(f"{run_dir} has no language-model checkpoint (no {POLICY_META})")
+        raise UserError(f"{run_dir} has no language-model checkpoint (no {POLICY_META_FILE})")
     if episodes is not None and episodes < 1:
         raise UserError(f"--episodes must be at least 1 (got {episodes})")
     gen = load_generator(ckpt, device=device)

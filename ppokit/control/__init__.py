@@ -3,7 +3,8 @@
 - :mod:`.envs`      vector env creation (NEXT_STEP autoreset), normalization, episode stats
 - :mod:`.networks`  MLP actor-critic (categorical / Gaussian), orthogonal init
 - :mod:`.rollout`   preallocated [num_envs, num_steps] rollouts, masks, truncation bootstrap
-- :mod:`.workload`  ``train_control(cfg, run_dir)``: the training loop and checkpoints
+- :mod:`.envstate`  snapshots of vector environments mid-episode, for exact resume
+- :mod:`.workload`  the source, learner and evaluator of a control run
 - :mod:`.evaluate`  deterministic evaluation, ``evaluate_run(run_dir, episodes)``
 
 Importing this package imports neither torch nor gymnasium; the modules do.

@@ -134,14 +134,14 @@ def evaluate_run(run_dir: str | Path, episodes: int, seed: int | None = None) ->
     one (an interrupted or running run; a note says which), or RUN_DIR itself when it is a
     checkpoint directory. Reads only: a run training in ``RUN_DIR`` is left alone.
     """
-    from ppokit.rundir import FINAL_DIR, META, latest_checkpoint
+    from ppokit.rundir import FINAL_DIR, META, latest_checkpoint, saved_config
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
     # RUN_DIR, or a checkpoint directory itself (RUN_DIR/checkpoint, RUN_DIR/checkpoints/iter-N)
     ckpt_dir = run_dir if (run_dir / META).is_file() else run_dir / FINAL_DIR
-    if (ckpt_dir / "policy.json").is_file() or (run_dir / "policy.json").is_file():
+    if ckpt_dir.is_dir() and (saved_config(ckpt_dir) or {}).get("workload") == "lm":
         raise UserError(
             f"{run_dir} is a language-model run; `ppokit eval` runs control policies in their "
             "environment (an LM run prints its held-out accuracy; `ppokit export` writes the model)"

@@ -1,17 +1,24 @@
-"""Language-model workload: PPO on a Hugging Face causal LM.
+"""Language-model workload: PPO on a Hugging Face causal LM, single- and multi-turn.
 
-The modules, in the order one iteration meets them:
+Sub-packages, grouped by concern:
 
-- :mod:`ppokit.lm.model.tiny`     a tiny Llama-style model and a character tokenizer, built
-  locally (no downloads) in Hugging Face format: the embedded default policy.
-- :mod:`ppokit.lm.data.tasks`    built-in procedural tasks (arithmetic) with disjoint
-  SFT / RL / held-out splits.
-- :mod:`ppokit.lm.data.sources`     prompt data (a built-in task or a JSONL file) and the
-  resumable iterator that hands out fresh prompts each iteration.
-- :mod:`ppokit.lm.rewards.functions`  reward functions: plain ``(prompt, response, **fields) ->
-  float`` callables, built-in or loaded from ``module:fn`` / ``file.py:fn``.
-- :mod:`ppokit.lm.sft`      supervised warm start (SFT before RL) and the greedy
-  held-out evaluation the PPO workload reuses.
+- :mod:`.model`        loading (HF directories, the tiny model), the policy (LoRA actor and
+  critic, value head, reference = adapters off), checkpoint files, device and precision,
+  and :mod:`.model.stack`, the one recipe that builds a policy ready to run
+- :mod:`.generation`   the rollout engine and loading a model to sample from
+- :mod:`.data`         prompt records and formats, chat templates, built-in tasks
+- :mod:`.rewards`      reward functions, math, the code sandbox, the worker pool, reward models
+- :mod:`.single_turn`  the prompt workload: source, evaluator, how it is built
+- :mod:`.multi_turn`   the text-environment workload: episodes, token streams, credit, self-play
+- :mod:`.accel`        opt-in CPU acceleration; nothing else depends on it
+
+Modules shared by both workloads:
+
+- :mod:`.base_model`   the backbone a run trains: model.path, the tiny model, or a warm start
+- :mod:`.sft`          the supervised warm start (SFT before RL)
+- :mod:`.scoring`      old and reference log-probs, values and token rewards of a rollout
+- :mod:`.learner`      the learner (optimizer, the shared PPO update, checkpoint files) and the scorer's set-up
+- :mod:`.evaluate`     greedy held-out accuracy through the rollout engine
 
 Nothing is imported here: ``import ppokit.lm`` must not load torch or transformers.
 """

@@ -20,7 +20,7 @@ plateau is low); that is the intended starting point for RL.
 
 Precision: master weights stay float32; ``precision="bf16"`` runs forward passes under
 ``torch.autocast`` (bf16 matmuls), ``"auto"`` picks bf16 where the hardware has it (the
-rule of :func:`ppokit.lm.model.policy.resolve_precision`). For the tiny model on CPU the two
+rule of :func:`ppokit.lm.model.device.resolve_precision`). For the tiny model on CPU the two
 run at the same speed: its matmuls are too small for bf16 to pay.
 
 Evaluation generates through ppokit's one generation path
@@ -30,11 +30,9 @@ Evaluation generates through ppokit's one generation path
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,53 +42,18 @@ import torch
 import torch.nn.functional as F
 
 from ppokit.errors import UserError
+from ppokit.lm.model.device import (
+    autocast,
+    precision_name,
+    resolve_device,
+    resolve_precision,
+    threads_for,
+    torch_threads,
+)
 from ppokit.lm.rewards.functions import load_reward_fn
 
 IGNORE_INDEX = -100
 CURVE_FILE = "sft_curve.json"
-
-
-# -------------------------------------------------------------------------- precision
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``auto``/``bf16``/``fp32`` -> ``"bf16"`` or ``"fp32"``, by the policy's rule (one rule for both)."""
-    from ppokit.lm.model.device import resolve_precision as autocast_dtype
-
-    if precision not in ("auto", "bf16", "fp32"):
-        raise UserError(f"precision must be auto, bf16 or fp32 (got {precision!r})")
-    return "bf16" if autocast_dtype(precision, device) is not None else "fp32"
-
-
-def default_threads(model, device: torch.device) -> int | None:
-    """Intra-op threads for a model: 1 for a tiny model on CPU, else None (torch's default).
-
-    A sub-5M-parameter model runs ops too small to split across threads: one thread is as
-    fast alone and many times faster when other processes share the cores (threads that
-    wait for each other spin).
-    """
-    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) < 5_000_000:
-        return 1
-    return None
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None):
-    """Run the block with ``torch.set_num_threads(n)`` (None: unchanged), then restore."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n is not None:
-            torch.set_num_threads(before)
-
-
-def autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
-    """``torch.autocast`` to bf16 for ``precision="bf16"``; a no-op for ``fp32``."""
-    device = torch.device(device)
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------- batching
@@ -143,11 +106,13 @@ def collate(encoded: Sequence[tuple[list[int], int]], pad_id: int) -> dict[str, 
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
-def answer_loss(model, batch: dict[str, torch.Tensor], precision: str = "fp32") -> tuple[torch.Tensor, int]:
+def answer_loss(
+    model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over the completion + EOS tokens, and their count."""
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
-    with autocast(precision, device):
+    with autocast(autocast_dtype, device):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
     targets = batch["labels"][:, 1:]  # (B, T-1)
     loss = F.cross_entropy(
@@ -161,18 +126,23 @@ def answer_loss(model, batch: dict[str, torch.Tensor], precision: str = "fp32") 
 
 @torch.no_grad()
 def mean_answer_loss(
-    model, encoded: Sequence[tuple[list[int], int]], pad_id: int, *, batch_size: int, precision: str = "fp32"
+    model,
+    encoded: Sequence[tuple[list[int], int]],
+    pad_id: int,
+    *,
+    batch_size: int,
+    autocast_dtype: torch.dtype | None = None,
 ) -> float:
     """Mean per-token completion loss over ``encoded`` (no gradient)."""
     total, count = 0.0, 0
     for start in range(0, len(encoded), batch_size):
-        loss, n = answer_loss(model, collate(encoded[start : start + batch_size], pad_id), precision)
+        loss, n = answer_loss(model, collate(encoded[start : start + batch_size], pad_id), autocast_dtype)
         total, count = total + float(loss), count + n
     return total / max(count, 1)
 
 
 # -------------------------------------------------------------------------- evaluation
-def eval_engine(model, tokenizer, *, max_new_tokens: int, batch_size: int, precision: str):
+def eval_engine(model, tokenizer, *, max_new_tokens: int, batch_size: int, autocast_dtype: torch.dtype | None):
     """A greedy :class:`~ppokit.lm.generation.engine.RolloutEngine` over ``model`` for held-out evaluation."""
     from ppokit.config import RolloutConfig
     from ppokit.lm.generation.engine import RolloutEngine
@@ -181,7 +151,7 @@ def eval_engine(model, tokenizer, *, max_new_tokens: int, batch_size: int, preci
         model,
         tokenizer,
         RolloutConfig(max_new_tokens=max_new_tokens, micro_batch_size=batch_size),
-        autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
+        autocast_dtype=autocast_dtype,
     )
 
 
@@ -194,7 +164,7 @@ def evaluate(
     *,
     max_new_tokens: int,
     batch_size: int = 64,
-    precision: str = "fp32",
+    autocast_dtype: torch.dtype | None = None,
 ) -> float:
     """Greedy held-out accuracy of ``model`` (in eval mode for the evaluation, then as it was)."""
     from ppokit.lm.evaluate import heldout_accuracy
@@ -203,7 +173,7 @@ def evaluate(
     model.eval()
     try:
         engine = eval_engine(
-            model, tokenizer, max_new_tokens=max_new_tokens, batch_size=batch_size, precision=precision
+            model, tokenizer, max_new_tokens=max_new_tokens, batch_size=batch_size, autocast_dtype=autocast_dtype
         )
         return heldout_accuracy(engine, items, reward_fn)
     finally:
@@ -242,7 +212,8 @@ def run_sft(
     completion). ``eval_set``: held-out prompt records scored by ``reward_fn``.
     ``patience``: evaluations (every ``eval_every`` epochs) without improvement before
     stopping, not before ``min_epochs``. ``num_threads``: torch intra-op threads (None:
-    :func:`default_threads`). ``log``: called with one line per evaluation (None: quiet).
+    the model-size rule of :func:`ppokit.lm.model.device.threads_for`). ``log``: called with one
+    line per evaluation (None: quiet).
 
     Returns the summary that is also written to ``out_dir/sft_curve.json``: ``curve`` (one
     row per evaluation: epoch, train_loss, heldout_accuracy, heldout_loss, elapsed_s;
@@ -250,7 +221,6 @@ def run_sft(
     ``train_accuracy`` (of the best model on up to 256 SFT examples), ``stopped``
     (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s`` and ``settings``.
     """
-    from ppokit.lm.model.device import resolve_device
     from ppokit.lm.model.hf import load_model_and_tokenizer
     from ppokit.output_paths import check_output_dir, writing_to
 
@@ -290,7 +260,8 @@ def run_sft(
 
     started = time.perf_counter()
     dev = resolve_device(device)
-    settings["precision"] = precision = resolve_precision(precision, dev)
+    autocast_dtype = resolve_precision(precision, dev)
+    settings["precision"] = precision_name(autocast_dtype)
     model, tokenizer = load_model_and_tokenizer(model_dir)
     model.to(dev)
     max_length = getattr(model.config, "max_position_embeddings", None)
@@ -304,7 +275,7 @@ def run_sft(
         longest = max(len(ids) - n for ids, n in train_encoded + (eval_encoded or []))
         max_new_tokens = longest + 2  # the answer, its EOS, and one token of slack
     settings["max_new_tokens"] = max_new_tokens
-    settings["num_threads"] = num_threads = num_threads or default_threads(model, dev)
+    settings["num_threads"] = num_threads = threads_for(model, dev, num_threads)
 
     with torch_threads(num_threads):
         summary = _train(
@@ -315,6 +286,7 @@ def run_sft(
             eval_encoded,
             reward,
             settings,
+            autocast_dtype=autocast_dtype,
             started=started,
             log=log or (lambda _msg: None),
         )
@@ -326,7 +298,7 @@ def run_sft(
             reward,
             batch_size=eval_batch_size,
             max_new_tokens=max_new_tokens,
-            precision=precision,
+            autocast_dtype=autocast_dtype,
         )
     summary["wall_time_s"] = round(time.perf_counter() - started, 2)
     summary = {
@@ -355,77 +327,6 @@ def run_sft(
     return summary
 
 
-def sft_main(
-    prompts: str,
-    out_dir: str | os.PathLike,
-    *,
-    model: str = "tiny",
-    examples: int | None = None,
-    eval_prompts: str | None = None,
-    eval_size: int = 256,
-    reward: str | None = None,
-    seed: int = 0,
-    chat_template: bool = False,
-    **options: Any,
-) -> dict[str, Any]:
-    """What ``ppokit sft`` runs: resolve data, reward and model by name, then :func:`run_sft`.
-
-    ``prompts``: a built-in task (``arithmetic:digits=2``; its ``sft`` split trains, its
-    ``eval`` split is held out) or a JSONL file with ``prompt`` + ``completion`` per line
-    (then ``eval_prompts``, a JSONL file, is required). ``examples``: how many (default:
-    300 of a task, all of a file). ``model``: ``tiny`` (the built-in
-    model, randomly initialised with ``seed``; its random init is not kept) or a model
-    directory. ``reward``: scores the held-out answers (default: the task's own).
-    ``chat_template``: render the prompts with the model's chat template, as
-    ``data.chat_template`` (:mod:`ppokit.lm.data.chat`; not for the tiny model, which has none).
-    ``options`` go to :func:`run_sft` (``epochs_max``, ``batch_size``, ``learning_rate``,
-    ``patience``, ``precision``, ``device``, ``log``, ...).
-    """
-    from ppokit.lm.data.sources import is_file_source, load_prompts
-
-    for flag, value in (("--examples", examples), ("--eval-size", eval_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise UserError(f"sft {flag} must be a positive integer (got {value!r})")
-    from_file = is_file_source(prompts)
-    if reward is None:
-        if from_file:
-            raise UserError(
-                f"the SFT data {prompts} is a file: name a reward function to score the held-out "
-                "answers (exact_match, numeric_match, module:fn or file.py:fn)"
-            )
-        from ppokit.lm.data.tasks import get_task
-
-        reward = get_task(prompts).default_reward
-    reward_fn = load_reward_fn(reward)
-    if from_file and eval_prompts is None:
-        raise UserError(
-            f"SFT on the file {prompts} needs held-out prompts to pick the best model: "
-            "give an eval JSONL file (eval_prompts)"
-        )
-    train = load_prompts(prompts, "sft", n=examples if examples is not None or from_file else 300, chat=chat_template)
-    held_out = (
-        load_prompts(eval_prompts, "eval", chat=chat_template)[:eval_size]
-        if eval_prompts is not None
-        else load_prompts(prompts, "eval", n=eval_size)
-    )
-    if chat_template:
-        from ppokit.lm.data.chat import model_chat_renderer, render_records
-
-        render = model_chat_renderer(
-            model, what="--model", option="--chat-template", fix="give --model a chat model's directory"
-        )
-        train, held_out = render_records(train, render), render_records(held_out, render)
-    if model != "tiny":
-        return run_sft(model, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
-    from ppokit.lm.model.tiny import build_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="ppokit-tiny-") as tmp:
-        init = build_tiny_model(Path(tmp) / "init", seed=seed)
-        summary = run_sft(init, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
-    summary["settings"]["model_dir"] = "tiny"
-    return summary
-
-
 def _train(
     model,
     tokenizer,
@@ -435,12 +336,13 @@ def _train(
     reward,
     settings: dict[str, Any],
     *,
+    autocast_dtype: torch.dtype | None,
     started: float,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """The SFT loop; leaves the best weights in ``model``."""
     s = settings
-    precision, pad_id = s["precision"], tokenizer.pad_token_id
+    pad_id = tokenizer.pad_token_id
     torch.manual_seed(s["seed"])
     shuffle = torch.Generator().manual_seed(s["seed"])
     optimizer = torch.optim.AdamW(
@@ -457,12 +359,14 @@ def _train(
             reward,
             batch_size=s["eval_batch_size"],
             max_new_tokens=s["max_new_tokens"],
-            precision=precision,
+            autocast_dtype=autocast_dtype,
         )
         loss = (
             None
             if eval_encoded is None
-            else mean_answer_loss(model, eval_encoded, pad_id, batch_size=s["eval_batch_size"], precision=precision)
+            else mean_answer_loss(
+                model, eval_encoded, pad_id, batch_size=s["eval_batch_size"], autocast_dtype=autocast_dtype
+            )
         )
         return accuracy, loss
 
@@ -471,7 +375,7 @@ def _train(
     best = {"epoch": 0, "accuracy": accuracy, "loss": heldout_loss, "state": _snapshot(model)}
     log(
         f"sft: {len(train_encoded)} examples, {len(eval_set)} held out, {model.num_parameters():,} parameters, "
-        f"precision {precision}, {torch.get_num_threads()} thread(s); before training held-out accuracy "
+        f"precision {s['precision']}, {torch.get_num_threads()} thread(s); before training held-out accuracy "
         f"{accuracy:.1%}"
     )
     stale, stopped, epoch = 0, "epochs_max", 0
@@ -482,7 +386,7 @@ def _train(
             total, count = 0.0, 0
             for start in range(0, len(order), s["batch_size"]):
                 batch = collate([train_encoded[i] for i in order[start : start + s["batch_size"]]], pad_id)
-                loss_sum, n_tokens = answer_loss(model, batch, precision)
+                loss_sum, n_tokens = answer_loss(model, batch, autocast_dtype)
                 optimizer.zero_grad(set_to_none=True)
                 (loss_sum / max(n_tokens, 1)).backward()
                 if s["grad_clip"] is not None:

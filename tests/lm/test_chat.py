@@ -137,8 +137,7 @@ def test_a_chat_run_trains_evaluates_and_rewards_on_the_rendered_prompt(chat_dir
 
 
 def test_the_warm_start_trains_on_rendered_prompts(chat_dir, tmp_path, monkeypatch):
-    from ppokit.lm import sft
-    from ppokit.lm.single_turn import workload
+    from ppokit.lm import base_model
 
     records = [
         {"prompt": [{"role": "user", "content": "1+1="}], "completion": "2"},
@@ -167,9 +166,9 @@ def test_the_warm_start_trains_on_rendered_prompts(chat_dir, tmp_path, monkeypat
         seen["examples"] = examples
         raise KeyboardInterrupt  # stop here: only the examples are checked
 
-    monkeypatch.setattr(sft, "run_sft", fake_sft)
+    monkeypatch.setattr(base_model, "run_sft", fake_sft)
     with pytest.raises(KeyboardInterrupt):
-        workload.prepare_model(cfg, tmp_path / "run", [{"prompt": "u:3+3=\na:", "answer": "6"}], None, print)
+        base_model.prepare_model(cfg, tmp_path / "run", [{"prompt": "u:3+3=\na:", "answer": "6"}], None, print)
     assert [(e["prompt"], e["completion"]) for e in seen["examples"]] == [("u:1+1=\na:", "2"), ("u:2+2=\na:", "4")]
 
 

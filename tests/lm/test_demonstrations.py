@@ -8,7 +8,7 @@ import pytest
 
 from ppokit.envs import make_env
 from ppokit.errors import UserError
-from ppokit.lm.multi_turn.workload import demonstration_examples
+from ppokit.lm.multi_turn.demonstrations import demonstration_examples
 
 # S H      from S: r falls into the hole (a loss), d reaches F; from F: r reaches the goal
 # F G

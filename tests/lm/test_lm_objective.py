@@ -123,7 +123,7 @@ def test_the_full_kl_in_the_reward_and_verls_controller_input(tiny_dir):
 
 
 def test_the_lm_learner_uses_the_generation_budget_as_horizon(tiny_dir):
-    from ppokit.lm.single_turn.workload import LMLearner
+    from ppokit.lm.learner import LMLearner
 
     cfg = lm_config(
         tiny_dir,

@@ -10,6 +10,7 @@ import torch
 from test_policy import lm_config
 
 from ppokit.commands.export import export_merged
+from ppokit.commands.sft import sft_main
 from ppokit.errors import UserError
 from ppokit.lm import sft
 from ppokit.lm.data.tasks import ArithmeticTask
@@ -124,4 +125,4 @@ def test_a_mount_point_as_output_fails_before_the_work(tiny_dir, checkpoint, mou
 def test_sft_counts_that_must_be_positive_name_their_flag(tmp_path):
     for options, flag in (({"examples": 0}, "--examples"), ({"eval_size": 0}, "--eval-size")):
         with pytest.raises(UserError, match=f"^sft {flag} must be a positive integer \\(got 0\\)$"):
-            sft.sft_main("arithmetic", tmp_path / "s", log=None, **options)
+            sft_main("arithmetic", tmp_path / "s", log=None, **options)

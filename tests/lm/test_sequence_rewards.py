@@ -160,7 +160,8 @@ def test_code_reward_says_how_it_is_isolated(monkeypatch):
 
 
 def test_long_prompts_are_dropped_and_counted_and_the_tiny_model_grows_to_fit():
-    from ppokit.lm.single_turn.workload import drop_long, tiny_positions
+    from ppokit.lm.base_model import tiny_positions
+    from ppokit.lm.single_turn.workload import drop_long
 
     cfg = build_config([{"workload": "lm", "data": {"max_prompt_tokens": 6}, "rollout": {"max_new_tokens": 16}}])
     train = [{"prompt": "1+1="}, {"prompt": "123+456="}, {"prompt": "12+3="}]  # 5, 9, 6 tokens (BOS)

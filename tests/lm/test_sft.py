@@ -6,10 +6,11 @@ import json
 
 import pytest
 
+from ppokit.commands.sft import sft_main
 from ppokit.errors import UserError
 from ppokit.lm.data.tasks import ArithmeticTask
 from ppokit.lm.model.hf import load_model_and_tokenizer
-from ppokit.lm.sft import CURVE_FILE, IGNORE_INDEX, collate, encode_examples, eval_engine, evaluate, run_sft, sft_main
+from ppokit.lm.sft import CURVE_FILE, IGNORE_INDEX, collate, encode_examples, eval_engine, evaluate, run_sft
 
 
 def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):
@@ -34,10 +35,12 @@ def test_generation_batches_match_single_prompts(tiny_model_dir):
     model, tok = load_model_and_tokenizer(tiny_model_dir)
     prompts = ["1+2=", "37+48=", "5=", "123+456="]
     together = (
-        eval_engine(model, tok, max_new_tokens=5, batch_size=4, precision="fp32").generate(prompts, greedy=True).texts
+        eval_engine(model, tok, max_new_tokens=5, batch_size=4, autocast_dtype=None)
+        .generate(prompts, greedy=True)
+        .texts
     )
     alone = [
-        eval_engine(model, tok, max_new_tokens=5, batch_size=1, precision="fp32").generate([p], greedy=True).texts[0]
+        eval_engine(model, tok, max_new_tokens=5, batch_size=1, autocast_dtype=None).generate([p], greedy=True).texts[0]
         for p in prompts
     ]
     assert together == alone

@@ -1,4 +1,4 @@
-"""Rollout parts from several workers made one rollout (:func:`ppokit.lm.single_turn.workload.concat_parts`).
+"""Rollout parts from several workers made one rollout (:func:`ppokit.lm.single_turn.source.concat_parts`).
 
 Parts of different prompt and response widths are re-padded to one layout: every row
 keeps its tokens, positions and mask, so a policy's log-probs of a row are the part's
@@ -15,7 +15,7 @@ from ppokit.lm.generation.engine import RolloutEngine
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
 from ppokit.lm.scoring import POLICY_INPUTS
-from ppokit.lm.single_turn.workload import RolloutPart, concat_parts
+from ppokit.lm.single_turn.source import RolloutPart, concat_parts
 
 
 def test_parts_of_different_widths_keep_their_rows(tiny_dir):

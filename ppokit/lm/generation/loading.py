@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from ppokit.config import RolloutConfig, format_validation_error
 from ppokit.errors import UserError
+from ppokit.lm.generation.engine import RolloutEngine
+from ppokit.lm.model.checkpoint import find_lm_checkpoint, run_config
+from ppokit.lm.model.device import resolve_device, resolve_precision
+from ppokit.lm.model.hf import causal_lm_config, load_causal_lm, load_tokenizer
+from ppokit.lm.model.stack import load_policy_stack
 
 
 @dataclass
@@ -37,10 +45,6 @@ class Generator:
 def rollout_options(base, **overrides: Any):
     """A :class:`~ppokit.config.RolloutConfig` from ``base`` with the ``overrides`` that are not
     None, validated (a bad value is a one-line :class:`UserError` naming the option)."""
-    from pydantic import ValidationError
-
-    from ppokit.config import RolloutConfig, format_validation_error
-
     values = base.model_dump() if base is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
@@ -55,13 +59,6 @@ def load_generator(
     """The generator of ``path``: a run or checkpoint directory, or a model directory (module docstring).
     ``device``/``precision``: as ``run.device``/``run.precision`` (default: the run's, else auto).
     ``sampling``: temperature, top_p, top_k, max_new_tokens (None keeps the run's)."""
-    import torch
-
-    from ppokit.lm.evaluate import _config_of, find_lm_checkpoint
-    from ppokit.lm.generation.engine import RolloutEngine
-    from ppokit.lm.model.device import one_thread_if_small, resolve_device, resolve_precision
-    from ppokit.lm.model.hf import causal_lm_config, load_causal_lm, load_tokenizer
-
     path = Path(path)
     if not path.is_dir():
         raise UserError(
@@ -69,25 +66,12 @@ def load_generator(
         )
     ckpt = find_lm_checkpoint(path)
     if ckpt is not None:
-        from ppokit.lm.model.checkpoint import load_policy
-
-        cfg = _config_of(ckpt)
-        dev = resolve_device(device or cfg.run.device)
-        dtype = resolve_precision(precision or cfg.run.precision, dev)
-        tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
-        policy = load_policy(ckpt, device=dev, autocast_dtype=dtype)
-        if cfg.run.torch_threads:
-            torch.set_num_threads(cfg.run.torch_threads)
-        kv_cache = None
-        if cfg.model.cpu_kernels:  # the run's CPU kernels, as in training (a no-op off the CPU)
-            from ppokit.lm.accel import accelerate_policy
-
-            kv_cache = accelerate_policy(policy).kv_cache
-        one_thread_if_small(cfg, policy, dev)
+        cfg = run_config(ckpt)
+        stack = load_policy_stack(ckpt, cfg, device=device, precision=precision)
         engine = RolloutEngine.for_policy(
-            policy, tokenizer, rollout_options(cfg.rollout, **sampling), kv_cache=kv_cache
+            stack.policy, stack.tokenizer, rollout_options(cfg.rollout, **sampling), kv_cache=stack.kv_cache
         )
-        return Generator(engine, tokenizer, cfg, f"the trained actor of {ckpt}")
+        return Generator(engine, stack.tokenizer, cfg, f"the trained actor of {ckpt}")
     if not (path / "config.json").is_file():
         raise UserError(
             f"{path} is neither a run directory with a language-model checkpoint nor a model "

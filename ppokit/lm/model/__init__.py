@@ -6,6 +6,7 @@
   the value head, the reference as the backbone with adapters off
 - :mod:`.checkpoint`  the policy's checkpoint files, written and read back
 - :mod:`.device`      ``run.device``, ``run.precision``, the attention kernel, torch threads
+- :mod:`.stack`       a policy ready to train or sample: device, tokenizer, policy, CPU kernels, threads
 
 Nothing is imported here: ``import ppokit.lm.model`` does not load torch.
 """

@@ -10,7 +10,10 @@ A checkpoint directory written by :func:`save_policy`::
 
 It loads with peft and transformers alone: :func:`load_policy` for inference (``ppokit
 eval``), ``ppokit export`` to merge the actor into a standalone model, and
-:func:`load_trained_state` into a freshly built policy for an exact resume. A missing,
+:func:`load_trained_state` into a freshly built policy for an exact resume.
+:func:`find_lm_checkpoint` is the checkpoint a run directory is read from, and
+:func:`run_config` the config it was trained with. This module is the one owner of the
+policy's file names. A missing,
 damaged or ill-fitting file is a one-line :class:`~ppokit.errors.UserError` naming it.
 """
 
@@ -25,10 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ppokit.config import Config, build_config
 from ppokit.errors import UserError
 from ppokit.lm.model.device import attention_implementation
 from ppokit.lm.model.hf import first_line, load_causal_lm
 from ppokit.lm.model.policy import ACTOR, CRITIC, LMPolicy, ValueHead
+from ppokit.rundir import META, evaluation_checkpoint, saved_config
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 POLICY_META_FILE = "policy.json"
@@ -294,3 +299,26 @@ def load_policy(
     policy.to(device)
     policy.cast_frozen_weights(autocast_dtype)
     return policy
+
+
+def is_lm_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a language-model policy (its :data:`POLICY_META_FILE`)."""
+    return (path / POLICY_META_FILE).is_file()
+
+
+def find_lm_checkpoint(path: str | Path) -> Path | None:
+    """The language-model checkpoint of ``path`` (a run directory or a checkpoint directory):
+    :func:`ppokit.rundir.evaluation_checkpoint` when it holds a policy; None otherwise (not a
+    language-model run, or no checkpoint yet)."""
+    path = Path(path)
+    ckpt = path if is_lm_checkpoint(path) else evaluation_checkpoint(path)
+    return ckpt if ckpt is not None and is_lm_checkpoint(ckpt) else None
+
+
+def run_config(ckpt: str | Path) -> Config:
+    """The config ``ckpt`` was trained with (:func:`ppokit.rundir.saved_config`), validated
+    (an invalid one is a one-line :class:`~ppokit.config.ConfigError`)."""
+    saved = saved_config(ckpt)
+    if saved is None:
+        raise UserError(f"{ckpt}: no config found (neither {Path(ckpt) / META} nor the run's config.yaml)")
+    return build_config([saved])

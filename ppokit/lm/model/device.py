@@ -1,8 +1,14 @@
 """Where and in which precision a language model runs: ``run.device``, ``run.precision``,
-the attention kernel and the number of torch threads."""
+the attention kernel and the number of torch threads.
+
+The one owner of these rules: the PPO run, rollout workers, learner ranks, the supervised
+warm start and ``ppokit generate``/``eval`` all ask here.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -10,6 +16,7 @@ import torch
 from ppokit.errors import UserError
 
 SMALL_MODEL_PARAMS = 20_000_000  # CPU: below this, one torch thread unless run.torch_threads says otherwise
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -38,6 +45,8 @@ def bf16_supported(device: torch.device) -> bool:
 
 def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype: ``torch.bfloat16`` or None (fp32). ``auto`` = bf16 where supported."""
+    if name not in PRECISIONS:
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)} (got {name!r})")
     if name == "fp32":
         return None
     if name == "bf16":
@@ -45,6 +54,24 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
             return torch.bfloat16
         raise UserError(f"run.precision=bf16 is not supported on {device}; use fp32 or auto")
     return torch.bfloat16 if bf16_supported(device) else None
+
+
+def precision_name(autocast_dtype: torch.dtype | None) -> str:
+    """``"bf16"`` or ``"fp32"``: how an autocast dtype is written in headers and summaries."""
+    return "bf16" if autocast_dtype == torch.bfloat16 else "fp32"
+
+
+def autocast(autocast_dtype: torch.dtype | None, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``autocast_dtype`` on ``device``'s type; a no-op for None (fp32)."""
+    if autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype)
+
+
+def placement(cfg) -> tuple[torch.device, torch.dtype | None]:
+    """(device, autocast dtype or None) of a run, from ``run.device`` and ``run.precision``."""
+    device = run_device(cfg)
+    return device, resolve_precision(cfg.run.precision, device)
 
 
 def attention_implementation(name: str, device: torch.device) -> str | None:
@@ -75,15 +102,35 @@ def run_device(cfg) -> torch.device:
     return resolve_device(name)
 
 
-def one_thread_if_small(cfg, model: torch.nn.Module, device: torch.device) -> None:
-    """CPU, no ``run.torch_threads``, a model under :data:`SMALL_MODEL_PARAMS`: one torch thread.
+def threads_for(model: torch.nn.Module, device: torch.device, requested: int | None = None) -> int | None:
+    """torch intra-op threads for ``model``: ``requested`` (``run.torch_threads``) when set, else
+    1 on a CPU for a model under :data:`SMALL_MODEL_PARAMS`, else None (torch's default).
 
     Small matmuls gain little from threads, and more threads than free cores (other
     processes) slow them down many times over.
     """
-    if (
-        cfg.run.torch_threads is None
-        and device.type == "cpu"
-        and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS
-    ):
-        torch.set_num_threads(1)
+    if requested:
+        return requested
+    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+        return 1
+    return None
+
+
+def set_threads(model: torch.nn.Module, device: torch.device, requested: int | None = None) -> None:
+    """``torch.set_num_threads`` by :func:`threads_for` (None: torch's count stays)."""
+    n = threads_for(model, device, requested)
+    if n is not None:
+        torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(n)`` (None: unchanged), then restore."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n is not None:
+            torch.set_num_threads(before)

@@ -1,6 +1,8 @@
 """Multi-turn PPO on text environments: episodes of many turns, credit by token or by turn.
 
-- :mod:`.workload`    the components of a multi-turn run and the warm start from demonstrations
+- :mod:`.workload`        the components of a multi-turn run
+- :mod:`.demonstrations`  the warm start from demonstrations played in the environment
+- :mod:`.advantages`      credit over each trajectory's action tokens (token or turn GAE)
 - :mod:`.source`      the rollout source and the evaluator (greedy win rates)
 - :mod:`.episodes`    many episodes played at once, batched generation across them
 - :mod:`.streams`     each seat's token stream: sampled tokens, observations appended

@@ -1,0 +1,83 @@
+"""``ppokit sft``: the supervised warm start alone, on a built-in task or the user's files.
+
+:func:`sft_main` resolves the data, the reward and the model by name, then runs
+:func:`ppokit.lm.sft.run_sft`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ppokit.errors import UserError
+from ppokit.lm.data.chat import model_chat_renderer, render_records
+from ppokit.lm.data.sources import is_file_source, load_prompts
+from ppokit.lm.data.tasks import get_task
+from ppokit.lm.model.tiny import build_tiny_model
+from ppokit.lm.rewards.functions import load_reward_fn
+from ppokit.lm.sft import run_sft
+
+
+def sft_main(
+    prompts: str,
+    out_dir: str | os.PathLike,
+    *,
+    model: str = "tiny",
+    examples: int | None = None,
+    eval_prompts: str | None = None,
+    eval_size: int = 256,
+    reward: str | None = None,
+    seed: int = 0,
+    chat_template: bool = False,
+    **options: Any,
+) -> dict[str, Any]:
+    """What ``ppokit sft`` runs: resolve data, reward and model by name, then :func:`run_sft`.
+
+    ``prompts``: a built-in task (``arithmetic:digits=2``; its ``sft`` split trains, its
+    ``eval`` split is held out) or a JSONL file with ``prompt`` + ``completion`` per line
+    (then ``eval_prompts``, a JSONL file, is required). ``examples``: how many (default:
+    300 of a task, all of a file). ``model``: ``tiny`` (the built-in
+    model, randomly initialised with ``seed``; its random init is not kept) or a model
+    directory. ``reward``: scores the held-out answers (default: the task's own).
+    ``chat_template``: render the prompts with the model's chat template, as
+    ``data.chat_template`` (:mod:`ppokit.lm.data.chat`; not for the tiny model, which has none).
+    ``options`` go to :func:`run_sft` (``epochs_max``, ``batch_size``, ``learning_rate``,
+    ``patience``, ``precision``, ``device``, ``log``, ...).
+    """
+    for flag, value in (("--examples", examples), ("--eval-size", eval_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"sft {flag} must be a positive integer (got {value!r})")
+    from_file = is_file_source(prompts)
+    if reward is None:
+        if from_file:
+            raise UserError(
+                f"the SFT data {prompts} is a file: name a reward function to score the held-out "
+                "answers (exact_match, numeric_match, module:fn or file.py:fn)"
+            )
+        reward = get_task(prompts).default_reward
+    reward_fn = load_reward_fn(reward)
+    if from_file and eval_prompts is None:
+        raise UserError(
+            f"SFT on the file {prompts} needs held-out prompts to pick the best model: "
+            "give an eval JSONL file (eval_prompts)"
+        )
+    train = load_prompts(prompts, "sft", n=examples if examples is not None or from_file else 300, chat=chat_template)
+    held_out = (
+        load_prompts(eval_prompts, "eval", chat=chat_template)[:eval_size]
+        if eval_prompts is not None
+        else load_prompts(prompts, "eval", n=eval_size)
+    )
+    if chat_template:
+        render = model_chat_renderer(
+            model, what="--model", option="--chat-template", fix="give --model a chat model's directory"
+        )
+        train, held_out = render_records(train, render), render_records(held_out, render)
+    if model != "tiny":
+        return run_sft(model, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
+    with tempfile.TemporaryDirectory(prefix="ppokit-tiny-") as tmp:
+        init = build_tiny_model(Path(tmp) / "init", seed=seed)
+        summary = run_sft(init, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
+    summary["settings"]["model_dir"] = "tiny"
+    return summary

@@ -1,0 +1,269 @@
+"""The rollout source of a single-turn language-model run: prompts in, scored responses out.
+
+:class:`LMSource` draws the iteration's prompts, generates ``group_size`` responses to each
+(:mod:`ppokit.lm.generation`) and scores them with the sequence rewards
+(:mod:`ppokit.lm.rewards.sequence`) into a :class:`~ppokit.components.Batch`. With rollout
+workers (:mod:`ppokit.dist`) the generation runs there in shards (:meth:`LMSource.collect_shard`)
+and :class:`LMShardPlan` merges the parts on the driver, which scores them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from peft import set_peft_model_state_dict
+
+from ppokit.components import Batch
+from ppokit.config import Config
+from ppokit.errors import UserError
+from ppokit.lm.generation.engine import RolloutBatch, position_ids_from
+from ppokit.lm.rewards.functions import reward_fields
+from ppokit.lm.scoring import POLICY_INPUTS
+from ppokit.resume import rollout_rngs
+
+# the RNG stream of the rewards of a rollout that runs ahead (rollout.off_policy_steps=1)
+REWARD_STREAM = 2**31
+
+
+@dataclass
+class RolloutPart:
+    """What generation gives (in-process, or a rollout worker's shard): the sequences and,
+    with ``rollout.off_policy_steps=1``, the sampling policy's log-probs of their tokens."""
+
+    rollout: Any  # a ppokit.lm.generation.engine.RolloutBatch
+    old_log_prob: torch.Tensor | None = None  # (N, R) behaviour log-probs, 0 on padding
+    behaviour_time: float = 0.0
+
+
+class LMSource:
+    """Prompts in, scored responses out: ``collect() -> Batch``.
+
+    Two steps: :meth:`collect_shard` generates (on a rollout worker, a shard of the
+    prompts; there ``prompts`` and ``rewards`` are None) and :meth:`finish` scores the
+    responses and measures them where the prompts' position and the rewards' state live
+    (the training process). With ``rollout.off_policy_steps=1`` generation also returns
+    the sampling (behaviour) policy's log-probs, computed by ``policy`` in the scorer's
+    chunks right after generation: the update, one version later, takes its ratios
+    against them.
+    """
+
+    steps_per_iteration = None
+
+    def __init__(
+        self, cfg: Config, engine, prompts, rewards, device: torch.device, dropped_prompts: int = 0, policy=None
+    ):
+        self.cfg, self.engine, self.prompts = cfg, engine, prompts
+        self.rewards, self.device = rewards, device  # a SequenceRewards
+        self.dropped_prompts = dropped_prompts
+        self.policy = policy
+        self.policy_version = 0  # the learner's version of the actor's weights
+        self.pending: tuple[int, Batch] | None = None  # a prefetched iteration and its batch
+
+    def collect(self, iteration: int) -> Batch:
+        if self.pending is not None and self.pending[0] == iteration:
+            batch, self.pending = self.pending[1], None
+            return batch
+        return self._collect(iteration, self.prompts.next_batch())
+
+    def prefetch(self, iteration: int) -> None:
+        """Collect ``iteration`` now (in this process nothing overlaps with the update)."""
+        self.pending = (iteration, self._collect(iteration, self.prompts.next_batch()))
+
+    def _collect(self, iteration: int, items: list[dict]) -> Batch:
+        if not self.cfg.rollout.off_policy_steps:
+            return self.finish(iteration, self.collect_shard(iteration, items))
+        with rollout_rngs(self.cfg.seed, iteration):  # seeded per iteration: the same on a Ray worker
+            part = self.collect_shard(iteration, items)
+        return self.finish(iteration, part)
+
+    def collect_shard(self, iteration: int, request: list[dict]) -> RolloutPart:
+        """Responses to the prompt records ``request`` (``group_size`` each)."""
+        rollout = self.engine.generate(
+            [x["prompt"] for x in request], group_size=self.cfg.algo.group_size, items=request
+        )
+        if not self.cfg.rollout.off_policy_steps:
+            return RolloutPart(rollout)
+        start = time.perf_counter()
+        old_log_prob = self.behaviour_log_probs(rollout.tensors())
+        return RolloutPart(rollout, old_log_prob, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def behaviour_log_probs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(N, R) log-probs of the sampled tokens under the sampling weights, 0 on padding."""
+        n, chunk = tensors["mask"].shape[0], self.cfg.train.infer_micro_batch_size
+        parts = [
+            self.policy.log_probs({k: tensors[k][s : s + chunk] for k in POLICY_INPUTS})["log_prob"]
+            for s in range(0, n, chunk)
+        ]
+        return torch.cat(parts).float() * tensors["mask"]
+
+    def finish(self, iteration: int, part: RolloutPart) -> Batch:
+        """The batch of a rollout: sequence rewards (seeded per iteration when the rollout ran
+        ahead), metrics and samples."""
+        rollout = part.rollout
+        seeded = (
+            rollout_rngs(self.cfg.seed, iteration, REWARD_STREAM)
+            if self.cfg.rollout.off_policy_steps
+            else contextlib.nullcontext()
+        )
+        start = time.perf_counter()
+        with seeded:
+            scores, reward_metrics, marks = self.rewards(rollout)  # (N,)
+        scores = scores.to(self.device)
+        time_reward = time.perf_counter() - start
+        if not math.isfinite(scores.mean().item()):
+            raise UserError(
+                f"iteration {iteration}: reward_mean is {scores.mean().item()}; check the reward "
+                "function (the metrics so far are in metrics.jsonl)"
+            )
+        lengths = rollout.response_lengths
+        metrics = {
+            "reward_mean": scores.mean().item(),
+            "reward_std": scores.std(unbiased=False).item(),
+            "reward_max": scores.max().item(),
+            "response_length": lengths.mean().item(),
+            "truncated_frac": rollout.truncated.float().mean().item(),
+            "time_generate": rollout.generation_time,
+            "time_reward": time_reward,
+            "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9),
+            "data_epoch": self.prompts.epoch + self.prompts.position / len(self.prompts.items),
+            **reward_metrics,
+        }
+        if self.dropped_prompts:
+            metrics["prompts_dropped"] = float(self.dropped_prompts)
+        tensors = {**rollout.tensors(), "scores": scores, "group_ids": rollout.group_ids}
+        if part.old_log_prob is not None:
+            tensors["old_log_prob"] = part.old_log_prob.to(self.device)
+            metrics["time_behaviour_log_prob"] = part.behaviour_time
+        return Batch(
+            tensors=tensors,
+            samples=rollout_samples(rollout, scores, self.cfg.run.log_samples, marks),
+            metrics=metrics,
+            policy_version=self.policy_version,
+        )
+
+    def sync_weights(self, learner) -> None:
+        """Nothing to copy: generation runs the learner's own policy."""
+        self.policy_version = learner.policy_version
+
+    def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The actor adapter's weights (lora) or the actor model's (full), from ``rollout_weights``."""
+        if self.policy.mode == "lora":
+            result = set_peft_model_state_dict(self.policy.lm, weights, adapter_name="actor")
+            if getattr(result, "unexpected_keys", None):
+                raise RuntimeError(f"rollout weights not in the actor adapter: {result.unexpected_keys[:3]}")
+        else:
+            self.policy.lm.load_state_dict(weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.prompts is None:  # a rollout worker's: nothing of its own
+            return {}
+        state: dict[str, Any] = {"prompts": self.prompts.state_dict(), "rewards": self.rewards.state_dict()}
+        if self.pending is not None:
+            state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        if self.prompts is None:
+            return []
+        self.prompts.load_state_dict(state["prompts"])
+        self.rewards.load_state_dict(state.get("rewards", {}))  # (absent in checkpoints before it existed)
+        pending = state.get("pending")
+        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
+        return []
+
+
+class LMShardPlan:
+    """The driver's side of N rollout workers: each iteration's prompts (drawn here, as
+    in-process) go out in N contiguous slices of whole groups; the generated parts come
+    back in that order, are padded to one layout (one worker: its part as it is) and
+    scored here by the run's own source (:meth:`LMSource.finish`: rewards, their state,
+    the prompts' position)."""
+
+    steps_per_iteration = None
+
+    def __init__(self, source: LMSource, num_shards: int):
+        self.source, self.num_shards = source, num_shards
+
+    def requests(self, iteration: int) -> list[list[dict]]:
+        items = self.source.prompts.next_batch()
+        k = len(items) // self.num_shards
+        return [items[i * k : (i + 1) * k] for i in range(self.num_shards)]
+
+    def merge(self, iteration: int, parts: list[RolloutPart], states: list[dict[str, Any]]) -> Batch:
+        part = parts[0] if len(parts) == 1 else concat_parts(parts, self.source.engine.pad_id)
+        return self.source.finish(iteration, part)
+
+    def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[dict[str, Any] | None], list[str]]:
+        return [None] * self.num_shards, self.source.load_state_dict(state)
+
+
+def concat_parts(parts: list[RolloutPart], pad_id: int) -> RolloutPart:
+    """One rollout from parts of different widths: prompts left-padded to the longest prompt
+    P, responses right-padded to the longest response R (the layout of
+    :mod:`ppokit.lm.generation.engine`); ``group_ids`` renumbered; the slowest part's generation time."""
+    rollouts = [p.rollout for p in parts]
+    widths = [(r.prompt_length, r.responses.shape[1]) for r in rollouts]
+    P, R = max(w[0] for w in widths), max(w[1] for w in widths)
+    pad = torch.nn.functional.pad
+    cols: dict[str, list[torch.Tensor]] = {}
+    offset = 0
+    for part, r, (p, n) in zip(parts, rollouts, widths):
+        for key, value in (("input_ids", pad_id), ("attention_mask", 0)):
+            t = getattr(r, key)
+            cols.setdefault(key, []).append(
+                torch.cat([pad(t[:, :p], (P - p, 0), value=value), pad(t[:, p:], (0, R - n), value=value)], 1)
+            )  # (n, P + R)
+        cols.setdefault("responses", []).append(pad(r.responses, (0, R - n), value=pad_id))  # (n, R)
+        cols.setdefault("mask", []).append(pad(r.mask, (0, R - n), value=0.0))
+        if part.old_log_prob is not None:
+            cols.setdefault("old_log_prob", []).append(pad(part.old_log_prob, (0, R - n), value=0.0))
+        cols.setdefault("truncated", []).append(r.truncated)
+        cols.setdefault("group_ids", []).append(r.group_ids + offset)
+        offset += int(r.group_ids.max()) + 1 if len(r.group_ids) else 0
+    t = {k: torch.cat(v) for k, v in cols.items()}
+    old_log_prob = t.pop("old_log_prob", None)
+    merged = RolloutBatch(
+        input_ids=t["input_ids"],
+        attention_mask=t["attention_mask"],
+        position_ids=position_ids_from(t["attention_mask"]),
+        responses=t["responses"],
+        mask=t["mask"],
+        truncated=t["truncated"],
+        group_ids=t["group_ids"],
+        prompts=[x for r in rollouts for x in r.prompts],
+        texts=[x for r in rollouts for x in r.texts],
+        items=[x for r in rollouts for x in r.items],
+        generation_time=max(r.generation_time for r in rollouts),
+    )
+    return RolloutPart(merged, old_log_prob, max(p.behaviour_time for p in parts))
+
+
+def rollout_samples(rollout, scores: torch.Tensor, k: int, marks: list[dict] | None = None) -> list[dict[str, Any]]:
+    """The first ``k`` sequences of a rollout as JSON rows: prompt, response, sequence reward,
+    response tokens, truncated, the prompt's data fields (``answer``, ...) and, from ``marks``,
+    ``reward_error`` (why the reward function failed on it, or null) and ``reward_note``. The
+    prompts are shuffled, so they are a random sample; with ``group_size`` > 1 they are one group."""
+    lengths = rollout.response_lengths
+    rows = [
+        {
+            "prompt": rollout.prompts[i],
+            "response": rollout.texts[i],
+            "reward": float(scores[i]),
+            "length": int(lengths[i]),
+            "truncated": bool(rollout.truncated[i]),
+            "fields": reward_fields(rollout.items[i]),
+        }
+        for i in range(min(k, len(rollout)))
+    ]
+    for row, mark in zip(rows, marks or []):
+        row.update(mark)
+    return rows
