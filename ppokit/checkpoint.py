@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from ppokit.errors import UserError
 
@@ -99,8 +101,6 @@ def save_checkpoint(
     language model's adapters in Hugging Face format, say); ``meta.json`` comes last, so a
     checkpoint with it is complete.
     """
-    from safetensors.torch import save_file
-
     with atomic_directory(path) as tmp:
         if files is not None:
             files(tmp)
@@ -212,9 +212,6 @@ def recover_interrupted(directory: Path | str) -> None:
 # ----------------------------------------------------------------------------- load
 def load_checkpoint(path: Path | str) -> Checkpoint:
     """Read a checkpoint directory; any problem is a one-line :class:`UserError` naming the file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     meta_path = path / META
     if not path.is_dir():

@@ -37,6 +37,8 @@ from ppokit.components import Components, Workload
 from ppokit.config import Config
 from ppokit.errors import TrainingDiverged, UserError
 from ppokit.resume import GracefulStop, capture_rng, restore_rng
+from ppokit.track import Tracker
+from ppokit.trainer import batch_advantages
 
 __all__ = ["run", "diverged_message", "read_resumable_checkpoint"]
 
@@ -59,9 +61,6 @@ def run(workload: Workload, cfg: Config, run_dir: Path | str, resume_from: Path 
 
 
 def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | None) -> dict[str, Any]:
-    from ppokit.track import Tracker
-    from ppokit.trainer import batch_advantages
-
     iterations = cfg.iterations
     saved = None
     if resume_from is not None:

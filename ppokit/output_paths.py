@@ -16,6 +16,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from ppokit.errors import UserError
 
 # Failures to write that are the user's to fix (where the output goes), not bugs.
@@ -41,8 +43,6 @@ def check_output_dir(out: Path, fix: str, *, replace: bool = False) -> None:
 def writing_to(out: Path) -> Iterator[None]:
     """Turn a read-only file system, a permission error or a full disk inside the block into a
     UserError naming ``out`` (the block is a write of ``out``)."""
-    from safetensors import SafetensorError
-
     try:
         yield
     except (OSError, SafetensorError) as exc:

@@ -33,7 +33,7 @@ from typing import Any
 
 from ppokit.errors import UserError
 from ppokit.rundir import CURVES_FILE as PLOT_FILE
-from ppokit.rundir import METRICS_FILE
+from ppokit.rundir import METRICS_FILE, read_metrics
 
 # (panel title, y label, ((metric key, legend name, line style: "-", "--", ":" or "s" for markers), ...))
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
@@ -64,8 +64,6 @@ def read_run_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
     anything unreadable), a line that is not a JSON object names the file and the line.
     Only a torn last line (no newline at the end: a run killed mid-write) is skipped.
     """
-    from ppokit.rundir import read_metrics
-
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise UserError(f"run directory {run_dir} does not exist")

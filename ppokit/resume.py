@@ -30,6 +30,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from ppokit.errors import Interrupted, TrainingDiverged
 
 __all__ = [
@@ -50,8 +53,6 @@ __all__ = [
 # ----------------------------------------------------------------------------- RNG
 def _tag_arrays(obj: Any) -> Any:
     """numpy arrays inside an RNG state -> ``{"__array__": dtype, "data": list}`` (JSON, exact)."""
-    import numpy as np
-
     if isinstance(obj, np.ndarray):
         return {"__array__": obj.dtype.str, "data": obj.tolist()}
     if isinstance(obj, np.generic):
@@ -64,8 +65,6 @@ def _tag_arrays(obj: Any) -> Any:
 
 
 def _untag_arrays(obj: Any) -> Any:
-    import numpy as np
-
     if isinstance(obj, dict):
         if "__array__" in obj:
             return np.array(obj["data"], dtype=np.dtype(obj["__array__"]))
@@ -77,9 +76,6 @@ def _untag_arrays(obj: Any) -> Any:
 
 def generator_state(gen: Any) -> Any:
     """The state of a ``torch.Generator`` (uint8 tensor) or ``np.random.Generator`` (dict)."""
-    import numpy as np
-    import torch
-
     if isinstance(gen, torch.Generator):
         return gen.get_state()
     if isinstance(gen, np.random.Generator):
@@ -89,9 +85,6 @@ def generator_state(gen: Any) -> Any:
 
 def set_generator_state(gen: Any, state: Any) -> None:
     """Inverse of :func:`generator_state`."""
-    import numpy as np
-    import torch
-
     if isinstance(gen, torch.Generator):
         gen.set_state(state)
     elif isinstance(gen, np.random.Generator):
@@ -103,9 +96,6 @@ def set_generator_state(gen: Any, state: Any) -> None:
 def seed_globals(seed: int) -> None:
     """Seed every global RNG a model build, a reward function or a sampler may draw from
     (Python's, NumPy's and torch's; all of them are checkpointed by :func:`capture_rng`)."""
-    import numpy as np
-    import torch
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -116,9 +106,6 @@ def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
 
     ``generators``: the run's own ``torch.Generator`` / ``np.random.Generator`` objects by name.
     """
-    import numpy as np
-    import torch
-
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "python": {"version": version, "state": list(internal), "gauss_next": gauss},
@@ -133,9 +120,6 @@ def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
 
 def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None = None) -> None:
     """Set the RNGs captured by :func:`capture_rng` (a generator missing from the state is an error)."""
-    import numpy as np
-    import torch
-
     py = state["python"]
     random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
     np.random.set_state(_untag_arrays(state["numpy"]))
@@ -154,8 +138,6 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None =
 def rollout_seed(seed: int, iteration: int, shard: int = 0) -> int:
     """A 63-bit seed for the rollout of ``iteration`` on ``shard`` (numpy's SeedSequence
     hashes the three numbers: nearby inputs give unrelated seeds)."""
-    import numpy as np
-
     words = np.random.SeedSequence([seed, iteration, shard]).generate_state(2, np.uint32)
     return (int(words[0]) << 31 | int(words[1]) >> 1) & (2**63 - 1)
 
@@ -164,9 +146,6 @@ def rollout_seed(seed: int, iteration: int, shard: int = 0) -> int:
 def rollout_rngs(seed: int, iteration: int, shard: int = 0) -> Iterator[None]:
     """Python ``random``, numpy's and torch's global RNGs (CUDA's too) seeded with
     :func:`rollout_seed` inside the block; the states from before come back after it."""
-    import numpy as np
-    import torch
-
     saved = capture_rng()
     value = rollout_seed(seed, iteration, shard)
     random.seed(value)
@@ -179,8 +158,6 @@ def rollout_rngs(seed: int, iteration: int, shard: int = 0) -> Iterator[None]:
 
 
 def _as_byte_tensor(x: Any):
-    import torch
-
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.uint8)
 
 
@@ -272,6 +249,4 @@ class BadStepGuard:
 
 def all_finite(tensors: Any) -> bool:
     """True when every tensor in ``tensors`` (an iterable) holds only finite values."""
-    import torch
-
     return all(bool(torch.isfinite(t).all()) for t in tensors)

@@ -30,14 +30,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from ppokit.checkpoint import recover_interrupted
+from ppokit.config import build_config, parse_overrides, read_yaml
 from ppokit.errors import UserError
 
 CONFIG_FILE = "config.yaml"
@@ -78,8 +84,6 @@ class RunLock:
         self.took_over: str | None = None  # the previous holder's line, when it had died
 
     def acquire(self) -> RunLock:
-        import fcntl
-
         key = os.path.realpath(self.run_dir)
         held = _HELD.get(key)
         if held is not None:
@@ -178,8 +182,6 @@ def has_started(run_dir: Path | str) -> bool:
 
 def read_run_config(path: Path | str) -> dict | None:
     """A run's config.yaml as a dict; None when it is missing, empty or not a mapping."""
-    import yaml
-
     try:
         saved = yaml.safe_load(Path(path).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
@@ -306,8 +308,6 @@ def find_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
     writer are recovered first (:func:`ppokit.checkpoint.recover_interrupted`). At equal
     iterations the final checkpoint sorts last.
     """
-    from ppokit.checkpoint import recover_interrupted
-
     run_dir = Path(run_dir)
     found: list[tuple[int, int, Path]] = []
     periodic = run_dir / PERIODIC_DIR
@@ -406,8 +406,6 @@ def advising_on_damage(path: Path | str, run_dir: Path | str) -> Iterator[None]:
 
 def prune_checkpoints(run_dir: Path | str, keep: int) -> None:
     """Keep the ``keep`` newest periodic checkpoints."""
-    import shutil
-
     directory = Path(run_dir) / PERIODIC_DIR
     if not directory.is_dir():
         return
@@ -557,8 +555,6 @@ def open_run_for_resume(run_dir: Path | str, overrides: list[str]) -> tuple[Any,
     The config is the run's own, from its newest checkpoint; overrides may change only
     :data:`PRESENTATION_FIELDS` (e.g. ``run.progress=false``).
     """
-    from ppokit.config import build_config, parse_overrides, read_yaml
-
     run_dir = Path(run_dir)
     config_file = run_dir / CONFIG_FILE
     if not run_dir.is_dir() or not config_file.is_file():

@@ -25,7 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from ppokit.config import Config
+from ppokit.errors import UserError
 from ppokit.rundir import METRICS_FILE, SAMPLES_FILE, TB_DIR, read_metrics
 
 __all__ = ["Tracker", "read_metrics"]
@@ -39,8 +42,6 @@ WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
 def check_wandb(cfg: Config):
     """The wandb module when ``run.wandb`` is on (None when off); a one-line UserError when it
     is not installed, or is neither logged in nor in an offline mode."""
-    from ppokit.errors import UserError
-
     if not cfg.run.wandb:
         return None
     try:
@@ -117,8 +118,6 @@ class Tracker:
         self._wandb = start_wandb(self.run_dir, cfg) if cfg.run.wandb else None
         self._progress = None
         if cfg.run.progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),

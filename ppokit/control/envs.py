@@ -41,6 +41,7 @@ import gymnasium as gym
 import numpy as np
 
 from ppokit.config import EnvConfig
+from ppokit.control import envstate
 from ppokit.errors import UserError, did_you_mean
 
 EPS = 1e-8
@@ -317,8 +318,6 @@ class VecEnv:
         None where it cannot be taken (``AsyncVectorEnv``): then :meth:`load_state_dict`
         leaves the envs to a fresh reset and returns False.
         """
-        from ppokit.control import envstate
-
         try:
             env_state = envstate.snapshot(self.env) if self._seeded else None
         except envstate.NotSnapshottable:
@@ -338,8 +337,6 @@ class VecEnv:
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore :meth:`state_dict`; False when the envs could not be restored exactly."""
-        from ppokit.control import envstate
-
         if np.shape(state["prev_done"]) != (self.num_envs,):
             raise ValueError(f"env state for {np.shape(state['prev_done'])} envs, this run has {self.num_envs}")
         exact = bool(state.get("exact", True))

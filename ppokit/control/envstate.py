@@ -27,7 +27,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
+
+from ppokit.resume import generator_state, set_generator_state
 
 _NUMERIC_KINDS = "biuf"  # bool, int, uint, float
 _MAX_ARRAY = 1 << 22  # larger arrays are caches, not state (e.g. rendered frames)
@@ -50,8 +53,6 @@ def _plain(value: Any) -> tuple[bool, Any]:
     if isinstance(value, np.generic) and value.dtype.kind in _NUMERIC_KINDS:
         return True, {"__scalar__": np.array(value), "dtype": value.dtype.str}
     if isinstance(value, np.random.Generator):
-        from ppokit.resume import generator_state
-
         return True, {"__np_generator__": generator_state(value)}
     if isinstance(value, list):
         items = [_plain(v) for v in value]
@@ -70,8 +71,6 @@ def _value(stored: Any, current: Any) -> Any:
         if "__scalar__" in stored:
             return np.asarray(stored["__scalar__"]).astype(np.dtype(stored["dtype"]))[()]
         if "__np_generator__" in stored:
-            from ppokit.resume import set_generator_state
-
             state = stored["__np_generator__"]
             gen = (
                 current
@@ -138,8 +137,6 @@ def _chain(env: Any) -> list[Any]:
 
 def snapshot(venv: Any) -> dict[str, Any]:
     """The plain-data state of a Gymnasium vector env (see the module docstring)."""
-    import gymnasium as gym
-
     layers = _chain(venv)
     if any(isinstance(layer, gym.vector.AsyncVectorEnv) for layer in layers):
         raise NotSnapshottable("AsyncVectorEnv keeps its environments in subprocesses")

@@ -14,10 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ppokit.config import Config
+from ppokit.checkpoint import META, load_checkpoint
+from ppokit.config import Config, build_config
 from ppokit.control.envs import VecEnv
 from ppokit.control.networks import ActorCritic
 from ppokit.errors import UserError
+from ppokit.rundir import FINAL_DIR, latest_checkpoint, saved_config
 
 EVAL_SEED_OFFSET = 10_000
 MAX_EVAL_ENVS = 16
@@ -90,9 +92,6 @@ def evaluate_policy(
 
 def load_policy(path: Path | str) -> tuple[Config, ActorCritic, dict]:
     """(config, policy with the checkpoint's weights, normalizer state) from a checkpoint directory."""
-    from ppokit.checkpoint import META, load_checkpoint
-    from ppokit.config import build_config
-
     ckpt = load_checkpoint(path)
     meta_file = Path(path) / META
     parts = ckpt.parts
@@ -134,8 +133,6 @@ def evaluate_run(run_dir: str | Path, episodes: int, seed: int | None = None) ->
     one (an interrupted or running run; a note says which), or RUN_DIR itself when it is a
     checkpoint directory. Reads only: a run training in ``RUN_DIR`` is left alone.
     """
-    from ppokit.rundir import FINAL_DIR, META, latest_checkpoint, saved_config
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")

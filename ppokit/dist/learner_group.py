@@ -25,6 +25,9 @@ import torch
 
 from ppokit.components import Batch
 from ppokit.dist import ray_get, require_ray
+from ppokit.dist.parallel import free_port
+from ppokit.dist.parallel import init_process_group
+import torch.distributed as dist
 
 
 class LearnerRank:
@@ -38,13 +41,9 @@ class LearnerRank:
         """(this node's address, a free port): rank 0's answer is the group's rendezvous."""
         import ray
 
-        from ppokit.dist.parallel import free_port
-
         return ray.util.get_node_ip_address(), free_port()
 
     def join(self, address: str, port: int) -> None:
-        from ppokit.dist.parallel import init_process_group
-
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.parallel = init_process_group(self.rank, self.world_size, address, port, backend)
         self.learner = self.workload.learner_replica(self.parallel)
@@ -73,8 +72,6 @@ class LearnerRank:
         return {k: v.cpu() for k, v in self.learner.trainer.mini_batch_gradients(batch, iteration).items()}
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -19,6 +19,9 @@ from typing import Any
 
 from ppokit.components import Components
 from ppokit.config import Config
+from ppokit.dist.cluster import Cluster
+from ppokit.dist.learner_group import LearnerGroup
+from ppokit.dist.rollout_workers import RemoteSource, RolloutWorker
 
 
 class DistributedWorkload:
@@ -35,10 +38,6 @@ class DistributedWorkload:
         self.inner.check_checkpoint(meta, path)
 
     def build(self, run_dir: Path) -> Components:
-        from ppokit.dist.cluster import Cluster
-        from ppokit.dist.learner_group import LearnerGroup
-        from ppokit.dist.rollout_workers import RemoteSource, RolloutWorker
-
         c = self.cfg.cluster
         learners = c.learners if c.learners > 1 else 0
         # resources first: a placement the cluster cannot give fails before a warm start or a model load

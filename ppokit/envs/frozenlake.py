@@ -33,6 +33,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from gymnasium.envs.toy_text.frozen_lake import MAPS, FrozenLakeEnv
+
 from ppokit.errors import UserError
 
 from .base import TextEnv
@@ -89,7 +91,6 @@ class FrozenLakeTextEnv(TextEnv):
         letters: bool = False,
     ) -> None:
         super().__init__()
-        from gymnasium.envs.toy_text.frozen_lake import MAPS, FrozenLakeEnv
 
         if desc is None:
             if map_name not in MAPS:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ppokit.errors import UserError
 from ppokit.lm.rewards.functions import score_responses
+from ppokit.lm.rewards.pool import RewardResults
 
 
 def score_texts(reward, prompts: Sequence[str], texts: Sequence[str], items: Sequence[dict[str, Any]]):
@@ -22,8 +23,6 @@ def score_texts(reward, prompts: Sequence[str], texts: Sequence[str], items: Seq
     ``reward`` is a scorer (a :class:`~ppokit.lm.rewards.pool.RewardPool`: failures become
     ``reward_on_error`` and are counted), else by calling the function in this process
     (a failure is a :class:`UserError`)."""
-    from ppokit.lm.rewards.pool import RewardResults
-
     if hasattr(reward, "score"):
         return reward.score(list(prompts), list(texts), list(items))
     scores = score_responses(reward, list(prompts), list(texts), list(items))

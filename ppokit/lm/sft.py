@@ -41,7 +41,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ppokit.checkpoint import atomic_directory
+from ppokit.config import RolloutConfig
 from ppokit.errors import UserError
+from ppokit.lm.evaluate import heldout_accuracy
+from ppokit.lm.generation.engine import RolloutEngine
 from ppokit.lm.model.device import (
     autocast,
     precision_name,
@@ -50,7 +54,9 @@ from ppokit.lm.model.device import (
     threads_for,
     torch_threads,
 )
+from ppokit.lm.model.hf import load_model_and_tokenizer, quiet_transformers
 from ppokit.lm.rewards.functions import load_reward_fn
+from ppokit.output_paths import check_output_dir, writing_to
 
 IGNORE_INDEX = -100
 CURVE_FILE = "sft_curve.json"
@@ -144,9 +150,6 @@ def mean_answer_loss(
 # -------------------------------------------------------------------------- evaluation
 def eval_engine(model, tokenizer, *, max_new_tokens: int, batch_size: int, autocast_dtype: torch.dtype | None):
     """A greedy :class:`~ppokit.lm.generation.engine.RolloutEngine` over ``model`` for held-out evaluation."""
-    from ppokit.config import RolloutConfig
-    from ppokit.lm.generation.engine import RolloutEngine
-
     return RolloutEngine(
         model,
         tokenizer,
@@ -167,8 +170,6 @@ def evaluate(
     autocast_dtype: torch.dtype | None = None,
 ) -> float:
     """Greedy held-out accuracy of ``model`` (in eval mode for the evaluation, then as it was)."""
-    from ppokit.lm.evaluate import heldout_accuracy
-
     was_training = model.training
     model.eval()
     try:
@@ -221,9 +222,6 @@ def run_sft(
     ``train_accuracy`` (of the best model on up to 256 SFT examples), ``stopped``
     (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s`` and ``settings``.
     """
-    from ppokit.lm.model.hf import load_model_and_tokenizer
-    from ppokit.output_paths import check_output_dir, writing_to
-
     _check_positive(
         epochs_max=epochs_max,
         batch_size=batch_size,
@@ -461,9 +459,6 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 
 def _save(model, tokenizer, out: Path, summary: dict[str, Any]) -> None:
     """Write model, tokenizer and curve into a sibling temp dir, then move it into place."""
-    from ppokit.checkpoint import atomic_directory
-    from ppokit.lm.model.hf import quiet_transformers
-
     with atomic_directory(out) as tmp:
         with quiet_transformers():
             model.save_pretrained(tmp, safe_serialization=True)

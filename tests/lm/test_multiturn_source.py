@@ -16,9 +16,9 @@ from ppokit.config import build_config
 from ppokit.envs import CURRENT
 from ppokit.envs.checks import EnvError
 from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.multi_turn.advantages import trajectory_advantages
 from ppokit.lm.multi_turn.opponents import OPPONENT
 from ppokit.lm.multi_turn.workload import MultiTurnWorkload
-from ppokit.trainer import batch_advantages
 
 ENVS = Path(__file__).with_name("textenvs.py")
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like .optimizer.step:UserWarning")
@@ -88,9 +88,9 @@ def test_a_user_env_from_a_file_truncated_by_max_turns_bootstraps_from_its_next_
     torch.testing.assert_close(last[batch.extras["bootstrap_traj"]], want)
     assert last.abs().min() > 0
     # the bootstrap enters the advantage: gamma = lambda = 1, so it adds V(next) to every action token
-    adv, _ = batch_advantages(cfg, batch)
+    adv, _ = trajectory_advantages(cfg, batch)
     batch.extras["last_values"] = torch.zeros_like(last)
-    adv0, _ = batch_advantages(cfg, batch)
+    adv0, _ = trajectory_advantages(cfg, batch)
     shift = last[batch.tensors["traj_index"]][:, None] * batch.tensors["mask"]
     torch.testing.assert_close(adv - adv0, shift)
 
@@ -176,7 +176,7 @@ def test_an_env_that_raises_ends_that_episode_with_the_failure_reward_and_the_ru
     one_turn = [rows for rows in trajectories_of(batch).values() if len(rows) == 1]
     assert len(one_turn) == failed and all(t["token_scores"][r[0]].sum() == -2.5 for r in one_turn)
     c.scorer.score(batch)  # and the iteration trains
-    batch.tensors.update(zip(("advantages", "returns"), batch_advantages(cfg, batch)))
+    batch.tensors.update(zip(("advantages", "returns"), trajectory_advantages(cfg, batch)))
     assert c.learner.update(batch, 0)["epochs"] == 1
     cfg = mt_config(tiny_dir, tmp_path, {"kwargs": {"raise_on": 2}, "max_failure_rate": 0.1})
     with pytest.raises(

@@ -31,6 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ppokit.lm.accel.fused_lora import enable_lora_kernels, fuse_lora_layers
+from ppokit.lm.accel.kernels.functions import lora_kernels_kind
+from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels
+from ppokit.lm.accel.kv_cache import preallocated_cache
+from ppokit.lm.accel.weight_layout import transpose_wide_weights
+
 __all__ = ["Acceleration", "accelerate_model", "accelerate_policy"]
 
 
@@ -53,9 +59,6 @@ class Acceleration:
 def accelerate_model(model: nn.Module, autocast_dtype: torch.dtype | None) -> dict[str, int]:
     """The CPU kernels and, in bf16, the column-major wide frozen weights for one transformers
     model (not LoRA: see :func:`accelerate_policy`); how many layers of each kind were fused."""
-    from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels
-    from ppokit.lm.accel.weight_layout import transpose_wide_weights
-
     if next(model.parameters()).device.type != "cpu":
         return {}
     if autocast_dtype == torch.bfloat16:
@@ -66,10 +69,6 @@ def accelerate_model(model: nn.Module, autocast_dtype: torch.dtype | None) -> di
 def accelerate_policy(policy) -> Acceleration:
     """Apply the CPU acceleration to an :class:`~ppokit.lm.model.policy.LMPolicy` (its frozen weights
     already cast to the autocast dtype); on other devices nothing changes."""
-    from ppokit.lm.accel.fused_lora import enable_lora_kernels, fuse_lora_layers
-    from ppokit.lm.accel.kernels.functions import lora_kernels_kind
-    from ppokit.lm.accel.kv_cache import preallocated_cache
-
     if policy.device.type != "cpu":
         return Acceleration()
     counts: dict[str, int] = {}

@@ -44,6 +44,7 @@ not apply: adapters disabled or merged, several active adapters, dropout, DoRA,
 from __future__ import annotations
 
 import torch
+from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
 from ppokit.lm.accel.class_swap import fused_subclass, restore_classes
@@ -171,8 +172,6 @@ def fuse_lora_layers(model: nn.Module) -> int:
     The layers stay peft layers (same parameters, state dict, adapter switching, merging);
     only their forward changes, and only where it computes exactly what peft would.
     """
-    from peft.tuners.lora import Linear as LoraLinear
-
     count = 0
     for module in model.modules():
         cls = type(module)
@@ -197,8 +196,6 @@ def enable_lora_kernels(model: nn.Module, enabled: bool = True) -> int:
     memory bound and the vector kernels do not win (docs/performance.md). Training and scoring passes
     then both take oneDNN's matmuls, so they round alike and the first ratio stays exactly
     1; no ratio reads a decoding step's numbers."""
-    from peft.tuners.lora import Linear as LoraLinear
-
     kind = lora_kernels_kind()
     if enabled and kind is None:
         return 0

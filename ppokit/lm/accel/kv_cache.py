@@ -22,12 +22,12 @@ from functools import cache
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 @cache
 def _layer_class():
     """``PreallocatedLayer``, defined on first use (transformers is imported lazily)."""
-    from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
         """One layer's keys and values [B, H, capacity, D] (each its own dtype), filled up to
@@ -116,8 +116,6 @@ def preallocated_cache(model, capacity: int):
     """A transformers ``Cache`` of :class:`PreallocatedLayer`s for ``model`` (``capacity``
     positions per layer), or None for a model with other layer types (sliding windows,
     linear attention), which keep transformers' own cache."""
-    from transformers.cache_utils import Cache
-
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     layer_types = getattr(config, "layer_types", None)
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):

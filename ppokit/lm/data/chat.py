@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ppokit.errors import UserError
+from ppokit.lm.model.hf import load_tokenizer
 
 ROLES_HINT = 'a list of {"role": "...", "content": "..."} messages'
 
@@ -65,8 +66,6 @@ def model_chat_renderer(model: str, *, what: str, option: str, fix: str) -> Call
     """:func:`chat_renderer` with the tokenizer of the model directory ``model`` (``what``
     names the setting that gave it, ``option`` the one that asked for a template, ``fix``
     what to do when ``model`` is the built-in tiny model, which has no template)."""
-    from ppokit.lm.model.hf import load_tokenizer
-
     if model == "tiny":
         raise UserError(f"{option} needs a model with a chat template, and the built-in tiny model has none; {fix}")
     return chat_renderer(load_tokenizer(model, what), f"{what}={model}")

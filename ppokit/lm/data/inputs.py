@@ -12,13 +12,15 @@ from typing import Any
 
 from ppokit.config import Config
 from ppokit.errors import UserError
+from ppokit.lm.data.chat import chat_renderer, model_chat_renderer, render_records
+from ppokit.lm.data.sources import is_file_source, load_prompts
+from ppokit.lm.data.tasks import get_task
+from ppokit.lm.rewards.functions import load_reward_fn
 
 
 def chat_render(cfg: Config, tokenizer=None, where: str | None = None):
     """``data.chat_template``'s renderer (:func:`ppokit.lm.data.chat.chat_renderer`) with ``tokenizer``
     (default: model.path's), or None when prompts are used as they are."""
-    from ppokit.lm.data.chat import chat_renderer, model_chat_renderer
-
     if not cfg.data.chat_template:
         return None
     if tokenizer is None:
@@ -40,10 +42,6 @@ def load_data(cfg: Config, tokenizer=None, where: str | None = None) -> tuple[li
     ``data.chat_template`` the prompts come rendered with the chat template of
     ``tokenizer`` (``where`` names it in errors; default: model.path's tokenizer).
     """
-    from ppokit.lm.data.chat import render_records
-    from ppokit.lm.data.sources import is_file_source, load_prompts
-    from ppokit.lm.rewards.functions import load_reward_fn
-
     d = cfg.data
     from_file = is_file_source(d.prompts)
     if d.reward is None:
@@ -61,8 +59,6 @@ def load_data(cfg: Config, tokenizer=None, where: str | None = None) -> tuple[li
                 )
             reward_spec = None
         else:
-            from ppokit.lm.data.tasks import get_task
-
             reward_spec = get_task(d.prompts).default_reward
     else:
         reward_spec = d.reward

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ppokit.errors import UserError
+from ppokit.lm.data.chat import message_problem
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonlines", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -253,8 +254,6 @@ def check_record(
 
 
 def _check_messages(value: list, chat: bool, where: str, key: str) -> None:
-    from ppokit.lm.data.chat import message_problem
-
     if not chat:
         raise UserError(
             f'{where}: "{key}" is a list of chat messages; set data.chat_template=true '

@@ -48,6 +48,7 @@ from ppokit.lm.data.records import (  # noqa: F401
     read_jsonl,
     read_records,
 )
+from ppokit.lm.data.tasks import TASKS, get_task
 
 SPLIT_ALIASES = {"train": "train", "rl": "train", "sft": "sft", "eval": "eval", "test": "eval", "heldout": "eval"}
 
@@ -59,8 +60,6 @@ def is_file_source(source: str) -> bool:
     ``task:options`` with a built-in task's name is a task even when an option is a path
     (``gsm8k:path=data/train.jsonl``).
     """
-    from ppokit.lm.data.tasks import TASKS
-
     name, sep, _ = source.strip().partition(":")
     path = Path(source)
     if name in TASKS and (sep or not path.exists()):
@@ -118,7 +117,6 @@ def load_prompts(
                 raise UserError(f"{source} has {len(records)} records; asked for {n}")
             records = records[:n]
         return records
-    from ppokit.lm.data.tasks import get_task
 
     return get_task(source, **task_kwargs).items(split, n)
 

@@ -34,6 +34,7 @@ import torch
 import transformers
 from packaging.version import Version
 from torch import Tensor
+from transformers import GenerationConfig
 
 from ppokit.config import STATIC_CACHE_FULL_BF16
 from ppokit.errors import UserError
@@ -213,8 +214,6 @@ class RolloutEngine:
         return next(self.model.parameters()).device
 
     def generation_config(self, *, greedy: bool, max_new_tokens: int):
-        from transformers import GenerationConfig
-
         c = self.cfg
         kwargs: dict[str, Any] = dict(
             max_new_tokens=max_new_tokens,

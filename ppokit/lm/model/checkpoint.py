@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel, set_peft_model_state_dict
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ppokit.config import Config, build_config
@@ -46,8 +49,6 @@ def save_policy(policy: LMPolicy, out_dir: str | Path, *, base_model: str, token
     ``base_model`` is the directory the backbone came from (recorded in
     ``policy.json`` so that the checkpoint can be reloaded and exported).
     """
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if policy.mode == "lora":
@@ -85,9 +86,6 @@ def load_trained_state(policy: LMPolicy, ckpt_dir: str | Path) -> None:
     models and the value head are copied in. A file that is missing, damaged or does
     not fit is a :class:`UserError` naming it.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     ckpt = Path(ckpt_dir)
     meta = read_policy_meta(ckpt)
     if meta["mode"] != policy.mode:
@@ -109,8 +107,6 @@ def load_trained_state(policy: LMPolicy, ckpt_dir: str | Path) -> None:
     try:
         with torch.no_grad():
             if policy.mode == "lora":
-                from peft import set_peft_model_state_dict
-
                 for name in policy.adapter_names:  # a checkpoint's unused critic is left out
                     file = ckpt / name / "adapter_model.safetensors"
                     state = read(file)
@@ -177,9 +173,6 @@ def _portable_path(target: Path, ckpt: Path) -> str:
 
 def _load_value_head(ckpt: Path, hidden_size: int) -> ValueHead:
     """The checkpoint's value head; a missing, damaged or ill-fitting file is a UserError naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     head = ValueHead(hidden_size)
     head_file = ckpt / VALUE_HEAD_FILE
     if not head_file.is_file():
@@ -224,9 +217,6 @@ def read_policy_meta(ckpt_dir: str | Path) -> dict[str, Any]:
 def load_adapter(lm: nn.Module, ckpt_dir: str | Path, name: str, *, trainable: bool = False) -> nn.Module:
     """Put the peft adapter ``ckpt_dir/name`` on ``lm`` (a base model, or a PeftModel for a second
     adapter); a missing or damaged adapter file is a UserError naming it."""
-    from peft import PeftModel
-    from safetensors import SafetensorError
-
     folder = Path(ckpt_dir) / name
     for file in ("adapter_config.json", "adapter_model.safetensors"):
         if not (folder / file).is_file():

@@ -17,12 +17,18 @@ the right and cuts long inputs from the left, so the response is kept.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors import SafetensorError
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import logging as hf_logging
 
 from ppokit.errors import UserError
 
@@ -56,8 +62,6 @@ def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bo
     ``generation`` (the policy's): left padding, and an EOS and a pad token are required.
     Otherwise (a reward model's): right padding, truncation from the left, no requirement.
     """
-    from transformers import AutoTokenizer
-
     _check_local_dir(path, what)
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(
@@ -88,8 +92,6 @@ def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bo
 
 def causal_lm_config(path: str | Path, what: str = "model.path"):
     """The model config of a local directory, checked to be a causal LM (no weights loaded)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     return hf_config(
         path, what, MODEL_FOR_CAUSAL_LM_MAPPING, "is not a causal language model (AutoModelForCausalLM cannot load it)"
     )
@@ -98,8 +100,6 @@ def causal_lm_config(path: str | Path, what: str = "model.path"):
 def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
     """The model config of a local directory, checked to be in ``mapping`` (an auto class's
     configs; otherwise the UserError says the config ``not_loadable``)."""
-    from transformers import AutoConfig
-
     _check_local_dir(path, what)
     if not (Path(path) / "config.json").is_file():
         raise UserError(
@@ -111,8 +111,6 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
     except (OSError, ValueError, KeyError, TypeError) as exc:
         unknown = re.search(r"model type `([^`]+)`", str(exc))
         if unknown:
-            import transformers
-
             raise UserError(
                 f"{what}={path}: config.json has model_type '{unknown.group(1)}', which transformers "
                 f"{transformers.__version__} does not know; upgrade transformers or fix config.json"
@@ -135,8 +133,6 @@ def load_causal_lm(
     Weights that are truncated, corrupt or do not fit config.json are a UserError naming
     the directory (and transformers' load report is not printed then).
     """
-    from transformers import AutoModelForCausalLM
-
     config = causal_lm_config(path, what)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     return load_hf_model(AutoModelForCausalLM, path, what, config, dtype=dtype, **kwargs)
@@ -180,8 +176,6 @@ def held_load_report() -> Iterator[list[str]]:
     succeeds and dropped when it raises (the error then says what the report said).
     Progress bars are hidden too (:func:`ppokit.lm.model.tiny.quiet_transformers`).
     """
-    import logging
-
     messages: list[str] = []
     held: list[logging.LogRecord] = []
     logger = logging.getLogger("transformers")
@@ -216,8 +210,6 @@ _MISMATCH = re.compile(
 
 def weights_problem(exc: BaseException, report: Sequence[str] = ()) -> str:
     """Why a model directory's weights did not load, as one clause with the fix (no path)."""
-    from safetensors import SafetensorError
-
     mismatch = next((m for text in report for m in [_MISMATCH.search(text)] if m), None)
     if mismatch:
         name, saved, configured = mismatch.groups()
@@ -259,8 +251,6 @@ def load_model_and_tokenizer(path: str | Path, what: str = "model.path") -> tupl
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
     """Hide transformers' per-call progress bars (loading/writing shards) inside the block."""
-    from transformers.utils import logging as hf_logging
-
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
 
 from ppokit import algo
@@ -456,8 +457,6 @@ def _hidden_then_head_matches(lm: nn.Module) -> bool:
 
 # ----------------------------------------------------------------------------- building
 def lora_config(model_cfg):
-    from peft import LoraConfig
-
     return LoraConfig(
         r=model_cfg.lora_rank,
         lora_alpha=model_cfg.lora_alpha,
@@ -496,8 +495,6 @@ def build_policy(
     lm = load_causal_lm(model_path, "model.path", attn_implementation=attn)
     hidden = _hidden_size(lm)
     if m.mode == "lora":
-        from peft import get_peft_model
-
         lm.requires_grad_(False)
         names = linear_module_names(lm)  # before peft wraps them
         try:

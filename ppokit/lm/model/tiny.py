@@ -28,6 +28,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
 from ppokit.errors import UserError
 from ppokit.lm.model.hf import quiet_transformers
 from ppokit.output_paths import writing_to
@@ -119,9 +123,6 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, padding_side: str = "
     ``padding_side`` is set at construction (setting it afterwards is easy to forget on
     a reloaded copy; here it is saved in ``tokenizer_config.json``).
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     _check_alphabet(alphabet)
     if padding_side not in ("left", "right"):
         raise UserError(f"padding_side must be 'left' or 'right' (got {padding_side!r})")
@@ -146,8 +147,6 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, padding_side: str = "
 # ----------------------------------------------------------------------------- model
 def tiny_config(spec: TinySpec):
     """The ``LlamaConfig`` of ``spec``, with the tokenizer's special-token ids."""
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -208,9 +207,6 @@ def build_tiny_model_from_spec(out_dir: str | os.PathLike, spec: TinySpec = DEFA
         )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not a ppokit tiny model; choose an empty or new directory")
-
-    import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
 
     with writing_to(out):  # a read-only or full file system: a UserError, nothing left behind
         out.parent.mkdir(parents=True, exist_ok=True)

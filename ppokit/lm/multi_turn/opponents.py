@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import Tensor
 
 __all__ = ["OPPONENT", "AdapterSnapshots"]
@@ -54,8 +55,6 @@ class AdapterSnapshots:
 
     def take(self, snapshot_id: str) -> None:
         """Store the current actor adapter as ``snapshot_id``."""
-        from peft import get_peft_model_state_dict
-
         state = get_peft_model_state_dict(self.policy.lm, adapter_name="actor")
         self.tensors[snapshot_id] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
@@ -68,7 +67,6 @@ class AdapterSnapshots:
         """Put ``snapshot_id`` into the opponent slot (nothing to do when it is there already)."""
         if self.loaded == snapshot_id:
             return
-        from peft import set_peft_model_state_dict
 
         start = time.perf_counter()
         with torch.no_grad(), warnings.catch_warnings():

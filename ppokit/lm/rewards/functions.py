@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ppokit.errors import UserError, did_you_mean
+from ppokit.lm.data import countdown
+from ppokit.lm.rewards import math_answers, sandbox
 from ppokit.user_code import is_user_spec, load_user_object, one_line_error
 
 RewardCallable = Callable[..., float]
@@ -142,37 +144,27 @@ def math_reward(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
     r"""1.0 when math-verify finds the response's answer equal to ``answer`` (``\frac{1}{2}`` =
     ``0.5`` = ``1/2``): :func:`ppokit.lm.rewards.math_answers.math_reward`. Run it in the reward pool,
     which enforces its time limit."""
-    from ppokit.lm.rewards.math_answers import math_reward as score
-
-    return score(prompt, response, answer=answer)
+    return math_answers.math_reward(prompt, response, answer=answer)
 
 
 def code_reward(prompt: str, response: str, *, tests: Any, **fields: Any) -> tuple[float, str | None]:
     """The fraction of ``tests`` the response's Python program passes in a sandbox, and why
     it failed: :func:`ppokit.lm.rewards.sandbox.code_reward` (the test format is documented there)."""
-    from ppokit.lm.rewards.sandbox import code_reward as score
-
-    return score(prompt, response, tests=tests, **fields)
+    return sandbox.code_reward(prompt, response, tests=tests, **fields)
 
 
 def countdown_reward(prompt: str, response: str, *, numbers: Any, target: Any, **_: Any) -> tuple[float, str | None]:
     """1.0 when the response's expression reaches ``target`` from ``numbers`` (each at most
     once, ``+ - * /``): :func:`ppokit.lm.data.countdown.countdown_reward`."""
-    from ppokit.lm.data.countdown import countdown_reward as score
-
-    return score(prompt, response, numbers=numbers, target=target)
+    return countdown.countdown_reward(prompt, response, numbers=numbers, target=target)
 
 
 def _warm_up_math() -> None:
-    from ppokit.lm.rewards.math_answers import warm_up
-
-    warm_up()
+    math_answers.warm_up()
 
 
 def _warm_up_code() -> None:
-    from ppokit.lm.rewards.sandbox import warm_up
-
-    warm_up()
+    sandbox.warm_up()
 
 
 # A reward worker calls fn.warm_up() once before its first sample (ppokit.lm.rewards.pool).

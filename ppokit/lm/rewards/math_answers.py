@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ppokit.errors import UserError
+
 _LATEX_MARKS = ("$", "\\boxed", "\\(", "\\[", "\\fbox")
 
 
@@ -28,8 +30,6 @@ def _math_verify():
         import math_verify.grader
         import math_verify.parser
     except ImportError:
-        from ppokit.errors import UserError
-
         raise UserError("the math reward needs the math-verify library: pip install math-verify") from None
     # The time limit is the reward pool's (module docstring): silence the warning that
     # math-verify prints when its own signal-based timeout is off.

@@ -51,6 +51,16 @@ from pathlib import Path
 from typing import Any
 
 from ppokit.errors import UserError
+from ppokit.lm.rewards.functions import (
+    BUILTIN_REWARDS,
+    IN_PROCESS_REWARDS,
+    RewardFunction,
+    _as_score,
+    load_reward_fn,
+    reward_fields,
+    split_outcome,
+)
+from ppokit.user_code import one_line_error
 
 ERROR_KINDS = ("error", "bad_value", "timeout", "worker_died")
 DEFAULT_TIMEOUT = 30.0
@@ -145,8 +155,6 @@ class InProcessScorer:
     def __init__(
         self, spec: Any, *, reward_on_error: float = 0.0, max_reward_errors: float | None = DEFAULT_MAX_ERRORS
     ) -> None:
-        from ppokit.lm.rewards.functions import load_reward_fn
-
         _check_options(None, reward_on_error, max_reward_errors)
         self.reward = load_reward_fn(spec)
         self.name = self.reward.name
@@ -246,8 +254,6 @@ class RewardPool:
         max_reward_errors: float | None = DEFAULT_MAX_ERRORS,
         start_timeout: float = START_TIMEOUT,
     ) -> None:
-        from ppokit.lm.rewards.functions import load_reward_fn
-
         _check_options(timeout, reward_on_error, max_reward_errors)
         if num_workers is None:
             num_workers = max(1, min(8, os.cpu_count() or 1))
@@ -414,8 +420,6 @@ def make_reward_scorer(
     """The scorer for ``spec``: :class:`InProcessScorer` for the cheap built-ins
     (``exact_match``, ``numeric_match``) unless ``in_process=False``, else a
     :class:`RewardPool`. Both have ``score(prompts, responses, fields_list)`` and ``close()``."""
-    from ppokit.lm.rewards.functions import IN_PROCESS_REWARDS
-
     if in_process is None:
         in_process = isinstance(spec, str) and spec.strip() in IN_PROCESS_REWARDS
     if in_process:
@@ -433,8 +437,6 @@ def make_reward_scorer(
 def _tasks(
     prompts: Sequence[str], responses: Sequence[str], fields_list: Sequence[dict[str, Any]] | None
 ) -> list[tuple[int, str, str, dict[str, Any]]]:
-    from ppokit.lm.rewards.functions import reward_fields
-
     if fields_list is None:
         fields_list = [{}] * len(prompts)
     if not len(prompts) == len(responses) == len(fields_list):
@@ -458,9 +460,6 @@ def _record(
 
 def _score_one(reward, index: int, prompt: str, response: str, fields: dict[str, Any]) -> tuple:
     """``(status, score or reason, note)`` for one sample."""
-    from ppokit.lm.rewards.functions import _as_score, split_outcome
-    from ppokit.user_code import one_line_error
-
     try:
         value = reward(prompt, response, **fields)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed
@@ -475,8 +474,6 @@ def _score_one(reward, index: int, prompt: str, response: str, fields: dict[str,
 def _portable_spec(spec: Any, reward) -> Any:
     """What a worker needs to load the reward: a spec string (file paths made absolute), or
     the pickled callable."""
-    from ppokit.lm.rewards.functions import BUILTIN_REWARDS, RewardFunction
-
     text = None
     if isinstance(spec, str):
         text = spec.strip()
@@ -523,7 +520,6 @@ def _worker_main(conn, payload: tuple) -> None:
         os.chdir(cwd)
     except OSError:
         pass
-    from ppokit.lm.rewards.functions import load_reward_fn
 
     try:
         reward = load_reward_fn(value if kind == "spec" else pickle.loads(value))

@@ -27,10 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForSequenceClassification
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 from ppokit.errors import UserError
+from ppokit.lm.accel import accelerate_model
 from ppokit.lm.data.chat import RAW_PROMPT, apply_template, as_messages, encoder_adds_bos
-from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.hf import hf_config, load_hf_model, load_tokenizer
 
 
 class RewardModel:
@@ -65,8 +68,6 @@ class RewardModel:
         self.device = torch.device(device)
         self.fused_kernel_counts: dict[str, int] = {}
         if cpu_kernels:  # CPU acceleration (ppokit.lm.accel), CPU only
-            from ppokit.lm.accel import accelerate_model
-
             self.fused_kernel_counts = accelerate_model(model, autocast_dtype)
         self.autocast_dtype = autocast_dtype
         self.batch_size = int(batch_size)
@@ -122,11 +123,6 @@ class RewardModel:
 def _load_model(path: Path, where: str):
     """``AutoModelForSequenceClassification`` of a local directory, checked to be a reward model
     (a trained score head with one output); a UserError names any problem."""
-    from transformers import AutoModelForSequenceClassification
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
-
-    from ppokit.lm.model.hf import hf_config, load_hf_model
-
     config = hf_config(
         path,
         where,

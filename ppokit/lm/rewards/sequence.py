@@ -29,6 +29,16 @@ from typing import Any
 import torch
 
 from ppokit.errors import UserError
+from ppokit.lm.rewards.pool import check_error_limit
+from ppokit.lm.rewards.shaping import (
+    RunningRewardScaler,
+    clip_rewards,
+    combine_rewards,
+    format_score,
+    normalize_batch,
+    overlong_penalty,
+    truncation_penalty,
+)
 
 
 class SequenceRewards:
@@ -37,8 +47,6 @@ class SequenceRewards:
     ``reward_model``: a :class:`~ppokit.lm.rewards.reward_model.RewardModel` or None."""
 
     def __init__(self, data_cfg, max_new_tokens: int, *, verifier=None, reward_model=None) -> None:
-        from ppokit.lm.rewards.shaping import RunningRewardScaler
-
         self.cfg, self.shaping = data_cfg, data_cfg.shaping
         self.max_new_tokens = max_new_tokens
         self.verifier, self.reward_model = verifier, reward_model
@@ -51,15 +59,6 @@ class SequenceRewards:
     def __call__(self, rollout) -> tuple[torch.Tensor, dict[str, float], list[dict[str, Any]]]:
         """``(rewards (N,), metrics, marks)``; ``marks[i]`` has ``reward_error`` (``"kind: reason"``
         or None) and ``reward_note`` (the reason a function gave with its score, or None)."""
-        from ppokit.lm.rewards.shaping import (
-            clip_rewards,
-            combine_rewards,
-            format_score,
-            normalize_batch,
-            overlong_penalty,
-            truncation_penalty,
-        )
-
         s = self.shaping
         n = len(rollout)
         sources: dict[str, torch.Tensor] = {}
@@ -113,8 +112,6 @@ class SequenceRewards:
         return rewards, metrics, marks
 
     def _count_errors(self, results) -> None:
-        from ppokit.lm.rewards.pool import check_error_limit
-
         limit = self.cfg.max_reward_errors
         name = getattr(self.verifier, "name", "reward")
         self.total_errors += results.num_errors
