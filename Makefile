@@ -19,6 +19,8 @@ demo: install
 	$(VENV)/bin/ppokit demo
 
 test: install
+	$(PY) -m ruff check ppokit tests bench
+	$(PY) -m ruff format --check ppokit tests bench
 	$(PY) -m pytest -q
 
 bench: install

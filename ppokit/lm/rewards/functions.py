@@ -305,7 +305,7 @@ def score_responses(
             raise UserError(
                 f"reward function '{reward.name}' failed on sample {i} (prompt {_short(prompt)}): {one_line_error(exc)}"
             ) from None
-        scores.append(_as_score(value, reward.name, i, prompt))
+        scores.append(as_score(value, reward.name, i, prompt))
     return scores
 
 
@@ -318,7 +318,7 @@ def split_outcome(value: Any) -> tuple[Any, str | None]:
     return value, None
 
 
-def _as_score(value: Any, name: str, index: int, prompt: str) -> float:
+def as_score(value: Any, name: str, index: int, prompt: str) -> float:
     value, _ = split_outcome(value)
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy / torch scalar
         item = value.item()

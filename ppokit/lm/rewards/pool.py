@@ -55,7 +55,7 @@ from ppokit.lm.rewards.functions import (
     BUILTIN_REWARDS,
     IN_PROCESS_REWARDS,
     RewardFunction,
-    _as_score,
+    as_score,
     load_reward_fn,
     reward_fields,
     split_outcome,
@@ -465,7 +465,7 @@ def _score_one(reward, index: int, prompt: str, response: str, fields: dict[str,
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed
         return "error", one_line_error(exc), None
     try:
-        score = _as_score(value, reward.name, index, prompt)
+        score = as_score(value, reward.name, index, prompt)
     except UserError as exc:
         return "bad_value", str(exc), None
     return "ok", score, split_outcome(value)[1]
