@@ -77,12 +77,10 @@ def test_overwrite_is_atomic_and_a_failed_write_keeps_the_old_checkpoint(tmp_pat
     assert checkpoint.load_checkpoint(path).meta["n"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]
 
-    import safetensors.torch
-
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(checkpoint, "save_file", boom)
     with pytest.raises(OSError):
         checkpoint.save_checkpoint(path, {"a": {"x": torch.full((2,), 5.0)}}, {"n": 3})
     ck = checkpoint.load_checkpoint(path)
