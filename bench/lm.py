@@ -673,6 +673,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best counts)")
     p.add_argument("--only", choices=sorted(CHILDREN), help="run one measurement")
     p.add_argument("--rows", type=int, default=None, help="operators per phase in --only profile (default 25)")
+    p.add_argument("--json", help="also write every measurement to this file (bench/compare.py reads it)")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--mode", default="lora", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -693,8 +694,10 @@ def main(argv=None) -> int:
         f"precision {a.precision}, device {a.device}"
     )
     ok = True
+    report: dict[str, object] = {}
     if a.only in (None, "memory"):
         lora, full_ = run_child(a, "memory", "lora"), run_child(a, "memory", "full")
+        report["memory"] = {"lora": lora, "full": full_}
         ratio = lora["peak_bytes"] / full_["peak_bytes"]
         ok &= ratio <= 0.4
         print(
@@ -702,7 +705,7 @@ def main(argv=None) -> int:
             f"{full_['peak_bytes'] / 2**20:8.0f} MiB   ratio {ratio:.3f}   (goal <= 0.4)"
         )
     if a.only in (None, "perf"):
-        r = run_child(a, "perf")
+        r = report["perf"] = run_child(a, "perf")
         params = r["shapes"]["body"]
         peak, sustained = r["ceiling_flops"], r["sustained_flops"]
         rate = {phase: r["flops"][phase] / r["times"][phase] for phase in ("generate", "score", "update", "total")}
@@ -748,7 +751,7 @@ def main(argv=None) -> int:
             print(f"profile     {phase}: {r['seconds']:.3f} s under the profiler")
             print(r["table"])
     if a.only in ALTERNATIVES:
-        t = run_child(a, a.only)
+        t = report[a.only] = run_child(a, a.only)
         ours, other = ALTERNATIVES[a.only]
         for phase in ("generate", "score", "update"):
             print(
@@ -756,7 +759,7 @@ def main(argv=None) -> int:
                 f"{other}/{ours} {t[other][phase] / t[ours][phase]:.2f}x"
             )
     if a.only in (None, "gen"):
-        g = run_child(a, "gen")
+        g = report["gen"] = run_child(a, "gen")
         print(
             f"kv-cache    {g['cache']:8.0f} tokens/s with the cache, {g['no_cache']:8.0f} without: "
             f"{g['cache'] / g['no_cache']:.2f}x"
@@ -765,6 +768,8 @@ def main(argv=None) -> int:
             f"  static    {g['static']:8.0f} tokens/s with rollout.cache_implementation=static: "
             f"{g['static'] / g['cache']:.2f}x the dynamic cache"
         )
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
     return 0 if ok else 1
 
 
