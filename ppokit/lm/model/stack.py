@@ -50,11 +50,11 @@ class PolicyStack:
 
 
 def build_policy_stack(
-    cfg: Config, model_path: str | Path, *, need_critic: bool = True, need_reference: bool = True
+    cfg: Config, model_path: str | Path, *, need_critic: bool | None = None, need_reference: bool | None = None
 ) -> PolicyStack:
     """A fresh policy for a run of ``cfg`` on the backbone ``model_path`` (seeded by ``cfg.seed``):
-    ``need_critic``/``need_reference`` as :func:`~ppokit.lm.model.policy.build_policy` (a
-    rollout worker needs the actor alone)."""
+    ``need_critic``/``need_reference`` as :func:`~ppokit.lm.model.policy.build_policy` (None:
+    what the config's algorithm needs; a rollout worker needs the actor alone)."""
     device, autocast_dtype = placement(cfg)
     tokenizer = load_tokenizer(model_path, "model.path")
     policy = build_policy(
