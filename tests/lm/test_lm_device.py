@@ -54,3 +54,19 @@ def test_available_devices_lists_what_torch_reports(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert available_devices()[:5] == ["auto", "cpu", "cuda", "cuda:0", "cuda:1"]
+
+
+def test_one_thread_rule_for_every_process_that_builds_a_model():
+    """device.threads_for is the one owner of "a small model on a CPU runs on one thread"."""
+    from ppokit.errors import UserError
+    from ppokit.lm.model.device import SMALL_MODEL_PARAMS, precision_name, resolve_precision, threads_for
+
+    small, large = torch.nn.Linear(10, 10), torch.nn.Linear(1, SMALL_MODEL_PARAMS)
+    cpu = torch.device("cpu")
+    assert threads_for(small, cpu) == 1
+    assert threads_for(large, cpu) is None  # torch's own count
+    assert threads_for(small, cpu, requested=3) == 3 and threads_for(large, cpu, requested=2) == 2
+    assert threads_for(small, torch.device("meta")) is None  # not a CPU: nothing to set
+    assert resolve_precision("fp32", cpu) is None and precision_name(resolve_precision("bf16", cpu)) == "bf16"
+    with pytest.raises(UserError, match="precision must be one of auto, bf16, fp32"):
+        resolve_precision("fp16", cpu)
