@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import types
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -1108,7 +1109,7 @@ def _union_field(loc: tuple[Any, ...]) -> tuple[Any, ...] | None:
     for n in range(1, len(loc)):
         model = _model_at(loc[: n - 1])
         info = model.model_fields.get(loc[n - 1]) if model else None
-        if info is not None and get_origin(info.annotation) is Union and isinstance(loc[n], str):
+        if info is not None and get_origin(info.annotation) in (Union, types.UnionType) and isinstance(loc[n], str):
             return loc[:n]
     return None
 

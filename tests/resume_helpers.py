@@ -17,9 +17,15 @@ def train_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "ppokit", "train", *args]
 
 
+# Marks the processes this test session starts (and every process they start: Ray's raylet and
+# workers inherit the environment), so that a check for leftovers ignores other jobs' processes.
+TEST_TAG = f"ppokit-tests-{os.getpid()}"
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PPOKIT_TEST_TAG"] = TEST_TAG
     return env
 
 

@@ -17,7 +17,7 @@ import pytest
 from dist_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
 from ppokit.rundir import read_metrics
 from ppokit.workloads import train
-from resume_helpers import start_and_wait, subprocess_env, train_cmd
+from resume_helpers import TEST_TAG, start_and_wait, subprocess_env, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +26,19 @@ RAY_PROCESS_MARKS = ("raylet", "gcs_server", "ray::", "default_worker.py", "log_
 
 
 def ray_processes() -> set[int]:
-    """PIDs of the Ray processes on this machine (from /proc/*/cmdline)."""
+    """PIDs of the Ray processes this test session started (from /proc/*/cmdline, and
+    :data:`TEST_TAG` in /proc/*/environ: other jobs' Ray processes on the machine do not count)."""
     found = set()
+    tag = f"PPOKIT_TEST_TAG={TEST_TAG}".encode()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ours = tag in (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(mark in cmdline for mark in RAY_PROCESS_MARKS):
+        if ours and any(mark in cmdline for mark in RAY_PROCESS_MARKS):
             found.add(int(proc.name))
     return found
 
