@@ -14,7 +14,7 @@ from ppokit.config import build_config
 from ppokit.errors import UserError
 from ppokit.lm.generation import factory
 from ppokit.lm.generation.base import EngineMemory, RolloutEngine, sampling_log_probs
-from ppokit.lm.generation.engine import HFEngine
+from ppokit.lm.generation.engine import HFEngine, assemble
 from ppokit.lm.generation.factory import engine_kind, make_engine
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
@@ -116,6 +116,41 @@ def test_top_k_log_probs_match_the_warpers_on_the_models_logits(tiny_dir):
     want = dist[ro.responses[:, 0]]
     torch.testing.assert_close(ro.rollout_log_prob[:, 0], want, rtol=0, atol=1e-5)
     assert torch.isfinite(want).all()  # every sampled token is inside the nucleus
+
+
+def test_the_engine_samples_what_transformers_samples(tiny_dir):
+    """The warpers moved into the recording processor change nothing: with one seed, the HF engine's
+    samples are those of ``generate`` with transformers' own temperature / top-k / top-p."""
+    from transformers import GenerationConfig
+
+    tok = load_tokenizer(tiny_dir)
+    cfg = lm_config(tiny_dir, temperature=0.7, top_k=10, top_p=0.9, max_new_tokens=6, micro_batch_size=64)
+    policy = random_policy(tiny_dir, cfg)
+    engine = make_engine(policy, tok, cfg.rollout)
+    torch.manual_seed(5)
+    ro = engine.generate(PROMPTS, group_size=4)
+    enc = tok(PROMPTS, padding=True, return_tensors="pt")
+    plain = GenerationConfig(
+        max_new_tokens=6,
+        do_sample=True,
+        temperature=0.7,
+        top_k=10,
+        top_p=0.9,
+        eos_token_id=engine.eos_ids,
+        pad_token_id=engine.pad_id,
+    )
+    torch.manual_seed(5)
+    with torch.no_grad(), policy.use("actor"):
+        out = engine.model.generate(
+            input_ids=enc["input_ids"].repeat_interleave(4, 0),
+            attention_mask=enc["attention_mask"].repeat_interleave(4, 0),
+            generation_config=plain,
+        )
+    ids = enc["input_ids"].repeat_interleave(4, 0)
+    same_layout = assemble(
+        ids, torch.ones_like(ids), out[:, ids.shape[1] :], eos_ids=engine.eos_ids, pad_id=engine.pad_id
+    )
+    assert torch.equal(ro.responses, same_layout["responses"])
 
 
 def test_the_factory_chooses_by_config_and_device():
