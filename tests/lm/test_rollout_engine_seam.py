@@ -295,3 +295,40 @@ def test_a_perturbed_engine_is_corrected_as_the_formula_says_and_learning_works(
         rewards = [r["reward_mean"] for r in rows]
         first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
         assert first < 0.1 and last > 0.5 and last > first + 0.4, rewards
+
+
+class OwnWeightsEngine:
+    """An engine that keeps its own copy of the weights: it records what it is given."""
+
+    weights_shared = False
+
+    def __init__(self):
+        self.loaded = []
+
+    def load_weights(self, weights):
+        self.loaded.append(weights)
+
+
+class FakeLearner:
+    policy_version = 3
+
+    def rollout_weights(self):
+        return {"w": torch.ones(1)}
+
+
+def test_both_sources_give_an_engine_with_its_own_weights_the_learners_after_each_update(tiny_dir):
+    from ppokit.lm.multi_turn.source import MultiTurnSource
+    from ppokit.lm.single_turn.workload import LMSource
+
+    cfg = lm_config(tiny_dir)
+    for engine_holder in ("single", "multi"):
+        engine = OwnWeightsEngine()
+        if engine_holder == "single":
+            source = LMSource(cfg, engine, None, None, CPU)
+        else:
+            source = MultiTurnSource(cfg, None, mode="state", pad_id=0, device=CPU, engine=engine)
+        source.sync_weights(FakeLearner())
+        source.sync_weights(FakeLearner())
+        assert [w["w"].item() for w in engine.loaded] == [1.0, 1.0], engine_holder
+    shared = make_engine(random_policy(tiny_dir, cfg), load_tokenizer(tiny_dir), cfg.rollout)
+    assert shared.weights_shared  # the HF engine samples with the learner's own modules: nothing to copy
