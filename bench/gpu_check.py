@@ -525,6 +525,8 @@ def check(args) -> int:
     try:
         start = time.perf_counter()
         paths = prepare(workdir, args.smoke, "cpu" if args.smoke else "cuda")
+        if not args.smoke:
+            torch.cuda.empty_cache()  # the children get the card; this process keeps only its context
         (workdir / "paths.json").write_text(json.dumps(paths))
         results["prepare_s"] = time.perf_counter() - start
 
@@ -549,6 +551,7 @@ def check(args) -> int:
         results["runs"] = dict(runs)
         if "demo" in steps:
             results["demo"] = step("demo", 200)
+        results["wall_s"] = time.perf_counter() - start
     finally:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
@@ -566,7 +569,8 @@ def cuda_engine_present() -> bool:
 
 def report(results: dict) -> str:
     """The table: one row per run, then the tests and the demo."""
-    lines = [f"GPU check on {results['card']} ({results['versions']}), {results['date']}", ""]
+    took = f", {results['wall_s']:.0f} s" if "wall_s" in results else ""
+    lines = [f"GPU check on {results['card']} ({results['versions']}), {results['date']}{took}", ""]
     header = [
         "run",
         "s/iteration",
@@ -578,7 +582,14 @@ def report(results: dict) -> str:
         "first iteration s",
         "mismatch KL",
     ]
-    lines.append(table([bench_row(label, r) for label, r in results.get("runs", {}).items()], header))
+    runs = results.get("runs", {})
+    lines.append(table([bench_row(label, r) for label, r in runs.items()], header))
+    for label, run in runs.items():  # the CUDA engine against the HF engine, for rollout.engine=auto
+        base = runs.get(label.replace("engine cuda", "engine hf"))
+        if "engine cuda" in label and base and "error" not in run and "error" not in base:
+            speed = run["gen_tokens_per_s"] / base["gen_tokens_per_s"]
+            whole = base["s_per_iteration"] / run["s_per_iteration"]
+            lines.append(f"{label}: generation {speed:.2f}x, iteration {whole:.2f}x the HF engine's")
     tests = results.get("tests")
     if tests is not None:
         if "error" in tests:

@@ -43,7 +43,11 @@ def test_the_report_has_one_row_per_run_and_says_what_failed():
         "card": "NVIDIA H100 80GB HBM3 (79 GiB)",
         "versions": "torch x",
         "date": "2026-01-01",
-        "runs": {"0.5B-shaped lora, engine hf": run, "7B-shaped lora": {"error": "out of memory"}},
+        "runs": {
+            "0.5B-shaped lora, engine hf": run,
+            "0.5B-shaped lora, engine cuda": {**run, "gen_tokens_per_s": 3 * 32768.4, "s_per_iteration": 0.75},
+            "7B-shaped lora": {"error": "out of memory"},
+        },
         "tests": {
             "counts": {"passed": 40, "failed": 1},
             "failed": ["FAILED tests/x.py::t"],
@@ -56,6 +60,7 @@ def test_the_report_has_one_row_per_run_and_says_what_failed():
     assert text.splitlines()[0].startswith("GPU check on NVIDIA H100 80GB HBM3 (79 GiB)")
     assert "| 0.5B-shaped lora, engine hf | 1.50 | 0.50 | 0.25 | 0.50 | 32,768 | 11.9 | 20.0 | 1.20e-04 |" in text
     assert "| 7B-shaped lora | error: out of memory |" in text
+    assert "0.5B-shaped lora, engine cuda: generation 3.00x, iteration 2.00x the HF engine's" in text
     assert "40 passed, 1 failed" in text and "FAILED tests/x.py::t" in text
     assert "demo: held-out accuracy: 34.8% -> 98.0% (129 s)" in text
 
