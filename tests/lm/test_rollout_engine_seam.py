@@ -118,6 +118,25 @@ def test_top_k_log_probs_match_the_warpers_on_the_models_logits(tiny_dir):
     assert torch.isfinite(want).all()  # every sampled token is inside the nucleus
 
 
+def test_a_models_own_min_p_does_not_cut_the_distribution_after_the_recorder(tiny_dir):
+    """transformers would run a generation_config's min_p after the recording processor: the engine
+    turns it off, so tokens below min_p * the top probability are still sampled, as recorded."""
+    tok = load_tokenizer(tiny_dir)
+    cfg = lm_config(tiny_dir, temperature=0.2, max_new_tokens=1)
+    policy = random_policy(tiny_dir, cfg)
+    engine = make_engine(policy, tok, cfg.rollout)
+    engine.model.generation_config.min_p = 0.5
+    torch.manual_seed(0)
+    ro = engine.generate(["5+5="], group_size=64)
+    enc = tok(["5+5="], return_tensors="pt")
+    with torch.no_grad(), policy.use("actor"):
+        dist = sampling_log_probs(policy.lm(**enc).logits[0, -1][None], 0.2)[0]  # (V,)
+    below = dist < dist.max() + math.log(0.5)  # what min_p=0.5 would cut
+    assert float(dist[below].exp().sum()) > 0.2  # enough mass there for 64 samples to reach it
+    torch.testing.assert_close(ro.rollout_log_prob[:, 0], dist[ro.responses[:, 0]], rtol=0, atol=1e-5)
+    assert below[ro.responses[:, 0]].any()
+
+
 def test_the_engine_samples_what_transformers_samples(tiny_dir):
     """The warpers moved into the recording processor change nothing: with one seed, the HF engine's
     samples are those of ``generate`` with transformers' own temperature / top-k / top-p."""
