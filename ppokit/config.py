@@ -158,6 +158,24 @@ class AlgoConfig(Section):
         "multi-turn episodes (textenv): token = GAE over the model's tokens, skipping environment tokens; "
         "turn = one value per turn (at its first token), GAE over turns, each turn's advantage on all its tokens",
     )
+    rollout_correction: Literal["none", "tis", "mis"] = field(
+        "none",
+        "lm: correct for the rollout engine sampling from another distribution than the trainer computes "
+        "(r = pi_old / pi_engine per token): none (the mismatch is only logged); tis = truncated importance "
+        "weights min(r, cap) on the advantages; mis = weights r, tokens or sequences outside "
+        "[rollout_correction_lower, cap] dropped from the actor's loss",
+    )
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = field(
+        "token",
+        "the ratio the correction uses: token = each token's r; sequence = the product over the response; "
+        "geometric = the geometric mean over the response (mis only)",
+    )
+    rollout_correction_cap: float = field(
+        2.0, "the cap C: tis weights are min(r, C); mis keeps ratios up to C", "rollout_is_threshold", ge=1
+    )
+    rollout_correction_lower: float | None = field(
+        None, "mis: the lowest ratio kept (null = 1 / rollout_correction_cap; 0 = no lower bound)", ge=0, le=1
+    )
 
 
 class TrainConfig(Section):
@@ -355,6 +373,11 @@ class RolloutConfig(Section):
         "KV cache kind: dynamic grows step by step; static is preallocated, and on CUDA transformers "
         "compiles the decoding step around it (a one-time compile, then faster generation); lora mode, or "
         "fp32 in full mode",
+    )
+    engine: Literal["auto", "hf", "cuda"] = field(
+        "auto",
+        "what generates rollouts: hf = transformers' generate (any device); cuda = the CUDA-graph engine "
+        "(CUDA only); auto = hf until the GPU check has measured the CUDA engine faster (docs/scale.md)",
     )
     off_policy_steps: int = field(
         0,
@@ -743,6 +766,11 @@ class Config(Section):
                     "textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
                     "model.mode=lora, or textenv.pool.snapshot_every=0"
                 )
+            if a.rollout_correction != "none":
+                raise ValueError(
+                    f"algo.rollout_correction={a.rollout_correction}: multi-turn episodes (textenv) do not carry "
+                    "the engine's log-probs yet; set algo.rollout_correction=none"
+                )
             if self.cluster.rollout_workers or self.cluster.learners > 1 or self.rollout.off_policy_steps:
                 raise ValueError(
                     "multi-turn episodes (textenv) run in one process: remove the cluster section "
@@ -775,11 +803,26 @@ class Config(Section):
                 f"cluster.learners={c.learners} split each mini-batch; train.mini_batch_size="
                 f"{t.mini_batch_size or t.batch_size} gives some learner no sample"
             )
+        if a.rollout_correction == "tis" and a.rollout_correction_level == "geometric":
+            raise ValueError(
+                "algo.rollout_correction_level=geometric is a band test of mis (a geometric mean is no "
+                "importance weight); use token or sequence with tis, or algo.rollout_correction=mis"
+            )
+        if a.rollout_correction != "none" and self.workload != "lm":
+            raise ValueError(
+                f"algo.rollout_correction={a.rollout_correction} corrects a language model's rollout engine; "
+                "control rollouts sample from the trained network itself: set algo.rollout_correction=none"
+            )
+        if self.rollout.engine == "cuda" and self.run.device in ("cpu", "mps"):
+            raise ValueError(
+                f"rollout.engine=cuda needs a CUDA device, but run.device={self.run.device}; "
+                "set rollout.engine=auto (or hf)"
+            )
         if self.rollout.cache_implementation == "static" and not self.rollout.use_cache:
             raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
         if (
             self.rollout.cache_implementation == "static" and self.model.mode == "full" and self.run.precision == "bf16"
-        ):  # precision=auto: checked by RolloutEngine
+        ):  # precision=auto: checked by HFEngine.for_policy
             raise ValueError(STATIC_CACHE_FULL_BF16)
         return self
 

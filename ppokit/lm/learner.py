@@ -25,7 +25,8 @@ from ppokit.resume import all_finite
 from ppokit.trainer import DataParallel, PPOTrainer
 
 KL_METRIC_ROWS = 64  # without a KL term, kl_ref is measured on this many sequences
-# the batch tensors the update reads (ref_log_prob only with a KL term in the loss)
+# the batch tensors the update reads (ref_log_prob only with a KL term in the loss; rollout_log_prob,
+# the engine's behaviour log-probs, where the engine gave them)
 UPDATE_KEYS = (
     "input_ids",
     "attention_mask",
@@ -36,6 +37,7 @@ UPDATE_KEYS = (
     "old_values",
     "advantages",
     "returns",
+    "rollout_log_prob",
 )
 
 
@@ -99,7 +101,10 @@ class LMLearner:
     def needs_scored_old_log_prob(self) -> bool:
         """Whether the scorer must run the actor pass: not when the update makes one
         optimizer step (its own forward gives the old log-probs) and the rewards carry no
-        KL term that needs them before the update."""
+        KL term that needs them before the update, and no rollout correction weighs the tokens
+        by them before the update."""
+        if self.cfg.algo.rollout_correction != "none":
+            return True
         return self.cfg.algo.use_kl_in_reward or not self.trainer.fully_on_policy(
             self.cfg.train.batch_size, self.num_mini_batches
         )

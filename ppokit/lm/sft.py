@@ -24,7 +24,7 @@ rule of :func:`ppokit.lm.model.device.resolve_precision`). For the tiny model on
 run at the same speed: its matmuls are too small for bf16 to pay.
 
 Evaluation generates through ppokit's one generation path
-(:class:`~ppokit.lm.generation.engine.RolloutEngine`) and scores with
+(a rollout engine, :mod:`ppokit.lm.generation.base`) and scores with
 :func:`~ppokit.lm.evaluate.heldout_accuracy`, as the PPO run's held-out evaluation does.
 """
 
@@ -45,7 +45,7 @@ from ppokit.checkpoint import atomic_directory
 from ppokit.config import RolloutConfig
 from ppokit.errors import UserError
 from ppokit.lm.evaluate import heldout_accuracy
-from ppokit.lm.generation.engine import RolloutEngine
+from ppokit.lm.generation.factory import make_model_engine
 from ppokit.lm.model.device import (
     autocast,
     precision_name,
@@ -149,8 +149,9 @@ def mean_answer_loss(
 
 # -------------------------------------------------------------------------- evaluation
 def eval_engine(model, tokenizer, *, max_new_tokens: int, batch_size: int, autocast_dtype: torch.dtype | None):
-    """A greedy :class:`~ppokit.lm.generation.engine.RolloutEngine` over ``model`` for held-out evaluation."""
-    return RolloutEngine(
+    """A rollout engine over ``model`` (:func:`~ppokit.lm.generation.factory.make_model_engine`) for
+    the greedy held-out evaluation."""
+    return make_model_engine(
         model,
         tokenizer,
         RolloutConfig(max_new_tokens=max_new_tokens, micro_batch_size=batch_size),

@@ -2,8 +2,8 @@
 
 :func:`load_generator` takes a run directory (its final checkpoint, else its newest), a
 checkpoint directory, or a plain Hugging Face model directory, and returns a
-:class:`Generator`: a :class:`~ppokit.lm.generation.engine.RolloutEngine` (the one generation path)
-over the trained actor (lora: the ``actor`` adapter applied to the backbone; full: the
+:class:`Generator`: a rollout engine (:func:`~ppokit.lm.generation.factory.make_engine`, the seam of
+:mod:`ppokit.lm.generation.base`) over the trained actor (lora: the ``actor`` adapter applied to the backbone; full: the
 actor model) with its tokenizer, plus the run's config when there is one. Sampling
 options (temperature, top_p, top_k, max_new_tokens) start from the run's
 ``rollout`` section (the defaults for a model directory) and are overridden by the
@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from ppokit.config import RolloutConfig, format_validation_error
 from ppokit.errors import UserError
-from ppokit.lm.generation.engine import RolloutEngine
+from ppokit.lm.generation.factory import make_engine, make_model_engine
 from ppokit.lm.model.checkpoint import find_lm_checkpoint, run_config
 from ppokit.lm.model.device import resolve_device, resolve_precision
 from ppokit.lm.model.hf import causal_lm_config, load_causal_lm, load_tokenizer
@@ -29,8 +29,8 @@ from ppokit.lm.model.stack import load_policy_stack
 
 @dataclass
 class Generator:
-    """What generates: ``engine`` (RolloutEngine), ``tokenizer``, the run's ``cfg`` (None for a
-    model directory), ``label`` (what was loaded, for messages)."""
+    """What generates: ``engine`` (a :class:`~ppokit.lm.generation.base.RolloutEngine`), ``tokenizer``,
+    the run's ``cfg`` (None for a model directory), ``label`` (what was loaded, for messages)."""
 
     engine: Any
     tokenizer: Any
@@ -68,7 +68,7 @@ def load_generator(
     if ckpt is not None:
         cfg = run_config(ckpt)
         stack = load_policy_stack(ckpt, cfg, device=device, precision=precision)
-        engine = RolloutEngine.for_policy(
+        engine = make_engine(
             stack.policy, stack.tokenizer, rollout_options(cfg.rollout, **sampling), kv_cache=stack.kv_cache
         )
         return Generator(engine, stack.tokenizer, cfg, f"the trained actor of {ckpt}")
@@ -84,5 +84,5 @@ def load_generator(
     tokenizer = load_tokenizer(path, "the model directory")
     model = load_causal_lm(path, "the model directory").to(dev).eval()
     model.requires_grad_(False)
-    engine = RolloutEngine(model, tokenizer, rollout_options(None, **sampling), autocast_dtype=dtype)
+    engine = make_model_engine(model, tokenizer, rollout_options(None, **sampling), autocast_dtype=dtype)
     return Generator(engine, tokenizer, None, str(path))

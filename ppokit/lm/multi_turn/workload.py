@@ -26,7 +26,7 @@ from typing import Any
 from ppokit.components import Components
 from ppokit.config import Config
 from ppokit.envs import make_env
-from ppokit.lm.generation.engine import RolloutEngine, max_positions
+from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.learner import LMLearner, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
@@ -79,14 +79,14 @@ class MultiTurnWorkload:
         stack = build_policy_stack(cfg, model_path)
         policy, tokenizer = stack.policy, stack.tokenizer
         opponents = AdapterSnapshots(policy, lora_config(cfg.model)) if t.pool.snapshot_every else None
-        engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=stack.kv_cache)
+        engine = make_engine(policy, tokenizer, cfg.rollout, kv_cache=stack.kv_cache)
         opponent_engine = None
-        if opponents is not None:
-            opponent_engine = RolloutEngine(
-                policy.actor_model,
+        if opponents is not None:  # snapshots live in a spare adapter slot: the HF engine samples from it
+            opponent_engine = make_engine(
+                policy,
                 tokenizer,
                 cfg.rollout,
-                autocast_dtype=policy.autocast_dtype,
+                kind="hf",
                 activate=opponents.activate,
                 kv_cache=stack.kv_cache,
                 eos_ids=engine.eos_ids,
@@ -99,7 +99,7 @@ class MultiTurnWorkload:
             env_name=env_name,
             stop_ids=engine.eos_ids,
         )
-        context = max_positions(engine.model)
+        context = engine.max_positions
         generate = engine_generate(engine, opponents, opponent_engine)
         player = player_for(cfg, make_envs(t.env, t.kwargs, cfg.train.batch_size), codec, generate, context, env_name)
         source = MultiTurnSource(
@@ -110,6 +110,7 @@ class MultiTurnWorkload:
             device=stack.device,
             opponents=opponents,
             env_name=env_name,
+            engine=engine,
         )
         learner = LMLearner(
             cfg,

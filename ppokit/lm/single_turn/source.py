@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from peft import set_peft_model_state_dict
 
 from ppokit.components import Batch
 from ppokit.config import Config
@@ -140,6 +139,11 @@ class LMSource:
         if part.old_log_prob is not None:
             tensors["old_log_prob"] = part.old_log_prob.to(self.device)
             metrics["time_behaviour_log_prob"] = part.behaviour_time
+        if rollout.rollout_log_prob is not None:  # the engine's own: the trainer measures the mismatch
+            tensors["rollout_log_prob"] = rollout.rollout_log_prob.to(self.device)
+        held = self.engine.memory()
+        if held.weights or held.cache:  # an engine with its own weights or cache (not the HF engine)
+            metrics.update(held.metrics())
         return Batch(
             tensors=tensors,
             samples=rollout_samples(rollout, scores, self.cfg.run.log_samples, marks),
@@ -148,17 +152,15 @@ class LMSource:
         )
 
     def sync_weights(self, learner) -> None:
-        """Nothing to copy: generation runs the learner's own policy."""
+        """The learner's new weights into the engine: nothing to copy when it samples with the
+        learner's own policy (the HF engine), else ``learner.rollout_weights()`` through the seam."""
+        if not self.engine.weights_shared:
+            self.engine.load_weights(learner.rollout_weights())
         self.policy_version = learner.policy_version
 
     def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """The actor adapter's weights (lora) or the actor model's (full), from ``rollout_weights``."""
-        if self.policy.mode == "lora":
-            result = set_peft_model_state_dict(self.policy.lm, weights, adapter_name="actor")
-            if getattr(result, "unexpected_keys", None):
-                raise RuntimeError(f"rollout weights not in the actor adapter: {result.unexpected_keys[:3]}")
-        else:
-            self.policy.lm.load_state_dict(weights)
+        self.engine.load_weights(weights)
 
     def state_dict(self) -> dict[str, Any]:
         if self.prompts is None:  # a rollout worker's: nothing of its own
@@ -226,11 +228,14 @@ def concat_parts(parts: list[RolloutPart], pad_id: int) -> RolloutPart:
         cols.setdefault("mask", []).append(pad(r.mask, (0, R - n), value=0.0))
         if part.old_log_prob is not None:
             cols.setdefault("old_log_prob", []).append(pad(part.old_log_prob, (0, R - n), value=0.0))
+        if r.rollout_log_prob is not None:
+            cols.setdefault("rollout_log_prob", []).append(pad(r.rollout_log_prob, (0, R - n), value=0.0))
         cols.setdefault("truncated", []).append(r.truncated)
         cols.setdefault("group_ids", []).append(r.group_ids + offset)
         offset += int(r.group_ids.max()) + 1 if len(r.group_ids) else 0
     t = {k: torch.cat(v) for k, v in cols.items()}
     old_log_prob = t.pop("old_log_prob", None)
+    rollout_log_prob = t.pop("rollout_log_prob", None)
     merged = RolloutBatch(
         input_ids=t["input_ids"],
         attention_mask=t["attention_mask"],
@@ -242,6 +247,7 @@ def concat_parts(parts: list[RolloutPart], pad_id: int) -> RolloutPart:
         prompts=[x for r in rollouts for x in r.prompts],
         texts=[x for r in rollouts for x in r.texts],
         items=[x for r in rollouts for x in r.items],
+        rollout_log_prob=rollout_log_prob,
         generation_time=max(r.generation_time for r in rollouts),
     )
     return RolloutPart(merged, old_log_prob, max(p.behaviour_time for p in parts))

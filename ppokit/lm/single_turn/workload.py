@@ -41,7 +41,8 @@ from ppokit.lm.base_model import prepare_model, progress
 from ppokit.lm.data.inputs import load_data
 from ppokit.lm.data.records import count_tokens_with, drop_long_prompts
 from ppokit.lm.data.sources import PromptIterator
-from ppokit.lm.generation.engine import RolloutEngine, check_prompts_fit
+from ppokit.lm.generation.engine import check_prompts_fit
+from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.learner import LMLearner, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
@@ -90,7 +91,7 @@ class LMWorkload:
         cfg = self.cfg
         seed_globals(cfg.seed)
         stack = build_policy_stack(cfg, self.model_path, need_critic=False, need_reference=False)
-        engine = RolloutEngine.for_policy(stack.policy, stack.tokenizer, cfg.rollout, kv_cache=stack.kv_cache)
+        engine = make_engine(stack.policy, stack.tokenizer, cfg.rollout, kv_cache=stack.kv_cache)
         return LMSource(cfg, engine, None, None, stack.device, policy=stack.policy)
 
     def learner_replica(self, parallel: DataParallel) -> LMLearner:
@@ -154,9 +155,9 @@ class LMWorkload:
         self.model_path = model_path  # what rollout workers and learner ranks load
         causal_lm_config(model_path, "model.path")  # a clear error before anything heavy
         stack = build_policy_stack(cfg, model_path)
-        engine = RolloutEngine.for_policy(stack.policy, stack.tokenizer, cfg.rollout, kv_cache=stack.kv_cache)
+        engine = make_engine(stack.policy, stack.tokenizer, cfg.rollout, kv_cache=stack.kv_cache)
         check_prompts_fit(
-            engine.model, stack.tokenizer, [x["prompt"] for x in train_items + eval_items], cfg.rollout.max_new_tokens
+            engine, stack.tokenizer, [x["prompt"] for x in train_items + eval_items], cfg.rollout.max_new_tokens
         )  # every prompt, before the first rollout
         check_token_budget(cfg, stack.tokenizer, train_items)
         learner = LMLearner(cfg, stack.policy, stack.tokenizer, model_path)
