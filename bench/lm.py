@@ -159,7 +159,7 @@ class Pieces:
     def __init__(self, a: argparse.Namespace, mode: str, use_cache: bool = True, cache: str = "dynamic"):
         import torch
 
-        from ppokit.lm.generation.engine import RolloutEngine
+        from ppokit.lm.generation.factory import make_engine
         from ppokit.lm.model.hf import load_tokenizer
         from ppokit.lm.model.policy import build_policy
         from ppokit.lm.scoring import Scorer
@@ -177,7 +177,7 @@ class Pieces:
             from ppokit.lm.accel import accelerate_policy
 
             kv_cache = accelerate_policy(self.policy).kv_cache
-        self.engine = RolloutEngine.for_policy(
+        self.engine = make_engine(
             self.policy, self.tok, cfg.rollout, kv_cache=kv_cache, generation_kwargs={"min_new_tokens": a.response_len}
         )
         self.learner = LMLearner(cfg, self.policy, self.tok, path)

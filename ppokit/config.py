@@ -355,6 +355,11 @@ class RolloutConfig(Section):
         "compiles the decoding step around it (a one-time compile, then faster generation); lora mode, or "
         "fp32 in full mode",
     )
+    engine: Literal["auto", "hf", "cuda"] = field(
+        "auto",
+        "what generates rollouts: hf = transformers' generate (any device); cuda = the CUDA-graph engine "
+        "(CUDA only); auto = hf until the GPU check has measured the CUDA engine faster (docs/scale.md)",
+    )
     off_policy_steps: int = field(
         0,
         "both workloads: 0 = each iteration's rollout uses the newest weights; 1 = the next iteration's rollout "
@@ -774,11 +779,16 @@ class Config(Section):
                 f"cluster.learners={c.learners} split each mini-batch; train.mini_batch_size="
                 f"{t.mini_batch_size or t.batch_size} gives some learner no sample"
             )
+        if self.rollout.engine == "cuda" and self.run.device in ("cpu", "mps"):
+            raise ValueError(
+                f"rollout.engine=cuda needs a CUDA device, but run.device={self.run.device}; "
+                "set rollout.engine=auto (or hf)"
+            )
         if self.rollout.cache_implementation == "static" and not self.rollout.use_cache:
             raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
         if (
             self.rollout.cache_implementation == "static" and self.model.mode == "full" and self.run.precision == "bf16"
-        ):  # precision=auto: checked by RolloutEngine
+        ):  # precision=auto: checked by HFEngine.for_policy
             raise ValueError(STATIC_CACHE_FULL_BF16)
         return self
 

@@ -196,7 +196,6 @@ def evaluate_textenv_run(run_dir: str | Path, episodes: int | None = None, *, de
     opponent (default: the run's ``textenv.eval_episodes``, else 200)."""
     from ppokit.envs import make_env
     from ppokit.lm.evaluate import POLICY_META, find_lm_checkpoint
-    from ppokit.lm.generation.engine import max_positions
     from ppokit.lm.generation.loading import load_generator
     from ppokit.lm.multi_turn.source import TextEnvEvaluator, check_env_output, engine_generate
     from ppokit.lm.multi_turn.streams import StreamCodec
@@ -219,7 +218,7 @@ def evaluate_textenv_run(run_dir: str | Path, episodes: int | None = None, *, de
         env_name=name,
         stop_ids=gen.engine.eos_ids,
     )
-    evaluator = TextEnvEvaluator(cfg, engine_generate(gen.engine), codec, max_positions(gen.engine.model), name)
+    evaluator = TextEnvEvaluator(cfg, engine_generate(gen.engine), codec, gen.engine.max_positions, name)
     metrics = evaluator.evaluate("periodic")
     return {
         "metrics": metrics,

@@ -173,11 +173,12 @@ def mean_answer_loss(
 
 # -------------------------------------------------------------------------- evaluation
 def eval_engine(model, tokenizer, *, max_new_tokens: int, batch_size: int, precision: str):
-    """A greedy :class:`~ppokit.lm.generation.engine.RolloutEngine` over ``model`` for held-out evaluation."""
+    """A rollout engine over ``model`` (:func:`~ppokit.lm.generation.factory.make_model_engine`) for
+    the greedy held-out evaluation."""
     from ppokit.config import RolloutConfig
-    from ppokit.lm.generation.engine import RolloutEngine
+    from ppokit.lm.generation.factory import make_model_engine
 
-    return RolloutEngine(
+    return make_model_engine(
         model,
         tokenizer,
         RolloutConfig(max_new_tokens=max_new_tokens, micro_batch_size=batch_size),

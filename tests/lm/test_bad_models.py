@@ -124,7 +124,8 @@ def short_gpt2(tiny_dir, tmp_path):
 
 
 def test_prompt_plus_response_longer_than_the_model_takes(short_gpt2):
-    from ppokit.lm.generation.engine import RolloutEngine, check_prompts_fit
+    from ppokit.lm.generation.engine import check_prompts_fit
+    from ppokit.lm.generation.factory import make_engine
     from ppokit.lm.model.hf import load_tokenizer
     from ppokit.lm.sft import evaluate
 
@@ -134,9 +135,9 @@ def test_prompt_plus_response_longer_than_the_model_takes(short_gpt2):
     prompts = ["1+2=", "12+30="]  # 5 and 7 tokens with <bos>
     message = r"'12\+30=' is 7 tokens .* at most 8 positions .* lower rollout.max_new_tokens to 1"
     with pytest.raises(UserError, match=message):
-        check_prompts_fit(policy.actor_model, tok, prompts, 6)
+        check_prompts_fit(make_engine(policy, tok, cfg.rollout), tok, prompts, 6)
     with pytest.raises(UserError, match=message):
-        RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(prompts)
+        make_engine(policy, tok, cfg.rollout).generate(prompts)
     with pytest.raises(UserError, match=message):
         evaluate(
             policy.actor_model.get_base_model(),
@@ -145,8 +146,8 @@ def test_prompt_plus_response_longer_than_the_model_takes(short_gpt2):
             "exact_match",
             max_new_tokens=6,
         )
-    check_prompts_fit(policy.actor_model, tok, prompts, 1)  # fits: no error
-    assert len(RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(prompts, max_new_tokens=1)) == 2
+    check_prompts_fit(make_engine(policy, tok, cfg.rollout), tok, prompts, 1)  # fits: no error
+    assert len(make_engine(policy, tok, cfg.rollout).generate(prompts, max_new_tokens=1)) == 2
 
 
 def test_train_with_a_model_too_short_for_the_rollouts(short_gpt2, tmp_path, monkeypatch, capsys):
@@ -181,16 +182,14 @@ def test_train_with_a_model_too_short_for_the_rollouts(short_gpt2, tmp_path, mon
 def test_train_checks_every_prompt_before_the_first_rollout(short_gpt2, tmp_path, monkeypatch, capsys):
     """A too-long prompt anywhere in the prompt file stops the run before anything is generated."""
     from ppokit import cli
-    from ppokit.lm import rollout
+    from ppokit.lm.generation import engine as rollout
 
     monkeypatch.chdir(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "{i}+1="}}\n' for i in range(8)) + '{"prompt": "12+30=12+30="}\n')
     calls = []
-    generate = rollout.RolloutEngine.generate
-    monkeypatch.setattr(
-        rollout.RolloutEngine, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k)
-    )
+    generate = rollout.HFEngine.generate
+    monkeypatch.setattr(rollout.HFEngine, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
     code = cli.main(
         [
             "train",

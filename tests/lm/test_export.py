@@ -10,7 +10,7 @@ import torch
 from ppokit.commands.export import export_merged
 from ppokit.config import build_config
 from ppokit.errors import UserError
-from ppokit.lm.generation.engine import RolloutEngine
+from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.model.checkpoint import load_policy
 from ppokit.lm.model.hf import load_tokenizer
 
@@ -54,7 +54,7 @@ def lora_run(tiny_dir, tmp_path_factory):
 def probe_batch(ckpt, policy, cfg):
     torch.manual_seed(0)
     tok = load_tokenizer(ckpt)
-    return RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(["12+34=", "5+6=", "77+8="], group_size=2)
+    return make_engine(policy, tok, cfg.rollout).generate(["12+34=", "5+6=", "77+8="], group_size=2)
 
 
 def test_checkpoint_layout(lora_run):

@@ -93,7 +93,7 @@ def test_the_rollout_engine_preallocates_where_the_decoding_kernel_runs(tiny_dir
     from ppokit.config import build_config
     from ppokit.lm.accel import accelerate_policy
     from ppokit.lm.accel.kernels import cpu_library
-    from ppokit.lm.generation.engine import RolloutEngine
+    from ppokit.lm.generation.factory import make_engine
     from ppokit.lm.model.hf import load_tokenizer
     from ppokit.lm.model.policy import build_policy
 
@@ -110,7 +110,7 @@ def test_the_rollout_engine_preallocates_where_the_decoding_kernel_runs(tiny_dir
         )
         policy = build_policy(cfg, tiny_dir, device=torch.device("cpu"), autocast_dtype=dtype)
         kv_cache = accelerate_policy(policy).kv_cache if accelerate else None
-        return RolloutEngine.for_policy(policy, load_tokenizer(tiny_dir), cfg.rollout, kv_cache=kv_cache)
+        return make_engine(policy, load_tokenizer(tiny_dir), cfg.rollout, kv_cache=kv_cache)
 
     assert engine(accelerate=False).kv_cache is None
     assert engine(mode="full").kv_cache is None  # fp32 keys beside bf16 values: eager

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from ppokit.cli import main
-from ppokit.lm.generation.engine import RolloutEngine
+from ppokit.lm.generation.engine import HFEngine
+from ppokit.lm.generation.factory import make_engine
 
 PROMPTS = ["12+30=", "7+8="]
 
@@ -77,7 +78,7 @@ def test_generate_is_the_trained_actor_through_the_rollout_engine(run_dir):
 
     ckpt = run_dir / "checkpoint"
     policy = load_policy(ckpt)
-    engine = RolloutEngine.for_policy(policy, load_tokenizer(ckpt), RolloutConfig(max_new_tokens=6))
+    engine = make_engine(policy, load_tokenizer(ckpt), RolloutConfig(max_new_tokens=6))
     want = engine.generate(PROMPTS[:1], greedy=True).texts[0]
     out = io.StringIO()
     from ppokit.commands.interactive import generate_main
@@ -95,13 +96,13 @@ def test_chat_keeps_the_conversation_and_its_commands(chat_dir, monkeypatch):
     from ppokit.commands.interactive import chat_main
 
     seen: list[str] = []
-    real = RolloutEngine.generate
+    real = HFEngine.generate
 
     def spy(self, prompts, **kwargs):
         seen.extend(prompts)
         return real(self, prompts, **kwargs)
 
-    monkeypatch.setattr(RolloutEngine, "generate", spy)
+    monkeypatch.setattr(HFEngine, "generate", spy)
     stdin = io.StringIO("1+1=\n/set max_new_tokens=3\n2+2=\n/set top_p=7\n/clear\n3+3=\n/exit\nnever read\n")
     out, err = io.StringIO(), io.StringIO()
     assert chat_main(str(chat_dir), system="add", greedy=True, stdin=stdin, stdout=out, stderr=err) == 0

@@ -9,7 +9,8 @@ from lm_helpers import DEVICES, randomize
 from ppokit import algo
 from ppokit.config import build_config
 from ppokit.errors import UserError
-from ppokit.lm.generation.engine import RolloutEngine, assemble, response_mask
+from ppokit.lm.generation.engine import assemble, response_mask
+from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
 from ppokit.lm.scoring import Scorer, kl_ref_metric, token_rewards
@@ -102,7 +103,7 @@ def test_generation_layout(tiny_dir, tok):
     torch.manual_seed(0)
     policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=None)
     make_eos_likely(policy, tok)
-    engine = RolloutEngine.for_policy(policy, tok, cfg.rollout)
+    engine = make_engine(policy, tok, cfg.rollout)
     ro = engine.generate(PROMPTS, group_size=3)
     N, R = ro.responses.shape
     assert N == 18 and ro.group_ids.tolist() == [i for i in range(6) for _ in range(3)]
@@ -135,7 +136,7 @@ def random_policy_rollout(tiny_dir, tok, *, seed: int, group_size: int, device: 
     policy = build_policy(cfg, tiny_dir, device=torch.device(device), autocast_dtype=None)
     randomize(policy)
     torch.manual_seed(seed)
-    return policy, RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(PROMPTS, group_size=group_size)
+    return policy, make_engine(policy, tok, cfg.rollout).generate(PROMPTS, group_size=group_size)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -162,7 +163,7 @@ def test_static_cache_generates_what_the_dynamic_cache_does(tiny_dir, tok, devic
         )
         if mode == "lora":
             randomize(policy)  # actor adapter != backbone
-        engine = RolloutEngine.for_policy(policy, tok, cfg.rollout)
+        engine = make_engine(policy, tok, cfg.rollout)
         assert engine.generation_config(greedy=True, max_new_tokens=8).cache_implementation == (
             "static" if kind == "static" else None
         )
@@ -180,7 +181,7 @@ def test_static_cache_is_refused_in_full_mode_under_bf16(tiny_dir, tok):
     )
     policy = build_policy(cfg, tiny_dir, device=CPU, autocast_dtype=torch.bfloat16)
     with pytest.raises(UserError, match="cache_implementation=static does not work with model.mode=full"):
-        RolloutEngine.for_policy(policy, tok, cfg.rollout)
+        make_engine(policy, tok, cfg.rollout)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -208,7 +209,7 @@ def test_left_padding_gives_the_unpadded_log_probs(tiny_dir, tok, device):
 
 # ----------------------------------------------------------------------------- the first ratio
 def one_iteration_batch(cfg, policy, tok, prompts, scorer):
-    ro = RolloutEngine.for_policy(policy, tok, cfg.rollout).generate(prompts, group_size=cfg.algo.group_size)
+    ro = make_engine(policy, tok, cfg.rollout).generate(prompts, group_size=cfg.algo.group_size)
     scored = scorer.forward_passes(ro.tensors())
     scores = torch.tensor(
         [(sum(map(ord, t)) % 7) / 7.0 for t in ro.texts],  # any non-constant reward

@@ -11,7 +11,7 @@ import torch
 from lm_helpers import randomize
 
 from ppokit.config import build_config
-from ppokit.lm.generation.engine import RolloutEngine
+from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
 from ppokit.lm.scoring import POLICY_INPUTS
@@ -34,7 +34,7 @@ def test_parts_of_different_widths_keep_their_rows(tiny_dir):
     torch.manual_seed(0)
     policy = build_policy(cfg, tiny_dir, device=torch.device("cpu"), autocast_dtype=None, seed=0)
     randomize(policy)
-    engine = RolloutEngine.for_policy(policy, tok, cfg.rollout)
+    engine = make_engine(policy, tok, cfg.rollout)
     parts = []
     for prompts, seconds in ((["1+2=", "3+4="], 2.0), (["123+456=", "99*99+1="], 3.0)):
         rollout = engine.generate(prompts, group_size=2)

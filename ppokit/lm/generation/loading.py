@@ -2,8 +2,8 @@
 
 :func:`load_generator` takes a run directory (its final checkpoint, else its newest), a
 checkpoint directory, or a plain Hugging Face model directory, and returns a
-:class:`Generator`: a :class:`~ppokit.lm.generation.engine.RolloutEngine` (the one generation path)
-over the trained actor (lora: the ``actor`` adapter applied to the backbone; full: the
+:class:`Generator`: a rollout engine (:func:`~ppokit.lm.generation.factory.make_engine`, the seam of
+:mod:`ppokit.lm.generation.base`) over the trained actor (lora: the ``actor`` adapter applied to the backbone; full: the
 actor model) with its tokenizer, plus the run's config when there is one. Sampling
 options (temperature, top_p, top_k, max_new_tokens) start from the run's
 ``rollout`` section (the defaults for a model directory) and are overridden by the
@@ -21,8 +21,8 @@ from ppokit.errors import UserError
 
 @dataclass
 class Generator:
-    """What generates: ``engine`` (RolloutEngine), ``tokenizer``, the run's ``cfg`` (None for a
-    model directory), ``label`` (what was loaded, for messages)."""
+    """What generates: ``engine`` (a :class:`~ppokit.lm.generation.base.RolloutEngine`), ``tokenizer``,
+    the run's ``cfg`` (None for a model directory), ``label`` (what was loaded, for messages)."""
 
     engine: Any
     tokenizer: Any
@@ -58,7 +58,7 @@ def load_generator(
     import torch
 
     from ppokit.lm.evaluate import _config_of, find_lm_checkpoint
-    from ppokit.lm.generation.engine import RolloutEngine
+    from ppokit.lm.generation.factory import make_engine, make_model_engine
     from ppokit.lm.model.device import one_thread_if_small, resolve_device, resolve_precision
     from ppokit.lm.model.hf import causal_lm_config, load_causal_lm, load_tokenizer
 
@@ -84,9 +84,7 @@ def load_generator(
 
             kv_cache = accelerate_policy(policy).kv_cache
         one_thread_if_small(cfg, policy, dev)
-        engine = RolloutEngine.for_policy(
-            policy, tokenizer, rollout_options(cfg.rollout, **sampling), kv_cache=kv_cache
-        )
+        engine = make_engine(policy, tokenizer, rollout_options(cfg.rollout, **sampling), kv_cache=kv_cache)
         return Generator(engine, tokenizer, cfg, f"the trained actor of {ckpt}")
     if not (path / "config.json").is_file():
         raise UserError(
@@ -100,5 +98,5 @@ def load_generator(
     tokenizer = load_tokenizer(path, "the model directory")
     model = load_causal_lm(path, "the model directory").to(dev).eval()
     model.requires_grad_(False)
-    engine = RolloutEngine(model, tokenizer, rollout_options(None, **sampling), autocast_dtype=dtype)
+    engine = make_model_engine(model, tokenizer, rollout_options(None, **sampling), autocast_dtype=dtype)
     return Generator(engine, tokenizer, None, str(path))

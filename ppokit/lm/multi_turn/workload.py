@@ -128,7 +128,7 @@ class MultiTurnWorkload:
 
     def build(self, run_dir: Path) -> Components:
         from ppokit import algo
-        from ppokit.lm.generation.engine import RolloutEngine, max_positions
+        from ppokit.lm.generation.factory import make_engine
         from ppokit.lm.model.device import one_thread_if_small
         from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
         from ppokit.lm.model.policy import build_policy, lora_config
@@ -161,14 +161,14 @@ class MultiTurnWorkload:
             acceleration = accelerate_policy(policy)
             accel_note, kv_cache = acceleration.describe(), acceleration.kv_cache
         one_thread_if_small(cfg, policy, device)
-        engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
+        engine = make_engine(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
         opponent_engine = None
-        if opponents is not None:
-            opponent_engine = RolloutEngine(
-                policy.actor_model,
+        if opponents is not None:  # snapshots live in a spare adapter slot: the HF engine samples from it
+            opponent_engine = make_engine(
+                policy,
                 tokenizer,
                 cfg.rollout,
-                autocast_dtype=policy.autocast_dtype,
+                kind="hf",
                 activate=opponents.activate,
                 kv_cache=kv_cache,
                 eos_ids=engine.eos_ids,
@@ -181,7 +181,7 @@ class MultiTurnWorkload:
             env_name=env_name,
             stop_ids=engine.eos_ids,
         )
-        context = max_positions(engine.model)
+        context = engine.max_positions
         generate = engine_generate(engine, opponents, opponent_engine)
         player = player_for(cfg, make_envs(t.env, t.kwargs, cfg.train.batch_size), codec, generate, context, env_name)
         source = MultiTurnSource(

@@ -9,7 +9,7 @@ One iteration, as the run loop (:mod:`ppokit.loop`) drives it::
     LMLearner.update()       ppokit.trainer's epochs x mini-batches x micro-batches
     LMEvaluator              greedy held-out accuracy before, during and after training
 
-Generation (:class:`~ppokit.lm.generation.engine.RolloutEngine`), scoring
+Generation (a rollout engine: :mod:`ppokit.lm.generation.base`), scoring
 (:class:`~ppokit.lm.scoring.Scorer`) and the update (:class:`LMLearner`) talk through a
 :class:`~ppokit.components.Batch` of plain tensors and lists.
 
@@ -55,7 +55,8 @@ BASE_MODEL_DIR = "base_model"
 BASE_MODEL_MARKER = "ppokit_base_model.json"  # in base_model/, written when it is complete
 INIT_MODEL_DIR = "init_model"
 KL_METRIC_ROWS = 64  # without a KL term, kl_ref is measured on this many sequences
-# the batch tensors the update reads (ref_log_prob only with a KL term in the loss)
+# the batch tensors the update reads (ref_log_prob only with a KL term in the loss; rollout_log_prob,
+# the engine's behaviour log-probs, where the engine gave them)
 UPDATE_KEYS = (
     "input_ids",
     "attention_mask",
@@ -66,6 +67,7 @@ UPDATE_KEYS = (
     "old_values",
     "advantages",
     "returns",
+    "rollout_log_prob",
 )
 
 
@@ -186,6 +188,8 @@ class LMSource:
         if part.old_log_prob is not None:
             tensors["old_log_prob"] = part.old_log_prob.to(self.device)
             metrics["time_behaviour_log_prob"] = part.behaviour_time
+        if rollout.rollout_log_prob is not None:  # the engine's own: the trainer measures the mismatch
+            tensors["rollout_log_prob"] = rollout.rollout_log_prob.to(self.device)
         return Batch(
             tensors=tensors,
             samples=rollout_samples(rollout, scores, self.cfg.run.log_samples, marks),
@@ -194,19 +198,15 @@ class LMSource:
         )
 
     def sync_weights(self, learner: LMLearner) -> None:
-        """Nothing to copy: generation runs the learner's own policy."""
+        """The learner's new weights into the engine: nothing to copy when it samples with the
+        learner's own policy (the HF engine), else ``learner.rollout_weights()`` through the seam."""
+        if not self.engine.weights_shared:
+            self.engine.load_weights(learner.rollout_weights())
         self.policy_version = learner.policy_version
 
     def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """The actor adapter's weights (lora) or the actor model's (full), from ``rollout_weights``."""
-        if self.policy.mode == "lora":
-            from peft import set_peft_model_state_dict
-
-            result = set_peft_model_state_dict(self.policy.lm, weights, adapter_name="actor")
-            if getattr(result, "unexpected_keys", None):
-                raise RuntimeError(f"rollout weights not in the actor adapter: {result.unexpected_keys[:3]}")
-        else:
-            self.policy.lm.load_state_dict(weights)
+        self.engine.load_weights(weights)
 
     def state_dict(self) -> dict[str, Any]:
         if self.prompts is None:  # a rollout worker's: nothing of its own
@@ -276,11 +276,14 @@ def concat_parts(parts: list[RolloutPart], pad_id: int) -> RolloutPart:
         cols.setdefault("mask", []).append(pad(r.mask, (0, R - n), value=0.0))
         if part.old_log_prob is not None:
             cols.setdefault("old_log_prob", []).append(pad(part.old_log_prob, (0, R - n), value=0.0))
+        if r.rollout_log_prob is not None:
+            cols.setdefault("rollout_log_prob", []).append(pad(r.rollout_log_prob, (0, R - n), value=0.0))
         cols.setdefault("truncated", []).append(r.truncated)
         cols.setdefault("group_ids", []).append(r.group_ids + offset)
         offset += int(r.group_ids.max()) + 1 if len(r.group_ids) else 0
     t = {k: torch.cat(v) for k, v in cols.items()}
     old_log_prob = t.pop("old_log_prob", None)
+    rollout_log_prob = t.pop("rollout_log_prob", None)
     merged = RolloutBatch(
         input_ids=t["input_ids"],
         attention_mask=t["attention_mask"],
@@ -292,6 +295,7 @@ def concat_parts(parts: list[RolloutPart], pad_id: int) -> RolloutPart:
         prompts=[x for r in rollouts for x in r.prompts],
         texts=[x for r in rollouts for x in r.texts],
         items=[x for r in rollouts for x in r.items],
+        rollout_log_prob=rollout_log_prob,
         generation_time=max(r.generation_time for r in rollouts),
     )
     return RolloutPart(merged, old_log_prob, max(p.behaviour_time for p in parts))
@@ -471,7 +475,7 @@ class LMWorkload:
     def rollout_shard(self, shard: int, num_shards: int) -> LMSource:
         """Generation with the actor alone (lora: the backbone and the actor adapter), built as
         :meth:`build` builds it; the prompts come with each request, the rewards are the driver's."""
-        from ppokit.lm.generation.engine import RolloutEngine
+        from ppokit.lm.generation.factory import make_engine
         from ppokit.lm.model.hf import load_tokenizer
         from ppokit.lm.model.policy import build_policy
 
@@ -490,7 +494,7 @@ class LMWorkload:
         )
         kv_cache = accelerate(cfg, policy)[1]
         one_thread_if_small(cfg, policy, device)
-        engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
+        engine = make_engine(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
         return LMSource(cfg, engine, None, None, device, policy=policy)
 
     def learner_replica(self, parallel: DataParallel) -> LMLearner:
@@ -569,7 +573,8 @@ class LMWorkload:
     ) -> Components:
         from ppokit import algo
         from ppokit.lm.data.sources import PromptIterator
-        from ppokit.lm.generation.engine import RolloutEngine, check_prompts_fit
+        from ppokit.lm.generation.engine import check_prompts_fit
+        from ppokit.lm.generation.factory import make_engine
         from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
         from ppokit.lm.model.policy import build_policy
         from ppokit.lm.rewards.sequence import SequenceRewards
@@ -588,9 +593,9 @@ class LMWorkload:
         policy = build_policy(cfg, model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
         accel_note, kv_cache = accelerate(cfg, policy)
         one_thread_if_small(cfg, policy, device)
-        engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
+        engine = make_engine(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
         check_prompts_fit(
-            engine.model, tokenizer, [x["prompt"] for x in train_items + eval_items], cfg.rollout.max_new_tokens
+            engine, tokenizer, [x["prompt"] for x in train_items + eval_items], cfg.rollout.max_new_tokens
         )  # every prompt, before the first rollout
         check_token_budget(cfg, tokenizer, train_items)
         learner = LMLearner(cfg, policy, tokenizer, model_path)
