@@ -155,6 +155,52 @@ def test_chunks_smaller_than_the_batch_give_the_same_tokens(qwen_dir):
     assert torch.equal(three.responses, whole.responses[:6])
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "mistral", "llama3-rope"])
+def test_other_families_decode_as_transformers_does(tiny_dir, kind):
+    """Qwen3 (q/k norms per head), Mistral without a window, Llama 3's rope scaling: greedy tokens
+    equal to the HF engine's, sampled log-probs equal to the model's forward."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    tok = load_tokenizer(tiny_dir)
+    shape = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    shape.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(4)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=24))  # head_dim not hidden / heads
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=None))
+    else:
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
+        rope.update(high_freq_factor=4.0, original_max_position_embeddings=16)
+        model = LlamaForCausalLM(LlamaConfig(**shape, rope_parameters=rope))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5 if p.dim() == 1 else 0.15)
+    model.eval().requires_grad_(False)
+    assert unsupported_reason(model) is None
+    cfg = config(tiny_dir, temperature=0.8).rollout
+    ours = CudaEngine.for_model(model, tok, cfg)
+    assert torch.equal(
+        ours.generate(PROMPTS, greedy=True).input_ids,
+        HFEngine.for_model(model, tok, cfg).generate(PROMPTS, greedy=True).input_ids,
+    )
+    torch.manual_seed(0)
+    batch = ours.generate(PROMPTS, group_size=2)
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+    ).logits
+    R, P = batch.responses.shape[1], batch.prompt_length
+    lp = torch.log_softmax(logits[:, P - 1 : P - 1 + R].float() / 0.8, -1).gather(2, batch.responses[..., None])[..., 0]
+    torch.testing.assert_close(batch.rollout_log_prob, lp * batch.mask, rtol=1e-5, atol=2e-5)
+
+
 def test_generate_ids_is_generate_from_token_ids(tiny_dir):
     tok = load_tokenizer(tiny_dir)
     engine = CudaEngine.for_model(plain_model(tiny_dir), tok, config(tiny_dir).rollout)

@@ -371,11 +371,9 @@ class KVCache:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, in float32, cast back (transformers' order)."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim: normalised in float32, cast back,
+    then scaled (transformers' order; torch's fused kernel for the normalisation)."""
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -389,15 +387,14 @@ def _qkv(w: DecoderWeights, layer: Layer, h: Tensor, cos: Tensor, sin: Tensor) -
     """Rotated queries (..., Hq, D), keys (..., Hkv, D) and values (..., Hkv, D) of ``h`` (..., H);
     ``cos``/``sin`` (..., D)."""
     s = w.spec
-    qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (..., (Hq + 2 Hkv) D)
-    q, k, v = qkv.split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
-    q = q.unflatten(-1, (s.heads, s.head_dim))
-    k = k.unflatten(-1, (s.kv_heads, s.head_dim))
-    v = v.unflatten(-1, (s.kv_heads, s.head_dim))
+    heads = F.linear(h, layer.qkv, layer.qkv_bias).unflatten(-1, (-1, s.head_dim))  # (..., Hq + 2 Hkv, D)
+    qk, v = heads.split([s.heads + s.kv_heads, s.kv_heads], -2)
     if layer.q_norm is not None:
-        q, k = rms_norm(q, layer.q_norm, s.eps), rms_norm(k, layer.k_norm, s.eps)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    return rotate(q, cos, sin), rotate(k, cos, sin), v
+        q, k = qk.split([s.heads, s.kv_heads], -2)
+        qk = torch.cat([rms_norm(q, layer.q_norm, s.eps), rms_norm(k, layer.k_norm, s.eps)], -2)
+    qk = rotate(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))  # queries and keys in one pass; cos/sin over heads
+    q, k = qk.split([s.heads, s.kv_heads], -2)
+    return q, k, v
 
 
 def _mlp(w: DecoderWeights, layer: Layer, x: Tensor) -> Tensor:
@@ -437,7 +434,9 @@ def prefill(
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (n, h, P, D)
         k_cache[rows, :, :P] = k.index_select(0, prompt_of_row)
         v_cache[rows, :, :P] = v.index_select(0, prompt_of_row)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=s.group > 1)  # (n, Hq, P, D)
+        if s.group > 1:  # each kv head for its query heads (SDPA's own GQA has no masked fused kernel)
+            k, v = k.repeat_interleave(s.group, 1), v.repeat_interleave(s.group, 1)  # (n, Hq, P, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (n, Hq, P, D)
         x = x + F.linear(out.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
         x = _mlp(w, layer, x)
     return _logits(w, x[:, -1])  # left padding: the last column is every prompt's last token
