@@ -157,6 +157,24 @@ class AlgoConfig(Section):
         "multi-turn episodes (textenv): token = GAE over the model's tokens, skipping environment tokens; "
         "turn = one value per turn (at its first token), GAE over turns, each turn's advantage on all its tokens",
     )
+    rollout_correction: Literal["none", "tis", "mis"] = field(
+        "none",
+        "lm: correct for the rollout engine sampling from another distribution than the trainer computes "
+        "(r = pi_old / pi_engine per token): none (the mismatch is only logged); tis = truncated importance "
+        "weights min(r, cap) on the advantages; mis = weights r, tokens or sequences outside "
+        "[rollout_correction_lower, cap] dropped from the actor's loss",
+    )
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = field(
+        "token",
+        "the ratio the correction uses: token = each token's r; sequence = the product over the response; "
+        "geometric = the geometric mean over the response (mis only)",
+    )
+    rollout_correction_cap: float = field(
+        2.0, "the cap C: tis weights are min(r, C); mis keeps ratios up to C", "rollout_is_threshold", ge=1
+    )
+    rollout_correction_lower: float | None = field(
+        None, "mis: the lowest ratio kept (null = 1 / rollout_correction_cap; 0 = no lower bound)", ge=0, le=1
+    )
 
 
 class TrainConfig(Section):
@@ -747,6 +765,11 @@ class Config(Section):
                     "textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
                     "model.mode=lora, or textenv.pool.snapshot_every=0"
                 )
+            if a.rollout_correction != "none":
+                raise ValueError(
+                    f"algo.rollout_correction={a.rollout_correction}: multi-turn episodes (textenv) do not carry "
+                    "the engine's log-probs yet; set algo.rollout_correction=none"
+                )
             if self.cluster.rollout_workers or self.cluster.learners > 1 or self.rollout.off_policy_steps:
                 raise ValueError(
                     "multi-turn episodes (textenv) run in one process: remove the cluster section "
@@ -778,6 +801,16 @@ class Config(Section):
             raise ValueError(
                 f"cluster.learners={c.learners} split each mini-batch; train.mini_batch_size="
                 f"{t.mini_batch_size or t.batch_size} gives some learner no sample"
+            )
+        if a.rollout_correction == "tis" and a.rollout_correction_level == "geometric":
+            raise ValueError(
+                "algo.rollout_correction_level=geometric is a band test of mis (a geometric mean is no "
+                "importance weight); use token or sequence with tis, or algo.rollout_correction=mis"
+            )
+        if a.rollout_correction != "none" and self.workload != "lm":
+            raise ValueError(
+                f"algo.rollout_correction={a.rollout_correction} corrects a language model's rollout engine; "
+                "control rollouts sample from the trained network itself: set algo.rollout_correction=none"
             )
         if self.rollout.engine == "cuda" and self.run.device in ("cpu", "mps"):
             raise ValueError(

@@ -55,6 +55,21 @@ behaviour policy's and every ratio, the first included, is taken against them. T
 mini-batch's forward still measures the lag: ``old_log_prob_gap`` (largest difference)
 and ``off_policy_kl`` (mean k3 estimate of KL(behaviour || current) over its tokens).
 
+Rollout correction (:mod:`ppokit.algo.rollout_correction`): a batch that carries
+``rollout_log_prob``, the rollout engine's behaviour log-probs (the distribution it
+sampled from), is measured against the trainer's ``old_log_prob`` over the whole batch
+every iteration (``mismatch_kl``, ``mismatch_kl_k1``, ``mismatch_ratio_max``,
+``mismatch_ratio_min``; from the first mini-batch's own forward when the update is fully
+on-policy and the scorer gave none). With ``algo.rollout_correction`` (tis, mis) the
+weights ``w`` and the kept tokens ``k`` of ``r = pi_old / pi_engine`` are computed once per
+batch before the epochs; every actor term (policy loss, entropy, KL) then takes the
+advantages times ``w`` and the mask times ``k``, with the normaliser of that mask. The
+critic's loss is not corrected. ``off_policy_kl`` and ``mismatch_kl`` measure two
+different gaps: the policy lag (the update's current weights against the weights that
+sampled, both as the trainer computes them) and the engine's numerics (the engine against
+the trainer on the sampling weights); the correction covers the second, PPO's ratio the
+first.
+
 Data parallel (``cluster.learners`` > 1, :mod:`ppokit.dist.learner_group`): every rank
 holds the whole batch and draws the same shuffle; each rank takes its contiguous slice
 of every mini-batch (:meth:`DataParallel.shard`). The aggregation normaliser is
@@ -344,6 +359,7 @@ class PPOTrainer:
                     f"{', '.join(OPTIONAL_WHEN_ON_POLICY)} only when the update is not fully on-policy)"
                 )
         cfg, a = self.cfg, self.cfg.algo
+        batch, correction_metrics = self._rollout_correction(batch)
         mini = min(self.cfg.mini_batch_size, n) if num_mini_batches is None else max(1, -(-n // num_mini_batches))
         micro = min(self.cfg.micro_batch_size, mini)
         critic_only = iteration < cfg.train.critic_warmup
@@ -375,7 +391,12 @@ class PPOTrainer:
             if a.target_kl is not None and epoch_kl and torch.stack(epoch_kl).mean().item() > a.target_kl:
                 break
         self.parallel.all_reduce(self.on_policy_log_prob)  # each rank filled its own rows
+        if "rollout_log_prob" in batch and "old_log_prob" not in batch:  # fully on-policy: its own forward
+            correction_metrics = algo.mismatch_metrics(
+                self.on_policy_log_prob, batch["rollout_log_prob"], batch["mask"]
+            )
         out = {k: (torch.as_tensor(sums[k]) / weights[k]).item() for k in sums}
+        out.update({k: float(v) for k, v in correction_metrics.items()})
         if self.penalty is not None and epoch_kl:
             # the PPO paper's d: the KL after the update, measured on the last epoch's mini-batches
             out["penalty_coef"] = penalty_coef
@@ -394,6 +415,33 @@ class PPOTrainer:
                     batch["old_values"], batch["returns"], batch["mask"]
                 ).item()
         return out
+
+    def _rollout_correction(self, batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The batch with ``correction_weight`` and ``correction_keep`` (N, T) added when
+        ``algo.rollout_correction`` asks for them, and the mismatch and correction metrics
+        (module docstring); the batch as it is without ``rollout_log_prob``."""
+        a = self.cfg.algo
+        if "rollout_log_prob" not in batch or "old_log_prob" not in batch:
+            if a.rollout_correction != "none":
+                missing = "rollout_log_prob" if "rollout_log_prob" not in batch else "old_log_prob"
+                raise ValueError(
+                    f"algo.rollout_correction={a.rollout_correction} needs the batch's {missing} "
+                    "(the engine's behaviour log-probs and the scorer's old log-probs)"
+                )
+            return batch, {}
+        metrics = algo.mismatch_metrics(batch["old_log_prob"], batch["rollout_log_prob"], batch["mask"])
+        if a.rollout_correction == "none":
+            return batch, metrics
+        weight, keep, more = algo.rollout_correction(
+            batch["old_log_prob"],
+            batch["rollout_log_prob"],
+            batch["mask"],
+            mode=a.rollout_correction,
+            level=a.rollout_correction_level,
+            cap=a.rollout_correction_cap,
+            lower=a.rollout_correction_lower,
+        )
+        return {**batch, "correction_weight": weight, "correction_keep": keep}, {**metrics, **more}
 
     def _optimizer_step(
         self,
@@ -416,6 +464,7 @@ class PPOTrainer:
         """The gradient of the first optimizer step of an update of ``batch`` (its first
         mini-batch under the trainer's shuffle), summed over the data-parallel ranks, by
         parameter name; no step is taken and the shuffle generator is left as it was."""
+        batch, _ = self._rollout_correction(batch)
         n = batch["mask"].shape[0]
         state = self.generator.get_state()
         order = torch.randperm(n, generator=self.generator)
@@ -463,6 +512,9 @@ class PPOTrainer:
         a = self.cfg.algo
         mode = a.loss_agg_mode
         normalizer = self._global_normalizer(mb["mask"], mode)
+        # rollout correction (mis): the actor's terms skip the dropped tokens, normalised without them
+        keep_all = mb.get("correction_keep")
+        actor_normalizer = normalizer if keep_all is None else self._global_normalizer(mb["mask"] * keep_all, mode)
         self.optimizer.zero_grad()
         totals: dict[str, Tensor] = {}
         budget = self.cfg.train.micro_batch_tokens
@@ -503,6 +555,10 @@ class PPOTrainer:
                 losses["value_loss"] = v_loss.detach()
                 metrics["vf_clipfrac"] = v_metrics["vf_clipfrac"]
             if not critic_only:
+                actor_mask = mask if "correction_keep" not in part else mask * part["correction_keep"]
+                advantages = part["advantages"]
+                if "correction_weight" in part:  # the importance weights pi_old / pi_engine, truncated (tis) or not
+                    advantages = advantages * part["correction_weight"]
                 old_log_prob = part.get("old_log_prob")
                 if current is not None:
                     if old_log_prob is not None:
@@ -525,11 +581,11 @@ class PPOTrainer:
                 pg_loss, pg_metrics = self.policy_loss(
                     out["log_prob"],
                     old_log_prob,
-                    part["advantages"],
-                    mask,
+                    advantages,
+                    actor_mask,
                     agg_mode=mode,
                     ratio_level=a.ratio_level,
-                    normalizer=normalizer,
+                    normalizer=actor_normalizer,
                     horizon=horizon,
                     diagnostics=False,
                     **own,
@@ -543,7 +599,9 @@ class PPOTrainer:
                 if "kl_old" in pg_metrics:
                     metrics["kl_old"] = pg_metrics["kl_old"]
                 if "entropy" in out:
-                    entropy = algo.aggregate(out["entropy"], mask, mode, normalizer=normalizer, horizon=horizon)
+                    entropy = algo.aggregate(
+                        out["entropy"], actor_mask, mode, normalizer=actor_normalizer, horizon=horizon
+                    )
                     if a.entropy_coeff:
                         loss = loss - a.entropy_coeff * entropy
                     losses["entropy"] = entropy.detach()
@@ -554,7 +612,7 @@ class PPOTrainer:
                         if a.kl_loss_type == "full"
                         else algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
                     )
-                    kl_loss = algo.aggregate(kl, mask, mode, normalizer=normalizer, horizon=horizon)
+                    kl_loss = algo.aggregate(kl, actor_mask, mode, normalizer=actor_normalizer, horizon=horizon)
                     loss = loss + a.beta * kl_loss
                     losses["kl_loss"] = kl_loss.detach()
             loss.backward()

@@ -19,6 +19,8 @@ Modules, one job each:
 - :mod:`.logits`      chunked log-probs and entropy from logits
 - :mod:`.turns`       multi-turn credit: turn layout, turn-level GAE, per-turn group advantages
 - :mod:`.batching`    micro-batches by a token budget, sorted and balanced; padding fraction
+- :mod:`.rollout_correction` the engine's sampling distribution against the trainer's: mismatch
+  metrics, truncated / masked importance sampling (TIS, MIS) by name
 """
 
 from .advantages import (
@@ -47,6 +49,13 @@ from .kl_hidden import kl_full_from_hidden
 from .logits import entropy_from_logits, log_probs_from_logits
 from .policy_losses import POLICY_LOSSES, get_policy_loss, policy_loss, ppo_penalty_loss
 from .registry import Registry, UnknownNameError
+from .rollout_correction import (
+    CORRECTION_LEVELS,
+    ROLLOUT_CORRECTIONS,
+    correction_ratio,
+    mismatch_metrics,
+    rollout_correction,
+)
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, whiten
 from .turns import (
     gather_turn_values,
@@ -113,6 +122,12 @@ __all__ = [
     # logits
     "log_probs_from_logits",
     "entropy_from_logits",
+    # rollout correction
+    "ROLLOUT_CORRECTIONS",
+    "CORRECTION_LEVELS",
+    "correction_ratio",
+    "rollout_correction",
+    "mismatch_metrics",
     # multi-turn credit
     "turn_index_from_mask",
     "turn_start_mask",

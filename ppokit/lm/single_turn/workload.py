@@ -332,7 +332,10 @@ class LMLearner:
     def needs_scored_old_log_prob(self) -> bool:
         """Whether the scorer must run the actor pass: not when the update makes one
         optimizer step (its own forward gives the old log-probs) and the rewards carry no
-        KL term that needs them before the update."""
+        KL term that needs them before the update, and no rollout correction weighs the tokens
+        by them before the update."""
+        if self.cfg.algo.rollout_correction != "none":
+            return True
         return self.cfg.algo.use_kl_in_reward or not self.trainer.fully_on_policy(
             self.cfg.train.batch_size, self.num_mini_batches
         )
