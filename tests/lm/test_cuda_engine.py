@@ -24,6 +24,13 @@ from ppokit.lm.generation.engine import HFEngine
 from ppokit.lm.model.hf import load_causal_lm, load_tokenizer
 from ppokit.lm.model.policy import build_policy
 
+# peft's notes when the LM head is adapted: it saves the head's base layer with the adapter, and
+# merging into a head tied to the embedding changes both (the engine folds into a copy of the head)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers`:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Model with `tie_word_embeddings=True`:UserWarning"),
+]
 CPU = torch.device("cpu")
 PROMPTS = ["12+34=", "7=", "100-1=", "(2*3)+(4*5)="]  # lengths 7, 3, 7, 13 with <bos>: mixed
 
@@ -66,12 +73,15 @@ def model_dir(request, tiny_dir, qwen_dir):
     return tiny_dir if request.param == "llama" else qwen_dir
 
 
-def config(model_dir, mode="lora", **rollout):
+WITH_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def config(model_dir, mode="lora", targets="all-linear", **rollout):
     return build_config(
         [
             {
                 "workload": "lm",
-                "model": {"path": str(model_dir), "mode": mode},
+                "model": {"path": str(model_dir), "mode": mode, "lora_target_modules": targets},
                 "rollout": {"max_new_tokens": 12, **rollout},
                 "run": {"progress": False, "tensorboard": False},
             }
@@ -79,8 +89,8 @@ def config(model_dir, mode="lora", **rollout):
     )
 
 
-def lora_policy(model_dir, mode="lora", seed=0, **rollout):
-    cfg = config(model_dir, mode, **rollout)
+def lora_policy(model_dir, mode="lora", seed=0, targets="all-linear", **rollout):
+    cfg = config(model_dir, mode, targets, **rollout)
     policy = build_policy(cfg, model_dir, device=CPU, autocast_dtype=None, seed=0)
     randomize(policy, std=0.3, seed=seed)  # a non-zero adapter: folding it changes the weights
     return cfg, policy
@@ -266,10 +276,19 @@ def test_samples_follow_the_warped_distribution():
 
 
 # ----------------------------------------------------------------------------- weights
-def test_the_folded_adapter_equals_peft_merged_weights(model_dir):
-    cfg, policy = lora_policy(model_dir)
+@pytest.mark.parametrize("targets", ["all-linear", WITH_HEAD])
+def test_the_folded_adapter_equals_peft_merged_weights(model_dir, targets):
+    cfg, policy = lora_policy(model_dir, targets=targets)
     engine = CudaEngine.for_policy(policy, load_tokenizer(model_dir), cfg.rollout)
     merged = copy.deepcopy(policy.lm).merge_and_unload(adapter_names=["actor"])
+    head, embed = merged.get_output_embeddings().weight, merged.get_input_embeddings().weight
+    torch.testing.assert_close(engine.weights.lm_head, head, rtol=0, atol=1e-6)
+    if targets == WITH_HEAD:  # the head folded on its own copy; the embedding (tied or not) unchanged
+        base = policy.lm.get_base_model()
+        assert not torch.allclose(engine.weights.lm_head, base.lm_head.base_layer.weight)
+        torch.testing.assert_close(engine.weights.embed, base.get_input_embeddings().weight, rtol=0, atol=0)
+    else:
+        assert (engine.weights.lm_head is engine.weights.embed) == (head is embed)
     for layer, block in zip(engine.weights.layers, merged.model.layers):
         a, m = block.self_attn, block.mlp
         qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
@@ -281,10 +300,11 @@ def test_the_folded_adapter_equals_peft_merged_weights(model_dir):
     assert not torch.allclose(engine.weights.layers[0].qkv[: base.shape[0]], base)  # the adapter did change it
 
 
-def test_lora_refresh_refolds_the_adapter_from_its_state_dict(model_dir):
+@pytest.mark.parametrize("targets", ["all-linear", WITH_HEAD])
+def test_lora_refresh_refolds_the_adapter_from_its_state_dict(model_dir, targets):
     from peft import get_peft_model_state_dict
 
-    cfg, policy = lora_policy(model_dir, temperature=0.9)
+    cfg, policy = lora_policy(model_dir, targets=targets, temperature=0.9)
     tok = load_tokenizer(model_dir)
     engine = CudaEngine.for_policy(policy, tok, cfg.rollout)
     base = engine.weights.layers[0].ln1
@@ -334,6 +354,67 @@ def test_memory_counts_its_own_weights_and_the_cache(tiny_dir):
     assert w.embed.data_ptr() == backbone.embed_tokens.weight.data_ptr()  # frozen: shared, not copied
     spec = w.spec
     assert mem.cache == engine.cache.nbytes == 4 * 64 * spec.kv_bytes_per_token(torch.float32)
+
+
+# ----------------------------------------------------------------------------- through a run
+@pytest.fixture(scope="module")
+def sevens(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "sevens.py"
+    path.write_text("def sevens(prompt, response, **fields):\n    return response.count('7') / max(1, len(response))\n")
+    return f"{path}:sevens"
+
+
+@pytest.mark.parametrize(("mode", "targets", "iterations"), [("lora", WITH_HEAD, 10), ("full", "all-linear", 3)])
+def test_a_run_with_the_cuda_engine_refreshes_it_after_every_update_and_learns(
+    tiny_dir, tmp_path, sevens, monkeypatch, mode, targets, iterations
+):
+    """PPO through the loop with the CUDA engine (eager, on the CPU): after each update the
+    source loads the learner's weights into the engine, so its log-probs are the scorer's
+    (mismatch_kl ~ 0 every iteration; stale weights would show at once), and the reward rises."""
+    from ppokit.lm.generation import factory
+    from ppokit.rundir import read_metrics
+    from ppokit.workloads import train
+
+    built = []
+
+    def cuda_engine(policy, tokenizer, rollout_cfg, **options):
+        built.append(CudaEngine.for_policy(policy, tokenizer, rollout_cfg, **options))
+        return built[-1]
+
+    monkeypatch.setattr(factory, "make_engine", cuda_engine)
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "seed": 1,
+                "model": {"path": str(tiny_dir), "mode": mode, "lora_target_modules": targets},
+                "rollout": {"temperature": 1.0, "max_new_tokens": 8},
+                "data": {"prompts": "arithmetic", "eval_size": 0, "reward": sevens},
+                "train": {
+                    "iterations": iterations,
+                    "batch_size": 64,
+                    "mini_batch_size": 32,
+                    "micro_batch_size": 32,
+                    "learning_rate": 2e-2 if mode == "lora" else 2e-3,
+                    "critic_learning_rate": 1e-2,
+                    "epochs": 2,
+                    "grad_clip": 1.0,
+                    "lr_warmup_ratio": 0.0,
+                },
+                "algo": {"gamma": 1.0, "gae_lambda": 0.95, "group_size": 4},
+                "run": {"precision": "fp32", "progress": False, "tensorboard": False},
+            }
+        ]
+    )
+    train(cfg, tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    assert len(built) == 1 and isinstance(built[0], CudaEngine) and len(rows) == iterations
+    for row in rows:
+        assert row["mismatch_kl"] < 1e-8 and abs(row["mismatch_ratio_max"] - 1) < 1e-4, row
+    if mode == "lora":  # learns as with the HF engine (tests/lm/test_rollout_engine_seam.py, the same run)
+        rewards = [r["reward_mean"] for r in rows]
+        first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+        assert first < 0.1 and last > 0.5, rewards
 
 
 # ----------------------------------------------------------------------------- EOS

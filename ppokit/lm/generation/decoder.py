@@ -4,7 +4,8 @@
 laid out for decoding: per layer one fused ``qkv`` matrix (the q, k, v projections
 stacked) and one fused ``gate_up`` matrix, so a layer runs four matmuls; a LoRA adapter is
 folded in, ``W' = W + scale * B @ A`` (computed in float32, stored in the engine's dtype),
-so that a LoRA policy decodes at the speed of a plain model. :meth:`DecoderWeights.load_adapter`
+so that a LoRA policy decodes at the speed of a plain model (an adapted LM head gets its own
+folded copy; the embedding it may be tied to stays as it is). :meth:`DecoderWeights.load_adapter`
 refolds only the adapted layers from an adapter state dict (peft's
 ``get_peft_model_state_dict`` keys); :meth:`DecoderWeights.load_state_dict` copies a whole
 model's ``state_dict`` (full fine-tuning). Frozen tensors the engine does not change
@@ -84,14 +85,15 @@ def unsupported_reason(model: nn.Module, adapter: str | None = None) -> str | No
     if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"):
         return f"{type(lm).__name__} does not have the Llama layout (model.layers, model.rotary_emb)"
     if adapter is not None:
+        head = lm.get_output_embeddings()
         for name, module in model.named_modules():
-            if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
+            if _adapted(module, adapter):
                 if not isinstance(module, LoraLinear):
-                    return f"the adapter on {name} is not a LoRA linear layer"
+                    return f"the adapter on {name}, not a LoRA linear layer"
                 if module.use_dora.get(adapter, False):
                     return "DoRA adapters"
-                if _target_of(name) is None:
-                    return f"the adapter on {name} (it folds adapters on the decoder layers' projections)"
+                if _target_of(name) is None and module is not head:
+                    return f"the adapter on {name} (it folds adapters on the layers' projections and the LM head)"
     return None
 
 
@@ -217,11 +219,12 @@ class DecoderWeights:
         for key, p in lm.state_dict(keep_vars=True).items():
             keys.setdefault(id(p), []).append(key)
         owned = [0]
-        params: dict[str, Fold] = {}
+        params: dict[str, Fold] = {}  # state-dict key -> where it lands
+        module_dest: dict[int, Tensor] = {}  # a linear module -> the engine's rows of its weight
 
         def place(p: Tensor, dest: Tensor) -> Tensor:
             for key in keys.get(id(p), []):
-                params[key] = Fold(dest, p)
+                params.setdefault(key, Fold(dest, p))  # a tied weight lands where it first did
             return dest
 
         def share_or_copy(p: Tensor) -> Tensor:
@@ -232,7 +235,7 @@ class DecoderWeights:
             owned[0] += out.numel() * out.element_size()
             return place(p, out)
 
-        def stacked(modules: list[nn.Module], bias: bool) -> Tensor | None:
+        def stacked(modules: list[nn.Module], bias: bool = False) -> Tensor | None:
             """The modules' weights (or biases) stacked by rows in one new tensor."""
             parts = [_linear(m).bias if bias else _linear(m).weight for m in modules]
             if parts[0] is None:
@@ -240,8 +243,11 @@ class DecoderWeights:
             out = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=dtype, device=device)
             owned[0] += out.numel() * out.element_size()
             row = 0
-            for p in parts:
-                place(p, out[row : row + p.shape[0]]).copy_(p)
+            for m, p in zip(modules, parts):
+                view = place(p, out[row : row + p.shape[0]])
+                view.copy_(p)
+                if not bias:
+                    module_dest[id(m)] = view
                 row += p.shape[0]
             return out
 
@@ -253,23 +259,28 @@ class DecoderWeights:
             layers.append(
                 Layer(
                     ln1=share_or_copy(block.input_layernorm.weight),
-                    qkv=stacked(qkv_modules, False),
-                    qkv_bias=stacked(qkv_modules, True),
-                    o=stacked([attn.o_proj], False),
-                    o_bias=stacked([attn.o_proj], True),
+                    qkv=stacked(qkv_modules),
+                    qkv_bias=stacked(qkv_modules, bias=True),
+                    o=stacked([attn.o_proj]),
+                    o_bias=stacked([attn.o_proj], bias=True),
                     ln2=share_or_copy(block.post_attention_layernorm.weight),
-                    gate_up=stacked(gu_modules, False),
-                    gate_up_bias=stacked(gu_modules, True),
-                    down=stacked([mlp.down_proj], False),
-                    down_bias=stacked([mlp.down_proj], True),
+                    gate_up=stacked(gu_modules),
+                    gate_up_bias=stacked(gu_modules, bias=True),
+                    down=stacked([mlp.down_proj]),
+                    down_bias=stacked([mlp.down_proj], bias=True),
                     q_norm=share_or_copy(attn.q_norm.weight) if spec.qk_norm else None,
                     k_norm=share_or_copy(attn.k_norm.weight) if spec.qk_norm else None,
                 )
             )
         embed_param = lm.get_input_embeddings().weight
-        head_param = lm.get_output_embeddings().weight
+        head = lm.get_output_embeddings()
         embed = share_or_copy(embed_param)
-        lm_head = embed if head_param is embed_param else share_or_copy(head_param)
+        if _adapted(head, adapter):  # its own copy to fold into (the embedding, tied or not, stays)
+            lm_head = stacked([head])
+        elif _linear(head).weight is embed_param:
+            lm_head = embed
+        else:
+            lm_head = share_or_copy(_linear(head).weight)
         cos, sin = rotary_tables(lm, dtype, device)
         weights = cls(
             spec=spec,
@@ -282,29 +293,20 @@ class DecoderWeights:
             act=ACT2FN[spec.act],
             params=params,
         )
-        if adapter is not None:
-            weights.adapters = weights._adapter_folds(model, adapter, keys)
-            for name, f in weights.adapters.items():
-                module = model.get_submodule(name)
-                f.fold(module.lora_A[adapter].weight, module.lora_B[adapter].weight)
+        for name, module in model.named_modules() if adapter is not None else ():
+            if _adapted(module, adapter):
+                fold = Fold(module_dest[id(module)], module.get_base_layer().weight, float(module.scaling[adapter]))
+                fold.fold(module.lora_A[adapter].weight, module.lora_B[adapter].weight)
+                weights.adapters[name] = fold
         weights.owned_bytes = owned[0] + cos.numel() * cos.element_size() * 2
         return weights
-
-    def _adapter_folds(self, model: nn.Module, adapter: str, keys: dict[int, list[str]]) -> dict[str, Fold]:
-        """peft module name -> the fold of its adapter into the engine's weight."""
-        out = {}
-        for name, module in model.named_modules():
-            if isinstance(module, LoraLayer) and adapter in module.lora_A:
-                base = module.get_base_layer().weight
-                fold = self.params[keys[id(base)][0]]
-                out[name] = Fold(fold.dest, base, float(module.scaling[adapter]))
-        return out
 
     @torch.no_grad()
     def load_adapter(self, state: dict[str, Tensor]) -> None:
         """Refold the adapted layers from an adapter state dict (``get_peft_model_state_dict``
-        keys: ``<module>.lora_A.weight``, ``<module>.lora_B.weight``)."""
-        unknown = [k for k in state if _adapter_module(k) not in self.adapters]
+        keys: ``<module>.lora_A.weight``, ``<module>.lora_B.weight``). Other keys are frozen
+        weights peft adds when the LM head is adapted (its base layer): unchanged, not read."""
+        unknown = [k for k in state if ".lora_" in k and _adapter_module(k) not in self.adapters]
         if unknown:
             raise RuntimeError(f"rollout weights not in the engine's adapter: {unknown[:3]}")
         for name, f in self.adapters.items():
@@ -322,6 +324,11 @@ class DecoderWeights:
         for key, f in self.params.items():
             if key in state:
                 f.dest.copy_(state[key])
+
+
+def _adapted(module: nn.Module, adapter: str | None) -> bool:
+    """Whether ``module`` is a peft LoRA layer carrying ``adapter``."""
+    return adapter is not None and isinstance(module, LoraLayer) and adapter in module.lora_A
 
 
 def _adapter_module(key: str) -> str:
