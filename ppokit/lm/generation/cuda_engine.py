@@ -349,7 +349,19 @@ class CudaEngine:
             self.cache = KVCache(w.spec, rows * length, w.embed.dtype, w.embed.device)
         key = (rows, length)
         if key not in self.runners:
-            self.runners[key] = StepRunner(self.weights, self.cache, rows, length, graph=self.graphs, pool=self.pool)
+            try:
+                runner = StepRunner(self.weights, self.cache, rows, length, graph=self.graphs, pool=self.pool)
+            except RuntimeError as exc:  # a platform where the step does not capture: eager, said once
+                if not self.graphs:
+                    raise
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                print(
+                    f"ppokit: note: the CUDA engine decodes without CUDA graphs (capture failed: {first})",
+                    file=sys.stderr,
+                )
+                self.graphs = False
+                runner = StepRunner(self.weights, self.cache, rows, length, graph=False)
+            self.runners[key] = runner
         return self.runners[key]
 
     def _generate_chunk(
