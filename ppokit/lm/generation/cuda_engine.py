@@ -21,7 +21,9 @@ What makes it fast, against transformers' ``generate`` on the same model:
   slots (its prompt tokens, then each generated token), so a short prompt is decoded as if
   it were alone. A prompt sampled ``group_size`` times is prefilled once and its keys and
   values copied to its rows. Rows are generated in chunks of at most ``max_batch_size``
-  (sized so that the cache fits ``cache_gb``), each chunk's prompts trimmed to its longest.
+  (sized so that the cache fits ``cache_gb``), each chunk's prompts trimmed to its longest;
+  ``rollout.micro_batch_size`` (transformers' ``generate`` calls) does not apply. Rows that
+  end early still ride along to the chunk's end (static batching, no refill).
 - **No host synchronisation per step**, except an "all rows done?" check every
   :data:`SYNC_EVERY` steps: at most that many steps run past the batch's last EOS.
 
@@ -34,20 +36,22 @@ token under the warped distribution (0 on padding; None for greedy).
 
 Models: Llama, Qwen2, Qwen3 and Mistral decoders (``decoder.SUPPORTED_MODEL_TYPES``;
 full attention, a rope that depends on the position alone, LoRA on the layers'
-projections). Any other model, or an adapter it cannot fold (DoRA, an embedding or LM-head
-adapter), falls back to the HF engine with a one-line note. On a CPU the same code runs
-eagerly (no graphs): the tests check it there against the HF engine and the policy.
+projections and the LM head). Any other model, or an adapter it cannot fold (DoRA, an
+embedding adapter), falls back to the HF engine with a one-line note. On a CPU the same
+code runs eagerly (no graphs): the tests check it there against the HF engine and the policy.
 
 The floor, on an H200 at the bench shape of Qwen2.5-0.5B (0.8 GB of bf16 weights, 128
 sequences x 64 + 128 tokens): a decoding step cannot beat reading the weights once, 0.8 GB
-at 4.8 TB/s = 0.17 ms; 127 steps are 21 ms, i.e. about 0.8 M tokens/s at 128 rows. The goal
-is >= 25,000 tokens/s (5 ms per step of 128 rows) where transformers' static cache with
+at 4.8 TB/s = 0.17 ms; 127 steps are 22 ms, about 0.75 M tokens/s at 128 rows (the whole
+rollout's 12.6 TFLOP of matmuls take 16 ms at the bf16 peak). The goal is >= 25,000
+tokens/s (5 ms per step of 128 rows) where transformers' static cache with
 ``torch.compile`` measured 12,269. Not measured yet (no GPU in the session that wrote this):
 the tokens/s, the capture time (expected well under a second per shape: no compiler), the
-bf16 mismatch against the scorer's log-probs (the rollout-correction metrics log it), and
-whether SDPA's masked decode attention or the eager sampling between replays is the next
-bottleneck. ``bench/gpu_check.py`` measures it; ``rollout.engine=auto`` keeps the HF engine
-until it does.
+bf16 mismatch against the scorer's log-probs (``mismatch_kl``, logged every iteration), LoRA
+against full, and whether the ~40 small kernels per layer (RMSNorm, rotary, residuals: no
+fusion without a compiler), SDPA's masked decode attention or the eager sampling between
+replays is the next cost. ``bench/rollout_engines.py`` and ``bench/gpu_check.py`` measure
+it; ``rollout.engine=auto`` keeps the HF engine until they have.
 """
 
 from __future__ import annotations
