@@ -161,8 +161,11 @@ def test_chunks_smaller_than_the_batch_give_the_same_tokens(qwen_dir):
     chunked = small.generate(PROMPTS, group_size=2, greedy=True)  # 8 rows in 4 chunks of 2
     assert torch.equal(chunked.input_ids, whole.input_ids)
     odd = CudaEngine.for_model(model, tok, config(qwen_dir).rollout, max_batch_size=4)
-    three = odd.generate(PROMPTS[:3], group_size=2, greedy=True)  # chunks of 4 and 2 rows; one splits a group
-    assert torch.equal(three.responses, whole.responses[:6])
+    threes = odd.generate(PROMPTS[:3], group_size=3, greedy=True)  # rows 0-3, 4-7, 8: groups split across chunks
+    expected = whole.responses[[0, 0, 0, 2, 2, 2, 4, 4, 4]]  # (9, R') with R' >= R: PROMPTS[3] may run longer
+    R = threes.responses.shape[1]
+    assert torch.equal(threes.responses, expected[:, :R]) and (expected[:, R:] == tok.pad_token_id).all()
+    assert torch.equal(threes.group_ids, torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2]))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "mistral", "llama3-rope"])
