@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: demo test install install-dev bench clean
+.PHONY: demo test install install-dev bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: install
 bench: install
 	$(PIP) -e '.[bench]'
 	$(PY) bench/control.py
+
+# On one GPU, with only torch, transformers and peft installed (bench/gpu_check.py says how to bring the rest)
+gpu-check:
+	$(PYTHON) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,7 +2,7 @@
 
 Both load through :func:`ppokit.lm.generation.loading.load_generator` (a run directory means its
 trained actor: the LoRA adapter applied to the backbone) and generate through the one
-generation path, :class:`~ppokit.lm.generation.engine.RolloutEngine`, with the sampling options
+generation path, a rollout engine (:mod:`ppokit.lm.generation.base`), with the sampling options
 ``temperature``, ``top_p``, ``top_k`` and ``max_new_tokens`` (the run's by default) or
 greedy decoding.
 

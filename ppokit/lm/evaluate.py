@@ -1,7 +1,7 @@
 """Evaluation of a language model: greedy and sampled responses scored by a verifier.
 
 :func:`heldout_accuracy` generates through the run's one generation path
-(:class:`~ppokit.lm.generation.engine.RolloutEngine`, greedy) and scores the responses with the
+(a rollout engine, :mod:`ppokit.lm.generation.base`; greedy) and scores the responses with the
 reward function: the accuracy, for 0/1 verifiers. The PPO run (before, during and after
 training) and the supervised warm start measure it so, scoring through the run's reward
 pool (:func:`score_texts`).

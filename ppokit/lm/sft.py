@@ -24,7 +24,7 @@ rule of :func:`ppokit.lm.model.policy.resolve_precision`). For the tiny model on
 run at the same speed: its matmuls are too small for bf16 to pay.
 
 Evaluation generates through ppokit's one generation path
-(:class:`~ppokit.lm.generation.engine.RolloutEngine`) and scores with
+(a rollout engine, :mod:`ppokit.lm.generation.base`) and scores with
 :func:`~ppokit.lm.evaluate.heldout_accuracy`, as the PPO run's held-out evaluation does.
 """
 

@@ -14,7 +14,7 @@ from ppokit.config import build_config
 from ppokit.errors import UserError
 from ppokit.lm.generation import factory
 from ppokit.lm.generation.base import EngineMemory, RolloutEngine, sampling_log_probs
-from ppokit.lm.generation.engine import HFEngine
+from ppokit.lm.generation.engine import HFEngine, assemble
 from ppokit.lm.generation.factory import engine_kind, make_engine
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
@@ -116,6 +116,60 @@ def test_top_k_log_probs_match_the_warpers_on_the_models_logits(tiny_dir):
     want = dist[ro.responses[:, 0]]
     torch.testing.assert_close(ro.rollout_log_prob[:, 0], want, rtol=0, atol=1e-5)
     assert torch.isfinite(want).all()  # every sampled token is inside the nucleus
+
+
+def test_a_models_own_min_p_does_not_cut_the_distribution_after_the_recorder(tiny_dir):
+    """transformers would run a generation_config's min_p after the recording processor: the engine
+    turns it off, so tokens below min_p * the top probability are still sampled, as recorded."""
+    tok = load_tokenizer(tiny_dir)
+    cfg = lm_config(tiny_dir, temperature=0.2, max_new_tokens=1)
+    policy = random_policy(tiny_dir, cfg)
+    engine = make_engine(policy, tok, cfg.rollout)
+    engine.model.generation_config.min_p = 0.5
+    torch.manual_seed(0)
+    ro = engine.generate(["5+5="], group_size=64)
+    enc = tok(["5+5="], return_tensors="pt")
+    with torch.no_grad(), policy.use("actor"):
+        dist = sampling_log_probs(policy.lm(**enc).logits[0, -1][None], 0.2)[0]  # (V,)
+    below = dist < dist.max() + math.log(0.5)  # what min_p=0.5 would cut
+    assert float(dist[below].exp().sum()) > 0.2  # enough mass there for 64 samples to reach it
+    torch.testing.assert_close(ro.rollout_log_prob[:, 0], dist[ro.responses[:, 0]], rtol=0, atol=1e-5)
+    assert below[ro.responses[:, 0]].any()
+
+
+def test_the_engine_samples_what_transformers_samples(tiny_dir):
+    """The warpers moved into the recording processor change nothing: with one seed, the HF engine's
+    samples are those of ``generate`` with transformers' own temperature / top-k / top-p."""
+    from transformers import GenerationConfig
+
+    tok = load_tokenizer(tiny_dir)
+    cfg = lm_config(tiny_dir, temperature=0.7, top_k=10, top_p=0.9, max_new_tokens=6, micro_batch_size=64)
+    policy = random_policy(tiny_dir, cfg)
+    engine = make_engine(policy, tok, cfg.rollout)
+    torch.manual_seed(5)
+    ro = engine.generate(PROMPTS, group_size=4)
+    enc = tok(PROMPTS, padding=True, return_tensors="pt")
+    plain = GenerationConfig(
+        max_new_tokens=6,
+        do_sample=True,
+        temperature=0.7,
+        top_k=10,
+        top_p=0.9,
+        eos_token_id=engine.eos_ids,
+        pad_token_id=engine.pad_id,
+    )
+    torch.manual_seed(5)
+    with torch.no_grad(), policy.use("actor"):
+        out = engine.model.generate(
+            input_ids=enc["input_ids"].repeat_interleave(4, 0),
+            attention_mask=enc["attention_mask"].repeat_interleave(4, 0),
+            generation_config=plain,
+        )
+    ids = enc["input_ids"].repeat_interleave(4, 0)
+    same_layout = assemble(
+        ids, torch.ones_like(ids), out[:, ids.shape[1] :], eos_ids=engine.eos_ids, pad_id=engine.pad_id
+    )
+    assert torch.equal(ro.responses, same_layout["responses"])
 
 
 def test_the_factory_chooses_by_config_and_device():
@@ -260,3 +314,40 @@ def test_a_perturbed_engine_is_corrected_as_the_formula_says_and_learning_works(
         rewards = [r["reward_mean"] for r in rows]
         first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
         assert first < 0.1 and last > 0.5 and last > first + 0.4, rewards
+
+
+class OwnWeightsEngine:
+    """An engine that keeps its own copy of the weights: it records what it is given."""
+
+    weights_shared = False
+
+    def __init__(self):
+        self.loaded = []
+
+    def load_weights(self, weights):
+        self.loaded.append(weights)
+
+
+class FakeLearner:
+    policy_version = 3
+
+    def rollout_weights(self):
+        return {"w": torch.ones(1)}
+
+
+def test_both_sources_give_an_engine_with_its_own_weights_the_learners_after_each_update(tiny_dir):
+    from ppokit.lm.multi_turn.source import MultiTurnSource
+    from ppokit.lm.single_turn.workload import LMSource
+
+    cfg = lm_config(tiny_dir)
+    for engine_holder in ("single", "multi"):
+        engine = OwnWeightsEngine()
+        if engine_holder == "single":
+            source = LMSource(cfg, engine, None, None, CPU)
+        else:
+            source = MultiTurnSource(cfg, None, mode="state", pad_id=0, device=CPU, engine=engine)
+        source.sync_weights(FakeLearner())
+        source.sync_weights(FakeLearner())
+        assert [w["w"].item() for w in engine.loaded] == [1.0, 1.0], engine_holder
+    shared = make_engine(random_policy(tiny_dir, cfg), load_tokenizer(tiny_dir), cfg.rollout)
+    assert shared.weights_shared  # the HF engine samples with the learner's own modules: nothing to copy

@@ -1,5 +1,7 @@
 """Generation: the rollout engines that sample responses, and loading a model to sample from.
 
+- :mod:`.base`     the seam: the ``RolloutEngine`` protocol, ``RolloutBatch``, the sampled distribution
+- :mod:`.factory`  ``make_engine``: the engine ``rollout.engine`` names (hf, cuda, auto)
 - :mod:`.engine`   the Hugging Face engine: ``generate`` with a KV cache, padded tensors and masks
 - :mod:`.loading`  a trained actor or a model directory, ready to generate (``generate``, ``chat``, ``eval``)
 

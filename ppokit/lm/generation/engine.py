@@ -260,7 +260,10 @@ class HFEngine:
     def generation_config(self, *, greedy: bool, max_new_tokens: int):
         """transformers' GenerationConfig of a call. Sampling: the warpers are off here (temperature
         1, top_k 0, top_p 1) and applied by :class:`BehaviourLogProbs` instead, so that the
-        behaviour log-probs are those of the distribution sampled from."""
+        behaviour log-probs are those of the distribution sampled from. Processors that
+        transformers runs before a caller's (a model's ``repetition_penalty``, ``min_new_tokens``)
+        stay; they are part of that distribution, and the scorer knows nothing of them: they
+        show in the mismatch metrics."""
         c = self.cfg
         kwargs: dict[str, Any] = dict(
             max_new_tokens=max_new_tokens,
@@ -272,8 +275,10 @@ class HFEngine:
         if c.cache_implementation == "static":  # the config requires use_cache for it
             kwargs["cache_implementation"] = "static"
         if not greedy:
-            # the model's own warpers that would run after ours (its generation_config's) are off too
+            # the warpers transformers would run after ours (from the model's generation_config) are off too
             kwargs.update(temperature=1.0, top_p=1.0, top_k=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+            if getattr(getattr(self.model, "generation_config", None), "min_p", None) is not None:
+                kwargs["min_p"] = 0.0  # (None would be filled from the model's; 0 keeps every token)
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         kwargs.update(self.generation_kwargs)

@@ -79,7 +79,7 @@ class AdapterSnapshots:
         self.load_seconds += time.perf_counter() - start
 
     def activate(self):
-        """The context manager that generates with the slot's adapter (for a RolloutEngine)."""
+        """The context manager that generates with the slot's adapter (the HF engine's ``activate``)."""
         return self.policy.use(OPPONENT)
 
     def state_dict(self) -> dict[str, Any]:

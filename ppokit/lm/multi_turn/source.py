@@ -120,8 +120,10 @@ class MultiTurnSource:
         device,
         opponents=None,
         env_name: str = "the environment",
+        engine=None,
     ):
         self.cfg, self.player, self.mode, self.pad_id, self.device = cfg, player, mode, pad_id, device
+        self.engine = engine  # the current policy's rollout engine (new weights go to it unless it shares them)
         self.opponents = opponents  # AdapterSnapshots, with a pool
         self.env_name = env_name
         p = cfg.textenv.pool
@@ -258,7 +260,10 @@ class MultiTurnSource:
             self.opponents.drop(dropped)
 
     def sync_weights(self, learner) -> None:
-        """The policy is shared with the learner; with a pool, a snapshot every ``snapshot_every`` updates."""
+        """The learner's weights into an engine that holds its own copy (the HF engine shares the
+        learner's policy); with a pool, a snapshot every ``snapshot_every`` updates."""
+        if self.engine is not None and not self.engine.weights_shared:
+            self.engine.load_weights(learner.rollout_weights())
         self.updates += 1
         every = self.cfg.textenv.pool.snapshot_every
         if self.pool is not None and every and self.updates % every == 0:

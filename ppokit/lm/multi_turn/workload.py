@@ -185,7 +185,14 @@ class MultiTurnWorkload:
         generate = engine_generate(engine, opponents, opponent_engine)
         player = player_for(cfg, make_envs(t.env, t.kwargs, cfg.train.batch_size), codec, generate, context, env_name)
         source = MultiTurnSource(
-            cfg, player, mode=mode, pad_id=tokenizer.pad_token_id, device=device, opponents=opponents, env_name=env_name
+            cfg,
+            player,
+            mode=mode,
+            pad_id=tokenizer.pad_token_id,
+            device=device,
+            opponents=opponents,
+            env_name=env_name,
+            engine=engine,
         )
         learner = LMLearner(
             cfg,

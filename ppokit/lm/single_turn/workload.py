@@ -190,6 +190,9 @@ class LMSource:
             metrics["time_behaviour_log_prob"] = part.behaviour_time
         if rollout.rollout_log_prob is not None:  # the engine's own: the trainer measures the mismatch
             tensors["rollout_log_prob"] = rollout.rollout_log_prob.to(self.device)
+        held = self.engine.memory()
+        if held.weights or held.cache:  # an engine with its own weights or cache (not the HF engine)
+            metrics.update(held.metrics())
         return Batch(
             tensors=tensors,
             samples=rollout_samples(rollout, scores, self.cfg.run.log_samples, marks),
