@@ -65,6 +65,7 @@ DEVICE_TESTS = (
     "tests/lm/test_lm_device.py",
     "tests/lm/test_fused_lora.py",
     "tests/lm/test_rollout_engine_seam.py",
+    "tests/lm/test_cuda_engine.py",
     "tests/lm/test_multiturn_source.py",
     "tests/lm/test_policy.py",
 )
