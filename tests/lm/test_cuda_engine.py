@@ -380,11 +380,14 @@ def test_a_run_with_the_cuda_engine_refreshes_it_after_every_update_and_learns(
 
     built = []
 
-    def cuda_engine(policy, tokenizer, rollout_cfg, **options):
-        built.append(CudaEngine.for_policy(policy, tokenizer, rollout_cfg, **options))
-        return built[-1]
+    class Recorded(CudaEngine):
+        @classmethod
+        def for_policy(cls, *args, **options):
+            built.append(super().for_policy(*args, **options))
+            return built[-1]
 
-    monkeypatch.setattr(factory, "make_engine", cuda_engine)
+    # the engine class make_engine picks, looked up when it is called (the workloads import make_engine itself)
+    monkeypatch.setattr(factory, "engine_class", lambda kind: Recorded)
     cfg = build_config(
         [
             {
