@@ -143,7 +143,7 @@ def test_errors_are_marked_and_counted_over_the_run():
 
 
 def test_code_reward_says_how_it_is_isolated(monkeypatch):
-    from ppokit.lm import sandbox
+    from ppokit.lm.rewards import sandbox
     from ppokit.lm.rewards.functions import load_reward_fn
     from ppokit.lm.single_turn.workload import reward_notes
 
