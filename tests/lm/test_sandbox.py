@@ -1,17 +1,22 @@
 """The code reward's sandbox: an infinite loop, a memory bomb, a fork bomb and a network call are
-each contained and score 0 with a counted reason; tests in both formats; every isolation kind
-that works on this machine."""
+each contained and score 0 with a counted reason; tests in both formats; no process outlives its
+run, its reward worker, or a daemon's escape from its session; runs are counted on their own, in
+parallel too; every isolation kind that works on this machine."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from ppokit.lm import sandbox
+from ppokit.lm.rewards import sandbox
 from ppokit.lm.rewards.pool import RewardPool
 from ppokit.lm.rewards.sandbox import code_reward, extract_program, parse_tests, run_python, same_output
 
@@ -37,6 +42,34 @@ def isolation_kind(request, monkeypatch):
 
 
 @pytest.fixture()
+def own_tmp(monkeypatch):
+    """A folder of this test's own for the runs' working directories (the reward workers'
+    too), traversable by ``nobody``: :func:`_sandbox_processes` finds this test's sandbox
+    processes by it, whatever else runs on the machine (other tests in parallel included)."""
+    folder = tempfile.mkdtemp(prefix="ppokit-test-sandbox-")
+    os.chmod(folder, 0o711)
+    monkeypatch.setenv("TMPDIR", folder)
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sandbox_processes(folder: str) -> list[int]:
+    """Live processes of runs whose working directory is in ``folder`` (the sandbox sets
+    ``TMPDIR`` to it for every process of a run: the isolation tool, the guard, the program)."""
+    marker = f"TMPDIR={folder}/".encode()
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if any(var.startswith(marker) for var in environ.split(b"\0")):
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture()
 def listening_port():
     """A port on this machine's loopback that accepts connections: a program outside the
     sandbox can reach it."""
@@ -57,7 +90,7 @@ def _connected(server) -> bool:
         return False
 
 
-def test_bombs_are_contained_and_score_zero_with_their_reason(isolation_kind, listening_port):
+def test_bombs_are_contained_and_score_zero_with_their_reason(isolation_kind, listening_port, own_tmp):
     port = listening_port.getsockname()[1]
     fields = {"tests": ["assert add(1, 2) == 3"], "timeout": 2.0, "memory_mb": 512}
     cases = {
@@ -77,8 +110,7 @@ def test_bombs_are_contained_and_score_zero_with_their_reason(isolation_kind, li
         assert code_reward("p", network, **fields) == (0.0, "network")
         assert not _connected(listening_port) and sandbox.isolation_warning() is None
     assert code_reward("p", ADD, **fields) == (1.0, None)  # the sandbox still runs good code
-    leftover = subprocess.run(["pgrep", "-f", "cfg = json.loads"], capture_output=True, text=True).stdout.split()
-    assert not leftover  # no sandbox process outlives its run
+    assert not _sandbox_processes(own_tmp)  # no sandbox process outlives its run
 
 
 def test_assert_and_stdin_tests_score_the_fraction_passed():
@@ -135,26 +167,74 @@ def test_code_through_the_reward_pool_counts_reasons():
     assert results.metrics()["reward_notes/timeout"] == 1.0
 
 
-def test_a_worker_killed_mid_run_leaves_no_sandbox_behind(isolation_kind):
+def test_a_worker_killed_mid_run_leaves_no_sandbox_behind(isolation_kind, own_tmp):
     """The pool's time limit (1 s) is shorter than the sandbox's (30 s): the worker is killed
     while its sandboxed program sleeps, and the program dies with it."""
     sleeper = "import time\ntime.sleep(120)\n" + ADD
     fields = {"tests": ["assert add(1, 2) == 3"], "timeout": 30.0}
     with RewardPool("code", num_workers=1, timeout=1.0, max_reward_errors=None) as pool:
         results = pool.score(["p"], [sleeper], [fields])
-    assert results.errors[0][0] == "timeout"
-    for _ in range(50):  # the kernel delivers the parent-death signal
-        leftover = subprocess.run(["pgrep", "-f", "cfg = json.loads"], capture_output=True, text=True).stdout.split()
-        if not leftover:
-            break
+    assert results.errors[0] is not None and results.errors[0][0] == "timeout", (results.scores, results.notes)
+    deadline = time.monotonic() + 60  # the guard sees the dead worker's end of the lifeline close
+    while (leftover := _sandbox_processes(own_tmp)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not leftover
+
+
+DAEMON = """import os, time
+if os.fork() == 0:           # a daemon: its own session, its parent gone
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(120)
+    os._exit(0)
+os.wait()
+"""
+
+
+def test_processes_a_program_leaves_behind_die_with_its_run(isolation_kind, own_tmp):
+    assert code_reward("p", DAEMON + ADD, tests=["assert add(1, 2) == 3"], timeout=10) == (1.0, None)
+    assert not _sandbox_processes(own_tmp)  # the daemon too, at once: the guard reaped it before it exited
+    hang = DAEMON + "time.sleep(60)\n" + ADD
+    assert code_reward("p", hang, tests=["assert add(1, 2) == 3"], timeout=1) == (0.0, "timeout")
+    assert not _sandbox_processes(own_tmp)
+
+
+FORKS_FOUR = "import os\nfor _ in range(4):\n    if os.fork() == 0:\n        os._exit(0)\n    os.wait()\n" + ADD
+FOUR_TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
+
+
+def test_each_run_is_counted_on_its_own_after_a_fork_bomb(isolation_kind, own_tmp):
+    """A fork bomb's processes do not count against the runs after it (a zombie not yet reaped
+    by the machine's init used to), nor do runs in parallel count against each other."""
+    if sandbox.process_limit() == "none":
+        pytest.skip("root without a pids cgroup or the nobody user: no process limit to count")
+    bomb = "import os\nwhile True:\n    os.fork()\n" + ADD
+    one = ["assert add(1, 2) == 3"]
+    assert code_reward("p", bomb, tests=one, timeout=2) == (0.0, "processes")
+    assert code_reward("p", FORKS_FOUR, tests=one, timeout=10) == (1.0, None)
+    assert code_reward("p", ADD, tests=FOUR_TESTS, timeout=10) == (0.75, "wrong_answer")
+    jobs = [(bomb, one, 2), (ADD, FOUR_TESTS, 10), (DAEMON + ADD, one, 10), (ADD, FOUR_TESTS, 10)]
+    with ThreadPoolExecutor(len(jobs)) as threads:
+        scores = list(threads.map(lambda job: code_reward("p", job[0], tests=job[1], timeout=job[2]), jobs))
+    assert scores == [(0.0, "processes"), (0.75, "wrong_answer"), (1.0, None), (0.75, "wrong_answer")]
+    assert not _sandbox_processes(own_tmp)
+
+
+def test_as_root_programs_run_as_nobody_where_the_namespace_has_that_user(isolation_kind, monkeypatch):
+    """``unshare --user --map-root-user`` maps root alone: dropping to ``nobody`` inside failed
+    every program (EPERM); there the program stays the namespace's root."""
+    if os.geteuid() != 0:
+        pytest.skip("runs as root only")
+    monkeypatch.setattr(sandbox, "_drop_to_nobody", lambda: True)  # as where the interpreter is readable by nobody
+    result = run_python("import os\nprint(os.getuid())\n", limits=LIMITS)
+    assert result.status == "ok", result
+    assert result.stdout.strip() == ("0" if isolation_kind == "unshare-user" else str(sandbox.NOBODY))
 
 
 def test_an_interpreter_under_tmp_is_bound_back_into_the_sandboxs_fresh_tmp(monkeypatch, tmp_path):
     """bwrap gives programs an empty /tmp; a virtual environment that lives there (a fresh
     clone in a mktemp directory) must be bound back, or the sandbox cannot start Python."""
-    from ppokit.lm import sandbox
+    from ppokit.lm.rewards import sandbox
 
     venv = tmp_path / "clone" / ".venv"
     (venv / "bin").mkdir(parents=True)
