@@ -21,7 +21,9 @@ from ppokit.lm.rewards.pool import RewardPool
 from ppokit.lm.rewards.sandbox import code_reward, extract_program, parse_tests, run_python, same_output
 
 ADD = "def add(a, b):\n    return a + b\n"
-LIMITS = sandbox.SandboxLimits(timeout=2.0, memory_mb=512)
+BOMB = "import os\nwhile True:\n    os.fork()\n" + ADD
+AMPLE = 30.0  # seconds: a time limit that only a hang reaches, on a machine as loaded as it gets
+LIMITS = sandbox.SandboxLimits(timeout=AMPLE, memory_mb=512)
 
 
 def _working_isolations():
@@ -92,12 +94,9 @@ def _connected(server) -> bool:
 
 def test_bombs_are_contained_and_score_zero_with_their_reason(isolation_kind, listening_port, own_tmp):
     port = listening_port.getsockname()[1]
-    fields = {"tests": ["assert add(1, 2) == 3"], "timeout": 2.0, "memory_mb": 512}
-    cases = {
-        "timeout": "while True:\n    pass\n" + ADD,
-        "memory": "blob = bytearray(8 * 1024 ** 3)\n" + ADD,
-        "processes": "import os\nwhile True:\n    os.fork()\n" + ADD,
-    }
+    fields = {"tests": ["assert add(1, 2) == 3"], "timeout": AMPLE, "memory_mb": 512}
+    assert code_reward("p", "while True:\n    pass\n" + ADD, **{**fields, "timeout": 2.0}) == (0.0, "timeout")
+    cases = {"memory": "blob = bytearray(8 * 1024 ** 3)\n" + ADD, "processes": BOMB}
     if sandbox.process_limit() == "none":  # root without a pids cgroup: a real fork bomb; not here
         del cases["processes"]
     for reason, program in cases.items():
@@ -116,18 +115,18 @@ def test_bombs_are_contained_and_score_zero_with_their_reason(isolation_kind, li
 def test_assert_and_stdin_tests_score_the_fraction_passed():
     tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
     response = f"Here you go:\n```python\n{ADD}```\nDone."
-    assert code_reward("p", response, tests=tests, timeout=5) == (0.75, "wrong_answer")
+    assert code_reward("p", response, tests=tests, timeout=AMPLE) == (0.75, "wrong_answer")
     io = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10"}, {"input": "2 2\n", "output": "5"}]
     program = "a, b = map(int, input().split())\nprint(a + b)   \n"
-    assert code_reward("p", program, tests=io, timeout=5) == pytest.approx((2 / 3, "wrong_answer"))
+    assert code_reward("p", program, tests=io, timeout=AMPLE) == pytest.approx((2 / 3, "wrong_answer"))
     apps = '{"inputs": ["1 2\\n", "3 4\\n"], "outputs": ["3\\n", "7\\n"]}'
-    assert code_reward("p", program, tests=apps, timeout=5) == (1.0, None)
+    assert code_reward("p", program, tests=apps, timeout=AMPLE) == (1.0, None)
 
 
 def test_early_exit_syntax_errors_and_timeouts():
     cheat = "import sys\nsys.exit(0)\n" + ADD
-    assert code_reward("p", cheat, tests=["assert add(1, 2) == 3"], timeout=5) == (0.0, "error")
-    assert code_reward("p", "def add(a, b:\n", tests=["assert add(1, 2) == 3"], timeout=5) == (0.0, "syntax_error")
+    assert code_reward("p", cheat, tests=["assert add(1, 2) == 3"], timeout=AMPLE) == (0.0, "error")
+    assert code_reward("p", "def add(a, b:\n", tests=["assert add(1, 2) == 3"], timeout=AMPLE) == (0.0, "syntax_error")
     assert code_reward("p", "   ", tests=["assert True"]) == (0.0, "no_program")
     hang = "import time\ntime.sleep(60)\n" + ADD
     # after the first timeout the other tests are not run: one time limit, not three
@@ -135,7 +134,9 @@ def test_early_exit_syntax_errors_and_timeouts():
 
 
 def test_output_limit_and_a_clean_working_directory():
-    flood = run_python("while True:\n    print('x' * 10000)\n", limits=sandbox.SandboxLimits(timeout=5, file_size_mb=1))
+    flood = run_python(
+        "while True:\n    print('x' * 10000)\n", limits=sandbox.SandboxLimits(timeout=AMPLE, file_size_mb=1)
+    )
     assert flood.status == "output_limit" and len(flood.stdout) <= 1 << 20
     first = run_python("import os\nprint(os.getcwd())\nopen('left.txt', 'w').write('x')\n", limits=LIMITS)
     assert first.status == "ok"
@@ -159,9 +160,10 @@ def test_extract_program_and_test_formats():
 
 def test_code_through_the_reward_pool_counts_reasons():
     responses = [ADD, "while True:\n    pass\n", "blob = bytearray(8 * 1024 ** 3)\n", "def add(a, b):\n    return 0\n"]
-    fields = {"tests": ["assert add(1, 2) == 3"], "timeout": 2.0, "memory_mb": 512}
-    with RewardPool("code", num_workers=2, timeout=30) as pool:
-        results = pool.score(["p"] * 4, responses, [fields] * 4)
+    fields = {"tests": ["assert add(1, 2) == 3"], "timeout": AMPLE, "memory_mb": 512}
+    fields_list = [fields, {**fields, "timeout": 2.0}, fields, fields]  # the loop's own limit, short
+    with RewardPool("code", num_workers=2, timeout=2 * AMPLE) as pool:
+        results = pool.score(["p"] * 4, responses, fields_list)
     assert results.scores == [1.0, 0.0, 0.0, 0.0] and results.num_errors == 0
     assert results.note_counts() == {"timeout": 1, "memory": 1, "wrong_answer": 1}
     assert results.metrics()["reward_notes/timeout"] == 1.0
@@ -192,7 +194,7 @@ os.wait()
 
 
 def test_processes_a_program_leaves_behind_die_with_its_run(isolation_kind, own_tmp):
-    assert code_reward("p", DAEMON + ADD, tests=["assert add(1, 2) == 3"], timeout=10) == (1.0, None)
+    assert code_reward("p", DAEMON + ADD, tests=["assert add(1, 2) == 3"], timeout=AMPLE) == (1.0, None)
     assert not _sandbox_processes(own_tmp)  # the daemon too, at once: the guard reaped it before it exited
     hang = DAEMON + "time.sleep(60)\n" + ADD
     assert code_reward("p", hang, tests=["assert add(1, 2) == 3"], timeout=1) == (0.0, "timeout")
@@ -208,14 +210,13 @@ def test_each_run_is_counted_on_its_own_after_a_fork_bomb(isolation_kind, own_tm
     by the machine's init used to), nor do runs in parallel count against each other."""
     if sandbox.process_limit() == "none":
         pytest.skip("root without a pids cgroup or the nobody user: no process limit to count")
-    bomb = "import os\nwhile True:\n    os.fork()\n" + ADD
     one = ["assert add(1, 2) == 3"]
-    assert code_reward("p", bomb, tests=one, timeout=2) == (0.0, "processes")
-    assert code_reward("p", FORKS_FOUR, tests=one, timeout=10) == (1.0, None)
-    assert code_reward("p", ADD, tests=FOUR_TESTS, timeout=10) == (0.75, "wrong_answer")
-    jobs = [(bomb, one, 2), (ADD, FOUR_TESTS, 10), (DAEMON + ADD, one, 10), (ADD, FOUR_TESTS, 10)]
+    assert code_reward("p", BOMB, tests=one, timeout=AMPLE) == (0.0, "processes")
+    assert code_reward("p", FORKS_FOUR, tests=one, timeout=AMPLE) == (1.0, None)
+    assert code_reward("p", ADD, tests=FOUR_TESTS, timeout=AMPLE) == (0.75, "wrong_answer")
+    jobs = [(BOMB, one), (ADD, FOUR_TESTS), (DAEMON + ADD, one), (ADD, FOUR_TESTS)]
     with ThreadPoolExecutor(len(jobs)) as threads:
-        scores = list(threads.map(lambda job: code_reward("p", job[0], tests=job[1], timeout=job[2]), jobs))
+        scores = list(threads.map(lambda job: code_reward("p", job[0], tests=job[1], timeout=AMPLE), jobs))
     assert scores == [(0.0, "processes"), (0.75, "wrong_answer"), (1.0, None), (0.75, "wrong_answer")]
     assert not _sandbox_processes(own_tmp)
 
