@@ -378,6 +378,7 @@ if guard != 1:                 # not a namespace's init (whose exit kills every 
     try:
         import ctypes
         prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
         prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the program's orphans are reparented here
     except (ImportError, OSError, AttributeError):
         prctl = None
@@ -496,32 +497,32 @@ def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: Sa
             os.chown(path, NOBODY, NOBODY)
     limit = process_limit()
     cgroup = _new_run_cgroup(limits.max_processes) if limit == "cgroup" else None
-    lifeline, keep_alive = os.pipe()  # the guard ends the run when keep_alive closes (module docstring)
+    cfg = {
+        "cpu": limits.cpu,
+        "memory": limits.memory_mb << 20,
+        "fsize": limits.file_size_mb << 20,
+        "nproc": limits.max_processes if limit == "rlimit" else None,
+        "nproc_base": _tasks_of(NOBODY) if limit == "rlimit" and as_nobody else None,
+        "mode": "assert" if test is not None else "main",
+        "uid": NOBODY if as_nobody else None,
+        "cgroup": cgroup,
+    }
+    prefix = _isolation_prefix(isolation(), workdir, cgroup) or []
+    env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
+    env.update(
+        HOME=workdir,
+        TMPDIR=workdir,
+        PYTHONHASHSEED="0",
+        PYTHONDONTWRITEBYTECODE="1",
+        PYTHONIOENCODING="utf-8",
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+    )
+    nonce = secrets.token_hex(16)
+    proc = None
+    cfg["lifeline"], keep_alive = os.pipe()  # the guard ends the run when keep_alive closes (module docstring)
     try:
-        cfg = {
-            "cpu": limits.cpu,
-            "memory": limits.memory_mb << 20,
-            "fsize": limits.file_size_mb << 20,
-            "nproc": limits.max_processes if limit == "rlimit" else None,
-            "nproc_base": _tasks_of(NOBODY) if limit == "rlimit" and as_nobody else None,
-            "mode": "assert" if test is not None else "main",
-            "uid": NOBODY if as_nobody else None,
-            "cgroup": cgroup,
-            "lifeline": lifeline,
-        }
-        prefix = _isolation_prefix(isolation(), workdir, cgroup) or []
-        env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
-        env.update(
-            HOME=workdir,
-            TMPDIR=workdir,
-            PYTHONHASHSEED="0",
-            PYTHONDONTWRITEBYTECODE="1",
-            PYTHONIOENCODING="utf-8",
-            OMP_NUM_THREADS="1",
-            OPENBLAS_NUM_THREADS="1",
-            MKL_NUM_THREADS="1",
-        )
-        nonce = secrets.token_hex(16)
         start = time.monotonic()
         with open(in_path, "rb") as given, open(out_path, "wb") as out, open(err_path, "wb") as err:
             try:
@@ -532,32 +533,29 @@ def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: Sa
                     stdin=subprocess.PIPE if test is not None else given,
                     stdout=out,
                     stderr=err,
-                    pass_fds=(lifeline,),
+                    pass_fds=(cfg["lifeline"],),
                     start_new_session=True,
                 )
             finally:
-                os.close(lifeline)
-        timed_out = False
+                os.close(cfg["lifeline"])
+        if test is not None:
+            try:
+                proc.stdin.write((nonce + "\n").encode())
+                proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
         try:
-            if test is not None:
-                try:
-                    proc.stdin.write((nonce + "\n").encode())
-                    proc.stdin.close()
-                except (BrokenPipeError, OSError):
-                    pass
             proc.wait(timeout=limits.timeout)
+            timed_out = False
         except subprocess.TimeoutExpired:
             timed_out = True
-        finally:
-            os.close(keep_alive)
-            keep_alive = None
-            _end(proc)
-        elapsed = time.monotonic() - start
     finally:
-        if keep_alive is not None:
-            os.close(keep_alive)
+        os.close(keep_alive)  # the run ends: its guard kills whatever the program left, and exits
+        if proc is not None:
+            _end(proc)
         if cgroup is not None:
             _end_run_cgroup(cgroup)
+    elapsed = time.monotonic() - start
     stdout = _read_capped(out_path, limits.file_size_mb << 20)
     stderr = _read_capped(err_path, 64 << 10)
     code = proc.returncode
@@ -574,29 +572,21 @@ def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: Sa
 
 def _end(proc: subprocess.Popen) -> None:
     """Wait for a run whose lifeline is closed: its guard kills what is left and exits. A guard
-    that does not (it was killed, or the machine stalls) is killed with its process group, the
-    program's, while its pid is still unreaped and so still names that group."""
+    that does not (the machine stalls), or that died of a signal itself, is killed with its
+    process group, the program's (unreaped, its pid still names that group)."""
     try:
         proc.wait(timeout=GUARD_GRACE)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return
-    if proc.returncode < 0:  # the guard itself died of a signal: the group may hold the program's processes
+        pass
+    if proc.returncode is None or proc.returncode < 0:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=GUARD_GRACE)
-    except subprocess.TimeoutExpired:
-        pass
+        try:
+            proc.wait(timeout=GUARD_GRACE)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _read_capped(path: str, limit: int) -> str:
