@@ -181,7 +181,7 @@ def test_train_with_a_model_too_short_for_the_rollouts(short_gpt2, tmp_path, mon
 def test_train_checks_every_prompt_before_the_first_rollout(short_gpt2, tmp_path, monkeypatch, capsys):
     """A too-long prompt anywhere in the prompt file stops the run before anything is generated."""
     from ppokit import cli
-    from ppokit.lm import rollout
+    from ppokit.lm.generation import engine as rollout
 
     monkeypatch.chdir(tmp_path)
     prompts = tmp_path / "prompts.jsonl"

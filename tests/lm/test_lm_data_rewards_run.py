@@ -22,7 +22,7 @@ from resume_helpers import assert_same_metrics, read_rows
 
 from ppokit import rundir
 from ppokit.cli import main
-from ppokit.lm import reward_pool
+from ppokit.lm.rewards import pool as reward_pool
 
 TIMING = {
     "time",
