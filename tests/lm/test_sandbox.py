@@ -214,10 +214,14 @@ def test_each_run_is_counted_on_its_own_after_a_fork_bomb(isolation_kind, own_tm
     assert code_reward("p", BOMB, tests=one, timeout=AMPLE) == (0.0, "processes")
     assert code_reward("p", FORKS_FOUR, tests=one, timeout=AMPLE) == (1.0, None)
     assert code_reward("p", ADD, tests=FOUR_TESTS, timeout=AMPLE) == (0.75, "wrong_answer")
-    jobs = [(BOMB, one), (ADD, FOUR_TESTS), (DAEMON + ADD, one), (ADD, FOUR_TESTS)]
+    # RLIMIT_NPROC counts a user's processes together unless the run has a user namespace of its
+    # own: there a program that forks may find a parallel fork bomb's processes counted against it
+    shared = sandbox.process_limit() == "rlimit" and (isolation_kind == "none" or os.geteuid() == 0)
+    forking = [] if shared else [(DAEMON + ADD, one)]
+    jobs = [(BOMB, one), (ADD, FOUR_TESTS), (ADD, FOUR_TESTS), *forking]
     with ThreadPoolExecutor(len(jobs)) as threads:
         scores = list(threads.map(lambda job: code_reward("p", job[0], tests=job[1], timeout=AMPLE), jobs))
-    assert scores == [(0.0, "processes"), (0.75, "wrong_answer"), (1.0, None), (0.75, "wrong_answer")]
+    assert scores == [(0.0, "processes"), (0.75, "wrong_answer"), (0.75, "wrong_answer")] + [(1.0, None)] * len(forking)
     assert not _sandbox_processes(own_tmp)
 
 

@@ -31,9 +31,10 @@ Each run is contained by:
   outlives its caller, whatever the isolation;
 - process count: as root, a fresh ``pids`` cgroup (cgroup v1) per run, which counts the
   run's own processes exactly; else ``RLIMIT_NPROC`` at the processes of the program's
-  user when it starts plus ``max_processes`` (a per-user count: other processes of that
-  user that start meanwhile use up the same allowance; in bubblewrap's user namespace,
-  Linux 5.14 and later count only the sandbox's own);
+  user when it starts plus ``max_processes`` (Linux counts a user's processes together, so
+  other processes of that user starting meanwhile take from the same allowance; in a user
+  namespace of the run's own, bubblewrap's or unshare's, Linux 5.14 and later count only
+  the namespace's);
 - ``resource.setrlimit``: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``,
   the memory limit), file size (``RLIMIT_FSIZE``, which also caps the output, written
   to files) and no core files;
