@@ -137,8 +137,7 @@ def test_a_chat_run_trains_evaluates_and_rewards_on_the_rendered_prompt(chat_dir
 
 
 def test_the_warm_start_trains_on_rendered_prompts(chat_dir, tmp_path, monkeypatch):
-    from ppokit.lm import sft
-    from ppokit.lm.single_turn import workload
+    from ppokit.lm import sft, workload
 
     records = [
         {"prompt": [{"role": "user", "content": "1+1="}], "completion": "2"},

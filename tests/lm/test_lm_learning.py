@@ -99,7 +99,7 @@ def test_ppo_raises_the_reward(tiny_dir, tmp_path, sevens):
 
 
 def test_a_fully_on_policy_run_takes_its_old_log_probs_from_the_update(tiny_dir, tmp_path, sevens, monkeypatch):
-    from ppokit.lm.single_turn import workload
+    from ppokit.lm import workload
     from ppokit.workloads import train as train_lm
 
     built = []
