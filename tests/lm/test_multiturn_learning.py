@@ -10,9 +10,21 @@ three "r" before any "d". Only the last move is rewarded, so the earlier ones le
 through the credit across turns (by turn, or by token). Seeded, on the small test
 model; the assertions leave room for noise: PPO must lift the sampled success far
 above the warm start's, and the greedy policy must reach the goal.
+
+Another device samples another random stream (CUDA's generator, other rounding), so the
+run must pass for most streams, not for one seed's. Measured on the CPU over 16 streams
+(seeds 0-12 with token credit, 0, 1 and 3 with turn credit; two torch threads reproduce
+one thread's curves exactly): the sampled success first passes 0.8 after 4 to 9
+iterations, and once it has saturated an update now and then (whitened advantages of
+near-equal returns are mostly noise) costs one iteration a dip, to 0.28 and 0.69 in 2 of
+the 16 runs, that the next iteration repairs. The former criterion (10 iterations, the
+mean of the last three above 0.8) failed seed 7 here and an H200 run (0.66); hence 14
+iterations and the median of the last three.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 import torch
@@ -50,7 +62,7 @@ def lake_config(tiny_dir, tmp_path, credit):
                 },
                 "rollout": {"temperature": 1.0, "max_new_tokens": 2},
                 "train": {
-                    "iterations": 10,
+                    "iterations": 14,
                     "batch_size": 64,
                     "mini_batch_size": 32,
                     "micro_batch_size": 256,
@@ -81,7 +93,7 @@ def test_multiturn_ppo_learns_a_frozenlake_corridor(tiny_dir, tmp_path, credit):
     result = train(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     success = [r["env/win_rate"] for r in rows]
-    first, last = sum(success[:2]) / 2, sum(success[-3:]) / 3
+    first, last = sum(success[:2]) / 2, statistics.median(success[-3:])  # (one dip ignored: docstring)
     assert first < 0.25 and last > 0.8, success
     assert result["eval_after/win_rate"] == 1.0
-    assert rows[-1]["env/illegal_action_rate"] < 0.05
+    assert statistics.median(r["env/illegal_action_rate"] for r in rows[-3:]) < 0.05

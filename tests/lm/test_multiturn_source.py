@@ -141,7 +141,7 @@ def test_the_per_turn_token_budget_cuts_replies_not_episodes(tiny_dir, tmp_path)
     lengths = t["mask"].sum(1).long()  # state mode: one turn per row
     assert lengths.min() >= 1 and lengths.max() <= 2
     last = t["responses"].gather(1, (lengths - 1)[:, None])[:, 0]
-    stops = torch.tensor(sorted(c.source.player.codec.stop_ids))
+    stops = torch.tensor(sorted(c.source.player.codec.stop_ids), device=last.device)  # where the batch is
     cut = (lengths == 2) & ~torch.isin(last, stops)  # reached the budget without a stop token
     assert cut.any()
     assert batch.metrics["env/reply_cut_rate"] == pytest.approx(cut.float().mean().item())
@@ -213,7 +213,21 @@ def selfplay_config(tiny_dir, tmp_path, **pool):
     )
 
 
-def test_self_play_seats_alternate_and_both_current_seats_are_trained(tiny_dir, tmp_path):
+def first_free_cell(generate, tok):
+    """``generate`` with each reply replaced by the board's first free cell (then end of
+    text): a player that never moves illegally, so every game lasts five moves or more."""
+    digit = {d: tok(d, add_special_tokens=False)["input_ids"] for d in "123456789"}
+
+    def play(actor, prompts, greedy):
+        ids, _ = generate(actor, prompts, greedy)  # the model still generates for the seat's actor
+        boards = [tok.decode(p)[-22:-10] for p in prompts]  # "123\n456\n789\n" of "...x to move:"
+        moves = [next(ch for ch in board if ch in digit) for board in boards]
+        return [digit[m] + [tok.eos_token_id] for m in moves], moves
+
+    return play
+
+
+def test_self_play_seats_alternate_and_both_current_seats_are_trained(tiny_dir, tmp_path, monkeypatch):
     c = build(selfplay_config(tiny_dir, tmp_path), tmp_path)
     result = c.source.player.play([11, 12, 13, 14], seat_actors=c.source._seat_actors(iteration=5, n=4))
     # assign_seat(alternate): (episode number + seed) % 2 over the run's episode count (iteration * n + i)
@@ -223,8 +237,16 @@ def test_self_play_seats_alternate_and_both_current_seats_are_trained(tiny_dir, 
         seats = sorted(t.seat for t in result.trajectories if t.episode == e)
         moves = sum(r.turns for r in result.records[e].values())
         assert seats == ([0, 1] if moves > 1 else [0])  # every seat that moved is trained on
+    # How many games outlast the first move depends on what the untrained model samples (another
+    # device's random stream: all 8 first moves illegal), so collect here with legal moves only:
+    # both seats of every game move, and both are trained.
+    monkeypatch.setattr(
+        c.source.player, "generate", first_free_cell(c.source.player.generate, load_tokenizer(tiny_dir))
+    )
     batch = c.source.collect(0)
-    assert batch.metrics["trajectories"] > 8  # both seats of most episodes
+    assert batch.metrics["trajectories"] == 2 * 8
+    # x takes 1, 3, 5, 7 and wins on the diagonal 3-5-7 at the 7th move: one row per move, both seats'
+    assert batch.metrics["rows"] == 8 * 7
     assert "selfplay/pool_size" not in batch.metrics  # no pool configured
 
 
@@ -260,8 +282,9 @@ def test_the_opponent_pool_plays_snapshots_from_a_spare_adapter_slot(tiny_dir, t
     snap = source.opponents.tensors["update-1"]
     from peft import get_peft_model_state_dict
 
-    now = get_peft_model_state_dict(policy.lm, adapter_name="actor")
-    assert snap.keys() == now.keys() and all(torch.equal(snap[k], now[k]) for k in snap)
+    now = get_peft_model_state_dict(policy.lm, adapter_name="actor")  # on the policy's device
+    assert all(t.device.type == "cpu" for t in snap.values())  # snapshots wait in host memory
+    assert snap.keys() == now.keys() and all(torch.equal(snap[k], now[k].cpu()) for k in snap)
     state = source.state_dict()  # what a checkpoint keeps, and gets back
     fresh = build(cfg, tmp_path / "fresh").source
     fresh.load_state_dict(state)

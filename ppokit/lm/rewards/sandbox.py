@@ -21,30 +21,44 @@ passed, else the most telling failure: ``no_program``, ``syntax_error``, ``timeo
 
 Each run is contained by:
 
-- ``resource.setrlimit``: CPU seconds (``RLIMIT_CPU``), address space
-  (``RLIMIT_AS``, the memory limit), processes (``RLIMIT_NPROC``: the user's processes
-  now plus ``max_processes``), file size (``RLIMIT_FSIZE``, which also caps the output,
-  written to files) and no core files;
-- a wall-clock time limit, after which the run's whole process group is killed;
+- a guard: the run starts as a small supervisor (the init of the run's process
+  namespace, else a child subreaper) that forks the program and, when the program
+  ends or the run is stopped, kills and reaps every process the program started
+  (daemons that left its session included) before it exits; the program dies with it
+  (``PR_SET_PDEATHSIG``). The guard watches a pipe whose write end only the caller
+  holds: the caller closes it at the time limit, and the kernel closes it when the
+  caller dies (a reward worker killed for the pool's time limit), so a run never
+  outlives its caller, whatever the isolation;
+- process count: as root, a fresh ``pids`` cgroup (cgroup v1) per run, which counts the
+  run's own processes exactly; else ``RLIMIT_NPROC`` at the processes of the program's
+  user when it starts plus ``max_processes`` (Linux counts a user's processes together, so
+  other processes of that user starting meanwhile take from the same allowance; in a user
+  namespace of the run's own, bubblewrap's or unshare's, Linux 5.14 and later count only
+  the namespace's);
+- ``resource.setrlimit``: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``,
+  the memory limit), file size (``RLIMIT_FSIZE``, which also caps the output, written
+  to files) and no core files;
+- a wall-clock time limit;
 - no network: ``bwrap --unshare-net`` where bubblewrap is installed (with a read-only
   view of the file system, its own ``/tmp`` and process namespace), else ``unshare
   --net`` (as root, or ``--user --map-root-user`` where unprivileged user namespaces
-  are allowed), each with its own process namespace so that nothing outlives the run;
-  else no isolation at all, which :func:`isolation_warning` reports once;
+  are allowed), each with its own process namespace; else no isolation at all, which
+  :func:`isolation_warning` reports once;
 - a fresh temporary working directory, removed afterwards.
 
-``RLIMIT_NPROC`` does not bind root. Run as root, the sandbox drops to the ``nobody``
-user when the interpreter is usable by it; otherwise it limits processes with a
-``pids`` cgroup (cgroup v1) where one can be created, and :func:`describe_isolation`
+``RLIMIT_NPROC`` does not bind root. Run as root, the program runs as the ``nobody``
+user when the interpreter is usable by it (not under ``unshare-user``, whose user
+namespace maps root alone), and its processes are counted by a ``pids`` cgroup where
+one can be created, else by ``RLIMIT_NPROC`` as ``nobody``; :func:`describe_isolation`
 says when neither is possible. The harness runs in the program's own interpreter: it
 contains accidents and the usual reward hacks (``sys.exit(0)`` before the asserts fails
-the test), not a program that inspects the harness's own frames.
+the test), not a program that inspects the harness's own frames or kills its guard.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
+import itertools
 import json
 import math
 import os
@@ -148,11 +162,20 @@ def _drop_to_nobody() -> bool:
     return done.returncode == 0
 
 
+def _runs_as_nobody() -> bool:
+    """Run as root: whether programs run as ``nobody``: the interpreter usable by it, and the
+    user present where the program runs (``unshare-user``'s namespace maps root alone)."""
+    return isolation() != "unshare-user" and _drop_to_nobody()
+
+
 def process_limit() -> str:
-    """How the process count is limited: ``rlimit``, ``cgroup`` or ``none``."""
-    if os.geteuid() != 0 or _drop_to_nobody():
+    """How the process count is limited: ``cgroup`` (root: a pids cgroup per run), ``rlimit``
+    (``RLIMIT_NPROC``) or ``none``."""
+    if os.geteuid() != 0:
         return "rlimit"
-    return "cgroup" if _pids_cgroup_parent() is not None else "none"
+    if _pids_cgroup_parent() is not None:
+        return "cgroup"
+    return "rlimit" if _runs_as_nobody() else "none"
 
 
 def describe_isolation() -> str:
@@ -168,7 +191,7 @@ def describe_isolation() -> str:
         "cgroup": "process limit (pids cgroup)",
         "none": "NO PROCESS LIMIT (running as root without a pids cgroup)",
     }[process_limit()]
-    user = "as nobody" if _drop_to_nobody() else ("as root" if os.geteuid() == 0 else "as this user")
+    user = "as nobody" if _runs_as_nobody() else ("as root" if os.geteuid() == 0 else "as this user")
     files = "read-only file system" if isolation() == "bwrap" else "file system writable " + user
     return f"code sandbox: {network}, {processes}, CPU/memory/file-size limits, {files}"
 
@@ -201,6 +224,9 @@ def _interpreter_paths_under(directory: str) -> list[str]:
 
 
 def _isolation_prefix(kind: str, workdir: str, cgroup: str | None) -> list[str] | None:
+    """The command that runs a program under isolation ``kind``, or None where its tool is
+    missing. A run outlives neither its guard nor its caller in any of them (module docstring):
+    bwrap's ``--die-with-parent`` and unshare's ``--kill-child`` are second locks."""
     if kind == "bwrap":
         if shutil.which("bwrap") is None:
             return None
@@ -208,6 +234,7 @@ def _isolation_prefix(kind: str, workdir: str, cgroup: str | None) -> list[str] 
             "bwrap",
             "--unshare-net",
             "--unshare-pid",
+            "--as-pid-1",  # the launcher is the namespace's init
             "--unshare-ipc",
             "--die-with-parent",
             "--new-session",
@@ -227,39 +254,39 @@ def _isolation_prefix(kind: str, workdir: str, cgroup: str | None) -> list[str] 
         if cgroup is not None:
             prefix += ["--bind", cgroup, cgroup]
         return prefix + ["--"]
-    # setpriv --pdeathsig: the run dies with the process that started it (a reward worker
-    # killed for a time limit leaves nothing behind); bwrap has --die-with-parent for that
-    orphan_guard = ["setpriv", "--pdeathsig", "KILL", "--"] if _has_pdeathsig() else []
     if kind in ("unshare", "unshare-user"):
         if shutil.which("unshare") is None:
             return None
         user = ["--user", "--map-root-user"] if kind == "unshare-user" else []
-        return orphan_guard + ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--"]
+        return ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--"]
     if kind == "none":
-        return orphan_guard
+        return []
     raise ValueError(
         f"unknown sandbox isolation {kind!r} (PPOKIT_SANDBOX_ISOLATION): bwrap, unshare, unshare-user or none"
     )
 
 
-@functools.cache
-def _has_pdeathsig() -> bool:
-    """Whether util-linux's setpriv can set the parent-death signal here."""
-    if shutil.which("setpriv") is None:
-        return False
-    try:
-        return (
-            subprocess.run(["setpriv", "--pdeathsig", "KILL", "--", "true"], capture_output=True, timeout=10).returncode
-            == 0
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+def _tasks_of(uid: int) -> int:
+    """The tasks (threads included, as ``RLIMIT_NPROC`` counts them) of user ``uid`` in this /proc."""
+    n = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    n += len(os.listdir(f"/proc/{entry}/task"))
+            except OSError:
+                pass
+    return n
 
 
 # ------------------------------------------------------------------------ pids cgroup
+_RUN_NUMBERS = itertools.count()
+
+
 @functools.cache
 def _pids_cgroup_parent() -> str | None:
-    """The writable cgroup-v1 ``pids`` folder of this process, or None."""
+    """The writable cgroup-v1 ``pids`` folder of this process (root only), or None. The
+    folders of runs whose process is gone (a reward worker killed mid-run) are removed."""
     if os.geteuid() != 0:
         return None
     try:
@@ -286,53 +313,118 @@ def _pids_cgroup_parent() -> str | None:
         os.rmdir(probe)
     except OSError:
         return None
-    return parent if ok else None
+    if not ok:
+        return None
+    for stale in Path(parent).glob("ppokit-sandbox-*"):
+        pid = stale.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            _end_run_cgroup(str(stale))
+    return parent
 
 
-@functools.cache
-def _own_cgroup(max_processes: int) -> str | None:
-    """This process's pids cgroup for its sandbox runs (one run at a time per process)."""
+def _new_run_cgroup(max_processes: int) -> str | None:
+    """A fresh pids cgroup for one run: room for the guard, the program and ``max_processes``
+    more. Fresh, so that nothing of an earlier run (a zombie its parent has not reaped yet:
+    ``pids.current`` counts those) is counted against this one."""
     parent = _pids_cgroup_parent()
     if parent is None:
         return None
-    for stale in Path(parent).glob("ppokit-sandbox-*"):  # left by killed reward workers
-        pid = stale.name.rsplit("-", 2)[-2]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            try:
-                stale.rmdir()
-            except OSError:
-                pass
-    path = os.path.join(parent, f"ppokit-sandbox-{os.getpid()}-{max_processes}")
+    path = os.path.join(parent, f"ppokit-sandbox-{os.getpid()}-r{next(_RUN_NUMBERS)}")
     try:
-        os.makedirs(path, exist_ok=True)
-        Path(path, "pids.max").write_text(str(max_processes + 3))  # the launcher, its init and the program too
+        os.mkdir(path)
     except OSError:
         return None
-    atexit.register(_remove_cgroup, path)
+    try:
+        Path(path, "pids.max").write_text(str(max_processes + 2))
+    except OSError:
+        _end_run_cgroup(path)
+        return None
     return path
 
 
-def _remove_cgroup(path: str) -> None:
+def _end_run_cgroup(path: str, patience: float = 10.0) -> None:
+    """Kill what is left in a run's cgroup (nothing, unless its guard was killed) and remove it."""
     try:
+        Path(path, "pids.max").write_text("0")  # no new processes while the last ones are killed
+        deadline = time.monotonic() + patience
+        while pids := Path(path, "cgroup.procs").read_text().split():
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+            if time.monotonic() > deadline:
+                return  # left for a later process's sweep
+            time.sleep(0.01)  # the kernel takes the killed processes out
         os.rmdir(path)
     except OSError:
         pass
 
 
 # ------------------------------------------------------------------------------ running
+# The launcher is the run's guard: it forks the program and, once the program has ended or
+# the caller has closed the lifeline, kills every process left, then exits with the program's
+# status (128 + signal when killed). It is the init of the run's process namespace (bwrap's or
+# unshare's: its exit kills every process in it), or else a child subreaper, to which the
+# program's orphans are reparented, so that killing its children until none is left kills them all.
 LAUNCHER = r"""
-import json, os, resource, signal, sys
+import json, os, resource, select, signal, sys
 cfg = json.loads(sys.argv[1])
 if cfg["cgroup"]:
     with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
         f.write("0")
-if os.getpid() == 1:          # the init of a new process namespace: run the program in a child
-    child = os.fork()
-    if child:
-        while True:
-            pid, status = os.wait()
-            if pid == child:
-                os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+guard, lifeline = os.getpid(), cfg["lifeline"]
+prctl = None
+if guard != 1:                 # not a namespace's init (whose exit kills every process in it)
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+        prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the program's orphans are reparented here
+    except (ImportError, OSError, AttributeError):
+        prctl = None
+wake_r, wake_w = os.pipe()     # SIGCHLD wakes the guard's select
+os.set_blocking(wake_w, False)
+signal.set_wakeup_fd(wake_w)
+signal.signal(signal.SIGCHLD, lambda *_: None)
+program = os.fork()
+if program:
+    code = 128 + signal.SIGKILL
+    while True:
+        pid, status = os.waitpid(program, os.WNOHANG)
+        if pid:
+            code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            break
+        if lifeline in select.select([lifeline, wake_r], [], [])[0]:
+            break              # the caller closed its end (time limit) or is gone
+        os.read(wake_r, 4096)
+    if guard != 1:
+        me = str(guard).encode()
+        while True:            # kill all children; reap one (its orphans become children); again
+            try:
+                os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break          # no child left: the usual case, without a scan
+            for entry in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open("/proc/" + entry + "/stat", "rb") as f:
+                        if f.read().rsplit(b")", 1)[1].split()[1] == me:  # its parent
+                            os.kill(int(entry), signal.SIGKILL)
+                except (OSError, IndexError):
+                    pass
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+    os._exit(code)
+signal.set_wakeup_fd(-1)
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+for fd in (wake_r, wake_w, lifeline):
+    os.close(fd)
+if prctl is not None:
+    prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the program dies with its guard
+    if os.getppid() != guard:
+        os._exit(128 + signal.SIGKILL)
 if cfg["uid"] is not None:
     os.setgroups([])
     os.setgid(cfg["uid"])
@@ -349,8 +441,8 @@ def tasks_of(uid):
     return n
 limits = [(resource.RLIMIT_CPU, cfg["cpu"], cfg["cpu"] + 1), (resource.RLIMIT_AS, cfg["memory"], cfg["memory"]),
           (resource.RLIMIT_FSIZE, cfg["fsize"], cfg["fsize"]), (resource.RLIMIT_CORE, 0, 0)]
-if os.getuid() != 0:
-    n = tasks_of(os.getuid()) + cfg["nproc"]
+if cfg["nproc"] is not None:   # counted by the caller (root) or here (this user's, as this /proc shows them)
+    n = (cfg["nproc_base"] + 1 if cfg["nproc_base"] is not None else tasks_of(os.getuid())) + cfg["nproc"]
     limits.append((resource.RLIMIT_NPROC, n, n))
 for which, soft, hard in limits:
     resource.setrlimit(which, (soft, hard))
@@ -368,11 +460,12 @@ def run(mode):                # locals, not module globals: the program cannot r
     else:
         exec(compile(source, "solution.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 mode = cfg["mode"]
-del cfg, limits, json
+del cfg, limits, json, prctl
 run(mode)
 """
 
 _ENV_KEEP = ("PATH", "LANG", "LC_ALL", "SYSTEMROOT")
+GUARD_GRACE = 10.0  # seconds for a guard to end its run once told to (it takes milliseconds)
 
 
 def run_python(
@@ -389,21 +482,30 @@ def run_python(
 
 
 def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: SandboxLimits) -> RunResult:
-    drop = _drop_to_nobody()
+    as_nobody = _runs_as_nobody()
     Path(workdir, "solution.py").write_text(program, encoding="utf-8")
     if test is not None:
         Path(workdir, "test.py").write_text(test, encoding="utf-8")
-    if drop:
+    out_path, err_path = os.path.join(workdir, ".stdout"), os.path.join(workdir, ".stderr")
+    # stdin: the program's input from a file (a pipe could block on a program that never reads),
+    # or for a test the nonce through a pipe, which the launcher reads before the program runs
+    in_path = os.path.join(workdir, ".stdin")
+    Path(in_path).write_bytes(stdin.encode("utf-8") if test is None else b"")
+    Path(out_path).touch()
+    Path(err_path).touch()
+    if as_nobody:
         for path in (workdir, *(os.path.join(workdir, f) for f in os.listdir(workdir))):
             os.chown(path, NOBODY, NOBODY)
-    cgroup = _own_cgroup(limits.max_processes) if process_limit() == "cgroup" else None
+    limit = process_limit()
+    cgroup = _new_run_cgroup(limits.max_processes) if limit == "cgroup" else None
     cfg = {
         "cpu": limits.cpu,
         "memory": limits.memory_mb << 20,
         "fsize": limits.file_size_mb << 20,
-        "nproc": limits.max_processes,
+        "nproc": limits.max_processes if limit == "rlimit" else None,
+        "nproc_base": _tasks_of(NOBODY) if limit == "rlimit" and as_nobody else None,
         "mode": "assert" if test is not None else "main",
-        "uid": NOBODY if drop else None,
+        "uid": NOBODY if as_nobody else None,
         "cgroup": cgroup,
     }
     prefix = _isolation_prefix(isolation(), workdir, cgroup) or []
@@ -419,40 +521,42 @@ def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: Sa
         MKL_NUM_THREADS="1",
     )
     nonce = secrets.token_hex(16)
-    out_path, err_path = os.path.join(workdir, ".stdout"), os.path.join(workdir, ".stderr")
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        if drop:
-            os.chown(out_path, NOBODY, NOBODY)
-            os.chown(err_path, NOBODY, NOBODY)
-        # stdin: the program's input from a file (a pipe could block on a program that never reads),
-        # or for a test the nonce through a pipe, which the launcher reads before the program runs
-        in_path = os.path.join(workdir, ".stdin")
-        Path(in_path).write_bytes(stdin.encode("utf-8") if test is None else b"")
+    proc = None
+    cfg["lifeline"], keep_alive = os.pipe()  # the guard ends the run when keep_alive closes (module docstring)
+    try:
         start = time.monotonic()
-        with open(in_path, "rb") as given:
-            proc = subprocess.Popen(
-                prefix + [sys.executable, "-I", "-c", LAUNCHER, json.dumps(cfg)],
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.PIPE if test is not None else given,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-        timed_out = False
+        with open(in_path, "rb") as given, open(out_path, "wb") as out, open(err_path, "wb") as err:
+            try:
+                proc = subprocess.Popen(
+                    prefix + [sys.executable, "-I", "-c", LAUNCHER, json.dumps(cfg)],
+                    cwd=workdir,
+                    env=env,
+                    stdin=subprocess.PIPE if test is not None else given,
+                    stdout=out,
+                    stderr=err,
+                    pass_fds=(cfg["lifeline"],),
+                    start_new_session=True,
+                )
+            finally:
+                os.close(cfg["lifeline"])
+        if test is not None:
+            try:
+                proc.stdin.write((nonce + "\n").encode())
+                proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
         try:
-            if test is not None:
-                try:
-                    proc.stdin.write((nonce + "\n").encode())
-                    proc.stdin.close()
-                except (BrokenPipeError, OSError):
-                    pass
             proc.wait(timeout=limits.timeout)
+            timed_out = False
         except subprocess.TimeoutExpired:
             timed_out = True
-        finally:
-            _kill_group(proc)
-        elapsed = time.monotonic() - start
+    finally:
+        os.close(keep_alive)  # the run ends: its guard kills whatever the program left, and exits
+        if proc is not None:
+            _end(proc)
+        if cgroup is not None:
+            _end_run_cgroup(cgroup)
+    elapsed = time.monotonic() - start
     stdout = _read_capped(out_path, limits.file_size_mb << 20)
     stderr = _read_capped(err_path, 64 << 10)
     code = proc.returncode
@@ -467,15 +571,23 @@ def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: Sa
     return RunResult(status, code, stdout, stderr)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _end(proc: subprocess.Popen) -> None:
+    """Wait for a run whose lifeline is closed: its guard kills what is left and exits. A guard
+    that does not (the machine stalls), or that died of a signal itself, is killed with its
+    process group, the program's (unreaped, its pid still names that group)."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=GUARD_GRACE)
     except subprocess.TimeoutExpired:
         pass
+    if proc.returncode is None or proc.returncode < 0:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=GUARD_GRACE)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _read_capped(path: str, limit: int) -> str:
