@@ -194,6 +194,13 @@ class TrainConfig(Section):
     adam_eps: float = field(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = field(0.0, "AdamW weight decay", ge=0)
     critic_warmup: int = field(0, "iterations that train only the critic", ge=0)
+    eval_patience: int = field(
+        0,
+        "stop training once this many periodic evaluations in a row (data.eval_every, textenv.eval_every "
+        "or env.eval_every) bring no new best held-out accuracy, win rate or return: the gain has stopped "
+        "growing (0 = never)",
+        ge=0,
+    )
     max_bad_steps: int = field(
         10,
         "stop the run after this many optimizer steps in a row were skipped for a "
@@ -524,6 +531,9 @@ class DataConfig(Section):
     )
     eval_size: int = field(64, "held-out prompts of the greedy accuracy evaluation before and after training", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
+    stop_at_accuracy: float | None = field(
+        None, "stop training once a periodic held-out evaluation (data.eval_every) reaches this accuracy", ge=0, le=1
+    )
     sft_epochs: int = field(
         0,
         "supervised warm start before PPO: at most this many epochs on the task's SFT "
@@ -621,6 +631,13 @@ class TextEnvConfig(Section):
     )
     eval_episodes: int = field(200, "episodes of each greedy evaluation (before, every eval_every, after)", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
+    stop_at_win_rate: float | None = field(
+        None,
+        "stop training once a periodic greedy evaluation (textenv.eval_every) reaches this win rate against "
+        "the first of eval_opponents (the success rate without an opponent)",
+        ge=0,
+        le=1,
+    )
     eval_opponents: list[str] = field(
         [],
         "environments that take an 'opponent' keyword (tictactoe): one evaluation against each, e.g. "
@@ -747,6 +764,7 @@ class Config(Section):
                     "multi-turn episodes (textenv) run in one process: remove the cluster section "
                     "and set rollout.off_policy_steps=0"
                 )
+        self._check_early_stop()
         if t.micro_batch_tokens is not None and self.workload != "lm":
             raise ValueError(
                 "train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
@@ -781,6 +799,31 @@ class Config(Section):
         ):  # precision=auto: checked by RolloutEngine
             raise ValueError(STATIC_CACHE_FULL_BF16)
         return self
+
+    def _check_early_stop(self) -> None:
+        """The stopping rules (ppokit.stopping) read the periodic evaluations of the run's own
+        workload: a target of another workload, or a rule without periodic evaluations, is an error."""
+        targets = {
+            "env.stop_at_return": self.env.stop_at_return,
+            "data.stop_at_accuracy": self.data.stop_at_accuracy,
+            "textenv.stop_at_win_rate": self.textenv.stop_at_win_rate,
+        }
+        if self.workload == "control":
+            own, every, needs = "env.stop_at_return", self.env.eval_every, "env.eval_every > 0"
+        elif self.textenv.env is not None:
+            own, every = "textenv.stop_at_win_rate", self.textenv.eval_every * bool(self.textenv.eval_episodes)
+            needs = "textenv.eval_every > 0 and textenv.eval_episodes > 0"
+        else:
+            own, every = "data.stop_at_accuracy", self.data.eval_every * bool(self.data.eval_size)
+            needs = "data.eval_every > 0 and data.eval_size > 0"
+        for name, value in targets.items():
+            if value is not None and name != own:
+                raise ValueError(f"{name} is another workload's stopping target; this run stops on {own}")
+        asked = ([own] if targets[own] is not None else []) + (
+            ["train.eval_patience"] if self.train.eval_patience else []
+        )
+        if asked and not every:
+            raise ValueError(f"{asked[0]} stops training on periodic evaluations: set {needs}")
 
     # ----------------------------------------------------------------- derived values
     @property

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,20 @@ def _percent_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")  # accuracy rises: the lower right stays empty
+
+
+def eval_curve_line(history: Sequence[dict[str, Any]], label: str, is_score: Callable[[str], bool]) -> str | None:
+    """``held-out accuracy (greedy) by PPO iteration: 0: 28.9%, 20: 41.0%, ...``: each evaluation
+    of the run (before, periodic, final; one point per iteration) by its score, the value of the
+    first key of the history row that ``is_score``. None when no evaluation has one."""
+    points: dict[int, float] = {}
+    for row in history:
+        score = next((v for k, v in row.items() if is_score(k)), None)
+        if isinstance(score, (int, float)):
+            points.setdefault(int(row["iteration"]), float(score))
+    if not points:
+        return None
+    return f"{label} by PPO iteration: " + ", ".join(f"{it}: {score:.1%}" for it, score in sorted(points.items()))
 
 
 def textenv_summary(result: dict[str, Any], opponents: Sequence[str]) -> tuple[str, list[str]]:
@@ -241,6 +255,18 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     else:
         result["summary"], lines = summary_line(result["eval_accuracy_before"], result["eval_accuracy_after"]), []
     echo(f"wall time: {result['wall_time_s']:.0f} s")
+    history = result.get("eval_history", ())
+    if textenv:  # eval_before/random/win_rate, eval/random/win_rate, ... (eval_before/win_rate alone)
+        first = cfg.textenv.eval_opponents[0] if cfg.textenv.eval_opponents else None
+        tail = f"/{first}/win_rate" if first else "/win_rate"
+        label = f"greedy win rate vs {first}" if first else "greedy success"
+        curve = eval_curve_line(history, label, lambda k: k.startswith("eval") and k.endswith(tail))
+    else:  # eval_accuracy_before, eval_accuracy, eval_accuracy_after
+        curve = eval_curve_line(history, "held-out accuracy (greedy)", lambda k: k.startswith("eval_accuracy"))
+    if curve:
+        echo(curve)
+    if result.get("stop_reason"):
+        echo(f"stopped after {result['iterations']} of {cfg.iterations} PPO iterations: {result['stop_reason']}")
     for line in lines:
         echo(line)
     echo(result["summary"])

@@ -55,6 +55,7 @@ from ppokit.errors import UserError
 from ppokit.lm.multi_turn.episodes import TRUNCATION_REASONS, EpisodePlayer, PlayResult, Trajectory
 from ppokit.lm.multi_turn.streams import StreamCodec
 from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
+from ppokit.stopping import EarlyStop
 
 __all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs"]
 
@@ -333,6 +334,14 @@ class TextEnvEvaluator:
             envs = make_envs(t.env, kwargs, self.episodes)
             self.players[opponent] = player_for(cfg, envs, codec, generate, context, env_name)
         self.before: dict[str, float] = {}
+        first = self.opponents[0]
+        self.stop_key = "eval" + (f"/{first}" if first is not None else "") + "/win_rate"
+        self.early_stop = EarlyStop(
+            f"win rate vs {first}" if first is not None else "success rate",
+            t.stop_at_win_rate,
+            "textenv.stop_at_win_rate",
+            cfg.train.eval_patience,
+        )
 
     def evaluate(self, phase: str) -> dict[str, float]:
         suffix = {"before": "_before", "final": "_after"}.get(phase, "")
@@ -371,13 +380,14 @@ class TextEnvEvaluator:
         return f"{label}: " + "; ".join(parts) + f" ({self.episodes} greedy episodes each)"
 
     def stop_reason(self, metrics: dict[str, float]) -> str | None:
-        return None
+        return self.early_stop.update(metrics.get(self.stop_key))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"before": dict(self.before)}
+        return {"before": dict(self.before), "early_stop": self.early_stop.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.before = {str(k): float(v) for k, v in state.get("before", {}).items()}
+        self.early_stop.load_state_dict(state.get("early_stop", {}))
 
     def close(self) -> None:
         pass
