@@ -36,6 +36,32 @@ from typing import Any
 
 DEMO_PRESET = "arith"
 PLOT_FILE = "reward_curve.png"
+# PPO iterations of a demo where the run computes in float32 on a CPU (one without native
+# bf16: AVX512-BF16 or AMX): an iteration takes about three times as long there, and a cosine
+# schedule over half the preset's iterations reaches the same accuracy in half the time
+# (docs/performance.md, "The demo on a CPU without native bf16")
+FP32_CPU_ITERATIONS = {"arith": 200}
+
+
+def fit_iterations(cfg, name: str, overrides: Sequence[str]):
+    """The demo's config with its PPO iterations for the precision the run computes in here
+    (:data:`FP32_CPU_ITERATIONS`), and the line that says so; ``(cfg, None)`` where the preset's
+    count stands (bf16, a GPU, another preset, or ``train.iterations`` given)."""
+    from ppokit.config import load_config, parse_overrides
+    from ppokit.lm.model.device import resolve_precision, run_device
+
+    train = parse_overrides(list(overrides)).get("train")
+    if name not in FP32_CPU_ITERATIONS or (isinstance(train, dict) and "iterations" in train):
+        return cfg, None
+    device = run_device(cfg)
+    if device.type != "cpu" or resolve_precision(cfg.run.precision, device) is not None:
+        return cfg, None
+    count = FP32_CPU_ITERATIONS[name]
+    line = (
+        f"PPO iterations: {count} (float32: this CPU has no native bf16; the preset's {cfg.train.iterations} "
+        "are for CPUs with it; train.iterations=N sets them)"
+    )
+    return load_config(name, [*overrides, f"train.iterations={count}"]), line
 
 
 def summary_line(before: float, after: float) -> str:
@@ -229,8 +255,11 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
         raise UserError("the demo reports win rates; textenv.eval_episodes must be > 0")
     if not textenv and cfg.data.eval_size == 0:
         raise UserError("the demo reports held-out accuracy; data.eval_size must be > 0")
+    cfg, fitted = fit_iterations(cfg, name, overrides)
     run_dir = create_run_dir(cfg, lock=True)
     echo(f"run directory: {run_dir}")
+    if fitted:
+        echo(fitted)
     try:
         result = train(cfg, run_dir)
     finally:

@@ -158,3 +158,22 @@ def test_an_unknown_demo_is_a_one_line_error(tmp_path, capsys):
     assert main(["demo", "tictactoo", f"run.output_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "unknown demo 'tictactoo'" in err and "tictactoe" in err and "Traceback" not in err
+
+
+def test_the_arith_demo_runs_half_the_iterations_in_float32_on_a_cpu(monkeypatch):
+    from ppokit.commands.demo import FP32_CPU_ITERATIONS, fit_iterations
+    from ppokit.config import load_config
+    from ppokit.lm.model import device
+
+    preset = load_config("arith")
+    monkeypatch.setattr(device, "bf16_supported", lambda d: False)  # an AVX2 laptop
+    cfg, line = fit_iterations(preset, "arith", [])
+    assert cfg.train.iterations == FP32_CPU_ITERATIONS["arith"] < preset.train.iterations
+    assert line.startswith(f"PPO iterations: {cfg.train.iterations} (float32: this CPU has no native bf16")
+    assert fit_iterations(load_config("arith", ["seed=3"]), "arith", ["seed=3"])[0].seed == 3  # overrides kept
+    for given in (["train.iterations=7"], ["train={iterations: 7}"]):  # the user's count stands
+        cfg = load_config("arith", given)
+        assert fit_iterations(cfg, "arith", given) == (cfg, None)
+    assert fit_iterations(load_config("tictactoe"), "tictactoe", [])[1] is None  # a preset without the rule
+    monkeypatch.setattr(device, "bf16_supported", lambda d: True)  # AVX512-BF16 or AMX: the preset's count
+    assert fit_iterations(preset, "arith", []) == (preset, None)
