@@ -197,8 +197,8 @@ class TrainConfig(Section):
     eval_patience: int = field(
         0,
         "stop training once this many periodic evaluations in a row (data.eval_every, textenv.eval_every "
-        "or env.eval_every) bring no new best held-out accuracy, win rate or return: the gain has stopped "
-        "growing (0 = never)",
+        "or env.eval_every; none: the rule never fires) bring no new best held-out accuracy, win rate or "
+        "return: the gain has stopped growing (0 = never)",
         ge=0,
     )
     max_bad_steps: int = field(
@@ -532,7 +532,10 @@ class DataConfig(Section):
     eval_size: int = field(64, "held-out prompts of the greedy accuracy evaluation before and after training", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
     stop_at_accuracy: float | None = field(
-        None, "stop training once a periodic held-out evaluation (data.eval_every) reaches this accuracy", ge=0, le=1
+        None,
+        "stop training once a periodic held-out evaluation (every data.eval_every iterations) reaches this accuracy",
+        ge=0,
+        le=1,
     )
     sft_epochs: int = field(
         0,
@@ -633,15 +636,16 @@ class TextEnvConfig(Section):
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
     stop_at_win_rate: float | None = field(
         None,
-        "stop training once a periodic greedy evaluation (textenv.eval_every) reaches this win rate against "
-        "the first of eval_opponents (the success rate without an opponent)",
+        "stop training once a periodic greedy evaluation (every textenv.eval_every iterations) reaches this "
+        "win rate against the first of eval_opponents (the success rate without an opponent)",
         ge=0,
         le=1,
     )
     eval_opponents: list[str] = field(
         [],
-        "environments that take an 'opponent' keyword (tictactoe): one evaluation against each, e.g. "
-        "[random, heuristic]; empty = the training environment as configured",
+        "environments that take an 'opponent' keyword (tictactoe): one evaluation against each before and "
+        "after training (periodic evaluations: the first only), e.g. [random, heuristic]; empty = the "
+        "training environment as configured",
     )
 
     @field_validator("seat", mode="before")
@@ -801,29 +805,21 @@ class Config(Section):
         return self
 
     def _check_early_stop(self) -> None:
-        """The stopping rules (ppokit.stopping) read the periodic evaluations of the run's own
-        workload: a target of another workload, or a rule without periodic evaluations, is an error."""
+        """A stopping target (ppokit.stopping) of another workload than the run's is an error. (A
+        rule without periodic evaluations never fires: a preset's target stays valid when
+        eval_every is set to 0.)"""
+        if self.workload == "control":
+            own = "env.stop_at_return"
+        else:
+            own = "textenv.stop_at_win_rate" if self.textenv.env is not None else "data.stop_at_accuracy"
         targets = {
             "env.stop_at_return": self.env.stop_at_return,
             "data.stop_at_accuracy": self.data.stop_at_accuracy,
             "textenv.stop_at_win_rate": self.textenv.stop_at_win_rate,
         }
-        if self.workload == "control":
-            own, every, needs = "env.stop_at_return", self.env.eval_every, "env.eval_every > 0"
-        elif self.textenv.env is not None:
-            own, every = "textenv.stop_at_win_rate", self.textenv.eval_every * bool(self.textenv.eval_episodes)
-            needs = "textenv.eval_every > 0 and textenv.eval_episodes > 0"
-        else:
-            own, every = "data.stop_at_accuracy", self.data.eval_every * bool(self.data.eval_size)
-            needs = "data.eval_every > 0 and data.eval_size > 0"
         for name, value in targets.items():
             if value is not None and name != own:
                 raise ValueError(f"{name} is another workload's stopping target; this run stops on {own}")
-        asked = ([own] if targets[own] is not None else []) + (
-            ["train.eval_patience"] if self.train.eval_patience else []
-        )
-        if asked and not every:
-            raise ValueError(f"{asked[0]} stops training on periodic evaluations: set {needs}")
 
     # ----------------------------------------------------------------- derived values
     @property

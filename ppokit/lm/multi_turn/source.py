@@ -312,6 +312,8 @@ def _text(observation: Any) -> Any:
 # ----------------------------------------------------------------------------- evaluation
 class TextEnvEvaluator:
     """Greedy episodes on fixed seeds: against each evaluation opponent, or the environment as trained.
+    Periodic evaluations play the first opponent only (the one the stopping rule reads);
+    the evaluations before and after training play them all.
 
     Metrics, with ``S`` = ``_before`` (before training), ``""`` (periodic) or ``_after``
     (after training) and ``O`` = ``/OPPONENT`` (or nothing): ``evalS/O/win_rate``,
@@ -346,7 +348,7 @@ class TextEnvEvaluator:
     def evaluate(self, phase: str) -> dict[str, float]:
         suffix = {"before": "_before", "final": "_after"}.get(phase, "")
         out: dict[str, float] = {}
-        for opponent, player in self.players.items():
+        for opponent, player in list(self.players.items())[: 1 if phase == "periodic" else None]:
             seeds = [EVAL_SEED_BASE + i for i in range(self.episodes)]
             result = player.play(seeds, seat_actors=lambda i, info: {}, greedy=True)
             records = [r for episode in result.records for r in episode.values()]
@@ -372,6 +374,8 @@ class TextEnvEvaluator:
         parts = []
         for opponent in self.opponents:
             where = f"eval{suffix}" + (f"/{opponent}" if opponent is not None else "")
+            if where + "/win_rate" not in metrics:  # a periodic evaluation: the first opponent only
+                continue
             vs = f"vs {opponent}" if opponent is not None else "success"
             parts.append(
                 f"{vs} {metrics[where + '/win_rate']:.1%} (draw {metrics[where + '/draw_rate']:.1%}, "
