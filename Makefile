@@ -1,4 +1,6 @@
 # Two entry points for a fresh machine: `make demo` and `make test` (see README).
+# The demo installs ppokit and what it runs on; the tests add the dev extras (pytest, Ray,
+# MuJoCo, TensorBoard: about 400 MB more), so a fresh clone's `make demo` does not wait for them.
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -10,15 +12,21 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml constraints.txt
+	$(PIP) -e .
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) -e '.[dev]'
 	@touch $@
 
 install: $(VENV)/.installed
 
+install-dev: $(VENV)/.installed-dev
+
 demo: install
 	$(VENV)/bin/ppokit demo
 
-test: install
+test: install-dev
 	$(PY) -m ruff check ppokit tests bench
 	$(PY) -m ruff format --check ppokit tests bench
 	$(PY) -m pytest -q

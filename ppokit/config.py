@@ -213,6 +213,13 @@ class TrainConfig(Section):
     adam_eps: float = field(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = field(0.0, "AdamW weight decay", ge=0)
     critic_warmup: int = field(0, "iterations that train only the critic", ge=0)
+    eval_patience: int = field(
+        0,
+        "stop training once this many periodic evaluations in a row (data.eval_every, textenv.eval_every "
+        "or env.eval_every; none: the rule never fires) bring no new best held-out accuracy, win rate or "
+        "return: the gain has stopped growing (0 = never)",
+        ge=0,
+    )
     max_bad_steps: int = field(
         10,
         "stop the run after this many optimizer steps in a row were skipped for a "
@@ -548,6 +555,12 @@ class DataConfig(Section):
     )
     eval_size: int = field(64, "held-out prompts of the greedy accuracy evaluation before and after training", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
+    stop_at_accuracy: float | None = field(
+        None,
+        "stop training once a periodic held-out evaluation (every data.eval_every iterations) reaches this accuracy",
+        ge=0,
+        le=1,
+    )
     sft_epochs: int = field(
         0,
         "supervised warm start before PPO: at most this many epochs on the task's SFT "
@@ -645,10 +658,18 @@ class TextEnvConfig(Section):
     )
     eval_episodes: int = field(200, "episodes of each greedy evaluation (before, every eval_every, after)", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
+    stop_at_win_rate: float | None = field(
+        None,
+        "stop training once a periodic greedy evaluation (every textenv.eval_every iterations) reaches this "
+        "win rate against the first of eval_opponents (the success rate without an opponent)",
+        ge=0,
+        le=1,
+    )
     eval_opponents: list[str] = field(
         [],
-        "environments that take an 'opponent' keyword (tictactoe): one evaluation against each, e.g. "
-        "[random, heuristic]; empty = the training environment as configured",
+        "environments that take an 'opponent' keyword (tictactoe): one evaluation against each before and "
+        "after training (periodic evaluations: the first only), e.g. [random, heuristic]; empty = the "
+        "training environment as configured",
     )
 
     @field_validator("seat", mode="before")
@@ -776,6 +797,7 @@ class Config(Section):
                     "multi-turn episodes (textenv) run in one process: remove the cluster section "
                     "and set rollout.off_policy_steps=0"
                 )
+        self._check_early_stop()
         if t.micro_batch_tokens is not None and self.workload != "lm":
             raise ValueError(
                 "train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
@@ -825,6 +847,23 @@ class Config(Section):
         ):  # precision=auto: checked by HFEngine.for_policy
             raise ValueError(STATIC_CACHE_FULL_BF16)
         return self
+
+    def _check_early_stop(self) -> None:
+        """A stopping target (ppokit.stopping) of another workload than the run's is an error. (A
+        rule without periodic evaluations never fires: a preset's target stays valid when
+        eval_every is set to 0.)"""
+        if self.workload == "control":
+            own = "env.stop_at_return"
+        else:
+            own = "textenv.stop_at_win_rate" if self.textenv.env is not None else "data.stop_at_accuracy"
+        targets = {
+            "env.stop_at_return": self.env.stop_at_return,
+            "data.stop_at_accuracy": self.data.stop_at_accuracy,
+            "textenv.stop_at_win_rate": self.textenv.stop_at_win_rate,
+        }
+        for name, value in targets.items():
+            if value is not None and name != own:
+                raise ValueError(f"{name} is another workload's stopping target; this run stops on {own}")
 
     # ----------------------------------------------------------------- derived values
     @property

@@ -153,6 +153,7 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
                     stop_reason = evaluator.stop_reason(result)
                     if stop_reason:
                         tracker.message(f"{stop_reason}: stopping after iteration {it}")
+                        summary["stop_reason"] = stop_reason  # in the result and the final checkpoint's meta
                 if last or stop_reason:
                     if evaluator is not None:
                         result = evaluate("final", it + 1)

@@ -30,12 +30,38 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 DEMO_PRESET = "arith"
 PLOT_FILE = "reward_curve.png"
+# PPO iterations of a demo where the run computes in float32 on a CPU (one without native
+# bf16: AVX512-BF16 or AMX): an iteration takes about three times as long there, and a cosine
+# schedule over half the preset's iterations reaches the same accuracy in half the time
+# (docs/performance.md, "The demo on a CPU without native bf16")
+FP32_CPU_ITERATIONS = {"arith": 200}
+
+
+def fit_iterations(cfg, name: str, overrides: Sequence[str]):
+    """The demo's config with its PPO iterations for the precision the run computes in here
+    (:data:`FP32_CPU_ITERATIONS`), and the line that says so; ``(cfg, None)`` where the preset's
+    count stands (bf16, a GPU, another preset, or ``train.iterations`` given)."""
+    from ppokit.config import load_config, parse_overrides
+    from ppokit.lm.model.device import resolve_precision, run_device
+
+    train = parse_overrides(list(overrides)).get("train")
+    if name not in FP32_CPU_ITERATIONS or (isinstance(train, dict) and "iterations" in train):
+        return cfg, None
+    device = run_device(cfg)
+    if device.type != "cpu" or resolve_precision(cfg.run.precision, device) is not None:
+        return cfg, None
+    count = FP32_CPU_ITERATIONS[name]
+    line = (
+        f"PPO iterations: {count} (float32: this CPU has no native bf16; the preset's {cfg.train.iterations} "
+        "are for CPUs with it; train.iterations=N sets them)"
+    )
+    return load_config(name, [*overrides, f"train.iterations={count}"]), line
 
 
 def summary_line(before: float, after: float) -> str:
@@ -130,6 +156,20 @@ def _percent_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.legend(loc="lower right")  # accuracy rises: the lower right stays empty
 
 
+def eval_curve_line(history: Sequence[dict[str, Any]], label: str, is_score: Callable[[str], bool]) -> str | None:
+    """``held-out accuracy (greedy) by PPO iteration: 0: 28.9%, 20: 41.0%, ...``: each evaluation
+    of the run (before, periodic, final; one point per iteration) by its score, the value of the
+    first key of the history row that ``is_score``. None when no evaluation has one."""
+    points: dict[int, float] = {}
+    for row in history:
+        score = next((v for k, v in row.items() if is_score(k)), None)
+        if isinstance(score, (int, float)):
+            points.setdefault(int(row["iteration"]), float(score))
+    if not points:
+        return None
+    return f"{label} by PPO iteration: " + ", ".join(f"{it}: {score:.1%}" for it, score in sorted(points.items()))
+
+
 def textenv_summary(result: dict[str, Any], opponents: Sequence[str]) -> tuple[str, list[str]]:
     """The last line (``win rate vs random: X% -> Y%``, or ``success: X% -> Y%`` without an
     opponent) and the lines before it (illegal moves, the other opponents) of a text-environment
@@ -215,8 +255,11 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
         raise UserError("the demo reports win rates; textenv.eval_episodes must be > 0")
     if not textenv and cfg.data.eval_size == 0:
         raise UserError("the demo reports held-out accuracy; data.eval_size must be > 0")
+    cfg, fitted = fit_iterations(cfg, name, overrides)
     run_dir = create_run_dir(cfg, lock=True)
     echo(f"run directory: {run_dir}")
+    if fitted:
+        echo(fitted)
     try:
         result = train(cfg, run_dir)
     finally:
@@ -241,6 +284,18 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     else:
         result["summary"], lines = summary_line(result["eval_accuracy_before"], result["eval_accuracy_after"]), []
     echo(f"wall time: {result['wall_time_s']:.0f} s")
+    history = result.get("eval_history", ())
+    if textenv:  # eval_before/random/win_rate, eval/random/win_rate, ... (eval_before/win_rate alone)
+        first = cfg.textenv.eval_opponents[0] if cfg.textenv.eval_opponents else None
+        tail = f"/{first}/win_rate" if first else "/win_rate"
+        label = f"greedy win rate vs {first}" if first else "greedy success"
+        curve = eval_curve_line(history, label, lambda k: k.startswith("eval") and k.endswith(tail))
+    else:  # eval_accuracy_before, eval_accuracy, eval_accuracy_after
+        curve = eval_curve_line(history, "held-out accuracy (greedy)", lambda k: k.startswith("eval_accuracy"))
+    if curve:
+        echo(curve)
+    if result.get("stop_reason"):
+        echo(f"stopped after {result['iterations']} of {cfg.iterations} PPO iterations: {result['stop_reason']}")
     for line in lines:
         echo(line)
     echo(result["summary"])

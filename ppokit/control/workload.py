@@ -30,6 +30,7 @@ from ppokit.control.evaluate import Evaluator, evaluate_policy
 from ppokit.control.networks import ActorCritic
 from ppokit.control.rollout import Rollout
 from ppokit.resume import all_finite, rollout_rngs
+from ppokit.stopping import EarlyStop
 from ppokit.trainer import DataParallel, PPOTrainer
 
 # The per-sample tensors of the update (N = E*S transitions, each a sequence of T = 1 step).
@@ -323,6 +324,9 @@ class ControlEvaluator:
         self.cfg, self.policy, self.venv = cfg, policy, venv
         self.every = e.eval_every
         self.periodic = Evaluator(cfg, e.eval_episodes) if e.eval_every else None
+        self.early_stop = EarlyStop(
+            "periodic eval return", e.stop_at_return, "env.stop_at_return", cfg.train.eval_patience, fmt="{:.1f}"
+        )
 
     def evaluate(self, phase: str) -> dict[str, float]:
         normalizer = self.venv.normalizer.state_dict()
@@ -336,15 +340,14 @@ class ControlEvaluator:
         return None
 
     def stop_reason(self, metrics: dict[str, float]) -> str | None:
-        target, got = self.cfg.env.stop_at_return, metrics.get("periodic_eval_return_mean")
-        if target is not None and got is not None and got >= target:
-            return f"periodic eval return {got:.1f} >= env.stop_at_return={target:g}"
-        return None
+        return self.early_stop.update(metrics.get("periodic_eval_return_mean"))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"venv": self.periodic.venv.state_dict()} if self.periodic is not None else {}
+        state = {"early_stop": self.early_stop.state_dict()}
+        return state | ({"venv": self.periodic.venv.state_dict()} if self.periodic is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.early_stop.load_state_dict(state.get("early_stop", {}))
         if self.periodic is not None and "venv" in state:
             self.periodic.venv.load_state_dict(state["venv"])
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama import modeling_llama
 
-from ppokit.lm.accel.kernels import cpu_library
+from ppokit.errors import UserError
+from ppokit.lm.accel.kernels import LEVEL_ENV, LEVELS, cpu_library, cpu_supports_avx2, library_at, requested_level
 from ppokit.lm.accel.kernels.functions import (
     AttentionFunction,
     RMSNormFunction,
@@ -63,6 +64,23 @@ def assert_close_to_float64(got: torch.Tensor, want: torch.Tensor):
 DTYPES = [BF16, torch.float32]
 
 
+@pytest.fixture(params=list(LEVELS))
+def level(request, monkeypatch) -> str:
+    """The test runs on the kernels built at each level (``PPOKIT_CPU_KERNELS``) that this
+    machine runs and that differs from its native build: on a CPU with AVX-512 the native
+    (AVX-512) code, the AVX2 + FMA code and the plain C one; on an AVX2 laptop the native
+    (AVX2) and the plain C one. So each path stays tested on any CPU."""
+    name = request.param
+    lib = library_at(name)
+    if lib is None:
+        pytest.skip(f"the {name} build does not run here")
+    if name != "native" and lib.kernels_vector_bits() == library_at("native").kernels_vector_bits():
+        pytest.skip(f"the native build has the {name} build's vector code")
+    monkeypatch.setenv(LEVEL_ENV, name)
+    assert cpu_library() is lib
+    return name
+
+
 # ----------------------------------------------------------------------------- RMSNorm
 def naive_rms_norm(x, w, eps):
     return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -77,7 +95,7 @@ def transformers_rms_norm(x, w, eps):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 37])  # 37: the vector loops' remainders
-def test_rms_norm_matches_its_float64_formula_and_gradient(d, dtype):
+def test_rms_norm_matches_its_float64_formula_and_gradient(d, dtype, level):
     g = gen()
     x = torch.randn(3, 5, d, generator=g).to(dtype)
     w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
@@ -95,7 +113,7 @@ def test_rms_norm_matches_its_float64_formula_and_gradient(d, dtype):
     assert torch.equal(y[0, 0], torch.zeros(d, dtype=dtype)) and torch.isfinite(grad).all()
 
 
-def test_rms_norm_rounds_like_transformers_bf16_graph():
+def test_rms_norm_rounds_like_transformers_bf16_graph(level):
     g = gen(1)
     x = (4 * torch.randn(64, 640, generator=g)).to(BF16)
     w = (1 + 0.3 * torch.randn(640, generator=g)).to(BF16)
@@ -114,7 +132,7 @@ def test_rms_norm_rounds_like_transformers_bf16_graph():
 
 # ----------------------------------------------------------------------------- SwiGLU
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_its_float64_formula_and_gradients_including_saturation(dtype):
+def test_silu_mul_matches_its_float64_formula_and_gradients_including_saturation(dtype, level):
     g = gen(2)
     gate = (4 * torch.randn(6, 53, generator=g)).to(dtype)
     gate[0, :4] = torch.tensor([100.0, -100.0, 0.0, -30.0])  # far into both tails
@@ -135,7 +153,7 @@ def test_silu_mul_matches_its_float64_formula_and_gradients_including_saturation
     assert abs(float(out[0, 1])) < 1e-30 and float(out[0, 2]) == 0.0
 
 
-def test_silu_mul_rounds_like_torch_bf16_graph():
+def test_silu_mul_rounds_like_torch_bf16_graph(level):
     g = gen(3)
     gate = (3 * torch.randn(128, 300, generator=g)).to(BF16)
     up = torch.randn(128, 300, generator=g).to(BF16)
@@ -174,7 +192,7 @@ def rotary_inputs(seed, batch=2, heads=3, length=5, dim=8, cos_batch=None, tied=
         dict(tied=False, dtype=torch.float32),
     ],
 )
-def test_rotary_matches_its_float64_formula_and_gradient(shape):
+def test_rotary_matches_its_float64_formula_and_gradient(shape, level):
     q, cos, sin = rotary_inputs(4, **shape)
     upstream = torch.randn(q.shape, generator=gen(5)).to(q.dtype)
     qk = q.detach().clone().requires_grad_()
@@ -192,7 +210,7 @@ def test_rotary_matches_its_float64_formula_and_gradient(shape):
     assert_close_to_float64(grad, grad64)
 
 
-def test_rotary_rounds_exactly_like_transformers():
+def test_rotary_rounds_exactly_like_transformers(level):
     q, cos, sin = rotary_inputs(6, batch=3, heads=4, length=7, dim=16, tied=False)
     k = torch.randn(3, 7, 2, 16, generator=gen(7)).to(BF16).transpose(1, 2)
     upstream = torch.randn(q.shape, generator=gen(8)).to(BF16)
@@ -244,7 +262,7 @@ def test_threads_split_the_work_without_changing_a_bit():
     assert min(calls) >= functions.PARALLEL_MIN_ELEMENTS  # every call was big enough to split
 
 
-def test_float32_kernels_agree_with_pytorch_float32_graphs():
+def test_float32_kernels_agree_with_pytorch_float32_graphs(level):
     g = gen(15)
     x = torch.randn(50, 96, generator=g, requires_grad=True)
     w = 1 + 0.3 * torch.randn(96, generator=g)
@@ -323,7 +341,7 @@ def decode_inputs(seed, B=3, H=4, Hkv=2, T=9, D=16, dtype=BF16, mask="min"):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 4, 2, 9, 16), (2, 6, 6, 1, 64), (2, 8, 1, 40, 128), (1, 2, 2, 5, 24)])
 @pytest.mark.parametrize("mask", ["min", "-inf", None])
-def test_decode_attention_matches_its_float64_formula(dtype, shape, mask):
+def test_decode_attention_matches_its_float64_formula(dtype, shape, mask, level):
     B, H, Hkv, T, D = shape
     q, k, v, m = decode_inputs(20, B, H, Hkv, T, D, dtype, mask if T > 3 else None)
     got = decode_attention(q, k, v, m, D**-0.5)
@@ -336,7 +354,7 @@ def test_decode_attention_matches_its_float64_formula(dtype, shape, mask):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("masked", ["-inf", "min"])
-def test_decode_attention_masks_keys_in_every_lane(dtype, masked):
+def test_decode_attention_masks_keys_in_every_lane(dtype, masked, level):
     """Masked keys anywhere in a row (every position of a 16-key block, across blocks), not
     only a left padding: each row's own random mask."""
     B, H, T, D = 5, 2, 37, 64
@@ -351,7 +369,7 @@ def test_decode_attention_masks_keys_in_every_lane(dtype, masked):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_rounds_like_transformers_eager_attention(dtype):
+def test_decode_attention_rounds_like_transformers_eager_attention(dtype, level):
     from types import SimpleNamespace
 
     original = getattr(modeling_llama.eager_attention_forward, "__wrapped__", modeling_llama.eager_attention_forward)
@@ -495,10 +513,17 @@ def attention_and_grads(fn, q, k, v, upstream):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "shape",
-    [(3, 4, 2, 9, 9, 16), (2, 6, 6, 5, 5, 64), (2, 8, 1, 40, 40, 128), (1, 2, 2, 7, 19, 24), (2, 2, 1, 33, 33, 32)],
+    [
+        (3, 4, 2, 9, 9, 16),
+        (2, 6, 6, 5, 5, 64),
+        (2, 8, 1, 40, 40, 128),
+        (1, 2, 2, 7, 19, 24),
+        (2, 2, 1, 33, 33, 32),
+        (2, 4, 4, 11, 11, 20),  # the demo's sequences; a head size that is no multiple of 8
+    ],
 )
 @pytest.mark.parametrize("mask", ["min", "-inf", None])
-def test_attention_matches_its_float64_formula_and_gradients(dtype, shape, mask):
+def test_attention_matches_its_float64_formula_and_gradients(dtype, shape, mask, level):
     B, H, Hkv, T, S, D = shape
     q, k, v, m = attention_inputs(30, B, H, Hkv, T, S, D, dtype, mask)
     upstream = torch.randn(B, T, H, D, generator=gen(31)).to(dtype)
@@ -518,7 +543,7 @@ def test_attention_matches_its_float64_formula_and_gradients(dtype, shape, mask)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_rounds_like_transformers_eager_attention(dtype):
+def test_attention_rounds_like_transformers_eager_attention(dtype, level):
     """Forward bit for bit (bf16) up to values that round the other way (see
     assert_same_up_to_rounding); gradients too without grouped heads. With two query
     heads per KV head autograd rounds each head's key and value gradient before their
@@ -550,7 +575,7 @@ def test_attention_rounds_like_transformers_eager_attention(dtype):
                 assert (a.float() - b.float()).abs().max() <= 2**-7 * b.float().abs().max()
 
 
-def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention():
+def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention(level):
     """A bf16 mask of arbitrary values (a bias, not only 0 and the minimum): eager rounds
     scores + mask to bf16 before its float32 softmax, and so must the kernel."""
     from types import SimpleNamespace
@@ -569,8 +594,6 @@ def test_attention_with_an_additive_bias_rounds_the_sum_like_eager_attention():
 def test_attention_runs_on_the_tile_units_where_the_cpu_has_them():
     """On a CPU with AMX, bf16 attention of the training shapes takes the tile path (the
     tests above then check its numbers); other shapes, and CPUs without AMX, the vectors."""
-    from ppokit.lm.accel.kernels import cpu_library
-
     lib = cpu_library()
     amx = lora_amx_ready()
     assert bool(lib.attention_on_amx(49, 49, 64)) == amx and bool(lib.attention_on_amx(64, 64, 128)) == amx
@@ -589,7 +612,7 @@ def test_attention_scratch_sizes_follow_the_c_constants():
         assert int(re.search(rf"#define {name} (\d+)", source).group(1)) == getattr(functions, name)
 
 
-def test_attention_rows_that_mask_everything_give_what_eager_attention_gives():
+def test_attention_rows_that_mask_everything_give_what_eager_attention_gives(level):
     """A row masked to the dtype's minimum everywhere: eager's softmax is uniform there
     (nothing may be skipped); a row of -inf: NaN, as in eager attention."""
     from types import SimpleNamespace
@@ -662,7 +685,7 @@ def forward_and_input_gradient(model, ids):
     return logits.detach(), grad
 
 
-def test_fused_model_computes_what_transformers_computes():
+def test_fused_model_computes_what_transformers_computes(level):
     model = tiny_llama()
     ids = torch.randint(0, 50, (3, 11), generator=gen(9))
     plain_logits, plain_grad = forward_and_input_gradient(model, ids)
@@ -789,6 +812,27 @@ def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_pa
     Path(built).write_bytes(b"not a shared library")  # a damaged cache entry is built again
     damaged = run_python(code, PPOKIT_CACHE_DIR=str(cache))
     assert damaged.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_size > 1000
+
+
+def test_each_level_builds_its_own_vector_code(monkeypatch):
+    monkeypatch.delenv(LEVEL_ENV, raising=False)
+    assert requested_level() == "native"
+    assert library_at("generic").kernels_vector_bits() == 0  # plain C: the compiler's own vectors
+    avx2 = library_at("avx2")
+    if cpu_supports_avx2():
+        assert avx2.kernels_vector_bits() == 256  # AVX2 + FMA, even on a CPU with AVX-512
+    else:
+        assert avx2 is None  # its code would not run here
+    monkeypatch.setenv(LEVEL_ENV, "generic")
+    assert cpu_library() is library_at("generic")
+    monkeypatch.setenv(LEVEL_ENV, "off")
+    assert cpu_library() is None
+
+
+def test_an_unknown_level_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv(LEVEL_ENV, "avx3")
+    with pytest.raises(UserError, match=r"^PPOKIT_CPU_KERNELS='avx3': expected one of native, avx2, generic"):
+        cpu_library()
 
 
 def test_the_accel_layer_fuses_a_cpu_policy_in_one_call(tiny_dir):

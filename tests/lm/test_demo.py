@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from ppokit.cli import main
+from ppokit.rundir import read_metrics
 
 # A few seconds: a handful of SFT examples and epochs, two PPO iterations of 16 sequences.
 TINY_DEMO = [
@@ -51,6 +54,51 @@ def test_demo_cli_prints_summary_and_writes_png(tmp_path, capsys):
     assert (run_dirs[0] / "metrics.jsonl").is_file()
     curves = run_dirs[0] / "curves.png"  # the `ppokit plot` panels too
     assert f"curves: {curves}" in out and curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def script_heldout_accuracy(monkeypatch, accuracies):
+    """A fake held-out evaluation: each call scores the next of ``accuracies`` (fractions of
+    the 16 prompts), so that the stopping rule is tested on a known curve in seconds.
+    (The evaluator calls ``heldout_results`` from the module it is defined in.)"""
+    from ppokit.lm.single_turn.evaluator import LMEvaluator
+
+    scripted = iter(accuracies)
+
+    def fake(engine, items, reward, **kwargs):
+        right = round(next(scripted) * len(items))
+        return None, SimpleNamespace(scores=[1.0] * right + [0.0] * (len(items) - right), num_errors=0)
+
+    monkeypatch.setattr(sys.modules[LMEvaluator.__module__], "heldout_results", fake)
+
+
+def test_demo_stops_once_the_heldout_accuracy_reaches_the_target(tmp_path, capsys, monkeypatch):
+    # before PPO 25%, then 37.5% after iteration 1, 81.25% after 2 (>= 0.8: stop), never 3-6
+    script_heldout_accuracy(monkeypatch, [0.25, 0.375, 0.8125, 0.8125])
+    overrides = [*TINY_DEMO, "train.iterations=6", "data.stop_at_accuracy=0.8", f"run.output_dir={tmp_path}"]
+    assert main(["demo", *overrides]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(read_metrics(run_dir)) == 2  # two iterations trained, then the stop
+    reason = "held-out accuracy 81.2% >= data.stop_at_accuracy=0.8"
+    assert f"{reason}: stopping after iteration 1" in lines
+    assert "held-out accuracy (greedy) by PPO iteration: 0: 25.0%, 1: 37.5%, 2: 81.2%" in lines
+    assert f"stopped after 2 of 6 PPO iterations: {reason}" in lines
+    assert lines[-1] == "held-out accuracy: 25.0% -> 81.2%"
+    meta = json.loads((run_dir / "checkpoint" / "meta.json").read_text())
+    assert meta["finished"] and meta["iteration"] == 2 and meta["summary"]["stop_reason"] == reason
+
+
+def test_demo_stops_once_the_heldout_accuracy_stops_growing(tmp_path, capsys, monkeypatch):
+    # the best, 50%, after iteration 2; iterations 3 and 4 do not beat it: patience 2 stops there
+    script_heldout_accuracy(monkeypatch, [0.25, 0.375, 0.5, 0.5, 0.4375, 0.4375])
+    overrides = [*TINY_DEMO, "train.iterations=8", "train.eval_patience=2", f"run.output_dir={tmp_path}"]
+    assert main(["demo", *overrides]) == 0
+    out = capsys.readouterr().out
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(read_metrics(run_dir)) == 4
+    reason = "held-out accuracy has not improved on its best (50.0%) in 2 evaluations (train.eval_patience=2)"
+    assert f"stopped after 4 of 8 PPO iterations: {reason}" in out
+    assert out.rstrip().endswith("held-out accuracy: 25.0% -> 43.8%")
 
 
 def test_demo_rejects_a_bad_override(tmp_path, capsys):
@@ -110,3 +158,22 @@ def test_an_unknown_demo_is_a_one_line_error(tmp_path, capsys):
     assert main(["demo", "tictactoo", f"run.output_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "unknown demo 'tictactoo'" in err and "tictactoe" in err and "Traceback" not in err
+
+
+def test_the_arith_demo_runs_half_the_iterations_in_float32_on_a_cpu(monkeypatch):
+    from ppokit.commands.demo import FP32_CPU_ITERATIONS, fit_iterations
+    from ppokit.config import load_config
+    from ppokit.lm.model import device
+
+    preset = load_config("arith")
+    monkeypatch.setattr(device, "bf16_supported", lambda d: False)  # an AVX2 laptop
+    cfg, line = fit_iterations(preset, "arith", [])
+    assert cfg.train.iterations == FP32_CPU_ITERATIONS["arith"] < preset.train.iterations
+    assert line.startswith(f"PPO iterations: {cfg.train.iterations} (float32: this CPU has no native bf16")
+    assert fit_iterations(load_config("arith", ["seed=3"]), "arith", ["seed=3"])[0].seed == 3  # overrides kept
+    for given in (["train.iterations=7"], ["train={iterations: 7}"]):  # the user's count stands
+        cfg = load_config("arith", given)
+        assert fit_iterations(cfg, "arith", given) == (cfg, None)
+    assert fit_iterations(load_config("tictactoe"), "tictactoe", [])[1] is None  # a preset without the rule
+    monkeypatch.setattr(device, "bf16_supported", lambda d: True)  # AVX512-BF16 or AMX: the preset's count
+    assert fit_iterations(preset, "arith", []) == (preset, None)

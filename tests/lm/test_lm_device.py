@@ -70,3 +70,38 @@ def test_one_thread_rule_for_every_process_that_builds_a_model():
     assert resolve_precision("fp32", cpu) is None and precision_name(resolve_precision("bf16", cpu)) == "bf16"
     with pytest.raises(UserError, match="precision must be one of auto, bf16, fp32"):
         resolve_precision("fp16", cpu)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_once_with_the_measured_cost(monkeypatch, caplog):
+    from ppokit.lm.model import device as dev
+
+    monkeypatch.setattr(dev, "bf16_supported", lambda d: False)
+    monkeypatch.setattr(dev, "bf16_matmul_slowdown", lambda: 31.6)
+    dev.warn_emulated_bf16.cache_clear()
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger=dev.__name__):
+        assert dev.resolve_precision("bf16", cpu) == torch.bfloat16  # as asked: slow, not wrong
+        assert dev.resolve_precision("bf16", cpu) == torch.bfloat16
+        assert dev.resolve_precision("auto", cpu) is None
+    (line,) = [r.getMessage() for r in caplog.records]  # once per process
+    assert "run.precision=bf16 on a CPU without native bf16" in line and "takes 32x as long as float32" in line
+    assert "run.precision=auto (fp32 on this CPU) is faster" in line and "\n" not in line
+    dev.warn_emulated_bf16.cache_clear()
+
+
+def test_bf16_where_it_is_native_says_nothing(monkeypatch, caplog):
+    from ppokit.lm.model import device as dev
+
+    monkeypatch.setattr(dev, "bf16_supported", lambda d: True)
+    dev.warn_emulated_bf16.cache_clear()
+    with caplog.at_level("WARNING", logger=dev.__name__):
+        assert dev.resolve_precision("bf16", torch.device("cpu")) == torch.bfloat16
+        assert dev.resolve_precision("auto", torch.device("cpu")) == torch.bfloat16
+    assert not caplog.records
+
+
+def test_the_bf16_slowdown_is_a_measured_ratio():
+    from ppokit.lm.model.device import bf16_matmul_slowdown
+
+    ratio = bf16_matmul_slowdown(size=64)
+    assert 0 < ratio < float("inf")  # no claim on its size: machines differ

@@ -79,6 +79,7 @@ def test_the_evaluator_tracks_win_rates_against_random_and_heuristic(tok):
                     "kwargs": {"opponent": "self", "policy_seat": "x"},
                     "eval_episodes": 200,
                     "eval_opponents": ["random", "heuristic"],
+                    "stop_at_win_rate": 0.95,
                 },
                 "rollout": {"max_new_tokens": 2},
             }
@@ -94,6 +95,14 @@ def test_the_evaluator_tracks_win_rates_against_random_and_heuristic(tok):
     assert naive["eval_before/random/win_rate"] < 0.9
     line = best.message("final", metrics)
     assert line.startswith("after PPO: vs random 9") and "vs heuristic" in line and "200 greedy episodes" in line
+    # periodic evaluations: the first opponent only, which the stopping rule reads
+    periodic = best.evaluate("periodic")
+    assert {key.split("/")[1] for key in periodic} == {"random"}
+    assert periodic["eval/random/win_rate"] == metrics["eval_after/random/win_rate"]  # the same fixed games
+    assert "vs heuristic" not in best.message("periodic", periodic)
+    rate = periodic["eval/random/win_rate"]
+    assert best.stop_reason(periodic) == f"win rate vs random {rate:.1%} >= textenv.stop_at_win_rate=0.95"
+    assert best.state_dict()["early_stop"]["best"] == rate
 
 
 def test_an_illegal_move_is_counted_and_ends_the_episode(tok):

@@ -8,7 +8,10 @@ warm start and ``ppokit generate``/``eval`` all ask here.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -17,6 +20,7 @@ from ppokit.errors import UserError
 
 SMALL_MODEL_PARAMS = 20_000_000  # CPU: below this, one torch thread unless run.torch_threads says otherwise
 PRECISIONS = ("auto", "bf16", "fp32")
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,7 +54,10 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
     if name == "fp32":
         return None
     if name == "bf16":
-        if device.type == "cpu" or bf16_supported(device):
+        if device.type == "cpu" and not bf16_supported(device):
+            warn_emulated_bf16()
+            return torch.bfloat16
+        if bf16_supported(device):
             return torch.bfloat16
         raise UserError(f"run.precision=bf16 is not supported on {device}; use fp32 or auto")
     return torch.bfloat16 if bf16_supported(device) else None
@@ -72,6 +79,35 @@ def placement(cfg) -> tuple[torch.device, torch.dtype | None]:
     """(device, autocast dtype or None) of a run, from ``run.device`` and ``run.precision``."""
     device = run_device(cfg)
     return device, resolve_precision(cfg.run.precision, device)
+
+
+def bf16_matmul_slowdown(size: int = 192, repeats: int = 3) -> float:
+    """How many times longer a bf16 matmul takes than a float32 one here: the best of
+    ``repeats`` timings of a ``size``-cubed product in each (a few tens of milliseconds on a
+    CPU without native bf16, where oneDNN emulates it)."""
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size).to(dtype)
+        a @ a  # first call: oneDNN's setup
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - start)
+        times[dtype] = max(best, 1e-9)
+    return times[torch.bfloat16] / times[torch.float32]
+
+
+@cache
+def warn_emulated_bf16() -> None:
+    """One warning line per process: bf16 asked for on a CPU without native bf16, the cost
+    measured here, and the way back."""
+    log.warning(
+        "warning: run.precision=bf16 on a CPU without native bf16 (no AVX512-BF16 or AMX): a bf16 matmul "
+        "takes %.0fx as long as float32 here (a whole training iteration several times as long); "
+        "run.precision=auto (fp32 on this CPU) is faster",
+        bf16_matmul_slowdown(),
+    )
 
 
 def attention_implementation(name: str, device: torch.device) -> str | None:

@@ -55,6 +55,7 @@ from ppokit.errors import UserError
 from ppokit.lm.multi_turn.episodes import TRUNCATION_REASONS, EpisodePlayer, PlayResult, Trajectory
 from ppokit.lm.multi_turn.streams import StreamCodec
 from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
+from ppokit.stopping import EarlyStop
 
 __all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs"]
 
@@ -316,6 +317,8 @@ def _text(observation: Any) -> Any:
 # ----------------------------------------------------------------------------- evaluation
 class TextEnvEvaluator:
     """Greedy episodes on fixed seeds: against each evaluation opponent, or the environment as trained.
+    Periodic evaluations play the first opponent only (the one the stopping rule reads);
+    the evaluations before and after training play them all.
 
     Metrics, with ``S`` = ``_before`` (before training), ``""`` (periodic) or ``_after``
     (after training) and ``O`` = ``/OPPONENT`` (or nothing): ``evalS/O/win_rate``,
@@ -338,11 +341,19 @@ class TextEnvEvaluator:
             envs = make_envs(t.env, kwargs, self.episodes)
             self.players[opponent] = player_for(cfg, envs, codec, generate, context, env_name)
         self.before: dict[str, float] = {}
+        first = self.opponents[0]
+        self.stop_key = "eval" + (f"/{first}" if first is not None else "") + "/win_rate"
+        self.early_stop = EarlyStop(
+            f"win rate vs {first}" if first is not None else "success rate",
+            t.stop_at_win_rate,
+            "textenv.stop_at_win_rate",
+            cfg.train.eval_patience,
+        )
 
     def evaluate(self, phase: str) -> dict[str, float]:
         suffix = {"before": "_before", "final": "_after"}.get(phase, "")
         out: dict[str, float] = {}
-        for opponent, player in self.players.items():
+        for opponent, player in list(self.players.items())[: 1 if phase == "periodic" else None]:
             seeds = [EVAL_SEED_BASE + i for i in range(self.episodes)]
             result = player.play(seeds, seat_actors=lambda i, info: {}, greedy=True)
             records = [r for episode in result.records for r in episode.values()]
@@ -368,6 +379,8 @@ class TextEnvEvaluator:
         parts = []
         for opponent in self.opponents:
             where = f"eval{suffix}" + (f"/{opponent}" if opponent is not None else "")
+            if where + "/win_rate" not in metrics:  # a periodic evaluation: the first opponent only
+                continue
             vs = f"vs {opponent}" if opponent is not None else "success"
             parts.append(
                 f"{vs} {metrics[where + '/win_rate']:.1%} (draw {metrics[where + '/draw_rate']:.1%}, "
@@ -376,13 +389,14 @@ class TextEnvEvaluator:
         return f"{label}: " + "; ".join(parts) + f" ({self.episodes} greedy episodes each)"
 
     def stop_reason(self, metrics: dict[str, float]) -> str | None:
-        return None
+        return self.early_stop.update(metrics.get(self.stop_key))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"before": dict(self.before)}
+        return {"before": dict(self.before), "early_stop": self.early_stop.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.before = {str(k): float(v) for k, v in state.get("before", {}).items()}
+        self.early_stop.load_state_dict(state.get("early_stop", {}))
 
     def close(self) -> None:
         pass

@@ -7,6 +7,7 @@ from typing import Any
 from ppokit.config import Config
 from ppokit.lm.evaluate import heldout_results
 from ppokit.lm.rewards.pool import check_error_limit
+from ppokit.stopping import EarlyStop
 
 
 class LMEvaluator:
@@ -22,6 +23,9 @@ class LMEvaluator:
         self.every = cfg.data.eval_every
         self.max_reward_errors = cfg.data.max_reward_errors
         self.before: float | None = None
+        self.early_stop = EarlyStop(
+            "held-out accuracy", cfg.data.stop_at_accuracy, "data.stop_at_accuracy", cfg.train.eval_patience
+        )
 
     def evaluate(self, phase: str) -> dict[str, float]:
         _, results = heldout_results(self.engine, self.items, self.reward)
@@ -44,13 +48,14 @@ class LMEvaluator:
         return None
 
     def stop_reason(self, metrics: dict[str, float]) -> str | None:
-        return None
+        return self.early_stop.update(metrics.get("eval_accuracy"))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"before": self.before}
+        return {"before": self.before, "early_stop": self.early_stop.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.before = state.get("before")
+        self.early_stop.load_state_dict(state.get("early_stop", {}))
 
     def close(self) -> None:
         pass

@@ -14,7 +14,14 @@ The C source is compiled on first use with the system C compiler (``$CC``, else 
 the source, the flags, the compiler and the CPU, and loaded with ``ctypes``: no PyTorch
 headers, about a second to build. Without a compiler, or when the build fails, nothing
 changes: every layer keeps transformers' own forward (:func:`cpu_library` returns None
-and says why once in the log). ``PPOKIT_CPU_KERNELS=0`` switches the kernels off.
+and says why once in the log).
+
+``PPOKIT_CPU_KERNELS`` picks the build (the *level*, :data:`LEVELS`): unset or ``native``,
+for this CPU (``-march=native``: AVX-512 and AMX code where the CPU has them, AVX2 and FMA
+code on CPUs without AVX-512); ``avx2``, the AVX2 + FMA code even on a CPU with AVX-512
+(x86-64 CPUs with AVX2 only); ``generic``, plain C that the compiler vectorizes for the
+baseline of the architecture; ``0`` (or ``off``), no kernels. The tests run the kernels at
+every level the machine can run, so that each path stays tested on any CPU.
 
 :mod:`ppokit.lm.accel.kernels.functions` wraps them as autograd functions and
 :mod:`ppokit.lm.accel.kernels.fuse` puts them into a model's layers.
@@ -33,6 +40,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from ppokit.errors import UserError
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -45,7 +54,13 @@ FAST_FLAGS = [
     "-fno-trapping-math",
 ]
 PORTABLE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
-DISABLE_ENV = "PPOKIT_CPU_KERNELS"
+# x86-64-v3's vector units (AVX2, FMA, F16C) and nothing newer, whatever the CPU
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+LEVEL_ENV = "PPOKIT_CPU_KERNELS"
+DISABLE_ENV = LEVEL_ENV  # its off values: 0, false, off, no
+OFF_VALUES = ("0", "false", "off", "no")
+# level -> the flags tried in turn (native falls back to the portable build)
+LEVELS = {"native": [FAST_FLAGS, PORTABLE_FLAGS], "avx2": [AVX2_FLAGS], "generic": [PORTABLE_FLAGS]}
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 KERNEL_ARGS = {
@@ -152,14 +167,15 @@ def _load(path: Path) -> tuple[ctypes.CDLL | None, str]:
         lib.attention_amx_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
         lib.attention_amx_scratch_floats.restype = ctypes.c_long
         lib.attention_on_amx.argtypes, lib.attention_on_amx.restype = [ctypes.c_long] * 3, ctypes.c_int
+        lib.kernels_vector_bits.argtypes, lib.kernels_vector_bits.restype = [], ctypes.c_int
     except (OSError, AttributeError) as exc:  # unloadable, or a stale build without a kernel
         return None, f"loading {path} failed ({exc})"
     return lib, ""
 
 
-def _build_and_load(compiler: str) -> tuple[ctypes.CDLL | None, str]:
+def _build_and_load(compiler: str, level: str = "native") -> tuple[ctypes.CDLL | None, str]:
     errors = []
-    for flags in (FAST_FLAGS, PORTABLE_FLAGS):
+    for flags in LEVELS[level]:
         path, error = build(compiler, flags)
         if path is not None:
             lib, error = _load(path)
@@ -173,16 +189,56 @@ def _build_and_load(compiler: str) -> tuple[ctypes.CDLL | None, str]:
     return None, "; ".join(errors)
 
 
+def requested_level() -> str | None:
+    """The level ``$PPOKIT_CPU_KERNELS`` asks for: ``native`` (unset), ``avx2``, ``generic``, or
+    None (switched off). Any other value is a :class:`~ppokit.errors.UserError`."""
+    return _level_of(os.environ.get(LEVEL_ENV, ""))
+
+
 @cache
+def _level_of(raw: str) -> str | None:
+    value = raw.strip().lower()
+    if value in OFF_VALUES:
+        return None
+    if value in ("", "1", "true", "on", "yes"):
+        return "native"
+    if value not in LEVELS:
+        raise UserError(
+            f"{LEVEL_ENV}={raw!r}: expected one of {', '.join(LEVELS)} (the kernels' build), or 0 to switch them off"
+        )
+    return value
+
+
+def cpu_supports_avx2() -> bool:
+    """Whether this CPU runs AVX2 and FMA code (Linux: its flags in /proc/cpuinfo)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
 def cpu_library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (switched off, no compiler, or the build failed)."""
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    """The loaded kernels at the level ``$PPOKIT_CPU_KERNELS`` asks for, or None (switched off,
+    no compiler, the build failed, or a level this CPU cannot run)."""
+    level = requested_level()
+    return None if level is None else library_at(level)
+
+
+@cache
+def library_at(level: str) -> ctypes.CDLL | None:
+    """The kernels built at ``level`` (one of :data:`LEVELS`), or None, saying why once in the log."""
+    if level == "avx2" and not cpu_supports_avx2():
+        log.warning("fused CPU kernels off: %s=avx2 needs an x86-64 CPU with AVX2 and FMA", LEVEL_ENV)
         return None
     compiler = find_compiler()
     if compiler is None:
         log.info("fused CPU kernels off: no C compiler found (set CC); transformers' layers are used")
         return None
-    lib, error = _build_and_load(compiler)
+    lib, error = _build_and_load(compiler, level)
     if lib is None:
         log.warning("fused CPU kernels off: building %s failed (%s); transformers' layers are used", SOURCE.name, error)
     return lib

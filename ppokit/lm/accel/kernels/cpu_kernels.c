@@ -100,41 +100,6 @@ static inline void whole_vectors(long lo, long hi, long S, long *lo16, long *hi1
     *hi16 = end < S ? end : S;
 }
 
-/* out[j] = sum_d x[d] xt[d, j] for the blocks of KEY_BLOCK keys that hold the keys
- * [first, stop), xt [D, Sp] float32 columns (Sp a multiple of KEY_BLOCK, zero padded);
- * out is written from the block of key `first` up to key stop - 1. Per block, four
- * register sums over every fourth d (four independent chains of vector FMAs), added at
- * the end. */
-static void dots_with_columns(const float *x, const float *xt, long D, long first, long stop, long Sp,
-                              float *out) {
-    for (long j0 = first / KEY_BLOCK * KEY_BLOCK; j0 < stop; j0 += KEY_BLOCK) {
-        float a0[KEY_BLOCK], a1[KEY_BLOCK], a2[KEY_BLOCK], a3[KEY_BLOCK];
-#pragma omp simd
-        for (long j = 0; j < KEY_BLOCK; j++) a0[j] = a1[j] = a2[j] = a3[j] = 0.f;
-        const float *col = xt + j0;
-        long d = 0;
-        for (; d + 4 <= D; d += 4) {
-            float v0 = x[d], v1 = x[d + 1], v2 = x[d + 2], v3 = x[d + 3];
-            const float *r0 = col + d * Sp, *r1 = r0 + Sp, *r2 = r1 + Sp, *r3 = r2 + Sp;
-#pragma omp simd
-            for (long j = 0; j < KEY_BLOCK; j++) {
-                a0[j] += v0 * r0[j];
-                a1[j] += v1 * r1[j];
-                a2[j] += v2 * r2[j];
-                a3[j] += v3 * r3[j];
-            }
-        }
-        for (; d < D; d++) {
-            float v = x[d];
-            const float *r = col + d * Sp;
-#pragma omp simd
-            for (long j = 0; j < KEY_BLOCK; j++) a0[j] += v * r[j];
-        }
-        long n = stop - j0 < KEY_BLOCK ? stop - j0 : KEY_BLOCK;
-        for (long j = 0; j < n; j++) out[j0 + j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
-    }
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -224,6 +189,126 @@ static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *
 #else
 #define HAVE_AVX512 0
 #endif
+
+/* ------------------------------------------------------------ AVX2 (CPUs without AVX-512)
+ * Builds for CPUs with AVX2 and FMA but no AVX-512 (most laptops; PPOKIT_CPU_KERNELS=avx2 builds
+ * them on any x86-64 CPU that has AVX2, for the tests) get hand-written 8-lane versions of
+ * what the compiler does not vectorize well on its own: the attention kernels' transposes of
+ * keys and values into columns (a scalar loop otherwise) and their dot products with those
+ * columns (blocks of 8 keys, no more than the keys asked for, the sums in registers). The
+ * elementwise kernels stay the plain loops below, which the compiler vectorizes with AVX2
+ * and FMA as well as hand-written code would (docs/performance.md). */
+#if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+
+/* Transpose the 8 x 8 float32 matrix held in r[0..7] (row i -> column i). */
+static inline void transpose8x8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);       /* a0 b0 a1 b1 | a4 b4 a5 b5 */
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);   /* a2 b2 a3 b3 | a6 b6 a7 b7 */
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);       /* a0 b0 c0 d0 | a4 b4 c4 d4 */
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);   /* a1 b1 c1 d1 | a5 .. */
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+        r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+    }
+}
+
+/* All-ones in the first n lanes (none for n <= 0, all from 8 on). */
+static inline __m256i mask8(long n) {
+    int k = n <= 0 ? 0 : (n >= 8 ? 8 : (int)n);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* The first min(n, 8) floats at p, zero beyond (nothing past them is read). */
+static inline __m256 load8_f32(const float *p, long n) {
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, mask8(n));
+}
+
+/* The first min(n, 8) bf16 values at p as float32 lanes, zero beyond. */
+static inline __m256 load8_bf16(const bf16 *p, long n) {
+    __m128i h;
+    if (n >= 8) {
+        h = _mm_loadu_si128((const __m128i *)p);
+    } else {
+        uint16_t buf[8] = {0};
+        memcpy(buf, p, (n > 0 ? n : 0) * sizeof(bf16));
+        h = _mm_loadu_si128((const __m128i *)buf);
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* out[j] = sum_d x[d] xt[d, j] for the keys [first, stop), 8 at a time, xt [D, Sp] float32
+ * columns (Sp a multiple of 8, at least stop rounded up to 8); out is written from the
+ * vector of key `first` up to key stop - 1. Per vector, four register sums over every
+ * fourth d, added at the end (the order of the plain version's sums). */
+static void dots_with_columns(const float *x, const float *xt, long D, long first, long stop, long Sp,
+                              float *out) {
+    for (long j0 = first / 8 * 8; j0 < stop; j0 += 8) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float *col = xt + j0;
+        long d = 0;
+        for (; d + 4 <= D; d += 4) {
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(x[d]), _mm256_loadu_ps(col + d * Sp), a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(x[d + 1]), _mm256_loadu_ps(col + (d + 1) * Sp), a1);
+            a2 = _mm256_fmadd_ps(_mm256_set1_ps(x[d + 2]), _mm256_loadu_ps(col + (d + 2) * Sp), a2);
+            a3 = _mm256_fmadd_ps(_mm256_set1_ps(x[d + 3]), _mm256_loadu_ps(col + (d + 3) * Sp), a3);
+        }
+        for (; d < D; d++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(x[d]), _mm256_loadu_ps(col + d * Sp), a0);
+        __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        if (stop - j0 >= 8) _mm256_storeu_ps(out + j0, sum);
+        else _mm256_maskstore_ps(out + j0, mask8(stop - j0), sum);
+    }
+}
+#else
+#define HAVE_AVX2 0
+/* out[j] = sum_d x[d] xt[d, j] for the blocks of KEY_BLOCK keys that hold the keys
+ * [first, stop), xt [D, Sp] float32 columns (Sp a multiple of KEY_BLOCK, zero padded);
+ * out is written from the block of key `first` up to key stop - 1. Per block, four
+ * register sums over every fourth d (four independent chains of vector FMAs), added at
+ * the end. */
+static void dots_with_columns(const float *x, const float *xt, long D, long first, long stop, long Sp,
+                              float *out) {
+    for (long j0 = first / KEY_BLOCK * KEY_BLOCK; j0 < stop; j0 += KEY_BLOCK) {
+        float a0[KEY_BLOCK], a1[KEY_BLOCK], a2[KEY_BLOCK], a3[KEY_BLOCK];
+#pragma omp simd
+        for (long j = 0; j < KEY_BLOCK; j++) a0[j] = a1[j] = a2[j] = a3[j] = 0.f;
+        const float *col = xt + j0;
+        long d = 0;
+        for (; d + 4 <= D; d += 4) {
+            float v0 = x[d], v1 = x[d + 1], v2 = x[d + 2], v3 = x[d + 3];
+            const float *r0 = col + d * Sp, *r1 = r0 + Sp, *r2 = r1 + Sp, *r3 = r2 + Sp;
+#pragma omp simd
+            for (long j = 0; j < KEY_BLOCK; j++) {
+                a0[j] += v0 * r0[j];
+                a1[j] += v1 * r1[j];
+                a2[j] += v2 * r2[j];
+                a3[j] += v3 * r3[j];
+            }
+        }
+        for (; d < D; d++) {
+            float v = x[d];
+            const float *r = col + d * Sp;
+#pragma omp simd
+            for (long j = 0; j < KEY_BLOCK; j++) a0[j] += v * r[j];
+        }
+        long n = stop - j0 < KEY_BLOCK ? stop - j0 : KEY_BLOCK;
+        for (long j = 0; j < n; j++) out[j0 + j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
+    }
+}
+
+#endif
+
+/* The hand-written vector code a build has: 512 (AVX-512), 256 (AVX2 and FMA) or 0 (none:
+ * plain C, vectorized by the compiler alone). */
+int kernels_vector_bits(void) { return HAVE_AVX512 ? 512 : (HAVE_AVX2 ? 256 : 0); }
 
 /* ------------------------------------------------------------ LoRA's rank-r products on AMX
  * LoRA's products with its rank-r factors are too thin for oneDNN's matmuls to run well
@@ -1259,7 +1344,8 @@ void NAME(decode_attention)(const ELEM *q, const ELEM *k, const ELEM *v, const f
 
 
 /* Rows x [S, D] (row stride sx) as float32 columns xt [D, Sp], zero beyond S (Sp a
- * multiple of 16). */
+ * multiple of 16; an AVX2 build fills the columns up to S rounded up to 8 only, all that
+ * its dots_with_columns reads). */
 static void NAME(load_columns)(const ELEM *x, long sx, long S, long D, long Sp, float *xt) {
 #if HAVE_AVX512
     /* 16 x 16 blocks: 16 rows loaded, transposed in registers, stored as 16 columns */
@@ -1270,6 +1356,21 @@ static void NAME(load_columns)(const ELEM *x, long sx, long S, long D, long Sp, 
                 r[i] = j0 + i < S ? NAME(load16)(x + (j0 + i) * sx + d0, D - d0) : _mm512_setzero_ps();
             transpose16x16(r);
             for (long i = 0; i < 16 && d0 + i < D; i++) _mm512_storeu_ps(xt + (d0 + i) * Sp + j0, r[i]);
+        }
+#elif HAVE_AVX2
+    /* 8 x 8 blocks, the columns of the first S keys rounded up to 8 only: the AVX2
+     * dots_with_columns reads no further */
+    for (long j0 = 0; j0 < S; j0 += 8)
+        for (long d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8];
+            for (long i = 0; i < 8; i++)
+#if ELEM_IS_BF16
+                r[i] = j0 + i < S ? load8_bf16(x + (j0 + i) * sx + d0, D - d0) : _mm256_setzero_ps();
+#else
+                r[i] = j0 + i < S ? load8_f32(x + (j0 + i) * sx + d0, D - d0) : _mm256_setzero_ps();
+#endif
+            transpose8x8(r);
+            for (long i = 0; i < 8 && d0 + i < D; i++) _mm256_storeu_ps(xt + (d0 + i) * Sp + j0, r[i]);
         }
 #else
     for (long d = 0; d < D; d++)
