@@ -200,6 +200,15 @@ class TrainConfig(Section):
         "non-finite loss or gradient; the last good checkpoint stays (0 = never stop)",
         ge=0,
     )
+    gradient_checkpointing: Literal["auto"] | bool = field(
+        "auto",
+        "lm: keep only each decoder layer's input for the update's backward pass and run the layer again "
+        "there (transformers' activation checkpointing): the activations kept shrink to about one layer's, "
+        "for about one more forward pass of time. auto = on on a GPU for models of at least 100M "
+        "parameters, off on a CPU, where memory is rarely the limit (docs/performance.md)",
+        "activation_checkpointing",
+        "enable_gradient_checkpointing",
+    )
     micro_batch_tokens: int | None = field(
         None,
         "lm: form the micro-batches of scoring and of the update by a token budget instead of a count "
