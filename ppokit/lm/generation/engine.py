@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ppokit.config import STATIC_CACHE_FULL_BF16
 from ppokit.errors import UserError
+from ppokit.peak_memory import phase_peak
 
 # transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name warns on every call).
 GENERATE_CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
@@ -59,6 +60,7 @@ class RolloutBatch:
     texts: list[str]  # (N) the decoded responses (special tokens dropped)
     items: list[dict[str, Any]] = field(default_factory=list)  # (N) the prompt's data fields
     generation_time: float = 0.0
+    generation_peak_gb: float = 0.0  # peak memory while generating (ppokit.peak_memory)
 
     @property
     def prompt_length(self) -> int:
@@ -308,6 +310,7 @@ class RolloutEngine:
         chunks = []
         dtype = self.autocast_dtype
         with (
+            phase_peak() as peak,
             self.activate() if self.activate is not None else contextlib.nullcontext(),
             torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None),
         ):
@@ -340,6 +343,7 @@ class RolloutEngine:
             texts=texts,
             items=per_seq_items,
             generation_time=time.perf_counter() - start,
+            generation_peak_gb=peak.gb,
         )
 
 
