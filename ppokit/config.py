@@ -231,6 +231,12 @@ class RunConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = field("auto", "autocast precision (auto = bf16 where supported)")
     torch_threads: int | None = field(None, "torch intra-op threads (null = workload default)", ge=1)
     progress: bool = field(True, "live progress bar")
+    memory_check: bool = field(
+        True,
+        "lm: before the start, estimate the memory of the run's largest phase from the config and the "
+        "model's shape and refuse a run that cannot fit its device (a GPU's free memory, the machine's "
+        "available memory); false: start anyway",
+    )
     tensorboard: bool = field(True, "write TensorBoard events when tensorboard is installed")
     checkpoint_every: int = field(0, "save a checkpoint every N iterations (0 = only at the end)", ge=0)
     keep_checkpoints: int = field(3, "checkpoints kept on disk", ge=1)

@@ -47,6 +47,7 @@ from ppokit.errors import UserError
 from ppokit.lm.data.inputs import chat_render, load_data
 from ppokit.lm.evaluate import heldout_results
 from ppokit.lm.model.device import one_thread_if_small, resolve_precision, run_device
+from ppokit.lm.model.memory import check_run_fits, longest_prompt_tokens
 from ppokit.lm.scoring import Scorer, kl_ref_metric
 from ppokit.resume import all_finite, rollout_rngs
 from ppokit.trainer import DataParallel, PPOTrainer
@@ -461,6 +462,9 @@ class LMWorkload:
         if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
             train_items, _, _ = drop_long(cfg, train_items, eval_items, [])
             check_token_budget(cfg, prompt_tokenizer(cfg), train_items)
+        # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
+        prompts = [x["prompt"] for x in train_items + eval_items]
+        check_run_fits(cfg, prompt_tokens=longest_prompt_tokens(prompt_tokenizer(cfg), prompts))
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         from ppokit.lm.model.checkpoint import read_policy_meta
