@@ -226,6 +226,15 @@ class TrainConfig(Section):
         "non-finite loss or gradient; the last good checkpoint stays (0 = never stop)",
         ge=0,
     )
+    gradient_checkpointing: Literal["auto"] | bool = field(
+        "auto",
+        "lm: keep only each decoder layer's input for the update's backward pass and run the layer again "
+        "there (transformers' activation checkpointing): the activations kept shrink to about one layer's, "
+        "for about one more forward pass of time. auto = on on a GPU for models of at least 100M "
+        "parameters, off on a CPU, where memory is rarely the limit (docs/performance.md)",
+        "activation_checkpointing",
+        "enable_gradient_checkpointing",
+    )
     micro_batch_tokens: int | None = field(
         None,
         "lm: form the micro-batches of scoring and of the update by a token budget instead of a count "
@@ -248,6 +257,12 @@ class RunConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = field("auto", "autocast precision (auto = bf16 where supported)")
     torch_threads: int | None = field(None, "torch intra-op threads (null = workload default)", ge=1)
     progress: bool = field(True, "live progress bar")
+    memory_check: bool = field(
+        True,
+        "lm: before the start, estimate the memory of the run's largest phase from the config and the "
+        "model's shape and refuse a run that cannot fit its device (a GPU's free memory, the machine's "
+        "available memory); false: start anyway",
+    )
     tensorboard: bool = field(True, "write TensorBoard events when tensorboard is installed")
     checkpoint_every: int = field(0, "save a checkpoint every N iterations (0 = only at the end)", ge=0)
     keep_checkpoints: int = field(3, "checkpoints kept on disk", ge=1)

@@ -12,6 +12,7 @@ evaluation schedule, metrics and samples, checkpoints and their rotation::
         batch = source.collect(it)               # rollouts
         source.prefetch(it + 1)                  # rollout.off_policy_steps=1: overlaps the update
         scorer.score(batch)                      # old/ref log-probs, values, final rewards
+                                                 # (each phase's time and peak memory in the metrics)
         batch += advantages(cfg, batch)          # GAE or a group estimator (ppokit.trainer; multi-turn: its own)
         metrics = learner.update(batch, it)      # epochs x mini-batches x micro-batches
         source.sync_weights(learner)
@@ -36,6 +37,7 @@ from ppokit.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from ppokit.components import Components, Workload
 from ppokit.config import Config
 from ppokit.errors import TrainingDiverged, UserError
+from ppokit.peak_memory import PhasePeak, phase_peak
 from ppokit.resume import GracefulStop, capture_rng, restore_rng
 from ppokit.track import Tracker
 from ppokit.trainer import batch_advantages
@@ -116,23 +118,27 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
             source.sync_weights(learner)  # a source in other processes starts from these weights
             for it in range(start_it, iterations):
                 t0 = time.perf_counter()
-                batch = source.collect(it)
-                if pipelined and it + 1 < iterations:
-                    source.prefetch(it + 1)  # sampled by these weights while the update runs
+                with phase_peak() as collect_peak:
+                    batch = source.collect(it)
+                    if pipelined and it + 1 < iterations:
+                        source.prefetch(it + 1)  # sampled by these weights while the update runs
                 t1 = time.perf_counter()
-                if scorer is not None:
-                    scorer.score(batch)
+                with phase_peak() as score_peak:
+                    if scorer is not None:
+                        scorer.score(batch)
                 t2 = time.perf_counter()
-                batch.tensors.update(zip(("advantages", "returns"), advantages(cfg, batch)))
-                version = learner.policy_version
-                try:
-                    metrics = learner.update(batch, it)
-                except TrainingDiverged as exc:
-                    raise diverged_message(exc, run_dir) from None
-                sync_metrics = source.sync_weights(learner)
+                with phase_peak() as update_peak:
+                    batch.tensors.update(zip(("advantages", "returns"), advantages(cfg, batch)))
+                    version = learner.policy_version
+                    try:
+                        metrics = learner.update(batch, it)
+                    except TrainingDiverged as exc:
+                        raise diverged_message(exc, run_dir) from None
+                    sync_metrics = source.sync_weights(learner)
                 t3 = time.perf_counter()
                 metrics.update(batch.metrics)
                 metrics.update(sync_metrics or {})
+                metrics.update(memory_metrics(collect=collect_peak, score=score_peak, update=update_peak))
                 if pipelined and batch.policy_version is not None:
                     metrics["staleness"] = version - batch.policy_version  # updates between sampling and update
                 metrics.update(time_collect=t1 - t0, time_update=t3 - t2)
@@ -190,6 +196,14 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
         checkpoint=str(final_path) if final_path is not None else None,
     )
     return result
+
+
+def memory_metrics(**phases: PhasePeak) -> dict[str, float]:
+    """``memory/peak_gb/<phase>`` for each phase of the iteration and ``memory/peak_gb``, the
+    largest (:mod:`ppokit.peak_memory`: the CUDA allocator's peak, or the process's resident peak)."""
+    out = {f"memory/peak_gb/{name}": peak.gb for name, peak in phases.items()}
+    out["memory/peak_gb"] = max(out.values())
+    return out
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -465,6 +465,9 @@ PRESENTATION_FIELDS = (
     "cluster.gpus_per_worker",
     "cluster.placement",
     "cluster.placement_timeout",
+    # how memory is spent and checked: the same run either way (checkpointing replays the same forward)
+    "run.memory_check",
+    "train.gradient_checkpointing",
 )
 
 

@@ -203,4 +203,6 @@ def _headline(row: dict[str, Any]) -> str:
             break
     if isinstance(row.get("sps"), (int, float)):
         parts.append(f"{row['sps']:,.0f} steps/s")
+    if isinstance(row.get("memory/peak_gb"), (int, float)):  # the iteration's largest phase
+        parts.append(f"peak {row['memory/peak_gb']:.2f} GB")
     return "  ".join(parts)

@@ -21,7 +21,7 @@ from ppokit.cli import main
 
 CORPUS = Path(__file__).parent / "bad_inputs"
 CONFIG_CASES = sorted((CORPUS / "config").glob("*.yaml"))
-FOLDER_KINDS = ("data", "checkpoint", "model")
+FOLDER_KINDS = ("data", "checkpoint", "model", "memory")
 FOLDER_CASES = sorted(p.parent for kind in FOLDER_KINDS for p in (CORPUS / kind).glob("*/case.yaml"))
 # The tiny Llama of the LM tests (tests/lm/conftest.py: TEST_TINY_SPEC).
 TINY_SPEC = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "max_position_embeddings": 64, "seed": 0}

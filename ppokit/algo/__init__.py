@@ -17,6 +17,7 @@ Modules, one job each:
   controllers (in-reward adaptive, PPO-penalty adaptive)
 - :mod:`.kl_hidden`   exact KL over the vocabulary from hidden states, chunked (no full logits)
 - :mod:`.logits`      chunked log-probs and entropy from logits
+- :mod:`.hidden_log_probs` log-probs and entropy from hidden states, chunked (no full logits)
 - :mod:`.turns`       multi-turn credit: turn layout, turn-level GAE, per-turn group advantages
 - :mod:`.batching`    micro-batches by a token budget, sorted and balanced; padding fraction
 - :mod:`.evaluation`  pass@k, estimated without bias from n samples
@@ -36,6 +37,7 @@ from .advantages import (
 )
 from .aggregation import AGG_MODES, aggregate, aggregation_normalizer
 from .batching import fixed_micro_batches, micro_batch_indices, padding_fraction, row_tokens, token_budget_micro_batches
+from .hidden_log_probs import log_probs_from_hidden
 from .kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -129,6 +131,7 @@ __all__ = [
     "correction_ratio",
     "rollout_correction",
     "mismatch_metrics",
+    "log_probs_from_hidden",
     # multi-turn credit
     "turn_index_from_mask",
     "turn_start_mask",

@@ -239,7 +239,7 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     from ppokit.config import load_config, preset_names
     from ppokit.errors import UserError, did_you_mean
     from ppokit.rundir import create_run_dir, release_locks
-    from ppokit.workloads import train
+    from ppokit.workloads import check_inputs, train
 
     started = time.perf_counter()
     if name not in preset_names():
@@ -256,6 +256,7 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     if not textenv and cfg.data.eval_size == 0:
         raise UserError("the demo reports held-out accuracy; data.eval_size must be > 0")
     cfg, fitted = fit_iterations(cfg, name, overrides)
+    check_inputs(cfg)  # as ppokit train does: data, model, memory, before a run directory exists
     run_dir = create_run_dir(cfg, lock=True)
     echo(f"run directory: {run_dir}")
     if fitted:

@@ -10,7 +10,7 @@ from ppokit.rundir import read_metrics
 from ppokit.workloads import train
 
 # Wall-clock fields: differ between any two runs.
-TIMING_PREFIXES = ("time_",)
+TIMING_PREFIXES = ("time_", "memory/")  # measurements: they differ between runs
 TIMING = {"time", "wall_time", "sps", "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s", "sync_time"}
 # What a run with rollout workers adds to each row (beside timing): the weight sync's size.
 DIST_ONLY = {"sync_bytes"}

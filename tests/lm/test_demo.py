@@ -106,6 +106,12 @@ def test_demo_rejects_a_bad_override(tmp_path, capsys):
     assert "train.iterations" in capsys.readouterr().err
 
 
+def test_demo_refuses_a_run_that_cannot_fit_before_it_starts(tmp_path, capsys):
+    assert main(["demo", "train.batch_size=100000000", f"run.output_dir={tmp_path}"]) == 2
+    assert "not enough memory" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # no run directory
+
+
 def test_plot_curves_without_metrics(tmp_path):
     from ppokit.commands.demo import plot_curves, summary_line
 

@@ -90,6 +90,9 @@ def test_ppo_raises_the_reward(tiny_dir, tmp_path, sevens):
         "train_tokens_per_s",
     ):
         assert key in rows[-1], key
+    for phase in ("generate", "collect", "score", "update"):  # each phase's peak memory, every iteration
+        assert all(0.01 < row[f"memory/peak_gb/{phase}"] < 100 for row in rows), phase
+    assert all(row["memory/peak_gb"] >= row["memory/peak_gb/collect"] >= row["memory/peak_gb/generate"] for row in rows)
     assert rows[-1]["kl_ref"] > rows[0]["kl_ref"]  # it moved away from the reference
     # Two epochs: the scorer's log-probs are used, and checked against the update's first
     # forward. The same kernels on a CPU: equal. A GPU picks kernels by batch shape (the

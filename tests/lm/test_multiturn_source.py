@@ -67,6 +67,7 @@ def test_a_user_env_from_a_file_truncated_by_max_turns_bootstraps_from_its_next_
     randomize(c.learner.policy, seed=1)  # a critic that says something
     batch = c.source.collect(0)
     assert batch.metrics["env/truncated_by_max_turns"] == 1.0 and batch.metrics["env/turns_mean"] == 3
+    assert 0.01 < batch.metrics["memory/peak_gb/generate"] < 100  # the largest generation call's peak
     rows = trajectories_of(batch)
     assert len(rows) == 8 and all(len(r) == 3 for r in rows.values())  # state mode: one row per turn
     tok = load_tokenizer(tiny_dir)

@@ -82,6 +82,7 @@ from ppokit.lm.generation.engine import (
     eos_token_ids,
     left_pad,
 )
+from ppokit.peak_memory import phase_peak
 
 SYNC_EVERY = 8  # decoding steps between checks that every row has ended
 MAX_BATCH_SIZE = 256  # the largest batch bucket
@@ -282,7 +283,14 @@ class CudaEngine:
         return self._generate(ids, am, list(prompts), group_size, items, greedy, max_new_tokens, start)
 
     # ------------------------------------------------------------------ generation
-    def _generate(
+    def _generate(self, *args) -> RolloutBatch:
+        """:meth:`_generate_rows`, its peak memory in ``generation_peak_gb``."""
+        with phase_peak() as peak:
+            rollout = self._generate_rows(*args)
+        rollout.generation_peak_gb = peak.gb
+        return rollout
+
+    def _generate_rows(
         self,
         prompt_ids: Tensor,
         prompt_mask: Tensor,

@@ -45,6 +45,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from ppokit.config import STATIC_CACHE_FULL_BF16
 from ppokit.errors import UserError
 from ppokit.lm.generation.base import EngineMemory, RolloutBatch, sampling_warpers
+from ppokit.peak_memory import phase_peak
 
 # transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name warns on every call).
 GENERATE_CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
@@ -360,6 +361,7 @@ class HFEngine:
         chunks, log_prob_chunks = [], []
         dtype = self.autocast_dtype
         with (
+            phase_peak() as peak,
             self.activate() if self.activate is not None else contextlib.nullcontext(),
             torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None),
         ):
@@ -403,6 +405,7 @@ class HFEngine:
             items=per_seq_items,
             rollout_log_prob=rollout_log_prob,
             generation_time=time.perf_counter() - start,
+            generation_peak_gb=peak.gb,
         )
 
 

@@ -7,6 +7,7 @@
 - :mod:`.checkpoint`  the policy's checkpoint files, written and read back
 - :mod:`.device`      ``run.device``, ``run.precision``, the attention kernel, torch threads
 - :mod:`.stack`       a policy ready to train or sample: device, tokenizer, policy, CPU kernels, threads
+- :mod:`.memory`      a run's memory estimated from the config and the model's shape; refusing what cannot fit
 
 Nothing is imported here: ``import ppokit.lm.model`` does not load torch.
 """

@@ -123,7 +123,9 @@ class LMPolicy(nn.Module):
         self.compute_entropy = compute_entropy
         self.full_kl = False  # evaluate() adds kl_full (algo.kl_loss_type: full)
         self.trainable = True  # False: adapters stay frozen across swaps (inference)
+        self.checkpointed_layers = 0  # decoder layers under gradient checkpointing
         self._active: str | None = None
+        self._in_reference = False  # lora: inside reference() (adapters disabled)
         self._adapter_params: dict[str, list[nn.Parameter]] = {}
         if mode == "full" and (critic_lm is None) != (value_head is None):
             raise ValueError("full mode takes a critic model and a value head together, or neither")
@@ -194,10 +196,12 @@ class LMPolicy(nn.Module):
     def reference(self) -> Iterator[None]:
         """lora: adapters disabled (the backbone); full: nothing (pass ``ref_lm``)."""
         if self.mode == "lora":
+            outer, self._in_reference = self._in_reference, True
             try:
                 with self.lm.disable_adapter():
                     yield
             finally:
+                self._in_reference = outer
                 self._restore_requires_grad()  # disabling cleared it on every adapter
         else:
             if self.ref_lm is None:
@@ -254,6 +258,48 @@ class LMPolicy(nn.Module):
                     module.cast_input_dtype_enabled = False
         return count
 
+    def enable_gradient_checkpointing(self) -> int:
+        """Checkpoint every decoder layer of the trained models (the actor's, full mode's critic):
+        transformers' activation checkpointing, non-reentrant. A layer keeps only its input for
+        the backward pass and runs its forward again there. Returns the number of layers.
+
+        Two details make it fit the policy. transformers checkpoints a layer only in training
+        mode; the models stay in ``eval()`` (no dropout), so only the checkpointed layers' own
+        ``training`` flag is set, which nothing but the checkpointing reads (their attention and
+        dropout modules keep theirs). And with LoRA the actor and critic passes share the
+        layers, recorded with different adapters and replayed in one backward pass: each
+        layer's replay runs under the adapter state its forward had (``context_fn``).
+        """
+        from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: PLC0415 - heavy, only when enabled
+
+        count = 0
+        for lm in (self.lm, self.critic_lm):
+            if lm is None:
+                continue
+            base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+            if not getattr(base, "supports_gradient_checkpointing", False):
+                continue
+            kwargs: dict[str, Any] = {"use_reentrant": False}
+            if self.mode == "lora":
+                kwargs["context_fn"] = self._replay_context
+            if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.24
+                base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            for module in base.modules():
+                if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
+                    module.training = True  # this module's flag only: its children stay in eval()
+                    count += 1
+        self.checkpointed_layers = count
+        return count
+
+    def _replay_context(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """torch.utils.checkpoint's ``context_fn``, called as a layer's forward is recorded: the
+        forward runs as it is, the replay in the backward pass under this moment's adapter
+        state (the ``actor`` or ``critic`` adapter, or adapters disabled)."""
+        replay = self.reference() if self._in_reference else self.use(self._active)
+        return contextlib.nullcontext(), replay
+
     def autocast(self):
         dtype = self.autocast_dtype
         return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
@@ -277,21 +323,31 @@ class LMPolicy(nn.Module):
         self, lm: nn.Module, mb: dict[str, Tensor], entropy: bool, keep_hidden: bool = False
     ) -> dict[str, Tensor]:
         """``log_prob`` (and ``entropy``) (n, R) float32; with ``keep_hidden`` also ``hidden``
-        (n, R, H), the states the logits came from (models whose logits are lm_head(hidden))."""
+        (n, R, H), the states the logits came from (models whose logits are lm_head(hidden)).
+
+        A plain ``lm_head`` gives them from the hidden states in chunks of positions
+        (:func:`ppokit.algo.log_probs_from_hidden`): no (n, R, V) logits exist, forward or
+        backward. Any other model (post-processed logits, a LoRA adapter on ``lm_head``) takes
+        its (n, R, V) logits whole."""
         responses = mb["responses"]
         out: dict[str, Tensor] = {}
         with self.autocast():
-            if self._direct_head[id(lm)]:
+            head = _plain_head(lm) if self._direct_head[id(lm)] else None
+            if head is not None:
                 hidden = self._hidden(lm, mb)  # (n, R, H)
                 if keep_hidden:
                     out["hidden"] = hidden
-                head = lm.get_output_embeddings()
-                if getattr(head, "bias", None) is None and self.temperature != 1.0:
-                    logits = head(hidden / self.temperature)  # (n, R, V): W(h/T) = (Wh)/T
-                else:
-                    logits = head(hidden)
-                    if self.temperature != 1.0:
-                        logits = logits.div_(self.temperature)
+                out["log_prob"], ent = algo.log_probs_from_hidden(
+                    hidden, head.weight, responses, bias=head.bias, temperature=self.temperature, entropy=entropy
+                )  # (n, R) float32 each
+                if entropy:
+                    out["entropy"] = ent
+                return out
+            if self._direct_head[id(lm)]:  # lm_head(hidden) with a LoRA adapter on lm_head
+                hidden = self._hidden(lm, mb)  # (n, R, H)
+                if keep_hidden:
+                    out["hidden"] = hidden
+                logits = lm.get_output_embeddings()(hidden)  # (n, R, V)
             else:  # a model whose logits are not lm_head(last hidden state): full logits, sliced
                 R = responses.shape[1]
                 start = mb["input_ids"].shape[1] - R - 1
@@ -301,7 +357,7 @@ class LMPolicy(nn.Module):
                     position_ids=mb["position_ids"],
                     use_cache=False,
                 ).logits[:, start : start + R]
-                logits = logits / self.temperature
+            logits = logits / self.temperature
             out["log_prob"] = algo.log_probs_from_logits(logits, responses)  # (n, R) float32
             if entropy:
                 out["entropy"] = algo.entropy_from_logits(logits)
@@ -325,7 +381,8 @@ class LMPolicy(nn.Module):
         ref_lm = self.lm if self.mode == "lora" else self.ref_lm
         if ref_lm is None:
             raise RuntimeError("no reference model loaded (full mode loads one only when a KL term needs it)")
-        if not self._direct_head[id(self.lm)]:
+        head, ref_head = _plain_head(self.lm), _plain_head(ref_lm)
+        if not self._direct_head[id(self.lm)] or head is None or ref_head is None:
             logits = self._full_logits(self.lm, mb, ACTOR)
             with torch.no_grad(), self.reference():
                 ref_logits = self._full_logits(ref_lm, mb, None)
@@ -334,7 +391,6 @@ class LMPolicy(nn.Module):
             hidden = self.log_probs(mb, keep_hidden=True)["hidden"]
         with torch.no_grad(), self.reference(), self.autocast():
             ref_hidden = self._hidden(ref_lm, mb)  # (n, R, H)
-        head, ref_head = self.lm.get_output_embeddings(), ref_lm.get_output_embeddings()
         return algo.kl_full_from_hidden(
             hidden,
             ref_hidden,
@@ -431,6 +487,13 @@ def _decoder(lm: nn.Module) -> nn.Module:
     return base.get_decoder()
 
 
+def _plain_head(lm: nn.Module) -> nn.Linear | None:
+    """The model's ``lm_head`` when it is a plain linear layer (its logits are ``h W^T + b``), else
+    None (a LoRA adapter on it: peft's layer adds the adapter's product)."""
+    head = lm.get_output_embeddings()
+    return head if isinstance(head, nn.Linear) else None
+
+
 def _hidden_then_head_matches(lm: nn.Module) -> bool:
     """Whether ``lm_head(decoder(x).last_hidden_state)`` equals ``lm(x).logits``.
 
@@ -465,6 +528,22 @@ def lora_config(model_cfg):
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+# train.gradient_checkpointing=auto: on for models of at least this many parameters on an accelerator
+CHECKPOINTING_MIN_PARAMS = 100_000_000
+
+
+def gradient_checkpointing_wanted(setting: bool | str, device: torch.device, num_parameters: int) -> bool:
+    """``train.gradient_checkpointing``: true/false as given; ``auto``: on on an accelerator (not
+    a CPU) for a model of at least :data:`CHECKPOINTING_MIN_PARAMS` parameters. There the
+    activations of a micro-batch outgrow the weights (a 0.5B model: ~0.5 GB per layer for 64 x
+    192 tokens, 24 layers), and recomputing them costs one more forward pass. A CPU trains small
+    models whose activations are small beside the machine's memory, and the forward pass again
+    only costs time (docs/performance.md)."""
+    if setting != "auto":
+        return bool(setting)
+    return torch.device(device).type != "cpu" and num_parameters >= CHECKPOINTING_MIN_PARAMS
 
 
 def build_policy(
@@ -538,6 +617,8 @@ def build_policy(
     policy.full_kl = cfg.algo.beta > 0 and cfg.algo.kl_loss_type == "full"
     policy.to(device)
     policy.cast_frozen_weights(autocast_dtype)
+    if gradient_checkpointing_wanted(cfg.train.gradient_checkpointing, device, sum(p.numel() for p in lm.parameters())):
+        policy.enable_gradient_checkpointing()
     return policy
 
 

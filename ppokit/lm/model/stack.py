@@ -25,6 +25,7 @@ from ppokit.lm.model.checkpoint import load_policy
 from ppokit.lm.model.device import placement, precision_name, resolve_device, resolve_precision, set_threads
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import LMPolicy, build_policy
+from ppokit.lm.model.tiny import build_char_tokenizer
 
 
 @dataclass
@@ -47,6 +48,13 @@ class PolicyStack:
             f"{self.model_path} ({self.policy.mode}, {trainable:,} trainable parameters), {self.device}, "
             f"{precision_name(self.autocast_dtype)}{self.accel_note}"
         )
+
+
+def prompt_tokenizer(cfg: Config):
+    """The tokenizer prompts are counted with before the model is built."""
+    if cfg.model.path == "tiny":
+        return build_char_tokenizer()
+    return load_tokenizer(cfg.model.path, "model.path")
 
 
 def build_policy_stack(

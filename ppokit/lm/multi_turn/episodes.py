@@ -51,6 +51,7 @@ from ppokit.envs.checks import checked_reset, step_or_fail
 from ppokit.envs.metrics import EpisodeRecord, EpisodeTracker
 from ppokit.envs.selfplay import CURRENT
 from ppokit.lm.multi_turn.streams import Stream, StreamCodec
+from ppokit.peak_memory import phase_peak
 
 __all__ = ["EpisodePlayer", "PlayResult", "Trajectory", "TurnData", "TRUNCATION_REASONS"]
 
@@ -100,6 +101,7 @@ class PlayResult:
     first_error: str | None
     time_generate: float
     time_env: float
+    peak_gb_generate: float  # the largest peak memory of a generation call (ppokit.peak_memory)
     generated_tokens: int
     actions: int = 0  # replies generated
     cut_replies: int = 0  # of them, cut by max_new_tokens before a stop token
@@ -152,7 +154,7 @@ class EpisodePlayer:
         """Play ``len(seeds)`` episodes (episode i on ``envs[i]``, reset with ``seeds[i]``)."""
         if len(seeds) > len(self.envs):
             raise ValueError(f"{len(seeds)} episodes but only {len(self.envs)} environments")
-        t_env = t_gen = 0.0
+        t_env = t_gen = peak_gen = 0.0
         tokens = actions_played = cut = 0
         truncations = dict.fromkeys(TRUNCATION_REASONS, 0)
         failures, first_error = 0, None
@@ -183,8 +185,10 @@ class EpisodePlayer:
             actions: dict[int, tuple[list[int], str]] = {}
             for actor, group in by_actor.items():
                 start = time.perf_counter()
-                ids, texts = self.generate(actor, [ep.streams[ep.seat].prompt() for ep in group], greedy)
+                with phase_peak() as peak:
+                    ids, texts = self.generate(actor, [ep.streams[ep.seat].prompt() for ep in group], greedy)
                 t_gen += time.perf_counter() - start
+                peak_gen = max(peak_gen, peak.gb)
                 for ep, a, text in zip(group, ids, texts):
                     actions[ep.index] = (a, text)
                     tokens += len(a)
@@ -212,6 +216,7 @@ class EpisodePlayer:
             first_error=first_error,
             time_generate=t_gen,
             time_env=t_env,
+            peak_gb_generate=peak_gen,
             generated_tokens=tokens,
             actions=actions_played,
             cut_replies=cut,

@@ -203,6 +203,7 @@ class MultiTurnSource:
         out = {
             "time_env": result.time_env,
             "time_generate": result.time_generate,
+            "memory/peak_gb/generate": result.peak_gb_generate,
             "gen_tokens_per_s": result.generated_tokens / max(result.time_generate, 1e-9),
             "env/failures": float(result.failures),
             "env/reply_cut_rate": result.cut_replies / max(result.actions, 1),

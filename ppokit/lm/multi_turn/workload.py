@@ -25,13 +25,15 @@ from typing import Any
 
 from ppokit.components import Components
 from ppokit.config import Config
-from ppokit.envs import make_env
+from ppokit.envs import checked_reset, make_env
+from ppokit.errors import UserError
 from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.learner import LMLearner, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
+from ppokit.lm.model.memory import check_run_fits, model_shape, multi_turn_rows
 from ppokit.lm.model.policy import lora_config
-from ppokit.lm.model.stack import build_policy_stack
+from ppokit.lm.model.stack import build_policy_stack, prompt_tokenizer
 from ppokit.lm.multi_turn.advantages import trajectory_advantages
 from ppokit.lm.multi_turn.demonstrations import warm_started_model
 from ppokit.lm.multi_turn.opponents import AdapterSnapshots
@@ -59,10 +61,27 @@ class MultiTurnWorkload:
 
     def check_inputs(self) -> None:
         """The environment builds and the model directory loads, before a run directory exists."""
-        make_env(self.cfg.textenv.env, **self.cfg.textenv.kwargs)
+        env = make_env(self.cfg.textenv.env, **self.cfg.textenv.kwargs)
         if self.cfg.model.path != "tiny":
             causal_lm_config(self.cfg.model.path)
             load_tokenizer(self.cfg.model.path)
+        self._check_memory(env)
+
+    def _check_memory(self, env: Any) -> None:
+        """Refuse a run that cannot fit its device's memory, sized by the first observation
+        (:func:`ppokit.lm.model.memory.multi_turn_rows`)."""
+        name = getattr(env, "env_name", self.cfg.textenv.env)
+        try:
+            observation, _ = checked_reset(env, seed=self.cfg.seed, name=name)
+        except UserError:  # the run reports a failing reset in its own way (textenv.failure_reward)
+            return
+        text = observation if isinstance(observation, str) else " ".join(str(m) for m in observation)
+        tokens = len(prompt_tokenizer(self.cfg)(text)["input_ids"])
+        message = getattr(env, "observation_mode", "state") == "message"
+        shape = model_shape(self.cfg.model.path)
+        context = shape.max_positions if shape is not None else None
+        rows, prompt, response = multi_turn_rows(self.cfg, tokens, message, context)
+        check_run_fits(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)

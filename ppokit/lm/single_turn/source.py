@@ -128,6 +128,7 @@ class LMSource:
             "response_length": lengths.mean().item(),
             "truncated_frac": rollout.truncated.float().mean().item(),
             "time_generate": rollout.generation_time,
+            "memory/peak_gb/generate": rollout.generation_peak_gb,
             "time_reward": time_reward,
             "gen_tokens_per_s": lengths.sum().item() / max(rollout.generation_time, 1e-9),
             "data_epoch": self.prompts.epoch + self.prompts.position / len(self.prompts.items),
@@ -249,6 +250,7 @@ def concat_parts(parts: list[RolloutPart], pad_id: int) -> RolloutPart:
         items=[x for r in rollouts for x in r.items],
         rollout_log_prob=rollout_log_prob,
         generation_time=max(r.generation_time for r in rollouts),
+        generation_peak_gb=max(r.generation_peak_gb for r in rollouts),
     )
     return RolloutPart(merged, old_log_prob, max(p.behaviour_time for p in parts))
 

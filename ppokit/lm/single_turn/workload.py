@@ -47,8 +47,8 @@ from ppokit.lm.learner import LMLearner, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
-from ppokit.lm.model.stack import build_policy_stack
-from ppokit.lm.model.tiny import build_char_tokenizer
+from ppokit.lm.model.memory import check_run_fits, longest_prompt_tokens
+from ppokit.lm.model.stack import build_policy_stack, prompt_tokenizer
 from ppokit.lm.rewards.functions import BUILTIN_REWARDS
 from ppokit.lm.rewards.pool import make_reward_scorer
 from ppokit.lm.rewards.reward_model import RewardModel
@@ -78,6 +78,9 @@ class LMWorkload:
         if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
             train_items, _, _ = drop_long(cfg, train_items, eval_items, [])
             check_token_budget(cfg, prompt_tokenizer(cfg), train_items)
+        # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
+        prompts = [x["prompt"] for x in train_items + eval_items]
+        check_run_fits(cfg, prompt_tokens=longest_prompt_tokens(prompt_tokenizer(cfg), prompts))
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)  # the policy's files are there (a UserError names what is wrong)
@@ -198,13 +201,6 @@ def drop_long(
             f"{len(eval_items)} held-out prompts longer than {limit} tokens (data.max_prompt_tokens)"
         )
     return kept, eval_kept, dropped
-
-
-def prompt_tokenizer(cfg: Config):
-    """The tokenizer prompts are counted with before the model is built."""
-    if cfg.model.path == "tiny":
-        return build_char_tokenizer()
-    return load_tokenizer(cfg.model.path, "model.path")
 
 
 def check_token_budget(cfg: Config, tokenizer, items: list[dict]) -> None:

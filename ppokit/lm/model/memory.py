@@ -1,0 +1,490 @@
+"""The memory a language-model run needs, estimated from its config and its model's shape before
+it starts; a run that cannot fit is refused with one line.
+
+An iteration has three phases (generate, score, update), and the memory of each is what
+stays for the whole run plus what that phase adds and frees again. The largest phase is
+compared with the device's memory (a GPU's free memory, or the machine's available memory
+on a CPU); the estimate aims at the peak the run reaches, not at a bound on it.
+
+Notation: ``H`` hidden size, ``ℓ`` layers, ``h`` attention heads, ``k`` key/value heads,
+``d`` head size, ``F`` MLP size, ``V`` vocabulary, ``W`` the model's parameters, ``P``
+the longest prompt, ``R`` = ``rollout.max_new_tokens``, ``L = P + R``, ``N`` sequences
+per iteration (``train.batch_size``; multi-turn: rows), ``w`` bytes of a frozen weight and
+``a`` of an activation (2 under bf16 autocast, 4 in fp32). Bytes::
+
+    weights      lora: W w + 4 A (A: the adapters' and value head's parameters, fp32)
+                 full: 4 W actor + 4 W critic + W w reference (each only when built)
+                 + the reward model's W_rm w
+    optimizer    12 per trained parameter (its gradient and AdamW's two moments, fp32)
+    rollout      N (24 L + 48 R + 1536): input ids, attention mask and positions (int64),
+                 responses, ~10 float32 tensors per response token (log-probs, values,
+                 rewards, advantages, ...), and a sample's Python strings and token lists
+                 (1536 bytes: measured, 512 -> 8192 sequences of the arith task)
+    runtime      CPU: 0.45 GB (Python, torch, transformers); CUDA: 0.5 GB (its context, outside
+                 the allocator)
+
+    generate     g = min(rollout.micro_batch_size, N) sequences at a time
+                 KV cache 2 (ℓ + 1) k d g L a (a layer's cache is copied as it grows)
+                 + the prompts' pass, one layer at a time: g P (6 H + 3 F) a (+ eager attention
+                   scores g h P² 4)
+                 + the next-token distribution and sampling, 4 g V x 4
+                 + the token tensors of the whole batch being assembled, 32 N L
+    score        s = min(train.infer_micro_batch_size, N) sequences per pass, no gradients:
+                 one layer's activations s L (6 H + 3 F) a (+ scores s h L² 4, eager),
+                 the last hidden states 4 s L H, the logits of one chunk of positions
+                 (ppokit.algo.log_probs_from_hidden) 3 c V 4, c = min(2^26 / V, s R)
+    update       u = tokens of a micro-batch (train.micro_batch_size x L, or
+                 train.micro_batch_tokens), passes = 2 with a critic (actor and critic both
+                 keep their activations until the one backward pass), else 1:
+                 saved activations  passes ℓ u S,   S = (10 H + 4 F) a (+ h L s_att, eager)
+                 with gradient checkpointing  passes ℓ u H a + 3 u S (the layers' inputs; the
+                 replayed layer's activations, its temporaries and gradients)
+                 + one layer's gradients in flight u S, outside the layers passes u 12 H,
+                 the logits chunk 3 c V 4, and under bf16 the autocast copies 2 W of each
+                 trained model (full mode)
+
+``S`` per token and layer was measured with autograd's saved-tensor hooks on Llama layers
+(docs/performance.md, "Memory"): 8-10 ``H`` and 3-4 ``F`` values per pass in fp32, ~10 ``H``
+and 4 ``F`` (plus a few float32 norm statistics) in bf16; eager attention keeps its
+``h L`` probabilities per token, 4 bytes each in fp32, ``s_att`` = 6 in bf16 (the bf16
+probabilities and their float32 softmax); SDPA keeps O(L) per token.
+
+On a CPU with local Ray processes (``cluster.rollout_workers``, ``cluster.learners``) the
+other processes share the machine: each rollout worker adds runtime, the actor's weights
+and generation; each further learner its update phase. With GPUs every process has its
+own, and the estimate is the largest process's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ppokit.algo.hidden_log_probs import DEFAULT_CHUNK_ELEMENTS
+from ppokit.errors import UserError
+
+__all__ = [
+    "MemoryEstimate",
+    "ModelShape",
+    "available_memory",
+    "check_run_fits",
+    "estimate_memory",
+    "longest_prompt_tokens",
+    "model_shape",
+    "multi_turn_rows",
+]
+
+GB = 1e9
+CPU_RUNTIME = 0.45e9  # resident size of a process with torch, transformers and peft loaded
+CUDA_CONTEXT = 0.5e9  # the CUDA context and kernels, outside the caching allocator
+ROLLOUT_INT64_TENSORS = 3  # input_ids, attention_mask, position_ids over (N, L)
+ROLLOUT_FLOAT_TENSORS = 10  # float32 tensors over (N, R) (plus responses, int64)
+SAMPLE_OBJECTS = 1536  # bytes of a sample's Python objects (its text, token lists, record), measured
+# models whose MLP is not gated (two matrices, not three)
+UNGATED_MODEL_TYPES = ("gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon", "phi", "codegen", "mpt")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a decoder-only transformer."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool = False
+    gated_mlp: bool = True
+    attention_bias: bool = False  # q, k, v (and o) projections with biases (Qwen2: q, k, v)
+    max_positions: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelShape:
+        """From a transformers config (Llama/Qwen/Mistral names, or GPT-2's)."""
+        get = getattr(config, "get_text_config", None)
+        c = get() if callable(get) else config
+
+        def first(*names: str, default: Any = None) -> Any:
+            for name in names:
+                value = getattr(c, name, None)
+                if value is not None:
+                    return value
+            return default
+
+        hidden = int(first("hidden_size", "n_embd", "d_model"))
+        heads = int(first("num_attention_heads", "n_head", default=1))
+        return cls(
+            hidden_size=hidden,
+            num_layers=int(first("num_hidden_layers", "n_layer", "num_layers")),
+            num_heads=heads,
+            num_kv_heads=int(first("num_key_value_heads", default=heads)),
+            head_dim=int(first("head_dim", default=hidden // heads)),
+            intermediate_size=int(first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
+            vocab_size=int(first("vocab_size")),
+            tied_embeddings=bool(first("tie_word_embeddings", default=False)),
+            gated_mlp=getattr(c, "model_type", "") not in UNGATED_MODEL_TYPES,
+            attention_bias=bool(first("attention_bias", default=getattr(c, "model_type", "") == "qwen2")),
+            max_positions=first("max_position_embeddings", "n_positions"),
+        )
+
+    @classmethod
+    def from_tiny_spec(cls, spec: Any) -> ModelShape:
+        """From the built-in tiny model's :class:`~ppokit.lm.model.tiny.TinySpec`."""
+        return cls(
+            hidden_size=spec.hidden_size,
+            num_layers=spec.num_layers,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_heads,
+            head_dim=spec.hidden_size // spec.num_heads,
+            intermediate_size=spec.mlp_size,
+            vocab_size=spec.vocab_size,
+            max_positions=spec.max_position_embeddings,
+        )
+
+    def linear_layers(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of one decoder layer, by the name LoRA targets."""
+        H, F = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layers = {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H)}
+        if self.gated_mlp:
+            layers.update(gate_proj=(H, F), up_proj=(H, F), down_proj=(F, H))
+        else:
+            layers.update(up_proj=(H, F), down_proj=(F, H))
+        return layers
+
+    @property
+    def num_parameters(self) -> int:
+        """``V H`` (embedding) ``+ V H`` (untied lm_head) ``+ ℓ (linear layers + 2 H) + H``
+        (+ the q, k, v biases of models that have them)."""
+        per_layer = sum(i * o for i, o in self.linear_layers().values()) + 2 * self.hidden_size
+        if self.attention_bias:  # q, k, v
+            per_layer += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        heads = 1 if self.tied_embeddings else 2
+        return heads * self.vocab_size * self.hidden_size + self.num_layers * per_layer + self.hidden_size
+
+    def lora_parameters(self, rank: int, targets: str | list[str]) -> int:
+        """One adapter's parameters: ``rank (in + out)`` of every targeted linear layer
+        (``all-linear``: every one but lm_head)."""
+        names = set(self.linear_layers()) if targets == "all-linear" else set(targets)
+        per_layer = sum(rank * (i + o) for name, (i, o) in self.linear_layers().items() if name in names)
+        head = rank * (self.hidden_size + self.vocab_size) if "lm_head" in names else 0
+        return self.num_layers * per_layer + head
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes: what stays for the run (``resident``) and what each phase adds (``phases``)."""
+
+    resident: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    other_processes: float = 0.0  # CPU: local Ray processes beside this one
+
+    def phase_total(self, phase: str) -> float:
+        return sum(self.resident.values()) + sum(self.phases[phase].values()) + self.other_processes
+
+    @property
+    def largest_phase(self) -> str:
+        return max(self.phases, key=self.phase_total)
+
+    @property
+    def total(self) -> float:
+        """The largest phase, everything resident included."""
+        return self.phase_total(self.largest_phase)
+
+    def largest_part(self) -> tuple[str, float]:
+        """The single largest term of the largest phase (resident or its own)."""
+        parts = {**self.resident, **self.phases[self.largest_phase]}
+        if self.other_processes:
+            parts["other_processes"] = self.other_processes
+        name = max(parts, key=parts.get)
+        return name, parts[name]
+
+
+MICRO_BATCH = "lower train.micro_batch_size (or set train.micro_batch_tokens)"
+GENERATION = "lower rollout.micro_batch_size"
+SCORING = "lower train.infer_micro_batch_size"
+
+
+def advice(part: str, cfg: Any) -> str:
+    """The config field that shrinks ``part`` of an estimate, in words for the message."""
+    t = cfg.train
+    if part in ("rollout", "batch_tokens"):
+        return f"lower train.batch_size (now {t.batch_size})"
+    if part == "weights":
+        if cfg.model.mode == "full":
+            return "use model.mode=lora (one frozen backbone, no critic or reference copies) or a smaller model"
+        return "use a smaller model (model.path)" + ("" if cfg.run.precision == "bf16" else " or run.precision=bf16")
+    if part in ("optimizer", "autocast_copies"):
+        return "use model.mode=lora (or a smaller model)"
+    if part == "activations":
+        checkpointing = "" if t.gradient_checkpointing is True else ", or set train.gradient_checkpointing=true"
+        return f"lower train.micro_batch_size (now {cfg.micro_batch_size}){checkpointing}"
+    if part in ("backward", "update_logits"):
+        return MICRO_BATCH
+    if part in ("kv_cache", "prefill", "sampling"):
+        return f"{GENERATION} (now {cfg.rollout.micro_batch_size})"
+    if part.startswith("score_"):
+        return f"{SCORING} (now {t.infer_micro_batch_size})"
+    if part == "other_processes":
+        return "use fewer cluster.rollout_workers or cluster.learners"
+    return "free memory on the machine"
+
+
+def estimate_memory(
+    cfg: Any,
+    model: ModelShape,
+    *,
+    prompt_tokens: int,
+    rows: int | None = None,
+    response_tokens: int | None = None,
+    bf16: bool,
+    device_type: str,
+    checkpointing: bool,
+    eager_attention: bool,
+    reward_model: ModelShape | None = None,
+) -> MemoryEstimate:
+    """The estimate of the module docstring for ``cfg`` on ``model``.
+
+    ``prompt_tokens``: the longest prompt (P); ``rows``: sequences per iteration (default
+    ``train.batch_size``; multi-turn: rows); ``response_tokens``: R (default
+    ``rollout.max_new_tokens``); ``bf16``: autocast in bf16; ``checkpointing``: gradient
+    checkpointing on; ``eager_attention``: attention keeps its (L x L) probabilities.
+    """
+    t, m, a = cfg.train, cfg.model, cfg.algo
+    H, F, V, layers = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
+    heads, kv = model.num_heads, model.num_kv_heads * model.head_dim
+    w = act = 2 if bf16 else 4
+    s_att = 6 if bf16 else 4
+    N = rows if rows is not None else t.batch_size
+    R = response_tokens if response_tokens is not None else cfg.rollout.max_new_tokens
+    P = prompt_tokens
+    L = P + R
+    W = model.num_parameters
+    critic = cfg.uses_critic
+    reference = a.beta > 0 or a.use_kl_in_reward
+
+    est = MemoryEstimate()
+    if m.mode == "lora":
+        adapters = model.lora_parameters(m.lora_rank, m.lora_target_modules) * (2 if critic else 1)
+        trained = adapters + ((H + 1) if critic else 0)
+        weights = W * w + 4 * trained
+        trained_models = 0
+    else:
+        trained_models = 2 if critic else 1
+        trained = trained_models * W + ((H + 1) if critic else 0)
+        weights = 4 * trained + (W * w if reference else 0)
+    if reward_model is not None:
+        weights += reward_model.num_parameters * w
+    est.resident = {
+        "runtime": CUDA_CONTEXT if device_type == "cuda" else CPU_RUNTIME,
+        "weights": weights,
+        "optimizer": 12 * trained,
+        "rollout": N * (8 * ROLLOUT_INT64_TENSORS * L + (8 + 4 * ROLLOUT_FLOAT_TENSORS) * R + SAMPLE_OBJECTS),
+    }
+
+    g = min(cfg.rollout.micro_batch_size, N)
+    prefill = g * P * (6 * H + 3 * F) * act + (g * heads * P * P * 4 if eager_attention else 0)
+    est.phases["generate"] = {
+        "kv_cache": 2 * (layers + 1) * kv * g * L * act,  # + one layer's growing copy
+        "prefill": prefill,
+        "sampling": 4 * g * V * 4,
+        "batch_tokens": 32 * N * L,
+    }
+
+    s = min(t.infer_micro_batch_size, N)
+    chunk = min(max(1, DEFAULT_CHUNK_ELEMENTS // V), s * R)
+    est.phases["score"] = {
+        "score_layer": s * L * (6 * H + 3 * F) * act + (s * heads * L * L * 4 if eager_attention else 0),
+        "score_hidden": 4 * s * L * H,
+        "score_logits": 3 * chunk * V * 4,
+    }
+
+    micro_rows = min(cfg.micro_batch_size, N)
+    u = t.micro_batch_tokens if t.micro_batch_tokens is not None else micro_rows * L
+    passes = 2 if critic else 1
+    per_token_layer = (10 * H + 4 * F) * act + (heads * L * s_att if eager_attention else 0)  # S
+    if checkpointing:  # the layers' inputs, and the replayed layer: its activations, temporaries, gradients
+        activations = passes * layers * u * H * act + 3 * u * per_token_layer
+    else:
+        activations = passes * layers * u * per_token_layer
+    update_chunk = min(max(1, DEFAULT_CHUNK_ELEMENTS // V), micro_rows * R)
+    est.phases["update"] = {
+        "activations": activations + passes * u * 12 * H,
+        "backward": u * per_token_layer,
+        "update_logits": 3 * update_chunk * V * 4,
+        "autocast_copies": 2 * W * trained_models if bf16 else 0,
+    }
+    return est
+
+
+def add_local_processes(est: MemoryEstimate, cfg: Any, model: ModelShape, bf16: bool) -> None:
+    """CPU, local Ray: the rollout workers (actor weights and generation each) and the learner
+    ranks beyond the first (each an update phase) share this machine's memory."""
+    c = cfg.cluster
+    if c.address is not None:
+        return
+    w = 2 if bf16 else 4
+    worker = CPU_RUNTIME + model.num_parameters * w + sum(est.phases["generate"].values())
+    learner = est.phase_total("update") - est.other_processes
+    est.other_processes = c.rollout_workers * worker + max(0, c.learners - 1) * learner
+
+
+def available_memory(device: Any) -> tuple[float, str]:
+    """(bytes, words) of the memory a run on ``device`` may use: a GPU's free memory
+    (``torch.cuda.mem_get_info``), or the machine's ``MemAvailable`` plus this process's
+    own resident size (a CPU)."""
+    import torch  # noqa: PLC0415 - heavy; the check imports it only when a run starts
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return float(free), f"{device} has {free / GB:.1f} GB free of {total / GB:.1f} GB"
+    available = _meminfo_bytes("MemAvailable")
+    if available is None:
+        return float("inf"), "the machine's memory is unknown"
+    return available + _own_resident_bytes(), f"the machine has {available / GB:.1f} GB available"
+
+
+def _meminfo_bytes(key: str) -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024.0
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _own_resident_bytes() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def describe(est: MemoryEstimate) -> str:
+    """``about 132.5 GB (largest phase: generate; its largest part: rollout 96.8 GB)``."""
+    part, size = est.largest_part()
+    phase = est.largest_phase
+    return f"about {est.total / GB:.1f} GB (largest phase: {phase}; its largest part: {part} {size / GB:.1f} GB)"
+
+
+def check_fits(est: MemoryEstimate, available: float, where: str, cfg: Any) -> None:
+    """UserError when the estimate's largest phase exceeds ``available`` bytes."""
+    if est.total <= available:
+        return
+    part, _ = est.largest_part()
+    fix = advice(part, cfg)
+    raise UserError(
+        f"not enough memory: this run needs {describe(est)} but {where}; {fix}, or set run.memory_check=false "
+        "to start anyway"
+    )
+
+
+# ----------------------------------------------------------------------------- the model's shape
+def model_shape(path: str | Path, what: str = "model.path") -> ModelShape | None:
+    """The shape of the model at ``path`` (its config.json), or of the built-in tiny model; None
+    when the config does not say (an architecture without the usual size fields)."""
+    if str(path) == "tiny":
+        from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC  # noqa: PLC0415 - tokenizers on import
+
+        return ModelShape.from_tiny_spec(DEFAULT_TINY_SPEC)
+    from ppokit.lm.model.hf import causal_lm_config  # noqa: PLC0415 - transformers on use
+
+    try:
+        return ModelShape.from_hf_config(causal_lm_config(path, what))
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def reward_model_shape(path: str | Path) -> ModelShape | None:
+    """A reward model's shape from its config.json (None when it cannot be read: its loader says why)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+    class _Config:
+        def __init__(self, d: dict) -> None:
+            self.__dict__.update(d)
+
+    try:
+        return ModelShape.from_hf_config(_Config(config))
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def longest_prompt_tokens(tokenizer: Any, texts: list[str], sample: int = 64) -> int:
+    """The token count of the longest of ``texts``, from the ``sample`` longest by characters
+    (tokenizing a large data set whole would cost more than the check is worth)."""
+    longest = sorted((t for t in texts if isinstance(t, str)), key=len, reverse=True)[:sample]
+    if not longest:
+        return 0
+    return max(len(ids) for ids in tokenizer(longest)["input_ids"])
+
+
+def multi_turn_rows(cfg: Any, observation_tokens: int, message_mode: bool, context: int | None) -> tuple[int, int, int]:
+    """``(rows, P, R)`` of a multi-turn iteration from the first observation's length:
+    state mode, one row per turn (``train.batch_size x textenv.max_turns``, both seats of a
+    self-play game included), the observation as the prompt and ``rollout.max_new_tokens``;
+    message mode, one row per seat of an episode (two at most) with the rest of the
+    conversation as its response region (``textenv.max_episode_tokens``, else every turn's
+    reply and an observation as long as the first, within the model's context)."""
+    t, R = cfg.textenv, cfg.rollout.max_new_tokens
+    if not message_mode:
+        return cfg.train.batch_size * t.max_turns, observation_tokens, R
+    stream = t.max_episode_tokens or t.max_turns * (R + observation_tokens)
+    if context is not None:
+        stream = min(stream, max(context - observation_tokens, R))
+    return 2 * cfg.train.batch_size, observation_tokens, stream
+
+
+def check_run_fits(
+    cfg: Any, *, prompt_tokens: int, rows: int | None = None, response_tokens: int | None = None
+) -> MemoryEstimate | None:
+    """Estimate ``cfg``'s memory (module docstring) and refuse, with one line, a run whose
+    largest phase exceeds the memory of its device; the estimate (None when
+    ``run.memory_check`` is off, or the model's config does not give its sizes)."""
+    if not cfg.run.memory_check:
+        return None
+    from ppokit.lm.model.device import (  # noqa: PLC0415 - torch on import
+        attention_implementation,
+        resolve_precision,
+        run_device,
+    )
+    from ppokit.lm.model.policy import gradient_checkpointing_wanted  # noqa: PLC0415 - peft, transformers
+
+    device = run_device(cfg)
+    model = model_shape(cfg.model.path)
+    if model is None:
+        return None
+    if cfg.data.max_prompt_tokens is not None:  # longer prompts are dropped
+        prompt_tokens = min(prompt_tokens, cfg.data.max_prompt_tokens)
+    bf16 = resolve_precision(cfg.run.precision, device) is not None
+    attention = attention_implementation(cfg.model.attn_implementation, device)
+    est = estimate_memory(
+        cfg,
+        model,
+        prompt_tokens=prompt_tokens,
+        rows=rows,
+        response_tokens=response_tokens,
+        bf16=bf16,
+        device_type=device.type,
+        checkpointing=gradient_checkpointing_wanted(cfg.train.gradient_checkpointing, device, model.num_parameters),
+        eager_attention=attention == "eager",
+        reward_model=reward_model_shape(cfg.data.reward_model) if cfg.data.reward_model else None,
+    )
+    if device.type == "cpu":
+        add_local_processes(est, cfg, model, bf16)
+    available, where = available_memory(device)
+    check_fits(est, available, where, cfg)
+    return est

@@ -1,0 +1,249 @@
+"""ppokit.lm.model.memory: the model's shape from its config, the estimate's terms, the estimate
+against a measured run, the refusal, and every preset, demo and bench run fitting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppokit.config import build_config, load_config, preset_names
+from ppokit.errors import UserError
+from ppokit.lm.model import memory
+from ppokit.lm.model.memory import GB, ModelShape, check_fits, estimate_memory, model_shape, multi_turn_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- the shape
+def test_the_shape_counts_the_parameters_of_llama_and_qwen2_models(tiny_dir, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+
+    shape = model_shape(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert shape.num_parameters == _count(model)
+    assert shape.vocab_size == 56 and shape.num_layers == 2 and shape.max_positions == 64
+    for tied in (False, True):
+        config = Qwen2Config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=300,
+            tie_word_embeddings=tied,
+        )
+        qwen = AutoModelForCausalLM.from_config(config)
+        assert ModelShape.from_hf_config(config).num_parameters == _count(qwen), tied  # q, k, v biases, GQA
+    # GPT-2 (ungated MLP, learned positions and biases the formula leaves out): within 5%
+    gpt2 = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=64)
+    count = _count(AutoModelForCausalLM.from_config(gpt2))
+    assert ModelShape.from_hf_config(gpt2).num_parameters == pytest.approx(count, rel=0.05)
+
+
+def test_the_tiny_spec_gives_the_shape_of_the_model_it_builds(tmp_path):
+    from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_tiny_model
+
+    built = model_shape(build_tiny_model(tmp_path / "tiny"))
+    assert model_shape("tiny") == built
+    assert built.num_parameters == DEFAULT_TINY_SPEC.num_parameters()
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"], ["down_proj", "lm_head"]])
+def test_lora_parameters_are_peft_s(tiny_dir, targets):
+    from ppokit.lm.model.policy import build_policy
+
+    cfg = build_config([{"workload": "lm", "model": {"path": str(tiny_dir), "lora_target_modules": targets}}])
+    policy = build_policy(cfg, tiny_dir, device=torch.device("cpu"), autocast_dtype=None)
+    actor = sum(p.numel() for p in policy.adapter_parameters("actor"))
+    assert model_shape(tiny_dir).lora_parameters(8, targets) == actor
+
+
+# ----------------------------------------------------------------------------- the terms
+def _estimate(**overrides):
+    layers = [{"workload": "lm", "train": {"iterations": 1}}]
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        layers.append({section: {name: value}})
+    cfg = build_config(layers)
+    defaults = dict(prompt_tokens=100, bf16=True, device_type="cuda", checkpointing=False, eager_attention=False)
+    return estimate_memory(cfg, QWEN_05B, **defaults)
+
+
+# Qwen2.5-0.5B's shape (config.json of the hub model)
+QWEN_05B = ModelShape(
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tied_embeddings=True,
+    attention_bias=True,
+    max_positions=32768,
+)
+
+
+def test_the_terms_move_with_the_fields_that_set_them():
+    assert QWEN_05B.num_parameters == 494_032_768  # the hub model's count
+    base = _estimate()
+    adapters = 2 * 24 * 8 * (2 * (896 + 896) + 2 * (896 + 128) + 3 * (896 + 4864))  # actor and critic, rank 8
+    assert adapters == 8_798_208
+    assert base.resident["weights"] == pytest.approx(2 * 494_032_768 + 4 * (adapters + 897), rel=1e-9)
+    # rollout storage is linear in the batch
+    double = _estimate(train__batch_size=512)
+    assert double.resident["rollout"] == pytest.approx(2 * base.resident["rollout"])
+    # micro-batches set the update's activations; gradient checkpointing keeps the layers' inputs only
+    big = _estimate(train__micro_batch_size=8)
+    assert big.phases["update"]["activations"] == pytest.approx(8 * base.phases["update"]["activations"])
+    layers, H, u = 24, 896, 8 * 116  # 100 prompt tokens + 16 response tokens
+    checkpointed = estimate_memory(
+        build_config([{"workload": "lm", "train": {"iterations": 1, "micro_batch_size": 8}}]),
+        QWEN_05B,
+        prompt_tokens=100,
+        bf16=True,
+        device_type="cuda",
+        checkpointing=True,
+        eager_attention=False,
+    )
+    S = (10 * H + 4 * 4864) * 2
+    assert checkpointed.phases["update"]["activations"] == pytest.approx(
+        2 * layers * u * H * 2 + 3 * u * S + 2 * u * 12 * H
+    )
+    assert checkpointed.phases["update"]["activations"] < big.phases["update"]["activations"] / 4
+    # no critic (GRPO): one pass, one adapter, no value head
+    grpo = _estimate(algo__adv_estimator="grpo", algo__group_size=4)
+    assert grpo.phases["update"]["activations"] == pytest.approx(base.phases["update"]["activations"] / 2)
+    assert grpo.resident["optimizer"] < base.resident["optimizer"]
+    # full fine-tuning: fp32 actor and critic with AdamW, a bf16 reference only with a KL term
+    full = _estimate(model__mode="full")
+    assert full.resident["weights"] == pytest.approx(4 * (2 * 494_032_768 + 897))
+    with_ref = _estimate(model__mode="full", algo__beta=0.1)
+    assert with_ref.resident["weights"] - full.resident["weights"] == pytest.approx(2 * 494_032_768)
+    assert full.resident["optimizer"] == pytest.approx(12 * (2 * 494_032_768 + 897))
+    # generation's KV cache: rows at a time x positions x layers
+    gen = _estimate(rollout__micro_batch_size=128)
+    assert gen.phases["generate"]["kv_cache"] == pytest.approx(2 * 25 * 128 * 128 * 116 * 2)
+
+
+def test_the_largest_phase_and_part_and_the_message():
+    est = _estimate(train__batch_size=10**8)
+    assert est.largest_part()[0] == "rollout"
+    assert est.total == max(est.phase_total(p) for p in ("generate", "score", "update"))
+    cfg = build_config([{"workload": "lm", "train": {"iterations": 1, "batch_size": 10**8}}])
+    check_fits(est, est.total, "enough", cfg)  # exactly enough: no error
+    with pytest.raises(UserError) as err:
+        check_fits(est, est.total - 1, "the machine has 1.0 GB available", cfg)
+    line = str(err.value)
+    assert line.startswith(f"not enough memory: this run needs about {est.total / GB:.1f} GB (largest phase: ")
+    assert "rollout" in line and "lower train.batch_size (now 100000000)" in line and "\n" not in line
+
+
+def test_multi_turn_rows():
+    cfg = build_config(
+        [{"workload": "lm", "textenv": {"env": "tictactoe", "max_turns": 9}, "train": {"iterations": 1}}]
+    )
+    assert multi_turn_rows(cfg, 40, False, 64) == (256 * 9, 40, 16)
+    assert multi_turn_rows(cfg, 40, True, 4096) == (512, 40, 9 * (16 + 40))
+    assert multi_turn_rows(cfg, 40, True, 400) == (512, 40, 360)  # within the model's context
+
+
+# ----------------------------------------------------------------------------- against a measured run
+@pytest.mark.slow
+def test_the_estimate_is_within_a_quarter_of_the_measured_peaks_on_a_cpu(tmp_path):
+    """One iteration in a fresh process (the metric is its resident peak per phase): each phase's
+    estimate within 25% of what was measured (docs/performance.md has the figures)."""
+    args = [
+        "arith",
+        "data.sft_epochs=0",
+        "data.eval_size=0",
+        "train.iterations=1",
+        "train.batch_size=256",
+        "train.micro_batch_size=256",
+        "train.infer_micro_batch_size=256",
+        "rollout.max_new_tokens=32",
+        "run.torch_threads=1",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "ppokit", "train", *args, "--output-dir", str(tmp_path), "--name", "run"]
+        + ["--no-progress", "run.tensorboard=false"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    cfg = load_config("arith", args[1:])
+    est = estimate_memory(
+        cfg,
+        model_shape("tiny"),
+        prompt_tokens=7,  # "37+48=" and <bos>
+        bf16=False,
+        device_type="cpu",
+        checkpointing=False,
+        eager_attention=True,
+    )
+    for phase in ("generate", "score", "update"):
+        measured = row[f"memory/peak_gb/{phase}"] * GB
+        assert est.phase_total(phase) == pytest.approx(measured, rel=0.25), (phase, est.phase_total(phase), measured)
+
+
+# ----------------------------------------------------------------------------- nothing we ship is refused
+LM_PRESETS = [name for name in preset_names() if load_config(name, []).workload == "lm"]
+
+
+@pytest.mark.parametrize("preset", LM_PRESETS)
+def test_every_preset_and_demo_fits_a_laptop(preset, monkeypatch):
+    """Each lm preset (the demos are presets) through the workload's own check, on a machine with 4 GB."""
+    from ppokit.workloads import make_workload
+
+    estimates = []
+    checked = memory.check_run_fits
+
+    def check(cfg, **kwargs):
+        estimates.append(checked(cfg, **kwargs))
+        return estimates[-1]
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: (4e9, "a laptop has 4 GB"))
+    for module in ("ppokit.lm.single_turn.workload", "ppokit.lm.multi_turn.workload"):
+        monkeypatch.setattr(f"{module}.check_run_fits", check)
+    cfg = load_config(preset, ["run.device=cpu"])
+    make_workload(cfg).check_inputs()
+    (est,) = estimates
+    assert est is not None and est.total < 4e9
+    # the dist bench runs the preset with a rollout worker, or two learners, beside it
+    for extra in (["cluster.rollout_workers=1"], ["cluster.learners=2"]):
+        if preset == "arith":
+            estimates.clear()
+            make_workload(load_config(preset, ["run.device=cpu", *extra])).check_inputs()
+            assert estimates[0].other_processes > 0 and estimates[0].total < 4e9
+
+
+def test_the_lm_bench_defaults_fit_this_kind_of_machine():
+    """bench/lm.py's default iteration (a ~50 M-parameter model, 256 sequences, micro-batches of 32
+    for the throughput runs) on a CPU with 16 GB, in both modes."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import lm as bench
+    finally:
+        sys.path.pop(0)
+    shape = ModelShape(640, 10, 10, 10, 64, 1712, 56, max_positions=512)
+    a = argparse.Namespace(batch=256, micro=32, response_len=32, precision="fp32", device="cpu")
+    for mode in ("lora", "full"):
+        cfg = bench.make_config(a, mode, Path("tiny"))
+        est = estimate_memory(
+            cfg, shape, prompt_tokens=24, bf16=False, device_type="cpu", checkpointing=False, eager_attention=True
+        )
+        assert est.total < 16e9, (mode, est.total / GB)

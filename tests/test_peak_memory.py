@@ -1,0 +1,94 @@
+"""ppokit.peak_memory: the peak memory of a phase (CPU: the resident peak, reset per phase), nested
+phases, the fallback without a reset, and the memory metrics of a run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ppokit import peak_memory
+from ppokit.loop import memory_metrics
+from ppokit.peak_memory import PhasePeak, phase_peak
+
+MB = 1e6 / 1e9  # one megabyte in GB
+
+
+def _touch(megabytes: int) -> torch.Tensor:
+    """A tensor of ``megabytes`` whose pages are all resident."""
+    t = torch.empty(megabytes * 1_000_000, dtype=torch.uint8)
+    t.fill_(1)
+    return t
+
+
+def _resident_gb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024 / 1e9
+
+
+needs_reset = pytest.mark.skipif(peak_memory.source() != "vm_hwm", reason="needs a resettable VmHWM (Linux)")
+
+
+@needs_reset
+def test_a_phase_sees_its_own_peak_and_the_next_phase_starts_afresh():
+    base = _resident_gb()
+    with phase_peak() as big:
+        t = _touch(300)
+        del t  # freed before the phase ends: the peak stays
+    with phase_peak() as small:
+        t = _touch(20)
+        del t
+    assert big.gb >= base + 280 * MB, (big.gb, base)
+    assert small.gb < big.gb - 200 * MB, (small.gb, big.gb)  # the first phase's peak was reset
+
+
+@needs_reset
+def test_nested_phases_keep_the_outer_peak_from_before_the_inner_phase():
+    base = _resident_gb()
+    with phase_peak() as outer:
+        t = _touch(300)
+        del t
+        with phase_peak() as inner:
+            u = _touch(50)
+            del u
+        after = _touch(10)
+        del after
+    assert inner.gb < outer.gb - 200 * MB
+    assert outer.gb >= base + 280 * MB  # the inner phase's reset did not lose it
+    assert outer.gb >= inner.gb
+
+
+def test_without_a_reset_each_phase_reports_the_peak_so_far(monkeypatch):
+    monkeypatch.setattr(peak_memory, "_resettable", False)
+    monkeypatch.setattr(peak_memory, "_cuda", lambda: False)
+    assert peak_memory.source() == "ru_maxrss"
+    with phase_peak() as first:
+        t = _touch(50)
+        del t
+    with phase_peak() as second:
+        pass
+    assert first.gb > 0 and second.gb >= first.gb  # never reset: monotone
+
+
+def test_memory_metrics_name_each_phase_and_the_largest():
+    out = memory_metrics(collect=PhasePeak(1.5), score=PhasePeak(0.5), update=PhasePeak(2.25))
+    assert out == {
+        "memory/peak_gb/collect": 1.5,
+        "memory/peak_gb/score": 0.5,
+        "memory/peak_gb/update": 2.25,
+        "memory/peak_gb": 2.25,
+    }
+
+
+def test_a_control_run_logs_the_memory_of_each_phase(tmp_path):
+    from ppokit.cli import main
+    from ppokit.rundir import read_metrics
+
+    args = ["train", "cartpole", "train.total_steps=256", "env.num_envs=2", "env.num_steps=64"]
+    args += ["train.mini_batch_size=64", "env.eval_episodes=0"]
+    assert main([*args, "--output-dir", str(tmp_path), "--name", "run", "--no-progress", "run.tensorboard=false"]) == 0
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2
+    for row in rows:
+        phases = [row[f"memory/peak_gb/{p}"] for p in ("collect", "score", "update")]
+        assert all(0.01 < gb < 100 for gb in phases), row  # a Python process with torch: tens of MB at least
+        assert row["memory/peak_gb"] == max(phases)
