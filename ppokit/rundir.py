@@ -435,6 +435,9 @@ PRESENTATION_FIELDS = (
     "cluster.gpus_per_worker",
     "cluster.placement",
     "cluster.placement_timeout",
+    "cluster.sharding",
+    "cluster.cpu_offload",
+    "cluster.sync_bucket_mb",
 )
 
 

@@ -154,7 +154,9 @@ class Cluster:
     def describe(self) -> str:
         c = self.cfg.cluster
         where = "local Ray" if c.address is None else f"Ray at {c.address}"
-        return (f"cluster: {where}, {c.rollout_workers} rollout worker(s), {c.learners} learner(s), {c.placement} "
+        sharding = c.sharding + (", CPU offload" if c.cpu_offload else "")
+        return (f"cluster: {where}, {c.rollout_workers} rollout worker(s), {c.learners} learner(s) ({sharding}), "
+                f"{c.placement} "
                 f"placement, {c.cpus_per_worker:g} CPU / {c.gpus_per_worker:g} GPU each")
 
     # ------------------------------------------------------------------ shutdown

@@ -30,6 +30,12 @@ class ProcessGroupParallel:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
 
+    def prepare(self, policy) -> None:
+        """Nothing: every rank holds the whole policy."""
+
+    def passes(self, count: int) -> int:
+        return count  # one all-reduce after the passes: the ranks need not make as many
+
     def shard(self, index: Tensor) -> Tensor:
         return index.tensor_split(self.world_size)[self.rank]
 

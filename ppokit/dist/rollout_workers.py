@@ -15,9 +15,13 @@ RNG
 
 Weights
     :meth:`RemoteSource.sync_weights` puts ``learner.rollout_weights()`` (lora: the
-    actor adapter only) into the object store once and every worker loads it; the
-    metrics ``sync_bytes`` and ``sync_time`` (put, plus the workers' load when the run
-    is synchronous) are logged per iteration.
+    actor adapter only) into the object store once, in buckets of at most
+    ``cluster.sync_bucket_mb`` MiB in layer order (:mod:`ppokit.dist.weights`), and every
+    worker fetches and loads them one at a time; the metrics ``sync_bytes``,
+    ``sync_bucket_peak`` (the largest bucket) and ``sync_time`` (put, plus the workers'
+    load when the run is synchronous) are logged per iteration. A plan with a
+    ``sync_weights(learner)`` of its own (multi-turn self-play: the opponent pool's
+    snapshots) is told of every sync too.
 
 Pipelining (``rollout.off_policy_steps=1``)
     :meth:`RemoteSource.prefetch` submits iteration k+1 right after k is collected: the
@@ -47,6 +51,7 @@ import torch
 
 from ppokit.components import Batch
 from ppokit.dist import ray_get, require_ray
+from ppokit.dist.weights import MIB, buckets, nbytes
 from ppokit.errors import UserError
 from ppokit.resume import capture_rng, restore_rng, rollout_rngs
 
@@ -69,10 +74,14 @@ class RolloutWorker:
         self.version: Optional[int] = None
         self.load_time = 0.0
 
-    def set_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
-        """Load the learner's rollout weights (version ``version``); seconds it took."""
+    def set_weights(self, buckets: list[Any], version: int) -> float:
+        """Load the learner's rollout weights (version ``version``), one bucket (a dictionary, or the
+        object reference of one) at a time; seconds it took."""
+        import ray
+
         start = time.perf_counter()
-        self.source.load_rollout_weights(weights)
+        for bucket in buckets:
+            self.source.load_rollout_weights(ray.get(bucket) if isinstance(bucket, ray.ObjectRef) else bucket)
         self.version = version
         self.load_time = time.perf_counter() - start
         return self.load_time
@@ -118,6 +127,7 @@ class RemoteSource:
     def __init__(self, cfg, plan, start_worker: Callable[[int], Any], num_shards: int,
                  forget_worker: Callable[[Any], None] = lambda actor: None):
         self.cfg, self.plan, self.num_shards = cfg, plan, num_shards
+        self.bucket_bytes = cfg.cluster.sync_bucket_mb * MIB
         self.steps_per_iteration = plan.steps_per_iteration
         self._start_worker, self._forget_worker = start_worker, forget_worker
         self.workers = [start_worker(s) for s in range(num_shards)]
@@ -125,7 +135,7 @@ class RemoteSource:
         self.in_flight: Optional[_Request] = None
         self.pending: Optional[tuple[int, Batch]] = None       # collected ahead (a checkpoint's)
         self.version: Optional[int] = None
-        self.weight_refs: dict[int, Any] = {}                   # the last two versions' weights
+        self.weight_refs: dict[int, list[Any]] = {}             # the last two versions' weight buckets
         self.restarts = 0
 
     # ------------------------------------------------------------------ rollouts
@@ -203,21 +213,26 @@ class RemoteSource:
         from ray.exceptions import RayActorError
 
         start = time.perf_counter()
-        weights = learner.rollout_weights()
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        ref = ray.put(weights)
+        refs, total, peak = [], 0, 0
+        for bucket in buckets(learner.rollout_weights().items(), self.bucket_bytes):   # layer order
+            size = sum(nbytes(t) for t in bucket.values())
+            refs.append(ray.put(bucket))
+            total, peak = total + size, max(peak, size)
         self.version = int(learner.policy_version)
-        self.weight_refs[self.version] = ref
+        self.weight_refs[self.version] = refs
         for old in [v for v in self.weight_refs if v < self.version - 1]:
             del self.weight_refs[old]
-        acks = [w.set_weights.remote(ref, self.version) for w in self.workers]
+        acks = [w.set_weights.remote(refs, self.version) for w in self.workers]
         if self.in_flight is None:               # synchronous: the sync ends when the workers hold them
             for s, ack in enumerate(acks):
                 try:
                     ray.get(ack)
                 except RayActorError:            # replaced when its next rollout is collected
                     pass
-        return {"sync_bytes": float(nbytes), "sync_time": time.perf_counter() - start}
+        plan_sync = getattr(self.plan, "sync_weights", None)
+        if plan_sync is not None:
+            plan_sync(learner)
+        return {"sync_bytes": float(total), "sync_bucket_peak": float(peak), "sync_time": time.perf_counter() - start}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

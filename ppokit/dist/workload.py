@@ -40,7 +40,8 @@ class DistributedWorkload:
         from ppokit.dist.rollout_workers import RemoteSource, RolloutWorker
 
         c = self.cfg.cluster
-        learners = c.learners if c.learners > 1 else 0
+        # one ddp learner is the training process itself; fsdp always runs in ranks (a group of one: CPU offload)
+        learners = c.learners if c.learners > 1 or c.sharding == "fsdp" else 0
         # resources first: a placement the cluster cannot give fails before a warm start or a model load
         cluster = Cluster(self.cfg, rollout_workers=c.rollout_workers, learners=learners)
         try:

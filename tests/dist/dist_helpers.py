@@ -13,7 +13,7 @@ from ppokit.workloads import train
 TIMING_PREFIXES = ("time_",)
 TIMING = {"time", "wall_time", "sps", "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s", "sync_time"}
 # What a run with rollout workers adds to each row (beside timing): the weight sync's size.
-DIST_ONLY = {"sync_bytes"}
+DIST_ONLY = {"sync_bytes", "sync_bucket_peak", "learner_sync_bucket_peak"}
 
 
 def is_timing(key: str) -> bool:

@@ -198,15 +198,9 @@ class LMSource:
         self.policy_version = learner.policy_version
 
     def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """The actor adapter's weights (lora) or the actor model's (full), from ``rollout_weights``."""
-        if self.policy.mode == "lora":
-            from peft import set_peft_model_state_dict
-
-            result = set_peft_model_state_dict(self.policy.lm, weights, adapter_name="actor")
-            if getattr(result, "unexpected_keys", None):
-                raise RuntimeError(f"rollout weights not in the actor adapter: {result.unexpected_keys[:3]}")
-        else:
-            self.policy.lm.load_state_dict(weights)
+        """The actor adapter's weights (lora) or the actor model's (full), from ``rollout_weights``
+        (all of them, or one bucket)."""
+        self.policy.load_actor_weights(weights)
 
     def state_dict(self) -> dict[str, Any]:
         if self.prompts is None:  # a rollout worker's: nothing of its own
@@ -494,7 +488,9 @@ class LMWorkload:
         return LMSource(cfg, engine, None, None, device, policy=policy)
 
     def learner_replica(self, parallel: DataParallel) -> LMLearner:
-        """The policy (actor, critic, reference) and its optimizer, built as :meth:`build` builds them."""
+        """The policy (actor, critic; the reference only where the loss's exact KL reads it: the
+        batch brings the reference's log-probs) and its optimizer, built as :meth:`build` builds
+        them. Sharded learners (FSDP) build it in CPU memory: each rank moves its shards to its device."""
         from ppokit.lm.model.hf import load_tokenizer
         from ppokit.lm.model.policy import build_policy
 
@@ -502,7 +498,14 @@ class LMWorkload:
         device, autocast_dtype = setup(cfg)
         small_model_threads(cfg)
         tokenizer = load_tokenizer(self.model_path, "model.path")
-        policy = build_policy(cfg, self.model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
+        policy = build_policy(
+            cfg,
+            self.model_path,
+            device=torch.device("cpu") if getattr(parallel, "shards", False) else device,
+            autocast_dtype=autocast_dtype,
+            seed=cfg.seed,
+            need_reference=cfg.algo.beta > 0 and cfg.algo.kl_loss_type == "full",
+        )
         accelerate(cfg, policy)
         one_thread_if_small(cfg, policy, device)
         return LMLearner(cfg, policy, tokenizer, self.model_path, parallel=parallel)
