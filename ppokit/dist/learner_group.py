@@ -171,8 +171,9 @@ class LearnerRank:
                 targets[obj[SHARDED]] = torch.zeros_like(template)
                 return targets[obj[SHARDED]]
             if isinstance(obj, torch.Tensor):  # a whole tensor (a checkpoint of one learner): this rank's slice
-                template = like(path)
-                return local_layout(obj, template) if isinstance(template, DTensor) else obj
+                template = like(path)  # (an optimizer's step count has no parameter's shape: kept as it is)
+                sharded = isinstance(template, DTensor) and tuple(obj.shape) == tuple(template.shape)
+                return local_layout(obj, template) if sharded else obj
             if isinstance(obj, dict):
                 return {k: place(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
             if isinstance(obj, (list, tuple)):

@@ -22,14 +22,25 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import torch
 
 from ppokit.components import Components
 from ppokit.config import Config
 from ppokit.envs import checked_reset, expert_policy, make_env, play_episode, random_legal_policy
 from ppokit.errors import UserError
 from ppokit.lm.scoring import Scorer
-from ppokit.lm.single_turn.workload import KL_METRIC_ROWS, LMLearner, _print, needs_ref_log_prob, prepare_model, setup
+from ppokit.lm.single_turn.workload import (
+    KL_METRIC_ROWS,
+    LMLearner,
+    _print,
+    needs_ref_log_prob,
+    prepare_model,
+    setup,
+    small_model_threads,
+)
 
 __all__ = ["MultiTurnWorkload", "demonstration_examples", "legal_action_reward"]
 
@@ -128,20 +139,9 @@ class MultiTurnWorkload:
 
     def build(self, run_dir: Path) -> Components:
         from ppokit import algo
-        from ppokit.lm.generation.engine import RolloutEngine, max_positions
-        from ppokit.lm.model.device import one_thread_if_small
         from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
-        from ppokit.lm.model.policy import build_policy, lora_config
-        from ppokit.lm.multi_turn.opponents import AdapterSnapshots
-        from ppokit.lm.multi_turn.source import (
-            MultiTurnSource,
-            TextEnvEvaluator,
-            check_env_output,
-            engine_generate,
-            make_envs,
-            player_for,
-        )
-        from ppokit.lm.multi_turn.streams import StreamCodec
+        from ppokit.lm.model.policy import build_policy
+        from ppokit.lm.multi_turn.source import MultiTurnSource, TextEnvEvaluator, check_env_output, engine_generate
 
         cfg, t, a = self.cfg, self.cfg.textenv, self.cfg.algo
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,51 +150,21 @@ class MultiTurnWorkload:
         env_name = getattr(probe, "env_name", t.env)
         mode = check_env_output(probe, env_name)
         model_path = self._prepare_model(run_dir, probe, env_name, mode)
+        self.model_path, self.mode, self.env_name = model_path, mode, env_name  # what Ray workers build from
         causal_lm_config(model_path, "model.path")
         tokenizer = load_tokenizer(model_path, "model.path")
         policy = build_policy(cfg, model_path, device=device, autocast_dtype=autocast_dtype, seed=cfg.seed)
-        opponents = AdapterSnapshots(policy, lora_config(cfg.model)) if t.pool.snapshot_every else None
-        accel_note, kv_cache = "", None
-        if cfg.model.cpu_kernels:
-            from ppokit.lm.accel import accelerate_policy
-
-            acceleration = accelerate_policy(policy)
-            accel_note, kv_cache = acceleration.describe(), acceleration.kv_cache
-        one_thread_if_small(cfg, policy, device)
-        engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
-        opponent_engine = None
-        if opponents is not None:
-            opponent_engine = RolloutEngine(
-                policy.actor_model,
-                tokenizer,
-                cfg.rollout,
-                autocast_dtype=policy.autocast_dtype,
-                activate=opponents.activate,
-                kv_cache=kv_cache,
-                eos_ids=engine.eos_ids,
-            )
-        codec = StreamCodec(
-            tokenizer,
-            mode=mode,
-            chat=cfg.data.chat_template,
-            where=f"model.path={cfg.model.path}",
-            env_name=env_name,
-            stop_ids=engine.eos_ids,
-        )
-        context = max_positions(engine.model)
-        generate = engine_generate(engine, opponents, opponent_engine)
-        player = player_for(cfg, make_envs(t.env, t.kwargs, cfg.train.batch_size), codec, generate, context, env_name)
+        rollout = self._rollout_parts(policy, tokenizer, cfg.train.batch_size)
         source = MultiTurnSource(
-            cfg, player, mode=mode, pad_id=tokenizer.pad_token_id, device=device, opponents=opponents, env_name=env_name
-        )
-        learner = LMLearner(
             cfg,
-            policy,
-            tokenizer,
-            model_path,
-            num_mini_batches=cfg.train.batch_size // cfg.mini_batch_size,
-            horizon=t.max_episode_tokens,
+            rollout.player,
+            mode=mode,
+            pad_id=tokenizer.pad_token_id,
+            device=device,
+            opponents=rollout.opponents,
+            env_name=env_name,
         )
+        learner = self._learner(policy, tokenizer)
         kl_ctrl = (
             algo.make_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
             if a.use_kl_in_reward
@@ -212,12 +182,12 @@ class MultiTurnWorkload:
         )
         evaluator = None
         if t.eval_episodes:
-            evaluator = TextEnvEvaluator(cfg, engine_generate(engine), codec, context, env_name)
+            evaluator = TextEnvEvaluator(cfg, engine_generate(rollout.engine), rollout.codec, rollout.context, env_name)
         precision = "bf16" if autocast_dtype is not None else "fp32"
         trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
         header = [
             f"lm on {env_name} ({mode} mode, credit by {a.credit}): {model_path} ({cfg.model.mode}, "
-            f"{trainable:,} trainable parameters), {device}, {precision}{accel_note}, {cfg.iterations} "
+            f"{trainable:,} trainable parameters), {device}, {precision}{rollout.accel_note}, {cfg.iterations} "
             f"iterations of {cfg.train.batch_size} episodes"
         ]
         return Components(
@@ -228,6 +198,117 @@ class MultiTurnWorkload:
             description=cfg.preset or f"lm-{t.env}",
             header=header,
         )
+
+    def _rollout_parts(self, policy, tokenizer, num_envs: int) -> SimpleNamespace:
+        """What plays episodes with ``policy``: the engine (and with a pool the opponent slot and its
+        engine), the stream codec, the context, and a player over ``num_envs`` environments."""
+        from ppokit.lm.generation.engine import RolloutEngine, max_positions
+        from ppokit.lm.model.device import one_thread_if_small
+        from ppokit.lm.model.policy import lora_config
+        from ppokit.lm.multi_turn.opponents import AdapterSnapshots
+        from ppokit.lm.multi_turn.source import engine_generate, make_envs, player_for
+        from ppokit.lm.multi_turn.streams import StreamCodec
+
+        cfg, t = self.cfg, self.cfg.textenv
+        opponents = AdapterSnapshots(policy, lora_config(cfg.model)) if t.pool.snapshot_every else None
+        accel_note, kv_cache = "", None
+        if cfg.model.cpu_kernels:
+            from ppokit.lm.accel import accelerate_policy
+
+            acceleration = accelerate_policy(policy)
+            accel_note, kv_cache = acceleration.describe(), acceleration.kv_cache
+        one_thread_if_small(cfg, policy, policy.device)
+        engine = RolloutEngine.for_policy(policy, tokenizer, cfg.rollout, kv_cache=kv_cache)
+        opponent_engine = None
+        if opponents is not None:
+            opponent_engine = RolloutEngine(
+                policy.actor_model,
+                tokenizer,
+                cfg.rollout,
+                autocast_dtype=policy.autocast_dtype,
+                activate=opponents.activate,
+                kv_cache=kv_cache,
+                eos_ids=engine.eos_ids,
+            )
+        codec = StreamCodec(
+            tokenizer,
+            mode=self.mode,
+            chat=cfg.data.chat_template,
+            where=f"model.path={cfg.model.path}",
+            env_name=self.env_name,
+            stop_ids=engine.eos_ids,
+        )
+        context = max_positions(engine.model)
+        generate = engine_generate(engine, opponents, opponent_engine)
+        envs = make_envs(t.env, t.kwargs, num_envs)
+        player = player_for(cfg, envs, codec, generate, context, self.env_name)
+        return SimpleNamespace(
+            engine=engine, opponents=opponents, codec=codec, context=context, player=player, accel_note=accel_note
+        )
+
+    def _learner(self, policy, tokenizer, parallel=None) -> LMLearner:
+        cfg = self.cfg
+        return LMLearner(
+            cfg,
+            policy,
+            tokenizer,
+            self.model_path,
+            parallel,
+            num_mini_batches=cfg.train.batch_size // cfg.mini_batch_size,
+            horizon=cfg.textenv.max_episode_tokens,
+        )
+
+    # ------------------------------------------------------------------ Ray workers (ppokit.dist)
+    def shard_plan(self, components: Components, num_shards: int):
+        from ppokit.lm.multi_turn.shards import MultiTurnShardPlan
+
+        return MultiTurnShardPlan(components.source, num_shards)
+
+    def rollout_shard(self, shard: int, num_shards: int):
+        """A worker's player: the actor alone (lora: the backbone, the actor adapter and, with a pool,
+        the opponent slot), built as :meth:`build` builds it, over its share of the environments."""
+        from ppokit.lm.model.hf import load_tokenizer
+        from ppokit.lm.model.policy import build_policy
+        from ppokit.lm.multi_turn.shards import MultiTurnShard
+
+        cfg = self.cfg
+        device, autocast_dtype = setup(cfg)
+        small_model_threads(cfg)
+        tokenizer = load_tokenizer(self.model_path, "model.path")
+        policy = build_policy(
+            cfg,
+            self.model_path,
+            device=device,
+            autocast_dtype=autocast_dtype,
+            seed=cfg.seed,
+            need_critic=False,
+            need_reference=False,
+        )
+        rollout = self._rollout_parts(policy, tokenizer, cfg.train.batch_size // num_shards)
+        return MultiTurnShard(rollout.player, policy, rollout.opponents)
+
+    def learner_replica(self, parallel):
+        """The policy (actor, critic) and its optimizer on a learner rank, built as :meth:`build` builds them."""
+        from ppokit.lm.model.hf import load_tokenizer
+        from ppokit.lm.model.policy import build_policy
+
+        cfg = self.cfg
+        device, autocast_dtype = setup(cfg)
+        small_model_threads(cfg)
+        tokenizer = load_tokenizer(self.model_path, "model.path")
+        policy = build_policy(
+            cfg,
+            self.model_path,
+            device=torch.device("cpu") if getattr(parallel, "shards", False) else device,
+            autocast_dtype=autocast_dtype,
+            seed=cfg.seed,
+            need_reference=cfg.algo.beta > 0 and cfg.algo.kl_loss_type == "full",
+        )
+        if cfg.model.cpu_kernels:
+            from ppokit.lm.accel import accelerate_policy
+
+            accelerate_policy(policy)
+        return self._learner(policy, tokenizer, parallel)
 
     def _prepare_model(self, run_dir: Path, env: Any, env_name: str, mode: str) -> Path:
         """The backbone: model.path or the tiny model, warm-started on demonstrations when data.sft_epochs > 0."""
