@@ -53,9 +53,11 @@ def require_ray(cfg=None):
             parts += [f"cluster.learners={cfg.cluster.learners}"] if cfg.cluster.learners > 1 else []
             parts += ["cluster.sharding=fsdp"] if cfg.cluster.sharding == "fsdp" else []
             what = " and ".join(parts) or what
-        raise UserError(f"{what} needs Ray, which is not installed: {RAY_EXTRA} (or set "
-                        "cluster.rollout_workers=0, cluster.learners=1 and cluster.sharding=ddp to train in one "
-                        "process)") from None
+        raise UserError(
+            f"{what} needs Ray, which is not installed: {RAY_EXTRA} (or set "
+            "cluster.rollout_workers=0, cluster.learners=1 and cluster.sharding=ddp to train in one "
+            "process)"
+        ) from None
     return ray
 
 

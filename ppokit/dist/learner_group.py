@@ -42,10 +42,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ppokit.checkpoint import SHARDED, SHARDS_DIR, is_sharded_marker, load_shards, save_shards, sharded_marker
 from ppokit.components import Batch
 from ppokit.dist import ray_get, require_ray
+from ppokit.dist.fsdp import FSDPParallel, full_tensor, local_bytes, local_layout
+from ppokit.dist.parallel import free_port, init_process_group
 from ppokit.dist.weights import MIB, bucket_plan, nbytes
 
 # the per-parameter optimizer state of a learner's state dict: "trainer.optimizer.state.<index>.<slot>"
@@ -64,13 +68,9 @@ class LearnerRank:
         """(this node's address, a free port): rank 0's answer is the group's rendezvous."""
         import ray
 
-        from ppokit.dist.parallel import free_port
-
         return ray.util.get_node_ip_address(), free_port()
 
     def join(self, address: str, port: int) -> None:
-        from ppokit.dist.parallel import init_process_group
-
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.group = init_process_group(self.rank, self.world_size, address, port, backend)
         self.rebuild(self.workload)
@@ -82,8 +82,6 @@ class LearnerRank:
         self.sharded = c.sharding == "fsdp"
         self.parallel = self.group
         if self.sharded:
-            from ppokit.dist.fsdp import FSDPParallel
-
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.parallel = FSDPParallel(self.rank, self.world_size, device_type=device, offload=c.cpu_offload)
         self.learner = workload.learner_replica(self.parallel)
@@ -95,16 +93,12 @@ class LearnerRank:
     def gather(self, names: list[str]) -> dict[str, torch.Tensor] | None:
         """The whole tensors of trained weights ``names`` (one bucket) on the CPU, from rank 0 (fsdp:
         every rank takes part in the all-gathers; the others return None)."""
-        from ppokit.dist.fsdp import full_tensor
-
         weights = self.learner.trained_weights()
         whole = {name: full_tensor(weights[name]) for name in names}
         return whole if self.rank == 0 else None
 
     def load_weights(self, bucket: dict[str, torch.Tensor]) -> None:
         """Copy whole trained weights (one bucket) into this rank's replica or shards."""
-        from ppokit.dist.fsdp import local_layout
-
         like = self.learner.trained_weights()
         self.learner.load_trained_weights({name: local_layout(t, like[name]) for name, t in bucket.items()})
 
@@ -115,10 +109,6 @@ class LearnerRank:
         state = self.learner.state_dict()
         if not self.sharded:
             return state
-        from torch.distributed.tensor import DTensor
-
-        from ppokit.dist.fsdp import full_tensor
-
         self.shards = {}
 
         def mark(obj: Any, path: str) -> Any:
@@ -149,10 +139,6 @@ class LearnerRank:
         self.learner.load_state_dict(state, None)
 
     def _localise(self, state: dict[str, Any], directory: str | None) -> dict[str, Any]:
-        from torch.distributed.tensor import DTensor
-
-        from ppokit.dist.fsdp import local_layout
-
         own = _leaves(self.learner.state_dict())
         params = self.learner.trainer.params
         targets: dict[str, torch.Tensor] = {}
@@ -191,8 +177,6 @@ class LearnerRank:
     def gradients(self, batch: dict[str, torch.Tensor], iteration: int = 0) -> dict[str, torch.Tensor] | None:
         """The summed gradient of the first optimizer step on ``batch`` (no step taken), whole, from
         rank 0 (fsdp: every rank takes part in the all-gathers)."""
-        from ppokit.dist.fsdp import full_tensor
-
         grads = self.learner.trainer.mini_batch_gradients(batch, iteration)
         whole = {k: full_tensor(v) for k, v in grads.items()}
         return whole if self.rank == 0 else None
@@ -200,8 +184,6 @@ class LearnerRank:
     def memory(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
         """Bytes of this rank's parameters, gradients (of the first mini-batch of ``batch``) and
         optimizer state, read from its local shards."""
-        from ppokit.dist.fsdp import local_bytes
-
         trainer = self.learner.trainer
         grads = trainer.mini_batch_gradients(batch)
         out = local_bytes(self.learner.policy, trainer.optimizer)
@@ -211,8 +193,6 @@ class LearnerRank:
         return out
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 

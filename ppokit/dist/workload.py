@@ -56,8 +56,12 @@ class DistributedWorkload:
                 n = c.rollout_workers
                 plan = self.inner.shard_plan(components, n)
                 components.source = RemoteSource(
-                    self.cfg, plan, lambda s: cluster.start_actor(RolloutWorker, "rollout", s, self.inner, s, n), n,
-                    forget_worker=cluster.forget)
+                    self.cfg,
+                    plan,
+                    lambda s: cluster.start_actor(RolloutWorker, "rollout", s, self.inner, s, n),
+                    n,
+                    forget_worker=cluster.forget,
+                )
             components.header.append(cluster.describe())
             components.closers.append(cluster)
         except BaseException:

@@ -17,13 +17,13 @@ import signal
 
 import numpy as np
 import pytest
-
 from dist_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
+from resume_helpers import assert_same_state, start_and_wait, train_cmd
+from test_dist_learners import close_rows
+
 from ppokit.checkpoint import SHARDS_DIR, load_checkpoint
 from ppokit.rundir import latest_checkpoint, periodic_checkpoint_path, read_metrics
 from ppokit.workloads import train
-from resume_helpers import assert_same_state, start_and_wait, train_cmd
-from test_dist_learners import close_rows
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def test_cartpole_on_fsdp_learners_and_its_checkpoints_in_other_layouts(tmp_path
     assert all(r["learner_sync_bucket_peak"] > 0 for r in sharded)
     saved = load_checkpoint(periodic_checkpoint_path(tmp_path / "fsdp", 2))
     assert "__sharded__" in saved.parts["learner"]["trainer"]["optimizer"]["state"][0]["exp_avg"]
-    assert len(list((saved.path / SHARDS_DIR).glob("*.safetensors"))) == 2      # one file per rank
+    assert len(list((saved.path / SHARDS_DIR).glob("*.safetensors"))) == 2  # one file per rank
     for name, then, whole in (("fsdp", (), sharded), ("local", FSDP2, local)):
         resumed = resume_copy(tmp_path, name, cartpole_cfg(*common, *then))
         assert len(resumed) == 4 and resumed[:2] == whole[:2]
@@ -67,21 +67,53 @@ def test_cartpole_on_fsdp_learners_and_its_checkpoints_in_other_layouts(tmp_path
 
 
 def test_lm_full_mode_on_fsdp_learners(tmp_path, cluster_clean, tiny_model_dir, digits_reward):
-    """10 iterations of full fine-tuning (actor and critic sharded) with one rollout worker, weights
-    synced in buckets of 0.1 MiB: the in-process run's rewards and losses; the sharded checkpoint of
-    iteration 4 resumes in one process as the run it came from; ``ppokit export`` writes the actor."""
+    """10 iterations of full fine-tuning (actor and critic sharded over two ranks) with one rollout worker,
+    weights synced in buckets of 0.1 MiB:
+
+    - the in-process run's rewards and losses (to float32 summation order);
+    - the same run as ``ppokit train`` (joining the session's Ray), killed with SIGKILL right after
+      its second metrics row (most likely inside a checkpoint write) and resumed with the same
+      layout: every metric of every row bit for bit, and so are the final learner state, the
+      shards of the Adam moments and the policy's files;
+    - its sharded checkpoint of iteration 4 resumes in one process as the run it came from;
+    - ``ppokit export`` writes its actor as a plain Hugging Face model."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from ppokit.commands.export import export_merged
 
-    common = ("train.iterations=10", "model.mode=full", "run.checkpoint_every=4", "data.eval_every=5")
+    common = ("train.iterations=10", "model.mode=full", "run.checkpoint_every=2", "data.eval_every=5")
+    sharded_args = (*common, *FSDP2, *WITH_A_WORKER, "cluster.sync_bucket_mb=0.1")
     local = run(arith_cfg(tiny_model_dir, digits_reward, *common), tmp_path / "local")
-    sharded = run(arith_cfg(tiny_model_dir, digits_reward, *common, *FSDP2, *WITH_A_WORKER,
-                            "cluster.sync_bucket_mb=0.1"), tmp_path / "fsdp")
+    sharded = run(arith_cfg(tiny_model_dir, digits_reward, *sharded_args), tmp_path / "fsdp")
     lm_rows_close(sharded, local)
     assert [r.get("eval_accuracy") for r in sharded] == [r.get("eval_accuracy") for r in local]
     row = sharded[-1]
     assert row["sync_bytes"] > 4 * row["sync_bucket_peak"] and row["sync_bucket_peak"] <= 0.1 * 2**20
+
+    cfg = arith_cfg(tiny_model_dir, digits_reward, *sharded_args, "cluster.address=auto")
+    config = tmp_path / "killed.yaml"
+    config.write_text(json.dumps(cfg.to_dict()))
+    run_dir = tmp_path / "runs" / "killed"
+    proc = start_and_wait(
+        train_cmd(str(config), "--output-dir", str(tmp_path / "runs"), "--name", "killed"), run_dir, 2, timeout=300
+    )
+    alive = proc.poll() is None
+    if alive:
+        proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert alive, "the run ended before it could be killed"
+    train(cfg, run_dir, resume_from=latest_checkpoint(run_dir))  # a row is only written after a checkpoint
+    assert_rows_equal(read_metrics(run_dir), sharded, extra=DIST_ONLY)
+    reference = tmp_path / "fsdp" / "checkpoint"
+    a, b = load_checkpoint(run_dir / "checkpoint"), load_checkpoint(reference)
+    assert_same_state(a.parts["learner"], b.parts["learner"], "learner")
+    files = [p.relative_to(reference) for p in reference.rglob("*.safetensors")]
+    assert len([f for f in files if f.parts[0] == SHARDS_DIR]) == 2  # one file per rank
+    for name in files:
+        mine, theirs = load_file(str(run_dir / "checkpoint" / name)), load_file(str(reference / name))
+        assert mine.keys() == theirs.keys() and all((mine[k] == theirs[k]).all() for k in theirs), name
+
     resumed = resume_copy(tmp_path, "fsdp", arith_cfg(tiny_model_dir, digits_reward, *common), iteration=4)
     assert resumed[:4] == sharded[:4]
     lm_rows_close(resumed[4:], sharded[4:])
@@ -89,36 +121,3 @@ def test_lm_full_mode_on_fsdp_learners(tmp_path, cluster_clean, tiny_model_dir, 
     want = AutoModelForCausalLM.from_pretrained(export_merged(tmp_path / "local", tmp_path / "export-local"))
     worst = max((a - b).abs().max().item() for a, b in zip(exported.parameters(), want.parameters()))
     assert worst < 1e-4
-
-
-def test_sigkill_then_resume_on_fsdp_learners_is_bit_identical(tmp_path, cluster_clean, tiny_model_dir,
-                                                                 digits_reward):
-    """``ppokit train`` on two FSDP ranks (joining the session's Ray), killed with SIGKILL right after
-    the first metrics row (most likely inside the checkpoint write), then resumed with the same layout:
-    every metric of every row equals the uninterrupted run's bit for bit, and so do the final
-    learner state, the shards of the Adam moments and the policy's files."""
-    from safetensors.torch import load_file
-
-    common = ("train.iterations=3", "run.checkpoint_every=1", "model.mode=full", "data.eval_every=0", *FSDP2)
-    reference = tmp_path / "reference"
-    run(arith_cfg(tiny_model_dir, digits_reward, *common), reference)
-    cfg = arith_cfg(tiny_model_dir, digits_reward, *common, "cluster.address=auto")
-    config = tmp_path / "killed.yaml"
-    config.write_text(json.dumps(cfg.to_dict()))
-    run_dir = tmp_path / "runs" / "killed"
-    proc = start_and_wait(train_cmd(str(config), "--output-dir", str(tmp_path / "runs"), "--name", "killed"),
-                          run_dir, 1, timeout=300)
-    alive = proc.poll() is None
-    if alive:
-        proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    assert alive, "the run ended before it could be killed"
-    train(cfg, run_dir, resume_from=latest_checkpoint(run_dir))
-    assert_rows_equal(read_metrics(run_dir), read_metrics(reference), extra=DIST_ONLY)
-    a, b = load_checkpoint(run_dir / "checkpoint"), load_checkpoint(reference / "checkpoint")
-    assert_same_state(a.parts["learner"], b.parts["learner"], "learner")
-    files = [p.relative_to(reference / "checkpoint") for p in (reference / "checkpoint").rglob("*.safetensors")]
-    assert len([f for f in files if f.parts[0] == SHARDS_DIR]) == 2
-    for name in files:
-        mine, theirs = load_file(str(run_dir / "checkpoint" / name)), load_file(str(reference / "checkpoint" / name))
-        assert mine.keys() == theirs.keys() and all((mine[k] == theirs[k]).all() for k in theirs), name

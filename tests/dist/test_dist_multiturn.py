@@ -15,8 +15,8 @@ import threading
 import time
 
 import pytest
-
 from dist_helpers import DIST_ONLY, assert_rows_equal, run
+
 from ppokit.config import build_config, parse_overrides
 from ppokit.rundir import read_metrics
 
@@ -30,17 +30,34 @@ def textenv_cfg(model_dir, env: dict, *overrides: str):
         "model": {"path": str(model_dir), "lora_rank": 4, "lora_alpha": 8},
         "textenv": {"eval_episodes": 4, "eval_every": 2, **env},
         "rollout": {"max_new_tokens": 2, "temperature": 1.0},
-        "train": {"batch_size": 8, "mini_batch_size": 4, "micro_batch_size": 16, "infer_micro_batch_size": 16,
-                  "epochs": 1, "iterations": 3, "learning_rate": 3e-3},
+        "train": {
+            "batch_size": 8,
+            "mini_batch_size": 4,
+            "micro_batch_size": 16,
+            "infer_micro_batch_size": 16,
+            "epochs": 1,
+            "iterations": 3,
+            "learning_rate": 3e-3,
+        },
         "algo": {"gamma": 1.0, "gae_lambda": 1.0, "credit": "turn"},
-        "run": {"precision": "fp32", "torch_threads": 1, "progress": False, "tensorboard": False,
-                "log_samples": 2, "samples_every": 1},
+        "run": {
+            "precision": "fp32",
+            "torch_threads": 1,
+            "progress": False,
+            "tensorboard": False,
+            "log_samples": 2,
+            "samples_every": 1,
+        },
     }
     return build_config([base, parse_overrides(list(overrides))])
 
 
-SELF_PLAY = {"env": "tictactoe", "kwargs": {"opponent": "self"}, "max_turns": 9,
-             "pool": {"snapshot_every": 1, "current_prob": 0.25}}
+SELF_PLAY = {
+    "env": "tictactoe",
+    "kwargs": {"opponent": "self"},
+    "max_turns": 9,
+    "pool": {"snapshot_every": 1, "current_prob": 0.25},
+}
 LAKE = {"env": "frozenlake", "kwargs": {"desc": ["SFFG", "HHHH"], "max_steps": 6, "letters": True}, "max_turns": 6}
 
 
@@ -62,11 +79,20 @@ def test_self_play_on_one_worker_equals_in_process(tmp_path, cluster_clean, tiny
 def test_two_workers_and_two_fsdp_learners_train(tmp_path, cluster_clean, tiny_model_dir):
     """Self-play on two rollout workers (4 episodes each) and two FSDP learner ranks, in a 2-CPU Ray
     (colocated): the driver merges the parts in episode order, every episode is counted once."""
-    rows = run(textenv_cfg(tiny_model_dir, SELF_PLAY, "cluster.rollout_workers=2", "cluster.learners=2",
-                           "cluster.sharding=fsdp", "cluster.placement=colocated"), tmp_path / "w2")
+    rows = run(
+        textenv_cfg(
+            tiny_model_dir,
+            SELF_PLAY,
+            "cluster.rollout_workers=2",
+            "cluster.learners=2",
+            "cluster.sharding=fsdp",
+            "cluster.placement=colocated",
+        ),
+        tmp_path / "w2",
+    )
     assert len(rows) == 3
     assert all(r["grad_norm/actor"] > 0 and r["grad_norm/critic"] > 0 for r in rows)
-    for r in rows:                                   # each of the 8 episodes of an iteration, once
+    for r in rows:  # each of the 8 episodes of an iteration, once
         assert r["selfplay/vs_pool_episodes"] + r["selfplay/vs_current_episodes"] == 8
     assert rows[-1]["selfplay/pool_size"] == 4  # the pinned start and one per weight sync
 
