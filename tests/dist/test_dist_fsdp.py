@@ -112,3 +112,28 @@ def check_memory(group, batch, mode: str) -> None:
             assert ratio <= 0.55, f"{mode} rank {rank}: {part} {shard[part]} bytes, {ratio:.3f} of one learner's"
         total = sum(shard[p] for p in ("params", "grads", "optimizer"))
         print(f"{mode} rank {rank}: {total} of {sum(whole[p] for p in ('params', 'grads', 'optimizer'))} bytes")
+
+
+def test_one_fsdp_learner_check_runs_on_the_cpu():
+    """``bench/fsdp_check.py --smoke``: a one-rank group (the GPU check's FSDP step, on gloo), without and
+    with CPU offload: updates with finite gradient norms, whole weights gathered equal to the shards,
+    the Adam moments written and read back with DCP's safetensors storage."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from resume_helpers import subprocess_env
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "fsdp_check.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--updates", "1"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("FSDP_CHECK_RESULT ")][-1]
+    result = json.loads(line.split(" ", 1)[1])
+    assert result["ok"] and [r["offload"] for r in result["learners"]] == [False, True]

@@ -72,7 +72,7 @@ def test_lm_full_mode_on_fsdp_learners(tmp_path, cluster_clean, tiny_model_dir, 
 
     - the in-process run's rewards and losses (to float32 summation order);
     - the same run as ``ppokit train`` (joining the session's Ray), killed with SIGKILL right after
-      its second metrics row (most likely inside a checkpoint write) and resumed with the same
+      its fourth metrics row (most likely inside a checkpoint write) and resumed with the same
       layout: every metric of every row bit for bit, and so are the final learner state, the
       shards of the Adam moments and the policy's files;
     - its sharded checkpoint of iteration 4 resumes in one process as the run it came from;
@@ -95,15 +95,18 @@ def test_lm_full_mode_on_fsdp_learners(tmp_path, cluster_clean, tiny_model_dir, 
     config = tmp_path / "killed.yaml"
     config.write_text(json.dumps(cfg.to_dict()))
     run_dir = tmp_path / "runs" / "killed"
+    # killed once 4 rows are written: right after the 4th, the checkpoint of iteration 4 is being written
+    # (the one of iteration 2 is complete)
     proc = start_and_wait(
-        train_cmd(str(config), "--output-dir", str(tmp_path / "runs"), "--name", "killed"), run_dir, 2, timeout=300
+        train_cmd(str(config), "--output-dir", str(tmp_path / "runs"), "--name", "killed"), run_dir, 4, timeout=300
     )
     alive = proc.poll() is None
     if alive:
         proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    assert alive, "the run ended before it could be killed"
-    train(cfg, run_dir, resume_from=latest_checkpoint(run_dir))  # a row is only written after a checkpoint
+    _, err = proc.communicate(timeout=60)
+    assert alive, f"the run ended before it could be killed: {err[-2000:]}"
+    assert latest_checkpoint(run_dir) is not None
+    train(cfg, run_dir, resume_from=latest_checkpoint(run_dir))
     assert_rows_equal(read_metrics(run_dir), sharded, extra=DIST_ONLY)
     reference = tmp_path / "fsdp" / "checkpoint"
     a, b = load_checkpoint(run_dir / "checkpoint"), load_checkpoint(reference)
