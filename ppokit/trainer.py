@@ -61,7 +61,13 @@ of every mini-batch (:meth:`DataParallel.shard`). The aggregation normaliser is
 all-reduced over the ranks, so it is the whole mini-batch's token or sequence count,
 and the summed gradients are all-reduced before clipping: the step is the
 single-learner step for every ``loss_agg_mode``. Metrics are reduced the same way
-(sums; maxima for ``ratio_max`` and ``old_log_prob_gap``).
+(sums; maxima for ``ratio_max`` and ``old_log_prob_gap``). With FSDP learners
+(``cluster.sharding: fsdp``, :mod:`ppokit.dist.fsdp`) the parallel shards the policy
+before the optimizer is built (:meth:`DataParallel.prepare`), each rank's gradient is its
+shard of that same sum (reduce-scattered per layer in the backward pass), the clipping
+norms are the whole gradient's (:func:`clip_grad_norm`), and the ranks make the same number
+of passes per mini-batch (:meth:`DataParallel.passes`: a rank with fewer micro-batches
+repeats its last one with its loss times 0).
 
 The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
 ``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
