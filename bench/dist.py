@@ -258,6 +258,7 @@ def bench_sync(a: argparse.Namespace, out: Path) -> dict:
     from ppokit.config import load_config
     from ppokit.dist.cluster import Cluster
     from ppokit.dist.rollout_workers import RolloutWorker
+    from ppokit.dist.weights import MIB, buckets
     from ppokit.lm.model.tiny import build_tiny_model
     from ppokit.lm.single_turn.workload import LMWorkload
     from ppokit.trainer import SingleProcess
@@ -290,11 +291,11 @@ def bench_sync(a: argparse.Namespace, out: Path) -> dict:
             try:
                 worker = cluster.start_actor(RolloutWorker, "rollout", 0, w, 0, 1)
                 times, loads = [], []
-                for v in range(a.repeats + 1):
+                for v in range(a.repeats + 1):  # as RemoteSource.sync_weights: buckets of cluster.sync_bucket_mb
                     start = time.perf_counter()
                     weights = learner.rollout_weights()
-                    ref = ray.put(weights)
-                    loads.append(ray.get(worker.set_weights.remote(ref, v)))
+                    refs = [ray.put(b) for b in buckets(weights.items(), cfg.cluster.sync_bucket_mb * MIB)]
+                    loads.append(ray.get(worker.set_weights.remote(refs, v)))
                     times.append(time.perf_counter() - start)
                 nbytes = sum(t.numel() * t.element_size() for t in weights.values())
             finally:

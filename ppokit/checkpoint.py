@@ -13,6 +13,14 @@ numbers, strings, None, ``torch.Tensor`` and ``numpy.ndarray`` (arrays come back
 arrays). That covers ``nn.Module.state_dict()``, optimizer and LR-scheduler state and
 ``torch.Generator`` states.
 
+Sharded tensors (the Adam moments of FSDP learners, :mod:`ppokit.dist.fsdp`) are written by
+the ranks themselves with ``torch.distributed.checkpoint`` into ``CKPT/learner_shards/``:
+its Hugging Face storage writes one safetensors file per rank, each chunk's offsets in the
+file's JSON header (no ``.metadata`` file, nothing pickled; :func:`save_shards`). The state
+holds a marker in their place, ``{"__sharded__": key, "shape": [...], "dtype": "float32"}``:
+learners that read their own shards take their slices (any number of ranks, DCP reshards),
+any other reader gets whole tensors (:func:`resolve_sharded`).
+
 Writes go to a temporary sibling directory that is renamed into place, so a crash
 leaves either the old checkpoint or the new one (files and directory are fsynced);
 :func:`recover_interrupted` tidies up the temporary directories of a killed writer. A
@@ -243,3 +251,86 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
             raise UserError(f"checkpoint file {file} is corrupt or truncated ({reason})") from None
         ckpt.parts[name] = _unflatten(skeleton, tensors, file)
     return ckpt
+
+
+# ----------------------------------------------------------------------------- sharded tensors
+SHARDS_DIR = "learner_shards"
+SHARDED = "__sharded__"
+
+
+def sharded_marker(key: str, tensor: torch.Tensor) -> dict[str, Any]:
+    """The JSON that stands for ``tensor`` (a shard of a whole tensor) saved under ``key`` in
+    :data:`SHARDS_DIR`: its whole shape and dtype, to read it back whole without a process group."""
+    return {SHARDED: key, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+
+
+def is_sharded_marker(obj: Any) -> bool:
+    return isinstance(obj, dict) and SHARDED in obj
+
+
+def save_shards(directory: Path | str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` (key -> ``DTensor`` shard, or a tensor every rank holds) with
+    ``torch.distributed.checkpoint``'s Hugging Face storage: a collective, every rank calls it
+    with the same keys; each writes its chunks into one safetensors file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
+
+
+def load_shards(directory: Path | str, targets: dict[str, torch.Tensor]) -> None:
+    """Fill ``targets`` (key -> tensor or ``DTensor`` of the saved whole shape) in place from the
+    files :func:`save_shards` wrote, whatever the number of ranks that wrote them or read them
+    (without a process group: whole tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    directory = Path(directory)
+    files = f"{directory}/*.safetensors"
+    if not directory.is_dir() or not any(directory.glob("*.safetensors")):
+        raise UserError(f"checkpoint file {files} is missing (the learners' shards)")
+    try:
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)))
+    except Exception as exc:  # noqa: BLE001 - DCP wraps every failure (a missing key, a torn file)
+        lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+        reason = lines[-1] if lines else type(exc).__name__
+        raise UserError(f"checkpoint file {files} is corrupt or does not fit this run ({reason})") from None
+
+
+def resolve_sharded(state: Any, ckpt_dir: Path | str) -> Any:
+    """``state`` with every sharded marker replaced by its whole tensor, read from
+    ``ckpt_dir/learner_shards`` (one read for all of them); ``state`` itself when it has none."""
+    markers: dict[str, dict[str, Any]] = {}
+
+    def find(obj: Any) -> None:
+        if is_sharded_marker(obj):
+            markers[obj[SHARDED]] = obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                find(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                find(v)
+
+    find(state)
+    if not markers:
+        return state
+    whole = {}
+    for key, m in markers.items():
+        dtype = getattr(torch, str(m.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype) or not isinstance(m.get("shape"), list):
+            raise UserError(f"checkpoint {ckpt_dir} is corrupt: the sharded tensor '{key}' has no valid shape or dtype")
+        whole[key] = torch.empty(m["shape"], dtype=dtype)
+    load_shards(Path(ckpt_dir) / SHARDS_DIR, whole)
+
+    def put(obj: Any) -> Any:
+        if is_sharded_marker(obj):
+            return whole[obj[SHARDED]]
+        if isinstance(obj, dict):
+            return {k: put(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(put(v) for v in obj)
+        return obj
+
+    return put(state)

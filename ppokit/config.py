@@ -416,7 +416,27 @@ class ClusterConfig(Section):
     rollout_workers: int = field(
         0, "Ray actors that collect rollouts, each a shard of the prompts or envs (0 = in the training process)", ge=0
     )
-    learners: int = field(1, "data-parallel learners on torch.distributed (1 = in the training process)", ge=1)
+    learners: int = field(
+        1,
+        "learner processes on torch.distributed (1 with sharding=ddp: the learner is the training process, "
+        "no process group)",
+        ge=1,
+    )
+    sharding: Literal["ddp", "fsdp"] = field(
+        "ddp",
+        "ddp: every learner holds the whole model, its gradients and Adam moments (gradients all-reduced); "
+        "fsdp: FSDP2 shards them over the learners (per decoder layer and the root; bf16 compute and fp32 "
+        "gradient reduction with run.precision=bf16; a one-rank group when learners=1)",
+    )
+    cpu_offload: bool = field(
+        False, "sharding=fsdp: keep the parameter, gradient and optimizer shards in CPU memory (FSDP2 CPU offload)"
+    )
+    sync_bucket_mb: float = field(
+        256.0,
+        "weights travel between the learners, the training process and the rollout workers in buckets of at "
+        "most this many MiB, layer by layer (a larger tensor goes alone)",
+        gt=0,
+    )
     address: str | None = field(
         None, "Ray cluster to join: null starts a local Ray, 'auto' or host:port joins a running one (ray start --head)"
     )
@@ -807,10 +827,15 @@ class Config(Section):
                     f"algo.rollout_correction={a.rollout_correction}: multi-turn episodes (textenv) do not carry "
                     "the engine's log-probs yet; set algo.rollout_correction=none"
                 )
-            if self.cluster.rollout_workers or self.cluster.learners > 1 or self.rollout.off_policy_steps:
+            if self.rollout.off_policy_steps:
                 raise ValueError(
-                    "multi-turn episodes (textenv) run in one process: remove the cluster section "
-                    "and set rollout.off_policy_steps=0"
+                    "rollout.off_policy_steps=1: multi-turn episodes (textenv) are collected by the "
+                    "current policy (no pipelining); set rollout.off_policy_steps=0"
+                )
+            if self.cluster.rollout_workers > 1 and t.batch_size % self.cluster.rollout_workers:
+                raise ValueError(
+                    f"cluster.rollout_workers={self.cluster.rollout_workers} must divide train.batch_size="
+                    f"{t.batch_size}: each worker plays an equal, contiguous share of the episodes"
                 )
         self._check_early_stop()
         if t.micro_batch_tokens is not None and self.workload != "lm":
@@ -834,6 +859,11 @@ class Config(Section):
             raise ValueError(
                 f"cluster.rollout_workers={c.rollout_workers} must divide the prompts per iteration "
                 f"(train.batch_size / algo.group_size = {t.batch_size // a.group_size})"
+            )
+        if c.cpu_offload and c.sharding != "fsdp":
+            raise ValueError(
+                "cluster.cpu_offload keeps FSDP shards in CPU memory: set cluster.sharding=fsdp, or "
+                "cluster.cpu_offload=false"
             )
         if c.learners > 1 and (t.mini_batch_size or t.batch_size) < c.learners:
             raise ValueError(

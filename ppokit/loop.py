@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ppokit import rundir
-from ppokit.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from ppokit.checkpoint import Checkpoint, load_checkpoint, resolve_sharded, save_checkpoint
 from ppokit.components import Components, Workload
 from ppokit.config import Config
 from ppokit.errors import TrainingDiverged, UserError
@@ -281,7 +281,10 @@ def _load_state(ckpt: Checkpoint, components: Components, run_dir: Path) -> tupl
     path = ckpt.path
     try:
         with rundir.advising_on_damage(path, run_dir):
-            components.learner.load_state_dict(ckpt.parts["learner"], path)
+            learner_state = ckpt.parts["learner"]
+            if not getattr(components.learner, "reads_shards", False):  # FSDP learners read their own slices
+                learner_state = resolve_sharded(learner_state, path)
+            components.learner.load_state_dict(learner_state, path)
         notes = list(components.source.load_state_dict(ckpt.parts["source"]) or [])
         if components.scorer is not None:
             components.scorer.load_state_dict(ckpt.parts.get("scorer", {}))

@@ -468,6 +468,9 @@ PRESENTATION_FIELDS = (
     # how memory is spent and checked: the same run either way (checkpointing replays the same forward)
     "run.memory_check",
     "train.gradient_checkpointing",
+    "cluster.sharding",
+    "cluster.cpu_offload",
+    "cluster.sync_bucket_mb",
 )
 
 

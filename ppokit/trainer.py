@@ -76,7 +76,13 @@ of every mini-batch (:meth:`DataParallel.shard`). The aggregation normaliser is
 all-reduced over the ranks, so it is the whole mini-batch's token or sequence count,
 and the summed gradients are all-reduced before clipping: the step is the
 single-learner step for every ``loss_agg_mode``. Metrics are reduced the same way
-(sums; maxima for ``ratio_max`` and ``old_log_prob_gap``).
+(sums; maxima for ``ratio_max`` and ``old_log_prob_gap``). With FSDP learners
+(``cluster.sharding: fsdp``, :mod:`ppokit.dist.fsdp`) the parallel shards the policy
+before the optimizer is built (:meth:`DataParallel.prepare`), each rank's gradient is its
+shard of that same sum (reduce-scattered per layer in the backward pass), the clipping
+norms are the whole gradient's (:func:`clip_grad_norm`), and the ranks make the same number
+of passes per mini-batch (:meth:`DataParallel.passes`: a rank with fewer micro-batches
+repeats its last one with its loss times 0).
 
 The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
 ``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
@@ -98,6 +104,7 @@ from torch import Tensor
 
 from ppokit import algo
 from ppokit.config import Config
+from ppokit.errors import UserError
 from ppokit.resume import BadStepGuard
 
 if TYPE_CHECKING:
@@ -116,9 +123,17 @@ MAX_METRICS = ("ratio_max", "old_log_prob_gap")
 
 
 class DataParallel(Protocol):
-    """How the update shares a mini-batch with other learners (:mod:`ppokit.dist.parallel`)."""
+    """How the update shares a mini-batch with other learners (:mod:`ppokit.dist.parallel`,
+    :mod:`ppokit.dist.fsdp`)."""
 
     world_size: int
+
+    def prepare(self, policy: TrainablePolicy) -> None:
+        """Make ``policy`` ready before the optimizer sees its parameters (FSDP: shard it)."""
+
+    def passes(self, count: int) -> int:
+        """The forward/backward passes of a mini-batch every rank makes when this rank has ``count``
+        micro-batches (FSDP, whose collectives run in each pass: the most any rank has)."""
 
     def shard(self, index: Tensor) -> Tensor:
         """This rank's contiguous part of a mini-batch's sample indices."""
@@ -134,6 +149,12 @@ class SingleProcess:
     """One learner: nothing to share."""
 
     world_size = 1
+
+    def prepare(self, policy: TrainablePolicy) -> None:
+        pass
+
+    def passes(self, count: int) -> int:
+        return count
 
     def shard(self, index: Tensor) -> Tensor:
         return index
@@ -248,6 +269,19 @@ def make_optimizer(groups: list[dict[str, Any]], cfg: Config) -> torch.optim.Ada
     )
 
 
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (the L2 norm of all of ``params``' gradients, which are
+    scaled by ``max_norm / norm`` when above it), for gradients that are FSDP shards too: the
+    norm of sharded gradients is reduced over the ranks (``full_tensor``) before the scaling,
+    so every rank clips with the whole gradient's norm. Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(total, "full_tensor"):  # a DTensor: the sum of the ranks' partial squared norms
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total.detach()
+
+
 class PPOTrainer:
     """Owns the optimizer and schedule; :meth:`update` runs one iteration's epochs."""
 
@@ -268,6 +302,7 @@ class PPOTrainer:
         self.policy = policy
         self.horizon = horizon
         self.parallel: DataParallel = parallel or SingleProcess()
+        self.parallel.prepare(policy)  # FSDP: the policy sharded before the optimizer takes its parameters
         # the rollout ran one update behind: its log-probs are the behaviour policy's (module docstring)
         self.off_policy = cfg.rollout.off_policy_steps > 0
         groups = [g for g in policy.param_groups(cfg) if g["params"]]
@@ -363,6 +398,10 @@ class PPOTrainer:
             if a.target_kl is not None and epoch_kl and torch.stack(epoch_kl).mean().item() > a.target_kl:
                 break
         self.parallel.all_reduce(self.on_policy_log_prob)  # each rank filled its own rows
+        if self.parallel.world_size > 1:  # the positions of every rank's passes
+            positions = torch.tensor([float(self._positions_real), float(self._positions_computed)])
+            self.parallel.all_reduce(positions.to(self.on_policy_log_prob.device))
+            self._positions_real, self._positions_computed = positions[0].item(), positions[1].item()
         if "rollout_log_prob" in batch and "old_log_prob" not in batch:  # fully on-policy: its own forward
             correction_metrics = algo.mismatch_metrics(
                 self.on_policy_log_prob, batch["rollout_log_prob"], batch["mask"]
@@ -492,17 +531,29 @@ class PPOTrainer:
         budget = self.cfg.train.micro_batch_tokens
         compact = getattr(self.policy, "compact", None) if budget is not None else None
         width_key = "attention_mask" if "attention_mask" in mb else "mask"
-        for rows in algo.micro_batch_indices(mb, micro, budget):
+        micro_batches = list(algo.micro_batch_indices(mb, micro, budget))
+        # FSDP ranks run their collectives in every pass: a rank with fewer micro-batches repeats its
+        # last one with its loss times 0 (no gradient, no metrics) until every rank has made as many
+        passes = self.parallel.passes(len(micro_batches))
+        if passes and not micro_batches:
+            raise UserError(
+                f"a mini-batch of this update leaves one of the {self.parallel.world_size} learners no sample; "
+                "lower cluster.learners or raise train.mini_batch_size"
+            )
+        for index in range(passes):
+            idle = index >= len(micro_batches)
+            rows = micro_batches[min(index, len(micro_batches) - 1)]
             part = {k: v[rows] for k, v in mb.items()}
             if compact is not None:
                 part = compact(part)  # (n, T') tensors: this micro-batch's padding columns dropped
-            self._positions_real = self._positions_real + part[width_key].sum()  # no host sync here
-            self._positions_computed += part[width_key].numel()
+            if not idle:
+                self._positions_real = self._positions_real + part[width_key].sum()  # no host sync here
+                self._positions_computed += part[width_key].numel()
             out = self.policy.evaluate(part)
             mask = part["mask"]
             # before the first step: the sampling policy's log-probs (off-policy: one update newer)
             current = out["log_prob"].detach() if on_policy else None
-            if current is not None and current_out is not None:
+            if current is not None and current_out is not None and not idle:
                 current_out.append((rows, current))
             share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
             # Losses computed with the mini-batch normalizer add up over micro-batches;
@@ -533,7 +584,7 @@ class PPOTrainer:
                     advantages = advantages * part["correction_weight"]
                 old_log_prob = part.get("old_log_prob")
                 if current is not None:
-                    if old_log_prob is not None:
+                    if old_log_prob is not None and not idle:
                         gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
                         totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)
                     if self.off_policy:  # the behaviour policy's log-probs stay old_log_prob
@@ -587,6 +638,9 @@ class PPOTrainer:
                     kl_loss = algo.aggregate(kl, actor_mask, mode, normalizer=actor_normalizer, horizon=horizon)
                     loss = loss + a.beta * kl_loss
                     losses["kl_loss"] = kl_loss.detach()
+            if idle:
+                (loss * 0.0).backward()  # the same backward graph as a real pass, a zero gradient
+                continue
             loss.backward()
             for k, v in losses.items():
                 totals[k] = totals.get(k, 0.0) + v
@@ -619,7 +673,7 @@ class PPOTrainer:
         for name, params, clip in self.clip_groups:
             if any(p.grad is not None for p in params):  # (critic_warmup: the actor has none)
                 max_norm = clip if clip is not None else float("inf")
-                norms[f"grad_norm/{name}"] = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).detach()
+                norms[f"grad_norm/{name}"] = clip_grad_norm(params, max_norm)
         ok = all(bool(torch.isfinite(n)) for n in norms.values())
         if not ok:
             # A non-finite gradient would poison Adam's moments: skip this step.

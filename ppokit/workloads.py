@@ -34,9 +34,10 @@ def make_workload(cfg: Config):
     if cfg.workload == "lm" and cfg.textenv.env is not None:  # multi-turn episodes with a text environment
         from ppokit.lm.multi_turn.workload import MultiTurnWorkload
 
-        return MultiTurnWorkload(cfg)
-    module, name = WORKLOADS[cfg.workload]
-    workload = getattr(importlib.import_module(module), name)(cfg)
+        workload = MultiTurnWorkload(cfg)
+    else:
+        module, name = WORKLOADS[cfg.workload]
+        workload = getattr(importlib.import_module(module), name)(cfg)
     if wants_cluster(cfg):
         from ppokit.dist.workload import DistributedWorkload
 

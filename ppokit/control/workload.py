@@ -102,7 +102,8 @@ class ControlSource:
         self.policy_version = learner.policy_version
 
     def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.policy.load_named_state(weights)
+        """All of the actor-critic's tensors, or one bucket of them."""
+        self.policy.load_named_state({**self.policy.named_state(), **weights})
 
     def state_dict(self) -> dict[str, Any]:
         state = {
@@ -291,7 +292,8 @@ class ControlLearner:
         return self.policy.named_state()
 
     def load_trained_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.policy.load_named_state(weights)
+        """All of the actor-critic's tensors, or one bucket of them."""
+        self.policy.load_named_state({**self.policy.named_state(), **weights})
 
     def weights_finite(self) -> bool:
         return all_finite(self.policy.named_state().values())

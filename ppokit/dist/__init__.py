@@ -20,6 +20,9 @@ are the run's usual components (:mod:`ppokit.components`) in other processes::
   worker actor; fixed shard order, one-step-off pipelining, restart of a dead worker.
 - :mod:`ppokit.dist.learner_group`: :class:`LearnerGroup` (a Learner) and the rank actor.
 - :mod:`ppokit.dist.parallel`: the torch.distributed side of the trainer (no Ray).
+- :mod:`ppokit.dist.fsdp`: FSDP2 learners (``cluster.sharding: fsdp``): the policy sharded per
+  decoder layer and root, sum-reduced gradients, local shard sizes.
+- :mod:`ppokit.dist.weights`: weights in bounded buckets (``cluster.sync_bucket_mb``), layer order.
 - :mod:`ppokit.dist.workload`: :class:`DistributedWorkload`, a workload that builds the
   local components and moves the source and/or the learner onto the cluster.
 
@@ -37,8 +40,9 @@ RAY_EXTRA = "pip install 'ppokit[ray]'"
 
 
 def wants_cluster(cfg) -> bool:
-    """Whether ``cfg`` runs anything on Ray (rollout workers, or more than one learner)."""
-    return cfg.cluster.rollout_workers > 0 or cfg.cluster.learners > 1
+    """Whether ``cfg`` runs anything on Ray (rollout workers, more than one learner, or FSDP learners)."""
+    c = cfg.cluster
+    return c.rollout_workers > 0 or c.learners > 1 or c.sharding == "fsdp"
 
 
 def require_ray(cfg=None):
@@ -50,9 +54,13 @@ def require_ray(cfg=None):
         if cfg is not None:
             parts = [f"cluster.rollout_workers={cfg.cluster.rollout_workers}"] if cfg.cluster.rollout_workers else []
             parts += [f"cluster.learners={cfg.cluster.learners}"] if cfg.cluster.learners > 1 else []
+            parts += ["cluster.sharding=fsdp"] if cfg.cluster.sharding == "fsdp" else []
             what = " and ".join(parts) or what
-        raise UserError(f"{what} needs Ray, which is not installed: {RAY_EXTRA} (or set "
-                        "cluster.rollout_workers=0 and cluster.learners=1 to train in one process)") from None
+        raise UserError(
+            f"{what} needs Ray, which is not installed: {RAY_EXTRA} (or set "
+            "cluster.rollout_workers=0, cluster.learners=1 and cluster.sharding=ddp to train in one "
+            "process)"
+        ) from None
     return ray
 
 

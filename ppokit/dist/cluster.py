@@ -20,11 +20,10 @@ run outlives it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from ppokit.dist import require_ray
 from ppokit.errors import UserError
-
 
 # Ray starts worker processes at niceness 15 (below the driver and Ray's own daemons). The
 # run's actors do its main work: at 15 a CPU shared with anything at niceness 0 (the driver's
@@ -43,15 +42,16 @@ class Cluster:
         self.actors: list[Any] = []
         self.pg = None
         if not ray.is_initialized():
-            kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING,
-                                          log_to_driver=True)
+            kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
             if c.address is not None:
                 kwargs["address"] = c.address
             try:
                 ray.init(**kwargs)
             except ConnectionError as exc:
-                raise UserError(f"cluster.address={c.address}: cannot connect to Ray ({str(exc).splitlines()[0]}); "
-                                "start the head node with 'ray start --head' or use cluster.address=null") from None
+                raise UserError(
+                    f"cluster.address={c.address}: cannot connect to Ray ({str(exc).splitlines()[0]}); "
+                    "start the head node with 'ray start --head' or use cluster.address=null"
+                ) from None
             self.owned = True
         try:
             self.worker_bundles, self.learner_bundles, bundles = self._bundles(rollout_workers, learners)
@@ -71,8 +71,11 @@ class Cluster:
         if c.placement == "colocated":
             n = max(workers, learners)
             return list(range(workers)), list(range(learners)), [dict(bundle) for _ in range(n)]
-        return (list(range(workers)), list(range(workers, workers + learners)),
-                [dict(bundle) for _ in range(workers + learners)])
+        return (
+            list(range(workers)),
+            list(range(workers, workers + learners)),
+            [dict(bundle) for _ in range(workers + learners)],
+        )
 
     def _reserve(self, bundles: list[dict[str, float]], workers: int, learners: int) -> None:
         ray = require_ray()
@@ -80,7 +83,7 @@ class Cluster:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         timeout = self.cfg.cluster.placement_timeout
-        if self.owned and self._missing(bundles):      # a local Ray this run started: no node will join
+        if self.owned and self._missing(bundles):  # a local Ray this run started: no node will join
             raise UserError(self._unplaceable(bundles, workers, learners, None))
         self.pg = placement_group(bundles, strategy="PACK")
         try:
@@ -101,11 +104,13 @@ class Cluster:
     def _missing(self, bundles: list[dict[str, float]]) -> list[str]:
         """What the cluster lacks in total for ``bundles`` (``"GPU 1 more"``), free or not."""
         total = require_ray().cluster_resources()
-        return [f"{k} {v - total.get(k, 0.0):g} more" for k, v in sorted(self._need(bundles).items())
-                if v > total.get(k, 0.0)]
+        return [
+            f"{k} {v - total.get(k, 0.0):g} more"
+            for k, v in sorted(self._need(bundles).items())
+            if v > total.get(k, 0.0)
+        ]
 
-    def _unplaceable(self, bundles: list[dict[str, float]], workers: int, learners: int,
-                     timeout: Optional[float]) -> str:
+    def _unplaceable(self, bundles: list[dict[str, float]], workers: int, learners: int, timeout: float | None) -> str:
         """The error text; ``timeout`` None: not waited for (a local Ray this run started)."""
         ray = require_ray()
         need = self._need(bundles)
@@ -115,14 +120,21 @@ class Cluster:
         who += [f"{learners} learner(s)"] if learners else []
         c = self.cfg.cluster
         have = ", ".join(f"{k} {total.get(k, 0.0):g} ({free.get(k, 0.0):g} free)" for k in sorted(need))
-        why = ("missing: " + ", ".join(missing)) if missing else "the resources exist but are taken or spread over nodes"
-        return (f"the Ray cluster cannot place {' and '.join(who)} with {c.cpus_per_worker:g} CPU and "
-                f"{c.gpus_per_worker:g} GPU each ({c.placement}): they need "
-                f"{', '.join(f'{k} {v:g}' for k, v in sorted(need.items()))}, the cluster has {have}; {why} "
-                + (f"(waited {timeout:g} s, cluster.placement_timeout)" if timeout is not None else
-                   "(the local Ray this run started: no node will join)")
-                + "; lower cluster.cpus_per_worker, "
-                "cluster.gpus_per_worker or the number of workers, or add nodes")
+        why = (
+            ("missing: " + ", ".join(missing)) if missing else "the resources exist but are taken or spread over nodes"
+        )
+        return (
+            f"the Ray cluster cannot place {' and '.join(who)} with {c.cpus_per_worker:g} CPU and "
+            f"{c.gpus_per_worker:g} GPU each ({c.placement}): they need "
+            f"{', '.join(f'{k} {v:g}' for k, v in sorted(need.items()))}, the cluster has {have}; {why} "
+            + (
+                f"(waited {timeout:g} s, cluster.placement_timeout)"
+                if timeout is not None
+                else "(the local Ray this run started: no node will join)"
+            )
+            + "; lower cluster.cpus_per_worker, "
+            "cluster.gpus_per_worker or the number of workers, or add nodes"
+        )
 
     def actor_options(self, role: str, index: int) -> dict[str, Any]:
         """``.options(...)`` of actor ``index`` of ``role`` (``"rollout"`` or ``"learner"``)."""
@@ -130,10 +142,15 @@ class Cluster:
 
         c = self.cfg.cluster
         bundle = (self.worker_bundles if role == "rollout" else self.learner_bundles)[index]
-        return {"num_cpus": c.cpus_per_worker * self.share, "num_gpus": c.gpus_per_worker * self.share,
-                "max_restarts": 0, "runtime_env": {"env_vars": ACTOR_ENV},
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=bundle)}
+        return {
+            "num_cpus": c.cpus_per_worker * self.share,
+            "num_gpus": c.gpus_per_worker * self.share,
+            "max_restarts": 0,
+            "runtime_env": {"env_vars": ACTOR_ENV},
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=bundle
+            ),
+        }
 
     def start_actor(self, cls: type, role: str, index: int, *args: Any) -> Any:
         """An actor of ``cls`` (a plain class, made a Ray actor here) in its bundle."""
@@ -147,15 +164,19 @@ class Cluster:
         ray = require_ray()
         try:
             ray.kill(actor, no_restart=True)
-        except Exception:      # already gone
+        except Exception:  # already gone
             pass
         self.actors = [a for a in self.actors if a is not actor]
 
     def describe(self) -> str:
         c = self.cfg.cluster
         where = "local Ray" if c.address is None else f"Ray at {c.address}"
-        return (f"cluster: {where}, {c.rollout_workers} rollout worker(s), {c.learners} learner(s), {c.placement} "
-                f"placement, {c.cpus_per_worker:g} CPU / {c.gpus_per_worker:g} GPU each")
+        sharding = c.sharding + (", CPU offload" if c.cpu_offload else "")
+        return (
+            f"cluster: {where}, {c.rollout_workers} rollout worker(s), {c.learners} learner(s) ({sharding}), "
+            f"{c.placement} "
+            f"placement, {c.cpus_per_worker:g} CPU / {c.gpus_per_worker:g} GPU each"
+        )
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
@@ -181,4 +202,3 @@ class Cluster:
         if self.owned and ray.is_initialized():
             ray.shutdown()
             self.owned = False
-

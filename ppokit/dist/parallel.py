@@ -30,6 +30,12 @@ class ProcessGroupParallel:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
 
+    def prepare(self, policy) -> None:
+        """Nothing: every rank holds the whole policy."""
+
+    def passes(self, count: int) -> int:
+        return count  # one all-reduce after the passes: the ranks need not make as many
+
     def shard(self, index: Tensor) -> Tensor:
         return index.tensor_split(self.world_size)[self.rank]
 
@@ -39,7 +45,7 @@ class ProcessGroupParallel:
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch._utils._flatten_dense_tensors(grads)         # one buffer, one all-reduce
+        flat = torch._utils._flatten_dense_tensors(grads)  # one buffer, one all-reduce
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
             if p.grad is None:
@@ -55,9 +61,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_process_group(rank: int, world_size: int, address: str, port: int, backend: str,
-                       timeout_s: float = 300.0) -> ProcessGroupParallel:
+def init_process_group(
+    rank: int, world_size: int, address: str, port: int, backend: str, timeout_s: float = 300.0
+) -> ProcessGroupParallel:
     """Join the group at ``tcp://address:port`` (gloo on CPUs, nccl on GPUs)."""
-    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
     return ProcessGroupParallel(rank, world_size)

@@ -15,9 +15,13 @@ RNG
 
 Weights
     :meth:`RemoteSource.sync_weights` puts ``learner.rollout_weights()`` (lora: the
-    actor adapter only) into the object store once and every worker loads it; the
-    metrics ``sync_bytes`` and ``sync_time`` (put, plus the workers' load when the run
-    is synchronous) are logged per iteration.
+    actor adapter only) into the object store once, in buckets of at most
+    ``cluster.sync_bucket_mb`` MiB in layer order (:mod:`ppokit.dist.weights`), and every
+    worker fetches and loads them one at a time; the metrics ``sync_bytes``,
+    ``sync_bucket_peak`` (the largest bucket) and ``sync_time`` (put, plus the workers'
+    load when the run is synchronous) are logged per iteration. A plan with a
+    ``sync_weights(learner)`` of its own (multi-turn self-play: the opponent pool's
+    snapshots) is told of every sync too.
 
 Pipelining (``rollout.off_policy_steps=1``)
     :meth:`RemoteSource.prefetch` submits iteration k+1 right after k is collected: the
@@ -40,16 +44,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
-
-import torch
+from typing import Any
 
 from ppokit.components import Batch
 from ppokit.dist import ray_get, require_ray
+from ppokit.dist.weights import MIB, buckets, nbytes
 from ppokit.errors import UserError
 from ppokit.resume import capture_rng, restore_rng, rollout_rngs
-
 
 # a part whose worker dies this many times in a row is not tried again: the run stops
 MAX_RESTARTS = 3
@@ -66,22 +69,27 @@ class RolloutWorker:
     def __init__(self, workload, shard: int, num_shards: int):
         self.shard = shard
         self.source = workload.rollout_shard(shard, num_shards)
-        self.version: Optional[int] = None
+        self.version: int | None = None
         self.load_time = 0.0
 
-    def set_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
-        """Load the learner's rollout weights (version ``version``); seconds it took."""
+    def set_weights(self, buckets: list[Any], version: int) -> float:
+        """Load the learner's rollout weights (version ``version``), one bucket (a dictionary, or the
+        object reference of one) at a time; seconds it took."""
+        import ray
+
         start = time.perf_counter()
-        self.source.load_rollout_weights(weights)
+        for bucket in buckets:
+            self.source.load_rollout_weights(ray.get(bucket) if isinstance(bucket, ray.ObjectRef) else bucket)
         self.version = version
         self.load_time = time.perf_counter() - start
         return self.load_time
 
-    def collect(self, iteration: int, request: Any, rng: dict[str, Any]) -> tuple[Any, dict, Optional[dict], float,
-                                                                             Optional[int]]:
+    def collect(
+        self, iteration: int, request: Any, rng: dict[str, Any]
+    ) -> tuple[Any, dict, dict | None, float, int | None]:
         """(this shard's part, the shard's state after it, the RNG state after it or None,
         seconds the last weight load took, the version of the weights that sampled it)."""
-        if "state" in rng:                       # the driver's stream (one synchronous worker)
+        if "state" in rng:  # the driver's stream (one synchronous worker)
             restore_rng(rng["state"])
             part = self.source.collect_shard(iteration, request)
             rng_after = capture_rng()
@@ -108,24 +116,31 @@ class _Request:
     iteration: int
     requests: list[Any]
     rngs: list[dict[str, Any]]
-    version: Optional[int]       # the weights it was sent after
+    version: int | None  # the weights it was sent after
     futures: list[Any]
 
 
 class RemoteSource:
     """A :class:`~ppokit.components.RolloutSource` whose shards run in Ray actors."""
 
-    def __init__(self, cfg, plan, start_worker: Callable[[int], Any], num_shards: int,
-                 forget_worker: Callable[[Any], None] = lambda actor: None):
+    def __init__(
+        self,
+        cfg,
+        plan,
+        start_worker: Callable[[int], Any],
+        num_shards: int,
+        forget_worker: Callable[[Any], None] = lambda actor: None,
+    ):
         self.cfg, self.plan, self.num_shards = cfg, plan, num_shards
+        self.bucket_bytes = cfg.cluster.sync_bucket_mb * MIB
         self.steps_per_iteration = plan.steps_per_iteration
         self._start_worker, self._forget_worker = start_worker, forget_worker
         self.workers = [start_worker(s) for s in range(num_shards)]
-        self.shard_states: list[Optional[dict[str, Any]]] = [None] * num_shards
-        self.in_flight: Optional[_Request] = None
-        self.pending: Optional[tuple[int, Batch]] = None       # collected ahead (a checkpoint's)
-        self.version: Optional[int] = None
-        self.weight_refs: dict[int, Any] = {}                   # the last two versions' weights
+        self.shard_states: list[dict[str, Any] | None] = [None] * num_shards
+        self.in_flight: _Request | None = None
+        self.pending: tuple[int, Batch] | None = None  # collected ahead (a checkpoint's)
+        self.version: int | None = None
+        self.weight_refs: dict[int, list[Any]] = {}  # the last two versions' weight buckets
         self.restarts = 0
 
     # ------------------------------------------------------------------ rollouts
@@ -162,13 +177,15 @@ class RemoteSource:
                 try:
                     results.append(ray_get(future))
                     break
-                except RayActorError as exc:      # the worker died: a new one does the same work
+                except RayActorError as exc:  # the worker died: a new one does the same work
                     deaths += 1
                     if deaths > MAX_RESTARTS:
-                        raise UserError(f"rollout worker {s} died {deaths} times in a row on iteration "
-                                        f"{request.iteration} ({_first_line(exc)}); check the worker's memory and "
-                                        "the Ray logs (/tmp/ray/session_latest/logs), then resume from the last "
-                                        "checkpoint with ppokit train --resume RUN_DIR") from None
+                        raise UserError(
+                            f"rollout worker {s} died {deaths} times in a row on iteration "
+                            f"{request.iteration} ({_first_line(exc)}); check the worker's memory and "
+                            "the Ray logs (/tmp/ray/session_latest/logs), then resume from the last "
+                            "checkpoint with ppokit train --resume RUN_DIR"
+                        ) from None
                     future = self._restart(s, request)
         parts, states, rng_after, load_times, versions = zip(*results)
         self.shard_states = list(states)
@@ -194,7 +211,7 @@ class RemoteSource:
             worker.set_weights.remote(self.weight_refs[request.version], request.version)
         future = worker.collect.remote(request.iteration, request.requests[s], request.rngs[s])
         if self.version is not None and self.version != request.version:
-            worker.set_weights.remote(self.weight_refs[self.version], self.version)   # as the others have
+            worker.set_weights.remote(self.weight_refs[self.version], self.version)  # as the others have
         return future
 
     # ------------------------------------------------------------------ weights
@@ -203,28 +220,33 @@ class RemoteSource:
         from ray.exceptions import RayActorError
 
         start = time.perf_counter()
-        weights = learner.rollout_weights()
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        ref = ray.put(weights)
+        refs, total, peak = [], 0, 0
+        for bucket in buckets(learner.rollout_weights().items(), self.bucket_bytes):  # layer order
+            size = sum(nbytes(t) for t in bucket.values())
+            refs.append(ray.put(bucket))
+            total, peak = total + size, max(peak, size)
         self.version = int(learner.policy_version)
-        self.weight_refs[self.version] = ref
+        self.weight_refs[self.version] = refs
         for old in [v for v in self.weight_refs if v < self.version - 1]:
             del self.weight_refs[old]
-        acks = [w.set_weights.remote(ref, self.version) for w in self.workers]
-        if self.in_flight is None:               # synchronous: the sync ends when the workers hold them
-            for s, ack in enumerate(acks):
+        acks = [w.set_weights.remote(refs, self.version) for w in self.workers]
+        if self.in_flight is None:  # synchronous: the sync ends when the workers hold them
+            for ack in acks:
                 try:
                     ray.get(ack)
-                except RayActorError:            # replaced when its next rollout is collected
+                except RayActorError:  # replaced when its next rollout is collected
                     pass
-        return {"sync_bytes": float(nbytes), "sync_time": time.perf_counter() - start}
+        plan_sync = getattr(self.plan, "sync_weights", None)
+        if plan_sync is not None:
+            plan_sync(learner)
+        return {"sync_bytes": float(total), "sync_bucket_peak": float(peak), "sync_time": time.perf_counter() - start}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        if self.in_flight is not None:          # a rollout ahead of the update belongs to the checkpoint
+        if self.in_flight is not None:  # a rollout ahead of the update belongs to the checkpoint
             request, self.in_flight = self.in_flight, None
             self.pending = (request.iteration, self._gather(request))
-        if any(s is None for s in self.shard_states):      # nothing collected yet in this process
+        if any(s is None for s in self.shard_states):  # nothing collected yet in this process
             self.shard_states = self._fetch_states()
         state = self.plan.state_dict(self.shard_states)
         if self.pending is not None:
@@ -239,8 +261,9 @@ class RemoteSource:
         pending = state.pop("pending", None)
         self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
         shard_states, notes = self.plan.load_state_dict(state)
-        calls = [(s, w.load_state.remote(st)) for s, (w, st) in enumerate(zip(self.workers, shard_states))
-                 if st is not None]
+        calls = [
+            (s, w.load_state.remote(st)) for s, (w, st) in enumerate(zip(self.workers, shard_states)) if st is not None
+        ]
         for s, call in calls:
             notes = list(notes) + ray_get(call)
             self.shard_states[s] = shard_states[s]

@@ -39,7 +39,8 @@ class DistributedWorkload:
 
     def build(self, run_dir: Path) -> Components:
         c = self.cfg.cluster
-        learners = c.learners if c.learners > 1 else 0
+        # one ddp learner is the training process itself; fsdp always runs in ranks (a group of one: CPU offload)
+        learners = c.learners if c.learners > 1 or c.sharding == "fsdp" else 0
         # resources first: a placement the cluster cannot give fails before a warm start or a model load
         cluster = Cluster(self.cfg, rollout_workers=c.rollout_workers, learners=learners)
         try:
@@ -54,8 +55,12 @@ class DistributedWorkload:
                 n = c.rollout_workers
                 plan = self.inner.shard_plan(components, n)
                 components.source = RemoteSource(
-                    self.cfg, plan, lambda s: cluster.start_actor(RolloutWorker, "rollout", s, self.inner, s, n), n,
-                    forget_worker=cluster.forget)
+                    self.cfg,
+                    plan,
+                    lambda s: cluster.start_actor(RolloutWorker, "rollout", s, self.inner, s, n),
+                    n,
+                    forget_worker=cluster.forget,
+                )
             components.header.append(cluster.describe())
             components.closers.append(cluster)
         except BaseException:

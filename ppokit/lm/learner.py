@@ -47,6 +47,13 @@ def needs_ref_log_prob(cfg: Config) -> bool:
     return cfg.algo.beta > 0 and cfg.algo.kl_loss_type != "full"
 
 
+def needs_full_kl_reference(cfg: Config) -> bool:
+    """Whether the update runs the reference model itself: the exact KL over the vocabulary in
+    the loss (``algo.kl_loss_type=full``). Learner ranks need no reference otherwise: the batch
+    brings the reference's token log-probs."""
+    return cfg.algo.beta > 0 and cfg.algo.kl_loss_type == "full"
+
+
 def make_scorer(cfg: Config, policy, learner: LMLearner) -> Scorer:
     """The run's scorer: the reference pass when the loss has a KL term (else on
     :data:`KL_METRIC_ROWS` sequences, for the ``kl_ref`` metric), the actor pass unless the

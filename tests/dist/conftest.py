@@ -41,7 +41,7 @@ def cluster_clean(ray_cluster):
 
     alive = [pg for pg in placement_group_table().values() if pg["state"] != "REMOVED"]
     assert not alive, f"placement groups left behind: {alive}"
-    deadline = time.monotonic() + 10        # Ray returns the resources of removed groups asynchronously
+    deadline = time.monotonic() + 10  # Ray returns the resources of removed groups asynchronously
     while ray_cluster.available_resources().get("CPU", 0) < ray_cluster.cluster_resources()["CPU"]:
         assert time.monotonic() < deadline, "a run left actors holding CPUs"
         time.sleep(0.05)
@@ -58,6 +58,5 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def digits_reward(tmp_path_factory) -> str:
     """A dense reward for an untrained model (the share of digits in the response), as ``file.py:fn``."""
     path = tmp_path_factory.mktemp("dist-reward") / "digits.py"
-    path.write_text("def digits(prompt, response, **fields):\n"
-                    "    return sum(c.isdigit() for c in response) / 4\n")
+    path.write_text("def digits(prompt, response, **fields):\n    return sum(c.isdigit() for c in response) / 4\n")
     return f"{path}:digits"

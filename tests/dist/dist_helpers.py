@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from ppokit.config import load_config
 from ppokit.rundir import read_metrics
@@ -13,7 +13,7 @@ from ppokit.workloads import train
 TIMING_PREFIXES = ("time_", "memory/")  # measurements: they differ between runs
 TIMING = {"time", "wall_time", "sps", "gen_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s", "sync_time"}
 # What a run with rollout workers adds to each row (beside timing): the weight sync's size.
-DIST_ONLY = {"sync_bytes"}
+DIST_ONLY = {"sync_bytes", "sync_bucket_peak", "learner_sync_bucket_peak"}
 
 
 def is_timing(key: str) -> bool:
@@ -21,19 +21,38 @@ def is_timing(key: str) -> bool:
 
 
 def cartpole_cfg(*overrides: str):
-    return load_config("cartpole", ["train.iterations=5", "env.eval_episodes=2", "run.progress=false",
-                                    "run.tensorboard=false", *overrides])
+    return load_config(
+        "cartpole",
+        ["train.iterations=5", "env.eval_episodes=2", "run.progress=false", "run.tensorboard=false", *overrides],
+    )
 
 
 def arith_cfg(model_dir: Path, reward: str, *overrides: str):
     """The arith preset, sized small: the test tiny model, no warm start, a dense reward
     (``reward``), 32 prompts an iteration."""
-    return load_config("arith", [f"model.path={model_dir}", f"data.reward={reward}", "data.sft_epochs=0", "data.eval_size=8",
-                                 "data.eval_every=2", "train.iterations=4", "train.batch_size=32",
-                                 "train.mini_batch_size=16", "train.micro_batch_size=16",
-                                 "train.infer_micro_batch_size=32", "rollout.micro_batch_size=32",
-                                 "run.torch_threads=1", "run.precision=fp32", "run.progress=false",
-                                 "run.tensorboard=false", "run.log_samples=2", "run.samples_every=1", *overrides])
+    return load_config(
+        "arith",
+        [
+            f"model.path={model_dir}",
+            f"data.reward={reward}",
+            "data.sft_epochs=0",
+            "data.eval_size=8",
+            "data.eval_every=2",
+            "train.iterations=4",
+            "train.batch_size=32",
+            "train.mini_batch_size=16",
+            "train.micro_batch_size=16",
+            "train.infer_micro_batch_size=32",
+            "rollout.micro_batch_size=32",
+            "run.torch_threads=1",
+            "run.precision=fp32",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "run.log_samples=2",
+            "run.samples_every=1",
+            *overrides,
+        ],
+    )
 
 
 def run(cfg, run_dir: Path) -> list[dict]:

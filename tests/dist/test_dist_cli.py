@@ -13,16 +13,24 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dist_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
+from resume_helpers import TEST_TAG, start_and_wait, subprocess_env, train_cmd
+
 from ppokit.rundir import read_metrics
 from ppokit.workloads import train
-from resume_helpers import TEST_TAG, start_and_wait, subprocess_env, train_cmd
 
 pytestmark = pytest.mark.slow
 
-RAY_PROCESS_MARKS = ("raylet", "gcs_server", "ray::", "default_worker.py", "log_monitor.py", "monitor.py",
-                     "dashboard", "runtime_env/agent")
+RAY_PROCESS_MARKS = (
+    "raylet",
+    "gcs_server",
+    "ray::",
+    "default_worker.py",
+    "log_monitor.py",
+    "monitor.py",
+    "dashboard",
+    "runtime_env/agent",
+)
 
 
 def ray_processes() -> set[int]:
@@ -44,7 +52,7 @@ def ray_processes() -> set[int]:
 
 
 def assert_no_new_ray_processes(before: set[int]) -> None:
-    deadline = time.monotonic() + 15           # ray.shutdown returns before every child has exited
+    deadline = time.monotonic() + 15  # ray.shutdown returns before every child has exited
     while (left := ray_processes() - before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"Ray processes left behind: {sorted(left)}"
@@ -52,12 +60,25 @@ def assert_no_new_ray_processes(before: set[int]) -> None:
 
 def test_cartpole_two_workers_from_the_command_line(tmp_path, cluster_clean):
     before = ray_processes()
-    proc = subprocess.run(train_cmd("cartpole", "cluster.rollout_workers=2", "train.iterations=4",
-                                    "env.eval_episodes=2", "--output-dir", str(tmp_path), "--name", "w2"),
-                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    proc = subprocess.run(
+        train_cmd(
+            "cartpole",
+            "cluster.rollout_workers=2",
+            "train.iterations=4",
+            "env.eval_episodes=2",
+            "--output-dir",
+            str(tmp_path),
+            "--name",
+            "w2",
+        ),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = read_metrics(tmp_path / "w2")
-    assert [r["global_step"] for r in rows] == [256, 512, 768, 1024]     # two shards of 4 envs x 32 steps
+    assert [r["global_step"] for r in rows] == [256, 512, 768, 1024]  # two shards of 4 envs x 32 steps
     assert "2 rollout worker(s)" in proc.stdout
     assert_no_new_ray_processes(before)
 
@@ -67,9 +88,13 @@ def test_arith_one_worker_from_the_command_line(tmp_path, cluster_clean, tiny_mo
     cfg = arith_cfg(tiny_model_dir, digits_reward, "train.iterations=2")
     config = tmp_path / "arith.yaml"
     config.write_text(json.dumps(cfg.to_dict()))
-    proc = subprocess.run(train_cmd(str(config), "cluster.rollout_workers=1", "--output-dir", str(tmp_path),
-                                    "--name", "w1"), capture_output=True, text=True, env=subprocess_env(),
-                          timeout=300)
+    proc = subprocess.run(
+        train_cmd(str(config), "cluster.rollout_workers=1", "--output-dir", str(tmp_path), "--name", "w1"),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(read_metrics(tmp_path / "w1")) == 2
     assert_no_new_ray_processes(before)
@@ -81,8 +106,20 @@ def test_sigterm_checkpoints_and_stops_the_workers(tmp_path, cluster_clean):
     before = ray_processes()
     run_dir = tmp_path / "runs" / "stopped"
     args = ("train.iterations=12", "env.eval_episodes=2", "rollout.off_policy_steps=1")
-    proc = start_and_wait(train_cmd("cartpole", *args, "cluster.rollout_workers=1", "run.progress=false",
-                                    "--output-dir", str(tmp_path / "runs"), "--name", "stopped"), run_dir, 3)
+    proc = start_and_wait(
+        train_cmd(
+            "cartpole",
+            *args,
+            "cluster.rollout_workers=1",
+            "run.progress=false",
+            "--output-dir",
+            str(tmp_path / "runs"),
+            "--name",
+            "stopped",
+        ),
+        run_dir,
+        3,
+    )
     assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -101,9 +138,21 @@ def test_a_local_ray_without_the_resources_fails_at_once(tmp_path, cluster_clean
     """The local Ray a run starts has no autoscaler: a request beyond it is an error without
     the placement wait (exit 2, one line), and Ray is shut down."""
     before = ray_processes()
-    proc = subprocess.run(train_cmd("cartpole", "cluster.rollout_workers=1", "cluster.gpus_per_worker=1",
-                                    "--output-dir", str(tmp_path), "--name", "gpu"),
-                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    proc = subprocess.run(
+        train_cmd(
+            "cartpole",
+            "cluster.rollout_workers=1",
+            "cluster.gpus_per_worker=1",
+            "--output-dir",
+            str(tmp_path),
+            "--name",
+            "gpu",
+        ),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ppokit: error: the Ray cluster cannot place 1 rollout worker(s)")

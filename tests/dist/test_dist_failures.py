@@ -11,8 +11,8 @@ import threading
 import time
 
 import pytest
-
 from dist_helpers import DIST_ONLY, assert_rows_equal, cartpole_cfg, run
+
 from ppokit.errors import UserError
 from ppokit.rundir import read_metrics
 
@@ -60,10 +60,10 @@ def test_a_worker_that_dies_on_every_try_stops_the_run(cluster_clean, monkeypatc
     from ppokit.dist import rollout_workers
     from ppokit.dist.rollout_workers import RemoteSource
 
-    MAX_RESTARTS = 1                 # each try starts a worker process: keep the test short
+    MAX_RESTARTS = 1  # each try starts a worker process: keep the test short
     monkeypatch.setattr(rollout_workers, "MAX_RESTARTS", MAX_RESTARTS)
 
-    class Dying:          # defined here: Ray ships it by value
+    class Dying:  # defined here: Ray ships it by value
         def collect(self, iteration, request, rng):
             import os
 
@@ -104,7 +104,7 @@ def test_actors_run_at_the_drivers_priority(cluster_clean):
     CPU shared with the driver; the run's actors get niceness 0."""
     from ppokit.dist.cluster import Cluster
 
-    class Probe:          # defined here: Ray ships it by value
+    class Probe:  # defined here: Ray ships it by value
         def niceness(self):
             import os
 
@@ -115,14 +115,15 @@ def test_actors_run_at_the_drivers_priority(cluster_clean):
         probe = cluster.start_actor(Probe, "rollout", 0)
         assert cluster_clean.get(probe.niceness.remote()) == 0
         default = cluster_clean.remote(Probe).options(num_cpus=0).remote()
-        assert cluster_clean.get(default.niceness.remote()) > 0       # what the option changes
+        assert cluster_clean.get(default.niceness.remote()) > 0  # what the option changes
         cluster_clean.kill(default)
     finally:
         cluster.close()
 
 
-@pytest.mark.parametrize("override, missing", [("cluster.gpus_per_worker=1", "GPU 1 more"),
-                                                ("cluster.cpus_per_worker=3", "CPU 1 more")])
+@pytest.mark.parametrize(
+    "override, missing", [("cluster.gpus_per_worker=1", "GPU 1 more"), ("cluster.cpus_per_worker=3", "CPU 1 more")]
+)
 def test_unsatisfiable_placement_fails_within_the_bound(tmp_path, cluster_clean, override, missing):
     cfg = cartpole_cfg("cluster.rollout_workers=1", "cluster.placement_timeout=2", override)
     with pytest.raises(UserError) as info:
@@ -141,13 +142,15 @@ def test_errors_for_people_raised_in_an_actor_come_out_as_themselves(cluster_cle
     from ppokit.dist import ray_get
     from ppokit.errors import TrainingDiverged
 
-    class Failing:        # defined here: Ray ships it by value (the test module is not importable there)
+    class Failing:  # defined here: Ray ships it by value (the test module is not importable there)
         def fail(self, kind: str):
             from ppokit.errors import TrainingDiverged, UserError
 
-            raise {"user": UserError("reward function 'f' returned nan"),
-                   "diverged": TrainingDiverged("training diverged: 10 optimizer steps in a row"),
-                   "bug": ValueError("a bug")}[kind]
+            raise {
+                "user": UserError("reward function 'f' returned nan"),
+                "diverged": TrainingDiverged("training diverged: 10 optimizer steps in a row"),
+                "bug": ValueError("a bug"),
+            }[kind]
 
     actor = cluster_clean.remote(Failing).options(num_cpus=0).remote()
     try:
@@ -166,12 +169,12 @@ def test_errors_for_people_raised_in_an_actor_come_out_as_themselves(cluster_cle
 def test_workers_without_ray_installed_is_a_one_line_error(monkeypatch, capsys, tmp_path):
     from ppokit.cli import main
 
-    monkeypatch.setitem(sys.modules, "ray", None)        # import ray -> ImportError
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     code = main(["train", "cartpole", "cluster.rollout_workers=1", "--output-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.count("\n") == 0 and "cluster.rollout_workers=1 needs Ray" in err and "pip install 'ppokit[ray]'" in err
-    assert not list(tmp_path.iterdir())                  # no run directory was made
+    assert not list(tmp_path.iterdir())  # no run directory was made
 
 
 def test_cli_and_local_runs_do_not_import_ray(tmp_path):
@@ -188,6 +191,7 @@ def test_cli_and_local_runs_do_not_import_ray(tmp_path):
         "    assert main(['config', 'show', 'cartpole', 'cluster.rollout_workers=2']) == 0\n"
         f"    assert main(['train', 'cartpole', 'train.iterations=1', 'env.eval_episodes=0', "
         f"'run.progress=false', '--output-dir', {str(tmp_path / 'runs')!r}]) == 0\n"
-        "assert 'ray' not in sys.modules, 'ray was imported'\n")
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from dist_helpers import arith_cfg, cartpole_cfg, run
+
 from ppokit.lm.single_turn.workload import LMWorkload
 from ppokit.rundir import periodic_checkpoint_path
 from ppokit.trainer import SingleProcess
@@ -26,18 +26,23 @@ def random_lm_batch(n: int, prompt: int, response: int, vocab: int, seed: int = 
     """Left-padded prompts, responses of 1..R real tokens, random advantages and returns."""
     g = torch.Generator().manual_seed(seed)
     prompt_mask = torch.ones(n, prompt, dtype=torch.long)
-    prompt_mask[: n // 2, 0] = 0                                               # some left padding
+    prompt_mask[: n // 2, 0] = 0  # some left padding
     lengths = torch.randint(1, response + 1, (n,), generator=g)
-    mask = (torch.arange(response)[None, :] < lengths[:, None]).float()         # (N, R)
+    mask = (torch.arange(response)[None, :] < lengths[:, None]).float()  # (N, R)
     responses = torch.randint(4, vocab, (n, response), generator=g) * mask.long()
     prompts = torch.randint(4, vocab, (n, prompt), generator=g) * prompt_mask
-    attention_mask = torch.cat([prompt_mask, mask.long()], 1)                   # (N, P + R)
-    return {"input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "responses": responses, "mask": mask,
-            "old_log_prob": -torch.rand(n, response, generator=g) * 3 * mask,
-            "old_values": torch.randn(n, response, generator=g) * mask,
-            "advantages": torch.randn(n, response, generator=g) * mask,
-            "returns": torch.randn(n, response, generator=g) * mask}
+    attention_mask = torch.cat([prompt_mask, mask.long()], 1)  # (N, P + R)
+    return {
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "responses": responses,
+        "mask": mask,
+        "old_log_prob": -torch.rand(n, response, generator=g) * 3 * mask,
+        "old_values": torch.randn(n, response, generator=g) * mask,
+        "advantages": torch.randn(n, response, generator=g) * mask,
+        "returns": torch.randn(n, response, generator=g) * mask,
+    }
 
 
 def test_two_learners_take_the_single_learner_gradient(cluster_clean, tiny_model_dir, digits_reward):
@@ -51,8 +56,15 @@ def test_two_learners_take_the_single_learner_gradient(cluster_clean, tiny_model
     batch = random_lm_batch(16, 3, 5, vocab)
 
     def workload(mode: str) -> LMWorkload:
-        cfg = arith_cfg(tiny_model_dir, digits_reward, f"algo.loss_agg_mode={mode}", "cluster.learners=2",
-                        "train.batch_size=16", "train.mini_batch_size=8", "train.micro_batch_size=2")
+        cfg = arith_cfg(
+            tiny_model_dir,
+            digits_reward,
+            f"algo.loss_agg_mode={mode}",
+            "cluster.learners=2",
+            "train.batch_size=16",
+            "train.mini_batch_size=8",
+            "train.micro_batch_size=2",
+        )
         w = LMWorkload(cfg)
         w.model_path = tiny_model_dir
         return w
@@ -69,7 +81,7 @@ def test_two_learners_take_the_single_learner_gradient(cluster_clean, tiny_model
             together = group.gradients(batch)
             alone = group.local.trainer.mini_batch_gradients(batch)
             assert together.keys() == alone.keys() and len(alone) > 4
-            assert any(g.abs().max() > 1e-3 for g in alone.values())        # a gradient worth comparing
+            assert any(g.abs().max() > 1e-3 for g in alone.values())  # a gradient worth comparing
             worst = max((together[k] - alone[k]).abs().max().item() for k in alone)
             assert worst <= 1e-6, f"{mode}: max abs gradient difference {worst:.3g}"
             print(f"{mode}: max abs gradient difference {worst:.3g}")
@@ -77,8 +89,11 @@ def test_two_learners_take_the_single_learner_gradient(cluster_clean, tiny_model
         cluster.close()
 
 
-def close_rows(got: list[dict], want: list[dict],
-               keys=("value_loss", "policy_loss", "grad_norm/actor", "grad_norm/critic", "entropy")):
+def close_rows(
+    got: list[dict],
+    want: list[dict],
+    keys=("value_loss", "policy_loss", "grad_norm/actor", "grad_norm/critic", "entropy"),
+):
     """Rows after a change of layout: the envs' numbers equal, the losses equal to float32 reduction order."""
     assert [r["iteration"] for r in got] == [r["iteration"] for r in want]
     for g, w in zip(got, want):
@@ -87,8 +102,9 @@ def close_rows(got: list[dict], want: list[dict],
             np.testing.assert_allclose(g[key], w[key], rtol=2e-3, atol=1e-6, err_msg=f"{key} at {g['iteration']}")
 
 
-@pytest.mark.parametrize("first, then", [("cluster.learners=2", "cluster.learners=1"),
-                                          ("cluster.learners=1", "cluster.learners=2")])
+@pytest.mark.parametrize(
+    "first, then", [("cluster.learners=2", "cluster.learners=1"), ("cluster.learners=1", "cluster.learners=2")]
+)
 def test_checkpoint_moves_between_layouts(tmp_path, cluster_clean, first, then):
     """A two-learner run resumes in-process and the other way round, continuing the same run."""
     import shutil
@@ -122,8 +138,11 @@ def test_env_shards_move_between_worker_layouts(tmp_path, cluster_clean, capsys,
     shutil.copytree(tmp_path / "whole", resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoint")
     capsys.readouterr()
-    train(cartpole_cfg(*common, f"cluster.rollout_workers={then}"), resumed_dir,
-          resume_from=periodic_checkpoint_path(resumed_dir, 2))
+    train(
+        cartpole_cfg(*common, f"cluster.rollout_workers={then}"),
+        resumed_dir,
+        resume_from=periodic_checkpoint_path(resumed_dir, 2),
+    )
     out = capsys.readouterr()
     assert f"stepped in {max(first, 1)} shard(s) and this run steps them in {max(then, 1)}" in out.out + out.err
     resumed = read_metrics(resumed_dir)
@@ -136,6 +155,10 @@ def test_colocated_worker_and_learners_follow_the_in_process_run(tmp_path, clust
     """One rollout worker and two learner ranks in two shared bundles (colocated placement):
     the envs see the same actions as in-process, the losses agree to float32 summation order."""
     local = run(cartpole_cfg("train.iterations=3"), tmp_path / "local")
-    both = run(cartpole_cfg("train.iterations=3", "cluster.rollout_workers=1", "cluster.learners=2",
-                            "cluster.placement=colocated"), tmp_path / "colocated")
+    both = run(
+        cartpole_cfg(
+            "train.iterations=3", "cluster.rollout_workers=1", "cluster.learners=2", "cluster.placement=colocated"
+        ),
+        tmp_path / "colocated",
+    )
     close_rows(both, local)

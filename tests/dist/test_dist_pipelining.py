@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 import torch
-
 from dist_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
+
 from ppokit.config import load_config
 from ppokit.control.networks import ActorCritic
 from ppokit.rundir import periodic_checkpoint_path, read_metrics
@@ -37,46 +37,65 @@ def test_cartpole_pipelined_resume_is_exact(tmp_path, cluster_clean, first, then
     from ppokit.checkpoint import load_checkpoint
 
     saved = load_checkpoint(periodic_checkpoint_path(tmp_path / "whole", 3))
-    assert saved.parts["source"]["pending"]["iteration"] == 3      # the rollout in flight is in the checkpoint
-    resumed = resumed_run(tmp_path / "whole", tmp_path / "resumed",
-                          cartpole_cfg(*common, f"cluster.rollout_workers={then}"), 3)
+    assert saved.parts["source"]["pending"]["iteration"] == 3  # the rollout in flight is in the checkpoint
+    resumed = resumed_run(
+        tmp_path / "whole", tmp_path / "resumed", cartpole_cfg(*common, f"cluster.rollout_workers={then}"), 3
+    )
     assert_rows_equal(resumed, whole, extra=DIST_ONLY)
 
 
 def test_arith_pipelined_resume_is_exact(tmp_path, cluster_clean, tiny_model_dir, digits_reward):
     common = ("rollout.off_policy_steps=1", "train.iterations=4", "run.checkpoint_every=2")
     whole = run(arith_cfg(tiny_model_dir, digits_reward, *common, "cluster.rollout_workers=1"), tmp_path / "whole")
-    resumed = resumed_run(tmp_path / "whole", tmp_path / "resumed",
-                          arith_cfg(tiny_model_dir, digits_reward, *common), 2)
+    resumed = resumed_run(
+        tmp_path / "whole", tmp_path / "resumed", arith_cfg(tiny_model_dir, digits_reward, *common), 2
+    )
     assert_rows_equal(whole, resumed, extra=DIST_ONLY)
 
 
 # ----------------------------------------------------------------------------- the ratios
 def first_step(off_policy: int, shift: float) -> dict[str, float]:
     """One update of one mini-batch whose rollout log-probs are the current ones minus ``shift``."""
-    cfg = load_config("cartpole", [f"rollout.off_policy_steps={off_policy}", "train.epochs=1",
-                                   "train.mini_batch_size=64", "train.batch_size=64", "env.num_envs=2",
-                                   "env.num_steps=32", "train.micro_batch_size=16", "algo.upper_clip_ratio=10",
-                                   "algo.lower_clip_ratio=0.9"])
+    cfg = load_config(
+        "cartpole",
+        [
+            f"rollout.off_policy_steps={off_policy}",
+            "train.epochs=1",
+            "train.mini_batch_size=64",
+            "train.batch_size=64",
+            "env.num_envs=2",
+            "env.num_steps=32",
+            "train.micro_batch_size=16",
+            "algo.upper_clip_ratio=10",
+            "algo.lower_clip_ratio=0.9",
+        ],
+    )
     torch.manual_seed(0)
     policy = ActorCritic(4, 2, True, cfg.network)
     obs = torch.randn(64, 1, 4)
     actions = torch.randint(0, 2, (64, 1))
     with torch.no_grad():
-        current = policy.evaluate({"obs": obs, "actions": actions})["log_prob"]       # (64, 1)
+        current = policy.evaluate({"obs": obs, "actions": actions})["log_prob"]  # (64, 1)
     mask = torch.ones(64, 1)
     mask[::4] = 0
-    batch = {"obs": obs, "actions": actions, "mask": mask, "old_log_prob": current - shift,
-             "old_values": torch.zeros(64, 1), "advantages": torch.randn(64, 1), "returns": torch.randn(64, 1)}
+    batch = {
+        "obs": obs,
+        "actions": actions,
+        "mask": mask,
+        "old_log_prob": current - shift,
+        "old_values": torch.zeros(64, 1),
+        "advantages": torch.randn(64, 1),
+        "returns": torch.randn(64, 1),
+    }
     return PPOTrainer(cfg, policy, total_iterations=1).update(batch)
 
 
 def test_off_policy_ratios_use_the_behaviour_log_probs():
     on = first_step(0, 0.1)
-    assert on["ratio_max"] == 1.0                      # synchronous: the first ratio is exactly 1
+    assert on["ratio_max"] == 1.0  # synchronous: the first ratio is exactly 1
     assert on["old_log_prob_gap"] == pytest.approx(0.1, abs=1e-6)
     off = first_step(1, 0.1)
-    assert off["ratio_max"] == pytest.approx(math.exp(0.1), rel=1e-5)      # pi / pi_behaviour
+    assert off["ratio_max"] == pytest.approx(math.exp(0.1), rel=1e-5)  # pi / pi_behaviour
     assert off["old_log_prob_gap"] == pytest.approx(0.1, abs=1e-6)
     # k3 estimate of KL(behaviour || current) with log(current / behaviour) = 0.1 on every token
     assert off["off_policy_kl"] == pytest.approx(math.exp(0.1) - 1.1, rel=1e-4)

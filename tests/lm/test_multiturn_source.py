@@ -18,6 +18,7 @@ from ppokit.envs.checks import EnvError
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.multi_turn.advantages import trajectory_advantages
 from ppokit.lm.multi_turn.opponents import OPPONENT
+from ppokit.lm.multi_turn.source import seat_actors_of
 from ppokit.lm.multi_turn.workload import MultiTurnWorkload
 
 ENVS = Path(__file__).with_name("textenvs.py")
@@ -230,7 +231,7 @@ def first_free_cell(generate, tok):
 
 def test_self_play_seats_alternate_and_both_current_seats_are_trained(tiny_dir, tmp_path, monkeypatch):
     c = build(selfplay_config(tiny_dir, tmp_path), tmp_path)
-    result = c.source.player.play([11, 12, 13, 14], seat_actors=c.source._seat_actors(iteration=5, n=4))
+    result = c.source.player.play([11, 12, 13, 14], seat_actors=seat_actors_of(c.source.episodes(5)[1]))
     # assign_seat(alternate): (episode number + seed) % 2 over the run's episode count (iteration * n + i)
     assert [a["learner"] for a in result.actors] == [(5 * 4 + i + 3) % 2 for i in range(4)]
     assert all(a[0] == a[1] == CURRENT for a in result.actors)
@@ -274,7 +275,7 @@ def test_the_opponent_pool_plays_snapshots_from_a_spare_adapter_slot(tiny_dir, t
     # every episode: the learner's seat is the current policy, the other the snapshot; only the learner is trained
     batch = source.collect(0)
     assert batch.metrics["selfplay/vs_pool_episodes"] == 8 and batch.metrics["selfplay/vs_current_episodes"] == 0
-    result = source.player.play(list(range(8)), seat_actors=source._seat_actors(iteration=1, n=8))
+    result = source.player.play(list(range(8)), seat_actors=seat_actors_of(source.episodes(1)[1]))
     assert result.trajectories and all(t.seat == result.actors[t.episode]["learner"] for t in result.trajectories)
     assert all(a[1 - a["learner"]] == "update-0" for a in result.actors)
     assert sum(source.pool.results()["update-0"].values()) == 8

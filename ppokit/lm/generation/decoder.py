@@ -202,6 +202,8 @@ class DecoderWeights:
     params: dict[str, Fold] = field(default_factory=dict)  # state-dict key -> destination (full refresh)
     adapters: dict[str, Fold] = field(default_factory=dict)  # peft module name -> destination (lora refresh)
     owned_bytes: int = 0  # bytes of the tensors this object allocated (not shared with the model)
+    # lora refresh in buckets: an adapted module's lora_A or lora_B whose partner has not come yet
+    pending_halves: dict[str, Tensor] = field(default_factory=dict)
 
     @classmethod
     @torch.no_grad()
@@ -304,16 +306,18 @@ class DecoderWeights:
     @torch.no_grad()
     def load_adapter(self, state: dict[str, Tensor]) -> None:
         """Refold the adapted layers from an adapter state dict (``get_peft_model_state_dict``
-        keys: ``<module>.lora_A.weight``, ``<module>.lora_B.weight``). Other keys are frozen
-        weights peft adds when the LM head is adapted (its base layer): unchanged, not read."""
+        keys: ``<module>.lora_A.weight``, ``<module>.lora_B.weight``), whole or one bucket of
+        it (:mod:`ppokit.dist.weights`): a module is refolded once both its halves have come.
+        Other keys are frozen weights peft adds when the LM head is adapted (its base layer):
+        unchanged, not read."""
         unknown = [k for k in state if ".lora_" in k and _adapter_module(k) not in self.adapters]
         if unknown:
             raise RuntimeError(f"rollout weights not in the engine's adapter: {unknown[:3]}")
-        for name, f in self.adapters.items():
-            a, b = state.get(f"{name}.lora_A.weight"), state.get(f"{name}.lora_B.weight")
-            if a is None or b is None:
-                raise RuntimeError(f"rollout weights lack {name}'s lora_A or lora_B")
-            f.fold(a, b)
+        self.pending_halves.update((k, v) for k, v in state.items() if ".lora_" in k)
+        for name in {_adapter_module(k) for k in state if ".lora_" in k}:
+            a_key, b_key = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
+            if a_key in self.pending_halves and b_key in self.pending_halves:
+                self.adapters[name].fold(self.pending_halves.pop(a_key), self.pending_halves.pop(b_key))
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Tensor]) -> None:

@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 import transformers
 from packaging.version import Version
-from peft import set_peft_model_state_dict
 from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -246,13 +245,11 @@ class HFEngine:
 
     def load_weights(self, weights: dict[str, Tensor]) -> None:
         """``learner.rollout_weights()`` into the model generated with: the actor adapter's weights
-        (lora) or the actor model's (full)."""
-        if self.policy is not None and self.policy.mode == "lora":
-            result = set_peft_model_state_dict(self.policy.lm, weights, adapter_name="actor")
-            if getattr(result, "unexpected_keys", None):
-                raise RuntimeError(f"rollout weights not in the actor adapter: {result.unexpected_keys[:3]}")
+        (lora) or the actor model's (full), all of them or one bucket."""
+        if self.policy is not None:
+            self.policy.load_actor_weights(weights)  # whole, or one bucket (ppokit.dist.weights)
         else:
-            (self.policy.lm if self.policy is not None else self.model).load_state_dict(weights)
+            self.model.load_state_dict(weights)
 
     def memory(self) -> EngineMemory:
         """Nothing of its own: the model is the caller's and transformers' caches live for one call."""

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from torch import Tensor, nn
 
 from ppokit import algo
@@ -69,6 +69,8 @@ ACTOR, CRITIC = "actor", "critic"
 
 class ValueHead(nn.Module):
     """``V(s) = w . h + b`` on the critic's last hidden state, always in float32 (zero-initialised)."""
+
+    keeps_float32 = True  # FSDP mixed precision leaves its weights in float32 (ppokit.dist.fsdp)
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -124,17 +126,14 @@ class LMPolicy(nn.Module):
         self.full_kl = False  # evaluate() adds kl_full (algo.kl_loss_type: full)
         self.trainable = True  # False: adapters stay frozen across swaps (inference)
         self.checkpointed_layers = 0  # decoder layers under gradient checkpointing
+        self.compute_device: torch.device | None = None  # where the passes run, when not the weights' device (FSDP)
         self._active: str | None = None
         self._in_reference = False  # lora: inside reference() (adapters disabled)
         self._adapter_params: dict[str, list[nn.Parameter]] = {}
         if mode == "full" and (critic_lm is None) != (value_head is None):
             raise ValueError("full mode takes a critic model and a value head together, or neither")
         if mode == "lora":
-            for name in self.adapter_names:
-                params = [p for n, p in lm.named_parameters() if "lora_" in n and f".{name}." in n]
-                if not params:
-                    raise ValueError(f"the peft model has no LoRA weights for adapter '{name}'")
-                self._adapter_params[name] = params
+            self.refresh_parameters()
             ids = {id(p) for ps in self._adapter_params.values() for p in ps}
             for p in lm.parameters():
                 if id(p) not in ids:
@@ -147,6 +146,17 @@ class LMPolicy(nn.Module):
         self._direct_head = {id(m): _hidden_then_head_matches(m) for m in self.models()}
 
     # ------------------------------------------------------------------ structure
+    def refresh_parameters(self) -> None:
+        """lora: find each adapter's LoRA parameters (again, after FSDP replaced every parameter
+        by its shard: :mod:`ppokit.dist.fsdp`)."""
+        if self.mode != "lora":
+            return
+        for name in self.adapter_names:
+            params = [p for n, p in self.lm.named_parameters() if "lora_" in n and f".{name}." in n]
+            if not params:
+                raise ValueError(f"the peft model has no LoRA weights for adapter '{name}'")
+            self._adapter_params[name] = params
+
     def models(self) -> list[nn.Module]:
         """The Hugging Face models the policy holds: the actor's (lora: with both adapters), the
         critic's and the reference's where they are separate (full mode)."""
@@ -165,7 +175,7 @@ class LMPolicy(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.lm.parameters()).device
+        return self.compute_device or next(self.lm.parameters()).device
 
     @property
     def actor_model(self) -> nn.Module:
@@ -214,6 +224,17 @@ class LMPolicy(nn.Module):
         self._active = None
         with self.use(ACTOR):
             pass
+
+    def load_actor_weights(self, weights: dict[str, Tensor]) -> None:
+        """Copy some or all of the actor's weights in: lora, the ``actor`` adapter's (peft's adapter
+        state dict names); full, the actor model's (its state dict names). A name the actor does
+        not have is a RuntimeError."""
+        if self.mode == "lora":
+            result = set_peft_model_state_dict(self.lm, weights, adapter_name=ACTOR)
+        else:
+            result = self.lm.load_state_dict(weights, strict=False)
+        if getattr(result, "unexpected_keys", None):
+            raise RuntimeError(f"weights not in the actor: {result.unexpected_keys[:3]}")
 
     def freeze(self) -> LMPolicy:
         """Inference only: no parameter requires grad, and swaps do not re-enable them."""

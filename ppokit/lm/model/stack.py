@@ -58,17 +58,25 @@ def prompt_tokenizer(cfg: Config):
 
 
 def build_policy_stack(
-    cfg: Config, model_path: str | Path, *, need_critic: bool | None = None, need_reference: bool | None = None
+    cfg: Config,
+    model_path: str | Path,
+    *,
+    need_critic: bool | None = None,
+    need_reference: bool | None = None,
+    in_host_memory: bool = False,
 ) -> PolicyStack:
     """A fresh policy for a run of ``cfg`` on the backbone ``model_path`` (seeded by ``cfg.seed``):
     ``need_critic``/``need_reference`` as :func:`~ppokit.lm.model.policy.build_policy` (None:
-    what the config's algorithm needs; a rollout worker needs the actor alone)."""
+    what the config's algorithm needs; a rollout worker needs the actor alone).
+    ``in_host_memory``: the weights are built in CPU memory whatever ``run.device`` says (FSDP
+    learners: each rank moves its own shards to its device); the CPU kernels then only where
+    the passes run on the CPU."""
     device, autocast_dtype = placement(cfg)
     tokenizer = load_tokenizer(model_path, "model.path")
     policy = build_policy(
         cfg,
         model_path,
-        device=device,
+        device=torch.device("cpu") if in_host_memory else device,
         autocast_dtype=autocast_dtype,
         seed=cfg.seed,
         need_critic=need_critic,
@@ -92,7 +100,7 @@ def load_policy_stack(
 def _finish(cfg: Config, policy: LMPolicy, tokenizer, device, autocast_dtype, model_path: Path) -> PolicyStack:
     """``model.cpu_kernels`` (a no-op off the CPU), then the torch threads for the model's size."""
     accel_note, kv_cache = "", None
-    if cfg.model.cpu_kernels:
+    if cfg.model.cpu_kernels and device.type == "cpu":  # device: where the passes run
         acceleration = accelerate_policy(policy)
         accel_note, kv_cache = acceleration.describe(), acceleration.kv_cache
     set_threads(policy, device, cfg.run.torch_threads)

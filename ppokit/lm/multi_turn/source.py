@@ -57,7 +57,7 @@ from ppokit.lm.multi_turn.streams import StreamCodec
 from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
 from ppokit.stopping import EarlyStop
 
-__all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs"]
+__all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs", "seat_actors_of"]
 
 EVAL_SEED_BASE = 10**15  # evaluation episodes use seeds EVAL_SEED_BASE + i: the same games every time
 
@@ -143,9 +143,27 @@ class MultiTurnSource:
 
     # ------------------------------------------------------------------ collect
     def collect(self, iteration: int) -> Batch:
+        seeds, plans = self.episodes(iteration)
+        return self.finish(iteration, self.player.play(seeds, seat_actors=seat_actors_of(plans)))
+
+    def episodes(self, iteration: int) -> tuple[list[int], list[dict]]:
+        """The reset seed and the seat plan (:func:`seat_actors_of`) of every episode of ``iteration``,
+        in episode order: in self-play, the learner's seat and the other seat's actor, drawn from
+        the opponent pool here (Ray workers play a contiguous share of them,
+        :mod:`ppokit.lm.multi_turn.shards`)."""
         n = self.cfg.train.batch_size
         seeds = [episode_seed(self.cfg.seed, iteration, i) for i in range(n)]
-        result = self.player.play(seeds, seat_actors=self._seat_actors(iteration, n))
+        seat_mode = self.cfg.textenv.seat
+        plans = []
+        for i in range(n):
+            learner = assign_seat(iteration * n + i, mode=seat_mode, seed=self.cfg.seed)
+            other = self.pool.sample() if self.pool is not None else CURRENT
+            plans.append({learner: CURRENT, 1 - learner: other, "learner": learner})
+        return seeds, plans
+
+    def finish(self, iteration: int, result: PlayResult) -> Batch:
+        """The batch of the played episodes: failures checked, role baselines, tensors, metrics, samples."""
+        n = self.cfg.train.batch_size
         check_failure_rate(
             result.failures,
             n,
@@ -176,18 +194,6 @@ class MultiTurnSource:
             samples=trajectory_samples(result.trajectories, self.cfg.run.log_samples),
             metrics=metrics,
         )
-
-    def _seat_actors(self, iteration: int, n: int) -> Callable[[int, dict], dict]:
-        seat_mode = self.cfg.textenv.seat
-
-        def seat_actors(i: int, info: dict) -> dict:
-            if "player" not in info or "seat" in info:  # one player, or the environment plays the other seat
-                return {}
-            learner = assign_seat(iteration * n + i, mode=seat_mode, seed=self.cfg.seed)
-            other = self.pool.sample() if self.pool is not None else CURRENT
-            return {learner: CURRENT, 1 - learner: other, "learner": learner}
-
-        return seat_actors
 
     @staticmethod
     def _learner_records(result: PlayResult) -> list:
@@ -286,6 +292,18 @@ class MultiTurnSource:
             self.pool.load_state_dict(state["pool"])
             self.opponents.load_state_dict(state["snapshots"])
         return []
+
+
+def seat_actors_of(plans: Sequence[dict]) -> Callable[[int, dict], dict]:
+    """The :class:`EpisodePlayer`'s ``seat_actors`` for the seat plans of :meth:`MultiTurnSource.episodes`:
+    episode i's plan in self-play (a two-player environment that plays no seat itself), else nothing."""
+
+    def seat_actors(i: int, info: dict) -> dict:
+        if "player" not in info or "seat" in info:  # one player, or the environment plays the other seat
+            return {}
+        return plans[i]
+
+    return seat_actors
 
 
 def trajectory_samples(trajectories: Sequence[Trajectory], k: int) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ in state mode, one per seat in message mode), so each epoch is split into
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +29,16 @@ from ppokit.config import Config
 from ppokit.envs import checked_reset, make_env
 from ppokit.errors import UserError
 from ppokit.lm.generation.factory import make_engine
-from ppokit.lm.learner import LMLearner, make_scorer
+from ppokit.lm.learner import LMLearner, make_scorer, needs_full_kl_reference
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
 from ppokit.lm.model.memory import check_run_fits, model_shape, multi_turn_rows
 from ppokit.lm.model.policy import lora_config
-from ppokit.lm.model.stack import build_policy_stack, prompt_tokenizer
+from ppokit.lm.model.stack import PolicyStack, build_policy_stack, prompt_tokenizer
 from ppokit.lm.multi_turn.advantages import trajectory_advantages
 from ppokit.lm.multi_turn.demonstrations import warm_started_model
 from ppokit.lm.multi_turn.opponents import AdapterSnapshots
+from ppokit.lm.multi_turn.shards import MultiTurnShard, MultiTurnShardPlan
 from ppokit.lm.multi_turn.source import (
     MultiTurnSource,
     TextEnvEvaluator,
@@ -47,6 +49,7 @@ from ppokit.lm.multi_turn.source import (
 )
 from ppokit.lm.multi_turn.streams import StreamCodec
 from ppokit.resume import seed_globals
+from ppokit.trainer import DataParallel
 
 __all__ = ["MultiTurnWorkload"]
 
@@ -94,8 +97,41 @@ class MultiTurnWorkload:
         env_name = getattr(probe, "env_name", t.env)
         mode = check_env_output(probe, env_name)
         model_path = warm_started_model(cfg, run_dir, probe, env_name, mode)
+        self.model_path, self.mode, self.env_name = model_path, mode, env_name  # what Ray workers build from
         causal_lm_config(model_path, "model.path")
         stack = build_policy_stack(cfg, model_path)
+        rollout = self._rollout_parts(stack, cfg.train.batch_size)
+        source = MultiTurnSource(
+            cfg,
+            rollout.player,
+            mode=mode,
+            pad_id=stack.tokenizer.pad_token_id,
+            device=stack.device,
+            opponents=rollout.opponents,
+            env_name=env_name,
+            engine=rollout.engine,
+        )
+        learner = self._learner(stack.policy, stack.tokenizer)
+        evaluator = None
+        if t.eval_episodes:
+            evaluator = TextEnvEvaluator(cfg, engine_generate(rollout.engine), rollout.codec, rollout.context, env_name)
+        header = [
+            f"lm on {env_name} ({mode} mode, credit by {cfg.algo.credit}): {stack.describe()}, "
+            f"{cfg.iterations} iterations of {cfg.train.batch_size} episodes"
+        ]
+        return Components(
+            source=source,
+            learner=learner,
+            scorer=make_scorer(cfg, stack.policy, learner),
+            evaluator=evaluator,
+            description=cfg.preset or f"lm-{t.env}",
+            header=header,
+            advantages=trajectory_advantages,
+        )
+
+    def _rollout_parts(self, stack: PolicyStack, num_envs: int) -> RolloutParts:
+        """What plays episodes with the stack's policy over ``num_envs`` environments."""
+        cfg, t = self.cfg, self.cfg.textenv
         policy, tokenizer = stack.policy, stack.tokenizer
         opponents = AdapterSnapshots(policy, lora_config(cfg.model)) if t.pool.snapshot_every else None
         engine = make_engine(policy, tokenizer, cfg.rollout, kv_cache=stack.kv_cache)
@@ -112,46 +148,61 @@ class MultiTurnWorkload:
             )
         codec = StreamCodec(
             tokenizer,
-            mode=mode,
+            mode=self.mode,
             chat=cfg.data.chat_template,
             where=f"model.path={cfg.model.path}",
-            env_name=env_name,
+            env_name=self.env_name,
             stop_ids=engine.eos_ids,
         )
         context = engine.max_positions
         generate = engine_generate(engine, opponents, opponent_engine)
-        player = player_for(cfg, make_envs(t.env, t.kwargs, cfg.train.batch_size), codec, generate, context, env_name)
-        source = MultiTurnSource(
-            cfg,
-            player,
-            mode=mode,
-            pad_id=tokenizer.pad_token_id,
-            device=stack.device,
-            opponents=opponents,
-            env_name=env_name,
-            engine=engine,
-        )
-        learner = LMLearner(
+        player = player_for(cfg, make_envs(t.env, t.kwargs, num_envs), codec, generate, context, self.env_name)
+        return RolloutParts(engine, opponents, codec, context, player)
+
+    def _learner(self, policy, tokenizer, parallel: DataParallel | None = None) -> LMLearner:
+        cfg = self.cfg
+        return LMLearner(
             cfg,
             policy,
             tokenizer,
-            model_path,
+            self.model_path,
+            parallel,
             num_mini_batches=cfg.train.batch_size // cfg.mini_batch_size,
-            horizon=t.max_episode_tokens,
+            horizon=cfg.textenv.max_episode_tokens,
         )
-        evaluator = None
-        if t.eval_episodes:
-            evaluator = TextEnvEvaluator(cfg, engine_generate(engine), codec, context, env_name)
-        header = [
-            f"lm on {env_name} ({mode} mode, credit by {cfg.algo.credit}): {stack.describe()}, "
-            f"{cfg.iterations} iterations of {cfg.train.batch_size} episodes"
-        ]
-        return Components(
-            source=source,
-            learner=learner,
-            scorer=make_scorer(cfg, policy, learner),
-            evaluator=evaluator,
-            description=cfg.preset or f"lm-{t.env}",
-            header=header,
-            advantages=trajectory_advantages,
+
+    # ------------------------------------------------------------------ Ray workers (ppokit.dist)
+    def shard_plan(self, components: Components, num_shards: int) -> MultiTurnShardPlan:
+        return MultiTurnShardPlan(components.source, num_shards)
+
+    def rollout_shard(self, shard: int, num_shards: int) -> MultiTurnShard:
+        """A worker's player: the actor alone (lora: the backbone, the actor adapter and, with a pool,
+        the opponent slot), built as :meth:`build` builds it, over its share of the environments."""
+        seed_globals(self.cfg.seed)
+        stack = build_policy_stack(self.cfg, self.model_path, need_critic=False, need_reference=False)
+        rollout = self._rollout_parts(stack, self.cfg.train.batch_size // num_shards)
+        return MultiTurnShard(rollout.player, stack.policy, rollout.opponents)
+
+    def learner_replica(self, parallel: DataParallel) -> LMLearner:
+        """The policy (actor, critic) and its optimizer on a learner rank, built as :meth:`build` builds
+        them (sharded learners: in CPU memory, each rank moves its shards to its device)."""
+        seed_globals(self.cfg.seed)
+        stack = build_policy_stack(
+            self.cfg,
+            self.model_path,
+            need_reference=needs_full_kl_reference(self.cfg),
+            in_host_memory=getattr(parallel, "shards", False),
         )
+        return self._learner(stack.policy, stack.tokenizer, parallel)
+
+
+@dataclass
+class RolloutParts:
+    """What plays a run's episodes: the engine, the self-play pool (or None), the stream codec,
+    the model's context and the player over the run's (or a worker's) environments."""
+
+    engine: Any
+    opponents: AdapterSnapshots | None
+    codec: StreamCodec
+    context: int | None
+    player: Any

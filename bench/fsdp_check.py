@@ -1,0 +1,187 @@
+"""FSDP with one learner on CUDA (nccl): the sharded learner's GPU path, in one process, in a minute.
+
+A one-rank process group (nccl on a GPU; ``--smoke``: gloo on the CPU) builds the full-mode
+learner of a randomly initialised Llama (``LMWorkload.learner_replica`` with
+:class:`ppokit.dist.fsdp.FSDPParallel`, as a ``cluster.sharding=fsdp`` learner rank does),
+without and with ``cluster.cpu_offload``, and for each:
+
+- takes ``--updates`` PPO updates on a random batch (bf16 compute on a GPU, float32 with
+  ``--smoke``): seconds per update, finite gradient norms;
+- reads what the rank holds (parameters, gradients, Adam moments: :func:`ppokit.dist.fsdp.local_bytes`)
+  and, on a GPU, the allocator's peak;
+- gathers every trained weight whole (``full_tensor``, the path weights take to the training
+  process) and checks it against the rank's own shards;
+- writes the Adam moments with torch.distributed.checkpoint's safetensors storage
+  (:func:`ppokit.checkpoint.save_shards`), reads them back into zeroed tensors and checks them.
+
+Prints one JSON line (``FSDP_CHECK_RESULT {...}``), the form ``bench/gpu_check.py``'s steps
+return. Not run on a GPU yet: no GPU was lent to the session that wrote it.
+
+    python bench/fsdp_check.py            # one CUDA GPU
+    python bench/fsdp_check.py --smoke    # the same on the CPU with gloo, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULT_TAG = "FSDP_CHECK_RESULT "
+# (hidden, layers, heads, sequences, prompt tokens, response tokens): ~0.1 B parameters for actor
+# and critic on a GPU; tiny for --smoke
+SHAPES = {"gpu": (768, 8, 12, 32, 16, 32), "smoke": (64, 2, 2, 8, 4, 8)}
+
+
+def learner_config(model_dir: Path, *, device: str, offload: bool, sequences: int):
+    from ppokit.config import load_config
+
+    return load_config(
+        "arith",
+        [
+            f"model.path={model_dir}",
+            "model.mode=full",
+            "data.sft_epochs=0",
+            "train.iterations=4",
+            f"train.batch_size={sequences}",
+            f"train.mini_batch_size={sequences // 2}",
+            f"train.micro_batch_size={sequences // 4}",
+            f"run.device={device}",
+            f"run.precision={'bf16' if device == 'cuda' else 'fp32'}",
+            "cluster.sharding=fsdp",
+            f"cluster.cpu_offload={str(offload).lower()}",
+        ],
+    )
+
+
+def random_batch(vocab: int, device: str, n: int, prompt: int, response: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    am = torch.ones(n, prompt + response, dtype=torch.long)
+    tensors = {
+        "input_ids": torch.randint(4, vocab, (n, prompt + response), generator=g),
+        "attention_mask": am,
+        "position_ids": am.cumsum(1) - 1,
+        "responses": torch.randint(4, vocab, (n, response), generator=g),
+        "mask": torch.ones(n, response),
+        "old_log_prob": -torch.rand(n, response, generator=g) * 4,
+        "old_values": torch.randn(n, response, generator=g),
+        "advantages": torch.randn(n, response, generator=g),
+        "returns": torch.randn(n, response, generator=g),
+    }
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def one_learner(model_dir: Path, device: str, offload: bool, updates: int, shape: tuple) -> dict:
+    """The checks of the module docstring for one learner (with or without CPU offload)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from ppokit.checkpoint import load_shards, save_shards
+    from ppokit.dist.fsdp import FSDPParallel, full_tensor, local_bytes
+    from ppokit.lm.single_turn.workload import LMWorkload
+
+    n, prompt, response = shape[3:]
+    workload = LMWorkload(learner_config(model_dir, device=device, offload=offload, sequences=n))
+    workload.model_path = model_dir
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    learner = workload.learner_replica(FSDPParallel(0, 1, device_type=device, offload=offload))
+    trainer = learner.trainer
+    batch = random_batch(learner.policy.lm.config.vocab_size, device, n, prompt, response)
+    seconds, norms = [], []
+    for it in range(updates):
+        start = time.perf_counter()
+        metrics = trainer.update(dict(batch), it)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        norms += [metrics["grad_norm/actor"], metrics["grad_norm/critic"]]
+    held = local_bytes(learner.policy, trainer.optimizer)
+    weights = learner.trained_weights()
+    whole = {name: full_tensor(t) for name, t in weights.items()}  # one rank: the shard is the whole
+    gathered_ok = all(
+        torch.equal(whole[n], (t.to_local() if isinstance(t, DTensor) else t).detach().cpu())
+        for n, t in weights.items()
+    )
+    moments = {
+        f"{i}.{slot}": trainer.optimizer.state[p][slot]
+        for i, p in enumerate(trainer.params)
+        for slot in ("exp_avg", "exp_avg_sq")
+        if slot in trainer.optimizer.state[p]
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        save_shards(Path(tmp) / "shards", moments)
+        back = {k: torch.zeros_like(v) for k, v in moments.items()}
+        load_shards(Path(tmp) / "shards", back)
+    shards_ok = all(torch.equal(back[k].to_local(), v.to_local()) for k, v in moments.items())
+    out = {
+        "offload": offload,
+        "update_s": sorted(seconds)[len(seconds) // 2],
+        "first_update_s": seconds[0],
+        "grad_norms_finite": all(math.isfinite(x) for x in norms),
+        "param_bytes": held["params"],
+        "optimizer_bytes": held["optimizer"],
+        "gathered_equal": gathered_ok,
+        "shards_roundtrip": shards_ok,
+        "param_device": str(next(iter(weights.values())).to_local().device),
+    }
+    if device == "cuda":
+        out["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return out
+
+
+def check(smoke: bool, updates: int = 3) -> dict:
+    """Both learners in a one-rank group (nccl on the GPU, gloo with ``smoke``)."""
+    import torch
+    import torch.distributed as dist
+
+    from ppokit.dist.parallel import free_port
+    from ppokit.lm.model.tiny import build_tiny_model
+
+    device = "cpu" if smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("fsdp_check: no CUDA device here; run it on a GPU, or with --smoke on the CPU")
+    shape = SHAPES["smoke" if smoke else "gpu"]
+    hidden, layers, heads = shape[:3]
+    dist.init_process_group(
+        "gloo" if smoke else "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = build_tiny_model(
+                Path(tmp) / "model", hidden_size=hidden, num_layers=layers, num_heads=heads, max_position_embeddings=64
+            )
+            rows = [one_learner(model_dir, device, offload, updates, shape) for offload in (False, True)]
+    finally:
+        dist.destroy_process_group()
+    ok = all(r["grad_norms_finite"] and r["gathered_equal"] and r["shards_roundtrip"] for r in rows)
+    return {
+        "step": "fsdp one learner",
+        "device": device,
+        "backend": "gloo" if smoke else "nccl",
+        "ok": ok,
+        "learners": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="the CPU with gloo and tiny shapes (the plumbing)")
+    parser.add_argument("--updates", type=int, default=3)
+    args = parser.parse_args(argv)
+    result = check(args.smoke, args.updates)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

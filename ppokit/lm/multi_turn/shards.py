@@ -1,0 +1,156 @@
+"""Multi-turn rollouts on Ray workers (``cluster.rollout_workers`` with ``textenv.env``).
+
+The training process (the driver) keeps what an iteration decides and what it learns
+from; the workers play the episodes::
+
+    driver: MultiTurnSource.episodes(k)   seeds (seed, k, episode), seat plans: self-play seats
+                                          and opponents drawn from the pool, in episode order
+            MultiTurnShardPlan.requests   worker s: episodes [s*E/N, (s+1)*E/N), their plans, the
+                                          pool's snapshots (object references, fetched once each)
+    worker: MultiTurnShard.collect_shard  EpisodePlayer.play on its own envs, policy copy and
+                                          opponent slot: a PlayResult (no tokenizer in it)
+    driver: merge_results                 the parts in episode order (episode numbers shifted)
+            MultiTurnSource.finish        failures checked against textenv.max_failure_rate over
+                                          all episodes, role baselines, tensors, metrics, samples
+
+So the environment failures, the pool's results and its RNG, the role baselines and the
+checkpoint state are the in-process source's (a checkpoint resumes in any layout), and with
+one worker the batch is the in-process batch bit for bit (the driver's RNG travels with the
+request, :mod:`ppokit.dist.rollout_workers`). With N workers each shard's generation runs
+under RNGs seeded from (seed, iteration, shard): runs are reproducible, but the sampled
+replies differ from the in-process run's (generation is batched per worker).
+
+The pool's snapshots are LoRA actor adapters taken on the driver (its policy replica is
+the learner's weights after each update, :meth:`MultiTurnShardPlan.sync_weights`); a worker
+copies the ones its episodes play into its own opponent slot
+(:class:`~ppokit.lm.multi_turn.opponents.AdapterSnapshots`) and forgets those the pool dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ppokit.components import Batch
+from ppokit.lm.multi_turn.episodes import TRUNCATION_REASONS, PlayResult
+from ppokit.lm.multi_turn.source import MultiTurnSource, seat_actors_of
+
+__all__ = ["EpisodeRequest", "MultiTurnShard", "MultiTurnShardPlan", "merge_results"]
+
+
+@dataclass
+class EpisodeRequest:
+    """One worker's share of an iteration: episodes ``first, first + 1, ...``."""
+
+    first: int
+    seeds: list[int]
+    plans: list[dict]  # MultiTurnSource.episodes' seat plans
+    snapshots: dict[str, Any] = field(default_factory=dict)  # the pool's snapshot ids -> object refs
+
+
+class MultiTurnShardPlan:
+    """The driver's side of N multi-turn rollout workers (a :class:`~ppokit.components.ShardPlan`)."""
+
+    steps_per_iteration = None
+
+    def __init__(self, source: MultiTurnSource, num_shards: int):
+        self.source, self.num_shards = source, num_shards
+        self.snapshot_refs: dict[str, Any] = {}  # put into the object store once per snapshot
+
+    def requests(self, iteration: int) -> list[EpisodeRequest]:
+        seeds, plans = self.source.episodes(iteration)
+        snapshots = self._snapshot_refs()
+        k = len(seeds) // self.num_shards
+        return [
+            EpisodeRequest(s * k, seeds[s * k : (s + 1) * k], plans[s * k : (s + 1) * k], snapshots)
+            for s in range(self.num_shards)
+        ]
+
+    def _snapshot_refs(self) -> dict[str, Any]:
+        """Every snapshot of the pool as an object reference (new ones put now, dropped ones let go)."""
+        pool = self.source.pool
+        if pool is None:
+            return {}
+        import ray
+
+        ids = pool.ids()
+        self.snapshot_refs = {i: self.snapshot_refs.get(i) for i in ids}
+        for i in ids:
+            if self.snapshot_refs[i] is None:
+                self.snapshot_refs[i] = ray.put(self.source.opponents.tensors[i])
+        return dict(self.snapshot_refs)
+
+    def merge(self, iteration: int, parts: list[tuple[PlayResult, float]], states: list[dict]) -> Batch:
+        results = [result for result, _ in parts]
+        if self.source.opponents is not None:  # the workers' time copying snapshots into their slots
+            self.source.opponents.load_seconds += sum(seconds for _, seconds in parts)
+        k = self.source.cfg.train.batch_size // self.num_shards
+        return self.source.finish(iteration, merge_results(results, [s * k for s in range(self.num_shards)]))
+
+    def sync_weights(self, learner) -> None:
+        """The driver's source counts the update (and takes the pool's snapshots from its replica)."""
+        self.source.sync_weights(learner)
+
+    def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[list[dict[str, Any] | None], list[str]]:
+        return [None] * self.num_shards, self.source.load_state_dict(state)
+
+
+def merge_results(results: list[PlayResult], firsts: list[int]) -> PlayResult:
+    """One :class:`PlayResult` from the workers' parts in episode order: trajectories, records and
+    actors concatenated (each part's episode numbers shifted by its first episode), counts summed,
+    the first error kept, the slowest part's times."""
+    if len(results) == 1 and firsts == [0]:
+        return results[0]
+    trajectories = [replace(t, episode=t.episode + first) for r, first in zip(results, firsts) for t in r.trajectories]
+    return PlayResult(
+        trajectories=trajectories,
+        records=[record for r in results for record in r.records],
+        actors=[actors for r in results for actors in r.actors],
+        truncations={k: sum(r.truncations[k] for r in results) for k in TRUNCATION_REASONS},
+        failures=sum(r.failures for r in results),
+        first_error=next((r.first_error for r in results if r.first_error), None),
+        time_generate=max(r.time_generate for r in results),
+        time_env=max(r.time_env for r in results),
+        generated_tokens=sum(r.generated_tokens for r in results),
+        actions=sum(r.actions for r in results),
+        cut_replies=sum(r.cut_replies for r in results),
+    )
+
+
+class MultiTurnShard:
+    """A worker's source (a :class:`~ppokit.components.ShardSource`): envs for its share of the
+    episodes, the actor (lora: with the opponent slot) and the player."""
+
+    def __init__(self, player, policy, opponents=None):
+        self.player, self.policy, self.opponents = player, policy, opponents
+
+    def collect_shard(self, iteration: int, request: EpisodeRequest) -> tuple[PlayResult, float]:
+        """(the played episodes, seconds spent copying snapshots into the opponent slot)."""
+        if self.opponents is not None:
+            self._fetch_snapshots(request.snapshots)
+            self.opponents.load_seconds = 0.0
+        result = self.player.play(request.seeds, seat_actors=seat_actors_of(request.plans))
+        for trajectory in result.trajectories:  # the stream's tokenizer stays here (the driver has its own)
+            trajectory.stream.codec = None
+        return result, self.opponents.load_seconds if self.opponents is not None else 0.0
+
+    def _fetch_snapshots(self, refs: dict[str, Any]) -> None:
+        import ray
+
+        for snapshot_id in [i for i in self.opponents.tensors if i not in refs]:
+            self.opponents.drop(snapshot_id)
+        for snapshot_id, ref in refs.items():
+            if snapshot_id not in self.opponents.tensors:
+                self.opponents.tensors[snapshot_id] = ray.get(ref)
+
+    def load_rollout_weights(self, weights) -> None:
+        self.policy.load_actor_weights(weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the driver keeps the pool, the seeds and the baselines
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        return []
