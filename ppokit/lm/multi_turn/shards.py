@@ -101,7 +101,7 @@ class MultiTurnShardPlan:
 def merge_results(results: list[PlayResult], firsts: list[int]) -> PlayResult:
     """One :class:`PlayResult` from the workers' parts in episode order: trajectories, records and
     actors concatenated (each part's episode numbers shifted by its first episode), counts summed,
-    the first error kept, the slowest part's times."""
+    the first error kept, the slowest part's times, the largest generation peak."""
     if len(results) == 1 and firsts == [0]:
         return results[0]
     trajectories = [replace(t, episode=t.episode + first) for r, first in zip(results, firsts) for t in r.trajectories]
@@ -113,6 +113,7 @@ def merge_results(results: list[PlayResult], firsts: list[int]) -> PlayResult:
         failures=sum(r.failures for r in results),
         first_error=next((r.first_error for r in results if r.first_error), None),
         time_generate=max(r.time_generate for r in results),
+        peak_gb_generate=max(r.peak_gb_generate for r in results),  # each worker's own process
         time_env=max(r.time_env for r in results),
         generated_tokens=sum(r.generated_tokens for r in results),
         actions=sum(r.actions for r in results),
