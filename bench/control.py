@@ -73,7 +73,9 @@ def child_ppokit(a: argparse.Namespace) -> dict:
         overrides.append(f"env.stop_at_return={a.threshold}")
     cfg = load_config(task["preset"], overrides)
     result = train_control(cfg, create_run_dir(cfg))
-    hit = next((h for h in result["eval_history"] if h["return_mean"] >= a.threshold), None)
+    # the periodic evaluations' rows carry periodic_eval_return_mean, the final one eval_return_mean
+    returns = ((h, h.get("periodic_eval_return_mean", h.get("eval_return_mean"))) for h in result["eval_history"])
+    hit = next((h for h, r in returns if r is not None and r >= a.threshold), None)
     return {
         "to_thr": hit["time"] - a.t0 if hit else None,
         "steps": hit["global_step"] if hit else None,

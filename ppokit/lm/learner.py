@@ -20,8 +20,9 @@ from ppokit import algo
 from ppokit.components import Batch
 from ppokit.config import Config
 from ppokit.lm.model.checkpoint import load_trained_state, save_policy
+from ppokit.lm.model.stack import PolicyStack, build_policy_stack
 from ppokit.lm.scoring import Scorer, kl_ref_metric
-from ppokit.resume import all_finite
+from ppokit.resume import all_finite, seed_globals
 from ppokit.trainer import DataParallel, PPOTrainer
 
 KL_METRIC_ROWS = 64  # without a KL term, kl_ref is measured on this many sequences
@@ -52,6 +53,20 @@ def needs_full_kl_reference(cfg: Config) -> bool:
     the loss (``algo.kl_loss_type=full``). Learner ranks need no reference otherwise: the batch
     brings the reference's token log-probs."""
     return cfg.algo.beta > 0 and cfg.algo.kl_loss_type == "full"
+
+
+def learner_policy_stack(cfg: Config, model_path: Path, parallel: DataParallel) -> PolicyStack:
+    """The policy a learner rank trains, built as the run builds it (seeded): actor and critic, the
+    reference only where the loss's exact KL reads it (otherwise the batch brings the
+    reference's log-probs). Sharded learners (FSDP) build it in CPU memory: each rank moves its
+    shards to its device."""
+    seed_globals(cfg.seed)
+    return build_policy_stack(
+        cfg,
+        model_path,
+        need_reference=needs_full_kl_reference(cfg),
+        in_host_memory=getattr(parallel, "shards", False),
+    )
 
 
 def make_scorer(cfg: Config, policy, learner: LMLearner) -> Scorer:

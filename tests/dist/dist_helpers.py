@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -72,3 +76,33 @@ def assert_rows_equal(got: list[dict], want: list[dict], extra: Iterable[str] = 
         w_keys -= extra
         for key in sorted(w_keys):
             assert g[key] == w[key], f"iteration {g['iteration']}: {key} = {g[key]!r}, expected {w[key]!r}"
+
+
+def kill_first_worker_after(
+    monkeypatch, cluster, run_dir: Path, rows: int, timeout: float
+) -> tuple[threading.Thread, list]:
+    """Record the run's RemoteSource and SIGKILL its first rollout worker's process once ``run_dir``'s
+    metrics.jsonl has ``rows`` rows (or after ``timeout`` seconds): the started thread and the killed pids."""
+    from ppokit.dist import rollout_workers
+
+    sources = []
+    real_init = rollout_workers.RemoteSource.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        sources.append(self)
+
+    monkeypatch.setattr(rollout_workers.RemoteSource, "__init__", recording_init)
+    killed: list[int] = []
+
+    def kill():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(read_metrics(run_dir)) < rows:
+            time.sleep(0.01)
+        pid = cluster.get(sources[0].workers[0].pid.remote())
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer, killed

@@ -4,17 +4,13 @@ satisfy, Ray not installed."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
-from dist_helpers import DIST_ONLY, assert_rows_equal, cartpole_cfg, run
+from dist_helpers import DIST_ONLY, assert_rows_equal, cartpole_cfg, kill_first_worker_after, run
 
 from ppokit.errors import UserError
-from ppokit.rundir import read_metrics
 
 
 @pytest.mark.parametrize("off_policy", [0, 1])
@@ -22,30 +18,9 @@ def test_killed_worker_is_replaced_and_changes_nothing(tmp_path, cluster_clean, 
     """SIGKILL on the worker's process after two iterations: a new worker gets the shard's
     last state and the lost request's weights, generates the part again, and the run
     equals one that never lost a worker."""
-    from ppokit.dist import rollout_workers
-
-    sources = []
-    real_init = rollout_workers.RemoteSource.__init__
-
-    def recording_init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        sources.append(self)
-
-    monkeypatch.setattr(rollout_workers.RemoteSource, "__init__", recording_init)
     run_dir = tmp_path / "killed"
-    killed = []
-
-    def kill_after_two_rows():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(read_metrics(run_dir)) < 2:
-            time.sleep(0.01)
-        pid = cluster_clean.get(sources[0].workers[0].pid.remote())
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-
-    killer = threading.Thread(target=kill_after_two_rows, daemon=True)
     overrides = ("train.iterations=8", f"rollout.off_policy_steps={off_policy}")
-    killer.start()
+    killer, killed = kill_first_worker_after(monkeypatch, cluster_clean, run_dir, rows=2, timeout=120)
     rows = run(cartpole_cfg(*overrides, "cluster.rollout_workers=1"), run_dir)
     killer.join(timeout=60)
     assert killed, "the worker was not killed"
@@ -65,7 +40,6 @@ def test_a_worker_that_dies_on_every_try_stops_the_run(cluster_clean, monkeypatc
 
     class Dying:  # defined here: Ray ships it by value
         def collect(self, iteration, request, rng):
-            import os
 
             os._exit(1)
 
@@ -106,7 +80,6 @@ def test_actors_run_at_the_drivers_priority(cluster_clean):
 
     class Probe:  # defined here: Ray ships it by value
         def niceness(self):
-            import os
 
             return os.nice(0)
 

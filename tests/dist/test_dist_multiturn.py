@@ -9,16 +9,11 @@ run's but for timing fields and the weight sync's sizes.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 
 import pytest
-from dist_helpers import DIST_ONLY, assert_rows_equal, run
+from dist_helpers import DIST_ONLY, assert_rows_equal, kill_first_worker_after, run
 
 from ppokit.config import build_config, parse_overrides
-from ppokit.rundir import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -100,29 +95,8 @@ def test_two_workers_and_two_fsdp_learners_train(tmp_path, cluster_clean, tiny_m
 def test_killed_worker_is_replaced_and_changes_nothing(tmp_path, cluster_clean, tiny_model_dir, monkeypatch):
     """FrozenLake on one worker, killed with SIGKILL after the first iteration: the new worker plays the
     lost part again, and the run equals the in-process run."""
-    from ppokit.dist import rollout_workers
-
-    sources = []
-    real_init = rollout_workers.RemoteSource.__init__
-
-    def recording_init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        sources.append(self)
-
-    monkeypatch.setattr(rollout_workers.RemoteSource, "__init__", recording_init)
     run_dir = tmp_path / "killed"
-    killed = []
-
-    def kill_after_one_row():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and len(read_metrics(run_dir)) < 1:
-            time.sleep(0.01)
-        pid = cluster_clean.get(sources[0].workers[0].pid.remote())
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-
-    killer = threading.Thread(target=kill_after_one_row, daemon=True)
-    killer.start()
+    killer, killed = kill_first_worker_after(monkeypatch, cluster_clean, run_dir, rows=1, timeout=300)
     rows = run(textenv_cfg(tiny_model_dir, LAKE, "cluster.rollout_workers=1"), run_dir)
     killer.join(timeout=60)
     assert killed, "the worker was not killed"

@@ -29,7 +29,7 @@ from ppokit.config import Config
 from ppokit.envs import checked_reset, make_env
 from ppokit.errors import UserError
 from ppokit.lm.generation.factory import make_engine
-from ppokit.lm.learner import LMLearner, make_scorer, needs_full_kl_reference
+from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
 from ppokit.lm.model.memory import check_run_fits, model_shape, multi_turn_rows
@@ -184,15 +184,8 @@ class MultiTurnWorkload:
         return MultiTurnShard(rollout.player, stack.policy, rollout.opponents)
 
     def learner_replica(self, parallel: DataParallel) -> LMLearner:
-        """The policy (actor, critic) and its optimizer on a learner rank, built as :meth:`build` builds
-        them (sharded learners: in CPU memory, each rank moves its shards to its device)."""
-        seed_globals(self.cfg.seed)
-        stack = build_policy_stack(
-            self.cfg,
-            self.model_path,
-            need_reference=needs_full_kl_reference(self.cfg),
-            in_host_memory=getattr(parallel, "shards", False),
-        )
+        """A learner rank's policy (:func:`~ppokit.lm.learner.learner_policy_stack`) and its optimizer."""
+        stack = learner_policy_stack(self.cfg, self.model_path, parallel)
         return self._learner(stack.policy, stack.tokenizer, parallel)
 
 

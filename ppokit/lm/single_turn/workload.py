@@ -43,7 +43,7 @@ from ppokit.lm.data.records import count_tokens_with, drop_long_prompts
 from ppokit.lm.data.sources import PromptIterator
 from ppokit.lm.generation.engine import check_prompts_fit
 from ppokit.lm.generation.factory import make_engine
-from ppokit.lm.learner import LMLearner, make_scorer, needs_full_kl_reference
+from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
@@ -98,16 +98,8 @@ class LMWorkload:
         return LMSource(cfg, engine, None, None, stack.device, policy=stack.policy)
 
     def learner_replica(self, parallel: DataParallel) -> LMLearner:
-        """The policy (actor, critic; the reference only where the loss's exact KL reads it: the
-        batch brings the reference's log-probs) and its optimizer, built as :meth:`build` builds
-        them. Sharded learners (FSDP) build it in CPU memory: each rank moves its shards to its device."""
-        seed_globals(self.cfg.seed)
-        stack = build_policy_stack(
-            self.cfg,
-            self.model_path,
-            need_reference=needs_full_kl_reference(self.cfg),
-            in_host_memory=getattr(parallel, "shards", False),
-        )
+        """A learner rank's policy (:func:`~ppokit.lm.learner.learner_policy_stack`) and its optimizer."""
+        stack = learner_policy_stack(self.cfg, self.model_path, parallel)
         return LMLearner(self.cfg, stack.policy, stack.tokenizer, self.model_path, parallel=parallel)
 
     def build(self, run_dir: Path) -> Components:
