@@ -59,6 +59,7 @@ before any generation.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -185,3 +186,82 @@ def sampling_log_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p
     for warp in sampling_warpers(temperature, top_k, top_p):
         scores = warp(None, scores)
     return torch.log_softmax(scores, -1)
+
+
+class PromptFrontEnd:
+    """The two entry points of an engine (the seam's ``generate`` and ``generate_ids``) over its
+    ``_generate(prompt_ids, prompt_mask, prompts, *, group_size, items, greedy, max_new_tokens,
+    start)``: prompts as text are tokenized with left padding, token ids are left-padded the same
+    way (multi-turn streams: never re-tokenised). Needs ``tokenizer`` and ``pad_id``."""
+
+    tokenizer: Any
+    pad_id: int
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[str],
+        *,
+        group_size: int = 1,
+        items: list[dict] | None = None,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+    ) -> RolloutBatch:
+        """``group_size`` samples for each prompt (greedy: one deterministic sample each)."""
+        start = time.perf_counter()
+        enc = self.tokenizer(list(prompts), padding=True, return_tensors="pt")
+        return self._generate(
+            enc["input_ids"],
+            enc["attention_mask"],
+            list(prompts),
+            group_size=group_size,
+            items=items,
+            greedy=greedy,
+            max_new_tokens=max_new_tokens,
+            start=start,
+        )
+
+    @torch.no_grad()
+    def generate_ids(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        prompts: Sequence[str] | None = None,
+        group_size: int = 1,
+        items: list[dict] | None = None,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+    ) -> RolloutBatch:
+        """:meth:`generate` from token ids (the model's earlier tokens as sampled). ``prompts``:
+        their text for the batch's records (default: decoded)."""
+        start = time.perf_counter()
+        ids, am = left_pad(prompt_ids, self.pad_id)  # (n, P) each
+        if prompts is None:
+            prompts = self.tokenizer.batch_decode([list(p) for p in prompt_ids], skip_special_tokens=True)
+        return self._generate(
+            ids,
+            am,
+            list(prompts),
+            group_size=group_size,
+            items=items,
+            greedy=greedy,
+            max_new_tokens=max_new_tokens,
+            start=start,
+        )
+
+    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor, prompts: list[str], **options: Any) -> RolloutBatch:
+        raise NotImplementedError
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``(input_ids, attention_mask)``, (n, L) long each: token lists left-padded to the longest,
+    as a tokenizer with ``padding_side="left"`` pads."""
+    if not len(sequences) or any(len(s) == 0 for s in sequences):
+        raise ValueError("left_pad needs at least one sequence, and no empty ones")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, width - len(seq) :] = 1
+    return ids, mask

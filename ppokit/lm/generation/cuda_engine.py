@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ppokit.lm.generation.base import EngineMemory, sampling_log_probs
+from ppokit.lm.generation.base import EngineMemory, PromptFrontEnd, sampling_log_probs
 from ppokit.lm.generation.decoder import (
     DecoderWeights,
     KVCache,
@@ -80,7 +80,6 @@ from ppokit.lm.generation.engine import (
     assemble,
     check_context,
     eos_token_ids,
-    left_pad,
 )
 from ppokit.peak_memory import phase_peak
 
@@ -148,7 +147,7 @@ class StepRunner:
         return self.logits
 
 
-class CudaEngine:
+class CudaEngine(PromptFrontEnd):
     """The CUDA engine of the rollout-engine seam (module docstring; protocol in
     :mod:`ppokit.lm.generation.base`). Build it with :meth:`for_policy` or :meth:`for_model`.
 
@@ -247,46 +246,11 @@ class CudaEngine:
         counted) and the KV cache."""
         return EngineMemory(weights=self.weights.owned_bytes, cache=self.cache.nbytes if self.cache else 0)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[str],
-        *,
-        group_size: int = 1,
-        items: list[dict] | None = None,
-        greedy: bool = False,
-        max_new_tokens: int | None = None,
-    ) -> RolloutBatch:
-        """``group_size`` samples for each prompt (greedy: one deterministic sample each)."""
-        start = time.perf_counter()
-        enc = self.tokenizer(list(prompts), padding=True, return_tensors="pt")
-        return self._generate(
-            enc["input_ids"], enc["attention_mask"], list(prompts), group_size, items, greedy, max_new_tokens, start
-        )
-
-    @torch.no_grad()
-    def generate_ids(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        prompts: Sequence[str] | None = None,
-        group_size: int = 1,
-        items: list[dict] | None = None,
-        greedy: bool = False,
-        max_new_tokens: int | None = None,
-    ) -> RolloutBatch:
-        """:meth:`generate` from token ids (multi-turn streams: never re-tokenised)."""
-        start = time.perf_counter()
-        ids, am = left_pad(prompt_ids, self.pad_id)  # (n, P) each
-        if prompts is None:
-            prompts = self.tokenizer.batch_decode([list(p) for p in prompt_ids], skip_special_tokens=True)
-        return self._generate(ids, am, list(prompts), group_size, items, greedy, max_new_tokens, start)
-
     # ------------------------------------------------------------------ generation
-    def _generate(self, *args) -> RolloutBatch:
+    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor, prompts: list[str], **options: Any) -> RolloutBatch:
         """:meth:`_generate_rows`, its peak memory in ``generation_peak_gb``."""
         with phase_peak() as peak:
-            rollout = self._generate_rows(*args)
+            rollout = self._generate_rows(prompt_ids, prompt_mask, prompts, **options)
         rollout.generation_peak_gb = peak.gb
         return rollout
 
@@ -295,6 +259,7 @@ class CudaEngine:
         prompt_ids: Tensor,
         prompt_mask: Tensor,
         prompts: list[str],
+        *,
         group_size: int,
         items: list[dict] | None,
         greedy: bool,

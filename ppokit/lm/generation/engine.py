@@ -43,7 +43,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ppokit.config import STATIC_CACHE_FULL_BF16
 from ppokit.errors import UserError
-from ppokit.lm.generation.base import EngineMemory, RolloutBatch, sampling_warpers
+from ppokit.lm.generation.base import EngineMemory, PromptFrontEnd, RolloutBatch, sampling_warpers
 from ppokit.peak_memory import phase_peak
 
 # transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name warns on every call).
@@ -166,7 +166,7 @@ class BehaviourLogProbs(LogitsProcessor):
         return torch.stack(self.steps, 1)  # (n, width)
 
 
-class HFEngine:
+class HFEngine(PromptFrontEnd):
     """The Hugging Face engine (``rollout.engine: hf``): ``generate(prompts) -> RolloutBatch``
     with transformers' ``generate`` over the model it is given (the seam:
     :mod:`ppokit.lm.generation.base`).
@@ -282,59 +282,6 @@ class HFEngine:
         kwargs.update(self.generation_kwargs)
         return GenerationConfig(**kwargs)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[str],
-        *,
-        group_size: int = 1,
-        items: list[dict] | None = None,
-        greedy: bool = False,
-        max_new_tokens: int | None = None,
-    ) -> RolloutBatch:
-        """``group_size`` samples for each prompt (greedy: one deterministic sample each)."""
-        start = time.perf_counter()
-        enc = self.tokenizer(list(prompts), padding=True, return_tensors="pt")
-        return self._generate(
-            enc["input_ids"],
-            enc["attention_mask"],
-            list(prompts),
-            group_size=group_size,
-            items=items,
-            greedy=greedy,
-            max_new_tokens=max_new_tokens,
-            start=start,
-        )
-
-    @torch.no_grad()
-    def generate_ids(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        prompts: Sequence[str] | None = None,
-        group_size: int = 1,
-        items: list[dict] | None = None,
-        greedy: bool = False,
-        max_new_tokens: int | None = None,
-    ) -> RolloutBatch:
-        """:meth:`generate` from token ids (multi-turn streams: the model's earlier tokens as sampled,
-        never re-tokenised). The prompts are left-padded as the tokenizer pads; ``prompts``: their
-        text for the batch's records (default: decoded)."""
-        start = time.perf_counter()
-        ids, am = left_pad(prompt_ids, self.pad_id)  # (n, P) each
-        if prompts is None:
-            prompts = self.tokenizer.batch_decode([list(p) for p in prompt_ids], skip_special_tokens=True)
-        return self._generate(
-            ids,
-            am,
-            list(prompts),
-            group_size=group_size,
-            items=items,
-            greedy=greedy,
-            max_new_tokens=max_new_tokens,
-            start=start,
-        )
-
     def _generate(
         self,
         prompt_ids: Tensor,
@@ -404,17 +351,3 @@ class HFEngine:
             generation_time=time.perf_counter() - start,
             generation_peak_gb=peak.gb,
         )
-
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """``(input_ids, attention_mask)``, (n, L) long each: token lists left-padded to the longest,
-    as a tokenizer with ``padding_side="left"`` pads."""
-    if not len(sequences) or any(len(s) == 0 for s in sequences):
-        raise ValueError("left_pad needs at least one sequence, and no empty ones")
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
-        mask[row, width - len(seq) :] = 1
-    return ids, mask

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ppokit.lm.generation.engine import left_pad, position_ids_from
+from ppokit.lm.generation.base import left_pad
+from ppokit.lm.generation.engine import position_ids_from
 from ppokit.lm.multi_turn.episodes import Trajectory
 
 __all__ = ["trajectory_rows", "trajectory_tensors"]
