@@ -46,7 +46,7 @@ from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
-from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
+from ppokit.lm.model.hf import causal_lm_config
 from ppokit.lm.model.memory import check_run_fits, longest_prompt_tokens
 from ppokit.lm.model.stack import build_policy_stack, prompt_tokenizer
 from ppokit.lm.rewards.functions import BUILTIN_REWARDS
@@ -74,13 +74,13 @@ class LMWorkload:
         train_items, eval_items, _ = load_data(cfg)
         if cfg.model.path != "tiny":
             causal_lm_config(cfg.model.path)
-            load_tokenizer(cfg.model.path)
+        tokenizer = prompt_tokenizer(cfg)  # loaded once for every check (a bad directory: one line)
         if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
-            train_items, _, _ = drop_long(cfg, train_items, eval_items, [])
-            check_token_budget(cfg, prompt_tokenizer(cfg), train_items)
+            train_items, _, _ = drop_long(cfg, train_items, eval_items, [], tokenizer)
+            check_token_budget(cfg, tokenizer, train_items)
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
         prompts = [x["prompt"] for x in train_items + eval_items]
-        check_run_fits(cfg, prompt_tokens=longest_prompt_tokens(prompt_tokenizer(cfg), prompts))
+        check_run_fits(cfg, prompt_tokens=longest_prompt_tokens(tokenizer, prompts))
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)  # the policy's files are there (a UserError names what is wrong)
@@ -183,15 +183,15 @@ class LMWorkload:
 
 # ----------------------------------------------------------------------------- checks and rewards
 def drop_long(
-    cfg: Config, train_items: list[dict], eval_items: list[dict], header: list[str]
+    cfg: Config, train_items: list[dict], eval_items: list[dict], header: list[str], tokenizer=None
 ) -> tuple[list[dict], list[dict], int]:
     """``data.max_prompt_tokens``: the training and held-out prompts within the limit (counted with
-    model.path's tokenizer, the built-in character tokenizer for tiny), the number of training
-    prompts dropped; a line for the header when any are."""
+    ``tokenizer``, by default model.path's, the built-in character tokenizer for tiny), the number
+    of training prompts dropped; a line for the header when any are."""
     limit = cfg.data.max_prompt_tokens
     if limit is None:
         return train_items, eval_items, 0
-    tokenizer = prompt_tokenizer(cfg)
+    tokenizer = tokenizer or prompt_tokenizer(cfg)
     kept, dropped = drop_long_prompts(train_items, limit, tokenizer=tokenizer)
     eval_kept, eval_dropped = drop_long_prompts(eval_items, limit, tokenizer=tokenizer) if eval_items else ([], 0)
     if dropped or eval_dropped:
