@@ -14,8 +14,18 @@ without and with ``cluster.cpu_offload``, and for each:
 - writes the Adam moments with torch.distributed.checkpoint's safetensors storage
   (:func:`ppokit.checkpoint.save_shards`), reads them back into zeroed tensors and checks them.
 
+Then, against the unsharded learner (``cluster.sharding=ddp``, one rank) from the same weights
+on the same batch:
+
+- the metrics of every update (losses, gradient norms, KL) and the trained weights after them
+  agree with FSDP's to bf16 tolerance (``ddp_max_rel_metric``, ``ddp_weight_rel``);
+- resume: the FSDP learner's state after ``--updates - 1`` updates (the Adam moments as DCP
+  shards, :class:`ppokit.dist.learner_group.LearnerRank`'s ``state_dict`` and ``save_shards``)
+  is loaded into a fresh FSDP learner, which takes the last update as the original did
+  (``resume_max_rel_metric``, ``resume_weight_rel``).
+
 Prints one JSON line (``FSDP_CHECK_RESULT {...}``), the form ``bench/gpu_check.py``'s steps
-return. Not run on a GPU yet: no GPU was lent to the session that wrote it.
+return.
 
     python bench/fsdp_check.py            # one CUDA GPU
     python bench/fsdp_check.py --smoke    # the same on the CPU with gloo, tiny shapes
@@ -161,15 +171,117 @@ def check(smoke: bool, updates: int = 3) -> dict:
                 Path(tmp) / "model", hidden_size=hidden, num_layers=layers, num_heads=heads, max_position_embeddings=64
             )
             rows = [one_learner(model_dir, device, offload, updates, shape) for offload in (False, True)]
+            against = against_ddp(model_dir, device, updates, shape)
     finally:
         dist.destroy_process_group()
     ok = all(r["grad_norms_finite"] and r["gathered_equal"] and r["shards_roundtrip"] for r in rows)
+    ok = ok and against["ok"]
     return {
         "step": "fsdp one learner",
         "device": device,
         "backend": "gloo" if smoke else "nccl",
         "ok": ok,
         "learners": rows,
+        "against_ddp": against,
+    }
+
+
+# bf16 tolerance (the gathered parameters and the passes in bf16 against autocast's bf16 passes):
+# relative differences of the update's metrics and of the weights' change
+METRIC_RTOL = {"cuda": 5e-2, "cpu": 1e-4}
+# metrics that measure time or memory, not the update
+NOT_COMPARED = ("time", "memory", "tokens_per_s", "lr")
+
+
+def compared(metrics: dict) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and math.isfinite(v) and not any(w in k for w in NOT_COMPARED)
+    }
+
+
+def max_rel(a: list[dict], b: list[dict]) -> tuple[float, str]:
+    """The largest |a - b| / max(|a|, |b|, 1e-3) over the metrics of each update, and its key."""
+    worst, where = 0.0, ""
+    for i, (x, y) in enumerate(zip(a, b)):
+        x, y = compared(x), compared(y)
+        for k in x.keys() & y.keys():
+            rel = abs(x[k] - y[k]) / max(abs(x[k]), abs(y[k]), 1e-3)
+            if rel > worst:
+                worst, where = rel, f"update {i + 1}: {k}"
+    return worst, where
+
+
+def weight_change_rel(start: dict, a: dict, b: dict) -> float:
+    """||(a - start) - (b - start)|| / ||a - start|| over all trained weights (float64)."""
+    num = sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in start)
+    den = sum(float(((a[n].double() - start[n].double()) ** 2).sum()) for n in start)
+    return math.sqrt(num / max(den, 1e-30))
+
+
+def against_ddp(model_dir: Path, device: str, updates: int, shape: tuple) -> dict:
+    """The unsharded learner and FSDP's from the same weights on the same batch; then FSDP's
+    checkpoint after ``updates - 1`` updates resumed in a fresh FSDP learner (module docstring)."""
+    import torch
+
+    from ppokit.components import Batch
+    from ppokit.dist.fsdp import full_tensor
+    from ppokit.dist.learner_group import LearnerRank
+    from ppokit.dist.parallel import ProcessGroupParallel
+    from ppokit.lm.single_turn.workload import LMWorkload
+
+    n, prompt, response = shape[3:]
+
+    def rank(sharding: str) -> LearnerRank:
+        cfg = learner_config(model_dir, device=device, offload=False, sequences=n)
+        cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"sharding": sharding})})
+        workload = LearnerRank(LMWorkload(cfg), 0, 1)
+        workload.workload.model_path = model_dir
+        workload.group = ProcessGroupParallel(0, 1)
+        workload.rebuild(workload.workload)
+        return workload
+
+    def whole(r: LearnerRank) -> dict:
+        return {k: full_tensor(t).float().cpu().clone() for k, t in r.learner.trained_weights().items()}
+
+    def run(r: LearnerRank, first: int, last: int, batch: dict) -> list[dict]:
+        return [r.update(Batch(tensors=dict(batch)), it) for it in range(first, last)]
+
+    ddp = rank("ddp")
+    start = whole(ddp)
+    batch = random_batch(ddp.learner.policy.lm.config.vocab_size, device, n, prompt, response)
+    ddp_metrics = run(ddp, 0, updates, batch)
+    fsdp = rank("fsdp")
+    fsdp.load_weights(start)
+    fsdp_metrics = run(fsdp, 0, updates - 1, batch)
+    with tempfile.TemporaryDirectory() as tmp:  # a checkpoint: the state written, then read back
+        torch.save(fsdp.state_dict(), Path(tmp) / "state.pt")
+        fsdp.save_shards(tmp)
+        saved = whole(fsdp)
+        fsdp_metrics += run(fsdp, updates - 1, updates, batch)
+        resumed = rank("fsdp")
+        resumed.load_weights(saved)
+        resumed.load_state(torch.load(Path(tmp) / "state.pt", weights_only=False), tmp)
+    resumed_metrics = run(resumed, updates - 1, updates, batch)
+    ddp_rel, ddp_where = max_rel(ddp_metrics, fsdp_metrics)
+    resume_rel, resume_where = max_rel(fsdp_metrics[-1:], resumed_metrics)
+    weights_rel = weight_change_rel(start, whole(ddp), whole(fsdp))
+    resume_weights = weight_change_rel(saved, whole(fsdp), whole(resumed))
+    rtol = METRIC_RTOL[device]
+    del ddp, fsdp, resumed
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "ok": ddp_rel <= rtol and resume_rel <= rtol and weights_rel <= rtol and resume_weights <= rtol,
+        "tolerance": rtol,
+        "ddp_max_rel_metric": ddp_rel,
+        "ddp_worst": ddp_where,
+        "ddp_weight_rel": weights_rel,
+        "resume_max_rel_metric": resume_rel,
+        "resume_worst": resume_where,
+        "resume_weight_rel": resume_weights,
+        "first_update": {k: compared(fsdp_metrics[0]).get(k) for k in ("policy_loss", "value_loss", "grad_norm/actor")},
     }
 
 

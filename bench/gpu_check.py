@@ -16,7 +16,10 @@ from the project root fills ``.whl/``), bring ``.whl/`` along and start with::
 Steps, each in its own process (a crash or an out-of-memory error is a row of the table,
 the other steps still run), within one time budget (``--budget``, 480 s):
 
-``tests``  the test files that touch a device, on CUDA (:data:`DEVICE_TESTS`)
+``tests``  the test suite but its Ray tests (``tests/dist``), on a machine whose default device
+           is CUDA (``run.device: auto``); in the background beside the ``7b``, ``fsdp`` and
+           ``demo`` steps, whose figures are not timings (``--tests device``: only the files that
+           touch a device, :data:`DEVICE_TESTS`)
 ``bench``  PPO at Qwen2.5-0.5B's shape: a randomly initialised Qwen2 model (hidden 896,
            24 layers, 14 heads, 2 KV heads, MLP 4864) with a 32,000-token byte-level BPE
            vocabulary built here with the ``tokenizers`` library (387 M parameters,
@@ -25,12 +28,15 @@ the other steps still run), within one time budget (``--budget``, 480 s):
            defaults otherwise; ``model.mode`` lora and full, and ``rollout.engine=cuda``
            where the CUDA engine exists. Medians of iterations 2-4: seconds per iteration,
            generate / score / update seconds, generated tokens per second, the engine's
-           mismatch (``mismatch_kl``), the allocator's peak memory over the run; the first
-           iteration (compilation included) beside them.
+           mismatch (``mismatch_kl``), the allocator's peak memory over the run and the
+           pre-start memory estimate's largest phase; the first iteration (compilation
+           included) beside them.
 ``7b``     one LoRA iteration at Qwen2.5-7B's shape (hidden 3584, 28 layers, 28 heads, 4 KV
            heads, MLP 18944, vocabulary 152,064; random bf16 weights built on the GPU, no
            files); 64 sequences of 256 prompt + 512 response tokens, an exact-match reward,
            micro-batches of 4, ``train.gradient_checkpointing`` on where this ppokit has it.
+``fsdp``   ``bench/fsdp_check.py``: FSDP2 with one learner on NCCL against the unsharded learner,
+           and its DCP checkpoint resumed.
 ``demo``   ``ppokit demo`` (arith): held-out accuracy before -> after, wall time.
 
 ``--smoke`` runs every step at tiny shapes on the CPU (the test suite runs it): it proves the
@@ -50,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,16 +170,27 @@ def byte_level_bpe(vocab_size: int):
 
 
 def prompt_records(tokenizer, n: int, tokens: int, seed: int = 0) -> list[dict]:
-    """``n`` printable prompts of exactly ``tokens`` tokens each (characters alternating between the
-    two halves of the alphabet), with an ``answer`` field for a verifier."""
+    """``n`` prompts of exactly ``tokens`` tokens each, with an ``answer`` field for a verifier:
+    an upper-case letter of the first half of the alphabet (``A`` .. ``O``), then a lower-case one
+    of the second, ``tokens`` times. Letters only: a Qwen2 tokenizer's pre-tokenizer (which
+    transformers puts in front of the saved one for a ``qwen2`` model) keeps a run of letters
+    whole, so the pairs merge as they do here."""
     rng = random.Random(seed)
-    low, high = [chr(b) for b in range(33, 80)], [chr(b) for b in range(80, 127)]
+    low, high = [chr(b) for b in range(ord("A"), ord("P"))], [chr(b) for b in range(ord("a"), ord("z") + 1)]
     out = []
     for _ in range(n):
         text = "".join(rng.choice(low) + rng.choice(high) for _ in range(tokens))
-        assert len(tokenizer(text)["input_ids"]) == tokens
+        if len(tokenizer(text)["input_ids"]) != tokens:
+            raise ValueError(f"a prompt of {tokens} pairs is {len(tokenizer(text)['input_ids'])} tokens")
         out.append({"prompt": text, "answer": "7"})
     return out
+
+
+def saved_tokenizer(directory: Path):
+    """The tokenizer of ``directory`` as a run loads it (transformers' class for the model type)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def qwen2_config(shape: Shape, tokenizer, positions: int, **extra):
@@ -223,7 +241,10 @@ def prepare(workdir: Path, smoke: bool, device: str) -> dict[str, str]:
     paths["policy"] = str(write_model(workdir / "policy", small, tok, positions, device))
     paths["reward_model"] = str(write_model(workdir / "reward_model", small, tok, positions, device, reward=True))
     paths["prompts"] = str(
-        write_jsonl(workdir / "prompts.jsonl", prompt_records(tok, bench.prompts, bench.prompt_tokens))
+        write_jsonl(
+            workdir / "prompts.jsonl",
+            prompt_records(saved_tokenizer(workdir / "policy"), bench.prompts, bench.prompt_tokens),
+        )
     )
     big_tok = byte_level_bpe(large.vocab)
     big_dir = workdir / "big"
@@ -232,7 +253,9 @@ def prepare(workdir: Path, smoke: bool, device: str) -> dict[str, str]:
     big_tok.save_pretrained(big_dir)
     paths["big"] = str(big_dir)
     paths["big_prompts"] = str(
-        write_jsonl(workdir / "big_prompts.jsonl", prompt_records(big_tok, big.prompts, big.prompt_tokens))
+        write_jsonl(
+            workdir / "big_prompts.jsonl", prompt_records(saved_tokenizer(big_dir), big.prompts, big.prompt_tokens)
+        )
     )
     return paths
 
@@ -310,12 +333,14 @@ def child_run(args) -> dict:
     """One PPO run (a bench row or the 7B iteration): the medians of iterations 2.. of its metrics."""
     import torch
 
+    from ppokit.errors import UserError
+    from ppokit.lm.model.memory import check_run_fits
     from ppokit.workloads import train
 
     paths = json.loads(Path(args.paths).read_text())
     big = args.child == "big"
     work = (SMOKE_BIG if big else SMOKE_BENCH) if args.smoke else (BIG if big else BENCH)
-    out = Path(args.workdir) / f"run-{args.child}-{args.mode}-{args.engine}"
+    out = run_directory(args.workdir, args.child, args.mode, args.engine)
     shutil.rmtree(out, ignore_errors=True)
     cfg = run_config(paths, work, mode=args.mode, engine=args.engine, smoke=args.smoke, big=big, out=out)
     device = "cpu" if args.smoke else "cuda"
@@ -323,13 +348,43 @@ def child_run(args) -> dict:
         from ppokit.lm.model import policy
 
         policy.load_causal_lm = build_on_device(device)
+    try:  # what the run checks before its start (the bench runs anyway: its peak is the measure)
+        estimate, refused = check_run_fits(cfg, prompt_tokens=work.prompt_tokens), None
+    except UserError as e:
+        estimate, refused = None, str(e)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     train(cfg, out / "run")
     wall = time.perf_counter() - start
-    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steady = rows[1:] or rows  # iterations 2.. (one iteration: itself)
+    result = summary(read_rows(out))
+    result.update(wall_s=wall, peak_gb=peak_memory_gb(device))
+
+    if estimate is not None:
+        result["estimate_gb"] = estimate.total / 1e9
+        result["estimate_phase_gb"] = {phase: estimate.phase_total(phase) / 1e9 for phase in estimate.phases}
+        result["estimate_largest_phase"] = estimate.largest_phase
+    if refused:
+        result["estimate_refused"] = refused
+    return result
+
+
+def run_directory(workdir: str, child: str, mode: str, engine: str) -> Path:
+    return Path(workdir) / f"run-{child}-{mode}-{engine}"
+
+
+def read_rows(out: Path) -> list[dict]:
+    """The metrics rows a run in ``out`` has written so far (none: an empty list)."""
+    path = out / "run" / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summary(rows: list[dict]) -> dict:
+    """A bench row from a run's metrics: medians of iterations 2.. (of the only one, when one),
+    the first iteration beside them; the per-phase peaks where this ppokit logs them."""
+    steady = rows[1:] or rows
 
     def median(key):
         values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
@@ -343,13 +398,12 @@ def child_run(args) -> dict:
         "reward_s": median("time_reward"),
         "gen_tokens_per_s": median("gen_tokens_per_s"),
         "mismatch_kl": median("mismatch_kl"),
-        "first_iteration_s": rows[0].get("time_iteration"),
+        "first_iteration_s": rows[0].get("time_iteration") if rows else None,
         "iterations": len(rows),
-        "wall_s": wall,
-        "peak_gb": peak_memory_gb(device),
+        "peak_gb": median("memory/peak_gb"),
     }
-    phase_peaks = {k: median(k) for k in steady[-1] if k.startswith("memory/peak_gb")}
-    if phase_peaks:  # the per-phase memory metric, where this ppokit logs it
+    phase_peaks = {k: median(k) for k in (steady[-1] if steady else {}) if k.startswith("memory/peak_gb")}
+    if phase_peaks:
         result["phase_peak_gb"] = phase_peaks
     return result
 
@@ -389,13 +443,20 @@ def child_demo(args) -> dict:
 def child_tests(args) -> dict:
     import re
 
-    files = SMOKE_TESTS if args.smoke else DEVICE_TESTS
+    if args.smoke:
+        files = list(SMOKE_TESTS)
+    elif args.tests == "all":
+        files = ["tests", "--ignore=tests/dist"]  # (Ray's wheel is too large to bring to a GPU machine)
+    else:
+        files = list(DEVICE_TESTS)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
-    if not args.smoke and has_module("xdist"):
-        command += ["-n", str(min(12, os.cpu_count() or 1))]
+    if not args.smoke and has_module("xdist"):  # half the cores: the other steps run beside it
+        command += ["-n", str(max(1, min(12, (os.cpu_count() or 2) // 2)))]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=child_env())
-    tail = (done.stdout + done.stderr).strip().splitlines()
+    log = Path(args.workdir) / "tests.log"  # the whole output, also of a run stopped at the budget
+    with log.open("w") as sink:
+        done = subprocess.run(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True, env=child_env())
+    tail = log.read_text().strip().splitlines()
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail[-1] if tail else "")}
     failed = [line for line in tail if line.startswith(("FAILED", "ERROR"))]
     return {
@@ -412,7 +473,19 @@ def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-CHILDREN = {"bench": child_run, "big": child_run, "demo": child_demo, "tests": child_tests}
+def child_fsdp(args) -> dict:
+    """``bench/fsdp_check.py`` (``--smoke``: gloo on the CPU): its result line."""
+    command = [sys.executable, str(ROOT / "bench" / "fsdp_check.py")] + (["--smoke"] if args.smoke else [])
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=child_env())
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("FSDP_CHECK_RESULT "):
+            return json.loads(line[len("FSDP_CHECK_RESULT ") :])
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return {"error": lines[-1][:160] if lines else f"exit status {done.returncode}"}
+
+
+STEPS = ("tests", "bench", "7b", "fsdp", "demo")
+CHILDREN = {"bench": child_run, "big": child_run, "demo": child_demo, "fsdp": child_fsdp, "tests": child_tests}
 
 
 # ----------------------------------------------------------------------------- the parent
@@ -428,12 +501,21 @@ def run_child(args, name: str, timeout: float, **options) -> dict:
     """Run step ``name`` in a child process within ``timeout`` seconds: its result, or ``{"error": ...}``."""
     command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--workdir", args.workdir]
     command += ["--paths", str(Path(args.workdir) / "paths.json")] + (["--smoke"] if args.smoke else [])
+    if name == "tests":
+        command += ["--tests", args.tests]
     for key, value in options.items():
         command += [f"--{key}", value]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env())
     except subprocess.TimeoutExpired:
-        return {"error": f"stopped after {timeout:.0f} s (the check's time budget)"}
+        stopped = {"error": f"stopped after {timeout:.0f} s (the check's time budget)"}
+        if name in ("bench", "big"):  # what its iterations measured before the stop
+            rows = read_rows(
+                run_directory(args.workdir, name, options.get("mode", "lora"), options.get("engine", "hf"))
+            )
+            if rows:
+                stopped = {**summary(rows), "stopped": stopped["error"]}
+        return stopped
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG) :])
@@ -467,7 +549,9 @@ def fmt(value, spec: str = ".2f") -> str:
 
 def bench_row(label: str, r: dict) -> list[str]:
     if "error" in r:
-        return [label, f"error: {r['error']}", "", "", "", "", "", "", ""]
+        return [label, f"error: {r['error']}", "", "", "", "", "", "", "", ""]
+    if "stopped" in r:
+        label += f" ({r['iterations']} iterations, then {r['stopped']})"
     return [
         label,
         fmt(r["s_per_iteration"]),
@@ -478,6 +562,7 @@ def bench_row(label: str, r: dict) -> list[str]:
         fmt(r["peak_gb"], ".1f"),
         fmt(r["first_iteration_s"], ".1f"),
         fmt(r["mismatch_kl"], ".2e"),
+        fmt(r.get("estimate_gb"), ".1f"),
     ]
 
 
@@ -491,13 +576,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the plumbing, in seconds)")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check (default 480)")
-    parser.add_argument("--only", nargs="+", choices=("tests", "bench", "7b", "demo"), help="run these steps only")
+    parser.add_argument("--only", nargs="+", choices=STEPS, help="run these steps only")
     parser.add_argument("--workdir", help="where the models and runs go (default: a temporary directory)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--paths", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="lora", help=argparse.SUPPRESS)
     parser.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tests", choices=("all", "device"), default="all", help="the suite but tests/dist, or the device tests only"
+    )
     args = parser.parse_args(argv)
     if args.child:
         print(RESULT_TAG + json.dumps(CHILDREN[args.child](args)), flush=True)
@@ -515,7 +603,7 @@ def check(args) -> int:
         )
         return 2
     deadline = time.perf_counter() + args.budget
-    steps = set(args.only or ("tests", "bench", "7b", "demo"))
+    steps = set(args.only or STEPS)
     temporary = None
     if args.workdir is None:
         temporary = tempfile.mkdtemp(prefix="ppokit-gpu-check-")
@@ -535,23 +623,34 @@ def check(args) -> int:
             left = deadline - time.perf_counter()
             if left < MIN_STEP_S:
                 return {"error": f"skipped: the {args.budget:.0f} s budget is spent"}
-            return run_child(args, name, min(limit, left), **options)
+            result = run_child(args, name, min(limit, left), **options)
+            # each step's result as it comes (a check stopped from outside still says what it measured)
+            print(
+                f"gpu_check: {name} {' '.join(f'{k}={v}' for k, v in options.items())} {json.dumps(result)}", flush=True
+            )
+            return result
 
-        if "tests" in steps:
-            results["tests"] = step("tests", 120)
         runs = []
-        if "bench" in steps:
+        if "bench" in steps:  # alone on the card: its figures are timings
             engines = ["hf"] + (["cuda"] if cuda_engine_present() and not args.smoke else [])
             small = "tiny" if args.smoke else "0.5B-shaped"
             for mode in ("lora", "full"):
                 for engine in engines:
-                    runs.append((f"{small} {mode}, engine {engine}", step("bench", 120, mode=mode, engine=engine)))
+                    runs.append((f"{small} {mode}, engine {engine}", step("bench", 100, mode=mode, engine=engine)))
+        tests = None
+        if "tests" in steps:  # beside the steps whose figures are not timings
+            tests = threading.Thread(target=lambda: results.update(tests=step("tests", 300)))
+            tests.start()
         if "7b" in steps:
             large = "tiny (the 7B step)" if args.smoke else "7B-shaped"
-            runs.append((f"{large} lora, engine hf, 1 iteration", step("big", 180, mode="lora", engine="hf")))
+            runs.append((f"{large} lora, engine hf, 1 iteration", step("big", 150, mode="lora", engine="hf")))
         results["runs"] = dict(runs)
+        if "fsdp" in steps:
+            results["fsdp"] = step("fsdp", 90)
         if "demo" in steps:
             results["demo"] = step("demo", 200)
+        if tests is not None:
+            tests.join()
         results["wall_s"] = time.perf_counter() - start
     finally:
         if temporary is not None:
@@ -582,6 +681,7 @@ def report(results: dict) -> str:
         "peak GB",
         "first iteration s",
         "mismatch KL",
+        "estimate GB",
     ]
     runs = results.get("runs", {})
     lines.append(table([bench_row(label, r) for label, r in runs.items()], header))
@@ -599,6 +699,9 @@ def report(results: dict) -> str:
             counts = ", ".join(f"{n} {k}" for k, n in tests["counts"].items()) or f"exit status {tests['returncode']}"
             lines.append(f"\ntests that touch a device: {counts} in {tests['wall_s']:.0f} s")
             lines += [f"  {line}" for line in tests["failed"]]
+    fsdp = results.get("fsdp")
+    if fsdp is not None:
+        lines.append(f"fsdp: {fsdp_line(fsdp)}")
     demo = results.get("demo")
     if demo is not None:
         if "error" in demo:
@@ -606,6 +709,21 @@ def report(results: dict) -> str:
         else:
             lines.append(f"demo: {demo['summary']} ({demo['wall_s']:.0f} s)")
     return "\n".join(lines)
+
+
+def fsdp_line(r: dict) -> str:
+    """The FSDP step in one line: its verdict, against the unsharded learner, resumed, update seconds."""
+    if "error" in r:
+        return f"error: {r['error']}"
+    a = {k: v for k, v in r.get("against_ddp", {}).items() if v is not None}
+    nan = float("nan")
+    seconds = ", ".join(f"{x['update_s']:.2f} s" + (" offloaded" if x["offload"] else "") for x in r["learners"])
+    return (
+        f"{'ok' if r['ok'] else 'FAILED'} on {r['backend']}; against the unsharded learner: metrics within "
+        f"{a.get('ddp_max_rel_metric', nan):.1e} ({a.get('ddp_worst') or '-'}), weights' change within "
+        f"{a.get('ddp_weight_rel', nan):.1e}; resumed from DCP: {a.get('resume_max_rel_metric', nan):.1e}"
+        f"; an update {seconds}"
+    )
 
 
 if __name__ == "__main__":

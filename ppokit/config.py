@@ -50,6 +50,9 @@ _VALUE_ALIASES = {
 }
 
 
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
 def field(default: Any, description: str, *aliases: str, **constraints: Any) -> Any:
     """A config field: default, one-line description, accepted aliases, constraints."""
     extra = {"aliases": list(aliases)} if aliases else None
@@ -188,15 +191,19 @@ class TrainConfig(Section):
     mini_batch_size: int | None = field(
         None, "samples per optimizer step (null = the whole batch)", "ppo_mini_batch_size", ge=1
     )
-    micro_batch_size: int | None = field(
-        1,
-        "samples per forward/backward pass (null = the mini-batch)",
+    micro_batch_size: PositiveInt | Literal["auto"] | None = field(
+        "auto",
+        "samples per forward/backward pass (null = the mini-batch). lm: auto = the largest power of two "
+        "(up to a learner's share of the mini-batch) whose update phase the memory estimate fits in half "
+        "of the device's memory; the run's header says what it chose (docs/performance.md)",
         "ppo_micro_batch_size",
         "ppo_micro_batch_size_per_gpu",
-        ge=1,
     )
-    infer_micro_batch_size: int = field(
-        4, "samples per forward pass when scoring rollouts", "logprob_forward_micro_batch_size", ge=1
+    infer_micro_batch_size: PositiveInt | Literal["auto"] = field(
+        "auto",
+        "samples per forward pass when scoring rollouts. auto = the largest power of two (up to the batch) "
+        "whose scoring phase the memory estimate fits in half of the device's memory",
+        "logprob_forward_micro_batch_size",
     )
     learning_rate: float = field(1e-5, "learning rate of the policy", "lr", gt=0)
     critic_learning_rate: float | None = field(
@@ -932,13 +939,30 @@ class Config(Section):
 
     @property
     def micro_batch_size(self) -> int:
-        return min(self.train.micro_batch_size or self.mini_batch_size, self.mini_batch_size)
+        """Rows per forward/backward pass; ``auto`` not yet resolved by the run
+        (:func:`ppokit.lm.model.memory.resolve_micro_batches`): :data:`UNRESOLVED_MICRO_BATCH`."""
+        micro = self.train.micro_batch_size
+        if micro == "auto":
+            micro = UNRESOLVED_MICRO_BATCH
+        return min(micro or self.mini_batch_size, self.mini_batch_size)
+
+    @property
+    def infer_micro_batch_size(self) -> int:
+        """Rows per scoring pass; ``auto`` not yet resolved by the run: :data:`UNRESOLVED_INFER_MICRO_BATCH`."""
+        micro = self.train.infer_micro_batch_size
+        return UNRESOLVED_INFER_MICRO_BATCH if micro == "auto" else micro
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# what an ``auto`` micro-batch size means where no run resolved it (a checkpoint's config read back
+# by ppokit eval, a policy built by hand): the sizes that fit any model the memory check lets start
+UNRESOLVED_MICRO_BATCH = 1
+UNRESOLVED_INFER_MICRO_BATCH = 4
 
 
 def _divisors_near(n: int, k: int) -> str:
@@ -1203,7 +1227,14 @@ def _model_at(loc: tuple[Any, ...]) -> type[Section] | None:
     return model
 
 
-_TYPE_NAMES = {"str": "a string", "list[str]": "a list of strings", "int": "an integer", "float": "a number"}
+_TYPE_NAMES = {
+    "str": "a string",
+    "list[str]": "a list of strings",
+    "int": "an integer",
+    "constrained-int": "a positive integer",
+    "float": "a number",
+    "bool": "true or false",
+}
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -1215,9 +1246,10 @@ def format_validation_error(exc: ValidationError) -> str:
     problems = []
     unions: dict[tuple[Any, ...], dict[str, Any]] = {}  # field -> its branches and the value given
     for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         field_loc = _union_field(loc)
         if field_loc is None:
+            loc = tuple(p for p in loc if not (isinstance(p, str) and p.startswith("literal[")))
             problems.append(_describe_error(err, loc))
             continue
         union = unions.setdefault(field_loc, {"branches": []})
@@ -1226,9 +1258,16 @@ def format_validation_error(exc: ValidationError) -> str:
             union.setdefault("got", err.get("input"))
     for field_loc, union in unions.items():
         got = f" (got {union['got']!r})" if "got" in union else ""
-        kinds = " or ".join(_TYPE_NAMES.get(b, b) for b in union["branches"])
+        kinds = " or ".join(_branch_name(b) for b in union["branches"])
         problems.append(f"{'.'.join(field_loc)}: must be {kinds}{got}")
     return "; ".join(problems)
+
+
+def _branch_name(branch: str) -> str:
+    """A union branch in words: ``a positive integer``, ``auto`` (a literal's values), ``a string``."""
+    if branch.startswith("literal["):
+        return " or ".join(re.findall(r"'([^']*)'", branch)) or branch
+    return _TYPE_NAMES.get(branch, branch)
 
 
 def _union_field(loc: tuple[Any, ...]) -> tuple[Any, ...] | None:

@@ -25,10 +25,12 @@ def expected_message(path: Path) -> str:
 def test_defaults_follow_seed_000():
     # The hyperparameter names and defaults of the UnstableBaselines PPO table.
     a, t = C.AlgoConfig(), C.TrainConfig()
-    assert (t.epochs, t.batch_size, t.micro_batch_size, t.learning_rate) == (2, 256, 1, 1e-5)
+    # (its micro-batch of 1 is what ppokit's "auto" falls back to where no run has sized it)
+    assert (t.epochs, t.batch_size, t.micro_batch_size, t.learning_rate) == (2, 256, "auto", 1e-5)
+    assert C.build_config([{"workload": "lm"}]).micro_batch_size == 1
     assert (t.lr_scheduler_type, t.lr_warmup_ratio, t.grad_clip) == ("constant", 0.01, 0.2)
     assert (a.upper_clip_ratio, a.lower_clip_ratio, a.entropy_coeff, a.value_coeff) == (0.4, 0.2, 0.0, 0.5)
-    assert (a.beta, t.infer_micro_batch_size, t.critic_learning_rate, a.clip_value) == (0.0, 4, 1e-5, 0.2)
+    assert (a.beta, t.infer_micro_batch_size, t.critic_learning_rate, a.clip_value) == (0.0, "auto", 1e-5, 0.2)
     assert (a.gamma, a.gae_lambda, a.normalize_adv) == (0.99, 0.95, True)
 
 
@@ -222,7 +224,8 @@ def test_every_float_field_rejects_non_finite_values():
         model = C._model_at(tuple(section.split("."))) if section else C.Config
         annotation = model.model_fields[name].annotation
         if C._takes_numbers(annotation) and "list" not in str(annotation):
-            with pytest.raises(ConfigError, match="finite number"):
+            # (a field that takes a count or a word says so: "must be a positive integer or auto")
+            with pytest.raises(ConfigError, match="finite number|must be a positive integer"):
                 C.load_config("cartpole", [f"{path}=.nan"])
 
 

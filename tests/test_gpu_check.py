@@ -16,12 +16,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
 
 
-def test_the_byte_level_bpe_has_the_asked_size_and_prompts_their_token_count():
+def test_the_byte_level_bpe_has_the_asked_size_and_prompts_their_token_count(tmp_path):
     tok = gpu_check.byte_level_bpe(17_000)
     assert len(tok) == 17_000 and tok.eos_token_id == 16_999 == tok.pad_token_id
-    records = gpu_check.prompt_records(tok, 5, 12, seed=3)
+    # as a run loads it: saved beside a qwen2 config, transformers puts Qwen2's pre-tokenizer in front
+    model = gpu_check.write_model(tmp_path / "model", gpu_check.SMOKE_SMALL, tok, 64, "cpu")
+    loaded = gpu_check.saved_tokenizer(model)
+    records = gpu_check.prompt_records(loaded, 5, 12, seed=3)
     for record in records:
-        assert len(tok(record["prompt"])["input_ids"]) == 12 and record["prompt"].isprintable()
+        assert len(loaded(record["prompt"])["input_ids"]) == 12 == len(tok(record["prompt"])["input_ids"])
+        assert record["prompt"].isalpha()
     assert len({r["prompt"] for r in records}) == 5
     assert isinstance(tok.decode(list(range(0, 17_000, 97))), str)  # any id decodes (bytes, lossy)
     with pytest.raises(ValueError, match="at most"):
@@ -63,6 +67,41 @@ def test_the_report_has_one_row_per_run_and_says_what_failed():
     assert "0.5B-shaped lora, engine cuda: generation 3.00x, iteration 2.00x the HF engine's" in text
     assert "40 passed, 1 failed" in text and "FAILED tests/x.py::t" in text
     assert "demo: held-out accuracy: 34.8% -> 98.0% (129 s)" in text
+
+
+def test_a_run_stopped_by_the_budget_still_reports_its_iterations(tmp_path):
+    rows = [
+        {"time_iteration": 50.0, "time_update": 45.0, "gen_tokens_per_s": 1000.0, "memory/peak_gb": 9.0},
+        {"time_iteration": 2.0, "time_update": 1.0, "gen_tokens_per_s": 30000.0, "memory/peak_gb": 8.0},
+        {"time_iteration": 4.0, "time_update": 3.0, "gen_tokens_per_s": 20000.0, "memory/peak_gb": 8.0},
+    ]
+    out = gpu_check.run_directory(str(tmp_path), "bench", "lora", "hf")
+    (out / "run").mkdir(parents=True)
+    (out / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = gpu_check.summary(gpu_check.read_rows(out))
+    assert got["first_iteration_s"] == 50.0 and got["s_per_iteration"] == 3.0 and got["update_s"] == 2.0
+    assert got["gen_tokens_per_s"] == 25000.0 and got["iterations"] == 3 and got["generate_s"] is None
+    assert gpu_check.read_rows(tmp_path / "nothing") == [] and gpu_check.summary([])["iterations"] == 0
+    row = gpu_check.bench_row("0.5B lora", {**got, "stopped": "stopped after 100 s"})
+    assert row[0] == "0.5B lora (3 iterations, then stopped after 100 s)" and row[1] == "3.00"
+
+
+def test_the_fsdp_line_says_the_verdict_and_the_differences():
+    result = {
+        "ok": True,
+        "backend": "nccl",
+        "learners": [{"offload": False, "update_s": 0.5}, {"offload": True, "update_s": 1.25}],
+        "against_ddp": {
+            "ddp_max_rel_metric": 0.004,
+            "ddp_worst": "update 2: value_loss",
+            "ddp_weight_rel": 0.02,
+            "resume_max_rel_metric": 0.0,
+        },
+    }
+    line = gpu_check.fsdp_line(result)
+    assert line.startswith("ok on nccl; against the unsharded learner: metrics within 4.0e-03 (update 2: value_loss)")
+    assert "resumed from DCP: 0.0e+00" in line and line.endswith("an update 0.50 s, 1.25 s offloaded")
+    assert gpu_check.fsdp_line({"error": "out of memory"}) == "error: out of memory"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

@@ -82,7 +82,7 @@ def make_scorer(cfg: Config, policy, learner: LMLearner) -> Scorer:
     )
     return Scorer(
         policy,
-        cfg.train.infer_micro_batch_size,
+        cfg.infer_micro_batch_size,
         need_reference=needs_ref_log_prob(cfg),
         metric_rows=KL_METRIC_ROWS,
         need_old_log_prob=learner.needs_scored_old_log_prob(),

@@ -4,6 +4,7 @@ against a measured run, the refusal, and every preset, demo and bench run fittin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -161,7 +162,10 @@ def test_multi_turn_rows():
 @pytest.mark.slow
 def test_the_estimate_is_within_a_quarter_of_the_measured_peaks_on_a_cpu(tmp_path):
     """One iteration in a fresh process (the metric is its resident peak per phase): each phase's
-    estimate within 25% of what was measured (docs/performance.md has the figures)."""
+    estimate within 25% of what was measured (docs/performance.md has the figures). The estimate
+    models the Hugging Face layers, so the run has the fused CPU kernels off: they keep less for
+    the backward pass (the update's peak 0.9 GB against 1.5 GB on an AVX512 CPU), and where they
+    run the estimate errs high."""
     args = [
         "arith",
         "data.sft_epochs=0",
@@ -180,6 +184,7 @@ def test_the_estimate_is_within_a_quarter_of_the_measured_peaks_on_a_cpu(tmp_pat
         text=True,
         cwd=ROOT,
         timeout=1800,
+        env={**os.environ, "PPOKIT_CPU_KERNELS": "0"},
     )
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -247,3 +252,97 @@ def test_the_lm_bench_defaults_fit_this_kind_of_machine():
             cfg, shape, prompt_tokens=24, bf16=False, device_type="cpu", checkpointing=False, eager_attention=True
         )
         assert est.total < 16e9, (mode, est.total / GB)
+
+
+# ----------------------------------------------------------------------------- auto micro-batch sizes
+def _auto_config(tiny_dir, **train):
+    return build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir)},
+                "run": {"device": "cpu"},
+                "train": {"iterations": 1, "batch_size": 64, "mini_batch_size": 32, **train},
+            }
+        ]
+    )
+
+
+def _phase_at(cfg, phase: str, field: str, rows: int, prompt_tokens: int = 20) -> float:
+    estimator = memory.Estimator.for_run(cfg, prompt_tokens=prompt_tokens)
+    trial = cfg.model_copy(update={"train": cfg.train.model_copy(update={field: rows})})
+    return estimator.estimate(trial).phase_total(phase)
+
+
+def test_auto_micro_batches_are_the_largest_power_of_two_whose_phase_fits_half_the_memory(tiny_dir, monkeypatch):
+    cfg = _auto_config(tiny_dir)
+    assert cfg.train.micro_batch_size == "auto" == cfg.train.infer_micro_batch_size  # the lm defaults
+    assert (cfg.micro_batch_size, cfg.infer_micro_batch_size) == (1, 4)  # unresolved: what fits anything
+    # a device whose half lies between the update phase at 4 and at 8 rows, and the scoring phase at 16 and 32
+    update = (_phase_at(cfg, "update", "micro_batch_size", 4) + _phase_at(cfg, "update", "micro_batch_size", 8)) / 2
+    score = (
+        _phase_at(cfg, "score", "infer_micro_batch_size", 16) + _phase_at(cfg, "score", "infer_micro_batch_size", 32)
+    ) / 2
+    assert score != update  # (the two phases need their own devices below)
+    for half, expected in ((update, ("micro_batch_size", 4)), (score, ("infer_micro_batch_size", 16))):
+        monkeypatch.setattr(memory, "total_memory", lambda device, half=half: (2 * half, "a test device's memory"))
+        resolved, line = memory.resolve_micro_batches(cfg, prompt_tokens=20)
+        name, rows = expected
+        assert getattr(resolved.train, name) == rows
+        assert (
+            _phase_at(cfg, expected_phase(name), name, rows)
+            <= half
+            < _phase_at(cfg, expected_phase(name), name, 2 * rows)
+        )
+        assert line.startswith("micro-batches (auto): ") and "half of a test device's memory" in line
+        assert "\n" not in line
+
+
+def expected_phase(name: str) -> str:
+    return "update" if name == "micro_batch_size" else "score"
+
+
+def test_auto_micro_batches_stop_at_a_learner_s_share_and_at_one(tiny_dir, monkeypatch):
+    cfg = _auto_config(tiny_dir)
+    monkeypatch.setattr(memory, "total_memory", lambda device: (1e15, "a large device's memory"))
+    resolved, _ = memory.resolve_micro_batches(cfg, prompt_tokens=20)
+    assert (resolved.train.micro_batch_size, resolved.train.infer_micro_batch_size) == (32, 64)  # mini, batch
+    two = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"learners": 2})})
+    assert memory.resolve_micro_batches(two, prompt_tokens=20)[0].train.micro_batch_size == 16
+    odd = _auto_config(tiny_dir, batch_size=48, mini_batch_size=48)  # a share that is no power of two
+    assert memory.resolve_micro_batches(odd, prompt_tokens=20)[0].train.micro_batch_size == 48
+    monkeypatch.setattr(memory, "total_memory", lambda device: (1.0, "a device without memory"))
+    resolved, _ = memory.resolve_micro_batches(cfg, prompt_tokens=20)
+    assert (resolved.train.micro_batch_size, resolved.train.infer_micro_batch_size) == (1, 1)
+
+
+def test_sizes_given_stay_and_unknown_shapes_keep_the_unresolved_sizes(tiny_dir, monkeypatch):
+    given = _auto_config(tiny_dir, micro_batch_size=2, infer_micro_batch_size=8)
+    assert memory.resolve_micro_batches(given, prompt_tokens=20) == (given, None)
+    monkeypatch.setattr(memory, "model_shape", lambda path, what="model.path": None)  # a config without sizes
+    resolved, line = memory.resolve_micro_batches(_auto_config(tiny_dir), prompt_tokens=20)
+    assert (resolved.train.micro_batch_size, resolved.train.infer_micro_batch_size) == (1, 4)
+    assert "sizes are unknown" in line
+
+
+def test_a_run_trains_with_the_sizes_auto_chose_and_says_so(tiny_dir, tmp_path, monkeypatch):
+    from ppokit.lm.single_turn.workload import LMWorkload
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    cfg = _auto_config(tiny_dir, batch_size=16, mini_batch_size=8)
+    cfg = cfg.model_copy(
+        update={"data": cfg.data.model_copy(update={"prompts": str(data), "reward": "exact_match", "eval_size": 0})}
+    )
+    monkeypatch.setattr(memory, "total_memory", lambda device: (1e15, "a large device's memory"))
+    workload = LMWorkload(cfg)
+    components = workload.build(tmp_path / "run")
+    try:
+        assert (workload.cfg.train.micro_batch_size, workload.cfg.train.infer_micro_batch_size) == (8, 16)
+        assert components.learner.trainer.cfg.micro_batch_size == 8
+        assert any(
+            line.startswith("micro-batches (auto): 8 rows a pass in the update, 16 in scoring")
+            for line in components.header
+        )
+    finally:
+        components.close()

@@ -70,6 +70,7 @@ __all__ = [
     "ModelShape",
     "available_memory",
     "check_run_fits",
+    "resolve_micro_batches",
     "estimate_memory",
     "longest_prompt_tokens",
     "model_shape",
@@ -228,7 +229,7 @@ def advice(part: str, cfg: Any) -> str:
     if part in ("kv_cache", "prefill", "sampling"):
         return f"{GENERATION} (now {cfg.rollout.micro_batch_size})"
     if part.startswith("score_"):
-        return f"{SCORING} (now {t.infer_micro_batch_size})"
+        return f"{SCORING} (now {cfg.infer_micro_batch_size})"
     if part == "other_processes":
         return "use fewer cluster.rollout_workers or cluster.learners"
     return "free memory on the machine"
@@ -295,7 +296,7 @@ def estimate_memory(
         "batch_tokens": 32 * N * L,
     }
 
-    s = min(t.infer_micro_batch_size, N)
+    s = min(cfg.infer_micro_batch_size, N)
     chunk = min(max(1, DEFAULT_CHUNK_ELEMENTS // V), s * R)
     est.phases["score"] = {
         "score_layer": s * L * (6 * H + 3 * F) * act + (s * heads * L * L * 4 if eager_attention else 0),
@@ -453,38 +454,153 @@ def check_run_fits(
 ) -> MemoryEstimate | None:
     """Estimate ``cfg``'s memory (module docstring) and refuse, with one line, a run whose
     largest phase exceeds the memory of its device; the estimate (None when
-    ``run.memory_check`` is off, or the model's config does not give its sizes)."""
+    ``run.memory_check`` is off, or the model's config does not give its sizes). An ``auto``
+    micro-batch size counts at its unresolved value (:data:`ppokit.config.UNRESOLVED_MICRO_BATCH`):
+    the run fits if that fits, and auto picks no more than fits."""
     if not cfg.run.memory_check:
         return None
-    from ppokit.lm.model.device import (  # noqa: PLC0415 - torch on import
-        attention_implementation,
-        resolve_precision,
-        run_device,
-    )
-    from ppokit.lm.model.policy import gradient_checkpointing_wanted  # noqa: PLC0415 - peft, transformers
-
-    device = run_device(cfg)
-    model = model_shape(cfg.model.path)
-    if model is None:
+    estimator = Estimator.for_run(cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens)
+    if estimator is None:
         return None
-    if cfg.data.max_prompt_tokens is not None:  # longer prompts are dropped
-        prompt_tokens = min(prompt_tokens, cfg.data.max_prompt_tokens)
-    bf16 = resolve_precision(cfg.run.precision, device) is not None
-    attention = attention_implementation(cfg.model.attn_implementation, device)
-    est = estimate_memory(
-        cfg,
-        model,
-        prompt_tokens=prompt_tokens,
-        rows=rows,
-        response_tokens=response_tokens,
-        bf16=bf16,
-        device_type=device.type,
-        checkpointing=gradient_checkpointing_wanted(cfg.train.gradient_checkpointing, device, model.num_parameters),
-        eager_attention=attention == "eager",
-        reward_model=reward_model_shape(cfg.data.reward_model) if cfg.data.reward_model else None,
-    )
-    if device.type == "cpu":
-        add_local_processes(est, cfg, model, bf16)
-    available, where = available_memory(device)
+    est = estimator.estimate(cfg)
+    if estimator.device.type == "cpu":
+        add_local_processes(est, cfg, estimator.model, estimator.bf16)
+    available, where = available_memory(estimator.device)
     check_fits(est, available, where, cfg)
     return est
+
+
+@dataclass
+class Estimator:
+    """What a run's estimate depends on besides its config: the model's (and reward model's)
+    shape, the sequences of an iteration, the device and its numerics."""
+
+    model: ModelShape
+    device: Any  # torch.device
+    bf16: bool
+    checkpointing: bool
+    eager_attention: bool
+    prompt_tokens: int
+    rows: int | None
+    response_tokens: int | None
+    reward_model: ModelShape | None
+
+    @classmethod
+    def for_run(
+        cls, cfg: Any, *, prompt_tokens: int, rows: int | None = None, response_tokens: int | None = None
+    ) -> Estimator | None:
+        """The estimator of ``cfg``'s run (None when the model's config does not give its sizes)."""
+        from ppokit.lm.model.device import (  # noqa: PLC0415 - torch on import
+            attention_implementation,
+            resolve_precision,
+            run_device,
+        )
+        from ppokit.lm.model.policy import gradient_checkpointing_wanted  # noqa: PLC0415 - peft, transformers
+
+        device = run_device(cfg)
+        model = model_shape(cfg.model.path)
+        if model is None:
+            return None
+        if cfg.data.max_prompt_tokens is not None:  # longer prompts are dropped
+            prompt_tokens = min(prompt_tokens, cfg.data.max_prompt_tokens)
+        return cls(
+            model=model,
+            device=device,
+            bf16=resolve_precision(cfg.run.precision, device) is not None,
+            checkpointing=gradient_checkpointing_wanted(cfg.train.gradient_checkpointing, device, model.num_parameters),
+            eager_attention=attention_implementation(cfg.model.attn_implementation, device) == "eager",
+            prompt_tokens=prompt_tokens,
+            rows=rows,
+            response_tokens=response_tokens,
+            reward_model=reward_model_shape(cfg.data.reward_model) if cfg.data.reward_model else None,
+        )
+
+    def estimate(self, cfg: Any) -> MemoryEstimate:
+        return estimate_memory(
+            cfg,
+            self.model,
+            prompt_tokens=self.prompt_tokens,
+            rows=self.rows,
+            response_tokens=self.response_tokens,
+            bf16=self.bf16,
+            device_type=self.device.type,
+            checkpointing=self.checkpointing,
+            eager_attention=self.eager_attention,
+            reward_model=self.reward_model,
+        )
+
+
+# the share of the device's memory an ``auto`` micro-batch size lets its phase reach: half, a
+# margin for what the estimate leaves out (the allocator's fragmentation, other processes)
+AUTO_MEMORY_SHARE = 0.5
+
+
+def resolve_micro_batches(
+    cfg: Any, *, prompt_tokens: int, rows: int | None = None, response_tokens: int | None = None
+) -> tuple[Any, str | None]:
+    """``cfg`` with its ``auto`` micro-batch sizes replaced by numbers, and a line for the run's
+    header saying what was chosen (None when neither size is ``auto``).
+
+    ``train.micro_batch_size: auto``: the largest power of two ``m`` (or a learner's whole share
+    of the mini-batch, ``ceil(mini_batch / learners)``) for which the estimate of the update
+    phase, micro-batches of ``m`` rows, stays within :data:`AUTO_MEMORY_SHARE` of the device's
+    total memory; ``train.infer_micro_batch_size: auto``: the same for the scoring phase, up to
+    the rows of an iteration. At least 1. The device's total (not its free) memory makes the
+    choice the same at every start of a run on one machine, so that a resumed run computes as
+    it did. Without the model's sizes: the unresolved sizes (1 and 4)."""
+    from ppokit.config import UNRESOLVED_INFER_MICRO_BATCH, UNRESOLVED_MICRO_BATCH  # noqa: PLC0415 - a cycle
+
+    t = cfg.train
+    auto_train, auto_infer = t.micro_batch_size == "auto", t.infer_micro_batch_size == "auto"
+    if not (auto_train or auto_infer):
+        return cfg, None
+    estimator = Estimator.for_run(cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens)
+    total, where = total_memory(estimator.device) if estimator is not None else (0.0, "")
+    known = estimator is not None and total > 0
+
+    def largest(name: str, phase: str, cap: int, fallback: int) -> int:
+        if not known:
+            return fallback
+        best = 1
+        for m in candidate_sizes(cap):
+            trial = cfg.model_copy(update={"train": t.model_copy(update={name: m})})
+            if estimator.estimate(trial).phase_total(phase) <= AUTO_MEMORY_SHARE * total:
+                best = m
+        return best
+
+    chosen: dict[str, int] = {}
+    parts = []
+    if auto_train:
+        share = -(-cfg.mini_batch_size // max(1, cfg.cluster.learners))
+        chosen["micro_batch_size"] = largest("micro_batch_size", "update", share, UNRESOLVED_MICRO_BATCH)
+        parts.append(f"{chosen['micro_batch_size']} rows a pass in the update")
+    if auto_infer:
+        n = rows if rows is not None else t.batch_size
+        chosen["infer_micro_batch_size"] = largest("infer_micro_batch_size", "score", n, UNRESOLVED_INFER_MICRO_BATCH)
+        parts.append(f"{chosen['infer_micro_batch_size']} in scoring")
+    why = f"the largest the memory estimate fits in half of {where}" if known else "the model's sizes are unknown"
+    resolved = cfg.model_copy(update={"train": t.model_copy(update=chosen)})
+    return resolved, f"micro-batches (auto): {', '.join(parts)} ({why})"
+
+
+def candidate_sizes(cap: int) -> list[int]:
+    """1, 2, 4, ... below ``cap``, then ``cap`` itself."""
+    sizes, m = [], 1
+    while m < cap:
+        sizes.append(m)
+        m *= 2
+    return sizes + [max(1, cap)]
+
+
+def total_memory(device: Any) -> tuple[float, str]:
+    """(bytes, words) of all the memory of ``device``: a GPU's, or the machine's (``MemTotal``)."""
+    import torch  # noqa: PLC0415 - heavy; imported only when a run starts
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return float(total), f"{device}'s {total / GB:.1f} GB"
+    total = _meminfo_bytes("MemTotal")
+    if total is None:
+        return 0.0, ""
+    return total, f"the machine's {total / GB:.1f} GB"

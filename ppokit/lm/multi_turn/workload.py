@@ -32,7 +32,7 @@ from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
-from ppokit.lm.model.memory import check_run_fits, model_shape, multi_turn_rows
+from ppokit.lm.model.memory import check_run_fits, model_shape, multi_turn_rows, resolve_micro_batches
 from ppokit.lm.model.policy import lora_config
 from ppokit.lm.model.stack import PolicyStack, build_policy_stack, prompt_tokenizer
 from ppokit.lm.multi_turn.advantages import trajectory_advantages
@@ -71,27 +71,44 @@ class MultiTurnWorkload:
         self._check_memory(env)
 
     def _check_memory(self, env: Any) -> None:
-        """Refuse a run that cannot fit its device's memory, sized by the first observation
-        (:func:`ppokit.lm.model.memory.multi_turn_rows`)."""
+        """Refuse a run that cannot fit its device's memory, sized by the first observation."""
+        sequences = self._sequences(env)
+        if sequences is not None:
+            rows, prompt, response = sequences
+            check_run_fits(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
+
+    def _sequences(self, env: Any) -> tuple[int, int, int] | None:
+        """``(rows, P, R)`` of an iteration from ``env``'s first observation
+        (:func:`ppokit.lm.model.memory.multi_turn_rows`); None when its reset fails (the run
+        reports that in its own way, ``textenv.failure_reward``)."""
         name = getattr(env, "env_name", self.cfg.textenv.env)
         try:
             observation, _ = checked_reset(env, seed=self.cfg.seed, name=name)
-        except UserError:  # the run reports a failing reset in its own way (textenv.failure_reward)
-            return
+        except UserError:
+            return None
         text = observation if isinstance(observation, str) else " ".join(str(m) for m in observation)
         tokens = len(prompt_tokenizer(self.cfg)(text)["input_ids"])
         message = getattr(env, "observation_mode", "state") == "message"
         shape = model_shape(self.cfg.model.path)
         context = shape.max_positions if shape is not None else None
-        rows, prompt, response = multi_turn_rows(self.cfg, tokens, message, context)
-        check_run_fits(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
+        return multi_turn_rows(self.cfg, tokens, message, context)
+
+    def _resolve_micro_batches(self) -> str | None:
+        """``self.cfg`` with its ``auto`` micro-batch sizes chosen (a fresh environment sizes the
+        sequences, so the probe's stream stays as it was); the header's line about them."""
+        t = self.cfg.textenv
+        sequences = self._sequences(make_env(t.env, **t.kwargs))
+        rows, prompt, response = sequences if sequences is not None else (None, 0, None)
+        self.cfg, line = resolve_micro_batches(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
+        return line
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)
 
     def build(self, run_dir: Path) -> Components:
-        cfg, t = self.cfg, self.cfg.textenv
         run_dir.mkdir(parents=True, exist_ok=True)
+        micro_batches = self._resolve_micro_batches()
+        cfg, t = self.cfg, self.cfg.textenv
         seed_globals(cfg.seed)
         probe = make_env(t.env, **t.kwargs)
         env_name = getattr(probe, "env_name", t.env)
@@ -119,6 +136,8 @@ class MultiTurnWorkload:
             f"lm on {env_name} ({mode} mode, credit by {cfg.algo.credit}): {stack.describe()}, "
             f"{cfg.iterations} iterations of {cfg.train.batch_size} episodes"
         ]
+        if micro_batches:
+            header.append(micro_batches)
         return Components(
             source=source,
             learner=learner,

@@ -94,7 +94,7 @@ class LMSource:
     @torch.no_grad()
     def behaviour_log_probs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """(N, R) log-probs of the sampled tokens under the sampling weights, 0 on padding."""
-        n, chunk = tensors["mask"].shape[0], self.cfg.train.infer_micro_batch_size
+        n, chunk = tensors["mask"].shape[0], self.cfg.infer_micro_batch_size
         parts = [
             self.policy.log_probs({k: tensors[k][s : s + chunk] for k in POLICY_INPUTS})["log_prob"]
             for s in range(0, n, chunk)

@@ -47,7 +47,7 @@ from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
 from ppokit.lm.model.hf import causal_lm_config
-from ppokit.lm.model.memory import check_run_fits, longest_prompt_tokens
+from ppokit.lm.model.memory import check_run_fits, longest_prompt_tokens, resolve_micro_batches
 from ppokit.lm.model.stack import build_policy_stack, prompt_tokenizer
 from ppokit.lm.rewards.functions import BUILTIN_REWARDS
 from ppokit.lm.rewards.pool import make_reward_scorer
@@ -103,14 +103,19 @@ class LMWorkload:
         return LMLearner(self.cfg, stack.policy, stack.tokenizer, self.model_path, parallel=parallel)
 
     def build(self, run_dir: Path) -> Components:
-        cfg = self.cfg
         run_dir.mkdir(parents=True, exist_ok=True)
-        seed_globals(cfg.seed)
-        device, autocast_dtype = placement(cfg)
-        train_items, eval_items, reward_fn = load_data(cfg)
+        seed_globals(self.cfg.seed)
+        device, autocast_dtype = placement(self.cfg)
+        train_items, eval_items, reward_fn = load_data(self.cfg)
         header: list[str] = []
         closers: list[Any] = []
-        train_items, eval_items, dropped = drop_long(cfg, train_items, eval_items, header)
+        tokenizer = prompt_tokenizer(self.cfg)
+        train_items, eval_items, dropped = drop_long(self.cfg, train_items, eval_items, header, tokenizer)
+        longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in train_items + eval_items])
+        self.cfg, micro_batches = resolve_micro_batches(self.cfg, prompt_tokens=longest)
+        cfg = self.cfg  # (auto micro-batch sizes chosen: what every part below and the Ray workers read)
+        if micro_batches:
+            header.append(micro_batches)
         # the training reward: the reward model's score and/or a function's (the task's own only
         # without a reward model; held-out accuracy always uses the function)
         train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
@@ -120,7 +125,7 @@ class LMWorkload:
                 cfg.data.reward_model,
                 device=device,
                 autocast_dtype=autocast_dtype,
-                batch_size=cfg.train.infer_micro_batch_size,
+                batch_size=cfg.infer_micro_batch_size,
                 cpu_kernels=cfg.model.cpu_kernels,
             )
         verifier = None
