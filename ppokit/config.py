@@ -342,8 +342,8 @@ class ModelConfig(Section):
 
     path: str = field(
         "tiny",
-        "local Hugging Face model directory, or 'tiny' for the built-in tiny Llama "
-        "(built in RUN_DIR/base_model, no download)",
+        "local Hugging Face model directory, a GGUF file (converted once, ppokit[gguf]), or 'tiny' "
+        "for the built-in tiny Llama (built in RUN_DIR/base_model, no download)",
         "model_name_or_path",
         "pretrain",
     )
@@ -527,8 +527,8 @@ class DataConfig(Section):
 
     prompts: str = field(
         "arithmetic",
-        "a built-in task (e.g. 'arithmetic:digits=2', 'countdown', "
-        "'gsm8k:path=train.jsonl'), a JSONL or Parquet file, or a directory written by datasets' "
+        "a built-in task (e.g. 'arithmetic:digits=2', 'countdown', 'gsm8k:path=train.jsonl', "
+        "'reasoning_gym:chain_sum'), a JSONL or Parquet file, or a directory written by datasets' "
         "save_to_disk; a record's prompt_key field is the prompt, every other field goes to the "
         "reward function",
         "task",
@@ -652,7 +652,8 @@ class TextEnvConfig(Section):
     env: str | None = field(
         None,
         "a text environment: a built-in name (tictactoe, frozenlake, guess_number, "
-        "calculator), module:Class or path/to/file.py:Class; set, the lm workload trains "
+        "calculator), textarena:<id> (a TextArena game, ppokit[textarena]), module:Class or "
+        "path/to/file.py:Class; set, the lm workload trains "
         "on its episodes instead of data.prompts",
         "name",
         "id",

@@ -8,7 +8,8 @@ Modules, one job each:
 
 - :mod:`.base`       the API, the documented info keys, :class:`TextEnv`
 - :mod:`.checks`     validated reset/step, :func:`step_or_fail` for environments that raise
-- :mod:`.registry`   :func:`make_env` by name, ``module:Class`` or ``file.py:Class``
+- :mod:`.registry`   :func:`make_env` by name, ``module:Class``, ``file.py:Class`` or ``textarena:<id>``
+- :mod:`.textarena`  TextArena's one- and two-player games (the optional extra ``ppokit[textarena]``)
 - :mod:`.tictactoe`, :mod:`.tictactoe_solver`, :mod:`.frozenlake`, :mod:`.guess_number`,
   :mod:`.calculator`  the built-in environments (and exact tic-tac-toe solutions)
 - :mod:`.runner`     the reference episode loop with Python policies, evaluation

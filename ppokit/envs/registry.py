@@ -1,10 +1,12 @@
-"""Environments by name: built-ins, registered ones, and a user's ``module:Class`` or ``file.py:Class``.
+"""Environments by name: built-ins, registered ones, a user's ``module:Class`` or ``file.py:Class``,
+and TextArena's games as ``textarena:<id>`` (:mod:`ppokit.envs.textarena`, an optional extra).
 
 ::
 
     make_env("tictactoe", opponent="heuristic")
     make_env("my_pkg.games:Nim", heaps=3)
     make_env("envs/nim.py:Nim")
+    make_env("textarena:KuhnPoker-v0", opponent="self")
 
 Every problem (unknown name, module not importable, file missing, attribute missing,
 not a class or factory, a keyword the constructor does not take, the constructor
@@ -57,7 +59,7 @@ register_env("calculator", "ppokit.envs.calculator:CalculatorEnv", "calc")
 
 def load_env_factory(spec: Any) -> tuple[Callable[..., Any], str]:
     """``(factory, name)`` for a registered name, ``module:Class``, ``path/to/file.py:Class``,
-    or a class / callable given directly."""
+    ``textarena:<id>``, or a class / callable given directly."""
     if callable(spec) and not isinstance(spec, str):
         return spec, getattr(spec, "__qualname__", None) or getattr(spec, "__name__", repr(spec))
     if not isinstance(spec, str) or not spec.strip():
@@ -66,6 +68,11 @@ def load_env_factory(spec: Any) -> tuple[Callable[..., Any], str]:
             f"path/to/file.py:Class (got {spec!r})"
         )
     spec = spec.strip()
+    if spec.startswith("textarena:"):
+        # imported here: `python -m ppokit.envs.textarena` must not find it imported already
+        from .textarena import textarena_factory  # noqa: PLC0415
+
+        return textarena_factory(spec), spec
     name = _ALIASES.get(spec, spec)
     if name in _REGISTRY:
         factory = _REGISTRY[name]
@@ -76,7 +83,8 @@ def load_env_factory(spec: Any) -> tuple[Callable[..., Any], str]:
     if not is_user_spec(spec):
         raise EnvError(
             f"unknown environment '{spec}'{did_you_mean(spec, env_names(True)) or ';'} built-ins: "
-            f"{', '.join(env_names())}; or give module:Class or path/to/file.py:Class"
+            f"{', '.join(env_names())}; or give module:Class or path/to/file.py:Class (or textarena:<id> for a "
+            "TextArena game)"
         )
     factory = load_user_object(
         spec,

@@ -1,15 +1,17 @@
 """The backbone a language-model run trains: ``model.path``, the built-in tiny model, or a warm-started copy.
 
-:func:`prepare_model` returns the directory the policy is built on. With the tiny model
-or a warm start (``data.sft_epochs`` > 0) that is ``RUN_DIR/base_model``: the tiny
-model's random init, or the best model of the supervised warm start
-(:func:`ppokit.lm.sft.run_sft`). Its marker :data:`BASE_MODEL_MARKER` is written last, so
-a resumed run reuses a complete one and never warm-starts again.
+:func:`prepare_model` returns the directory the policy is built on. With the tiny model,
+a GGUF file or a warm start (``data.sft_epochs`` > 0) that is ``RUN_DIR/base_model``: the
+tiny model's random init, the GGUF file's converted directory (:mod:`ppokit.lm.model.gguf`),
+or the best model of the supervised warm start (:func:`ppokit.lm.sft.run_sft`). Its marker
+:data:`BASE_MODEL_MARKER` is written last, so a resumed run reuses a complete one and never
+warm-starts again.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from ppokit.lm.data.inputs import chat_render
 from ppokit.lm.data.records import count_tokens_with
 from ppokit.lm.data.sources import load_prompts
 from ppokit.lm.model.device import run_device
+from ppokit.lm.model.gguf import converted_directory, is_gguf
 from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer, build_tiny_model
 from ppokit.lm.sft import run_sft
 
@@ -54,12 +57,18 @@ def prepare_model(
     """
     path = cfg.model.path
     base = run_dir / BASE_MODEL_DIR
-    if path == "tiny" or cfg.data.sft_epochs:
+    gguf = is_gguf(path)
+    if path == "tiny" or cfg.data.sft_epochs or gguf:
         if (base / BASE_MODEL_MARKER).is_file():
             return base
         for leftover in [base, *run_dir.glob(f".{BASE_MODEL_DIR}.*"), *run_dir.glob(f".{INIT_MODEL_DIR}.*")]:
             if leftover.is_dir():  # a killed build or warm start: start it over
                 shutil.rmtree(leftover)
+    if gguf:  # converted once into the cache; the run keeps its own copy (module docstring)
+        path = str(converted_directory(path, log=log))
+        if not cfg.data.sft_epochs:
+            copy_directory(Path(path), base)
+            path = str(base)
     if path == "tiny":
         target = run_dir / (INIT_MODEL_DIR if cfg.data.sft_epochs else BASE_MODEL_DIR)
         path = str(build_tiny_model(target, seed=cfg.seed, max_position_embeddings=tiny_positions(cfg, prompts or [])))
@@ -105,6 +114,18 @@ def prepare_model(
         marker = {"model.path": cfg.model.path, "data.sft_epochs": cfg.data.sft_epochs, "seed": cfg.seed}
         (base / BASE_MODEL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return Path(path)
+
+
+def copy_directory(source: Path, target: Path) -> None:
+    """``source``'s files into a new ``target``, hard-linked where the file system allows (the
+    cache's files are never written again), copied otherwise."""
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.is_file():
+            try:
+                os.link(file, target / file.name)
+            except OSError:
+                shutil.copy2(file, target / file.name)
 
 
 def tiny_positions(cfg: Config, prompts: list[dict]) -> int:

@@ -7,6 +7,7 @@
 - :mod:`.tasks`      the built-in procedural tasks (arithmetic) and the task registry
 - :mod:`.countdown`  the Countdown task
 - :mod:`.gsm8k`      GSM8K-format data from the user's file
+- :mod:`.reasoning_gym`  reasoning-gym's procedural tasks (optional package) and their verifier
 
 Nothing is imported here: ``import ppokit.lm.data`` does not load torch.
 """

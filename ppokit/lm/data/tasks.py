@@ -16,8 +16,10 @@ of one seed never leaks into the training set of another. The seed only orders e
 split; ``split(n)`` is a prefix of ``split(m)`` for ``n < m``.
 
 Registered tasks (:data:`TASKS`): ``arithmetic``, ``countdown``
-(:mod:`ppokit.lm.data.countdown`, verified by the ``countdown`` reward) and ``gsm8k``
-(:mod:`ppokit.lm.data.gsm8k`: a GSM8K-format file the user gives, verified by ``math``).
+(:mod:`ppokit.lm.data.countdown`, verified by the ``countdown`` reward), ``gsm8k``
+(:mod:`ppokit.lm.data.gsm8k`: a GSM8K-format file the user gives, verified by ``math``)
+and ``reasoning_gym`` (:mod:`ppokit.lm.data.reasoning_gym`: a family of tasks, named
+``reasoning_gym:<task>[:options]``, verified by the task's own ``score_answer``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from ppokit.errors import UserError, did_you_mean
 from ppokit.lm.data.countdown import CountdownTask
 from ppokit.lm.data.gsm8k import GSM8KTask
+from ppokit.lm.data.reasoning_gym import ReasoningGymTask
 
 SPLITS = ("eval", "sft", "train")
 _ENUMERATE_MAX = 1 << 21  # problem spaces up to this size are enumerated exactly
@@ -169,7 +172,12 @@ class ArithmeticTask:
 
 
 # ------------------------------------------------------------------------- registry
-TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "gsm8k": GSM8KTask}
+TASKS: dict[str, type] = {
+    "arithmetic": ArithmeticTask,
+    "countdown": CountdownTask,
+    "gsm8k": GSM8KTask,
+    "reasoning_gym": ReasoningGymTask,
+}
 
 
 def task_names() -> list[str]:
@@ -182,6 +190,9 @@ def get_task(spec: str, **kwargs: Any):
     ``spec`` may carry options after a colon, as on a command line:
     ``"arithmetic:digits=3,op=*"``, ``"countdown:num_count=3"``,
     ``"gsm8k:path=train.jsonl,eval_path=test.jsonl"`` (keyword arguments win over them).
+    A family of tasks (a class with ``from_spec``) names its member after the first colon,
+    then its options: ``"reasoning_gym:chain_sum:size=500"``; it gets the options as
+    written and converts them itself.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"a task name must be a non-empty string; built-in tasks: {', '.join(task_names())}")
@@ -192,6 +203,10 @@ def get_task(spec: str, **kwargs: Any):
             f"built-in tasks: {', '.join(task_names())}; or give a JSONL or Parquet file of prompts"
         )
     cls = TASKS[name]
+    from_spec = getattr(cls, "from_spec", None)
+    if from_spec is not None:  # a family: name:<member>[:key=value,...]
+        member, _, options = options.partition(":")
+        return from_spec(member.strip(), _parse_options(spec, options, str) if options else {}, **kwargs)
     parsed = _parse_options(spec, options) if options else {}
     parsed.update(kwargs)
     allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
@@ -203,14 +218,16 @@ def get_task(spec: str, **kwargs: Any):
     return cls(**parsed)
 
 
-def _parse_options(spec: str, options: str) -> dict[str, Any]:
+def _parse_options(spec: str, options: str, convert: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """``key=value,key=value`` as a dict, each value converted by ``convert`` (default:
+    an int, else a float, else the text)."""
     out: dict[str, Any] = {}
     for part in options.split(","):
         key, sep, value = part.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key:
             raise UserError(f"task '{spec}': options must look like name:key=value,key=value")
-        out[key] = _parse_value(value)
+        out[key] = (convert or _parse_value)(value)
     return out
 
 

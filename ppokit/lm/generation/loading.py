@@ -1,7 +1,7 @@
 """A trained actor or a model directory, ready to generate: what ``ppokit generate``, ``chat`` and ``eval`` load.
 
 :func:`load_generator` takes a run directory (its final checkpoint, else its newest), a
-checkpoint directory, or a plain Hugging Face model directory, and returns a
+checkpoint directory, a plain Hugging Face model directory or a GGUF file, and returns a
 :class:`Generator`: a rollout engine (:func:`~ppokit.lm.generation.factory.make_engine`, the seam of
 :mod:`ppokit.lm.generation.base`) over the trained actor (lora: the ``actor`` adapter applied to the backbone; full: the
 actor model) with its tokenizer, plus the run's config when there is one. Sampling
@@ -23,6 +23,7 @@ from ppokit.errors import UserError
 from ppokit.lm.generation.factory import make_engine, make_model_engine
 from ppokit.lm.model.checkpoint import find_lm_checkpoint, run_config
 from ppokit.lm.model.device import resolve_device, resolve_precision
+from ppokit.lm.model.gguf import converted_directory, is_gguf
 from ppokit.lm.model.hf import causal_lm_config, load_causal_lm, load_tokenizer
 from ppokit.lm.model.stack import load_policy_stack
 
@@ -59,10 +60,13 @@ def load_generator(
     """The generator of ``path``: a run or checkpoint directory, or a model directory (module docstring).
     ``device``/``precision``: as ``run.device``/``run.precision`` (default: the run's, else auto).
     ``sampling``: temperature, top_p, top_k, max_new_tokens (None keeps the run's)."""
+    if is_gguf(path):  # a model file: its converted directory (ppokit.lm.model.gguf)
+        path = converted_directory(path, "the model file")
     path = Path(path)
     if not path.is_dir():
         raise UserError(
-            f"{path} is not a directory; give a run directory (ppokit train's) or a Hugging Face model directory"
+            f"{path} is not a directory; give a run directory (ppokit train's), a Hugging Face model directory "
+            "or a GGUF file"
         )
     ckpt = find_lm_checkpoint(path)
     if ckpt is not None:

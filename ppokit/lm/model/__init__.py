@@ -1,6 +1,7 @@
 """The language model itself: loading, the policy, its checkpoints, where it runs.
 
 - :mod:`.hf`          local Hugging Face model directories and tokenizers: the one loader
+- :mod:`.gguf`        GGUF model files, converted once into a Hugging Face directory
 - :mod:`.tiny`        a tiny Llama-style model and character tokenizer, built here (no downloads)
 - :mod:`.policy`      the policy: LoRA actor and critic on one backbone (or full models),
   the value head, the reference as the backbone with adapters off

@@ -1,4 +1,4 @@
-"""Loading local Hugging Face model directories: the one loader for every model ppokit reads.
+"""Loading local Hugging Face model directories (or GGUF files): the one loader for every model ppokit reads.
 
 The policy's model, full mode's critic and reference copy, a reward model, the
 supervised warm start, ``ppokit eval`` and ``ppokit export`` all load through here, so a
@@ -31,6 +31,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import logging as hf_logging
 
 from ppokit.errors import UserError
+from ppokit.lm.model.gguf import model_directory
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -61,7 +62,9 @@ def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bo
 
     ``generation`` (the policy's): left padding, and an EOS and a pad token are required.
     Otherwise (a reward model's): right padding, truncation from the left, no requirement.
+    A GGUF file stands for its converted directory (:mod:`ppokit.lm.model.gguf`).
     """
+    path = model_directory(path, what)
     _check_local_dir(path, what)
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(
@@ -99,7 +102,9 @@ def causal_lm_config(path: str | Path, what: str = "model.path"):
 
 def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
     """The model config of a local directory, checked to be in ``mapping`` (an auto class's
-    configs; otherwise the UserError says the config ``not_loadable``)."""
+    configs; otherwise the UserError says the config ``not_loadable``). A GGUF file stands for
+    its converted directory."""
+    path = model_directory(path, what)
     _check_local_dir(path, what)
     if not (Path(path) / "config.json").is_file():
         raise UserError(
@@ -145,6 +150,7 @@ def load_hf_model(
     in ``eval()`` mode; any failure is a UserError naming the directory. ``check(model,
     loading_info)`` may raise one too, before transformers' load report is printed (it is
     dropped when loading fails)."""
+    path = model_directory(path, what)
     with held_load_report() as report:
         try:
             model, info = auto_class.from_pretrained(

