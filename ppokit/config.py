@@ -1044,11 +1044,41 @@ def load_config(source: str | None = None, overrides: list[str] | None = None) -
     """
     layers: list[dict[str, Any]] = []
     label = None
+    user = parse_overrides(overrides or [])
     if source is not None:
         file_layer, label = _read_source(source)
         layers.append(file_layer)
-    layers.append(parse_overrides(overrides or []))
+        layers += mode_layer(file_layer, user, source)
+    layers.append(user)
     return build_config(layers, label)
+
+
+def mode_layer(file_layer: dict[str, Any], user: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """A config file's ``model_mode`` section, popped from ``file_layer``: the layer for the run's
+    model mode (``model.mode`` as the user's overrides or the file set it), if the file has one.
+    It lies over the file and under the user's overrides, so that one file can give each mode
+    its own settings (LoRA adapters and a full fine-tune want learning rates ~20x apart)::
+
+        train: {learning_rate: 0.002}
+        model_mode:
+          full: {train: {learning_rate: 1.0e-4}}
+    """
+    sections = file_layer.pop("model_mode", None)
+    if sections is None:
+        return []
+    modes = get_args(ModelConfig.model_fields["mode"].annotation)
+    if not isinstance(sections, dict) or not all(isinstance(v, dict) for v in sections.values()):
+        raise ConfigError(f"{source}: model_mode must map a model mode ({', '.join(modes)}) to config sections")
+    unknown = [k for k in sections if k not in modes]
+    if unknown:
+        raise ConfigError(f"{source}: model_mode.{unknown[0]} is not a model mode; modes: {', '.join(modes)}")
+    mode = None
+    for layer in (file_layer, user):  # the later wins, as in build_config
+        model = canonicalize(layer, Config, "").get("model")
+        if isinstance(model, dict) and "mode" in model:
+            mode = model["mode"]
+    mode = mode if mode is not None else ModelConfig.model_fields["mode"].default
+    return [sections[mode]] if mode in sections else []
 
 
 def build_config(layers: list[dict[str, Any]], label: str | None = None) -> Config:

@@ -37,6 +37,7 @@ from ppokit.checkpoint import Checkpoint, load_checkpoint, resolve_sharded, save
 from ppokit.components import Components, Workload
 from ppokit.config import Config
 from ppokit.errors import TrainingDiverged, UserError
+from ppokit.health import RunHealth
 from ppokit.peak_memory import PhasePeak, phase_peak
 from ppokit.resume import GracefulStop, capture_rng, restore_rng
 from ppokit.track import Tracker
@@ -114,6 +115,7 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
         final_path: Path | None = None
         it = start_it - 1
         pipelined = cfg.rollout.off_policy_steps > 0
+        health = RunHealth(cfg)
         with GracefulStop() as stop:
             source.sync_weights(learner)  # a source in other processes starts from these weights
             for it in range(start_it, iterations):
@@ -149,6 +151,8 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
                     metrics["sps"] = (it + 1 - start_it) * steps / max(t3 - start, 1e-9)
                 else:
                     metrics["samples"] = (it + 1) * len(batch)
+                for line in health.check(it, metrics):  # no signal to learn from, runaway updates
+                    tracker.message(line)
                 if batch.samples and cfg.run.log_samples and it % cfg.run.samples_every == 0:
                     tracker.log_samples(it, batch.samples[: cfg.run.log_samples])
                 last = it == iterations - 1

@@ -287,3 +287,35 @@ def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path):
 def test_run_name_is_a_plain_directory_name(name):
     with pytest.raises(ConfigError, match="run.name: must be a plain directory name .*run.output_dir"):
         C.load_config("cartpole", [f"run.name={name!r}"])
+
+
+def test_a_config_file_gives_each_model_mode_its_own_settings(tmp_path):
+    assert C.load_config("arith", []).train.learning_rate == 0.002  # lora
+    full = C.load_config("arith", ["model.mode=full"])
+    assert full.train.learning_rate == 1e-4 and full.train.critic_learning_rate == 0.005
+    assert C.load_config("arith", ["model.mode=full", "train.learning_rate=3e-4"]).train.learning_rate == 3e-4
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "workload: lm\nmodel: {mode: full}\ntrain: {learning_rate: 0.01, epochs: 3}\n"
+        "model_mode:\n  lora: {train: {epochs: 1}}\n  full: {train: {lr: 2.0e-5}}\n"  # (an alias inside)
+    )
+    cfg = C.load_config(str(path), [])
+    assert (cfg.train.learning_rate, cfg.train.epochs) == (2e-5, 3)
+    lora = C.load_config(str(path), ["model.mode=lora"])
+    assert (lora.train.learning_rate, lora.train.epochs) == (0.01, 1)
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ("model_mode: [full]", "model_mode must map a model mode (lora, full) to config sections"),
+        ("model_mode: {qlora: {train: {epochs: 1}}}", "model_mode.qlora is not a model mode; modes: lora, full"),
+        ("model_mode: {full: {train: {epochz: 1}}}", "unknown key 'train.epochz'"),
+    ],
+)
+def test_a_bad_model_mode_section_is_one_line(tmp_path, section, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"workload: lm\nmodel: {{mode: full}}\n{section}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        C.load_config(str(path), [])
+    assert "\n" not in str(err.value)

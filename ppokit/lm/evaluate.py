@@ -29,13 +29,16 @@ def score_texts(reward, prompts: Sequence[str], texts: Sequence[str], items: Seq
     return RewardResults(scores, [None] * len(scores), [None] * len(scores))
 
 
-def heldout_results(engine, items: Sequence[dict[str, Any]], reward, *, max_new_tokens: int | None = None):
+def heldout_results(
+    engine, items: Sequence[dict[str, Any]], reward, *, max_new_tokens: int | None = None, greedy: bool = True
+):
     """``(rollout, RewardResults)`` of ``engine``'s greedy responses to ``items`` (prompt records
-    whose other fields go to the reward; ``reward``: a scorer or a function, :func:`score_texts`)."""
+    whose other fields go to the reward; ``reward``: a scorer or a function, :func:`score_texts`);
+    ``greedy=False``: one response sampled for each, as the engine samples rollouts."""
     if not items:
         raise UserError("the evaluation set is empty")
     prompts = [it["prompt"] for it in items]
-    rollout = engine.generate(prompts, greedy=True, max_new_tokens=max_new_tokens, items=list(items))
+    rollout = engine.generate(prompts, greedy=greedy, max_new_tokens=max_new_tokens, items=list(items))
     return rollout, score_texts(reward, prompts, rollout.texts, items)
 
 
