@@ -338,16 +338,24 @@ def available_memory(device: Any) -> tuple[float, str]:
     """(bytes, words) of the memory a run on ``device`` may use: a GPU's free memory
     (``torch.cuda.mem_get_info``), or the machine's ``MemAvailable`` plus this process's
     own resident size (a CPU)."""
-    import torch  # noqa: PLC0415 - heavy; the check imports it only when a run starts
+    device, free, total = _device_memory(device)
+    if device.type == "cuda":
+        return free, f"{device} has {free / GB:.1f} GB free of {total / GB:.1f} GB"
+    if free is None:
+        return float("inf"), "the machine's memory is unknown"
+    return free + _own_resident_bytes(), f"the machine has {free / GB:.1f} GB available"
+
+
+def _device_memory(device: Any) -> tuple[Any, float | None, float | None]:
+    """``(torch.device, free, total)`` bytes: a GPU's (``torch.cuda.mem_get_info``), or the machine's
+    ``MemAvailable`` and ``MemTotal`` (None where /proc/meminfo does not say)."""
+    import torch  # noqa: PLC0415 - heavy; the checks import it only when a run starts
 
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return float(free), f"{device} has {free / GB:.1f} GB free of {total / GB:.1f} GB"
-    available = _meminfo_bytes("MemAvailable")
-    if available is None:
-        return float("inf"), "the machine's memory is unknown"
-    return available + _own_resident_bytes(), f"the machine has {available / GB:.1f} GB available"
+        return device, float(free), float(total)
+    return device, _meminfo_bytes("MemAvailable"), _meminfo_bytes("MemTotal")
 
 
 def _meminfo_bytes(key: str) -> float | None:
@@ -593,14 +601,10 @@ def candidate_sizes(cap: int) -> list[int]:
 
 
 def total_memory(device: Any) -> tuple[float, str]:
-    """(bytes, words) of all the memory of ``device``: a GPU's, or the machine's (``MemTotal``)."""
-    import torch  # noqa: PLC0415 - heavy; imported only when a run starts
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        _, total = torch.cuda.mem_get_info(device)
-        return float(total), f"{device}'s {total / GB:.1f} GB"
-    total = _meminfo_bytes("MemTotal")
+    """(bytes, words) of all the memory of ``device``: a GPU's, or the machine's (``MemTotal``;
+    0 where it is unknown)."""
+    device, _, total = _device_memory(device)
     if total is None:
         return 0.0, ""
-    return total, f"the machine's {total / GB:.1f} GB"
+    where = f"{device}'s" if device.type == "cuda" else "the machine's"
+    return total, f"{where} {total / GB:.1f} GB"
