@@ -36,3 +36,19 @@ def test_the_demo_iteration_bench_prints_its_medians():
     result = json.loads(bench("bench/demo_iteration.py", "--iterations", "4").strip().splitlines()[-1])
     assert set(result) == {"time_iteration", "time_update", "time_score", "time_collect", "process_peak_rss_gb"}
     assert 0 < result["time_update"] < result["time_iteration"] and result["process_peak_rss_gb"] > 0.1
+
+
+def test_the_real_model_bench_reports_each_phase_against_the_machines_own_rates():
+    result = json.loads(bench("bench/real_model.py", "--smoke").strip().splitlines()[-1])
+    assert result["run"]["model"] == "tiny" and result["run"]["measured_iterations"] == [2]
+    assert {"avx2", "avx512f", "avx512_bf16"} <= set(result["machine"]["flags"])
+    assert result["machine"]["cpu"] and result["machine"]["torch_threads"] >= 1
+    assert result["run"]["lm_head_calls_in_score_and_update"] == 0  # the hooks left the run's own path alone
+    for phase in ("generate", "score", "update"):
+        p = result["phases"][phase]
+        assert p["time_s"] > 0 and p["flops"] > 0 and p["rate"] > 0 and p["rate_fp32"] > 0, (phase, p)
+        assert p["fraction"] == pytest.approx(p["flops"] / p["rate"] / p["time_s"]), (phase, p)
+    assert result["phases"]["update"]["flops"] > result["phases"]["score"]["flops"]  # its backward is counted
+    decode = result["phases"]["generate"]["decode"]
+    assert decode["steps"] > 0 and decode["step_s"] > 0 and decode["memory_floor_s"] > 0
+    assert result["bandwidth"]["read"] > 0

@@ -14,7 +14,9 @@ and peft compute (each is tested against them) in fewer passes over memory:
 - :mod:`.weight_layout`: frozen wide bf16 weights stored column-major, as oneDNN's bf16
   matmul wants them;
 - :mod:`.kv_cache`: a generation cache that writes each step in place, which the
-  decoding-attention kernel reads without copies.
+  decoding-attention kernel reads without copies;
+- :mod:`.head_input`: the LM head's strided input (generation's last positions) made
+  contiguous, so that its product is one matrix product and not a batched one over copies.
 
 They swap a module's class for a subclass with a faster forward (:mod:`.class_swap`):
 parameters, state dicts and ``save_pretrained`` are unchanged. On any other device
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from ppokit.lm.accel.fused_lora import enable_lora_kernels, fuse_lora_layers
+from ppokit.lm.accel.head_input import contiguous_head_input
 from ppokit.lm.accel.kernels.functions import lora_kernels_kind
 from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels
 from ppokit.lm.accel.kv_cache import preallocated_cache
@@ -63,6 +66,7 @@ def accelerate_model(model: nn.Module, autocast_dtype: torch.dtype | None) -> di
         return {}
     if autocast_dtype == torch.bfloat16:
         transpose_wide_weights(model, autocast_dtype)
+    contiguous_head_input(model)  # (no kernel: not counted among the fused layers)
     return {kind: n for kind, n in fuse_cpu_kernels(model).items() if n}
 
 
