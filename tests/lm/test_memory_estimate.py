@@ -156,6 +156,33 @@ def test_multi_turn_rows():
     assert multi_turn_rows(cfg, 40, False, 64) == (256 * 9, 40, 16)
     assert multi_turn_rows(cfg, 40, True, 4096) == (512, 40, 9 * (16 + 40))
     assert multi_turn_rows(cfg, 40, True, 400) == (512, 40, 360)  # within the model's context
+    # the environment's own turn limit, where it is lower than textenv.max_turns
+    assert multi_turn_rows(cfg, 40, True, 4096, env_turns=6) == (512, 40, 6 * (16 + 40))
+    assert multi_turn_rows(cfg, 40, False, 64, env_turns=6) == (256 * 6, 40, 16)
+    assert multi_turn_rows(cfg, 40, False, 64, env_turns=50) == (256 * 9, 40, 16)
+
+
+def test_a_multi_turn_run_is_sized_by_its_environment_s_own_turn_limit(tiny_dir, monkeypatch):
+    from ppokit.envs import make_env
+    from ppokit.lm.multi_turn import workload
+
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir)},
+                "textenv": {"env": "calculator", "kwargs": {"observation_mode": "message"}},
+                "train": {"iterations": 1},
+            }
+        ]
+    )
+    seen = []
+    monkeypatch.setattr(workload, "multi_turn_rows", lambda *args: seen.append(args) or multi_turn_rows(*args))
+    env = make_env("calculator", observation_mode="message")
+    assert env.max_turns == 6 < cfg.textenv.max_turns == 32
+    workload.MultiTurnWorkload(cfg)._sequences(env)
+    (args,) = seen
+    assert args[2] is True and args[-1] == 6  # message mode, the environment's 6 turns
 
 
 # ----------------------------------------------------------------------------- against a measured run

@@ -91,7 +91,9 @@ class MultiTurnWorkload:
         message = getattr(env, "observation_mode", "state") == "message"
         shape = model_shape(self.cfg.model.path)
         context = shape.max_positions if shape is not None else None
-        return multi_turn_rows(self.cfg, tokens, message, context)
+        limit = getattr(env, "max_turns", None)  # the environment's own turn limit, where it has one
+        env_turns = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1 else None
+        return multi_turn_rows(self.cfg, tokens, message, context, env_turns)
 
     def _resolve_micro_batches(self) -> str | None:
         """``self.cfg`` with its ``auto`` micro-batch sizes chosen (a fresh environment sizes the
