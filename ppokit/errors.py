@@ -26,6 +26,12 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     return f"; did you mean '{matches[0]}'?" if matches else ""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (at most 200 characters), or its type's name."""
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
 class TrainingDiverged(UserError):
     """Training stopped on non-finite losses/gradients (``train.max_bad_steps``): one line, exit 2."""
 

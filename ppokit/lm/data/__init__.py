@@ -5,6 +5,7 @@
 - :mod:`.records`    JSONL, Parquet and ``datasets`` directories, checked record by record
 - :mod:`.chat`       prompts rendered with the tokenizer's chat template
 - :mod:`.tasks`      the built-in procedural tasks (arithmetic) and the task registry
+- :mod:`.splits`     disjoint held-out, warm-start and training splits by a fixed hash
 - :mod:`.countdown`  the Countdown task
 - :mod:`.gsm8k`      GSM8K-format data from the user's file
 - :mod:`.reasoning_gym`  reasoning-gym's procedural tasks (optional package) and their verifier

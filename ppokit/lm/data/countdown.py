@@ -20,7 +20,6 @@ expression exactly with :mod:`ppokit.expressions` (never as Python).
 from __future__ import annotations
 
 import re
-import zlib
 from collections import Counter
 from fractions import Fraction
 from typing import Any
@@ -29,9 +28,9 @@ import numpy as np
 
 from ppokit.errors import UserError
 from ppokit.expressions import ExpressionError, evaluate, numbers_used
+from ppokit.lm.data.splits import hashed_split, split_cuts
 
 SPLITS = ("eval", "sft", "train")
-_BUCKETS = 1000
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _NOT_ALLOWED = re.compile(r"//|%|\*\*")
 PROMPT = (
@@ -72,15 +71,7 @@ class CountdownTask:
                 raise UserError(f"task countdown: {label} must be an integer >= {low} (got {value!r})")
         if num_count > 8:
             raise UserError(f"task countdown: num_count must be at most 8 (got {num_count})")
-        for label, value in (("eval_fraction", eval_fraction), ("sft_fraction", sft_fraction)):
-            if not isinstance(value, (int, float)) or not 1 / _BUCKETS <= value < 1:
-                raise UserError(f"task countdown: {label} must be between {1 / _BUCKETS} and 1 (got {value!r})")
-        self._cuts = (round(eval_fraction * _BUCKETS), round((eval_fraction + sft_fraction) * _BUCKETS))
-        if not 0 < self._cuts[0] < self._cuts[1] < _BUCKETS:
-            raise UserError(
-                f"task countdown: eval_fraction={eval_fraction} and sft_fraction={sft_fraction} "
-                "leave no problems for training; make their sum < 1"
-            )
+        self._cuts = split_cuts("task countdown", eval_fraction, sft_fraction)
         self.num_count, self.max_number, self.max_target = num_count, max_number, max_target
         self.seed, self.train_size = seed, train_size
         self._cache: dict[str, list[dict[str, Any]]] = {}
@@ -93,9 +84,7 @@ class CountdownTask:
     # ---------------------------------------------------------------- problems
     def split_of(self, numbers: list[int], target: int) -> str:
         """The split a problem belongs to: a fixed hash of its sorted numbers and target."""
-        key = f"{sorted(numbers)}->{target}".encode()
-        bucket = zlib.crc32(key) % _BUCKETS
-        return "eval" if bucket < self._cuts[0] else "sft" if bucket < self._cuts[1] else "train"
+        return hashed_split(f"{sorted(numbers)}->{target}".encode(), self._cuts)
 
     def _problem_from(self, u: list[float]) -> tuple[list[int], int, str] | None:
         """A random problem from uniforms ``u`` (:meth:`_width` of them), or None when the

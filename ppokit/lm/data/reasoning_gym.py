@@ -73,12 +73,12 @@ import io
 import math
 import types
 import typing
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from ppokit.errors import UserError, did_you_mean
+from ppokit.lm.data.splits import hashed_split, split_cuts
 from ppokit.user_code import one_line_error
 
 NAME = "reasoning_gym"
@@ -89,7 +89,6 @@ NO_ANSWER = "no answer tags"
 SEED_STRIDE = 2**20  # reasoning-gym seeds per ppokit seed (module docstring)
 MAX_SEED = 2**32 // SEED_STRIDE - 1  # 4095: every generator seed stays below 2**32
 MIN_WINDOW = 50_000
-_BUCKETS = 1000
 _STREAMS_KEPT = 4  # problem streams cached per process (a run reads train, eval and sft)
 _SCORERS_KEPT = 16  # datasets cached per reward worker, for their score_answer
 _OWN_OPTIONS = ("size", "eval_size", "seed", "eval_fraction", "sft_fraction")
@@ -237,15 +236,7 @@ class ReasoningGymTask:
         self.size = _check_int(f"{where}: size", size, 1, SEED_STRIDE // 2)
         self.eval_size = _check_int(f"{where}: eval_size", eval_size, 1, SEED_STRIDE // 2)
         self.seed = _check_int(f"{where}: seed", seed, 0, MAX_SEED)
-        for label, value in (("eval_fraction", eval_fraction), ("sft_fraction", sft_fraction)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 / _BUCKETS <= value < 1:
-                raise UserError(f"{where}: {label} must be between {1 / _BUCKETS} and 1 (got {value!r})")
-        self._cuts = (round(eval_fraction * _BUCKETS), round((eval_fraction + sft_fraction) * _BUCKETS))
-        if not 0 < self._cuts[0] < self._cuts[1] < _BUCKETS:
-            raise UserError(
-                f"{where}: eval_fraction={eval_fraction} and sft_fraction={sft_fraction} leave no problems "
-                "for training; make their sum < 1"
-            )
+        self._cuts = split_cuts(where, eval_fraction, sft_fraction)
         _, config_cls = rg.factory.DATASETS[task]
         fields = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
         allowed = [*_OWN_OPTIONS, *fields]
@@ -298,8 +289,7 @@ class ReasoningGymTask:
     # ---------------------------------------------------------------------- problems
     def split_of(self, question: str) -> str:
         """The split a problem belongs to: a fixed hash of its question text."""
-        bucket = zlib.crc32(question.encode("utf-8", "surrogatepass")) % _BUCKETS
-        return "eval" if bucket < self._cuts[0] else "sft" if bucket < self._cuts[1] else "train"
+        return hashed_split(question.encode("utf-8", "surrogatepass"), self._cuts)
 
     def _stream(self) -> _Stream:
         key = (self.task, self.base_seed, self.window, self._cuts, repr(sorted(self.options.items())))

@@ -32,9 +32,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ppokit.config import Config, build_config
-from ppokit.errors import UserError
+from ppokit.errors import UserError, first_line
 from ppokit.lm.model.device import attention_implementation
-from ppokit.lm.model.hf import first_line, load_causal_lm
+from ppokit.lm.model.hf import load_causal_lm
 from ppokit.lm.model.policy import ACTOR, CRITIC, LMPolicy, ValueHead
 from ppokit.rundir import META, evaluation_checkpoint, saved_config
 

@@ -39,7 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppokit.errors import UserError
+from ppokit.errors import UserError, first_line
 
 __all__ = ["MARKER", "PACKAGED_MODELS", "cache_root", "converted_directory", "is_gguf", "model_directory"]
 
@@ -137,8 +137,7 @@ def _convert(file: Path, out: Path, name: str) -> None:
             quantised = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf_file, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
         except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as exc:
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            raise UserError(f"{name}: transformers cannot read this GGUF file ({reason})") from None
+            raise UserError(f"{name}: transformers cannot read this GGUF file ({first_line(exc)})") from None
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

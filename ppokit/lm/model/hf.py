@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import logging as hf_logging
 
-from ppokit.errors import UserError
+from ppokit.errors import UserError, first_line
 from ppokit.lm.model.gguf import model_directory
 
 __all__ = [
@@ -242,11 +242,6 @@ def _check_local_dir(path: str | Path, what: str) -> None:
             f"{what}={path}: no such model directory (give a local Hugging Face model "
             "directory; ppokit does not download models)"
         )
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
 
 
 def load_model_and_tokenizer(path: str | Path, what: str = "model.path") -> tuple[nn.Module, object]:

@@ -70,6 +70,7 @@ __all__ = [
     "ModelShape",
     "available_memory",
     "check_run_fits",
+    "has_auto_micro_batches",
     "resolve_micro_batches",
     "estimate_memory",
     "longest_prompt_tokens",
@@ -565,7 +566,7 @@ def resolve_micro_batches(
 
     t = cfg.train
     auto_train, auto_infer = t.micro_batch_size == "auto", t.infer_micro_batch_size == "auto"
-    if not (auto_train or auto_infer):
+    if not has_auto_micro_batches(cfg):
         return cfg, None
     estimator = Estimator.for_run(cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens)
     total, where = total_memory(estimator.device) if estimator is not None else (0.0, "")
@@ -594,6 +595,12 @@ def resolve_micro_batches(
     why = f"the largest the memory estimate fits in half of {where}" if known else "the model's sizes are unknown"
     resolved = cfg.model_copy(update={"train": t.model_copy(update=chosen)})
     return resolved, f"micro-batches (auto): {', '.join(parts)} ({why})"
+
+
+def has_auto_micro_batches(cfg: Any) -> bool:
+    """Whether ``cfg`` leaves a micro-batch size to :func:`resolve_micro_batches` (the run then sizes
+    its sequences for it; otherwise it need not)."""
+    return "auto" in (cfg.train.micro_batch_size, cfg.train.infer_micro_batch_size)
 
 
 def candidate_sizes(cap: int) -> list[int]:

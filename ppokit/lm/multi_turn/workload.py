@@ -32,7 +32,13 @@ from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
-from ppokit.lm.model.memory import check_run_fits, model_shape, multi_turn_rows, resolve_micro_batches
+from ppokit.lm.model.memory import (
+    check_run_fits,
+    has_auto_micro_batches,
+    model_shape,
+    multi_turn_rows,
+    resolve_micro_batches,
+)
 from ppokit.lm.model.policy import lora_config
 from ppokit.lm.model.stack import PolicyStack, build_policy_stack, prompt_tokenizer
 from ppokit.lm.multi_turn.advantages import trajectory_advantages
@@ -97,7 +103,10 @@ class MultiTurnWorkload:
 
     def _resolve_micro_batches(self) -> str | None:
         """``self.cfg`` with its ``auto`` micro-batch sizes chosen (a fresh environment sizes the
-        sequences, so the probe's stream stays as it was); the header's line about them."""
+        sequences, so the probe's stream stays as it was); the header's line about them, None when
+        no size is ``auto``."""
+        if not has_auto_micro_batches(self.cfg):
+            return None
         t = self.cfg.textenv
         sequences = self._sequences(make_env(t.env, **t.kwargs))
         rows, prompt, response = sequences if sequences is not None else (None, 0, None)

@@ -47,7 +47,12 @@ from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
 from ppokit.lm.model.hf import causal_lm_config
-from ppokit.lm.model.memory import check_run_fits, longest_prompt_tokens, resolve_micro_batches
+from ppokit.lm.model.memory import (
+    check_run_fits,
+    has_auto_micro_batches,
+    longest_prompt_tokens,
+    resolve_micro_batches,
+)
 from ppokit.lm.model.stack import build_policy_stack, prompt_tokenizer
 from ppokit.lm.rewards.functions import BUILTIN_REWARDS
 from ppokit.lm.rewards.pool import make_reward_scorer
@@ -109,13 +114,14 @@ class LMWorkload:
         train_items, eval_items, reward_fn = load_data(self.cfg)
         header: list[str] = []
         closers: list[Any] = []
-        tokenizer = prompt_tokenizer(self.cfg)
+        auto = has_auto_micro_batches(self.cfg)  # sized by the longest prompt
+        tokenizer = prompt_tokenizer(self.cfg) if auto or self.cfg.data.max_prompt_tokens is not None else None
         train_items, eval_items, dropped = drop_long(self.cfg, train_items, eval_items, header, tokenizer)
-        longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in train_items + eval_items])
-        self.cfg, micro_batches = resolve_micro_batches(self.cfg, prompt_tokens=longest)
-        cfg = self.cfg  # (auto micro-batch sizes chosen: what every part below and the Ray workers read)
-        if micro_batches:
+        if auto:
+            longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in train_items + eval_items])
+            self.cfg, micro_batches = resolve_micro_batches(self.cfg, prompt_tokens=longest)
             header.append(micro_batches)
+        cfg = self.cfg  # (auto micro-batch sizes chosen: what every part below and the Ray workers read)
         # the training reward: the reward model's score and/or a function's (the task's own only
         # without a reward model; held-out accuracy always uses the function)
         train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
