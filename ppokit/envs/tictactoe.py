@@ -109,11 +109,6 @@ def perfect_move(board: str, mark: str, rng: random.Random) -> int:
     return rng.choice(perfect_moves(board))
 
 
-def best_response_move(board: str, mark: str, rng: random.Random) -> int:
-    """The first cell that maximises the expected reward (1/0/-1) against a random opponent."""
-    return best_response_moves(board)[0]
-
-
 OPPONENTS: dict[str, Opponent | None] = {
     "random": random_move,
     "heuristic": heuristic_move,

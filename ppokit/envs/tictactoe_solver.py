@@ -37,7 +37,6 @@ __all__ = [
 
 EMPTY_BOARD = "." * 9
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
-MARKS = ("x", "o")
 
 
 def other(mark: str) -> str:
@@ -73,10 +72,6 @@ def play(board: str, cell: int, mark: str) -> str:
     if board[cell] != ".":
         raise ValueError(f"cell {cell} is not empty in {board!r}")
     return board[:cell] + mark + board[cell + 1 :]
-
-
-def _game_over(board: str) -> bool:
-    return winner(board) is not None or is_full(board)
 
 
 # ----------------------------------------------------------------------------- perfect play

@@ -471,8 +471,3 @@ def _save(model, tokenizer, out: Path, summary: dict[str, Any]) -> None:
                 config["tokenizer_class"] = "PreTrainedTokenizerFast"
                 config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         (tmp / CURVE_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-
-
-def read_curve(out_dir: str | os.PathLike) -> dict[str, Any]:
-    """The summary :func:`run_sft` wrote to ``out_dir/sft_curve.json``."""
-    return json.loads((Path(out_dir) / CURVE_FILE).read_text())

@@ -2,8 +2,8 @@
 
 Everything that samples from a policy goes through an engine built by
 :func:`ppokit.lm.generation.factory.make_engine`: the single-turn and multi-turn sources,
-the held-out evaluation, ``ppokit generate``/``chat``/``eval``. Two engines exist or are
-planned: ``hf`` (:class:`~ppokit.lm.generation.engine.HFEngine`, transformers'
+the held-out evaluation, ``ppokit generate``/``chat``/``eval``. Two engines exist:
+``hf`` (:class:`~ppokit.lm.generation.engine.HFEngine`, transformers'
 ``generate``; the engine on the CPU) and ``cuda`` (``ppokit/lm/generation/cuda_engine.py``:
 its own bf16 weights with the LoRA adapter folded in, a KV cache allocated once, the
 decoding step in CUDA graphs). ``rollout.engine`` picks one (``auto``: see the factory).
@@ -67,8 +67,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-ENGINES = ("hf", "cuda")  # the engines rollout.engine names (besides auto)
 
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask")
 

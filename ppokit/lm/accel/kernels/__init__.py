@@ -57,7 +57,6 @@ PORTABLE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math
 # x86-64-v3's vector units (AVX2, FMA, F16C) and nothing newer, whatever the CPU
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
 LEVEL_ENV = "PPOKIT_CPU_KERNELS"
-DISABLE_ENV = LEVEL_ENV  # its off values: 0, false, off, no
 OFF_VALUES = ("0", "false", "off", "no")
 # level -> the flags tried in turn (native falls back to the portable build)
 LEVELS = {"native": [FAST_FLAGS, PORTABLE_FLAGS], "avx2": [AVX2_FLAGS], "generic": [PORTABLE_FLAGS]}
