@@ -11,12 +11,13 @@ as JSON, to ``--out``.
 ``gradients`` 2 learners (gloo) against 1 on the same mini-batch of the arith preset's
               model: max abs difference of the first optimizer step's gradient, for
               each ``loss_agg_mode``.
-``pipeline``  the arith preset (after one shared warm start) three ways, one after the
+``pipeline``  the arith preset (after one shared warm start) four ways, one after the
               other in one invocation: synchronous in-process with 1 and with 2 torch
-              threads, and ``rollout.off_policy_steps=1`` with 1 rollout worker + the
-              learner in the training process, one torch thread each. Iterations per
+              threads, and ``rollout.off_policy_steps`` = 1 and = 2 with 1 rollout worker +
+              the learner in the training process, one torch thread each. Iterations per
               second (training phases, the held-out evaluations left out), held-out accuracy
-              at the end, and where each iteration's time goes.
+              at the end and at each periodic evaluation (equal samples: every run has
+              the same batch), and where each iteration's time goes.
 ``sync``      bytes and seconds of one weight sync to a rollout worker for bench/lm.py's
               ~50 M-parameter model: the LoRA actor adapter (model.mode=lora) against the
               whole actor (model.mode=full); median of ``--repeats`` syncs.
@@ -217,6 +218,13 @@ def bench_pipeline(a: argparse.Namespace, out: Path) -> dict:
             "cluster.rollout_workers=1",
             "cluster.cpus_per_worker=1",
         ],
+        "pipelined2_1worker": common
+        + [
+            "run.torch_threads=1",
+            "rollout.off_policy_steps=2",
+            "cluster.rollout_workers=1",
+            "cluster.cpus_per_worker=1",
+        ],
     }
     result = {}
     for name, args in runs.items():
@@ -233,21 +241,25 @@ def bench_pipeline(a: argparse.Namespace, out: Path) -> dict:
             "it_per_s_with_evaluations": len(r) / r[-1]["wall_time"],
             "process_seconds": wall,
             "accuracy_after": r[-1].get("eval_accuracy_after"),
+            "accuracy_by_iteration": {x["iteration"] + 1: x["eval_accuracy"] for x in r if "eval_accuracy" in x},
             "phases": phase_means(r),
         }
         print(
             f"pipeline {name}: {len(r)} iterations, {result[name]['it_per_s']:.3f} it/s (training phases), "
-            f"held-out accuracy {result[name]['accuracy_after']}, phases {json.dumps(result[name]['phases'])}"
+            f"held-out accuracy {result[name]['accuracy_after']} "
+            f"(periodic: {json.dumps(result[name]['accuracy_by_iteration'])}), "
+            f"phases {json.dumps(result[name]['phases'])}"
         )
-    p = result.get("pipelined_1worker")
-    for base_name in ("sync_1thread", "sync_2threads"):
-        s = result.get(base_name)
-        if p is None or s is None:
-            continue
-        print(
-            f"pipeline speed-up over {base_name}: {p['it_per_s'] / s['it_per_s']:.2f}x; accuracy "
-            f"{p['accuracy_after']:.3f} vs {s['accuracy_after']:.3f}"
-        )
+    for piped in ("pipelined_1worker", "pipelined2_1worker"):
+        p = result.get(piped)
+        for base_name in ("sync_1thread", "sync_2threads"):
+            s = result.get(base_name)
+            if p is None or s is None:
+                continue
+            print(
+                f"pipeline {piped} speed-up over {base_name}: {p['it_per_s'] / s['it_per_s']:.2f}x; accuracy "
+                f"{p['accuracy_after']:.3f} vs {s['accuracy_after']:.3f}"
+            )
     return result
 
 
@@ -334,7 +346,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--arith-rows", type=int, default=20, help="arith iterations compared in 'equality'")
     p.add_argument("--iterations", type=int, default=400, help="arith iterations of 'pipeline' (the preset: 400)")
-    p.add_argument("--runs", nargs="*", default=None, help="'pipeline': only these of its runs (default: all three)")
+    p.add_argument("--runs", nargs="*", default=None, help="'pipeline': only these of its runs (default: all four)")
     p.add_argument("--repeats", type=int, default=5, help="syncs timed in 'sync'")
     p.add_argument("--out", type=Path, default=None, help="directory for the runs and results.json")
     a = p.parse_args(argv)

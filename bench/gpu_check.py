@@ -334,7 +334,7 @@ def child_run(args) -> dict:
     import torch
 
     from ppokit.errors import UserError
-    from ppokit.lm.model.memory import check_run_fits
+    from ppokit.lm.model.memory import check_run_fits, resolve_micro_batches
     from ppokit.workloads import train
 
     paths = json.loads(Path(args.paths).read_text())
@@ -348,8 +348,10 @@ def child_run(args) -> dict:
         from ppokit.lm.model import policy
 
         policy.load_causal_lm = build_on_device(device)
-    try:  # what the run checks before its start (the bench runs anyway: its peak is the measure)
-        estimate, refused = check_run_fits(cfg, prompt_tokens=work.prompt_tokens), None
+    try:  # what the run checks before its start (the bench runs anyway: its peak is the measure),
+        # at the micro-batch sizes auto will pick (the check itself counts auto at its fallback sizes)
+        sized, _ = resolve_micro_batches(cfg, prompt_tokens=work.prompt_tokens)
+        estimate, refused = check_run_fits(sized, prompt_tokens=work.prompt_tokens), None
     except UserError as e:
         estimate, refused = None, str(e)
     if device == "cuda":
@@ -632,7 +634,7 @@ def check(args) -> int:
 
         runs = []
         if "bench" in steps:  # alone on the card: its figures are timings
-            engines = ["hf"] + (["cuda"] if cuda_engine_present() and not args.smoke else [])
+            engines = ["hf"] + ([] if args.smoke else ["cuda"])
             small = "tiny" if args.smoke else "0.5B-shaped"
             for mode in ("lora", "full"):
                 for engine in engines:
@@ -659,12 +661,6 @@ def check(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
-
-
-def cuda_engine_present() -> bool:
-    from ppokit.lm.generation.factory import cuda_engine_available
-
-    return cuda_engine_available()
 
 
 def report(results: dict) -> str:

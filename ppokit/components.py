@@ -5,7 +5,8 @@ The run loop (:mod:`ppokit.loop`) drives four objects that a workload builds
 
     source.sync_weights(learner)             # once before the first iteration, then after each update
     batch = source.collect(iteration)        # RolloutSource: generate text / step envs
-    source.prefetch(iteration + 1)           # rollout.off_policy_steps=1 only: the next rollout starts
+    source.prefetch(iteration + j)           # rollout.off_policy_steps=k > 0: for j = 1..k, those
+                                             # not queued yet (RolloutQueue): k rollouts run ahead
     scorer.score(batch)                      # Scorer: old/ref log-probs, values, final rewards
     advantages(cfg, batch)                   # components.advantages, else ppokit.trainer.batch_advantages
     metrics = learner.update(batch, iteration)   # Learner: the PPO update
@@ -34,6 +35,7 @@ __all__ = [
     "Components",
     "Evaluator",
     "Learner",
+    "RolloutQueue",
     "RolloutSource",
     "Scorer",
     "ShardPlan",
@@ -102,6 +104,61 @@ class Batch:
         )
 
 
+class RolloutQueue:
+    """Rollouts collected ahead of their update (``rollout.off_policy_steps`` = k), by iteration.
+
+    The run loop asks for iterations ``it+1 .. it+k`` after collecting ``it`` (before the
+    update of ``it``), so the queue always holds consecutive iterations, oldest first,
+    at most k of them, and the batch of iteration i was sampled by the weights of
+    version ``max(0, i - k)`` (the version is ``i`` after i updates)::
+
+        version that sampled i = i - min(i, k)        staleness(i) = min(i, k)
+
+    A queued batch is part of its source's checkpoint (:meth:`state_dict`: the first
+    iteration and the batches in order), so a resumed run trains on the very batches
+    the uninterrupted run does. In-process sources collect at once (sequentially);
+    :class:`ppokit.dist.rollout_workers.RemoteSource` keeps its requests in flight and
+    puts them here when gathered.
+    """
+
+    def __init__(self) -> None:
+        self.batches: dict[int, Batch] = {}  # iteration -> its batch, oldest first
+
+    def __contains__(self, iteration: int) -> bool:
+        return iteration in self.batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def put(self, iteration: int, batch: Batch) -> None:
+        """Queue ``batch`` as iteration ``iteration``'s: the one after the newest queued one."""
+        if self.batches and iteration != max(self.batches) + 1:
+            raise RuntimeError(f"rollout queue: iteration {iteration} after {list(self.batches)} (not consecutive)")
+        self.batches[iteration] = batch
+
+    def pop(self, iteration: int) -> Batch | None:
+        """The queued batch of ``iteration`` (removed), or None when it is not queued."""
+        return self.batches.pop(iteration, None)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """``{"iteration": first, "batches": [Batch.state_dict(), ...]}`` (consecutive iterations
+        from ``first``), or None when nothing is queued."""
+        if not self.batches:
+            return None
+        return {"iteration": min(self.batches), "batches": [b.state_dict() for b in self.batches.values()]}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`state_dict` (also the one-batch layout of ppokit before k > 1:
+        ``{"iteration", "batch"}``)."""
+        self.batches = {}
+        if not state:
+            return
+        first = int(state["iteration"])
+        saved = state["batches"] if "batches" in state else [state["batch"]]
+        for j, batch in enumerate(saved):
+            self.put(first + j, Batch.from_state(batch))
+
+
 class RolloutSource(Protocol):
     """Collects experience with the current policy."""
 
@@ -113,12 +170,14 @@ class RolloutSource(Protocol):
         of the same iteration when there is one."""
 
     def prefetch(self, iteration: int) -> None:
-        """Start collecting ``iteration`` with the weights the source has now (one update
-        behind when :meth:`collect` returns it); the loop calls it with
-        ``rollout.off_policy_steps=1`` right after :meth:`collect` of the iteration before.
-        An in-process source collects at once; Ray workers overlap it with the update.
-        Its batch carries the behaviour policy's ``old_log_prob`` and is part of
-        :meth:`state_dict` until collected (exact resume)."""
+        """Start collecting ``iteration`` with the weights the source has now; with
+        ``rollout.off_policy_steps=k`` the loop calls it for ``it+1 .. it+k`` right after
+        :meth:`collect` of ``it`` (before its update), and an iteration already queued or
+        in flight stays as it is, so each is started once, in order, by the weights of
+        version ``iteration - min(iteration, k)`` (:class:`RolloutQueue`). An in-process source collects at
+        once; Ray workers overlap it with the update. Its batch carries the behaviour
+        policy's ``old_log_prob`` and is part of :meth:`state_dict` until collected (exact
+        resume)."""
 
     def sync_weights(self, learner: Learner) -> dict[str, float] | None:
         """Take the learner's weights (``learner.rollout_weights()``, version
@@ -254,9 +313,10 @@ class ShardPlan(Protocol):
     def requests(self, iteration: int) -> list[Any]:
         """One request per shard for ``iteration`` (lm: its prompts; control: nothing)."""
 
-    def merge(self, iteration: int, parts: list[Any], states: list[dict[str, Any]]) -> Batch:
+    def merge(self, iteration: int, parts: list[Any], states: list[dict[str, Any]]) -> Batch | None:
         """Iteration ``iteration``'s batch from the shards' parts, in shard order; ``states``:
-        each shard's :meth:`ShardSource.state_dict` after its part."""
+        each shard's :meth:`ShardSource.state_dict` after its part. None: the iteration needs
+        another round of :meth:`requests` (lm: ``rollout.dynamic_sampling`` draws more prompts)."""
 
     def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
         """The source's checkpoint state from the driver's own state and the shards'."""

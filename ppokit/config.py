@@ -22,6 +22,7 @@ This module imports neither torch nor gymnasium: ``ppokit config`` stays fast.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 import types
@@ -40,6 +41,25 @@ PRESET_DIR = Path(__file__).with_name("presets")
 AdvEstimatorName = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 AggModeName = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimatorName = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
+PolicyLossName = Literal[
+    "clip",
+    "ppo",
+    "vanilla",
+    "penalty",
+    "ppo_penalty",
+    "cispo",
+    "dppo_tv",
+    "dppo_kl",
+    "gpg",
+    "dro",
+    "sapo",
+    "geo_mean",
+    "gmpo",
+    "clip_cov",
+    "kl_cov",
+]
+POLICY_LOSS_ALIASES = {"ppo": "clip", "vanilla": "clip", "ppo_penalty": "penalty", "gmpo": "geo_mean"}
+TOKEN_RATIO_LOSSES = ("cispo", "dppo_tv", "dppo_kl", "gpg", "dro", "sapo", "geo_mean", "clip_cov", "kl_cov")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 # Seeds go to torch.manual_seed (at most 2**64 - 1) and, plus offsets, to Gymnasium (>= 0).
 SEED_MAX = 2**63 - 1
@@ -47,6 +67,7 @@ SEED_MAX = 2**63 - 1
 # Names that mean the same thing in other frameworks, with the estimator names they use.
 _VALUE_ALIASES = {
     "adv_estimator": {"reinforce_plus_plus": "reinforce_pp", "reinforce_plus_plus_baseline": "reinforce_pp_baseline"},
+    "metric": {"acc": "verifier", "score": "verifier", "seq_reward": "reward"},  # rollout.dynamic_sampling
 }
 
 
@@ -102,7 +123,12 @@ class AlgoConfig(Section):
     gae_lambda: float = field(0.95, "GAE lambda: 0 = one-step TD, 1 = Monte-Carlo", "lam", ge=0, le=1)
     normalize_adv: bool = field(True, "whiten advantages over the batch", "normalize_advantages")
     norm_adv_by_std_in_grpo: bool = field(True, "grpo: divide by the group std (false = Dr.GRPO)")
-    group_size: int = field(1, "samples per prompt (group estimators need >= 2)", "n_samples_per_prompt", ge=1)
+    group_size: int = field(
+        1,
+        "samples per prompt (group estimators need >= 2); textenv: episodes per environment seed",
+        "n_samples_per_prompt",
+        ge=1,
+    )
     lower_clip_ratio: float = field(0.2, "ratio clipped below at 1 - lower_clip_ratio", "clip_ratio_low", ge=0, lt=1)
     upper_clip_ratio: float = field(0.4, "ratio clipped above at 1 + upper_clip_ratio", "clip_ratio_high", ge=0)
     clip_ratio_c: float | None = field(None, "dual clip: bound of the loss for negative advantages (> 1)", gt=1)
@@ -111,11 +137,36 @@ class AlgoConfig(Section):
         "importance ratio per token; per sequence (the sum of its token log-ratios); or gspo, GSPO's "
         "length-normalised sequence ratio (use clip ratios of about 3e-4 / 4e-4 with it)",
     )
-    loss_mode: Literal["clip", "penalty"] = field(
+    loss_mode: PolicyLossName = field(
         "clip",
-        "policy loss: clip (the clipped surrogate) or penalty (the PPO paper's adaptive KL penalty: "
-        "-r A + penalty_coef * KL(old || new), no clipping)",
+        "policy loss: clip (the clipped surrogate; aliases ppo, vanilla); penalty (the PPO paper's adaptive "
+        "KL penalty, no clipping); cispo (clipped IS weight times the score, every token's gradient kept); "
+        "dppo_tv / dppo_kl (a TV or binary-KL trust region on the token's probability, thresholds "
+        "lower/upper_clip_ratio); gpg (the plain policy gradient); dro (the score with a quadratic log-ratio "
+        "penalty, dro_beta); sapo (a soft sigmoid gate, sapo_tau_pos/neg); geo_mean (GMPO: the geometric "
+        "mean of clipped token ratios per sequence); clip_cov / kl_cov (covariance-selected tokens detached "
+        "or KL-penalised). Formulas: ppokit/algo/weighted_losses.py, surrogate_losses.py",
+        "policy_loss",
     )
+    sapo_tau_pos: float = field(1.0, "sapo: the gate's temperature for positive advantages", "tau_pos", gt=0)
+    sapo_tau_neg: float = field(
+        1.05, "sapo: the gate's temperature for negative advantages (> tau_pos fades them faster)", "tau_neg", gt=0
+    )
+    clip_cov_ratio: float = field(2e-4, "clip_cov: the share of valid tokens whose gradient is stopped", gt=0, le=1)
+    clip_cov_lb: float = field(1.0, "clip_cov: tokens are drawn among covariances above this")
+    clip_cov_ub: float = field(5.0, "clip_cov: ... and below this")
+    kl_cov_ratio: float = field(2e-4, "kl_cov: the share of valid tokens (largest covariance) penalised", gt=0, le=1)
+    kl_cov_coef: float = field(0.1, "kl_cov: the weight of |log r| on those tokens", "ppo_kl_coef", ge=0)
+    dro_beta: float | None = field(
+        None, "dro: the weight beta of the quadratic log-ratio penalty beta/2 (log r)^2 (required with dro)", gt=0
+    )
+
+    @field_validator("loss_mode")
+    @classmethod
+    def _canonical_loss(cls, name: str) -> str:
+        """An alias (ppo, vanilla, ppo_penalty, gmpo) stands for its loss's one name."""
+        return POLICY_LOSS_ALIASES.get(name, name)
+
     penalty_coef: float = field(
         1.0,
         "loss_mode=penalty: the initial KL coefficient (doubled or halved after each "
@@ -165,8 +216,9 @@ class AlgoConfig(Section):
         "none",
         "lm: correct for the rollout engine sampling from another distribution than the trainer computes "
         "(r = pi_old / pi_engine per token): none (the mismatch is only logged); tis = truncated importance "
-        "weights min(r, cap) on the advantages; mis = weights r, tokens or sequences outside "
-        "[rollout_correction_lower, cap] dropped from the actor's loss",
+        "weights min(r, cap) on the advantages (verl's rollout_is: token|sequence); mis = weights r, tokens or "
+        "sequences outside [rollout_correction_lower, cap] dropped from the actor's loss (the weights of verl's "
+        "IcePop, rollout_is_threshold 'lower_upper'); with rollout_correction_rs a rejection rule adds to either",
     )
     rollout_correction_level: Literal["token", "sequence", "geometric"] = field(
         "token",
@@ -179,6 +231,122 @@ class AlgoConfig(Section):
     rollout_correction_lower: float | None = field(
         None, "mis: the lowest ratio kept (null = 1 / rollout_correction_cap; 0 = no lower bound)", ge=0, le=1
     )
+    rollout_correction_rs: str | None = field(
+        None,
+        "lm: rejection rules beside the weight (verl's rollout_rs), comma-separated, all must pass; with "
+        "log r = log pi_old - log pi_engine per token: token_k1/k2/k3 drop a token, seq_sum_*, seq_mean_* and "
+        "seq_max_* a whole response, by k1 = -log r (kept inside a ratio band), k2 = (log r)^2 / 2 or "
+        "k3 = r - 1 - log r (kept up to a bound) per token, or their sum, mean or max over the response "
+        "(seq_max: k2, k3); e.g. seq_mean_k3 (verl's K3-RS), seq_mean_k1 (Geo-RS), seq_sum_k1 (Seq-MIS)",
+        "rollout_rs",
+    )
+    rollout_correction_rs_threshold: float | str | None = field(
+        None,
+        "the bounds of the rejection rules (verl's rollout_rs_threshold): one for all rules or one per rule, "
+        "comma-separated; k2/k3: the largest statistic kept (e.g. 0.01); k1: 'lower_upper', the band of "
+        "pi_engine / pi_old (e.g. 0.999_1.001), or one number U for the band [1/U, U]",
+        "rollout_rs_threshold",
+    )
+
+    rollout_correction_bypass: bool = field(
+        False,
+        "lm: bypass mode (verl's bypass_mode): the engine's behaviour log-probs serve as pi_old, the "
+        "scorer's actor pass is skipped and PPO's ratio pi / pi_engine with its clip does the correction "
+        "(the rejection rules are then tested against the current policy in each pass)",
+        "bypass_mode",
+    )
+
+    @field_validator("rollout_correction_rs_threshold", mode="before")
+    @classmethod
+    def _finite_threshold(cls, value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"must be a finite number, or a string such as '0.5_2.0' (got {value})")
+        return value
+
+    @property
+    def rejection_rules(self) -> tuple[tuple[str, float | None, float], ...]:
+        """``((rule, lower, upper), ...)`` of ``rollout_correction_rs`` (:func:`parse_rejection_rules`)."""
+        return parse_rejection_rules(self.rollout_correction_rs, self.rollout_correction_rs_threshold)
+
+
+# verl's rollout_rs rules; ppokit.algo.rollout_correction.REJECTION_RULES (tests/test_config.py checks they match)
+REJECTION_RULE_NAMES = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+
+
+def parse_rejection_rules(
+    rules: str | None, threshold: float | str | None
+) -> tuple[tuple[str, float | None, float], ...]:
+    """verl's ``rollout_rs`` / ``rollout_rs_threshold`` syntax as ``((rule, lower, upper), ...)``.
+
+    ``rules``: names of :data:`REJECTION_RULE_NAMES`, comma-separated (repeats dropped).
+    ``threshold``: one bound for every rule, or one per rule (comma-separated). A k1 rule's
+    bound is ``"lower_upper"`` (a band of ``pi_engine / pi_old``) or one number ``U`` (the band
+    ``[1/U, U]``); a k2/k3 rule's is one positive number (``lower`` is None). ``()`` without rules.
+    Raises ValueError with one line naming the problem."""
+    if rules is None:
+        return ()
+    names = list(dict.fromkeys(part.strip() for part in rules.split(",") if part.strip()))
+    if not names:
+        raise ValueError(
+            f"algo.rollout_correction_rs={rules!r} names no rule; valid: {', '.join(REJECTION_RULE_NAMES)}"
+        )
+    for name in names:
+        if name not in REJECTION_RULE_NAMES:
+            raise ValueError(
+                f"algo.rollout_correction_rs: unknown rejection rule {name!r}"
+                f"{did_you_mean(name, REJECTION_RULE_NAMES) or ';'} valid: {', '.join(REJECTION_RULE_NAMES)}"
+            )
+    if threshold is None:
+        raise ValueError(
+            f"algo.rollout_correction_rs={','.join(names)} needs algo.rollout_correction_rs_threshold "
+            "(k2/k3: the largest statistic kept, e.g. 0.01; k1: a ratio band such as 0.999_1.001)"
+        )
+    specs = [str(threshold)] if isinstance(threshold, int | float) else [s.strip() for s in threshold.split(",")]
+    if len(specs) not in (1, len(names)):
+        raise ValueError(
+            f"algo.rollout_correction_rs_threshold={threshold!r} gives {len(specs)} bounds for {len(names)} "
+            "rules; give one bound for all rules or one per rule, comma-separated"
+        )
+    specs = specs * len(names) if len(specs) == 1 else specs
+    out = []
+    for name, spec in zip(names, specs):
+        where = f"algo.rollout_correction_rs_threshold {spec!r} of rule {name}"
+        parts = spec.split("_")
+        try:
+            values = [float(v) for v in parts]
+        except ValueError:
+            raise ValueError(f"{where} is not a number{' band lower_upper' if name.endswith('k1') else ''}") from None
+        if not all(0 < v < float("inf") for v in values):
+            raise ValueError(f"{where}: bounds must be positive and finite")
+        if name.endswith("k1"):
+            if len(values) > 2:
+                raise ValueError(f"{where}: a k1 band is 'lower_upper' or one number")
+            if len(values) == 1 and values[0] < 1:
+                raise ValueError(
+                    f"{where}: one number U is the band [1/U, U] and must be >= 1; write another band as "
+                    "'lower_upper' in quotes (YAML reads 0.5_2 as the number 0.52)"
+                )
+            lower, upper = (1.0 / values[0], values[0]) if len(values) == 1 else values
+            if lower > upper:
+                raise ValueError(f"{where}: the lower bound is above the upper bound")
+            out.append((name, lower, upper))
+        else:
+            if len(values) != 1:
+                raise ValueError(f"{where}: a k2/k3 rule takes one upper bound, not a band")
+            out.append((name, None, values[0]))
+    return tuple(out)
 
 
 class TrainConfig(Section):
@@ -382,6 +550,30 @@ STATIC_CACHE_FULL_BF16 = (
 )
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (lm: single-turn prompts, and multi-turn groups of episodes of one seed,
+    docs/multiturn.md; verl: ``algorithm.filter_groups``): groups of
+    ``algo.group_size`` samples whose rewards are all equal (no advantage, no gradient) are
+    dropped, and more prompts are drawn until ``train.batch_size`` rows are kept
+    (:mod:`ppokit.algo.dynamic_sampling`). ``rollout.dynamic_sampling=true`` sets ``enable``."""
+
+    enable: bool = field(
+        False, "drop the prompt groups whose rewards are all equal and draw more prompts until the batch is full"
+    )
+    metric: Literal["reward", "verifier"] = field(
+        "reward",
+        "what must vary within a kept group: reward = the sequence reward (after shaping); verifier = "
+        "data.reward's score alone (verl's acc / score), so that length penalties do not count as a signal",
+    )
+    max_gen_batches: int = field(
+        10,
+        "generation batches drawn per iteration at most, the first included (0 = no limit); at the limit the "
+        "batch is filled up with dropped groups, as a run without dynamic sampling would train on",
+        "max_num_gen_batches",
+        ge=0,
+    )
+
+
 class RolloutConfig(Section):
     """Generation of responses (lm workload)."""
 
@@ -406,14 +598,22 @@ class RolloutConfig(Section):
     engine: Literal["auto", "hf", "cuda"] = field(
         "auto",
         "what generates rollouts: hf = transformers' generate (any device); cuda = the CUDA-graph engine "
-        "(CUDA only); auto = hf until the GPU check has measured the CUDA engine faster (docs/scale.md)",
+        "(CUDA only; other models fall back to hf with a note); auto = cuda on a CUDA device, measured 4.6-4.8x "
+        "faster per iteration than hf (docs/performance.md), else hf",
     )
     off_policy_steps: int = field(
         0,
-        "both workloads: 0 = each iteration's rollout uses the newest weights; 1 = the next iteration's rollout "
-        "is collected while the update runs (one policy version stale; its log-probs are old_log_prob)",
+        "both workloads: 0 = each iteration's rollout uses the newest weights; k = up to k rollouts are "
+        "collected ahead, while the updates run (iteration i trains on the weights of version i - min(i, k); "
+        "their log-probs are old_log_prob; the queued rollouts are checkpointed)",
         ge=0,
-        le=1,
+        le=8,
+    )
+    dynamic_sampling: DynamicSamplingConfig = field(
+        DynamicSamplingConfig(),
+        "lm: DAPO's dynamic sampling (true/false, or its settings); multi-turn (textenv): groups of "
+        "algo.group_size episodes of one seed, filtered on their returns",
+        "filter_groups",
     )
 
 
@@ -672,7 +872,7 @@ class TextEnvConfig(Section):
     truncation: Literal["bootstrap", "terminal"] = field(
         "bootstrap",
         "an episode cut by a budget or the environment's time limit: bootstrap from the value of "
-        "the next observation, or treat it as terminal (0)",
+        "the next observation, or treat it as terminal (0); group estimators have no critic: terminal",
     )
     failure_reward: float = field(
         0.0,
@@ -765,6 +965,20 @@ class Config(Section):
                     f"algo.adv_estimator={a.adv_estimator} needs algo.group_size >= 2 "
                     f"(got {a.group_size}): a group of one has no baseline"
                 )
+        if a.loss_mode == "dro" and a.dro_beta is None:
+            raise ValueError(
+                "algo.loss_mode=dro needs algo.dro_beta > 0, the weight of its penalty beta/2 (log r)^2 (e.g. 0.1)"
+            )
+        if a.loss_mode in TOKEN_RATIO_LOSSES and a.ratio_level != "token":
+            raise ValueError(
+                f"algo.ratio_level={a.ratio_level} applies to loss_mode clip or penalty; {a.loss_mode} has its own "
+                "ratio: set algo.ratio_level=token"
+            )
+        if a.loss_mode == "clip_cov" and not a.clip_cov_lb < a.clip_cov_ub:
+            raise ValueError(
+                f"algo.clip_cov_lb={a.clip_cov_lb} must be below algo.clip_cov_ub={a.clip_cov_ub}: "
+                "tokens are drawn from the covariances between them"
+            )
         if a.adv_estimator == "gae" and a.value_coeff == 0:
             raise ValueError("algo.adv_estimator=gae needs a trained critic; algo.value_coeff must be > 0")
         if t.batch_size % a.group_size:
@@ -815,30 +1029,35 @@ class Config(Section):
         if self.textenv.env is not None:
             if self.workload != "lm":
                 raise ValueError(f"textenv.env={self.textenv.env} trains a language model; set workload: lm")
-            if a.adv_estimator != "gae":
+            if a.adv_estimator != "gae" and a.adv_estimator not in GROUP_ESTIMATORS:
                 raise ValueError(
-                    f"algo.adv_estimator={a.adv_estimator}: multi-turn episodes (textenv) are "
-                    "trained with the critic (gae), by token or by turn (algo.credit)"
+                    f"algo.adv_estimator={a.adv_estimator}: multi-turn episodes (textenv) take gae (the "
+                    f"critic) or a group estimator ({', '.join(GROUP_ESTIMATORS)}) over episodes of one seed"
                 )
-            if a.group_size != 1:
+            if a.adv_estimator == "gae" and a.group_size != 1:
                 raise ValueError(
-                    f"algo.group_size={a.group_size}: multi-turn episodes (textenv) use the critic as "
-                    "the baseline; set algo.group_size=1 (train.batch_size is the number of episodes)"
+                    f"algo.group_size={a.group_size}: with algo.adv_estimator=gae multi-turn episodes (textenv) "
+                    "use the critic as the baseline; set algo.group_size=1, or a group estimator such as grpo"
+                )
+            if a.adv_estimator in GROUP_ESTIMATORS and a.credit == "turn":
+                raise ValueError(
+                    f"algo.credit=turn is GAE over turns with the critic; algo.adv_estimator={a.adv_estimator} "
+                    "puts each episode's group advantage on all its tokens: set algo.credit=token"
+                )
+            if a.adv_estimator in GROUP_ESTIMATORS and self.textenv.role_baseline_tau:
+                raise ValueError(
+                    f"textenv.role_baseline_tau: algo.adv_estimator={a.adv_estimator} already compares each "
+                    "episode with episodes of the same seed and seat; set textenv.role_baseline_tau=0"
                 )
             if self.textenv.pool.snapshot_every and self.model.mode != "lora":
                 raise ValueError(
                     "textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
                     "model.mode=lora, or textenv.pool.snapshot_every=0"
                 )
-            if a.rollout_correction != "none":
-                raise ValueError(
-                    f"algo.rollout_correction={a.rollout_correction}: multi-turn episodes (textenv) do not carry "
-                    "the engine's log-probs yet; set algo.rollout_correction=none"
-                )
             if self.rollout.off_policy_steps:
                 raise ValueError(
-                    "rollout.off_policy_steps=1: multi-turn episodes (textenv) are collected by the "
-                    "current policy (no pipelining); set rollout.off_policy_steps=0"
+                    f"rollout.off_policy_steps={self.rollout.off_policy_steps}: multi-turn episodes (textenv) are "
+                    "collected by the current policy (no pipelining); set rollout.off_policy_steps=0"
                 )
             if self.cluster.rollout_workers > 1 and t.batch_size % self.cluster.rollout_workers:
                 raise ValueError(
@@ -846,6 +1065,7 @@ class Config(Section):
                     f"{t.batch_size}: each worker plays an equal, contiguous share of the episodes"
                 )
         self._check_early_stop()
+        self._check_dynamic_sampling()
         if t.micro_batch_tokens is not None and self.workload != "lm":
             raise ValueError(
                 "train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
@@ -888,6 +1108,30 @@ class Config(Section):
                 f"algo.rollout_correction={a.rollout_correction} corrects a language model's rollout engine; "
                 "control rollouts sample from the trained network itself: set algo.rollout_correction=none"
             )
+        if a.rollout_correction_rs is None and a.rollout_correction_rs_threshold is not None:
+            raise ValueError(
+                "algo.rollout_correction_rs_threshold bounds the rejection rules, but algo.rollout_correction_rs "
+                "names none; set algo.rollout_correction_rs (e.g. seq_mean_k3) or remove the threshold"
+            )
+        a.rejection_rules  # noqa: B018  (a bad rule or bound: ValueError)
+        if (a.rollout_correction_rs is not None or a.rollout_correction_bypass) and self.workload != "lm":
+            what = "algo.rollout_correction_bypass" if a.rollout_correction_bypass else "algo.rollout_correction_rs"
+            raise ValueError(
+                f"{what} needs a language model's rollout engine and its behaviour log-probs; control "
+                f"rollouts sample from the trained network itself: remove {what}"
+            )
+        if a.rollout_correction_bypass and a.rollout_correction != "none":
+            raise ValueError(
+                f"algo.rollout_correction={a.rollout_correction} weighs by pi_old / pi_engine, which bypass mode "
+                "makes 1 (pi_old = pi_engine; PPO's ratio corrects): set algo.rollout_correction=none, or "
+                "algo.rollout_correction_bypass=false"
+            )
+        if a.rollout_correction_bypass and (self.rollout.top_p < 1 or self.rollout.top_k):
+            raise ValueError(
+                "algo.rollout_correction_bypass: the engine's log-probs come from the top-p/top-k truncated "
+                "distribution, the update's from the whole one, so PPO's ratio would not start at 1; set "
+                "rollout.top_p=1 and rollout.top_k=0, or algo.rollout_correction_bypass=false"
+            )
         if self.rollout.engine == "cuda" and self.run.device in ("cpu", "mps"):
             raise ValueError(
                 f"rollout.engine=cuda needs a CUDA device, but run.device={self.run.device}; "
@@ -900,6 +1144,39 @@ class Config(Section):
         ):  # precision=auto: checked by HFEngine.for_policy
             raise ValueError(STATIC_CACHE_FULL_BF16)
         return self
+
+    def _check_dynamic_sampling(self) -> None:
+        """rollout.dynamic_sampling filters the groups of single-turn prompts (and of multi-turn
+        episodes, played in the training process), each generation batch sampled by the weights of
+        the iteration's first one."""
+        if not self.rollout.dynamic_sampling.enable:
+            return
+        if self.workload != "lm":
+            raise ValueError(
+                "rollout.dynamic_sampling filters groups of a language model's responses; the control "
+                "workload has none: set rollout.dynamic_sampling=false"
+            )
+        if self.textenv.env is not None and self.rollout.dynamic_sampling.metric == "verifier":
+            raise ValueError(
+                "rollout.dynamic_sampling.metric=verifier is data.reward's score; multi-turn episodes (textenv) "
+                "are filtered on their return: set rollout.dynamic_sampling.metric=reward"
+            )
+        if self.textenv.env is not None and self.cluster.rollout_workers:
+            raise ValueError(
+                "rollout.dynamic_sampling plays the extra episodes of multi-turn runs (textenv) in the "
+                "training process: set cluster.rollout_workers=0, or rollout.dynamic_sampling=false"
+            )
+        if self.algo.group_size < 2:
+            raise ValueError(
+                f"rollout.dynamic_sampling keeps the groups whose rewards vary, so it needs algo.group_size >= 2 "
+                f"(got {self.algo.group_size}): set algo.group_size (e.g. 8)"
+            )
+        if self.rollout.off_policy_steps and self.cluster.rollout_workers:
+            raise ValueError(
+                f"rollout.dynamic_sampling with rollout.off_policy_steps={self.rollout.off_policy_steps} runs in "
+                "the training process only (on rollout workers its extra generation batches would be sampled by "
+                "newer weights than the first): set cluster.rollout_workers=0 or rollout.off_policy_steps=0"
+            )
 
     def _check_early_stop(self) -> None:
         """A stopping target (ppokit.stopping) of another workload than the run's is an error. (A
@@ -1217,6 +1494,8 @@ def canonicalize(raw: dict[str, Any], model: type[Section], prefix: str) -> dict
         info = model.model_fields.get(name)
         if info is not None:
             sub = _section_type(info.annotation)
+            if sub is not None and isinstance(value, bool) and "enable" in sub.model_fields:
+                value = {"enable": value}  # a section with an on/off switch: true/false sets it
             if sub is not None and isinstance(value, dict):
                 value = canonicalize(value, sub, f"{prefix}{name}.")
             elif name in _VALUE_ALIASES and isinstance(value, str):

@@ -10,7 +10,8 @@ evaluation schedule, metrics and samples, checkpoints and their rotation::
     source.sync_weights(learner)                 # rollout workers start from the learner's weights
     for it in range(start, iterations):
         batch = source.collect(it)               # rollouts
-        source.prefetch(it + 1)                  # rollout.off_policy_steps=1: overlaps the update
+        source.prefetch(it + 1 .. it + k)        # rollout.off_policy_steps=k: the queue runs k ahead,
+                                                 # overlapping the update (ppokit.components.RolloutQueue)
         scorer.score(batch)                      # old/ref log-probs, values, final rewards
                                                  # (each phase's time and peak memory in the metrics)
         batch += advantages(cfg, batch)          # GAE or a group estimator (ppokit.trainer; multi-turn: its own)
@@ -114,7 +115,7 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
         metrics: dict[str, Any] = {}
         final_path: Path | None = None
         it = start_it - 1
-        pipelined = cfg.rollout.off_policy_steps > 0
+        ahead = cfg.rollout.off_policy_steps  # k: rollouts queued ahead of the update
         health = RunHealth(cfg)
         with GracefulStop() as stop:
             source.sync_weights(learner)  # a source in other processes starts from these weights
@@ -122,8 +123,10 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
                 t0 = time.perf_counter()
                 with phase_peak() as collect_peak:
                     batch = source.collect(it)
-                    if pipelined and it + 1 < iterations:
-                        source.prefetch(it + 1)  # sampled by these weights while the update runs
+                    # sampled by these weights (version it) while the updates run: iteration
+                    # it + k trains on version it (lag k); those queued already stay queued
+                    for later in range(it + 1, min(it + ahead, iterations - 1) + 1):
+                        source.prefetch(later)
                 t1 = time.perf_counter()
                 with phase_peak() as score_peak:
                     if scorer is not None:
@@ -141,8 +144,11 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
                 metrics.update(batch.metrics)
                 metrics.update(sync_metrics or {})
                 metrics.update(memory_metrics(collect=collect_peak, score=score_peak, update=update_peak))
-                if pipelined and batch.policy_version is not None:
-                    metrics["staleness"] = version - batch.policy_version  # updates between sampling and update
+                if ahead and batch.policy_version is not None:
+                    # the weights that sampled the batch, and the updates between them and this
+                    # update's: min(it, k) with the queue full (RolloutQueue)
+                    metrics["policy_version"] = batch.policy_version
+                    metrics["staleness"] = version - batch.policy_version
                 metrics.update(time_collect=t1 - t0, time_update=t3 - t2)
                 if scorer is not None:
                     metrics["time_score"] = t2 - t1

@@ -6,8 +6,8 @@
   ``np.random.Generator`` the run owns, as checkpoint-storable data (JSON + tensors,
   nothing pickled).
 - :func:`rollout_rngs`: every global RNG seeded from (seed, iteration, shard) for one
-  rollout, the caller's RNGs untouched: with ``rollout.off_policy_steps=1`` a rollout
-  runs ahead of the update (and in another process), so its draws cannot follow the
+  rollout, the caller's RNGs untouched: with ``rollout.off_policy_steps`` >= 1 rollouts
+  run ahead of the update (and in another process), so their draws cannot follow the
   run's one stream; seeded per iteration they are the same in-process and on Ray
   workers, and again after a resume.
 - :class:`GracefulStop`: the first SIGINT/SIGTERM only sets a flag, so the loop ends
@@ -36,6 +36,7 @@ import torch
 from ppokit.errors import Interrupted, TrainingDiverged
 
 __all__ = [
+    "DRAW_STREAM",
     "BadStepGuard",
     "GracefulStop",
     "Interrupted",
@@ -133,6 +134,11 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None =
         if name not in saved_gens:
             raise ValueError(f"the checkpoint has no state for the random generator '{name}'")
         set_generator_state(gen, saved_gens[name])
+
+
+# The ``shard`` offset of an iteration's further generation batches (rollout.dynamic_sampling
+# draws more prompts): batch d of shard s is seeded with shard s + d * DRAW_STREAM.
+DRAW_STREAM = 2**20
 
 
 def rollout_seed(seed: int, iteration: int, shard: int = 0) -> int:

@@ -18,12 +18,14 @@ serves::
         stop early when approx_kl > target_kl
     penalty mode: beta_pen *= 2 or / 2 from the last epoch's KL (PPO paper, adaptive KL penalty)
 
-``L_policy`` is the registered policy loss ``algo.loss_mode`` (:data:`ppokit.algo.POLICY_LOSSES`):
-``clip`` (the clipped surrogate; asymmetric and dual clip; ratios per token, per sequence
-or GSPO's length-normalised sequence ratio, ``algo.ratio_level``) or ``penalty`` (no
-clip, ``-r A + beta_pen KL(old || new)``, the coefficient adapted to
-``algo.penalty_target_kl`` after each iteration). Actor and critic gradients are clipped
-apart (as verl does): a large critic gradient does not shrink the actor's step.
+``L_policy`` is the registered policy loss ``algo.loss_mode`` (:data:`ppokit.algo.POLICY_LOSSES`),
+called the same way for every loss (``PolicyLossInputs`` and ``cfg.algo``): ``clip`` (the
+clipped surrogate; asymmetric and dual clip; ratios per token, per sequence or GSPO's
+length-normalised sequence ratio, ``algo.ratio_level``), ``penalty`` (no clip,
+``-r A + beta_pen KL(old || new)``, the coefficient adapted to ``algo.penalty_target_kl``
+after each iteration), or one of the 2026 set (CISPO, DPPO, GPG, DRO, SAPO, GMPO, Clip-Cov,
+KL-Cov). Actor and critic gradients are clipped apart (as verl does): a large critic gradient
+does not shrink the actor's step.
 ``seq-mean-token-sum-norm`` (Dr.GRPO) divides by a constant horizon, the generation
 budget of a language model, so that the loss scale does not move between iterations.
 
@@ -49,8 +51,8 @@ rows of similar length packed to a token budget (:mod:`ppokit.algo.batching`, ve
 ``compact``. Either way the loss is exactly the mini-batch's (the shared normalizer).
 The metric ``padding_frac`` (batches of token sequences) is the padding share of the positions the passes computed.
 
-With ``rollout.off_policy_steps: 1`` the batch was sampled by the policy one update
-older (the rollout ran while the previous update did): its ``old_log_prob`` are the
+With ``rollout.off_policy_steps: k`` > 0 the batch was sampled by the policy up to k
+updates older (the rollout ran while earlier updates did): its ``old_log_prob`` are the
 behaviour policy's and every ratio, the first included, is taken against them. The first
 mini-batch's forward still measures the lag: ``old_log_prob_gap`` (largest difference)
 and ``off_policy_kl`` (mean k3 estimate of KL(behaviour || current) over its tokens).
@@ -68,7 +70,16 @@ critic's loss is not corrected. ``off_policy_kl`` and ``mismatch_kl`` measure tw
 different gaps: the policy lag (the update's current weights against the weights that
 sampled, both as the trainer computes them) and the engine's numerics (the engine against
 the trainer on the sampling weights); the correction covers the second, PPO's ratio the
-first.
+first. The rejection rules of ``algo.rollout_correction_rs`` (verl's ``rollout_rs``: a
+token, or a whole response, whose k1/k2/k3 statistic leaves its bounds) drop tokens the same
+way, alone or beside a weight. Bypass mode (``algo.rollout_correction_bypass``): the batch's
+``old_log_prob`` is its ``rollout_log_prob`` (the scorer ran no actor pass), every ratio,
+the first mini-batch's included, is ``pi / pi_engine``, no weight is applied, the rules are
+tested in each pass against the current log-probs (the normaliser keeps what they drop, as
+verl's does; their shares are weighted like ``clipfrac``), and the mismatch metrics come
+from the first mini-batch's own forward on its rows. Whatever workload gives the batch
+``rollout_log_prob`` (N, T), aligned with ``old_log_prob`` and 0 where the model sampled
+nothing, gets the same correction.
 
 Data parallel (``cluster.learners`` > 1, :mod:`ppokit.dist.learner_group`): every rank
 holds the whole batch and draws the same shuffle; each rank takes its contiguous slice
@@ -303,8 +314,10 @@ class PPOTrainer:
         self.horizon = horizon
         self.parallel: DataParallel = parallel or SingleProcess()
         self.parallel.prepare(policy)  # FSDP: the policy sharded before the optimizer takes its parameters
-        # the rollout ran one update behind: its log-probs are the behaviour policy's (module docstring)
+        # the rollout ran up to k updates behind: its log-probs are the behaviour policy's (module docstring)
         self.off_policy = cfg.rollout.off_policy_steps > 0
+        # bypass mode: old_log_prob are the engine's behaviour log-probs (module docstring)
+        self.bypass = cfg.algo.rollout_correction_bypass
         groups = [g for g in policy.param_groups(cfg) if g["params"]]
         self.params = [p for g in groups for p in g["params"]]
         # gradient-norm clipping per group: the actor's at train.grad_clip, the critic's
@@ -358,6 +371,7 @@ class PPOTrainer:
         size, whatever the number of rows (multi-turn batches, whose rows per iteration
         vary); default: mini-batches of ``train.mini_batch_size`` rows."""
         n = batch["mask"].shape[0] if "mask" in batch else 0
+        batch = self._bypass_old_log_prob(batch)
         for key in REQUIRED_KEYS:
             on_policy = self.fully_on_policy(n, num_mini_batches)
             if key not in batch and not (key in OPTIONAL_WHEN_ON_POLICY and on_policy):
@@ -378,6 +392,7 @@ class PPOTrainer:
         skipped_before = self.skipped_steps
         self._positions_real = self._positions_computed = 0
         self.on_policy_log_prob = torch.zeros(batch["mask"].shape, dtype=torch.float32, device=batch["mask"].device)
+        first_rows = torch.zeros(n, dtype=torch.float32, device=batch["mask"].device)  # (N,) 1: in on_policy_log_prob
         for epoch in range(cfg.train.epochs):
             epoch_kl = []
             order = torch.randperm(n, generator=self.generator)
@@ -389,6 +404,7 @@ class PPOTrainer:
                 step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current, penalty_coef)
                 for rows, log_prob in current:  # (n, T') each: back into the (N, T) layout
                     self.on_policy_log_prob[mb_index[rows], : log_prob.shape[1]] = log_prob.float()
+                    first_rows[mb_index[rows]] = 1.0
                 for k, v in step_metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                     weights[k] = weights.get(k, 0.0) + 1.0
@@ -405,6 +421,12 @@ class PPOTrainer:
         if "rollout_log_prob" in batch and "old_log_prob" not in batch:  # fully on-policy: its own forward
             correction_metrics = algo.mismatch_metrics(
                 self.on_policy_log_prob, batch["rollout_log_prob"], batch["mask"]
+            )
+        elif self.bypass:  # the engine against the trainer on the rows of the first mini-batch (its own forward)
+            if self.parallel.world_size > 1:
+                self.parallel.all_reduce(first_rows)
+            correction_metrics = algo.mismatch_metrics(
+                self.on_policy_log_prob, batch["rollout_log_prob"], batch["mask"] * first_rows[:, None]
             )
         out = {k: (torch.as_tensor(sums[k]) / weights[k]).item() for k in sums}
         out.update({k: float(v) for k, v in correction_metrics.items()})
@@ -427,21 +449,37 @@ class PPOTrainer:
                 ).item()
         return out
 
+    def _bypass_old_log_prob(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Bypass mode: the batch with ``old_log_prob`` = its ``rollout_log_prob`` (the engine's
+        behaviour log-probs, 0 on the tokens the model did not sample); else the batch as it is."""
+        if not self.bypass:
+            return batch
+        if "rollout_log_prob" not in batch:
+            raise ValueError(
+                "algo.rollout_correction_bypass needs the batch's rollout_log_prob (the engine's behaviour "
+                "log-probs; greedy generation gives none): set algo.rollout_correction_bypass=false"
+            )
+        return {**batch, "old_log_prob": batch["rollout_log_prob"]}
+
     def _rollout_correction(self, batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The batch with ``correction_weight`` and ``correction_keep`` (N, T) added when
         ``algo.rollout_correction`` asks for them, and the mismatch and correction metrics
         (module docstring); the batch as it is without ``rollout_log_prob``."""
         a = self.cfg.algo
+        if self.bypass:  # pi_old = pi_engine: no weight; the rules run in each pass (_accumulate_gradients)
+            return batch, {}
+        rules = a.rejection_rules
         if "rollout_log_prob" not in batch or "old_log_prob" not in batch:
-            if a.rollout_correction != "none":
+            if a.rollout_correction != "none" or rules:
                 missing = "rollout_log_prob" if "rollout_log_prob" not in batch else "old_log_prob"
+                what = f"algo.rollout_correction={a.rollout_correction}" if not rules else "algo.rollout_correction_rs"
                 raise ValueError(
-                    f"algo.rollout_correction={a.rollout_correction} needs the batch's {missing} "
-                    "(the engine's behaviour log-probs and the scorer's old log-probs)"
+                    f"{what} needs the batch's {missing} (the engine's behaviour log-probs and the scorer's "
+                    "old log-probs)"
                 )
             return batch, {}
         metrics = algo.mismatch_metrics(batch["old_log_prob"], batch["rollout_log_prob"], batch["mask"])
-        if a.rollout_correction == "none":
+        if a.rollout_correction == "none" and not rules:
             return batch, metrics
         weight, keep, more = algo.rollout_correction(
             batch["old_log_prob"],
@@ -451,6 +489,7 @@ class PPOTrainer:
             level=a.rollout_correction_level,
             cap=a.rollout_correction_cap,
             lower=a.rollout_correction_lower,
+            rejection=rules,
         )
         return {**batch, "correction_weight": weight, "correction_keep": keep}, {**metrics, **more}
 
@@ -475,7 +514,7 @@ class PPOTrainer:
         """The gradient of the first optimizer step of an update of ``batch`` (its first
         mini-batch under the trainer's shuffle), summed over the data-parallel ranks, by
         parameter name; no step is taken and the shuffle generator is left as it was."""
-        batch, _ = self._rollout_correction(batch)
+        batch, _ = self._rollout_correction(self._bypass_old_log_prob(batch))
         n = batch["mask"].shape[0]
         state = self.generator.get_state()
         order = torch.randperm(n, generator=self.generator)
@@ -583,6 +622,17 @@ class PPOTrainer:
                 if "correction_weight" in part:  # the importance weights pi_old / pi_engine, truncated (tis) or not
                     advantages = advantages * part["correction_weight"]
                 old_log_prob = part.get("old_log_prob")
+                if self.bypass and a.rollout_correction_rs is not None:
+                    # bypass: the rules test the current policy against the engine (old_log_prob), in
+                    # each pass; the normaliser keeps the rejected tokens (verl's bypass mode)
+                    rs_keep, rs_metrics = algo.rollout_rejection(
+                        out["log_prob"].detach(), old_log_prob, mask, a.rejection_rules
+                    )
+                    actor_mask = actor_mask * rs_keep
+                    dropped = (rs_keep == 0) & (mask != 0)  # (n, T)
+                    metrics.update({k: v for k, v in rs_metrics.items() if not k.endswith("_max")})  # means only
+                    metrics["correction_masked_frac"] = algo.masked_mean(dropped.float(), mask)
+                    metrics["correction_seq_masked_frac"] = algo.masked_mean(dropped.any(-1).float(), mask.any(-1))
                 if current is not None:
                     if old_log_prob is not None and not idle:
                         gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
@@ -590,37 +640,26 @@ class PPOTrainer:
                     if self.off_policy:  # the behaviour policy's log-probs stay old_log_prob
                         lag = algo.kl_penalty(old_log_prob, current, "k3")  # KL(behaviour || current)
                         metrics["off_policy_kl"] = algo.aggregate(lag, mask, "token-mean")
-                    else:  # the policy that sampled this data: the ratio is exactly 1
+                    elif not self.bypass:  # the policy that sampled this data: the ratio is exactly 1
                         old_log_prob = current
-                own = (
-                    dict(penalty_coef=penalty_coef)
-                    if penalty_coef is not None
-                    else dict(
-                        lower_clip_ratio=a.lower_clip_ratio,
-                        upper_clip_ratio=a.upper_clip_ratio,
-                        clip_ratio_c=a.clip_ratio_c,
-                    )
-                )
                 pg_loss, pg_metrics = self.policy_loss(
-                    out["log_prob"],
-                    old_log_prob,
-                    advantages,
-                    actor_mask,
-                    agg_mode=mode,
-                    ratio_level=a.ratio_level,
-                    normalizer=actor_normalizer,
-                    horizon=horizon,
-                    diagnostics=False,
-                    **own,
+                    algo.PolicyLossInputs(
+                        out["log_prob"],
+                        old_log_prob,
+                        advantages,
+                        actor_mask,
+                        agg_mode=mode,
+                        normalizer=actor_normalizer,
+                        horizon=horizon,
+                        penalty_coef=penalty_coef,
+                    ),
+                    a,
                 )
                 loss = loss + pg_loss
                 losses["policy_loss"] = pg_loss.detach()
+                # every metric the loss returns (clipfrac, ratio_max, kl_old, gate_mean, ...); k3 is approx_kl
+                metrics.update((k, v) for k, v in pg_metrics.items() if k != "approx_kl_k3")
                 metrics["approx_kl"] = pg_metrics["approx_kl_k3"]
-                metrics["approx_kl_k1"] = pg_metrics["approx_kl_k1"]
-                metrics["clipfrac"] = pg_metrics["clipfrac"]
-                metrics["ratio_max"] = pg_metrics["ratio_max"]
-                if "kl_old" in pg_metrics:
-                    metrics["kl_old"] = pg_metrics["kl_old"]
                 if "entropy" in out:
                     entropy = algo.aggregate(
                         out["entropy"], actor_mask, mode, normalizer=actor_normalizer, horizon=horizon

@@ -11,6 +11,24 @@ from pathlib import Path
 
 from ppokit.rundir import read_metrics
 
+# The fields of an LM run's metrics rows that differ between any two runs (wall-clock times and
+# rates); every other field of a resumed run must match the uninterrupted run's.
+LM_TIMING_KEYS = frozenset(
+    {
+        "time",
+        "wall_time",
+        "time_collect",
+        "time_iteration",
+        "time_generate",
+        "time_score",
+        "time_reward",
+        "time_update",
+        "gen_tokens_per_s",
+        "score_tokens_per_s",
+        "train_tokens_per_s",
+    }
+)
+
 
 def train_cmd(*args: str) -> list[str]:
     """``python -m ppokit train ARGS`` with this interpreter."""

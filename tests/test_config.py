@@ -120,6 +120,11 @@ def test_config_names_match_algo_registries():
     assert set(get_args(C.AggModeName)) == set(algo.AGG_MODES.names())
     kl_names = set(get_args(C.KLEstimatorName)) - {"full"}
     assert kl_names <= set(algo.KL_ESTIMATORS.names(include_aliases=True))
+    assert set(get_args(C.PolicyLossName)) == set(algo.POLICY_LOSSES.names(include_aliases=True))
+    for alias, name in C.POLICY_LOSS_ALIASES.items():
+        assert algo.POLICY_LOSSES.canonical(alias) == name
+        assert C.AlgoConfig(loss_mode=alias).loss_mode == name
+    assert set(C.TOKEN_RATIO_LOSSES) == set(algo.POLICY_LOSSES.names()) - {"clip", "penalty"}
 
 
 @pytest.mark.parametrize("path", BAD_CONFIGS, ids=[p.stem for p in BAD_CONFIGS])
@@ -319,3 +324,58 @@ def test_a_bad_model_mode_section_is_one_line(tmp_path, section, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
         C.load_config(str(path), [])
     assert "\n" not in str(err.value)
+
+
+def test_rejection_rule_names_match_algo():
+    from ppokit import algo
+
+    assert C.REJECTION_RULE_NAMES == algo.REJECTION_RULES
+
+
+@pytest.mark.parametrize(
+    "rules, threshold, parsed",
+    [
+        ("seq_mean_k3", 0.01, (("seq_mean_k3", None, 0.01),)),
+        ("seq_mean_k1", "0.999_1.001", (("seq_mean_k1", 0.999, 1.001),)),
+        ("seq_sum_k1", 2, (("seq_sum_k1", 0.5, 2.0),)),  # one number U: the band [1/U, U]
+        (" token_k1 , seq_max_k3 ", "0.5_2.0, 0.1", (("token_k1", 0.5, 2.0), ("seq_max_k3", None, 0.1))),
+        ("token_k2,seq_sum_k2", "0.2", (("token_k2", None, 0.2), ("seq_sum_k2", None, 0.2))),  # one for all
+        ("seq_mean_k3,seq_mean_k3", 0.01, (("seq_mean_k3", None, 0.01),)),  # a repeat dropped
+        (None, None, ()),
+    ],
+)
+def test_verl_rejection_syntax_parses(rules, threshold, parsed):
+    assert C.parse_rejection_rules(rules, threshold) == parsed
+
+
+def test_verl_names_of_the_rollout_correction_fields():
+    cfg = C.load_config(
+        "arith", ["algo.rollout_rs=seq_mean_k3", "algo.rollout_rs_threshold=0.01", "algo.bypass_mode=true"]
+    )
+    a = cfg.algo
+    assert (a.rollout_correction_rs, a.rollout_correction_rs_threshold, a.rollout_correction_bypass) == (
+        "seq_mean_k3",
+        0.01,
+        True,
+    )
+    assert a.rejection_rules == (("seq_mean_k3", None, 0.01),)
+    assert C.load_config("arith", []).algo.rejection_rules == ()  # the defaults: no rule, no bypass
+
+
+def test_dynamic_sampling_takes_a_switch_a_section_and_verls_names(tmp_path):
+    base = ["workload=lm", "train.iterations=1", "algo.group_size=4"]
+    assert not C.load_config(None, base).rollout.dynamic_sampling.enable  # off by default
+    on = C.load_config(None, [*base, "rollout.dynamic_sampling=true"]).rollout.dynamic_sampling
+    assert on.enable and on.metric == "reward" and on.max_gen_batches == 10
+    verl_names = {"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 0}}
+    verl = C.build_config([{**C.parse_overrides(base), "rollout": verl_names}]).rollout.dynamic_sampling
+    assert verl.enable and verl.metric == "verifier" and verl.max_gen_batches == 0
+    named = C.load_config(None, [*base, "rollout.dynamic_sampling.metric=seq_reward"])
+    assert named.rollout.dynamic_sampling.metric == "reward"
+    # a file's switch and a command line's setting merge (true is {enable: true} before merging)
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  dynamic_sampling: true\n")
+    merged = C.load_config(str(path), [*base, "rollout.dynamic_sampling.metric=score"]).rollout.dynamic_sampling
+    assert merged.enable and merged.metric == "verifier"
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling.max_gen_batches: .* greater than or equal to 0"):
+        C.load_config(None, [*base, "rollout.dynamic_sampling.max_gen_batches=-1"])

@@ -109,11 +109,11 @@ def spy_on_policy_loss(trainer: PPOTrainer) -> list[tuple]:
     calls: list[tuple] = []
     loss_fn = trainer.policy_loss
 
-    def spy(log_prob, old_log_prob, advantages, mask, **kwargs):
-        loss, metrics = loss_fn(log_prob, old_log_prob, advantages, mask, **kwargs)
-        calls.append(
-            (log_prob.detach().double(), old_log_prob.double(), advantages.double(), mask.double(), kwargs, loss.item())
-        )
+    def spy(inputs, algo_cfg):
+        loss, metrics = loss_fn(inputs, algo_cfg)
+        kwargs = {"normalizer": inputs.normalizer, **loss_fn.settings(algo_cfg, inputs)}
+        tensors = (inputs.log_prob.detach(), inputs.old_log_prob, inputs.advantages, inputs.mask)
+        calls.append((*(t.double() for t in tensors), kwargs, loss.item()))
         return loss, metrics
 
     trainer.policy_loss = spy

@@ -114,9 +114,9 @@ def test_the_batchs_old_log_probs_are_used_row_for_row():
     ratios = []
     loss = trainer.policy_loss
 
-    def spy(log_prob, old_log_prob, advantages, mask, **kwargs):
-        ratios.append(torch.exp(log_prob.detach() - old_log_prob)[mask.bool()])
-        return loss(log_prob, old_log_prob, advantages, mask, **kwargs)
+    def spy(inputs, algo_cfg):
+        ratios.append(torch.exp(inputs.log_prob.detach() - inputs.old_log_prob)[inputs.mask.bool()])
+        return loss(inputs, algo_cfg)
 
     trainer.policy_loss = spy
     metrics = trainer.update(batch)
@@ -141,9 +141,9 @@ def test_first_mini_batch_is_on_policy_and_reports_the_old_log_prob_gap(monkeypa
     trainer = PPOTrainer(cfg, policy, total_iterations=1)
     loss = trainer.policy_loss
 
-    def spy(log_prob, old_log_prob, *args, **kwargs):
-        ratios.append(torch.exp(log_prob.detach() - old_log_prob)[args[1].bool()])
-        return loss(log_prob, old_log_prob, *args, **kwargs)
+    def spy(inputs, algo_cfg):
+        ratios.append(torch.exp(inputs.log_prob.detach() - inputs.old_log_prob)[inputs.mask.bool()])
+        return loss(inputs, algo_cfg)
 
     trainer.policy_loss = spy
     metrics = trainer.update(batch)

@@ -4,15 +4,24 @@
 - ``penalty`` (:func:`ppo_penalty_loss`): the unclipped surrogate plus a penalty
   ``beta * KL(pi_old || pi)`` whose coefficient adapts between iterations
   (:class:`~ppokit.algo.kl.AdaptivePenaltyCoef`).
+- The 2026 set: :mod:`.weighted_losses` (``cispo``, ``dppo_tv``, ``dppo_kl``, ``gpg``, ``dro``) and
+  :mod:`.surrogate_losses` (``sapo``, ``geo_mean``, ``clip_cov``, ``kl_cov``).
 
-Every registered loss takes the same leading arguments and returns ``(loss, metrics)``::
+Every loss is a function with the same leading arguments, its own hyperparameters as keywords,
+returning ``(loss, metrics)``::
 
-    loss_fn = get_policy_loss(name)
-    loss, metrics = loss_fn(log_prob, old_log_prob, advantages, mask, *,
-                            agg_mode=..., normalizer=..., horizon=..., diagnostics=...,
-                            ratio_level=..., **its_own_hyperparameters)
+    loss, metrics = fn(log_prob, old_log_prob, advantages, mask, *,
+                       agg_mode=..., normalizer=..., horizon=..., diagnostics=..., **its_own)
 
-``ratio_level`` picks the importance ratio (the same three for every loss):
+and is registered with the hyperparameters it reads from ``cfg.algo``, so a trainer calls
+every loss the same way (:class:`PolicyLoss`)::
+
+    loss, metrics = get_policy_loss(cfg.algo.loss_mode)(PolicyLossInputs(...), cfg.algo)
+
+A new loss is one function, one :func:`register_policy_loss` and a test. Every loss returns
+at least ``clipfrac``, ``approx_kl_k1``, ``approx_kl_k3`` and ``ratio_max``.
+
+``ratio_level`` (``clip`` and ``penalty``) picks the importance ratio:
 
 - ``"token"``: ``r_t = pi(y_t) / pi_old(y_t)``, one per token, the token's advantage.
 - ``"sequence"``: ``r_i = prod_t r_t``, one per sequence, the sequence's mean advantage.
@@ -23,6 +32,9 @@ Every registered loss takes the same leading arguments and returns ``(loss, metr
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +42,17 @@ from .aggregation import AGG_MODES, aggregate
 from .registry import Registry
 from .stats import masked_mean
 
-__all__ = ["POLICY_LOSSES", "get_policy_loss", "policy_loss", "ppo_penalty_loss"]
+__all__ = [
+    "POLICY_LOSSES",
+    "PolicyLoss",
+    "PolicyLossInputs",
+    "get_policy_loss",
+    "policy_loss",
+    "token_advantages",
+    "token_ratio_metrics",
+    "ppo_penalty_loss",
+    "register_policy_loss",
+]
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 
@@ -38,8 +60,63 @@ LOG_RATIO_CLAMP = 20.0
 RATIO_LEVELS = ("token", "sequence", "gspo")
 
 
-def get_policy_loss(name: str):
-    """The policy loss registered as ``name`` (``"clip"``/``"ppo"``/``"vanilla"``, ``"penalty"``).
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """What every policy loss gets from the update: the batch's tensors and how to reduce them."""
+
+    log_prob: torch.Tensor  # (B, T) current policy, with gradient
+    old_log_prob: torch.Tensor  # (B, T) behaviour policy, a constant
+    advantages: torch.Tensor  # (B, T) or (B,), a constant
+    mask: torch.Tensor  # (B, T) bool or 0/1
+    agg_mode: str = "token-mean"
+    normalizer: torch.Tensor | float | None = None
+    horizon: int | None = None
+    diagnostics: bool = False
+    penalty_coef: torch.Tensor | float | None = None  # this iteration's adaptive KL coefficient (penalty)
+
+
+Settings = Callable[[Any, PolicyLossInputs], dict[str, Any]]
+
+
+class PolicyLoss:
+    """A registered loss: its function (:attr:`fn`) and the hyperparameters it reads from ``cfg.algo``."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]], settings: Settings):
+        self.fn = fn
+        self.settings = settings
+
+    def __call__(self, inputs: PolicyLossInputs, algo: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss, metrics)`` of ``inputs`` under the hyperparameters of ``algo`` (an ``AlgoConfig``)."""
+        return self.fn(
+            inputs.log_prob,
+            inputs.old_log_prob,
+            inputs.advantages,
+            inputs.mask,
+            agg_mode=inputs.agg_mode,
+            normalizer=inputs.normalizer,
+            horizon=inputs.horizon,
+            diagnostics=inputs.diagnostics,
+            **self.settings(algo, inputs),
+        )
+
+    def __repr__(self) -> str:
+        return f"PolicyLoss({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+def register_policy_loss(name: str, *aliases: str, settings: Settings):
+    """Decorator: register ``fn`` as policy loss ``name`` (and ``aliases``); ``settings(algo, inputs)``
+    gives its own keyword arguments. Returns ``fn`` unchanged (callable with keywords)."""
+
+    def decorator(fn):
+        POLICY_LOSSES.register(name, *aliases)(PolicyLoss(fn, settings))
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The policy loss registered as ``name`` (e.g. ``"clip"``/``"ppo"``/``"vanilla"``, ``"penalty"``,
+    ``"cispo"``).
 
     Unknown names raise :class:`~ppokit.algo.registry.UnknownNameError` (a ValueError)
     with a did-you-mean hint and the valid names.
@@ -55,13 +132,36 @@ def _masked_extreme(x: torch.Tensor, m: torch.Tensor, largest: bool) -> torch.Te
     return torch.where(m.any(), ext, torch.zeros_like(ext))
 
 
+def token_ratio_metrics(token_log_ratio: torch.Tensor, m: torch.Tensor, diagnostics: bool) -> dict[str, torch.Tensor]:
+    """What a trainer logs of the token ratios ``r = exp(log pi - log pi_old)`` over valid tokens:
+    ``approx_kl_k1`` (mean ``-log r``), ``approx_kl_k3`` (mean ``r - 1 - log r``), ``ratio_max`` and,
+    with ``diagnostics``, ``ratio_mean`` and ``ratio_min``. Detached 0-dim tensors, no host sync."""
+    with torch.no_grad():
+        tlr = token_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+        r = torch.exp(tlr)
+        metrics = {
+            "approx_kl_k1": masked_mean(-tlr, m),
+            "approx_kl_k3": masked_mean(torch.expm1(tlr) - tlr, m),
+            "ratio_max": _masked_extreme(r, m, largest=True),
+        }
+        if diagnostics:
+            metrics["ratio_mean"] = masked_mean(r, m)
+            metrics["ratio_min"] = _masked_extreme(r, m, largest=False)
+    return metrics
+
+
+def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B, T) advantages: as given, or one per row (B,) put on every token of the row."""
+    return advantages if advantages.dim() == 2 else advantages[:, None].expand_as(like)
+
+
 def _check_common(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    ratio_level: str,
     agg_mode: str,
+    ratio_level: str = "token",
 ) -> None:
     """Shape and name checks shared by every loss (cheap, no host sync)."""
     if log_prob.dim() != 2:
@@ -110,7 +210,16 @@ def _importance_ratio(
     return torch.exp(log_ratio), adv, m
 
 
-@POLICY_LOSSES.register("clip", "ppo", "vanilla")
+def _clip_settings(a: Any, inputs: PolicyLossInputs) -> dict[str, Any]:
+    return {
+        "lower_clip_ratio": a.lower_clip_ratio,
+        "upper_clip_ratio": a.upper_clip_ratio,
+        "clip_ratio_c": a.clip_ratio_c,
+        "ratio_level": a.ratio_level,
+    }
+
+
+@register_policy_loss("clip", "ppo", "vanilla", settings=_clip_settings)
 def policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -187,7 +296,7 @@ def policy_loss(
         ``log pi_old - log pi``) and ``approx_kl_k3`` (mean of ``(r - 1) - log r``),
         always over valid tokens with token-level ratios.
     """
-    _check_common(log_prob, old_log_prob, advantages, mask, ratio_level, agg_mode)
+    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode, ratio_level)
     if not 0.0 <= lower_clip_ratio < 1.0:
         raise ValueError(f"lower_clip_ratio must be in [0, 1), got {lower_clip_ratio}")
     if not upper_clip_ratio >= 0.0:
@@ -244,7 +353,11 @@ def policy_loss(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("penalty", "ppo_penalty")
+@register_policy_loss(
+    "penalty",
+    "ppo_penalty",
+    settings=lambda a, inputs: {"penalty_coef": inputs.penalty_coef, "ratio_level": a.ratio_level},
+)
 def ppo_penalty_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -294,7 +407,7 @@ def ppo_penalty_loss(
         ``diagnostics``, ``ratio_mean`` and ``ratio_min`` (over valid tokens, or
         rows at sequence level).
     """
-    _check_common(log_prob, old_log_prob, advantages, mask, ratio_level, agg_mode)
+    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode, ratio_level)
     if isinstance(penalty_coef, torch.Tensor):
         if penalty_coef.dim() != 0:
             raise ValueError(f"penalty_coef must be a number or a 0-dim tensor, got shape {tuple(penalty_coef.shape)}")

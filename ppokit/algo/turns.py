@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import torch
 
-from .advantages import compute_gae
+from .advantages import compute_gae, get_advantage_estimator
 
 __all__ = [
     "gather_turn_values",
@@ -66,6 +66,7 @@ __all__ = [
     "turn_gae",
     "turn_gae_advantages",
     "trajectory_credit",
+    "trajectory_group_advantages",
     "turn_group_advantages",
     "turn_index_from_mask",
     "turn_gae_rows",
@@ -403,6 +404,36 @@ def turn_gae_advantages(
 CREDITS = ("token", "turn")
 
 
+def _pack_action_tokens(
+    mask: torch.Tensor, traj_index: torch.Tensor, num_trajectories: int | None
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every action token of an (N, T) batch in trajectory order, then time order:
+    ``(E, rows, cols, traj, pos, counts)``. Token i sits at ``(rows[i], cols[i])`` (M,) in the
+    batch and at ``(traj[i], pos[i])`` (M,) of an (E, L) grid of trajectories (L = the most
+    action tokens of one trajectory); ``counts`` (E,) are each trajectory's action tokens.
+    ``traj_index`` (N,) is checked (an integer per row, 0..E-1)."""
+    N = mask.shape[0]
+    traj_index = torch.as_tensor(traj_index, device=mask.device)
+    if traj_index.shape != (N,) or traj_index.dtype.is_floating_point or traj_index.dtype == torch.bool:
+        raise ValueError(
+            f"traj_index must be an (N,) = ({N},) integer tensor, got {tuple(traj_index.shape)} {traj_index.dtype}"
+        )
+    if N and int(traj_index.min()) < 0:
+        raise ValueError("traj_index must be >= 0")
+    E = num_trajectories if num_trajectories is not None else (int(traj_index.max()) + 1 if N else 0)
+    if N and int(traj_index.max()) >= E:
+        raise ValueError(f"traj_index has {int(traj_index.max())} but num_trajectories is {E}")
+    m = mask if mask.dtype == torch.bool else mask != 0  # (N, T)
+    rows, cols = m.nonzero(as_tuple=True)  # (M,) each, row-major: time order within a row
+    traj = traj_index[rows]  # (M,)
+    order = torch.sort(traj, stable=True).indices  # group by trajectory, keep time order
+    rows, cols, traj = rows[order], cols[order], traj[order]
+    counts = torch.bincount(traj, minlength=E)  # (E,) action tokens per trajectory
+    starts = torch.cumsum(counts, 0) - counts  # (E,)
+    pos = torch.arange(traj.numel(), device=traj.device) - starts[traj]  # (M,) index within its trajectory
+    return E, rows, cols, traj, pos, counts
+
+
 def trajectory_credit(
     *,
     credit: str,
@@ -446,26 +477,8 @@ def trajectory_credit(
             f"rewards, values and mask must be (N, T) alike, got {tuple(rewards.shape)}, "
             f"{tuple(values.shape)}, {tuple(mask.shape)}"
         )
-    N = rewards.shape[0]
-    traj_index = torch.as_tensor(traj_index, device=rewards.device)
-    if traj_index.shape != (N,) or traj_index.dtype.is_floating_point or traj_index.dtype == torch.bool:
-        raise ValueError(
-            f"traj_index must be an (N,) = ({N},) integer tensor, got {tuple(traj_index.shape)} {traj_index.dtype}"
-        )
-    if N and int(traj_index.min()) < 0:
-        raise ValueError("traj_index must be >= 0")
-    E = num_trajectories if num_trajectories is not None else (int(traj_index.max()) + 1 if N else 0)
-    if N and int(traj_index.max()) >= E:
-        raise ValueError(f"traj_index has {int(traj_index.max())} but num_trajectories is {E}")
     dtype = torch.promote_types(rewards.dtype, values.dtype)
-    m = mask if mask.dtype == torch.bool else mask != 0  # (N, T)
-    rows, cols = m.nonzero(as_tuple=True)  # (M,) each, row-major: time order within a row
-    traj = traj_index[rows]  # (M,)
-    order = torch.sort(traj, stable=True).indices  # group by trajectory, keep time order
-    rows, cols, traj = rows[order], cols[order], traj[order]
-    counts = torch.bincount(traj, minlength=E)  # (E,) action tokens per trajectory
-    starts = torch.cumsum(counts, 0) - counts  # (E,)
-    pos = torch.arange(traj.numel(), device=traj.device) - starts[traj]  # (M,) index within its trajectory
+    E, rows, cols, traj, pos, counts = _pack_action_tokens(mask, traj_index, num_trajectories)
     bootstrap = None
     if truncated is not None or last_values is not None:
         lv = torch.zeros(E, dtype=dtype, device=rewards.device) if last_values is None else last_values.to(dtype)
@@ -517,6 +530,65 @@ def trajectory_credit(
     adv[rows, cols] = a_turn[traj, turn]
     ret[rows, cols] = r_turn[traj, turn]
     return adv, ret
+
+
+# ----------------------------------------------------------------------------- critic-free, per episode
+# the estimators of ppokit.algo.advantages that take their baseline from a group of samples
+# (ppokit.config.GROUP_ESTIMATORS names the same ones; tests/algo/test_algo_turns.py checks it)
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+
+
+def trajectory_group_advantages(
+    *,
+    estimator: str,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    traj_index: torch.Tensor,
+    traj_group: torch.Tensor,
+    num_trajectories: int | None = None,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Critic-free outcome advantages of trajectories that span rows, against their group: (N, T) each.
+
+    - ``rewards``, ``mask`` (N, T): ``mask`` 1 on the model's (action) tokens; rewards
+      elsewhere are ignored.
+    - ``traj_index`` (N,): the trajectory of each row, 0..E-1 (as :func:`trajectory_credit`).
+    - ``traj_group`` (E,): an integer per trajectory; trajectories with equal ids form a group
+      (the episodes started from the same environment seed, one seat).
+
+    Each trajectory e is one sample of the group estimator ``estimator`` (one of
+    :data:`GROUP_ESTIMATORS`, :mod:`ppokit.algo.advantages`), with the score
+    ``s_e = sum of r over e's action tokens`` (its return, undiscounted), n_g trajectories
+    in its group g::
+
+        grpo                   A_e = (s_e - mean_g s) / (std_g s + eps)   (norm_by_std; else s_e - mean_g s)
+        rloo                   A_e = s_e - (sum_g s - s_e) / (n_g - 1)
+        reinforce_pp_baseline  A_e = s_e - mean_g s, then whitened over all action tokens of the batch
+
+    (``std_g`` unbiased; a group of one gets 0.) ``A_e`` goes on every action token of e, in
+    every row of it, and is 0 elsewhere: the outcome advantage at token level, as verl and
+    SkyRL train agent episodes. ``returns = advantages`` (there is no critic to fit).
+    Computed in the dtype of ``rewards``.
+    """
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"estimator must be a group estimator ({', '.join(GROUP_ESTIMATORS)}), got {estimator!r}")
+    if rewards.dim() != 2 or mask.shape != rewards.shape:
+        raise ValueError(f"rewards and mask must be (N, T) alike, got {tuple(rewards.shape)}, {tuple(mask.shape)}")
+    E, rows, cols, traj, pos, counts = _pack_action_tokens(mask, traj_index, num_trajectories)
+    traj_group = torch.as_tensor(traj_group, device=rewards.device)
+    if traj_group.shape != (E,):
+        raise ValueError(f"traj_group shape {tuple(traj_group.shape)} != (E,) = ({E},)")
+    L = int(counts.max()) if E else 0
+    grid_r = rewards.new_zeros(E, L).index_put_((traj, pos), rewards[rows, cols])  # (E, L)
+    grid_m = torch.zeros(E, L, dtype=torch.bool, device=rewards.device).index_put_(
+        (traj, pos), torch.ones_like(pos, dtype=torch.bool)
+    )  # (E, L)
+    fn = get_advantage_estimator(estimator)
+    grid_a, _ = fn(rewards=grid_r, mask=grid_m, group_ids=traj_group, norm_by_std=norm_by_std, eps=eps)  # (E, L)
+    adv = torch.zeros_like(rewards)  # (N, T)
+    adv[rows, cols] = grid_a[traj, pos]
+    return adv, adv.clone()
 
 
 # ----------------------------------------------------------------------------- critic-free, per turn index

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppokit.components import Batch, Components
+from ppokit.components import Batch, Components, RolloutQueue
 from ppokit.config import Config
 from ppokit.control.envs import VecEnv, make_vector_env
 from ppokit.control.evaluate import Evaluator, evaluate_policy
@@ -51,17 +51,17 @@ class ControlSource:
         self._finished_before = venv.episodes_finished
         self.seed, self.off_policy_steps = seed, off_policy_steps
         self.policy_version = 0  # the learner's version of the policy's weights
-        self.pending: tuple[int, Batch] | None = None  # a prefetched iteration and its batch
+        self.queue = RolloutQueue()  # iterations collected ahead (rollout.off_policy_steps)
 
     def collect(self, iteration: int) -> Batch:
-        if self.pending is not None and self.pending[0] == iteration:
-            batch, self.pending = self.pending[1], None
-            return batch
-        return self._collect(iteration)
+        batch = self.queue.pop(iteration)
+        return batch if batch is not None else self._collect(iteration)
 
     def prefetch(self, iteration: int) -> None:
-        """Collect ``iteration`` now (in this process nothing overlaps with the update)."""
-        self.pending = (iteration, self._collect(iteration))
+        """Collect ``iteration`` now, unless it is queued (in this process nothing overlaps
+        with the update)."""
+        if iteration not in self.queue:
+            self.queue.put(iteration, self._collect(iteration))
 
     def _collect(self, iteration: int) -> Batch:
         if self.off_policy_steps:  # seeded per iteration: the same on a Ray worker
@@ -111,13 +111,13 @@ class ControlSource:
             "normalizer": self.venv.normalizer.state_dict(),
             "rollout": {"started": self.rollout.started, "last_obs": self.rollout.obs[-1].copy()},
         }
-        if self.pending is not None:
-            state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
+        queued = self.queue.state_dict()
+        if queued is not None:
+            state["pending"] = queued
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
-        pending = state.get("pending")
-        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
+        self.queue.load_state_dict(state.get("pending"))
         if "shards" in state:  # stepped by several rollout workers: another env layout
             [state], notes = regroup_env_states(state, 1)
             return self._restart(state) + notes

@@ -9,9 +9,12 @@ worker the batch is the in-process source's batch, bit for bit:
 RNG
     One worker, synchronous: the driver sends its RNG state (``capture_rng``) with the
     request and takes the worker's back, so the draws continue the run's one stream
-    exactly as in-process. Several workers, or ``rollout.off_policy_steps=1``: each
-    shard's rollout of iteration k runs under RNGs seeded from (seed, k, shard)
+    exactly as in-process. Several workers, or ``rollout.off_policy_steps`` >= 1: each
+    shard's rollout of iteration i runs under RNGs seeded from (seed, i, shard)
     (:func:`ppokit.resume.rollout_rngs`), which the in-process pipelined source uses too.
+    A plan whose :meth:`merge` returns None (lm: ``rollout.dynamic_sampling`` wants more
+    groups with reward variance) gets another round of requests for the same iteration:
+    its d-th further round is seeded with shard ``s + d * DRAW_STREAM``.
 
 Weights
     :meth:`RemoteSource.sync_weights` puts ``learner.rollout_weights()`` (lora: the
@@ -23,13 +26,18 @@ Weights
     ``sync_weights(learner)`` of its own (multi-turn self-play: the opponent pool's
     snapshots) is told of every sync too.
 
-Pipelining (``rollout.off_policy_steps=1``)
-    :meth:`RemoteSource.prefetch` submits iteration k+1 right after k is collected: the
-    workers generate it with the weights they hold (version k) while the driver scores
-    and updates on k. Ray runs an actor's calls in submission order, so the weights of
-    update k, sent next, are loaded only after that rollout. A checkpoint waits for the
-    rollout in flight and stores its batch (``pending``) with the shards' states after
-    it: a resume continues exactly.
+Pipelining (``rollout.off_policy_steps`` = k >= 1)
+    Up to k rollouts are in flight. After iteration i is collected the loop asks for
+    i+1 .. i+k; :meth:`RemoteSource.prefetch` submits the one not in flight yet, i+k
+    (on the first iteration all k). Ray runs an actor's calls in submission order: the
+    weights of update i-1 were sent before it and those of update i are sent after it,
+    so the workers generate i+k with version i while the driver scores and updates on
+    i, and the batch of iteration j is always sampled by version j - min(j, k)
+    (:class:`~ppokit.components.RolloutQueue`). A checkpoint waits for every rollout in
+    flight and stores their batches in order (``pending``) with the shards' states after
+    the last: a resume continues exactly. The weight buckets of every version an
+    in-flight request was sent after stay in the object store (a restarted worker needs
+    them).
 
 Failures
     Each part comes back with its shard's state after it. When a worker has died, the
@@ -48,11 +56,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ppokit.components import Batch
+from ppokit.components import Batch, RolloutQueue
 from ppokit.dist import ray_get, require_ray
 from ppokit.dist.weights import MIB, buckets, nbytes
 from ppokit.errors import UserError
-from ppokit.resume import capture_rng, restore_rng, rollout_rngs
+from ppokit.resume import DRAW_STREAM, capture_rng, restore_rng, rollout_rngs
 
 # a part whose worker dies this many times in a row is not tried again: the run stops
 MAX_RESTARTS = 3
@@ -137,36 +145,43 @@ class RemoteSource:
         self._start_worker, self._forget_worker = start_worker, forget_worker
         self.workers = [start_worker(s) for s in range(num_shards)]
         self.shard_states: list[dict[str, Any] | None] = [None] * num_shards
-        self.in_flight: _Request | None = None
-        self.pending: tuple[int, Batch] | None = None  # collected ahead (a checkpoint's)
+        self.in_flight: dict[int, _Request] = {}  # iteration -> its request, oldest first
+        self.queue = RolloutQueue()  # gathered ahead of their update (a checkpoint's)
         self.version: int | None = None
-        self.weight_refs: dict[int, list[Any]] = {}  # the last two versions' weight buckets
+        # the weight buckets of the current version and of every in-flight request's
+        self.weight_refs: dict[int, list[Any]] = {}
         self.restarts = 0
 
     # ------------------------------------------------------------------ rollouts
     def collect(self, iteration: int) -> Batch:
-        if self.pending is not None and self.pending[0] == iteration:
-            batch, self.pending = self.pending[1], None
+        batch = self.queue.pop(iteration)
+        if batch is not None:
             return batch
-        if self.in_flight is None or self.in_flight.iteration != iteration:
-            self.in_flight = self._submit(iteration)
-        request, self.in_flight = self.in_flight, None
-        return self._gather(request)
+        if iteration not in self.in_flight:
+            self.in_flight[iteration] = self._submit(iteration)
+        batch, draw = self._gather(self.in_flight.pop(iteration)), 1
+        while batch is None:  # the plan asks for another generation batch (lm: rollout.dynamic_sampling)
+            batch, draw = self._gather(self._submit(iteration, draw)), draw + 1
+        return batch
 
     def prefetch(self, iteration: int) -> None:
-        self.in_flight = self._submit(iteration)
+        """Submit ``iteration`` unless it is in flight or gathered already."""
+        if iteration not in self.in_flight and iteration not in self.queue:
+            self.in_flight[iteration] = self._submit(iteration)
 
-    def _rngs(self, iteration: int) -> list[dict[str, Any]]:
+    def _rngs(self, iteration: int, draw: int = 0) -> list[dict[str, Any]]:
         if self.num_shards == 1 and not self.cfg.rollout.off_policy_steps:
             return [{"state": capture_rng()}]
-        return [{"seed": (self.cfg.seed, iteration, s)} for s in range(self.num_shards)]
+        return [{"seed": (self.cfg.seed, iteration, s + draw * DRAW_STREAM)} for s in range(self.num_shards)]
 
-    def _submit(self, iteration: int) -> _Request:
-        requests, rngs = self.plan.requests(iteration), self._rngs(iteration)
+    def _submit(self, iteration: int, draw: int = 0) -> _Request:
+        """Send ``iteration``'s requests; ``draw`` > 0: a further generation batch of it."""
+        requests, rngs = self.plan.requests(iteration), self._rngs(iteration, draw)
         futures = [w.collect.remote(iteration, r, g) for w, r, g in zip(self.workers, requests, rngs)]
         return _Request(iteration, requests, rngs, self.version, futures)
 
-    def _gather(self, request: _Request) -> Batch:
+    def _gather(self, request: _Request) -> Batch | None:
+        """The merged batch of ``request``; None when the plan wants another generation batch."""
         from ray.exceptions import RayActorError
 
         start = time.perf_counter()
@@ -192,6 +207,8 @@ class RemoteSource:
         if rng_after[0] is not None:
             restore_rng(rng_after[0])
         batch = self.plan.merge(request.iteration, list(parts), list(states))
+        if batch is None:
+            return None
         batch.policy_version = versions[0]
         batch.metrics["time_rollout_wait"] = time.perf_counter() - start
         batch.metrics["time_load_weights"] = max(load_times)
@@ -200,17 +217,28 @@ class RemoteSource:
         return batch
 
     def _restart(self, s: int, request: _Request) -> Any:
-        """Replace dead worker ``s``: its last state, the request's weights, the same request."""
+        """Replace dead worker ``s``: its last state, then what the dead one was sent after
+        it in the same order: the request's weights and the request, and each later
+        request in flight with its weights (their futures replaced); the current weights
+        last, as the others have. Returns the request's new future."""
         self._forget_worker(self.workers[s])
         worker = self._start_worker(s)
         self.workers[s] = worker
         self.restarts += 1
         if self.shard_states[s] is not None:
             worker.load_state.remote(self.shard_states[s])
-        if request.version is not None:
-            worker.set_weights.remote(self.weight_refs[request.version], request.version)
-        future = worker.collect.remote(request.iteration, request.requests[s], request.rngs[s])
-        if self.version is not None and self.version != request.version:
+        held = None
+        future = None
+        for later in [request, *self.in_flight.values()]:  # the request, then the later ones in order
+            if later.version is not None and later.version != held:
+                worker.set_weights.remote(self.weight_refs[later.version], later.version)
+                held = later.version
+            resent = worker.collect.remote(later.iteration, later.requests[s], later.rngs[s])
+            if later is request:
+                future = resent
+            else:
+                later.futures[s] = resent
+        if self.version is not None and self.version != held:
             worker.set_weights.remote(self.weight_refs[self.version], self.version)  # as the others have
         return future
 
@@ -227,10 +255,11 @@ class RemoteSource:
             total, peak = total + size, max(peak, size)
         self.version = int(learner.policy_version)
         self.weight_refs[self.version] = refs
-        for old in [v for v in self.weight_refs if v < self.version - 1]:
+        needed = {self.version} | {r.version for r in self.in_flight.values()}
+        for old in [v for v in self.weight_refs if v not in needed]:
             del self.weight_refs[old]
         acks = [w.set_weights.remote(refs, self.version) for w in self.workers]
-        if self.in_flight is None:  # synchronous: the sync ends when the workers hold them
+        if not self.in_flight:  # synchronous: the sync ends when the workers hold them
             for ack in acks:
                 try:
                     ray.get(ack)
@@ -243,14 +272,15 @@ class RemoteSource:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        if self.in_flight is not None:  # a rollout ahead of the update belongs to the checkpoint
-            request, self.in_flight = self.in_flight, None
-            self.pending = (request.iteration, self._gather(request))
+        while self.in_flight:  # the rollouts ahead of the update belong to the checkpoint, in order
+            iteration = min(self.in_flight)
+            self.queue.put(iteration, self._gather(self.in_flight.pop(iteration)))
         if any(s is None for s in self.shard_states):  # nothing collected yet in this process
             self.shard_states = self._fetch_states()
         state = self.plan.state_dict(self.shard_states)
-        if self.pending is not None:
-            state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
+        queued = self.queue.state_dict()
+        if queued is not None:
+            state["pending"] = queued
         return state
 
     def _fetch_states(self) -> list[dict[str, Any]]:
@@ -258,8 +288,7 @@ class RemoteSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         state = dict(state)
-        pending = state.pop("pending", None)
-        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
+        self.queue.load_state_dict(state.pop("pending", None))
         shard_states, notes = self.plan.load_state_dict(state)
         calls = [
             (s, w.load_state.remote(st)) for s, (w, st) in enumerate(zip(self.workers, shard_states)) if st is not None

@@ -86,6 +86,7 @@ def make_scorer(cfg: Config, policy, learner: LMLearner) -> Scorer:
         need_reference=needs_ref_log_prob(cfg),
         metric_rows=KL_METRIC_ROWS,
         need_old_log_prob=learner.needs_scored_old_log_prob(),
+        bypass=a.rollout_correction_bypass,
         kl_ctrl=kl_ctrl,
         kl_penalty=a.kl_penalty,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
@@ -124,8 +125,10 @@ class LMLearner:
         """Whether the scorer must run the actor pass: not when the update makes one
         optimizer step (its own forward gives the old log-probs) and the rewards carry no
         KL term that needs them before the update, and no rollout correction weighs the tokens
-        by them before the update."""
-        if self.cfg.algo.rollout_correction != "none":
+        by them before the update; never in bypass mode (the engine's behaviour log-probs serve)."""
+        if self.cfg.algo.rollout_correction_bypass:
+            return False
+        if self.cfg.algo.rollout_correction != "none" or self.cfg.algo.rollout_correction_rs is not None:
             return True
         return self.cfg.algo.use_kl_in_reward or not self.trainer.fully_on_policy(
             self.cfg.train.batch_size, self.num_mini_batches

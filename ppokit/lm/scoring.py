@@ -19,7 +19,10 @@ With ``micro_batch_tokens`` (``train.micro_batch_tokens``) the chunks are formed
 token budget instead (rows of similar length, each chunk cut to its longest row:
 :mod:`ppokit.algo.batching`).
 
-Without ``need_old_log_prob`` the actor pass is skipped and ``old_log_prob`` left out:
+With ``bypass`` (``algo.rollout_correction_bypass``) the batch's ``rollout_log_prob``, the
+engine's behaviour log-probs, become ``old_log_prob`` and the actor pass is skipped (the
+in-reward KL, if any, reads them). Without ``need_old_log_prob`` the actor pass is skipped
+and ``old_log_prob`` left out:
 for an update that is fully on-policy (one epoch, one mini-batch: see
 :mod:`ppokit.trainer`) whose rewards carry no KL term, the update's own forward pass
 computes the same log-probs. That saves one of the three passes; a GRPO-style run
@@ -51,6 +54,7 @@ from torch import Tensor
 
 from ppokit import algo
 from ppokit.components import Batch
+from ppokit.errors import UserError
 
 # the tensors of a batch that the policy's forward passes read
 POLICY_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -70,6 +74,7 @@ class Scorer:
         need_reference: bool,
         metric_rows: int | None = None,
         need_old_log_prob: bool = True,
+        bypass: bool = False,
         kl_ctrl=None,
         kl_penalty: str = "kl",
         micro_batch_tokens: int | None = None,
@@ -77,7 +82,8 @@ class Scorer:
         self.policy = policy
         self.chunk = infer_micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
-        self.need_old_log_prob = need_old_log_prob or kl_ctrl is not None
+        self.bypass = bypass  # algo.rollout_correction_bypass: old_log_prob = the engine's rollout_log_prob
+        self.need_old_log_prob = (need_old_log_prob or kl_ctrl is not None) and not bypass
         self.need_reference = (need_reference or kl_ctrl is not None) and policy.has_reference
         # no KL term: reference log-probs of a few rows only, for the kl_ref metric
         self.metric_rows = metric_rows if policy.has_reference and not self.need_reference else None
@@ -86,6 +92,13 @@ class Scorer:
     def score(self, batch: Batch) -> None:
         start = time.perf_counter()
         t = batch.tensors
+        if self.bypass:  # bypass mode: the engine's behaviour log-probs are pi_old, no actor pass
+            if "rollout_log_prob" not in t:
+                raise UserError(
+                    "algo.rollout_correction_bypass needs the engine's behaviour log-probs (rollout_log_prob), "
+                    "which this batch lacks: set algo.rollout_correction_bypass=false"
+                )
+            t["old_log_prob"] = t["rollout_log_prob"]
         # a rollout that ran ahead of the update brings its behaviour policy's old_log_prob
         scored = self.forward_passes({k: t[k] for k in (*POLICY_INPUTS, "mask")}, old_log_prob="old_log_prob" not in t)
         if "ref_log_prob_metric" in scored:  # (K, R): not per sample

@@ -8,6 +8,7 @@ import torch
 
 from ppokit.algo import (
     POLICY_LOSSES,
+    PolicyLossInputs,
     UnknownNameError,
     aggregate,
     aggregation_normalizer,
@@ -15,6 +16,7 @@ from ppokit.algo import (
     policy_loss,
     ppo_penalty_loss,
 )
+from ppokit.config import AlgoConfig
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LEVELS = ["token", "sequence", "gspo"]
@@ -205,21 +207,35 @@ def test_micro_batches_add_up_to_the_mini_batch(mode):
 
 
 def test_registry_lookup_and_errors():
-    assert get_policy_loss("clip") is policy_loss is get_policy_loss("ppo") is get_policy_loss("vanilla")
-    assert get_policy_loss("penalty") is ppo_penalty_loss is get_policy_loss("ppo_penalty")
+    assert get_policy_loss("clip").fn is policy_loss
+    assert get_policy_loss("clip") is get_policy_loss("ppo") is get_policy_loss("vanilla")
+    assert get_policy_loss("penalty").fn is ppo_penalty_loss
+    assert get_policy_loss("penalty") is get_policy_loss("ppo_penalty")
     with pytest.raises(UnknownNameError, match=r"^unknown policy loss 'penalti'; did you mean 'penalty'\? valid: "):
         get_policy_loss("penalti")
     with pytest.raises(UnknownNameError, match="did you mean 'clip'"):
         get_policy_loss("clp")
 
 
-COMMON_KEYWORDS = {"agg_mode", "normalizer", "horizon", "diagnostics", "ratio_level"}
-OWN_KEYWORDS = {"clip": {"lower_clip_ratio", "upper_clip_ratio", "clip_ratio_c"}, "penalty": {"penalty_coef"}}
+COMMON_KEYWORDS = {"agg_mode", "normalizer", "horizon", "diagnostics"}
+OWN_KEYWORDS = {
+    "clip": {"lower_clip_ratio", "upper_clip_ratio", "clip_ratio_c", "ratio_level"},
+    "penalty": {"penalty_coef", "ratio_level"},
+    "cispo": {"lower_clip_ratio", "upper_clip_ratio"},
+    "dppo_tv": {"divergence", "lower_divergence", "upper_divergence", "ratio_cap"},
+    "dppo_kl": {"divergence", "lower_divergence", "upper_divergence", "ratio_cap"},
+    "gpg": set(),
+    "dro": {"beta"},
+    "sapo": {"tau_pos", "tau_neg"},
+    "geo_mean": {"lower_clip_ratio", "upper_clip_ratio"},
+    "clip_cov": {"lower_clip_ratio", "upper_clip_ratio", "cov_ratio", "cov_lower", "cov_upper"},
+    "kl_cov": {"cov_ratio", "coef"},
+}
 
 
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_every_loss_has_the_uniform_signature(name):
-    params = list(inspect.signature(get_policy_loss(name)).parameters.values())
+    params = list(inspect.signature(get_policy_loss(name).fn).parameters.values())
     assert [p.name for p in params[:4]] == ["log_prob", "old_log_prob", "advantages", "mask"]
     assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params[:4])
     keywords = {p.name for p in params[4:]}
@@ -228,19 +244,34 @@ def test_every_loss_has_the_uniform_signature(name):
     assert set(OWN_KEYWORDS) == set(POLICY_LOSSES.names())  # a new loss must be listed here
 
 
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_every_loss_reads_its_settings_from_the_algo_config(name):
+    """The one call a trainer makes: the settings each loss reads exist on AlgoConfig, and the
+    registered call equals the function called with them as keywords."""
+    logp, old, adv, mask = _case(11)
+    adv = torch.where(mask, adv, 0.0)
+    a = AlgoConfig(loss_mode=name, dro_beta=0.3, clip_ratio_c=3.0)
+    inputs = PolicyLossInputs(logp, old, adv, mask, agg_mode="seq-mean-token-mean", penalty_coef=0.2)
+    entry = get_policy_loss(name)
+    own = entry.settings(a, inputs)
+    assert set(own) == OWN_KEYWORDS[name] - {"divergence"}
+    torch.manual_seed(0)  # clip_cov draws its tokens
+    via_registry, metrics = entry(inputs, a)
+    torch.manual_seed(0)
+    direct, _ = entry.fn(logp, old, adv, mask, agg_mode="seq-mean-token-mean", **own)
+    assert via_registry.item() == direct.item()
+    for key in ("clipfrac", "approx_kl_k1", "approx_kl_k3", "ratio_max"):  # what a trainer logs of any loss
+        assert metrics[key].dim() == 0 and torch.isfinite(metrics[key]), key
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_generic_call_through_the_registry(level):
-    """Both losses called the same way; with no clipping active and beta = 0 they agree."""
+    """Both PPO losses called the same way; with no clipping active and beta = 0 they agree."""
     logp, old, adv, mask = _case(7)
     adv = torch.where(mask, adv, 0.0)
-    common = dict(agg_mode="seq-mean-token-mean", normalizer=None, horizon=None, diagnostics=False, ratio_level=level)
-    own = {
-        "clip": dict(lower_clip_ratio=0.999, upper_clip_ratio=1e6, clip_ratio_c=None),
-        "penalty": dict(penalty_coef=0.0),
-    }
-    results = {
-        name: get_policy_loss(name)(logp, old, adv, mask, **common, **own[name]) for name in POLICY_LOSSES.names()
-    }
+    a = AlgoConfig(lower_clip_ratio=0.999, upper_clip_ratio=1e6, ratio_level=level)
+    inputs = PolicyLossInputs(logp, old, adv, mask, agg_mode="seq-mean-token-mean", penalty_coef=0.0)
+    results = {name: get_policy_loss(name)(inputs, a) for name in ("clip", "penalty")}
     (lc, mc), (lp, mp) = results["clip"], results["penalty"]
     assert lc.item() == pytest.approx(lp.item(), rel=1e-13)
     torch.testing.assert_close(

@@ -17,7 +17,7 @@ def _t(x):
 
 def test_registered_under_clip_ppo_and_vanilla():
     for name in ("clip", "ppo", "vanilla"):
-        assert POLICY_LOSSES.get(name) is policy_loss
+        assert POLICY_LOSSES.get(name).fn is policy_loss
 
 
 @pytest.mark.parametrize("mode", MODES)

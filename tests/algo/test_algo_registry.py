@@ -29,7 +29,19 @@ def test_kinds():
 
 def test_registered_names():
     assert ADVANTAGE_ESTIMATORS.names() == ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-    assert POLICY_LOSSES.names() == ("clip", "penalty")
+    assert POLICY_LOSSES.names() == (
+        "clip",
+        "penalty",
+        "cispo",
+        "dppo_tv",
+        "dppo_kl",
+        "gpg",
+        "dro",
+        "sapo",
+        "geo_mean",
+        "clip_cov",
+        "kl_cov",
+    )
     assert "vanilla" in POLICY_LOSSES and "vanilla" not in POLICY_LOSSES.names()
     assert "nope" not in ADVANTAGE_ESTIMATORS and 3 not in ADVANTAGE_ESTIMATORS
 
@@ -45,7 +57,8 @@ def test_unknown_name_message_is_one_line_with_suggestion_and_valid_names():
     assert info.value.suggestion == "gae" and "grpo" in info.value.valid
     with pytest.raises(
         UnknownNameError,
-        match=r"^unknown policy loss 'zzz'; valid: clip, penalty \(aliases: ppo, vanilla, ppo_penalty\)$",
+        match=r"^unknown policy loss 'zzz'; valid: clip, penalty, cispo, .*, kl_cov \(aliases: ppo, vanilla, "
+        r"ppo_penalty, gmpo\)$",
     ):
         POLICY_LOSSES.get("zzz")  # nothing close: no suggestion
 

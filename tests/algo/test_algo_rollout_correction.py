@@ -174,3 +174,186 @@ def test_bad_names_and_arguments_are_clear():
     with pytest.raises(ValueError, match="share one"):
         algo.mismatch_metrics(x, torch.zeros(2, 4), m)
     assert algo.ROLLOUT_CORRECTIONS.names() == ("none", "tis", "mis")
+
+
+# ---- rejection rules (verl's rollout_rs), their combination with a weight, the weight's metrics
+
+
+def naive_statistic(old, rollout, mask, rule):
+    """(B, T) the statistic each token is tested by (a row's value on each of its tokens), from Python
+    floats, and (B,) the row values (None for token rules)."""
+    kind = rule[-2:]
+
+    def k(x):
+        x = min(max(x, -20.0), 20.0)
+        return {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[kind]
+
+    per_token = torch.zeros_like(old)
+    rows = torch.zeros(old.shape[0], dtype=torch.float64)
+    for b in range(old.shape[0]):
+        values = [k(float(old[b, t] - rollout[b, t])) for t in range(old.shape[1]) if mask[b, t]]
+        if rule.startswith("seq_sum"):
+            rows[b] = sum(values)
+        elif rule.startswith("seq_mean"):
+            rows[b] = sum(values) / len(values) if values else 0.0
+        elif rule.startswith("seq_max"):
+            rows[b] = max(values) if values else 0.0
+        for t in range(old.shape[1]):
+            if mask[b, t]:
+                per_token[b, t] = k(float(old[b, t] - rollout[b, t])) if rule.startswith("token") else rows[b]
+    return per_token, (None if rule.startswith("token") else rows)
+
+
+def naive_keep(old, rollout, mask, rules):
+    keep = mask.clone()
+    for name, lower, upper in rules:
+        stat, _ = naive_statistic(old, rollout, mask, name)
+        for b in range(old.shape[0]):
+            for t in range(old.shape[1]):
+                if not mask[b, t]:
+                    continue
+                s = float(stat[b, t])
+                ok = math.log(lower) <= s <= math.log(upper) if name.endswith("k1") else s <= upper
+                keep[b, t] *= float(ok)
+    return keep
+
+
+RULE_CASES = [
+    ("token_k1", 0.8, 1.25),
+    ("token_k2", None, 0.02),
+    ("token_k3", None, 0.02),
+    ("seq_sum_k1", 0.5, 2.0),
+    ("seq_sum_k2", None, 0.15),
+    ("seq_sum_k3", None, 0.15),
+    ("seq_mean_k1", 0.95, 1.05),
+    ("seq_mean_k2", None, 0.03),
+    ("seq_mean_k3", None, 0.03),
+    ("seq_max_k2", None, 0.08),
+    ("seq_max_k3", None, 0.08),
+]
+
+
+def test_every_verl_rule_is_covered():
+    assert tuple(name for name, _, _ in RULE_CASES) == algo.REJECTION_RULES
+
+
+@pytest.mark.parametrize("rule", RULE_CASES, ids=[r[0] for r in RULE_CASES])
+def test_each_rejection_rule_matches_a_loop(rule):
+    old, rollout, mask = random_case(seed=11, b=10, t=9, scale=0.25)
+    keep, metrics = algo.rollout_rejection(old, rollout, mask, [rule])
+    want = naive_keep(old, rollout, mask, [rule])
+    torch.testing.assert_close(keep, want, rtol=0, atol=0)
+    valid = mask.bool()
+    assert 0 < float(want[valid].sum()) < int(valid.sum())  # the case keeps some tokens and drops some
+    name = rule[0]
+    stat, rows = naive_statistic(old, rollout, mask, name)
+    assert float(metrics[f"correction_rs_{name}_masked_frac"]) == pytest.approx(
+        float((want[valid] == 0).double().mean()), rel=1e-12
+    )
+    assert float(metrics[f"correction_rs_{name}_mean"]) == pytest.approx(float(stat[valid].mean()), rel=1e-10)
+    has_row = valid.any(-1)
+    top = float(stat[valid].max()) if rows is None else float(rows[has_row].max())
+    assert float(metrics[f"correction_rs_{name}_max"]) == pytest.approx(top, rel=1e-10)
+    got = algo.rejection_statistic(old, rollout, mask, name)
+    torch.testing.assert_close(got, stat if rows is None else rows, rtol=1e-12, atol=1e-15)
+    assert not keep.isnan().any()  # inf / nan padding selected away
+
+
+def test_rules_combine_and_a_sequence_rule_drops_whole_rows():
+    old, rollout, mask = random_case(seed=12, b=10, t=9, scale=0.25)
+    rules = [("token_k1", 0.7, 1.4), ("seq_max_k3", None, 0.08)]
+    keep, metrics = algo.rollout_rejection(old, rollout, mask, rules)
+    want = naive_keep(old, rollout, mask, rules)
+    torch.testing.assert_close(keep, want, rtol=0, atol=0)
+    row_keep, _ = algo.rollout_rejection(old, rollout, mask, rules[1:])
+    for b in range(mask.shape[0]):  # a row rule keeps all of a row's tokens or none
+        assert float(row_keep[b].sum()) in (0.0, float(mask[b].sum()))
+    valid = mask.bool()
+    assert 0 < float(keep[valid].sum()) < int(valid.sum())
+    assert float(keep[valid].sum()) < float(row_keep[valid].sum())  # the token rule dropped more
+
+
+@pytest.mark.parametrize(
+    "mode,level,cap,lower,rules",
+    [
+        ("tis", "token", 1.2, None, [("seq_mean_k3", None, 0.03)]),  # verl's decoupled_k3_rs_token_tis
+        ("tis", "sequence", 2.0, None, [("seq_sum_k1", 0.5, 2.0)]),  # verl's decoupled_seq_is_rs
+        ("tis", "sequence", 2.0, None, [("seq_mean_k1", 0.95, 1.05)]),  # decoupled_geo_rs_seq_tis
+        ("none", "token", 2.0, None, [("seq_mean_k3", None, 0.03)]),  # decoupled_k3_rs
+        ("mis", "token", 1.3, None, [("seq_max_k2", None, 0.08)]),
+    ],
+)
+def test_a_weight_and_rules_together(mode, level, cap, lower, rules):
+    old, rollout, mask = random_case(seed=13, b=10, t=9, scale=0.25)
+    weight, keep, metrics = algo.rollout_correction(
+        old, rollout, mask, mode=mode, level=level, cap=cap, lower=lower, rejection=rules
+    )
+    band = 1.0 / cap if lower is None else lower
+    is_weight, is_keep = naive_correction(old, rollout, mask, mode, level, cap, band)
+    rs_keep = naive_keep(old, rollout, mask, rules)
+    torch.testing.assert_close(keep, is_keep * rs_keep, rtol=0, atol=0)
+    torch.testing.assert_close(weight, is_weight * rs_keep, rtol=1e-12, atol=0)
+    valid = mask.bool()
+    dropped = (keep == 0) & valid
+    assert 0 < int(dropped.sum()) < int(valid.sum())
+    assert float(metrics["correction_masked_frac"]) == pytest.approx(float(dropped[valid].double().mean()))
+    rows = valid.any(-1)
+    seq_dropped = [bool(dropped[b].any()) for b in range(mask.shape[0]) if rows[b]]
+    assert float(metrics["correction_seq_masked_frac"]) == pytest.approx(sum(seq_dropped) / len(seq_dropped))
+    if mode != "none":
+        w = [float(is_weight[b, t]) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
+        ess = sum(w) ** 2 / (len(w) * sum(x * x for x in w))  # (sum w)^2 / (N sum w^2)
+        assert float(metrics["correction_ess"]) == pytest.approx(ess, rel=1e-12)
+        assert float(metrics["correction_weight_max"]) == pytest.approx(max(w), rel=1e-12)
+        assert float(metrics["correction_weight_min"]) == pytest.approx(min(w), rel=1e-12)
+        assert 0 < float(metrics["correction_ess"]) < 1
+    else:
+        assert "correction_ess" not in metrics and "correction_weight_max" not in metrics
+    for value in metrics.values():
+        assert value.dim() == 0 and not value.requires_grad
+
+
+def test_cap_one_truncates_every_ratio_above_one_and_ess_is_one_for_equal_weights():
+    old, rollout, mask = random_case(seed=14)
+    weight, _, metrics = algo.rollout_correction(old, rollout, mask, mode="tis", level="token", cap=1.0)
+    rho = naive_rho(old, rollout, mask, "token")
+    torch.testing.assert_close(weight, rho.clamp(max=1.0) * mask, rtol=1e-12, atol=0)
+    assert float(metrics["correction_weight_max"]) == 1.0
+    same = old.masked_fill(mask == 0, 0.0)
+    _, _, equal = algo.rollout_correction(same, same - 0.1 * mask, mask, mode="tis", level="token", cap=2.0)
+    assert float(equal["correction_ess"]) == pytest.approx(1.0, rel=1e-12)  # every weight e^0.1
+
+
+def test_the_bounds_are_inclusive():
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    old = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    rollout = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)  # log r = 0.5: k2 = 0.125 exactly
+    kept, _ = algo.rollout_rejection(old, rollout, mask, [("token_k2", None, 0.125)])
+    dropped, _ = algo.rollout_rejection(old, rollout, mask, [("token_k2", None, 0.1249)])
+    assert kept.tolist() == [[1.0, 1.0]] and dropped.tolist() == [[0.0, 1.0]]
+
+
+def test_no_valid_token_and_empty_rows():
+    empty = torch.zeros(3, 4)
+    old, rollout = torch.full((3, 4), float("nan")), torch.full((3, 4), float("inf"))
+    rules = [("seq_mean_k3", None, 0.01), ("token_k1", 0.5, 2.0), ("seq_max_k2", None, 0.1)]
+    weight, keep, metrics = algo.rollout_correction(old, rollout, empty, mode="tis", rejection=rules)
+    assert float(weight.abs().sum()) == 0 and float(keep.sum()) == 0
+    for key, value in metrics.items():
+        assert math.isfinite(float(value)), key
+    assert float(metrics["correction_masked_frac"]) == 0.0 and float(metrics["correction_seq_masked_frac"]) == 0.0
+    assert float(metrics["correction_ess"]) == 0.0
+    # an empty row among others: its statistic is 0, it is not counted as a masked sequence
+    old, rollout, mask = random_case(seed=15)  # row 1 has no token
+    stat = algo.rejection_statistic(old, rollout, mask, "seq_mean_k3")
+    assert float(stat[1]) == 0.0 and torch.isfinite(stat).all()
+    _, _, metrics = algo.rollout_correction(old, rollout, mask, rejection=[("seq_mean_k3", None, 1e-9)])
+    assert float(metrics["correction_seq_masked_frac"]) == 1.0  # every row with a token loses it
+
+
+def test_a_k1_rule_without_a_band_and_an_unknown_rule_are_errors():
+    x, m = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="needs a ratio band"):
+        algo.rollout_rejection(x, x, m, [("seq_sum_k1", None, 2.0)])
+    with pytest.raises(ValueError, match="unknown rejection rule 'seq_max_k1'"):
+        algo.rollout_rejection(x, x, m, [("seq_max_k1", 0.5, 2.0)])

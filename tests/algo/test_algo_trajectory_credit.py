@@ -1,4 +1,5 @@
-"""trajectory_credit: token- and turn-level GAE when a trajectory spans rows, against float64 references.
+"""trajectory_credit (token- and turn-level GAE) and trajectory_group_advantages (critic-free group
+estimators over episodes) when a trajectory spans rows, against float64 references.
 
 The batches are hand-built the way the multi-turn source lays them out: a trajectory is
 one row per turn (state-mode environments) or one row holding the whole stream with
@@ -6,12 +7,15 @@ environment tokens between the turns (message mode); rows of different trajector
 interleave. The references walk each trajectory's turns as plain Python lists.
 """
 
+import math
 import random
 
 import pytest
 import torch
 
-from ppokit.algo import trajectory_credit
+from ppokit.algo import trajectory_credit, trajectory_group_advantages
+from ppokit.algo.turns import GROUP_ESTIMATORS
+from ppokit.config import GROUP_ESTIMATORS as CONFIG_GROUP_ESTIMATORS
 
 
 def build_batch(rng: random.Random, n_traj: int, T: int = 24):
@@ -182,4 +186,89 @@ def test_bad_inputs_are_named():
             mask=bad_turns >= 0,
             traj_index=torch.tensor([0, 1]),
             turn_index=bad_turns,
+        )
+
+
+# ----------------------------------------------------------------------------- group estimators over episodes
+def naive_group(trajectories, groups, estimator, norm_by_std, eps=1e-6):
+    """Per trajectory, the advantage of each of its action tokens, as plain Python floats."""
+    score = [sum(r for turn in turns for r, _ in turn) for turns in trajectories]
+    adv = []
+    for e, s in enumerate(score):
+        members = [score[j] for j in range(len(score)) if groups[j] == groups[e]]
+        n = len(members)
+        mean = sum(members) / n
+        if n == 1:
+            a = 0.0
+        elif estimator == "grpo":
+            std = math.sqrt(sum((x - mean) ** 2 for x in members) / (n - 1))
+            a = (s - mean) / (std + eps) if norm_by_std else s - mean
+        elif estimator == "rloo":
+            a = s - (sum(members) - s) / (n - 1)
+        else:  # reinforce_pp_baseline: centred, whitened over every action token below
+            a = s - mean
+        adv.append(a)
+    tokens = [[adv[e]] * sum(len(t) for t in turns) for e, turns in enumerate(trajectories)]
+    if estimator == "reinforce_pp_baseline":
+        flat = [a for row in tokens for a in row]
+        mu = sum(flat) / len(flat)
+        var = sum((a - mu) ** 2 for a in flat) / (len(flat) - 1)
+        tokens = [[(a - mu) / math.sqrt(var + 1e-8) for a in row] for row in tokens]
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "estimator,norm_by_std",
+    [("grpo", True), ("grpo", False), ("rloo", True), ("reinforce_pp_baseline", True)],
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_group_advantages_of_episodes_match_a_float64_loop(estimator, norm_by_std, seed):
+    rng = random.Random(seed)
+    E = 9
+    rewards, _, mask, turn_index, traj_index, trajectories = build_batch(rng, E)
+    groups = [0, 0, 0, 0, 1, 1, 1, 2, 3][:E]  # groups of 4, 3, 1 (no baseline: 0) and 1
+    rng.shuffle(groups)  # a group's trajectories need not be next to each other
+    adv, ret = trajectory_group_advantages(
+        estimator=estimator,
+        rewards=rewards,
+        mask=mask,
+        traj_index=traj_index,
+        traj_group=torch.tensor(groups) * 7 + 3,  # any integers name the groups
+        norm_by_std=norm_by_std,
+    )
+    assert adv.dtype == torch.float64 and torch.equal(adv, ret)
+    assert torch.all(adv[mask == 0] == 0)
+    got = gather(adv, ret, mask, turn_index, traj_index, E)
+    want = naive_group(trajectories, groups, estimator, norm_by_std)
+    for e in range(E):
+        flat = [a for turn in got[e] for a, _ in turn]
+        assert flat == pytest.approx(want[e], abs=1e-12)
+    if estimator != "reinforce_pp_baseline":  # a group of one has no baseline
+        for e in (e for e in range(E) if groups.count(groups[e]) == 1):
+            assert all(a == 0 for turn in got[e] for a, _ in turn)
+
+
+def test_group_advantages_ignore_rewards_off_the_action_tokens_and_the_row_split():
+    # one episode as two rows (one per turn) or as one stream row: the same advantage on its tokens
+    rewards = torch.tensor([[9.0, 0.0, 1.0], [9.0, 2.0, 0.0], [5.0, 5.0, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [1, 0, 0]])
+    adv, _ = trajectory_group_advantages(
+        estimator="rloo",
+        rewards=rewards,
+        mask=mask,
+        traj_index=torch.tensor([0, 0, 1]),
+        traj_group=torch.tensor([0, 0]),
+    )
+    # scores 3 (not 21: the 9s are prompt tokens) and 5: A = 3 - 5 and 5 - 3 on the action tokens
+    assert adv.tolist() == [[0.0, -2.0, -2.0], [0.0, -2.0, 0.0], [2.0, 0.0, 0.0]]
+
+
+def test_group_estimators_are_the_configs_and_bad_inputs_are_named():
+    assert GROUP_ESTIMATORS == CONFIG_GROUP_ESTIMATORS
+    z, one = torch.zeros(2, 3), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="group estimator .*got 'gae'"):
+        trajectory_group_advantages(estimator="gae", rewards=z, mask=z, traj_index=one, traj_group=one)
+    with pytest.raises(ValueError, match=r"traj_group shape \(3,\) != \(E,\) = \(2,\)"):
+        trajectory_group_advantages(
+            estimator="grpo", rewards=z, mask=z + 1, traj_index=one, traj_group=torch.tensor([0, 0, 1])
         )

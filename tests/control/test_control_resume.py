@@ -106,6 +106,46 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(reference, tmp_p
     _assert_same_weights(run_dir, reference)
 
 
+# --------------------------------------------------------------------------- rollouts queued ahead
+K_OFF = 2  # rollout.off_policy_steps: two rollouts queued ahead of the update
+
+
+@pytest.fixture(scope="module")
+def reference_k_off(tmp_path_factory) -> Path:
+    """The uninterrupted run with ``rollout.off_policy_steps=2``, a checkpoint every iteration."""
+    out = tmp_path_factory.mktemp("ref-k-off")
+    args = [*RUN_ARGS, f"rollout.off_policy_steps={K_OFF}", f"run.output_dir={out}", "run.name=ref"]
+    assert main(["train", *args, "run.checkpoint_every=1"]) == 0
+    return out / "ref"
+
+
+def test_sigkill_with_rollouts_queued_ahead_then_resume_matches(reference_k_off, tmp_path, capsys):
+    """k = 2: every checkpoint holds the next two iterations' batches, sampled by older weights;
+    after SIGKILLs the resumed run trains on them and equals the uninterrupted run bit for bit."""
+    run_dir = tmp_path / "killed"
+    args = [*RUN_ARGS, f"rollout.off_policy_steps={K_OFF}", f"run.output_dir={tmp_path}", "run.name=killed"]
+    args.append("run.checkpoint_every=1")
+    kills = 0
+    for rows in (3, 7):
+        proc = start_and_wait(train_cmd(*args) if rows == 3 else train_cmd(*args, "--resume"), run_dir, rows)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.communicate(timeout=60)
+    assert kills >= 1
+    latest = rundir.latest_checkpoint(run_dir)
+    done = checkpoint.load_checkpoint(latest).meta["iteration"]
+    pending = checkpoint.load_checkpoint(latest).parts["source"]["pending"]
+    assert pending["iteration"] == done and len(pending["batches"]) == K_OFF
+    assert [b["policy_version"] for b in pending["batches"]] == [done - K_OFF + j for j in range(K_OFF)]
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    want = read_rows(reference_k_off)
+    assert [r["staleness"] for r in want] == [min(i, K_OFF) for i in range(ITERATIONS)]
+    _assert_same_metrics(read_rows(run_dir), want)
+    _assert_same_weights(run_dir, reference_k_off)
+
+
 # --------------------------------------------------------------------------- in process
 def _small(tmp_path, *extra):
     return [

@@ -13,11 +13,12 @@ from dist_helpers import DIST_ONLY, assert_rows_equal, cartpole_cfg, kill_first_
 from ppokit.errors import UserError
 
 
-@pytest.mark.parametrize("off_policy", [0, 1])
+@pytest.mark.parametrize("off_policy", [0, 1, 2])
 def test_killed_worker_is_replaced_and_changes_nothing(tmp_path, cluster_clean, monkeypatch, off_policy):
     """SIGKILL on the worker's process after two iterations: a new worker gets the shard's
-    last state and the lost request's weights, generates the part again, and the run
-    equals one that never lost a worker."""
+    last state and the lost request's weights, generates the part again (with two steps
+    off, the later request in flight too, after its own weights), and the run equals one
+    that never lost a worker."""
     run_dir = tmp_path / "killed"
     overrides = ("train.iterations=8", f"rollout.off_policy_steps={off_policy}")
     killer, killed = kill_first_worker_after(monkeypatch, cluster_clean, run_dir, rows=2, timeout=120)

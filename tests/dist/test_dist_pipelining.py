@@ -1,9 +1,11 @@
-"""One-step-off pipelining (``rollout.off_policy_steps=1``): the ratios, and exact resume.
+"""k-step-off pipelining (``rollout.off_policy_steps`` = k): the ratios, the staleness, exact resume.
 
-A checkpoint taken while the next rollout is in flight waits for it and stores it
-(``pending``) with the shards' states after it; the resumed run collects that batch
-first. Resumed from such a checkpoint the run equals the uninterrupted one, bit for bit,
-with the rollout on a worker or in-process (both seed each rollout per iteration).
+A checkpoint taken while the next k rollouts are queued or in flight waits for them and
+stores them in order (``pending``) with the shards' states after the last; the resumed
+run collects those batches first. Resumed from such a checkpoint the run equals the
+uninterrupted one, bit for bit, with the rollouts on a worker or in-process (both seed
+each rollout per iteration). The batch of iteration i is sampled by the weights of
+version i - min(i, k), on a worker as in-process.
 """
 
 from __future__ import annotations
@@ -30,27 +32,54 @@ def resumed_run(whole_dir, dest, cfg, at: int) -> list[dict]:
     return read_metrics(dest)
 
 
+@pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("first, then", [(1, 0), (0, 1)])
-def test_cartpole_pipelined_resume_is_exact(tmp_path, cluster_clean, first, then):
-    common = ("rollout.off_policy_steps=1", "train.iterations=6", "run.checkpoint_every=3")
+def test_cartpole_pipelined_resume_is_exact(tmp_path, cluster_clean, first, then, k):
+    common = (f"rollout.off_policy_steps={k}", "train.iterations=6", "run.checkpoint_every=3")
     whole = run(cartpole_cfg(*common, f"cluster.rollout_workers={first}"), tmp_path / "whole")
     from ppokit.checkpoint import load_checkpoint
 
     saved = load_checkpoint(periodic_checkpoint_path(tmp_path / "whole", 3))
     assert saved.parts["source"]["pending"]["iteration"] == 3  # the rollout in flight is in the checkpoint
+    assert len(saved.parts["source"]["pending"]["batches"]) == k  # iterations 3 .. 2 + k
+    assert [r["staleness"] for r in whole] == [min(i, k) for i in range(6)]
     resumed = resumed_run(
         tmp_path / "whole", tmp_path / "resumed", cartpole_cfg(*common, f"cluster.rollout_workers={then}"), 3
     )
     assert_rows_equal(resumed, whole, extra=DIST_ONLY)
 
 
-def test_arith_pipelined_resume_is_exact(tmp_path, cluster_clean, tiny_model_dir, digits_reward):
-    common = ("rollout.off_policy_steps=1", "train.iterations=4", "run.checkpoint_every=2")
+@pytest.mark.parametrize("k", [1, 2])
+def test_arith_pipelined_resume_is_exact(tmp_path, cluster_clean, tiny_model_dir, digits_reward, k):
+    common = (f"rollout.off_policy_steps={k}", "train.iterations=4", "run.checkpoint_every=2")
     whole = run(arith_cfg(tiny_model_dir, digits_reward, *common, "cluster.rollout_workers=1"), tmp_path / "whole")
     resumed = resumed_run(
         tmp_path / "whole", tmp_path / "resumed", arith_cfg(tiny_model_dir, digits_reward, *common), 2
     )
     assert_rows_equal(whole, resumed, extra=DIST_ONLY)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_cartpole_k_steps_off_on_a_worker_equals_in_process(tmp_path, cluster_clean, k):
+    """Up to k rollouts in flight on the worker: the same batches, sampled by the same
+    versions (i - min(i, k)), as the in-process queue."""
+    common = (f"rollout.off_policy_steps={k}", "train.iterations=7")
+    local = run(cartpole_cfg(*common), tmp_path / "local")
+    remote = run(cartpole_cfg(*common, "cluster.rollout_workers=1"), tmp_path / "remote")
+    assert [r["policy_version"] for r in remote] == [i - min(i, k) for i in range(7)]
+    assert [r["staleness"] for r in remote] == [min(i, k) for i in range(7)]
+    assert_rows_equal(remote, local, extra=DIST_ONLY)
+
+
+def test_arith_two_steps_off_on_a_worker_equals_in_process(tmp_path, cluster_clean, tiny_model_dir, digits_reward):
+    """Two LM rollouts in flight on the worker: the prompts drawn ahead do not change a batch's
+    ``data_epoch`` (the one after its own draw), and every row equals the in-process run's."""
+    common = ("rollout.off_policy_steps=2", "train.iterations=4")
+    local = run(arith_cfg(tiny_model_dir, digits_reward, *common), tmp_path / "local")
+    remote = run(arith_cfg(tiny_model_dir, digits_reward, *common, "cluster.rollout_workers=1"), tmp_path / "remote")
+    assert [r["staleness"] for r in remote] == [0, 1, 2, 2]
+    assert all(r["off_policy_kl"] > 0 for r in remote[1:])  # sampled by older weights than the update's
+    assert_rows_equal(remote, local, extra=DIST_ONLY)
 
 
 # ----------------------------------------------------------------------------- the ratios

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from lm_helpers import randomize
-from resume_helpers import assert_same_metrics, copy_without_final_checkpoint, read_rows
+from resume_helpers import LM_TIMING_KEYS, assert_same_metrics, copy_without_final_checkpoint, read_rows
 from test_policy import handmade_batch, lm_config
 
 from ppokit.cli import main
@@ -134,19 +134,7 @@ def test_checkpoint_of_a_critic_free_policy_holds_the_actor_alone(tiny_dir, tmp_
 
 # ----------------------------------------------------------------------------- runs
 ITERATIONS = 3
-TIMING = {
-    "time",
-    "wall_time",
-    "time_collect",
-    "time_iteration",
-    "time_generate",
-    "time_score",
-    "time_reward",
-    "time_update",
-    "gen_tokens_per_s",
-    "score_tokens_per_s",
-    "train_tokens_per_s",
-}
+TIMING = LM_TIMING_KEYS
 
 
 def grpo_run(tiny_dir, out: Path, name: str) -> Path:

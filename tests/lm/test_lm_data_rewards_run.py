@@ -18,25 +18,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from resume_helpers import assert_same_metrics, read_rows
+from resume_helpers import LM_TIMING_KEYS, assert_same_metrics, read_rows
 
 from ppokit import rundir
 from ppokit.cli import main
 from ppokit.lm.rewards import pool as reward_pool
 
-TIMING = {
-    "time",
-    "wall_time",
-    "time_collect",
-    "time_iteration",
-    "time_generate",
-    "time_score",
-    "time_reward",
-    "time_update",
-    "gen_tokens_per_s",
-    "score_tokens_per_s",
-    "train_tokens_per_s",
-}
+TIMING = LM_TIMING_KEYS
 REWARD = """
 import time
 

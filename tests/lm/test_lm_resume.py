@@ -18,26 +18,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from resume_helpers import assert_same_metrics, poison_value_loss, read_rows, sigterm_run, start_and_wait, train_cmd
+from resume_helpers import (
+    LM_TIMING_KEYS,
+    assert_same_metrics,
+    poison_value_loss,
+    read_rows,
+    sigterm_run,
+    start_and_wait,
+    train_cmd,
+)
 from safetensors.torch import load_file
 
 from ppokit import checkpoint, rundir
 from ppokit.cli import main
 
 # Differ between any two runs (wall-clock times and rates); every other field must match.
-TIMING = {
-    "time",
-    "wall_time",
-    "time_collect",
-    "time_iteration",
-    "time_generate",
-    "time_score",
-    "time_reward",
-    "time_update",
-    "gen_tokens_per_s",
-    "score_tokens_per_s",
-    "train_tokens_per_s",
-}
+TIMING = LM_TIMING_KEYS
 ITERATIONS = 7
 TRAINED_FILES = ("actor/adapter_model.safetensors", "critic/adapter_model.safetensors", "value_head.safetensors")
 

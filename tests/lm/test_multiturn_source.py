@@ -221,7 +221,7 @@ def first_free_cell(generate, tok):
     digit = {d: tok(d, add_special_tokens=False)["input_ids"] for d in "123456789"}
 
     def play(actor, prompts, greedy):
-        ids, _ = generate(actor, prompts, greedy)  # the model still generates for the seat's actor
+        generate(actor, prompts, greedy)  # the model still generates for the seat's actor
         boards = [tok.decode(p)[-22:-10] for p in prompts]  # "123\n456\n789\n" of "...x to move:"
         moves = [next(ch for ch in board if ch in digit) for board in boards]
         return [digit[m] + [tok.eos_token_id] for m in moves], moves

@@ -176,10 +176,7 @@ def test_the_factory_chooses_by_config_and_device():
     assert engine_kind("auto", "cpu") == "hf" and engine_kind("hf", "cpu") == "hf"
     with pytest.raises(UserError, match="rollout.engine=cuda needs a CUDA device, but the run is on cpu"):
         engine_kind("cuda", "cpu")
-    if not factory.cuda_engine_available():
-        with pytest.raises(UserError, match="no CUDA engine"):
-            engine_kind("cuda", "cuda")
-    assert engine_kind("auto", "cuda") == (factory.AUTO_ON_CUDA if factory.cuda_engine_available() else "hf")
+    assert engine_kind("auto", "cuda") == factory.AUTO_ON_CUDA and engine_kind("cuda", "cuda") == "cuda"
 
 
 def test_the_hf_engine_loads_rollout_weights_and_reports_no_memory_of_its_own(tiny_dir):

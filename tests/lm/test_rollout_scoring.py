@@ -240,9 +240,9 @@ def test_first_ratio_is_exactly_one(tiny_dir, tok, precision, device, monkeypatc
         forwards.append((out["log_prob"].detach(), mb["old_log_prob"], mb["mask"].bool()))
         return out
 
-    def spy_loss(log_prob, old_log_prob, *args, **kwargs):
-        losses.append((log_prob.detach(), old_log_prob))
-        return policy_loss(log_prob, old_log_prob, *args, **kwargs)
+    def spy_loss(inputs, algo_cfg):
+        losses.append((inputs.log_prob.detach(), inputs.old_log_prob))
+        return policy_loss(inputs, algo_cfg)
 
     policy.evaluate = spy_evaluate
     policy_loss = trainer.policy_loss

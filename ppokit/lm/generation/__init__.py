@@ -4,7 +4,7 @@
 - :mod:`.factory`  ``make_engine``: the engine ``rollout.engine`` names (hf, cuda, auto)
 - :mod:`.engine`   the Hugging Face engine: ``generate`` with a KV cache, padded tensors and masks
 - :mod:`.cuda_engine`  the CUDA engine: its own folded weights, a KV cache allocated once, decoding
-  steps captured in CUDA graphs (eager on the CPU); opt-in with ``rollout.engine=cuda``
+  steps captured in CUDA graphs (eager on the CPU); ``rollout.engine=auto``'s choice on CUDA
 - :mod:`.decoder`  the CUDA engine's model-agnostic forward for Llama/Qwen2/Qwen3/Mistral decoders
 - :mod:`.loading`  a trained actor or a model directory, ready to generate (``generate``, ``chat``, ``eval``)
 

@@ -51,7 +51,7 @@ bf16 mismatch against the scorer's log-probs (``mismatch_kl``, logged every iter
 against full, and whether the ~40 small kernels per layer (RMSNorm, rotary, residuals: no
 fusion without a compiler), SDPA's masked decode attention or the eager sampling between
 replays is the next cost. ``bench/rollout_engines.py`` and ``bench/gpu_check.py`` measure
-it; ``rollout.engine=auto`` keeps the HF engine until they have.
+it (docs/performance.md has the H200 figures that made it ``rollout.engine=auto``'s choice on CUDA).
 """
 
 from __future__ import annotations

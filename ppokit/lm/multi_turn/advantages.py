@@ -1,9 +1,16 @@
 """Advantages of multi-turn batches: credit over each trajectory's action tokens.
 
 The multi-turn workload gives the run loop :func:`trajectory_advantages` in place of the
-single-turn rule (:attr:`ppokit.components.Components.advantages`): the rows of one
+single-turn rule (:attr:`ppokit.components.Components.advantages`). The rows of one
 trajectory (named by ``traj_index``, :mod:`ppokit.lm.multi_turn.turn_batch`) are one
-sequence of turns for GAE by token or by turn (:func:`ppokit.algo.trajectory_credit`).
+sequence of turns:
+
+- ``algo.adv_estimator: gae`` (with the critic): GAE by token or by turn
+  (``algo.credit``, :func:`ppokit.algo.trajectory_credit`);
+- a group estimator (``grpo``, ``rloo``, ``reinforce_pp_baseline``; no critic): each
+  trajectory's return against the other trajectories of its group, the episodes of one
+  environment seed and one seat (``extras["traj_group"]``, :mod:`ppokit.lm.multi_turn.source`),
+  on every model token of the trajectory (:func:`ppokit.algo.trajectory_group_advantages`).
 """
 
 from __future__ import annotations
@@ -16,13 +23,32 @@ from ppokit.config import Config
 
 
 def trajectory_advantages(cfg: Config, batch: Batch) -> tuple[Tensor, Tensor]:
-    """Multi-turn batches (:mod:`ppokit.lm.multi_turn.turn_batch`): ``algo.credit`` (token or turn GAE,
+    """Multi-turn batches (:mod:`ppokit.lm.multi_turn.turn_batch`), (N, T) advantages and returns.
+
+    With the critic (``gae``): ``algo.credit`` (token or turn GAE,
     :func:`ppokit.algo.trajectory_credit`) over each trajectory's action tokens, whose rows
     ``traj_index`` names; truncated trajectories bootstrap from ``extras["last_values"]``.
     With ``algo.normalize_adv`` the advantages are whitened over all action tokens of the
-    batch at once, never per turn index (see :mod:`ppokit.algo.turns`)."""
+    batch at once, never per turn index (see :mod:`ppokit.algo.turns`).
+
+    With a group estimator: :func:`ppokit.algo.trajectory_group_advantages` with the groups
+    ``extras["traj_group"]`` (E,); like single-turn group estimators (verl), the advantages
+    keep the normalisation the estimator defines (``algo.normalize_adv`` does not whiten them).
+    """
     a, t = cfg.algo, batch.tensors
     truncated = batch.extras.get("traj_truncated")
+    num_trajectories = None if truncated is None else truncated.shape[0]
+    if not cfg.uses_critic:
+        advantages = algo.trajectory_group_advantages(
+            estimator=a.adv_estimator,
+            rewards=t["rewards"],
+            mask=t["mask"],
+            traj_index=t["traj_index"],
+            traj_group=batch.extras["traj_group"],
+            num_trajectories=num_trajectories,
+            norm_by_std=a.norm_adv_by_std_in_grpo,
+        )
+        return advantages
     advantages, returns = algo.trajectory_credit(
         credit=a.credit,
         rewards=t["rewards"],
@@ -30,7 +56,7 @@ def trajectory_advantages(cfg: Config, batch: Batch) -> tuple[Tensor, Tensor]:
         mask=t["mask"],
         traj_index=t["traj_index"],
         turn_index=t.get("turn_index"),
-        num_trajectories=None if truncated is None else truncated.shape[0],
+        num_trajectories=num_trajectories,
         truncated=truncated,
         last_values=batch.extras.get("last_values"),
         gamma=a.gamma,

@@ -12,6 +12,10 @@ loop with Python policies) for a whole batch of episodes::
         finished episodes drop out; the others' next observation goes into the next
             acting seat's Stream
 
+``generate(actor, prompts, greedy)`` returns the replies' tokens as sampled and their
+texts, and may return a third element: the engine's behaviour log-prob of each reply
+token (:attr:`TurnData.action_log_probs`, carried into the batch as ``rollout_log_prob``).
+
 Who plays a seat is the caller's ``seat_actors(episode, reset_info)``: an actor id
 (:data:`ppokit.envs.CURRENT`, the policy being trained, or a snapshot id of the
 opponent pool) per seat. Only the current policy's seats become :class:`Trajectory`
@@ -58,7 +62,12 @@ __all__ = ["EpisodePlayer", "PlayResult", "Trajectory", "TurnData", "TRUNCATION_
 TRUNCATION_REASONS = ("max_turns", "episode_tokens", "context", "env")
 
 # (actor id, prompt token lists, greedy) -> (action token lists as sampled, their decoded texts)
-Generate = Callable[[str, list[list[int]], bool], tuple[list[list[int]], list[str]]]
+# or (..., the engine's behaviour log-prob of each action token, or None): the rollout engine's
+# rollout_log_prob, carried into the batch for the trainer's rollout correction
+Generate = Callable[
+    [str, list[list[int]], bool],
+    tuple[list[list[int]], list[str]] | tuple[list[list[int]], list[str], list[list[float]] | None],
+]
 
 
 @dataclass
@@ -70,6 +79,8 @@ class TurnData:
     reward: float = 0.0
     observation: Any = ""  # the observation the action answered (for samples.jsonl)
     action_text: str = ""
+    # the engine's behaviour log-prob of each action token (len(action_ids)); None when it gave none
+    action_log_probs: list[float] | None = None
 
 
 @dataclass
@@ -182,22 +193,26 @@ class EpisodePlayer:
             by_actor: dict[str, list[_Episode]] = {}
             for ep in ready:
                 by_actor.setdefault(ep.actors.get(ep.seat, CURRENT), []).append(ep)
-            actions: dict[int, tuple[list[int], str]] = {}
+            actions: dict[int, tuple[list[int], str, list[float] | None]] = {}
             for actor, group in by_actor.items():
                 start = time.perf_counter()
                 with phase_peak() as peak:
-                    ids, texts = self.generate(actor, [ep.streams[ep.seat].prompt() for ep in group], greedy)
+                    out = self.generate(actor, [ep.streams[ep.seat].prompt() for ep in group], greedy)
                 t_gen += time.perf_counter() - start
                 peak_gen = max(peak_gen, peak.gb)
-                for ep, a, text in zip(group, ids, texts):
-                    actions[ep.index] = (a, text)
+                ids, texts = out[0], out[1]
+                log_probs = out[2] if len(out) > 2 and out[2] is not None else [None] * len(ids)
+                for ep, a, text, lp in zip(group, ids, texts, log_probs):
+                    if lp is not None and len(lp) != len(a):
+                        raise ValueError(f"generate gave {len(lp)} log-probs for a reply of {len(a)} tokens")
+                    actions[ep.index] = (a, text, lp)
                     tokens += len(a)
                     cut += len(a) >= self.max_new_tokens and a[-1] not in self.codec.stop_ids
                 actions_played += len(group)
             start = time.perf_counter()
             for ep in ready:
-                action_ids, text = actions[ep.index]
-                failed = self._step(ep, action_ids, text, truncations)
+                action_ids, text, log_probs = actions[ep.index]
+                failed = self._step(ep, action_ids, text, truncations, log_probs)
                 if failed is not None:
                     failures += 1
                     first_error = first_error or failed
@@ -242,7 +257,14 @@ class EpisodePlayer:
             return "episode_tokens"
         return None
 
-    def _step(self, ep: _Episode, action_ids: list[int], text: str, truncations: dict[str, int]) -> str | None:
+    def _step(
+        self,
+        ep: _Episode,
+        action_ids: list[int],
+        text: str,
+        truncations: dict[str, int],
+        log_probs: list[float] | None = None,
+    ) -> str | None:
         """Apply one action; returns the error text when the environment raised."""
         seat = ep.seat
         stream = ep.streams[seat]
@@ -255,7 +277,7 @@ class EpisodePlayer:
             trajectory = ep.trajectories.get(seat)
             if trajectory is None:
                 trajectory = ep.trajectories[seat] = Trajectory(ep.index, seat, stream)
-            trajectory.turns.append(TurnData(prompt, list(action_ids), result.reward, ep.observation, text))
+            trajectory.turns.append(TurnData(prompt, list(action_ids), result.reward, ep.observation, text, log_probs))
         info = result.info
         if result.done:
             ep.done = True

@@ -3,15 +3,28 @@
 :class:`MultiTurnSource` is a :class:`~ppokit.components.RolloutSource`: the run loop,
 the scorer and the learner train on what it collects unchanged. One iteration::
 
-    train.batch_size episodes, reset with seeds drawn from (seed, iteration, episode)
+    train.batch_size episodes, reset with seeds drawn from (seed, iteration, group), a group
+        being algo.group_size consecutive episodes (1 with the critic: a seed per episode)
     EpisodePlayer.play(...)      one batched generate per turn and actor (ppokit.lm.multi_turn.episodes)
-    trajectory_tensors(...)      the single-turn layout with a per-token action mask (ppokit.lm.multi_turn.turn_batch)
-    Batch(tensors, extras, samples, metrics)
+    trajectory_tensors(...)      the single-turn layout with a per-token action mask and the
+                                 engine's behaviour log-probs (ppokit.lm.multi_turn.turn_batch)
+    Batch(tensors, extras, samples, metrics)    extras["traj_group"] (E,): each trajectory's group
 
 then the scorer's one forward pass per row gives old/reference log-probs and values,
-:func:`ppokit.trainer.batch_advantages` applies ``algo.credit`` (token or turn GAE over
-each trajectory), and the learner updates in ``train.batch_size /
+:func:`ppokit.lm.multi_turn.advantages.trajectory_advantages` applies ``algo.credit`` (token
+or turn GAE over each trajectory) or, without a critic, the group estimator over each group's
+trajectories of one seat, and the learner updates in ``train.batch_size /
 train.mini_batch_size`` mini-batches of rows.
+
+Groups (``algo.adv_estimator`` grpo, rloo or reinforce_pp_baseline, ``algo.group_size`` G):
+episodes ``jG .. jG+G-1`` are reset with one seed and share one seat plan (in self-play
+the learner's seat and the other seat's actor, drawn once per group). The seed fixes the
+environment's own randomness (its start state, the random stream of an opponent it plays
+itself); the opponent's moves still follow the moves made, and a self-play opponent
+samples its own replies. A trajectory's group is its episode's group and its seat
+(:func:`trajectory_groups`); ``env/uniform_group_rate`` counts the groups whose returns
+are all equal (advantage 0). ``rollout.dynamic_sampling`` drops those groups and plays
+more, with new seeds, until the batch is full (:meth:`MultiTurnSource._collect_filtered`).
 
 Self-play (a two-player environment that plays no seat itself, e.g. ``tictactoe`` with
 ``opponent: self``): in each episode the learner's seat is
@@ -43,10 +56,14 @@ before training, every ``textenv.eval_every`` iterations and after.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
+from ppokit.algo.dynamic_sampling import group_range, varied
 from ppokit.components import Batch
 from ppokit.config import Config
 from ppokit.envs import CURRENT, OpponentPool, assign_seat, episode_metrics, make_env
@@ -74,16 +91,25 @@ def make_envs(spec: str, kwargs: dict[str, Any], n: int) -> list[Any]:
 
 def engine_generate(engine, opponents=None, opponent_engine=None) -> Callable:
     """The :class:`~ppokit.lm.multi_turn.episodes.EpisodePlayer`'s ``generate``: the current policy's engine for
-    :data:`~ppokit.envs.CURRENT`, the opponent slot's (with the snapshot loaded) for a snapshot id."""
+    :data:`~ppokit.envs.CURRENT`, the opponent slot's (with the snapshot loaded) for a snapshot id.
+    It returns each reply's tokens as sampled, its text and the engine's behaviour log-prob of
+    each of its tokens (``RolloutBatch.rollout_log_prob``; None when the engine gives none:
+    greedy generation)."""
 
-    def generate(actor: str, prompts: list[list[int]], greedy: bool) -> tuple[list[list[int]], list[str]]:
+    def generate(
+        actor: str, prompts: list[list[int]], greedy: bool
+    ) -> tuple[list[list[int]], list[str], list[list[float]] | None]:
         use = engine
         if actor != CURRENT:
             opponents.load(actor)
             use = opponent_engine
         batch = use.generate_ids(prompts, prompts=[""] * len(prompts), greedy=greedy)
         lengths = batch.mask.sum(1).long().tolist()
-        return [row[:n] for row, n in zip(batch.responses.tolist(), lengths)], batch.texts
+        ids = [row[:n] for row, n in zip(batch.responses.tolist(), lengths)]
+        log_probs = None
+        if batch.rollout_log_prob is not None:  # (n, R) float32, 0 after each reply's stop token
+            log_probs = [row[:n] for row, n in zip(batch.rollout_log_prob.float().tolist(), lengths)]
+        return ids, batch.texts, log_probs
 
     return generate
 
@@ -100,7 +126,7 @@ def player_for(
         max_new_tokens=cfg.rollout.max_new_tokens,
         context=context,
         max_episode_tokens=t.max_episode_tokens,
-        bootstrap=t.truncation == "bootstrap",
+        bootstrap=t.truncation == "bootstrap" and cfg.uses_critic,  # group estimators: no critic to ask
         failure_reward=t.failure_reward,
         env_name=env_name,
     )
@@ -140,30 +166,76 @@ class MultiTurnSource:
             self._add_snapshot(pinned=True)
         self.updates = 0
         self.role_baseline: dict[str, float] = {}
+        self.episodes_generated_total = 0  # rollout.dynamic_sampling: episodes played over the run
 
     # ------------------------------------------------------------------ collect
     def collect(self, iteration: int) -> Batch:
+        if self.cfg.rollout.dynamic_sampling.enable:
+            return self._collect_filtered(iteration)
         seeds, plans = self.episodes(iteration)
         return self.finish(iteration, self.player.play(seeds, seat_actors=seat_actors_of(plans)))
 
-    def episodes(self, iteration: int) -> tuple[list[int], list[dict]]:
+    def _collect_filtered(self, iteration: int) -> Batch:
+        """``rollout.dynamic_sampling`` (DAPO's dynamic sampling, as single-turn runs filter prompt
+        groups): draws of ``train.batch_size`` episodes (new seeds each, :meth:`episodes`) until
+        the groups whose returns vary (:func:`groups_with_signal`) fill the batch, or
+        ``max_gen_batches`` draws; the batch is the first ``batch_size / group_size`` such groups
+        in draw order, filled up at the limit with dropped groups in draw order."""
+        ds, n, g = self.cfg.rollout.dynamic_sampling, self.cfg.train.batch_size, self.cfg.algo.group_size
+        want = n // g
+        draws: list[tuple[PlayResult, list[bool]]] = []
+        while True:
+            seeds, plans = self.episodes(iteration, draw=len(draws))
+            result = self.player.play(seeds, seat_actors=seat_actors_of(plans))
+            draws.append((result, groups_with_signal(result.trajectories, g, want)))
+            kept = sum(sum(keep) for _, keep in draws)
+            if kept >= want or (ds.max_gen_batches and len(draws) >= ds.max_gen_batches):
+                break
+        chosen = [(d, j) for d, (_, keep) in enumerate(draws) for j in range(want) if keep[j]][:want]
+        padded = [(d, j) for d, (_, keep) in enumerate(draws) for j in range(want) if not keep[j]]
+        padded = padded[: want - len(chosen)]
+        results = [r for r, _ in draws]
+        batch = self.finish(iteration, select_groups(results, chosen + padded, g), played=n * len(draws))
+        generated = [r for result in results for r in self._learner_records(result)]
+        self.episodes_generated_total += n * len(draws)
+        batch.metrics.update(
+            {
+                "dynamic_sampling/gen_batches": float(len(draws)),
+                "dynamic_sampling/episodes_generated": float(n * len(draws)),
+                "dynamic_sampling/episodes_generated_total": float(self.episodes_generated_total),
+                "dynamic_sampling/kept_frac": kept / (want * len(draws)),
+                "dynamic_sampling/padded_groups": float(len(padded)),
+                "dynamic_sampling/return_mean_generated": sum(r.episode_return for r in generated)
+                / max(len(generated), 1),
+            }
+        )
+        return batch
+
+    def episodes(self, iteration: int, draw: int = 0) -> tuple[list[int], list[dict]]:
         """The reset seed and the seat plan (:func:`seat_actors_of`) of every episode of ``iteration``,
         in episode order: in self-play, the learner's seat and the other seat's actor, drawn from
         the opponent pool here (Ray workers play a contiguous share of them,
-        :mod:`ppokit.lm.multi_turn.shards`)."""
-        n = self.cfg.train.batch_size
-        seeds = [episode_seed(self.cfg.seed, iteration, i) for i in range(n)]
+        :mod:`ppokit.lm.multi_turn.shards`). Episodes ``j*G .. j*G + G - 1`` (``G`` =
+        ``algo.group_size``) form group j: one reset seed :func:`episode_seed` ``(seed, iteration,
+        j)``, one seat plan (the learner's seat, the other seat's actor drawn once). Draw ``d`` of an
+        iteration (``rollout.dynamic_sampling``) plays the groups ``d * B/G + j`` (new seeds)."""
+        n, g = self.cfg.train.batch_size, self.cfg.algo.group_size
+        groups = n // g
+        first = draw * groups  # the draw's first group
+        seeds = [episode_seed(self.cfg.seed, iteration, first + i // g) for i in range(n)]  # a group: one seed
         seat_mode = self.cfg.textenv.seat
         plans = []
-        for i in range(n):
-            learner = assign_seat(iteration * n + i, mode=seat_mode, seed=self.cfg.seed)
+        for j in range(groups):  # a group: one seat for the learner, one actor for the other seat
+            learner = assign_seat(iteration * groups + j, mode=seat_mode, seed=self.cfg.seed)
             other = self.pool.sample() if self.pool is not None else CURRENT
-            plans.append({learner: CURRENT, 1 - learner: other, "learner": learner})
+            plans += [{learner: CURRENT, 1 - learner: other, "learner": learner} for _ in range(g)]
         return seeds, plans
 
-    def finish(self, iteration: int, result: PlayResult) -> Batch:
-        """The batch of the played episodes: failures checked, role baselines, tensors, metrics, samples."""
-        n = self.cfg.train.batch_size
+    def finish(self, iteration: int, result: PlayResult, played: int | None = None) -> Batch:
+        """The batch of the played episodes: failures checked, role baselines, tensors, metrics, samples.
+        ``played``: the episodes played for it (``rollout.dynamic_sampling``: every draw's; default
+        ``train.batch_size``), over which the failure and truncation rates are taken."""
+        n = played or self.cfg.train.batch_size
         check_failure_rate(
             result.failures,
             n,
@@ -176,10 +248,13 @@ class MultiTurnSource:
         tensors, extras = trajectory_tensors(
             result.trajectories, mode=self.mode, pad_id=self.pad_id, device=self.device
         )
+        extras["traj_group"] = trajectory_groups(result.trajectories, self.cfg.algo.group_size).to(self.device)
         metrics = episode_metrics(learner)
         # the learner's mean episode return, under the name the progress line and `ppokit plot` read
         metrics["reward_mean"] = metrics.get("env/return_mean", 0.0)
         metrics.update(self._play_metrics(result, n))
+        if self.cfg.algo.group_size > 1:
+            metrics["env/uniform_group_rate"] = uniform_group_rate(result.trajectories, extras["traj_group"])
         metrics.update(
             rows=float(len(tensors["mask"])),
             trajectories=float(len(result.trajectories)),
@@ -279,7 +354,11 @@ class MultiTurnSource:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"updates": self.updates, "role_baseline": dict(self.role_baseline)}
+        state: dict[str, Any] = {
+            "updates": self.updates,
+            "role_baseline": dict(self.role_baseline),
+            "episodes_generated_total": self.episodes_generated_total,
+        }
         if self.pool is not None:
             state["pool"] = self.pool.state_dict()
             state["snapshots"] = self.opponents.state_dict()
@@ -288,10 +367,72 @@ class MultiTurnSource:
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         self.updates = int(state["updates"])
         self.role_baseline = {str(k): float(v) for k, v in state.get("role_baseline", {}).items()}
+        self.episodes_generated_total = int(state.get("episodes_generated_total", 0))
         if self.pool is not None:
             self.pool.load_state_dict(state["pool"])
             self.opponents.load_state_dict(state["snapshots"])
         return []
+
+
+def trajectory_groups(trajectories: Sequence[Trajectory], group_size: int) -> torch.Tensor:
+    """(E,) long: the group of each trajectory, numbered 0.. in order of appearance. A group is
+    one seat of the episodes that share a reset seed (episode ``// group_size``): in self-play
+    each seat's trajectories are compared with the same seat's."""
+    keys: dict[tuple[int, int | None], int] = {}
+    ids = [keys.setdefault((t.episode // group_size, t.seat), len(keys)) for t in trajectories]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def uniform_group_rate(trajectories: Sequence[Trajectory], groups: torch.Tensor) -> float:
+    """The fraction of groups whose trajectories all have the same return (a group estimator
+    gives them advantage 0: no signal; a group of one counts as uniform)."""
+    returns: dict[int, set[float]] = {}
+    for traj, g in zip(trajectories, groups.tolist()):
+        returns.setdefault(g, set()).add(traj.episode_return)
+    return sum(len(r) == 1 for r in returns.values()) / max(len(returns), 1)
+
+
+def groups_with_signal(trajectories: Sequence[Trajectory], group_size: int, num_groups: int) -> list[bool]:
+    """``keep`` per episode group (``num_groups`` of them): True when the returns of the trajectories
+    of one of its seats vary (:func:`ppokit.algo.dynamic_sampling.group_range` and ``varied``:
+    at least 2 trajectories, max > min), so that a group estimator gives them a nonzero advantage."""
+    keep = [False] * num_groups
+    if not trajectories:
+        return keep
+    returns = torch.tensor([t.episode_return for t in trajectories], dtype=torch.float64)  # (E,)
+    lo, hi, count, index = group_range(returns, group_ids=trajectory_groups(trajectories, group_size))
+    signal = varied(lo, hi, count)  # (groups of trajectories,)
+    for traj, k in zip(trajectories, index.tolist()):
+        keep[traj.episode // group_size] |= bool(signal[k])
+    return keep
+
+
+def select_groups(results: Sequence[PlayResult], picks: Sequence[tuple[int, int]], group_size: int) -> PlayResult:
+    """One :class:`PlayResult` of the episode groups ``picks`` ((draw, group) pairs, in that order) of
+    the draws ``results``, renumbered as episodes ``0 ..``; what the draws counted and measured
+    (truncations, failures, times, tokens) summed over all of them."""
+    trajectories, records, actors = [], [], []
+    for k, (d, j) in enumerate(picks):
+        r = results[d]
+        for t in r.trajectories:
+            if t.episode // group_size == j:
+                trajectories.append(dataclasses.replace(t, episode=k * group_size + t.episode % group_size))
+        records += r.records[j * group_size : (j + 1) * group_size]
+        actors += r.actors[j * group_size : (j + 1) * group_size]
+    return PlayResult(
+        trajectories=trajectories,
+        records=records,
+        actors=actors,
+        truncations={k: sum(r.truncations[k] for r in results) for k in TRUNCATION_REASONS},
+        failures=sum(r.failures for r in results),
+        first_error=next((r.first_error for r in results if r.first_error), None),
+        time_generate=sum(r.time_generate for r in results),
+        time_env=sum(r.time_env for r in results),
+        peak_gb_generate=max(r.peak_gb_generate for r in results),
+        generated_tokens=sum(r.generated_tokens for r in results),
+        actions=sum(r.actions for r in results),
+        cut_replies=sum(r.cut_replies for r in results),
+    )
 
 
 def seat_actors_of(plans: Sequence[dict]) -> Callable[[int, dict], dict]:

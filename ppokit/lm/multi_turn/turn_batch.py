@@ -21,6 +21,12 @@ ratio, an entropy, a KL or a value loss; ``attention_mask`` is 1 on every real t
                           of a seat that did not make the last move is on its last turn)
     turn_index    (N, R)  the turn number of each action token in its trajectory, -1 elsewhere
     traj_index    (N,)    the trajectory of each row (rows of a trajectory in time order)
+    rollout_log_prob (N, R)  float32: the rollout engine's behaviour log-prob of each action
+                          token (as it sampled it: :attr:`TurnData.action_log_probs`), 0 on
+                          environment tokens and padding; aligned with the scorer's
+                          ``old_log_prob``. Only when every turn carries them (sampled, not
+                          greedy): the trainer measures the mismatch and applies
+                          ``algo.rollout_correction`` with them (:mod:`ppokit.algo.rollout_correction`)
 
 and, per trajectory (E of them): ``traj_truncated`` (E,), and for those that bootstrap
 ``bootstrap_input_ids`` / ``bootstrap_attention_mask`` (B, L) left-padded prompts with
@@ -43,14 +49,16 @@ __all__ = ["trajectory_rows", "trajectory_tensors"]
 
 def trajectory_rows(
     trajectories: Sequence[Trajectory], mode: str
-) -> list[tuple[int, list[int], list[int], list[tuple[int, int, int, float]]]]:
-    """``(trajectory, prompt ids, response ids, [(start, end, turn, reward)])`` per row;
-    ``start:end`` is an action's span in the response ids."""
+) -> list[tuple[int, list[int], list[int], list[tuple[int, int, int, float, list[float] | None]]]]:
+    """``(trajectory, prompt ids, response ids, [(start, end, turn, reward, log-probs)])`` per row;
+    ``start:end`` is an action's span in the response ids, ``log-probs`` its tokens' behaviour
+    log-probs (:attr:`TurnData.action_log_probs`, or None)."""
     rows = []
     for e, traj in enumerate(trajectories):
         if mode == "state":
             for k, turn in enumerate(traj.turns):
-                rows.append((e, turn.prompt_ids, turn.action_ids, [(0, len(turn.action_ids), k, turn.reward)]))
+                span = (0, len(turn.action_ids), k, turn.reward, turn.action_log_probs)
+                rows.append((e, turn.prompt_ids, turn.action_ids, [span]))
             continue
         stream = traj.stream
         first = stream.first_prompt_length
@@ -61,7 +69,10 @@ def trajectory_rows(
                 e,
                 stream.ids[:first],
                 stream.ids[first:end],
-                [(s - first, t - first, k, turn.reward) for k, ((s, t), turn) in enumerate(zip(spans, traj.turns))],
+                [
+                    (s - first, t - first, k, turn.reward, turn.action_log_probs)
+                    for k, ((s, t), turn) in enumerate(zip(spans, traj.turns))
+                ],
             )
         )
     return rows
@@ -82,13 +93,17 @@ def trajectory_tensors(
     token_scores = torch.zeros((N, R), dtype=torch.float32)
     turn_index = torch.full((N, R), -1, dtype=torch.long)
     traj_index = torch.tensor([r[0] for r in rows], dtype=torch.long)
+    carried = all(span[4] is not None for r in rows for span in r[3])  # every turn has its log-probs
+    rollout_log_prob = torch.zeros((N, R), dtype=torch.float32) if carried else None  # (N, R)
     for n, (_, _, response, spans) in enumerate(rows):
         responses[n, : len(response)] = torch.tensor(response, dtype=torch.long)
         response_attention[n, : len(response)] = 1
-        for start, end, turn, reward in spans:
+        for start, end, turn, reward, log_probs in spans:
             mask[n, start:end] = 1.0
             turn_index[n, start:end] = turn
             token_scores[n, end - 1] += reward
+            if rollout_log_prob is not None:
+                rollout_log_prob[n, start:end] = torch.tensor(log_probs, dtype=torch.float32)
     attention_mask = torch.cat([prompt_mask, response_attention], 1)  # (N, P + R)
     tensors = {
         "input_ids": torch.cat([prompt_ids, responses], 1),
@@ -100,6 +115,8 @@ def trajectory_tensors(
         "turn_index": turn_index,
         "traj_index": traj_index,
     }
+    if rollout_log_prob is not None:
+        tensors["rollout_log_prob"] = rollout_log_prob
     extras = {"traj_truncated": torch.tensor([t.truncated for t in trajectories], dtype=torch.bool)}
     boot = [(e, t.bootstrap_ids) for e, t in enumerate(trajectories) if t.bootstrap_ids is not None]
     if boot:

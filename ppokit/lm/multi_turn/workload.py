@@ -143,8 +143,14 @@ class MultiTurnWorkload:
         evaluator = None
         if t.eval_episodes:
             evaluator = TextEnvEvaluator(cfg, engine_generate(rollout.engine), rollout.codec, rollout.context, env_name)
+        a = cfg.algo
+        credit = (
+            f"credit by {a.credit}"
+            if cfg.uses_critic
+            else f"{a.adv_estimator} over groups of {a.group_size} episodes of one seed"
+        )
         header = [
-            f"lm on {env_name} ({mode} mode, credit by {cfg.algo.credit}): {stack.describe()}, "
+            f"lm on {env_name} ({mode} mode, {credit}): {stack.describe()}, "
             f"{cfg.iterations} iterations of {cfg.train.batch_size} episodes"
         ]
         if micro_batches:

@@ -54,6 +54,9 @@ class SequenceRewards:
             raise UserError("no reward: set data.reward (a verifier), data.reward_model or data.shaping.format_pattern")
         self.scaler = RunningRewardScaler() if self.shaping.normalize == "running" else None
         self.total_errors = 0  # reward-function failures over the run
+        # each source's (N,) scores in the last call, before weights and shaping (the verifier's is
+        # what rollout.dynamic_sampling.metric=verifier filters on)
+        self.last_sources: dict[str, torch.Tensor] = {}
         self.reasons: Counter = Counter()
 
     def __call__(self, rollout) -> tuple[torch.Tensor, dict[str, float], list[dict[str, Any]]]:
@@ -84,6 +87,7 @@ class SequenceRewards:
             weights["reward_model"] = s.reward_model_weight
         if s.format_pattern is not None:
             sources["format"], weights["format"] = format_score(rollout.texts, s.format_pattern), s.format_weight
+        self.last_sources = sources
         rewards, source_metrics = combine_rewards(sources, weights)  # (N,)
         metrics.update(source_metrics)
         lengths = rollout.response_lengths.cpu()

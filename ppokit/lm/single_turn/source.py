@@ -17,22 +17,23 @@ from typing import Any
 
 import torch
 
-from ppokit.components import Batch
+from ppokit.components import Batch, RolloutQueue
 from ppokit.config import Config
 from ppokit.errors import UserError
 from ppokit.lm.generation.engine import RolloutBatch, position_ids_from
 from ppokit.lm.rewards.functions import reward_fields
 from ppokit.lm.scoring import POLICY_INPUTS
-from ppokit.resume import rollout_rngs
+from ppokit.lm.single_turn.dynamic_sampling import DynamicSampler, check_filter_metric
+from ppokit.resume import DRAW_STREAM, rollout_rngs
 
-# the RNG stream of the rewards of a rollout that runs ahead (rollout.off_policy_steps=1)
+# the RNG stream of the rewards of a rollout that runs ahead (rollout.off_policy_steps >= 1)
 REWARD_STREAM = 2**31
 
 
 @dataclass
 class RolloutPart:
     """What generation gives (in-process, or a rollout worker's shard): the sequences and,
-    with ``rollout.off_policy_steps=1``, the sampling policy's log-probs of their tokens."""
+    with ``rollout.off_policy_steps`` >= 1, the sampling policy's log-probs of their tokens."""
 
     rollout: Any  # a ppokit.lm.generation.engine.RolloutBatch
     old_log_prob: torch.Tensor | None = None  # (N, R) behaviour log-probs, 0 on padding
@@ -45,9 +46,9 @@ class LMSource:
     Two steps: :meth:`collect_shard` generates (on a rollout worker, a shard of the
     prompts; there ``prompts`` and ``rewards`` are None) and :meth:`finish` scores the
     responses and measures them where the prompts' position and the rewards' state live
-    (the training process). With ``rollout.off_policy_steps=1`` generation also returns
+    (the training process). With ``rollout.off_policy_steps`` >= 1 generation also returns
     the sampling (behaviour) policy's log-probs, computed by ``policy`` in the scorer's
-    chunks right after generation: the update, one version later, takes its ratios
+    chunks right after generation: the update, up to k versions later, takes its ratios
     against them.
     """
 
@@ -61,22 +62,37 @@ class LMSource:
         self.dropped_prompts = dropped_prompts
         self.policy = policy
         self.policy_version = 0  # the learner's version of the actor's weights
-        self.pending: tuple[int, Batch] | None = None  # a prefetched iteration and its batch
+        self.queue = RolloutQueue()  # iterations collected ahead (rollout.off_policy_steps)
+        ds = cfg.rollout.dynamic_sampling
+        # rollout.dynamic_sampling: the iteration's generation batches (the driver's; none on a rollout worker)
+        self.sampler = DynamicSampler(cfg) if ds.enable and prompts is not None else None
+        if self.sampler is not None:
+            check_filter_metric(cfg, has_verifier=rewards.verifier is not None)
 
     def collect(self, iteration: int) -> Batch:
-        if self.pending is not None and self.pending[0] == iteration:
-            batch, self.pending = self.pending[1], None
+        batch = self.queue.pop(iteration)
+        if batch is not None:
             return batch
         return self._collect(iteration, self.prompts.next_batch())
 
     def prefetch(self, iteration: int) -> None:
-        """Collect ``iteration`` now (in this process nothing overlaps with the update)."""
-        self.pending = (iteration, self._collect(iteration, self.prompts.next_batch()))
+        """Collect ``iteration`` now, unless it is queued (in this process nothing overlaps
+        with the update)."""
+        if iteration not in self.queue:  # each iteration is drawn and generated once, in order
+            self.queue.put(iteration, self._collect(iteration, self.prompts.next_batch()))
 
     def _collect(self, iteration: int, items: list[dict]) -> Batch:
+        batch = self._draw(iteration, items)
+        while batch is None:  # rollout.dynamic_sampling: too few groups with reward variance yet
+            batch = self._draw(iteration, self.prompts.next_batch())
+        return batch
+
+    def _draw(self, iteration: int, items: list[dict]) -> Batch | None:
         if not self.cfg.rollout.off_policy_steps:
             return self.finish(iteration, self.collect_shard(iteration, items))
-        with rollout_rngs(self.cfg.seed, iteration):  # seeded per iteration: the same on a Ray worker
+        draw = self.sampler.draw if self.sampler is not None else 0
+        # seeded per iteration (and generation batch): the same on a Ray worker
+        with rollout_rngs(self.cfg.seed, iteration, draw * DRAW_STREAM):
             part = self.collect_shard(iteration, items)
         return self.finish(iteration, part)
 
@@ -85,8 +101,8 @@ class LMSource:
         rollout = self.engine.generate(
             [x["prompt"] for x in request], group_size=self.cfg.algo.group_size, items=request
         )
-        if not self.cfg.rollout.off_policy_steps:
-            return RolloutPart(rollout)
+        if not self.cfg.rollout.off_policy_steps or self.cfg.algo.rollout_correction_bypass:
+            return RolloutPart(rollout)  # bypass: the engine's rollout_log_prob are the behaviour log-probs
         start = time.perf_counter()
         old_log_prob = self.behaviour_log_probs(rollout.tensors())
         return RolloutPart(rollout, old_log_prob, time.perf_counter() - start)
@@ -101,12 +117,15 @@ class LMSource:
         ]
         return torch.cat(parts).float() * tensors["mask"]
 
-    def finish(self, iteration: int, part: RolloutPart) -> Batch:
+    def finish(self, iteration: int, part: RolloutPart) -> Batch | None:
         """The batch of a rollout: sequence rewards (seeded per iteration when the rollout ran
-        ahead), metrics and samples."""
+        ahead), metrics and samples. With ``rollout.dynamic_sampling``: None until the groups
+        with reward variance fill the batch (the caller draws another generation batch), then
+        the batch of the iteration's draws (:mod:`ppokit.lm.single_turn.dynamic_sampling`)."""
         rollout = part.rollout
+        draw = self.sampler.draw if self.sampler is not None else 0
         seeded = (
-            rollout_rngs(self.cfg.seed, iteration, REWARD_STREAM)
+            rollout_rngs(self.cfg.seed, iteration, REWARD_STREAM + draw)
             if self.cfg.rollout.off_policy_steps
             else contextlib.nullcontext()
         )
@@ -120,6 +139,15 @@ class LMSource:
                 f"iteration {iteration}: reward_mean is {scores.mean().item()}; check the reward "
                 "function (the metrics so far are in metrics.jsonl)"
             )
+        sampled: dict[str, float] = {}
+        if self.sampler is not None:
+            values = scores if self.sampler.metric == "reward" else self.rewards.last_sources["verifier"]
+            if not self.sampler.add(part, scores, values, marks, reward_metrics, time_reward):
+                return None
+            part, scores, marks, reward_metrics, time_reward, sampled = self.sampler.take(
+                lambda parts: concat_parts(parts, self.engine.pad_id)
+            )
+            rollout = part.rollout
         lengths = rollout.response_lengths
         metrics = {
             "reward_mean": scores.mean().item(),
@@ -134,6 +162,7 @@ class LMSource:
             "data_epoch": self.prompts.epoch + self.prompts.position / len(self.prompts.items),
             **reward_metrics,
         }
+        metrics.update(sampled)
         if self.dropped_prompts:
             metrics["prompts_dropped"] = float(self.dropped_prompts)
         tensors = {**rollout.tensors(), "scores": scores, "group_ids": rollout.group_ids}
@@ -167,8 +196,11 @@ class LMSource:
         if self.prompts is None:  # a rollout worker's: nothing of its own
             return {}
         state: dict[str, Any] = {"prompts": self.prompts.state_dict(), "rewards": self.rewards.state_dict()}
-        if self.pending is not None:
-            state["pending"] = {"iteration": self.pending[0], "batch": self.pending[1].state_dict()}
+        queued = self.queue.state_dict()
+        if queued is not None:
+            state["pending"] = queued
+        if self.sampler is not None:
+            state["dynamic_sampling"] = self.sampler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
@@ -176,8 +208,9 @@ class LMSource:
             return []
         self.prompts.load_state_dict(state["prompts"])
         self.rewards.load_state_dict(state.get("rewards", {}))  # (absent in checkpoints before it existed)
-        pending = state.get("pending")
-        self.pending = (int(pending["iteration"]), Batch.from_state(pending["batch"])) if pending else None
+        self.queue.load_state_dict(state.get("pending"))
+        if self.sampler is not None:
+            self.sampler.load_state_dict(state.get("dynamic_sampling", {}))
         return []
 
 
@@ -186,21 +219,33 @@ class LMShardPlan:
     in-process) go out in N contiguous slices of whole groups; the generated parts come
     back in that order, are padded to one layout (one worker: its part as it is) and
     scored here by the run's own source (:meth:`LMSource.finish`: rewards, their state,
-    the prompts' position)."""
+    the prompts' position). With several rollouts in flight (``rollout.off_policy_steps``
+    > 1) later prompts are drawn before a batch is merged: its ``data_epoch`` is the one
+    after its own draw, as in-process."""
 
     steps_per_iteration = None
 
     def __init__(self, source: LMSource, num_shards: int):
         self.source, self.num_shards = source, num_shards
+        self.drawn_epoch: dict[int, float] = {}  # iteration in flight -> data_epoch after its draw
 
     def requests(self, iteration: int) -> list[list[dict]]:
-        items = self.source.prompts.next_batch()
+        prompts = self.source.prompts
+        items = prompts.next_batch()
+        self.drawn_epoch[iteration] = prompts.epoch + prompts.position / len(prompts.items)
         k = len(items) // self.num_shards
         return [items[i * k : (i + 1) * k] for i in range(self.num_shards)]
 
-    def merge(self, iteration: int, parts: list[RolloutPart], states: list[dict[str, Any]]) -> Batch:
+    def merge(self, iteration: int, parts: list[RolloutPart], states: list[dict[str, Any]]) -> Batch | None:
+        """The iteration's batch; None (``rollout.dynamic_sampling``) when it needs another
+        generation batch: :class:`~ppokit.dist.rollout_workers.RemoteSource` asks for new requests."""
         part = parts[0] if len(parts) == 1 else concat_parts(parts, self.source.engine.pad_id)
-        return self.source.finish(iteration, part)
+        batch = self.source.finish(iteration, part)
+        if batch is None:
+            return None
+        if iteration in self.drawn_epoch:
+            batch.metrics["data_epoch"] = self.drawn_epoch.pop(iteration)
+        return batch
 
     def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
         return self.source.state_dict()

@@ -59,6 +59,7 @@ from ppokit.lm.rewards.pool import make_reward_scorer
 from ppokit.lm.rewards.reward_model import RewardModel
 from ppokit.lm.rewards.sandbox import describe_isolation, isolation_warning
 from ppokit.lm.rewards.sequence import SequenceRewards
+from ppokit.lm.single_turn.dynamic_sampling import check_filter_metric
 from ppokit.lm.single_turn.evaluator import LMEvaluator
 from ppokit.lm.single_turn.source import LMShardPlan, LMSource
 from ppokit.resume import seed_globals
@@ -76,7 +77,8 @@ class LMWorkload:
     def check_inputs(self) -> None:
         """Prompts, held-out set, reward function and model directory, before a run directory exists."""
         cfg = self.cfg
-        train_items, eval_items, _ = load_data(cfg)
+        train_items, eval_items, reward_fn = load_data(cfg)
+        check_filter_metric(cfg, has_verifier=reward_fn is not None)
         if cfg.model.path != "tiny":
             causal_lm_config(cfg.model.path)
         tokenizer = prompt_tokenizer(cfg)  # loaded once for every check (a bad directory: one line)
