@@ -716,7 +716,9 @@ def fsdp_line(r: dict) -> str:
     seconds = ", ".join(f"{x['update_s']:.2f} s" + (" offloaded" if x["offload"] else "") for x in r["learners"])
     return (
         f"{'ok' if r['ok'] else 'FAILED'} on {r['backend']}; against the unsharded learner: metrics within "
-        f"{a.get('ddp_max_rel_metric', nan):.1e} ({a.get('ddp_worst') or '-'}), weights' change within "
+        f"{a.get('ddp_max_rel_metric', nan):.1e} ({a.get('ddp_worst') or '-'}), token fractions within "
+        f"{a.get('ddp_max_frac_diff', nan):.2f} ({a.get('ddp_frac_worst') or '-'}), the first update's "
+        f"direction at cosine {a.get('ddp_first_update_cosine', nan):.4f}, weights' change within "
         f"{a.get('ddp_weight_rel', nan):.1e}; resumed from DCP: {a.get('resume_max_rel_metric', nan):.1e}"
         f"; an update {seconds}"
     )

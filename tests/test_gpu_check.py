@@ -94,12 +94,16 @@ def test_the_fsdp_line_says_the_verdict_and_the_differences():
         "against_ddp": {
             "ddp_max_rel_metric": 0.004,
             "ddp_worst": "update 2: value_loss",
+            "ddp_max_frac_diff": 0.03125,
+            "ddp_frac_worst": "update 1: vf_clipfrac",
+            "ddp_first_update_cosine": 0.99544,
             "ddp_weight_rel": 0.02,
             "resume_max_rel_metric": 0.0,
         },
     }
     line = gpu_check.fsdp_line(result)
     assert line.startswith("ok on nccl; against the unsharded learner: metrics within 4.0e-03 (update 2: value_loss)")
+    assert "token fractions within 0.03 (update 1: vf_clipfrac), the first update's direction at cosine 0.9954" in line
     assert "resumed from DCP: 0.0e+00" in line and line.endswith("an update 0.50 s, 1.25 s offloaded")
     assert gpu_check.fsdp_line({"error": "out of memory"}) == "error: out of memory"
 

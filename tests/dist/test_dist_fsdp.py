@@ -137,3 +137,30 @@ def test_one_fsdp_learner_check_runs_on_the_cpu():
     line = [x for x in proc.stdout.splitlines() if x.startswith("FSDP_CHECK_RESULT ")][-1]
     result = json.loads(line.split(" ", 1)[1])
     assert result["ok"] and [r["offload"] for r in result["learners"]] == [False, True]
+
+
+def test_fsdp_in_bf16_agrees_with_the_unsharded_learner_within_bf16_tolerance():
+    """``--smoke --bf16``: FSDP's bf16 parameters against the unsharded learner's bf16 autocast are
+    not bit-identical (on the GPU they differed by 8% in a token fraction and 27% in the weights'
+    relative change), but their continuous metrics agree within 5% and the first update points the
+    same way (measured here: 4.3e-4 after one update, 4.7e-2 by the third; cosine 0.995)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from resume_helpers import subprocess_env
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "fsdp_check.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--bf16", "--updates", "1"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("FSDP_CHECK_RESULT ")][-1]
+    against = json.loads(line.split(" ", 1)[1])["against_ddp"]
+    assert proc.returncode == 0 and against["ok"], against
+    assert against["ddp_max_rel_metric"] > 0  # bf16 on both sides, but not the same numerics
+    assert against["ddp_first_update_cosine"] >= 0.99
