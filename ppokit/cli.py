@@ -625,14 +625,14 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     from ppokit import config as config_mod
+    from ppokit.workloads import describe, workload_kind
 
     if args.config_command == "show":
         print(config_mod.load_config(args.config, args.overrides).to_yaml(), end="")
     elif args.config_command == "list":
         for name in config_mod.preset_names():
             cfg = config_mod.load_config(name)
-            what = cfg.env.id if cfg.workload == "control" else f"{cfg.data.prompts} on model {cfg.model.path}"
-            print(f"{name:14s} {cfg.workload:8s} {what}")
+            print(f"{name:14s} {workload_kind(cfg):8s} {describe(cfg)}")
     elif args.config_command == "fields":
         for path, default, aliases, description in config_mod.describe_fields():
             alias_text = f"  (aliases: {aliases})" if aliases else ""

@@ -1,4 +1,4 @@
-"""Which workload trains a config: ``workload: control`` or ``workload: lm``.
+"""Which workload trains a config: control, single-turn LM or multi-turn LM (:func:`workload_kind`).
 
 :func:`train` is the library's entry point for a whole run (what ``ppokit train`` calls)::
 
@@ -18,26 +18,39 @@ from typing import Any
 
 from ppokit.config import Config
 
-# workload name -> (module, class); imported on demand (the LM stack is heavy)
+# workload kind -> (module, class); imported on demand (the LM stack is heavy)
 WORKLOADS = {
     "control": ("ppokit.control.workload", "ControlWorkload"),
     "lm": ("ppokit.lm.single_turn.workload", "LMWorkload"),
+    "textenv": ("ppokit.lm.multi_turn.workload", "MultiTurnWorkload"),
 }
 
 
+def workload_kind(cfg: Config) -> str:
+    """``control``; ``lm``, prompts and a reward (single-turn); ``textenv``, episodes of a text
+    environment (``workload: lm`` with ``textenv.env`` set: multi-turn)."""
+    return "textenv" if cfg.workload == "lm" and cfg.textenv.env is not None else cfg.workload
+
+
+def describe(cfg: Config) -> str:
+    """What ``cfg`` trains, in a few words (``ppokit config list``)."""
+    kind = workload_kind(cfg)
+    if kind == "control":
+        return cfg.env.id
+    if kind == "textenv":
+        opponent = cfg.textenv.kwargs.get("opponent")
+        against = f" against {opponent}" if opponent else ""
+        return f"{cfg.textenv.env} episodes{against} on model {cfg.model.path}"
+    return f"{cfg.data.prompts} on model {cfg.model.path}"
+
+
 def make_workload(cfg: Config):
-    """The :class:`~ppokit.components.Workload` of ``cfg.workload``, built from ``cfg``: the
-    multi-turn one when ``textenv.env`` names an environment; with ``cluster.rollout_workers``
-    or ``cluster.learners`` > 1, on Ray (:mod:`ppokit.dist`)."""
+    """The :class:`~ppokit.components.Workload` of :func:`workload_kind`, built from ``cfg``; with
+    ``cluster.rollout_workers`` or ``cluster.learners`` > 1, on Ray (:mod:`ppokit.dist`)."""
     from ppokit.dist import require_ray, wants_cluster
 
-    if cfg.workload == "lm" and cfg.textenv.env is not None:  # multi-turn episodes with a text environment
-        from ppokit.lm.multi_turn.workload import MultiTurnWorkload
-
-        workload = MultiTurnWorkload(cfg)
-    else:
-        module, name = WORKLOADS[cfg.workload]
-        workload = getattr(importlib.import_module(module), name)(cfg)
+    module, name = WORKLOADS[workload_kind(cfg)]
+    workload = getattr(importlib.import_module(module), name)(cfg)
     if wants_cluster(cfg):
         from ppokit.dist.workload import DistributedWorkload
 

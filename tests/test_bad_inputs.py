@@ -197,6 +197,16 @@ def test_bad_input(case, tmp_path, monkeypatch, capsys, sources):
     assert_one_line_error(status, err, fill(spec["expect"]))
 
 
+def test_a_text_environment_in_message_mode_without_a_chat_template_writes_nothing(tmp_path, capsys, monkeypatch):
+    """Refused among the pre-start checks: no run directory is made (it used to be, with the header)."""
+    case = CORPUS / "data" / "textenv_messages_without_chat_template"
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    status, err = run_cli(["train", str(case / "calculator.yaml"), "--output-dir", str(runs), "--no-progress"], capsys)
+    assert_one_line_error(status, err, "gave chat messages as the observation, but data.chat_template is false")
+    assert not runs.exists() or not any(runs.iterdir())
+
+
 def test_corpus_size():
     counts = {kind: len([c for c in FOLDER_CASES if c.parent.name == kind]) for kind in FOLDER_KINDS}
     counts["config"] = len(CONFIG_CASES)

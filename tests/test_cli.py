@@ -62,6 +62,19 @@ def test_config_fields_describes_every_field():
     assert "algo.gae_lambda = 0.95" in proc.stdout and "aliases: lam" in proc.stdout
 
 
+def test_config_list_says_what_each_workload_trains(capsys):
+    """Each preset described by its own workload: a multi-turn preset by its environment (not as
+    the single-turn prompts it does not use)."""
+    from ppokit.cli import main
+
+    assert main(["config", "list"]) == 0
+    rows = {line.split()[0]: line.split(None, 2)[1:] for line in capsys.readouterr().out.splitlines()}
+    assert rows["cartpole"] == ["control", "CartPole-v1"]
+    assert rows["arith"] == ["lm", "arithmetic:digits=2 on model tiny"]
+    assert rows["tictactoe"] == ["textenv", "tictactoe episodes against random on model tiny"]
+    assert rows["frozenlake"][0] == "textenv" and rows["frozenlake"][1].startswith("frozenlake episodes")
+
+
 def cli(capsys, *argv: str) -> tuple[int, str]:
     """Run ``ppokit ARGV`` in-process: (exit status, stderr)."""
     from ppokit.cli import main

@@ -49,6 +49,14 @@ __all__ = ["Stream", "StreamCodec"]
 MODES = ("state", "message")
 
 
+def messages_without_template(env_name: str) -> str:
+    """The error of an environment whose observations are chat messages in a run without a chat template."""
+    return (
+        f"environment '{env_name}' gave chat messages as the observation, but data.chat_template "
+        "is false; set data.chat_template=true (a model with a chat template), or return text"
+    )
+
+
 class StreamCodec:
     """Tokenises observations for one run: ``tokenizer``, ``mode`` (state | message), ``chat``
     (``data.chat_template``); ``where`` names the model and ``env_name`` the environment in errors."""
@@ -84,10 +92,7 @@ class StreamCodec:
         """A plain-text observation; chat messages without a chat template are an error."""
         if isinstance(observation, str):
             return observation
-        raise EnvError(
-            f"environment '{self.env_name}' gave chat messages as the observation, but data.chat_template "
-            "is false; set data.chat_template=true (a model with a chat template), or return text"
-        )
+        raise EnvError(messages_without_template(self.env_name))
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         return apply_template(

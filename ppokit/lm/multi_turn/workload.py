@@ -53,7 +53,7 @@ from ppokit.lm.multi_turn.source import (
     make_envs,
     player_for,
 )
-from ppokit.lm.multi_turn.streams import StreamCodec
+from ppokit.lm.multi_turn.streams import StreamCodec, messages_without_template
 from ppokit.resume import seed_globals
 from ppokit.trainer import DataParallel
 
@@ -74,7 +74,19 @@ class MultiTurnWorkload:
         if self.cfg.model.path != "tiny":
             causal_lm_config(self.cfg.model.path)
             load_tokenizer(self.cfg.model.path)
+        self._check_observation(env)
         self._check_memory(env)
+
+    def _check_observation(self, env: Any) -> None:
+        """Chat messages as observations need a chat template: refused before the run starts (the
+        first step would refuse them after the run directory and the warm start)."""
+        name = getattr(env, "env_name", self.cfg.textenv.env)
+        try:
+            observation, _ = checked_reset(env, seed=self.cfg.seed, name=name)
+        except UserError:
+            return  # a failing reset is the run's to report (textenv.failure_reward)
+        if not isinstance(observation, str) and not self.cfg.data.chat_template:
+            raise UserError(messages_without_template(name))
 
     def _check_memory(self, env: Any) -> None:
         """Refuse a run that cannot fit its device's memory, sized by the first observation."""
