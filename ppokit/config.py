@@ -603,9 +603,10 @@ class RolloutConfig(Section):
     )
     off_policy_steps: int = field(
         0,
-        "both workloads: 0 = each iteration's rollout uses the newest weights; k = up to k rollouts are "
-        "collected ahead, while the updates run (iteration i trains on the weights of version i - min(i, k); "
-        "their log-probs are old_log_prob; the queued rollouts are checkpointed)",
+        "every workload (multi-turn: in the training process only): 0 = each iteration's rollout uses the "
+        "newest weights; k = up to k rollouts are collected ahead, while the updates run (iteration i trains "
+        "on the weights of version i - min(i, k); their log-probs are old_log_prob; the queued rollouts are "
+        "checkpointed)",
         ge=0,
         le=8,
     )
@@ -1054,10 +1055,11 @@ class Config(Section):
                     "textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
                     "model.mode=lora, or textenv.pool.snapshot_every=0"
                 )
-            if self.rollout.off_policy_steps:
+            if self.rollout.off_policy_steps and self.cluster.rollout_workers:
                 raise ValueError(
                     f"rollout.off_policy_steps={self.rollout.off_policy_steps}: multi-turn episodes (textenv) are "
-                    "collected by the current policy (no pipelining); set rollout.off_policy_steps=0"
+                    "played ahead in the training process only; set cluster.rollout_workers=0 or "
+                    "rollout.off_policy_steps=0"
                 )
             if self.cluster.rollout_workers > 1 and t.batch_size % self.cluster.rollout_workers:
                 raise ValueError(

@@ -60,6 +60,18 @@ from ppokit.errors import UserError
 POLICY_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
+@torch.no_grad()
+def behaviour_log_probs(policy, tensors: dict[str, Tensor], chunk: int) -> Tensor:
+    """(N, R) log-probs of the sampled tokens under ``policy``'s weights now, 0 where ``mask`` is 0:
+    the behaviour log-probs of a rollout collected ahead of its update (``rollout.off_policy_steps``),
+    in the scorer's numerics, ``chunk`` rows a pass."""
+    n = tensors["mask"].shape[0]
+    parts = [
+        policy.log_probs({k: tensors[k][s : s + chunk] for k in POLICY_INPUTS})["log_prob"] for s in range(0, n, chunk)
+    ]
+    return torch.cat(parts).float() * tensors["mask"]
+
+
 class Scorer:
     """``score(batch)``: adds ``old_values``, ``old_log_prob`` (unless the update computes it),
     ``ref_log_prob`` (with a KL term; else ``extras["ref_log_prob_metric"]`` of the first

@@ -58,13 +58,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ppokit.algo.dynamic_sampling import group_range, varied
-from ppokit.components import Batch
+from ppokit.components import Batch, RolloutQueue
 from ppokit.config import Config
 from ppokit.envs import CURRENT, OpponentPool, assign_seat, episode_metrics, make_env
 from ppokit.envs.checks import check_failure_rate
@@ -72,6 +73,7 @@ from ppokit.errors import UserError
 from ppokit.lm.multi_turn.episodes import TRUNCATION_REASONS, EpisodePlayer, PlayResult, Trajectory
 from ppokit.lm.multi_turn.streams import StreamCodec
 from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
+from ppokit.lm.scoring import behaviour_log_probs
 from ppokit.stopping import EarlyStop
 
 __all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs", "seat_actors_of"]
@@ -148,9 +150,13 @@ class MultiTurnSource:
         opponents=None,
         env_name: str = "the environment",
         engine=None,
+        policy=None,
     ):
         self.cfg, self.player, self.mode, self.pad_id, self.device = cfg, player, mode, pad_id, device
         self.engine = engine  # the current policy's rollout engine (new weights go to it unless it shares them)
+        self.policy = policy  # the learner's policy: the behaviour log-probs of episodes played ahead
+        self.queue = RolloutQueue()  # iterations played ahead of their update (rollout.off_policy_steps)
+        self.policy_version = 0  # the learner's version of the weights that play
         self.opponents = opponents  # AdapterSnapshots, with a pool
         self.env_name = env_name
         p = cfg.textenv.pool
@@ -170,10 +176,31 @@ class MultiTurnSource:
 
     # ------------------------------------------------------------------ collect
     def collect(self, iteration: int) -> Batch:
+        batch = self.queue.pop(iteration)
+        return batch if batch is not None else self._collect(iteration)
+
+    def prefetch(self, iteration: int) -> None:
+        """``rollout.off_policy_steps`` = k: play ``iteration``'s episodes now, with the weights of
+        this moment, for the update k iterations on (in this process nothing overlaps the update)."""
+        if iteration not in self.queue:  # each iteration is played once, in order
+            self.queue.put(iteration, self._collect(iteration))
+
+    def _collect(self, iteration: int) -> Batch:
         if self.cfg.rollout.dynamic_sampling.enable:
-            return self._collect_filtered(iteration)
-        seeds, plans = self.episodes(iteration)
-        return self.finish(iteration, self.player.play(seeds, seat_actors=seat_actors_of(plans)))
+            batch = self._collect_filtered(iteration)
+        else:
+            seeds, plans = self.episodes(iteration)
+            batch = self.finish(iteration, self.player.play(seeds, seat_actors=seat_actors_of(plans)))
+        batch.policy_version = self.policy_version
+        if self.cfg.rollout.off_policy_steps and not self.cfg.algo.rollout_correction_bypass:
+            # the weights that played it, in the scorer's numerics, before the updates move them
+            # (bypass: the engine's rollout_log_prob serve)
+            start = time.perf_counter()
+            batch.tensors["old_log_prob"] = behaviour_log_probs(
+                self.policy, batch.tensors, self.cfg.infer_micro_batch_size
+            )
+            batch.metrics["time_behaviour_log_prob"] = time.perf_counter() - start
+        return batch
 
     def _collect_filtered(self, iteration: int) -> Batch:
         """``rollout.dynamic_sampling`` (DAPO's dynamic sampling, as single-turn runs filter prompt
@@ -347,6 +374,7 @@ class MultiTurnSource:
         learner's policy); with a pool, a snapshot every ``snapshot_every`` updates."""
         if self.engine is not None and not self.engine.weights_shared:
             self.engine.load_weights(learner.rollout_weights())
+        self.policy_version = learner.policy_version
         self.updates += 1
         every = self.cfg.textenv.pool.snapshot_every
         if self.pool is not None and every and self.updates % every == 0:
@@ -359,6 +387,9 @@ class MultiTurnSource:
             "role_baseline": dict(self.role_baseline),
             "episodes_generated_total": self.episodes_generated_total,
         }
+        queued = self.queue.state_dict()  # episodes played ahead of their update
+        if queued is not None:
+            state["pending"] = queued
         if self.pool is not None:
             state["pool"] = self.pool.state_dict()
             state["snapshots"] = self.opponents.state_dict()
@@ -368,6 +399,7 @@ class MultiTurnSource:
         self.updates = int(state["updates"])
         self.role_baseline = {str(k): float(v) for k, v in state.get("role_baseline", {}).items()}
         self.episodes_generated_total = int(state.get("episodes_generated_total", 0))
+        self.queue.load_state_dict(state.get("pending"))
         if self.pool is not None:
             self.pool.load_state_dict(state["pool"])
             self.opponents.load_state_dict(state["snapshots"])

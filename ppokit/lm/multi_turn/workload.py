@@ -150,6 +150,7 @@ class MultiTurnWorkload:
             opponents=rollout.opponents,
             env_name=env_name,
             engine=rollout.engine,
+            policy=stack.policy,
         )
         learner = self._learner(stack.policy, stack.tokenizer)
         evaluator = None

@@ -22,7 +22,7 @@ from ppokit.config import Config
 from ppokit.errors import UserError
 from ppokit.lm.generation.engine import RolloutBatch, position_ids_from
 from ppokit.lm.rewards.functions import reward_fields
-from ppokit.lm.scoring import POLICY_INPUTS
+from ppokit.lm.scoring import behaviour_log_probs
 from ppokit.lm.single_turn.dynamic_sampling import DynamicSampler, check_filter_metric
 from ppokit.resume import DRAW_STREAM, rollout_rngs
 
@@ -107,15 +107,9 @@ class LMSource:
         old_log_prob = self.behaviour_log_probs(rollout.tensors())
         return RolloutPart(rollout, old_log_prob, time.perf_counter() - start)
 
-    @torch.no_grad()
     def behaviour_log_probs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """(N, R) log-probs of the sampled tokens under the sampling weights, 0 on padding."""
-        n, chunk = tensors["mask"].shape[0], self.cfg.infer_micro_batch_size
-        parts = [
-            self.policy.log_probs({k: tensors[k][s : s + chunk] for k in POLICY_INPUTS})["log_prob"]
-            for s in range(0, n, chunk)
-        ]
-        return torch.cat(parts).float() * tensors["mask"]
+        return behaviour_log_probs(self.policy, tensors, self.cfg.infer_micro_batch_size)
 
     def finish(self, iteration: int, part: RolloutPart) -> Batch | None:
         """The batch of a rollout: sequence rewards (seeded per iteration when the rollout ran
