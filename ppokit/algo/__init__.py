@@ -75,7 +75,6 @@ from .rollout_correction import (
     rollout_rejection,
 )
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, whiten
-from .surrogate_losses import clip_cov_loss, geo_mean_loss, kl_cov_loss, sapo_loss
 from .turns import (
     gather_turn_values,
     place_at_turn_ends,
@@ -95,6 +94,10 @@ from .turns import (
 )
 from .value_losses import value_loss
 from .weighted_losses import cispo_loss, dppo_loss, dro_loss, gpg_loss
+
+# isort: split
+# after weighted_losses: the registry lists the losses in this order (cispo .. dro, then sapo .. kl_cov)
+from .surrogate_losses import clip_cov_loss, geo_mean_loss, kl_cov_loss, sapo_loss
 
 __all__ = [
     "fixed_micro_batches",

@@ -155,7 +155,7 @@ def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tens
     return advantages if advantages.dim() == 2 else advantages[:, None].expand_as(like)
 
 
-def _check_common(
+def check_loss_inputs(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
@@ -179,6 +179,24 @@ def _check_common(
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}, got {ratio_level!r}")
     AGG_MODES.get(agg_mode)
+
+
+def masked_inputs(log_prob, old_log_prob, advantages, mask):
+    """``(m, lp, old, adv, token_log_ratio)``: (B, T) each, 0 where ``mask`` is False (padding may
+    hold anything, even inf)."""
+    m = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
+    zero = log_prob.new_zeros(())
+    lp = torch.where(m, log_prob, zero)
+    old = torch.where(m, old_log_prob, zero)
+    adv = torch.where(m, token_advantages(advantages, log_prob), zero)
+    return m, lp, old, adv, lp - old
+
+
+def check_clip_bounds(lower_clip_ratio: float, upper_clip_ratio: float) -> None:
+    if not 0.0 <= lower_clip_ratio < 1.0:
+        raise ValueError(f"lower_clip_ratio must be in [0, 1), got {lower_clip_ratio}")
+    if not upper_clip_ratio >= 0.0:
+        raise ValueError(f"upper_clip_ratio must be >= 0, got {upper_clip_ratio}")
 
 
 def _importance_ratio(
@@ -296,11 +314,8 @@ def policy_loss(
         ``log pi_old - log pi``) and ``approx_kl_k3`` (mean of ``(r - 1) - log r``),
         always over valid tokens with token-level ratios.
     """
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode, ratio_level)
-    if not 0.0 <= lower_clip_ratio < 1.0:
-        raise ValueError(f"lower_clip_ratio must be in [0, 1), got {lower_clip_ratio}")
-    if not upper_clip_ratio >= 0.0:
-        raise ValueError(f"upper_clip_ratio must be >= 0, got {upper_clip_ratio}")
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode, ratio_level)
+    check_clip_bounds(lower_clip_ratio, upper_clip_ratio)
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
 
@@ -407,7 +422,7 @@ def ppo_penalty_loss(
         ``diagnostics``, ``ratio_mean`` and ``ratio_min`` (over valid tokens, or
         rows at sequence level).
     """
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode, ratio_level)
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode, ratio_level)
     if isinstance(penalty_coef, torch.Tensor):
         if penalty_coef.dim() != 0:
             raise ValueError(f"penalty_coef must be a number or a 0-dim tensor, got shape {tuple(penalty_coef.shape)}")

@@ -42,12 +42,13 @@ import torch
 from .aggregation import aggregate
 from .policy_losses import (
     LOG_RATIO_CLAMP,
-    _check_common,
+    check_clip_bounds,
+    check_loss_inputs,
+    masked_inputs,
     register_policy_loss,
     token_ratio_metrics,
 )
 from .stats import masked_mean
-from .weighted_losses import _clip_bounds, _masked_inputs
 
 __all__ = ["clip_cov_loss", "geo_mean_loss", "kl_cov_loss", "sapo_loss"]
 
@@ -69,10 +70,10 @@ def sapo_loss(
     """SAPO: ``L_t = -A_t (4 / tau_t) sigmoid(tau_t (r_t - 1))`` (module docstring). Nothing is
     clipped (``clipfrac`` 0); ``gate_mean`` is the mean of ``sigmoid'(tau (r - 1)) 4``, the factor
     on PPO's gradient (1 at the start of an update)."""
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode)
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     if not (tau_pos > 0.0 and tau_neg > 0.0):
         raise ValueError(f"the SAPO temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
-    m, _, _, adv, tlr = _masked_inputs(log_prob, old_log_prob, advantages, mask)
+    m, _, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
     ratio = torch.exp(tlr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, T)
     tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))  # (B, T)
@@ -107,9 +108,9 @@ def geo_mean_loss(
     ``[-lower_clip_ratio, upper_clip_ratio]`` on the side its advantage's sign pessimises (module
     docstring); ``A_b`` is the row's mean advantage. Metrics: ``clipfrac`` (valid tokens whose
     log-ratio was clipped, ``A != 0``), ``clipfrac_upper`` (A > 0), ``clipfrac_lower`` (A < 0)."""
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode)
-    _clip_bounds(lower_clip_ratio, upper_clip_ratio)
-    m, _, _, adv, tlr = _masked_inputs(log_prob, old_log_prob, advantages, mask)
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
+    check_clip_bounds(lower_clip_ratio, upper_clip_ratio)
+    m, _, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
     sign = torch.sign(adv)  # (B, T)
     clamped = tlr.clamp(-lower_clip_ratio, upper_clip_ratio)
     pessimistic = sign * torch.minimum(sign * tlr, sign * clamped)  # (B, T), 0 where A = 0
@@ -167,11 +168,11 @@ def clip_cov_loss(
     """Clip-Cov: PPO's clipped surrogate with the gradient of a random ``cov_ratio`` share of the
     tokens in the covariance band ``(cov_lower, cov_upper)`` stopped (module docstring). Metrics:
     ``clipfrac`` (PPO's clip or the covariance rule zeroes the gradient), ``clip_cov_frac``."""
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode)
-    _clip_bounds(lower_clip_ratio, upper_clip_ratio)
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
+    check_clip_bounds(lower_clip_ratio, upper_clip_ratio)
     if not 0.0 < cov_ratio <= 1.0:
         raise ValueError(f"clip_cov_ratio must be in (0, 1], got {cov_ratio}")
-    m, lp, _, adv, tlr = _masked_inputs(log_prob, old_log_prob, advantages, mask)
+    m, lp, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
     ratio = torch.exp(tlr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, T)
     surr = -adv * ratio
     surr_clipped = -adv * ratio.clamp(1.0 - lower_clip_ratio, 1.0 + upper_clip_ratio)
@@ -208,12 +209,12 @@ def kl_cov_loss(
     """KL-Cov: the unclipped surrogate ``-A r`` plus ``coef |log r|`` on the ``cov_ratio`` share of
     tokens with the largest covariance (module docstring). Nothing is clipped (``clipfrac`` 0);
     ``kl_cov_frac`` is the share penalised."""
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode)
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     if not 0.0 < cov_ratio <= 1.0:
         raise ValueError(f"kl_cov_ratio must be in (0, 1], got {cov_ratio}")
     if not coef >= 0.0:
         raise ValueError(f"kl_cov_coef must be >= 0, got {coef}")
-    m, lp, _, adv, tlr = _masked_inputs(log_prob, old_log_prob, advantages, mask)
+    m, lp, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
     tlr = tlr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     loss_per = -adv * torch.exp(tlr)  # (B, T)
     valid = torch.nonzero(m.reshape(-1)).squeeze(-1)  # (N,) flat indices of the valid tokens

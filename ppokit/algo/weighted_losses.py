@@ -49,9 +49,10 @@ from .aggregation import aggregate
 from .policy_losses import (
     LOG_RATIO_CLAMP,
     PolicyLossInputs,
-    _check_common,
+    check_clip_bounds,
+    check_loss_inputs,
+    masked_inputs,
     register_policy_loss,
-    token_advantages,
     token_ratio_metrics,
 )
 from .stats import masked_mean
@@ -60,24 +61,6 @@ __all__ = ["cispo_loss", "dppo_loss", "dro_loss", "gpg_loss", "DPPO_DEFAULT_CAP"
 
 DPPO_DEFAULT_CAP = 20.0  # the DPPO paper's truncation of the importance weight when clip_ratio_c is null
 BINARY_KL_EPS = 1e-8
-
-
-def _masked_inputs(log_prob, old_log_prob, advantages, mask):
-    """``(m, lp, old, adv, token_log_ratio)``: (B, T) each, 0 where ``mask`` is False (padding may
-    hold anything, even inf)."""
-    m = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
-    zero = log_prob.new_zeros(())
-    lp = torch.where(m, log_prob, zero)
-    old = torch.where(m, old_log_prob, zero)
-    adv = torch.where(m, token_advantages(advantages, log_prob), zero)
-    return m, lp, old, adv, lp - old
-
-
-def _clip_bounds(lower_clip_ratio: float, upper_clip_ratio: float) -> None:
-    if not 0.0 <= lower_clip_ratio < 1.0:
-        raise ValueError(f"lower_clip_ratio must be in [0, 1), got {lower_clip_ratio}")
-    if not upper_clip_ratio >= 0.0:
-        raise ValueError(f"upper_clip_ratio must be >= 0, got {upper_clip_ratio}")
 
 
 def _finish(loss_per, m, token_log_ratio, clipped, diagnostics, agg, extra=None):
@@ -108,9 +91,9 @@ def cispo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: ``L_t = -sg(clip(r_t, 1 - lower_clip_ratio, 1 + upper_clip_ratio)) A_t log pi_t``
     (module docstring). Metrics: ``clipfrac`` (tokens whose weight was clipped) and the ratio's."""
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode)
-    _clip_bounds(lower_clip_ratio, upper_clip_ratio)
-    m, lp, _, adv, tlr = _masked_inputs(log_prob, old_log_prob, advantages, mask)
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
+    check_clip_bounds(lower_clip_ratio, upper_clip_ratio)
+    m, lp, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
     ratio = torch.exp(tlr.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, T)
     weight = ratio.clamp(1.0 - lower_clip_ratio, 1.0 + upper_clip_ratio)
     agg = {"agg_mode": agg_mode, "normalizer": normalizer, "horizon": horizon}
@@ -144,14 +127,14 @@ def dppo_loss(
     ``L_t = -sg(min(r_t, ratio_cap)) A_t log pi_t`` where the token's move stays inside it, else 0.
     Metrics: ``clipfrac`` (tokens outside the region) and ``clipfrac_truncated`` (tokens inside
     whose weight was truncated at ``ratio_cap``)."""
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode)
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     if divergence not in ("tv", "kl"):
         raise ValueError(f"divergence must be tv or kl, got {divergence!r}")
     if not (lower_divergence >= 0.0 and upper_divergence >= 0.0):
         raise ValueError(f"the divergence thresholds must be >= 0, got {lower_divergence}, {upper_divergence}")
     if not ratio_cap > 0.0:
         raise ValueError(f"ratio_cap must be > 0, got {ratio_cap}")
-    m, lp, old, adv, tlr = _masked_inputs(log_prob, old_log_prob, advantages, mask)
+    m, lp, old, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
     with torch.no_grad():
         ratio = torch.exp(tlr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, T)
         weight = ratio.clamp(max=ratio_cap)
@@ -186,8 +169,8 @@ def gpg_loss(
     diagnostics: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GPG: ``L_t = -A_t log pi_t`` (module docstring); ``old_log_prob`` only feeds the metrics."""
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode)
-    m, lp, _, adv, tlr = _masked_inputs(log_prob, old_log_prob, advantages, mask)
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
+    m, lp, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
     agg = {"agg_mode": agg_mode, "normalizer": normalizer, "horizon": horizon}
     return _finish(-adv * lp, m, tlr, None, diagnostics, agg)
 
@@ -206,9 +189,9 @@ def dro_loss(
     diagnostics: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DRO: ``L_t = -(A_t log pi_t - beta/2 (log pi_t - log pi_old_t)^2)`` (module docstring)."""
-    _check_common(log_prob, old_log_prob, advantages, mask, agg_mode)
+    check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     if beta is None or not beta > 0.0:
         raise ValueError(f"dro needs beta > 0 (algo.dro_beta), got {beta}")
-    m, lp, _, adv, tlr = _masked_inputs(log_prob, old_log_prob, advantages, mask)
+    m, lp, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
     agg = {"agg_mode": agg_mode, "normalizer": normalizer, "horizon": horizon}
     return _finish(-(adv * lp - 0.5 * beta * tlr.square()), m, tlr, None, diagnostics, agg)
