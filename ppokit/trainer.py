@@ -318,6 +318,7 @@ class PPOTrainer:
         self.off_policy = cfg.rollout.off_policy_steps > 0
         # bypass mode: old_log_prob are the engine's behaviour log-probs (module docstring)
         self.bypass = cfg.algo.rollout_correction_bypass
+        self.rejection_rules = cfg.algo.rejection_rules  # parsed once: bypass tests them in every pass
         groups = [g for g in policy.param_groups(cfg) if g["params"]]
         self.params = [p for g in groups for p in g["params"]]
         # gradient-norm clipping per group: the actor's at train.grad_clip, the critic's
@@ -468,7 +469,7 @@ class PPOTrainer:
         a = self.cfg.algo
         if self.bypass:  # pi_old = pi_engine: no weight; the rules run in each pass (_accumulate_gradients)
             return batch, {}
-        rules = a.rejection_rules
+        rules = self.rejection_rules
         if "rollout_log_prob" not in batch or "old_log_prob" not in batch:
             if a.rollout_correction != "none" or rules:
                 missing = "rollout_log_prob" if "rollout_log_prob" not in batch else "old_log_prob"
@@ -626,7 +627,7 @@ class PPOTrainer:
                     # bypass: the rules test the current policy against the engine (old_log_prob), in
                     # each pass; the normaliser keeps the rejected tokens (verl's bypass mode)
                     rs_keep, rs_metrics = algo.rollout_rejection(
-                        out["log_prob"].detach(), old_log_prob, mask, a.rejection_rules
+                        out["log_prob"].detach(), old_log_prob, mask, self.rejection_rules
                     )
                     actor_mask = actor_mask * rs_keep
                     dropped = (rs_keep == 0) & (mask != 0)  # (n, T)
