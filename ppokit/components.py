@@ -208,6 +208,7 @@ class Learner(Protocol):
     """The PPO update and the trained weights."""
 
     policy_version: int  # updates applied so far (checkpointed): the version of the weights
+    reads_shards: bool  # True: the learner reads a checkpoint's sharded tensors itself (FSDP ranks)
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
         """Epochs over the batch; the iteration's metrics. Raises
@@ -317,6 +318,10 @@ class ShardPlan(Protocol):
         """Iteration ``iteration``'s batch from the shards' parts, in shard order; ``states``:
         each shard's :meth:`ShardSource.state_dict` after its part. None: the iteration needs
         another round of :meth:`requests` (lm: ``rollout.dynamic_sampling`` draws more prompts)."""
+
+    def sync_weights(self, learner: Learner) -> None:
+        """After the workers got the learner's new weights: the driver's own share of the sync
+        (multi-turn: the opponent pool's snapshots; else nothing)."""
 
     def state_dict(self, shard_states: list[dict[str, Any]]) -> dict[str, Any]:
         """The source's checkpoint state from the driver's own state and the shards'."""

@@ -292,7 +292,7 @@ def _load_state(ckpt: Checkpoint, components: Components, run_dir: Path) -> tupl
     try:
         with rundir.advising_on_damage(path, run_dir):
             learner_state = ckpt.parts["learner"]
-            if not getattr(components.learner, "reads_shards", False):  # FSDP learners read their own slices
+            if not components.learner.reads_shards:  # FSDP learners read their own slices
                 learner_state = resolve_sharded(learner_state, path)
             components.learner.load_state_dict(learner_state, path)
         notes = list(components.source.load_state_dict(ckpt.parts["source"]) or [])

@@ -99,6 +99,8 @@ class CountingLearner:
     """Each update adds the trained batch's iteration to ``weight`` (so the weights depend on
     the order of the batches) and bumps the version."""
 
+    reads_shards = False
+
     def __init__(self) -> None:
         self.policy_version = 0
         self.weight = 0.0

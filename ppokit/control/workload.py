@@ -213,6 +213,9 @@ class ControlShardPlan:
     def requests(self, iteration: int) -> list[Any]:
         return [None] * self.num_shards
 
+    def sync_weights(self, learner) -> None:
+        """Nothing of the driver's own to update."""
+
     def merge(self, iteration: int, parts: list[Batch], states: list[dict[str, Any]]) -> Batch:
         self._merge_normalizers([s["normalizer"] for s in states])
         if len(parts) == 1:
@@ -271,6 +274,8 @@ def merge_running_stats(stats: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 
 class ControlLearner:
     """The actor-critic and the shared PPO update over the flattened transitions."""
+
+    reads_shards = False  # a checkpoint's tensors come whole from the run loop
 
     def __init__(self, cfg: Config, policy: ActorCritic, parallel: DataParallel | None = None):
         self.policy = policy

@@ -265,9 +265,7 @@ class RemoteSource:
                     ray.get(ack)
                 except RayActorError:  # replaced when its next rollout is collected
                     pass
-        plan_sync = getattr(self.plan, "sync_weights", None)
-        if plan_sync is not None:
-            plan_sync(learner)
+        self.plan.sync_weights(learner)
         return {"sync_bytes": float(total), "sync_bucket_peak": float(peak), "sync_time": time.perf_counter() - start}
 
     # ------------------------------------------------------------------ checkpoints

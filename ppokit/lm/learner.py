@@ -96,6 +96,8 @@ def make_scorer(cfg: Config, policy, learner: LMLearner) -> Scorer:
 class LMLearner:
     """The policy's optimizer and the shared PPO update; the policy's files in each checkpoint."""
 
+    reads_shards = False  # a checkpoint's tensors come whole from the run loop
+
     def __init__(
         self,
         cfg: Config,

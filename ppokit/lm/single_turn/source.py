@@ -230,6 +230,9 @@ class LMShardPlan:
         k = len(items) // self.num_shards
         return [items[i * k : (i + 1) * k] for i in range(self.num_shards)]
 
+    def sync_weights(self, learner) -> None:
+        """Nothing of the driver's own to update."""
+
     def merge(self, iteration: int, parts: list[RolloutPart], states: list[dict[str, Any]]) -> Batch | None:
         """The iteration's batch; None (``rollout.dynamic_sampling``) when it needs another
         generation batch: :class:`~ppokit.dist.rollout_workers.RemoteSource` asks for new requests."""
