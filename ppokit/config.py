@@ -945,259 +945,28 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Config:
-        a, t = self.algo, self.train
+        """Settings that each field's own bounds cannot check: those of every run, then those of
+        the run's kind (:data:`KIND_CHECKS`)."""
         if self.run.resume == "auto" and not self.run.name:
             raise ValueError("run.resume=auto needs a fixed run directory: set run.name")
-        if a.beta > 0 or a.use_kl_in_reward:
-            what = "algo.beta > 0" if a.beta > 0 else "algo.use_kl_in_reward"
-            if self.workload == "control":
-                raise ValueError(
-                    f"{what} needs a reference policy, which the control workload does not have; "
-                    "set algo.beta=0 and algo.use_kl_in_reward=false"
-                )
-        if a.adv_estimator in GROUP_ESTIMATORS:
-            if self.workload == "control":
-                raise ValueError(
-                    f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt and needs "
-                    "the lm workload; use gae for control"
-                )
-            if a.group_size < 2:
-                raise ValueError(
-                    f"algo.adv_estimator={a.adv_estimator} needs algo.group_size >= 2 "
-                    f"(got {a.group_size}): a group of one has no baseline"
-                )
-        if a.loss_mode == "dro" and a.dro_beta is None:
-            raise ValueError(
-                "algo.loss_mode=dro needs algo.dro_beta > 0, the weight of its penalty beta/2 (log r)^2 (e.g. 0.1)"
-            )
-        if a.loss_mode in TOKEN_RATIO_LOSSES and a.ratio_level != "token":
-            raise ValueError(
-                f"algo.ratio_level={a.ratio_level} applies to loss_mode clip or penalty; {a.loss_mode} has its own "
-                "ratio: set algo.ratio_level=token"
-            )
-        if a.loss_mode == "clip_cov" and not a.clip_cov_lb < a.clip_cov_ub:
-            raise ValueError(
-                f"algo.clip_cov_lb={a.clip_cov_lb} must be below algo.clip_cov_ub={a.clip_cov_ub}: "
-                "tokens are drawn from the covariances between them"
-            )
-        if a.adv_estimator == "gae" and a.value_coeff == 0:
-            raise ValueError("algo.adv_estimator=gae needs a trained critic; algo.value_coeff must be > 0")
-        if t.batch_size % a.group_size:
-            raise ValueError(f"train.batch_size={t.batch_size} must be a multiple of algo.group_size={a.group_size}")
-        if t.mini_batch_size is not None:
-            if t.mini_batch_size > t.batch_size:
-                raise ValueError(
-                    f"train.mini_batch_size={t.mini_batch_size} is larger than train.batch_size={t.batch_size}"
-                )
-            if t.batch_size % t.mini_batch_size:
-                raise ValueError(
-                    f"train.mini_batch_size={t.mini_batch_size} must divide "
-                    f"train.batch_size={t.batch_size} (try {_divisors_near(t.batch_size, t.mini_batch_size)})"
-                )
-        if self.workload == "control":
-            expected = self.env.num_envs * self.env.num_steps
-            if t.batch_size != expected:
-                raise ValueError(
-                    f"train.batch_size={t.batch_size} must equal env.num_envs * env.num_steps "
-                    f"= {expected} for the control workload (or leave it out)"
-                )
-            if t.total_steps is None and t.iterations is None:
-                raise ValueError("set train.total_steps (environment steps) or train.iterations")
-        if self.workload == "lm":
-            if t.iterations is None:
-                raise ValueError("set train.iterations (PPO iterations) for the lm workload")
-            if t.critic_warmup and not self.uses_critic:
-                raise ValueError(
-                    f"train.critic_warmup={t.critic_warmup} trains the critic, but "
-                    f"algo.adv_estimator={a.adv_estimator} has none; set train.critic_warmup=0"
-                )
-            if t.critic_warmup >= t.iterations:
-                raise ValueError(
-                    f"train.critic_warmup={t.critic_warmup} leaves no actor updates in train.iterations={t.iterations}"
-                )
-            critic_path = self.model.critic_path
-            if critic_path and not self.uses_critic:
-                raise ValueError(
-                    f"model.critic_path={critic_path} is the critic's model, but "
-                    f"algo.adv_estimator={a.adv_estimator} trains no critic; remove model.critic_path"
-                )
-            if critic_path and self.model.mode == "lora":
-                raise ValueError(
-                    f"model.critic_path={critic_path} is full mode's separate critic; in lora mode "
-                    "the critic is a LoRA adapter on model.path: set model.mode=full, or remove "
-                    "model.critic_path"
-                )
-        if self.textenv.env is not None:
-            if self.workload != "lm":
-                raise ValueError(f"textenv.env={self.textenv.env} trains a language model; set workload: lm")
-            if a.adv_estimator != "gae" and a.adv_estimator not in GROUP_ESTIMATORS:
-                raise ValueError(
-                    f"algo.adv_estimator={a.adv_estimator}: multi-turn episodes (textenv) take gae (the "
-                    f"critic) or a group estimator ({', '.join(GROUP_ESTIMATORS)}) over episodes of one seed"
-                )
-            if a.adv_estimator == "gae" and a.group_size != 1:
-                raise ValueError(
-                    f"algo.group_size={a.group_size}: with algo.adv_estimator=gae multi-turn episodes (textenv) "
-                    "use the critic as the baseline; set algo.group_size=1, or a group estimator such as grpo"
-                )
-            if a.adv_estimator in GROUP_ESTIMATORS and a.credit == "turn":
-                raise ValueError(
-                    f"algo.credit=turn is GAE over turns with the critic; algo.adv_estimator={a.adv_estimator} "
-                    "puts each episode's group advantage on all its tokens: set algo.credit=token"
-                )
-            if a.adv_estimator in GROUP_ESTIMATORS and self.textenv.role_baseline_tau:
-                raise ValueError(
-                    f"textenv.role_baseline_tau: algo.adv_estimator={a.adv_estimator} already compares each "
-                    "episode with episodes of the same seed and seat; set textenv.role_baseline_tau=0"
-                )
-            if self.textenv.pool.snapshot_every and self.model.mode != "lora":
-                raise ValueError(
-                    "textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
-                    "model.mode=lora, or textenv.pool.snapshot_every=0"
-                )
-            if self.rollout.off_policy_steps and self.cluster.rollout_workers:
-                raise ValueError(
-                    f"rollout.off_policy_steps={self.rollout.off_policy_steps}: multi-turn episodes (textenv) are "
-                    "played ahead in the training process only; set cluster.rollout_workers=0 or "
-                    "rollout.off_policy_steps=0"
-                )
-            if self.cluster.rollout_workers > 1 and t.batch_size % self.cluster.rollout_workers:
-                raise ValueError(
-                    f"cluster.rollout_workers={self.cluster.rollout_workers} must divide train.batch_size="
-                    f"{t.batch_size}: each worker plays an equal, contiguous share of the episodes"
-                )
-        self._check_early_stop()
-        self._check_dynamic_sampling()
-        if t.micro_batch_tokens is not None and self.workload != "lm":
-            raise ValueError(
-                "train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
-                "control batches use train.micro_batch_size"
-            )
-        cache = self.data.shaping.overlong_cache_length
-        if cache is not None and cache > self.rollout.max_new_tokens:
-            raise ValueError(
-                f"data.shaping.overlong_cache_length={cache} is longer than rollout.max_new_tokens="
-                f"{self.rollout.max_new_tokens}: the penalty ramps over the last tokens before that limit"
-            )
-        c = self.cluster
-        if self.workload == "control" and c.rollout_workers > 1 and self.env.num_envs % c.rollout_workers:
-            raise ValueError(
-                f"cluster.rollout_workers={c.rollout_workers} must divide env.num_envs="
-                f"{self.env.num_envs}: each worker steps an equal shard of the envs"
-            )
-        if self.workload == "lm" and c.rollout_workers > 1 and (t.batch_size // a.group_size) % c.rollout_workers:
-            raise ValueError(
-                f"cluster.rollout_workers={c.rollout_workers} must divide the prompts per iteration "
-                f"(train.batch_size / algo.group_size = {t.batch_size // a.group_size})"
-            )
-        if c.cpu_offload and c.sharding != "fsdp":
-            raise ValueError(
-                "cluster.cpu_offload keeps FSDP shards in CPU memory: set cluster.sharding=fsdp, or "
-                "cluster.cpu_offload=false"
-            )
-        if c.learners > 1 and (t.mini_batch_size or t.batch_size) < c.learners:
-            raise ValueError(
-                f"cluster.learners={c.learners} split each mini-batch; train.mini_batch_size="
-                f"{t.mini_batch_size or t.batch_size} gives some learner no sample"
-            )
-        if a.rollout_correction == "tis" and a.rollout_correction_level == "geometric":
-            raise ValueError(
-                "algo.rollout_correction_level=geometric is a band test of mis (a geometric mean is no "
-                "importance weight); use token or sequence with tis, or algo.rollout_correction=mis"
-            )
-        if a.rollout_correction != "none" and self.workload != "lm":
-            raise ValueError(
-                f"algo.rollout_correction={a.rollout_correction} corrects a language model's rollout engine; "
-                "control rollouts sample from the trained network itself: set algo.rollout_correction=none"
-            )
-        if a.rollout_correction_rs is None and a.rollout_correction_rs_threshold is not None:
-            raise ValueError(
-                "algo.rollout_correction_rs_threshold bounds the rejection rules, but algo.rollout_correction_rs "
-                "names none; set algo.rollout_correction_rs (e.g. seq_mean_k3) or remove the threshold"
-            )
-        a.rejection_rules  # noqa: B018  (a bad rule or bound: ValueError)
-        if (a.rollout_correction_rs is not None or a.rollout_correction_bypass) and self.workload != "lm":
-            what = "algo.rollout_correction_bypass" if a.rollout_correction_bypass else "algo.rollout_correction_rs"
-            raise ValueError(
-                f"{what} needs a language model's rollout engine and its behaviour log-probs; control "
-                f"rollouts sample from the trained network itself: remove {what}"
-            )
-        if a.rollout_correction_bypass and a.rollout_correction != "none":
-            raise ValueError(
-                f"algo.rollout_correction={a.rollout_correction} weighs by pi_old / pi_engine, which bypass mode "
-                "makes 1 (pi_old = pi_engine; PPO's ratio corrects): set algo.rollout_correction=none, or "
-                "algo.rollout_correction_bypass=false"
-            )
-        if a.rollout_correction_bypass and (self.rollout.top_p < 1 or self.rollout.top_k):
-            raise ValueError(
-                "algo.rollout_correction_bypass: the engine's log-probs come from the top-p/top-k truncated "
-                "distribution, the update's from the whole one, so PPO's ratio would not start at 1; set "
-                "rollout.top_p=1 and rollout.top_k=0, or algo.rollout_correction_bypass=false"
-            )
-        if self.rollout.engine == "cuda" and self.run.device in ("cpu", "mps"):
-            raise ValueError(
-                f"rollout.engine=cuda needs a CUDA device, but run.device={self.run.device}; "
-                "set rollout.engine=auto (or hf)"
-            )
-        if self.rollout.cache_implementation == "static" and not self.rollout.use_cache:
-            raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
-        if (
-            self.rollout.cache_implementation == "static" and self.model.mode == "full" and self.run.precision == "bf16"
-        ):  # precision=auto: checked by HFEngine.for_policy
-            raise ValueError(STATIC_CACHE_FULL_BF16)
+        _check_objective(self)
+        _check_batches(self)
+        for check in KIND_CHECKS[self.kind]:
+            check(self)
+        _check_stopping_target(self)
+        _check_dynamic_sampling(self)
+        _check_cluster(self)
+        _check_rollout_correction(self)
+        _check_rollout(self)
         return self
 
-    def _check_dynamic_sampling(self) -> None:
-        """rollout.dynamic_sampling filters the groups of single-turn prompts (and of multi-turn
-        episodes, played in the training process), each generation batch sampled by the weights of
-        the iteration's first one."""
-        if not self.rollout.dynamic_sampling.enable:
-            return
-        if self.workload != "lm":
-            raise ValueError(
-                "rollout.dynamic_sampling filters groups of a language model's responses; the control "
-                "workload has none: set rollout.dynamic_sampling=false"
-            )
-        if self.textenv.env is not None and self.rollout.dynamic_sampling.metric == "verifier":
-            raise ValueError(
-                "rollout.dynamic_sampling.metric=verifier is data.reward's score; multi-turn episodes (textenv) "
-                "are filtered on their return: set rollout.dynamic_sampling.metric=reward"
-            )
-        if self.textenv.env is not None and self.cluster.rollout_workers:
-            raise ValueError(
-                "rollout.dynamic_sampling plays the extra episodes of multi-turn runs (textenv) in the "
-                "training process: set cluster.rollout_workers=0, or rollout.dynamic_sampling=false"
-            )
-        if self.algo.group_size < 2:
-            raise ValueError(
-                f"rollout.dynamic_sampling keeps the groups whose rewards vary, so it needs algo.group_size >= 2 "
-                f"(got {self.algo.group_size}): set algo.group_size (e.g. 8)"
-            )
-        if self.rollout.off_policy_steps and self.cluster.rollout_workers:
-            raise ValueError(
-                f"rollout.dynamic_sampling with rollout.off_policy_steps={self.rollout.off_policy_steps} runs in "
-                "the training process only (on rollout workers its extra generation batches would be sampled by "
-                "newer weights than the first): set cluster.rollout_workers=0 or rollout.off_policy_steps=0"
-            )
-
-    def _check_early_stop(self) -> None:
-        """A stopping target (ppokit.stopping) of another workload than the run's is an error. (A
-        rule without periodic evaluations never fires: a preset's target stays valid when
-        eval_every is set to 0.)"""
-        if self.workload == "control":
-            own = "env.stop_at_return"
-        else:
-            own = "textenv.stop_at_win_rate" if self.textenv.env is not None else "data.stop_at_accuracy"
-        targets = {
-            "env.stop_at_return": self.env.stop_at_return,
-            "data.stop_at_accuracy": self.data.stop_at_accuracy,
-            "textenv.stop_at_win_rate": self.textenv.stop_at_win_rate,
-        }
-        for name, value in targets.items():
-            if value is not None and name != own:
-                raise ValueError(f"{name} is another workload's stopping target; this run stops on {own}")
-
     # ----------------------------------------------------------------- derived values
+    @property
+    def kind(self) -> str:
+        """``control``; ``lm``, prompts and a reward (single-turn); ``textenv``, episodes of a text
+        environment (``workload: lm`` with ``textenv.env`` set: multi-turn)."""
+        return "textenv" if self.workload == "lm" and self.textenv.env is not None else self.workload
+
     @property
     def iterations(self) -> int:
         """Number of PPO iterations this run performs."""
@@ -1237,6 +1006,303 @@ class Config(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- combinations
+# Each check raises ValueError (pydantic makes it the config's one-line error).
+def _check_objective(cfg: Config) -> None:
+    """The loss's and the estimator's own requirements."""
+    a = cfg.algo
+    if a.adv_estimator in GROUP_ESTIMATORS and a.group_size < 2:
+        raise ValueError(
+            f"algo.adv_estimator={a.adv_estimator} needs algo.group_size >= 2 "
+            f"(got {a.group_size}): a group of one has no baseline"
+        )
+    if a.loss_mode == "dro" and a.dro_beta is None:
+        raise ValueError(
+            "algo.loss_mode=dro needs algo.dro_beta > 0, the weight of its penalty beta/2 (log r)^2 (e.g. 0.1)"
+        )
+    if a.loss_mode in TOKEN_RATIO_LOSSES and a.ratio_level != "token":
+        raise ValueError(
+            f"algo.ratio_level={a.ratio_level} applies to loss_mode clip or penalty; {a.loss_mode} has its own "
+            "ratio: set algo.ratio_level=token"
+        )
+    if a.loss_mode == "clip_cov" and not a.clip_cov_lb < a.clip_cov_ub:
+        raise ValueError(
+            f"algo.clip_cov_lb={a.clip_cov_lb} must be below algo.clip_cov_ub={a.clip_cov_ub}: "
+            "tokens are drawn from the covariances between them"
+        )
+    if a.adv_estimator == "gae" and a.value_coeff == 0:
+        raise ValueError("algo.adv_estimator=gae needs a trained critic; algo.value_coeff must be > 0")
+
+
+def _check_batches(cfg: Config) -> None:
+    """The batch, its groups and its mini-batches divide evenly."""
+    a, t = cfg.algo, cfg.train
+    if t.batch_size % a.group_size:
+        raise ValueError(f"train.batch_size={t.batch_size} must be a multiple of algo.group_size={a.group_size}")
+    if t.mini_batch_size is not None:
+        if t.mini_batch_size > t.batch_size:
+            raise ValueError(
+                f"train.mini_batch_size={t.mini_batch_size} is larger than train.batch_size={t.batch_size}"
+            )
+        if t.batch_size % t.mini_batch_size:
+            raise ValueError(
+                f"train.mini_batch_size={t.mini_batch_size} must divide "
+                f"train.batch_size={t.batch_size} (try {_divisors_near(t.batch_size, t.mini_batch_size)})"
+            )
+    cache = cfg.data.shaping.overlong_cache_length
+    if cache is not None and cache > cfg.rollout.max_new_tokens:
+        raise ValueError(
+            f"data.shaping.overlong_cache_length={cache} is longer than rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens}: the penalty ramps over the last tokens before that limit"
+        )
+
+
+def _check_control(cfg: Config) -> None:
+    """The control workload: its batch is its envs' steps, and a language model's settings are refused."""
+    a, t = cfg.algo, cfg.train
+    if cfg.textenv.env is not None:
+        raise ValueError(f"textenv.env={cfg.textenv.env} trains a language model; set workload: lm")
+    if a.beta > 0 or a.use_kl_in_reward:
+        what = "algo.beta > 0" if a.beta > 0 else "algo.use_kl_in_reward"
+        raise ValueError(
+            f"{what} needs a reference policy, which the control workload does not have; "
+            "set algo.beta=0 and algo.use_kl_in_reward=false"
+        )
+    if a.adv_estimator in GROUP_ESTIMATORS:
+        raise ValueError(
+            f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt and needs "
+            "the lm workload; use gae for control"
+        )
+    expected = cfg.env.num_envs * cfg.env.num_steps
+    if t.batch_size != expected:
+        raise ValueError(
+            f"train.batch_size={t.batch_size} must equal env.num_envs * env.num_steps "
+            f"= {expected} for the control workload (or leave it out)"
+        )
+    if t.total_steps is None and t.iterations is None:
+        raise ValueError("set train.total_steps (environment steps) or train.iterations")
+    if t.micro_batch_tokens is not None:
+        raise ValueError(
+            "train.micro_batch_tokens forms micro-batches of token sequences (lm workload); "
+            "control batches use train.micro_batch_size"
+        )
+    if cfg.rollout.dynamic_sampling.enable:
+        raise ValueError(
+            "rollout.dynamic_sampling filters groups of a language model's responses; the control "
+            "workload has none: set rollout.dynamic_sampling=false"
+        )
+    if a.rollout_correction != "none":
+        raise ValueError(
+            f"algo.rollout_correction={a.rollout_correction} corrects a language model's rollout engine; "
+            "control rollouts sample from the trained network itself: set algo.rollout_correction=none"
+        )
+    if a.rollout_correction_rs is not None or a.rollout_correction_bypass:
+        what = "algo.rollout_correction_bypass" if a.rollout_correction_bypass else "algo.rollout_correction_rs"
+        raise ValueError(
+            f"{what} needs a language model's rollout engine and its behaviour log-probs; control "
+            f"rollouts sample from the trained network itself: remove {what}"
+        )
+    c = cfg.cluster
+    if c.rollout_workers > 1 and cfg.env.num_envs % c.rollout_workers:
+        raise ValueError(
+            f"cluster.rollout_workers={c.rollout_workers} must divide env.num_envs="
+            f"{cfg.env.num_envs}: each worker steps an equal shard of the envs"
+        )
+
+
+def _check_lm(cfg: Config) -> None:
+    """Language-model runs, single- and multi-turn: the budget, the critic's settings, the workers' shares."""
+    a, t = cfg.algo, cfg.train
+    if t.iterations is None:
+        raise ValueError("set train.iterations (PPO iterations) for the lm workload")
+    if t.critic_warmup and not cfg.uses_critic:
+        raise ValueError(
+            f"train.critic_warmup={t.critic_warmup} trains the critic, but "
+            f"algo.adv_estimator={a.adv_estimator} has none; set train.critic_warmup=0"
+        )
+    if t.critic_warmup >= t.iterations:
+        raise ValueError(
+            f"train.critic_warmup={t.critic_warmup} leaves no actor updates in train.iterations={t.iterations}"
+        )
+    critic_path = cfg.model.critic_path
+    if critic_path and not cfg.uses_critic:
+        raise ValueError(
+            f"model.critic_path={critic_path} is the critic's model, but "
+            f"algo.adv_estimator={a.adv_estimator} trains no critic; remove model.critic_path"
+        )
+    if critic_path and cfg.model.mode == "lora":
+        raise ValueError(
+            f"model.critic_path={critic_path} is full mode's separate critic; in lora mode "
+            "the critic is a LoRA adapter on model.path: set model.mode=full, or remove "
+            "model.critic_path"
+        )
+
+
+def _check_textenv(cfg: Config) -> None:
+    """Multi-turn episodes (``textenv``): the estimators and credit they take, self-play's pool,
+    and what runs only in the training process."""
+    a, t, c = cfg.algo, cfg.train, cfg.cluster
+    if a.adv_estimator != "gae" and a.adv_estimator not in GROUP_ESTIMATORS:
+        raise ValueError(
+            f"algo.adv_estimator={a.adv_estimator}: multi-turn episodes (textenv) take gae (the "
+            f"critic) or a group estimator ({', '.join(GROUP_ESTIMATORS)}) over episodes of one seed"
+        )
+    if a.adv_estimator == "gae" and a.group_size != 1:
+        raise ValueError(
+            f"algo.group_size={a.group_size}: with algo.adv_estimator=gae multi-turn episodes (textenv) "
+            "use the critic as the baseline; set algo.group_size=1, or a group estimator such as grpo"
+        )
+    if a.adv_estimator in GROUP_ESTIMATORS and a.credit == "turn":
+        raise ValueError(
+            f"algo.credit=turn is GAE over turns with the critic; algo.adv_estimator={a.adv_estimator} "
+            "puts each episode's group advantage on all its tokens: set algo.credit=token"
+        )
+    if a.adv_estimator in GROUP_ESTIMATORS and cfg.textenv.role_baseline_tau:
+        raise ValueError(
+            f"textenv.role_baseline_tau: algo.adv_estimator={a.adv_estimator} already compares each "
+            "episode with episodes of the same seed and seat; set textenv.role_baseline_tau=0"
+        )
+    if cfg.textenv.pool.snapshot_every and cfg.model.mode != "lora":
+        raise ValueError(
+            "textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
+            "model.mode=lora, or textenv.pool.snapshot_every=0"
+        )
+    if cfg.rollout.off_policy_steps and c.rollout_workers:
+        raise ValueError(
+            f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: multi-turn episodes (textenv) are "
+            "played ahead in the training process only; set cluster.rollout_workers=0 or "
+            "rollout.off_policy_steps=0"
+        )
+    if c.rollout_workers > 1 and t.batch_size % c.rollout_workers:
+        raise ValueError(
+            f"cluster.rollout_workers={c.rollout_workers} must divide train.batch_size="
+            f"{t.batch_size}: each worker plays an equal, contiguous share of the episodes"
+        )
+    if cfg.rollout.dynamic_sampling.enable and cfg.rollout.dynamic_sampling.metric == "verifier":
+        raise ValueError(
+            "rollout.dynamic_sampling.metric=verifier is data.reward's score; multi-turn episodes (textenv) "
+            "are filtered on their return: set rollout.dynamic_sampling.metric=reward"
+        )
+    if cfg.rollout.dynamic_sampling.enable and c.rollout_workers:
+        raise ValueError(
+            "rollout.dynamic_sampling plays the extra episodes of multi-turn runs (textenv) in the "
+            "training process: set cluster.rollout_workers=0, or rollout.dynamic_sampling=false"
+        )
+
+
+def _check_group_shares(cfg: Config) -> None:
+    """Each rollout worker gets whole groups (language-model runs, after their own checks)."""
+    c, t, a = cfg.cluster, cfg.train, cfg.algo
+    if c.rollout_workers > 1 and (t.batch_size // a.group_size) % c.rollout_workers:
+        raise ValueError(
+            f"cluster.rollout_workers={c.rollout_workers} must divide the prompts per iteration "
+            f"(train.batch_size / algo.group_size = {t.batch_size // a.group_size})"
+        )
+
+
+# each kind's checks, after those of every run (Config.kind)
+KIND_CHECKS = {
+    "control": (_check_control,),
+    "lm": (_check_lm, _check_group_shares),
+    "textenv": (_check_lm, _check_textenv, _check_group_shares),
+}
+# each kind's stopping target (ppokit.stopping)
+STOPPING_TARGETS = {
+    "control": "env.stop_at_return",
+    "lm": "data.stop_at_accuracy",
+    "textenv": "textenv.stop_at_win_rate",
+}
+
+
+def _check_stopping_target(cfg: Config) -> None:
+    """A stopping target of another kind than the run's is an error. (A rule without periodic
+    evaluations never fires: a preset's target stays valid when eval_every is set to 0.)"""
+    own = STOPPING_TARGETS[cfg.kind]
+    targets = {
+        "env.stop_at_return": cfg.env.stop_at_return,
+        "data.stop_at_accuracy": cfg.data.stop_at_accuracy,
+        "textenv.stop_at_win_rate": cfg.textenv.stop_at_win_rate,
+    }
+    for name, value in targets.items():
+        if value is not None and name != own:
+            raise ValueError(f"{name} is another workload's stopping target; this run stops on {own}")
+
+
+def _check_dynamic_sampling(cfg: Config) -> None:
+    """rollout.dynamic_sampling filters the groups of single-turn prompts (and of multi-turn
+    episodes, played in the training process), each generation batch sampled by the weights of
+    the iteration's first one."""
+    if not cfg.rollout.dynamic_sampling.enable:
+        return
+    if cfg.algo.group_size < 2:
+        raise ValueError(
+            f"rollout.dynamic_sampling keeps the groups whose rewards vary, so it needs algo.group_size >= 2 "
+            f"(got {cfg.algo.group_size}): set algo.group_size (e.g. 8)"
+        )
+    if cfg.rollout.off_policy_steps and cfg.cluster.rollout_workers:
+        raise ValueError(
+            f"rollout.dynamic_sampling with rollout.off_policy_steps={cfg.rollout.off_policy_steps} runs in "
+            "the training process only (on rollout workers its extra generation batches would be sampled by "
+            "newer weights than the first): set cluster.rollout_workers=0 or rollout.off_policy_steps=0"
+        )
+
+
+def _check_cluster(cfg: Config) -> None:
+    """Sharding and the learners' split of a mini-batch."""
+    c, t = cfg.cluster, cfg.train
+    if c.cpu_offload and c.sharding != "fsdp":
+        raise ValueError(
+            "cluster.cpu_offload keeps FSDP shards in CPU memory: set cluster.sharding=fsdp, or "
+            "cluster.cpu_offload=false"
+        )
+    if c.learners > 1 and (t.mini_batch_size or t.batch_size) < c.learners:
+        raise ValueError(
+            f"cluster.learners={c.learners} split each mini-batch; train.mini_batch_size="
+            f"{t.mini_batch_size or t.batch_size} gives some learner no sample"
+        )
+
+
+def _check_rollout_correction(cfg: Config) -> None:
+    """The correction's weight, its rejection rules and bypass mode, together."""
+    a = cfg.algo
+    if a.rollout_correction == "tis" and a.rollout_correction_level == "geometric":
+        raise ValueError(
+            "algo.rollout_correction_level=geometric is a band test of mis (a geometric mean is no "
+            "importance weight); use token or sequence with tis, or algo.rollout_correction=mis"
+        )
+    if a.rollout_correction_rs is None and a.rollout_correction_rs_threshold is not None:
+        raise ValueError(
+            "algo.rollout_correction_rs_threshold bounds the rejection rules, but algo.rollout_correction_rs "
+            "names none; set algo.rollout_correction_rs (e.g. seq_mean_k3) or remove the threshold"
+        )
+    a.rejection_rules  # noqa: B018  (a bad rule or bound: ValueError)
+    if a.rollout_correction_bypass and a.rollout_correction != "none":
+        raise ValueError(
+            f"algo.rollout_correction={a.rollout_correction} weighs by pi_old / pi_engine, which bypass mode "
+            "makes 1 (pi_old = pi_engine; PPO's ratio corrects): set algo.rollout_correction=none, or "
+            "algo.rollout_correction_bypass=false"
+        )
+    if a.rollout_correction_bypass and (cfg.rollout.top_p < 1 or cfg.rollout.top_k):
+        raise ValueError(
+            "algo.rollout_correction_bypass: the engine's log-probs come from the top-p/top-k truncated "
+            "distribution, the update's from the whole one, so PPO's ratio would not start at 1; set "
+            "rollout.top_p=1 and rollout.top_k=0, or algo.rollout_correction_bypass=false"
+        )
+
+
+def _check_rollout(cfg: Config) -> None:
+    """The rollout engine and its KV cache against the device and precision."""
+    r = cfg.rollout
+    if r.engine == "cuda" and cfg.run.device in ("cpu", "mps"):
+        raise ValueError(
+            f"rollout.engine=cuda needs a CUDA device, but run.device={cfg.run.device}; set rollout.engine=auto (or hf)"
+        )
+    if r.cache_implementation == "static" and not r.use_cache:
+        raise ValueError("rollout.cache_implementation=static is a KV cache: it needs rollout.use_cache=true")
+    if r.cache_implementation == "static" and cfg.model.mode == "full" and cfg.run.precision == "bf16":
+        raise ValueError(STATIC_CACHE_FULL_BF16)  # precision=auto: checked by HFEngine.for_policy
 
 
 # what an ``auto`` micro-batch size means where no run resolved it (a checkpoint's config read back

@@ -27,9 +27,8 @@ WORKLOADS = {
 
 
 def workload_kind(cfg: Config) -> str:
-    """``control``; ``lm``, prompts and a reward (single-turn); ``textenv``, episodes of a text
-    environment (``workload: lm`` with ``textenv.env`` set: multi-turn)."""
-    return "textenv" if cfg.workload == "lm" and cfg.textenv.env is not None else cfg.workload
+    """:attr:`Config.kind`: ``control``, ``lm`` (single-turn) or ``textenv`` (multi-turn)."""
+    return cfg.kind
 
 
 def describe(cfg: Config) -> str:
