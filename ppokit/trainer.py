@@ -108,6 +108,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -187,9 +188,20 @@ class TrainablePolicy(Protocol):
         """``log_prob``, ``values`` (none without a critic) and ``entropy``, each (n, T), under the
         current parameters."""
 
-    # Optional: ``compact(micro_batch) -> micro_batch`` drops the padding columns of a micro-batch
-    # (every (n, T) tensor cut to (n, T') with T' <= T, only positions with mask 0 removed). Used
-    # with train.micro_batch_tokens, whose micro-batches are formed to be cut (ppokit.lm.model.policy).
+    def compact(self, micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``micro_batch`` without its padding columns (every (n, T) tensor cut to (n, T'), T' <= T,
+        only positions with mask 0 removed), for ``train.micro_batch_tokens``, whose micro-batches
+        are formed to be cut (:meth:`ppokit.lm.model.policy.LMPolicy.compact`)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every optimizer step of one update shares."""
+
+    micro: int  # rows per micro-batch (train.micro_batch_tokens: at most this many)
+    horizon: int  # seq-mean-token-sum-norm's constant (the batch's width where not set)
+    critic_only: bool  # the critic's warm-up: no actor terms
+    penalty_coef: float | None  # PPO-penalty's coefficient for this iteration
 
 
 def compute_advantages(
@@ -383,10 +395,7 @@ class PPOTrainer:
         cfg, a = self.cfg, self.cfg.algo
         batch, correction_metrics = self._rollout_correction(batch)
         mini = min(self.cfg.mini_batch_size, n) if num_mini_batches is None else max(1, -(-n // num_mini_batches))
-        micro = min(self.cfg.micro_batch_size, mini)
-        critic_only = iteration < cfg.train.critic_warmup
-        horizon = self.horizon or batch["mask"].shape[1]
-        penalty_coef = self.penalty.value if self.penalty is not None else None  # this iteration's
+        plan = self._step_plan(batch, iteration, micro=min(self.cfg.micro_batch_size, mini))
         sums: dict[str, Tensor] = {}
         weights: dict[str, float] = {}
         epochs_done = 0
@@ -400,9 +409,7 @@ class PPOTrainer:
             for step, mb_index in enumerate(order.split(mini)):
                 mb_index = self.parallel.shard(mb_index)  # this learner's part of the mini-batch
                 mb = {k: v[mb_index] for k, v in batch.items()}
-                on_policy = epoch == 0 and step == 0
-                current: list[tuple[slice | Tensor, Tensor]] = []
-                step_metrics = self._optimizer_step(mb, micro, horizon, critic_only, on_policy, current, penalty_coef)
+                step_metrics, current = self._optimizer_step(mb, plan, on_policy=epoch == 0 and step == 0)
                 for rows, log_prob in current:  # (n, T') each: back into the (N, T) layout
                     self.on_policy_log_prob[mb_index[rows], : log_prob.shape[1]] = log_prob.float()
                     first_rows[mb_index[rows]] = 1.0
@@ -433,7 +440,7 @@ class PPOTrainer:
         out.update({k: float(v) for k, v in correction_metrics.items()})
         if self.penalty is not None and epoch_kl:
             # the PPO paper's d: the KL after the update, measured on the last epoch's mini-batches
-            out["penalty_coef"] = penalty_coef
+            out["penalty_coef"] = plan.penalty_coef
             self.penalty.update(torch.stack(epoch_kl).mean().item())
         out["epochs"] = float(epochs_done)
         if self._positions_computed and "attention_mask" in batch:  # token sequences: padding share computed
@@ -494,22 +501,23 @@ class PPOTrainer:
         )
         return {**batch, "correction_weight": weight, "correction_keep": keep}, {**metrics, **more}
 
+    def _step_plan(self, batch: dict[str, Tensor], iteration: int, micro: int) -> StepPlan:
+        """The steps' shared settings for an update of ``batch`` at ``iteration``."""
+        return StepPlan(
+            micro=micro,
+            horizon=self.horizon or batch["mask"].shape[1],
+            critic_only=iteration < self.cfg.train.critic_warmup,
+            penalty_coef=self.penalty.value if self.penalty is not None else None,  # this iteration's
+        )
+
     def _optimizer_step(
-        self,
-        mb: dict[str, Tensor],
-        micro: int,
-        horizon: int,
-        critic_only: bool,
-        on_policy: bool = False,
-        current_out: list[tuple[slice | Tensor, Tensor]] | None = None,
-        penalty_coef: float | None = None,
-    ) -> dict[str, Tensor]:
-        """One optimizer step over mini-batch ``mb`` (this rank's part of it); with ``on_policy``,
-        each micro-batch's rows of ``mb`` and its detached log-probs (n, T') are appended to
-        ``current_out``."""
-        totals = self._accumulate_gradients(mb, micro, horizon, critic_only, on_policy, current_out, penalty_coef)
+        self, mb: dict[str, Tensor], plan: StepPlan, on_policy: bool = False
+    ) -> tuple[dict[str, Tensor], list[tuple[slice | Tensor, Tensor]]]:
+        """One optimizer step over mini-batch ``mb`` (this rank's part of it): its metrics, and
+        with ``on_policy`` each micro-batch's rows of ``mb`` and its detached log-probs (n, T')."""
+        totals, current = self._accumulate_gradients(mb, plan, on_policy)
         totals.update(self._clip_and_step())
-        return totals
+        return totals, current
 
     def mini_batch_gradients(self, batch: dict[str, Tensor], iteration: int = 0) -> dict[str, Tensor]:
         """The gradient of the first optimizer step of an update of ``batch`` (its first
@@ -522,17 +530,8 @@ class PPOTrainer:
         self.generator.set_state(state)
         mb_index = self.parallel.shard(order[: min(self.cfg.mini_batch_size, n)])
         mb = {k: v[mb_index] for k, v in batch.items()}
-        micro = min(self.cfg.micro_batch_size, self.cfg.mini_batch_size)
-        penalty_coef = self.penalty.value if self.penalty is not None else None
-        self._accumulate_gradients(
-            mb,
-            micro,
-            self.horizon or batch["mask"].shape[1],
-            iteration < self.cfg.train.critic_warmup,
-            True,
-            [],
-            penalty_coef,
-        )
+        plan = self._step_plan(batch, iteration, micro=min(self.cfg.micro_batch_size, self.cfg.mini_batch_size))
+        self._accumulate_gradients(mb, plan, on_policy=True)
         names = {id(p): name for name, p in self.policy.named_parameters()}
         grads = {
             names[id(p)]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for p in self.params
@@ -549,29 +548,20 @@ class PPOTrainer:
         return self.parallel.all_reduce(count.to(torch.int64)).clamp(min=1)
 
     def _accumulate_gradients(
-        self,
-        mb: dict[str, Tensor],
-        micro: int,
-        horizon: int,
-        critic_only: bool,
-        on_policy: bool,
-        current_out: list | None,
-        penalty_coef: float | None,
-    ) -> dict[str, Tensor]:
+        self, mb: dict[str, Tensor], plan: StepPlan, on_policy: bool
+    ) -> tuple[dict[str, Tensor], list[tuple[slice | Tensor, Tensor]]]:
         """Zero the gradients, backward every micro-batch of ``mb`` with the whole mini-batch's
-        normaliser, sum the gradients over the ranks; the step's metrics (reduced over the ranks)."""
-        a = self.cfg.algo
-        mode = a.loss_agg_mode
+        normaliser, sum the gradients over the ranks; the step's metrics (reduced over the ranks)
+        and, ``on_policy``, each micro-batch's rows and detached log-probs (n, T')."""
+        mode = self.cfg.algo.loss_agg_mode
         normalizer = self._global_normalizer(mb["mask"], mode)
         # rollout correction (mis): the actor's terms skip the dropped tokens, normalised without them
         keep_all = mb.get("correction_keep")
         actor_normalizer = normalizer if keep_all is None else self._global_normalizer(mb["mask"] * keep_all, mode)
         self.optimizer.zero_grad()
         totals: dict[str, Tensor] = {}
-        budget = self.cfg.train.micro_batch_tokens
-        compact = getattr(self.policy, "compact", None) if budget is not None else None
-        width_key = "attention_mask" if "attention_mask" in mb else "mask"
-        micro_batches = list(algo.micro_batch_indices(mb, micro, budget))
+        current_rows: list[tuple[slice | Tensor, Tensor]] = []
+        micro_batches = list(algo.micro_batch_indices(mb, plan.micro, self.cfg.train.micro_batch_tokens))
         # FSDP ranks run their collectives in every pass: a rank with fewer micro-batches repeats its
         # last one with its loss times 0 (no gradient, no metrics) until every rank has made as many
         passes = self.parallel.passes(len(micro_batches))
@@ -583,105 +573,26 @@ class PPOTrainer:
         for index in range(passes):
             idle = index >= len(micro_batches)
             rows = micro_batches[min(index, len(micro_batches) - 1)]
-            part = {k: v[rows] for k, v in mb.items()}
-            if compact is not None:
-                part = compact(part)  # (n, T') tensors: this micro-batch's padding columns dropped
-            if not idle:
-                self._positions_real = self._positions_real + part[width_key].sum()  # no host sync here
-                self._positions_computed += part[width_key].numel()
+            part = self._micro_part(mb, rows, counted=not idle)
             out = self.policy.evaluate(part)
-            mask = part["mask"]
             # before the first step: the sampling policy's log-probs (off-policy: one update newer)
             current = out["log_prob"].detach() if on_policy else None
-            if current is not None and current_out is not None and not idle:
-                current_out.append((rows, current))
-            share = algo.aggregation_normalizer(mask, mode) / normalizer  # this micro-batch's weight
-            # Losses computed with the mini-batch normalizer add up over micro-batches;
-            # rates (clipfrac, approx_kl) are means over this micro-batch: weight by its share.
-            loss = out["log_prob"].new_zeros(())
-            losses: dict[str, Tensor] = {}
-            metrics: dict[str, Tensor] = {}
-            if "values" in out:  # a policy without a critic (critic-free estimators) has none
-                v_loss, v_metrics = algo.value_loss(
-                    out["values"],
-                    part["old_values"],
-                    part["returns"],
-                    mask,
-                    clip_value=a.clip_value,
-                    huber_delta=a.huber_delta,
-                    agg_mode=mode,
-                    normalizer=normalizer,
-                    horizon=horizon,
-                    diagnostics=False,
+            if current is not None and not idle:
+                current_rows.append((rows, current))
+            loss, losses, metrics = self._critic_terms(out, part, plan, normalizer)
+            if not plan.critic_only:
+                loss, actor_losses, actor_metrics = self._add_actor_terms(
+                    loss, out, part, plan, actor_normalizer, current, idle
                 )
-                loss = loss + a.value_coeff * v_loss
-                losses["value_loss"] = v_loss.detach()
-                metrics["vf_clipfrac"] = v_metrics["vf_clipfrac"]
-            if not critic_only:
-                actor_mask = mask if "correction_keep" not in part else mask * part["correction_keep"]
-                advantages = part["advantages"]
-                if "correction_weight" in part:  # the importance weights pi_old / pi_engine, truncated (tis) or not
-                    advantages = advantages * part["correction_weight"]
-                old_log_prob = part.get("old_log_prob")
-                if self.bypass and a.rollout_correction_rs is not None:
-                    # bypass: the rules test the current policy against the engine (old_log_prob), in
-                    # each pass; the normaliser keeps the rejected tokens (verl's bypass mode)
-                    rs_keep, rs_metrics = algo.rollout_rejection(
-                        out["log_prob"].detach(), old_log_prob, mask, self.rejection_rules
-                    )
-                    actor_mask = actor_mask * rs_keep
-                    dropped = (rs_keep == 0) & (mask != 0)  # (n, T)
-                    metrics.update({k: v for k, v in rs_metrics.items() if not k.endswith("_max")})  # means only
-                    metrics["correction_masked_frac"] = algo.masked_mean(dropped.float(), mask)
-                    metrics["correction_seq_masked_frac"] = algo.masked_mean(dropped.any(-1).float(), mask.any(-1))
-                if current is not None:
-                    if old_log_prob is not None and not idle:
-                        gap = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
-                        totals["old_log_prob_gap"] = torch.maximum(totals.get("old_log_prob_gap", gap), gap)
-                    if self.off_policy:  # the behaviour policy's log-probs stay old_log_prob
-                        lag = algo.kl_penalty(old_log_prob, current, "k3")  # KL(behaviour || current)
-                        metrics["off_policy_kl"] = algo.aggregate(lag, mask, "token-mean")
-                    elif not self.bypass:  # the policy that sampled this data: the ratio is exactly 1
-                        old_log_prob = current
-                pg_loss, pg_metrics = self.policy_loss(
-                    algo.PolicyLossInputs(
-                        out["log_prob"],
-                        old_log_prob,
-                        advantages,
-                        actor_mask,
-                        agg_mode=mode,
-                        normalizer=actor_normalizer,
-                        horizon=horizon,
-                        penalty_coef=penalty_coef,
-                    ),
-                    a,
-                )
-                loss = loss + pg_loss
-                losses["policy_loss"] = pg_loss.detach()
-                # every metric the loss returns (clipfrac, ratio_max, kl_old, gate_mean, ...); k3 is approx_kl
-                metrics.update((k, v) for k, v in pg_metrics.items() if k != "approx_kl_k3")
-                metrics["approx_kl"] = pg_metrics["approx_kl_k3"]
-                if "entropy" in out:
-                    entropy = algo.aggregate(
-                        out["entropy"], actor_mask, mode, normalizer=actor_normalizer, horizon=horizon
-                    )
-                    if a.entropy_coeff:
-                        loss = loss - a.entropy_coeff * entropy
-                    losses["entropy"] = entropy.detach()
-                if a.beta > 0:
-                    # "full": the exact KL over the vocabulary, which the policy computes from its logits
-                    kl = (
-                        out["kl_full"]
-                        if a.kl_loss_type == "full"
-                        else algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
-                    )
-                    kl_loss = algo.aggregate(kl, actor_mask, mode, normalizer=actor_normalizer, horizon=horizon)
-                    loss = loss + a.beta * kl_loss
-                    losses["kl_loss"] = kl_loss.detach()
+                losses.update(actor_losses)
+                metrics.update(actor_metrics)
             if idle:
                 (loss * 0.0).backward()  # the same backward graph as a real pass, a zero gradient
                 continue
             loss.backward()
+            # Losses computed with the mini-batch normalizer add up over micro-batches;
+            # rates (clipfrac, approx_kl) are means over this micro-batch: weight by its share.
+            share = algo.aggregation_normalizer(part["mask"], mode) / normalizer
             for k, v in losses.items():
                 totals[k] = totals.get(k, 0.0) + v
             for k, v in metrics.items():
@@ -692,7 +603,120 @@ class PPOTrainer:
         if self.parallel.world_size > 1:
             self.parallel.all_reduce_grads(self.params)
             totals = self._reduce_metrics(totals)
-        return totals
+        return totals, current_rows
+
+    def _micro_part(self, mb: dict[str, Tensor], rows: slice | Tensor, counted: bool) -> dict[str, Tensor]:
+        """The micro-batch ``rows`` of ``mb`` (train.micro_batch_tokens: without its padding
+        columns); ``counted``: its real and computed positions go to the padding metric."""
+        part = {k: v[rows] for k, v in mb.items()}
+        if self.cfg.train.micro_batch_tokens is not None:
+            part = self.policy.compact(part)  # (n, T') tensors: this micro-batch's padding columns dropped
+        if counted:
+            width = part["attention_mask"] if "attention_mask" in part else part["mask"]
+            self._positions_real = self._positions_real + width.sum()  # no host sync here
+            self._positions_computed += width.numel()
+        return part
+
+    def _critic_terms(
+        self, out: dict[str, Tensor], part: dict[str, Tensor], plan: StepPlan, normalizer: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """The pass's loss so far (the value term; 0 for a policy without a critic), its losses and metrics."""
+        a = self.cfg.algo
+        loss = out["log_prob"].new_zeros(())
+        losses: dict[str, Tensor] = {}
+        metrics: dict[str, Tensor] = {}
+        if "values" in out:  # a policy without a critic (critic-free estimators) has none
+            v_loss, v_metrics = algo.value_loss(
+                out["values"],
+                part["old_values"],
+                part["returns"],
+                part["mask"],
+                clip_value=a.clip_value,
+                huber_delta=a.huber_delta,
+                agg_mode=a.loss_agg_mode,
+                normalizer=normalizer,
+                horizon=plan.horizon,
+                diagnostics=False,
+            )
+            loss = loss + a.value_coeff * v_loss
+            losses["value_loss"] = v_loss.detach()
+            metrics["vf_clipfrac"] = v_metrics["vf_clipfrac"]
+        return loss, losses, metrics
+
+    def _add_actor_terms(
+        self,
+        loss: Tensor,
+        out: dict[str, Tensor],
+        part: dict[str, Tensor],
+        plan: StepPlan,
+        normalizer: Tensor,
+        current: Tensor | None,
+        idle: bool,
+    ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """``loss`` + the policy loss - entropy_coeff x entropy + beta x KL (added in this order), the
+        terms' values and the policy loss's metrics. ``current``: the pass's detached log-probs on
+        the update's first step (None after it)."""
+        a, mode, mask = self.cfg.algo, self.cfg.algo.loss_agg_mode, part["mask"]
+        losses: dict[str, Tensor] = {}
+        metrics: dict[str, Tensor] = {}
+        actor_mask = mask if "correction_keep" not in part else mask * part["correction_keep"]
+        advantages = part["advantages"]
+        if "correction_weight" in part:  # the importance weights pi_old / pi_engine, truncated (tis) or not
+            advantages = advantages * part["correction_weight"]
+        old_log_prob = part.get("old_log_prob")
+        if self.bypass and a.rollout_correction_rs is not None:
+            # bypass: the rules test the current policy against the engine (old_log_prob), in
+            # each pass; the normaliser keeps the rejected tokens (verl's bypass mode)
+            rs_keep, rs_metrics = algo.rollout_rejection(
+                out["log_prob"].detach(), old_log_prob, mask, self.rejection_rules
+            )
+            actor_mask = actor_mask * rs_keep
+            dropped = (rs_keep == 0) & (mask != 0)  # (n, T)
+            metrics.update({k: v for k, v in rs_metrics.items() if not k.endswith("_max")})  # means only
+            metrics["correction_masked_frac"] = algo.masked_mean(dropped.float(), mask)
+            metrics["correction_seq_masked_frac"] = algo.masked_mean(dropped.any(-1).float(), mask.any(-1))
+        if current is not None:
+            if old_log_prob is not None and not idle:  # a maximum over the step's passes (MAX_METRICS)
+                metrics["old_log_prob_gap"] = (current - old_log_prob).abs().masked_fill(mask == 0, 0.0).amax()
+            if self.off_policy:  # the behaviour policy's log-probs stay old_log_prob
+                lag = algo.kl_penalty(old_log_prob, current, "k3")  # KL(behaviour || current)
+                metrics["off_policy_kl"] = algo.aggregate(lag, mask, "token-mean")
+            elif not self.bypass:  # the policy that sampled this data: the ratio is exactly 1
+                old_log_prob = current
+        pg_loss, pg_metrics = self.policy_loss(
+            algo.PolicyLossInputs(
+                out["log_prob"],
+                old_log_prob,
+                advantages,
+                actor_mask,
+                agg_mode=mode,
+                normalizer=normalizer,
+                horizon=plan.horizon,
+                penalty_coef=plan.penalty_coef,
+            ),
+            a,
+        )
+        loss = loss + pg_loss
+        losses["policy_loss"] = pg_loss.detach()
+        # every metric the loss returns (clipfrac, ratio_max, kl_old, gate_mean, ...); k3 is approx_kl
+        metrics.update((k, v) for k, v in pg_metrics.items() if k != "approx_kl_k3")
+        metrics["approx_kl"] = pg_metrics["approx_kl_k3"]
+        if "entropy" in out:
+            entropy = algo.aggregate(out["entropy"], actor_mask, mode, normalizer=normalizer, horizon=plan.horizon)
+            if a.entropy_coeff:
+                loss = loss - a.entropy_coeff * entropy
+            losses["entropy"] = entropy.detach()
+        if a.beta > 0:
+            # "full": the exact KL over the vocabulary, which the policy computes from its logits
+            kl = (
+                out["kl_full"]
+                if a.kl_loss_type == "full"
+                else algo.kl_penalty(out["log_prob"], part["ref_log_prob"], a.kl_loss_type)
+            )
+            kl_loss = algo.aggregate(kl, actor_mask, mode, normalizer=normalizer, horizon=plan.horizon)
+            loss = loss + a.beta * kl_loss
+            losses["kl_loss"] = kl_loss.detach()
+        return loss, losses, metrics
 
     def _reduce_metrics(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
         """Step metrics over the ranks: sums (losses use the global normaliser, rates are

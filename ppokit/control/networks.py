@@ -103,6 +103,11 @@ class ActorCritic(nn.Module):
             "entropy": self._entropy(dist),
         }
 
+    @staticmethod
+    def compact(micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The micro-batch as it is: transitions have no padding columns."""
+        return micro_batch
+
     # ------------------------------------------------------------------ rollout API
     def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Sample actions for obs (E, D): ``(actions (E,) or (E, A), log_prob (E,), value (E,))``.
