@@ -65,147 +65,216 @@ def run(workload: Workload, cfg: Config, run_dir: Path | str, resume_from: Path 
 
 
 def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | None) -> dict[str, Any]:
-    iterations = cfg.iterations
     saved = None
     if resume_from is not None:
         saved = read_resumable_checkpoint(workload, cfg, resume_from, run_dir)  # before anything is built
-        if saved.meta.get("finished") or saved.meta["iteration"] >= iterations:
+        if saved.meta.get("finished") or saved.meta["iteration"] >= cfg.iterations:
             rundir.truncate_logs(run_dir, saved.meta["iteration"])
             return _finished_result(run_dir, saved)
     components: Components | None = None
     tracker = None
     try:
         components = workload.build(run_dir)
-        source, scorer, learner, evaluator = (
-            components.source,
-            components.scorer,
-            components.learner,
-            components.evaluator,
-        )
-        advantages = components.advantages or batch_advantages
         start_it, history, summary, notes = 0, [], {}, []
         if saved is not None:
             start_it, history, summary, notes = _load_state(saved, components, run_dir)
             rundir.truncate_logs(run_dir, start_it)  # only now: the resume goes ahead
-        steps = source.steps_per_iteration
+        steps = components.source.steps_per_iteration
         # The tracker comes once the run is built and any checkpoint loaded: a resume that fails
         # leaves metrics.jsonl and TensorBoard as they were. TensorBoard's x axis is the global
         # step where there is one: the resumed run's first logged step is purged and written again.
         purge = None if saved is None else (start_it * steps + 1 if steps else start_it)
-        tracker = Tracker(run_dir, cfg, iterations, description=components.description or None, purge_step=purge)
+        description = components.description or None
+        tracker = Tracker(run_dir, cfg, cfg.iterations, description=description, purge_step=purge)
         for line in components.header + notes:
             tracker.message(line)
         if saved is not None:
             tracker.message(f"resumed from {resume_from} at iteration {start_it}")
-
-        def evaluate(phase: str, done: int) -> dict[str, float]:
-            result = evaluator.evaluate(phase)
-            row = {"iteration": done, "phase": phase, "time": time.time(), **result}
-            if steps:
-                row["global_step"] = done * steps
-            history.append(row)
-            line = evaluator.message(phase, result)
-            if line:
-                tracker.message(line)
-            return result
-
-        if saved is None and evaluator is not None and evaluator.at_start:
-            summary.update(evaluate("before", 0))
-        start = time.perf_counter()
-        metrics: dict[str, Any] = {}
-        final_path: Path | None = None
-        it = start_it - 1
-        ahead = cfg.rollout.off_policy_steps  # k: rollouts queued ahead of the update
-        health = RunHealth(cfg)
-        with GracefulStop() as stop:
-            source.sync_weights(learner)  # a source in other processes starts from these weights
-            for it in range(start_it, iterations):
-                t0 = time.perf_counter()
-                with phase_peak() as collect_peak:
-                    batch = source.collect(it)
-                    # sampled by these weights (version it) while the updates run: iteration
-                    # it + k trains on version it (lag k); those queued already stay queued
-                    for later in range(it + 1, min(it + ahead, iterations - 1) + 1):
-                        source.prefetch(later)
-                t1 = time.perf_counter()
-                with phase_peak() as score_peak:
-                    if scorer is not None:
-                        scorer.score(batch)
-                t2 = time.perf_counter()
-                with phase_peak() as update_peak:
-                    batch.tensors.update(zip(("advantages", "returns"), advantages(cfg, batch)))
-                    version = learner.policy_version
-                    try:
-                        metrics = learner.update(batch, it)
-                    except TrainingDiverged as exc:
-                        raise diverged_message(exc, run_dir) from None
-                    sync_metrics = source.sync_weights(learner)
-                t3 = time.perf_counter()
-                metrics.update(batch.metrics)
-                metrics.update(sync_metrics or {})
-                metrics.update(memory_metrics(collect=collect_peak, score=score_peak, update=update_peak))
-                if ahead and batch.policy_version is not None:
-                    # the weights that sampled the batch, and the updates between them and this
-                    # update's: min(it, k) with the queue full (RolloutQueue)
-                    metrics["policy_version"] = batch.policy_version
-                    metrics["staleness"] = version - batch.policy_version
-                metrics.update(time_collect=t1 - t0, time_update=t3 - t2)
-                if scorer is not None:
-                    metrics["time_score"] = t2 - t1
-                if steps:
-                    metrics["global_step"] = (it + 1) * steps
-                    metrics["sps"] = (it + 1 - start_it) * steps / max(t3 - start, 1e-9)
-                else:
-                    metrics["samples"] = (it + 1) * len(batch)
-                for line in health.check(it, metrics):  # no signal to learn from, runaway updates
-                    tracker.message(line)
-                if batch.samples and cfg.run.log_samples and it % cfg.run.samples_every == 0:
-                    tracker.log_samples(it, batch.samples[: cfg.run.log_samples])
-                last = it == iterations - 1
-                stop_reason = None
-                if evaluator is not None and evaluator.every and (it + 1) % evaluator.every == 0 and not last:
-                    result = evaluate("periodic", it + 1)
-                    metrics.update(result)
-                    stop_reason = evaluator.stop_reason(result)
-                    if stop_reason:
-                        tracker.message(f"{stop_reason}: stopping after iteration {it}")
-                        summary["stop_reason"] = stop_reason  # in the result and the final checkpoint's meta
-                if last or stop_reason:
-                    if evaluator is not None:
-                        result = evaluate("final", it + 1)
-                        metrics.update(result)
-                        summary.update(result)
-                    metrics["wall_time"] = time.perf_counter() - start
-                metrics["time_iteration"] = time.perf_counter() - t0
-                tracker.log(it, metrics)
-                state = dict(
-                    components=components, workload=workload, cfg=cfg, history=history, summary=summary, run_dir=run_dir
-                )
-                if last or stop_reason:
-                    final_path = _save(run_dir / rundir.FINAL_DIR, it + 1, finished=True, **state)
-                    break
-                periodic = cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0
-                if stop.requested:
-                    tracker.message(f"received {stop.signal_name}: saving a checkpoint after iteration {it}")
-                if periodic or stop.requested:
-                    path = _save(rundir.periodic_checkpoint_path(run_dir, it + 1), it + 1, **state)
-                    rundir.prune_checkpoints(run_dir, cfg.run.keep_checkpoints)
-                    if stop.requested:
-                        raise stop.interrupted(path, run_dir)
+        loop = _Loop(workload, cfg, run_dir, components, tracker, history, summary)
+        if saved is None and components.evaluator is not None and components.evaluator.at_start:
+            summary.update(loop.evaluate("before", 0))
+        loop.run(start_it)
     finally:
         if tracker is not None:
             tracker.close()
         if components is not None:
             components.close()
-    result = dict(metrics)
-    result.update(summary)
-    result.update(
-        iterations=it + 1,
-        eval_history=history,
-        run_dir=str(run_dir),
-        checkpoint=str(final_path) if final_path is not None else None,
-    )
-    return result
+    return loop.result()
+
+
+class _Loop:
+    """The iterations of one run: collect, score, update, evaluate on schedule, log, checkpoint.
+    ``history`` (the evaluations) and ``summary`` (what the result and the final checkpoint
+    report) are the run's, restored from its checkpoint on a resume."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        cfg: Config,
+        run_dir: Path,
+        components: Components,
+        tracker: Tracker,
+        history: list[dict],
+        summary: dict,
+    ):
+        self.workload, self.cfg, self.run_dir, self.components = workload, cfg, run_dir, components
+        self.tracker, self.history, self.summary = tracker, history, summary
+        self.steps = components.source.steps_per_iteration
+        self.advantages = components.advantages or batch_advantages
+        self.metrics: dict[str, Any] = {}  # the last iteration's
+        self.final_path: Path | None = None
+        self.last = -1  # the last iteration run
+
+    def evaluate(self, phase: str, done: int) -> dict[str, float]:
+        """The evaluator's metrics at ``phase`` after ``done`` iterations, kept in the history and said."""
+        evaluator = self.components.evaluator
+        result = evaluator.evaluate(phase)
+        row = {"iteration": done, "phase": phase, "time": time.time(), **result}
+        if self.steps:
+            row["global_step"] = done * self.steps
+        self.history.append(row)
+        line = evaluator.message(phase, result)
+        if line:
+            self.tracker.message(line)
+        return result
+
+    def run(self, start_it: int) -> None:
+        """Iterations ``start_it`` .. the last (or a stopping rule's); a checkpoint on schedule,
+        on SIGINT/SIGTERM (then :class:`~ppokit.errors.Interrupted`) and at the end."""
+        cfg, source, learner = self.cfg, self.components.source, self.components.learner
+        self.last = start_it - 1
+        self.start = time.perf_counter()
+        self.start_it = start_it
+        self.health = RunHealth(cfg)
+        with GracefulStop() as stop:
+            source.sync_weights(learner)  # a source in other processes starts from these weights
+            for it in range(start_it, cfg.iterations):
+                self.last = it
+                t0 = time.perf_counter()
+                metrics = self.metrics = self._iterate(it)
+                last = it == cfg.iterations - 1
+                stop_reason = self._evaluate_on_schedule(it, metrics, last)
+                metrics["time_iteration"] = time.perf_counter() - t0
+                self.tracker.log(it, metrics)
+                if last or stop_reason:
+                    self.final_path = self.save(self.run_dir / rundir.FINAL_DIR, it + 1, finished=True)
+                    break
+                periodic = cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0
+                if stop.requested:
+                    self.tracker.message(f"received {stop.signal_name}: saving a checkpoint after iteration {it}")
+                if periodic or stop.requested:
+                    path = self.save(rundir.periodic_checkpoint_path(self.run_dir, it + 1), it + 1)
+                    rundir.prune_checkpoints(self.run_dir, cfg.run.keep_checkpoints)
+                    if stop.requested:
+                        raise stop.interrupted(path, self.run_dir)
+
+    def _iterate(self, it: int) -> dict[str, Any]:
+        """Iteration ``it``'s rollouts, scores and update: its metrics (times, peaks, health said)."""
+        cfg, c = self.cfg, self.components
+        ahead = cfg.rollout.off_policy_steps  # k: rollouts queued ahead of the update
+        t0 = time.perf_counter()
+        with phase_peak() as collect_peak:
+            batch = c.source.collect(it)
+            # sampled by these weights (version it) while the updates run: iteration
+            # it + k trains on version it (lag k); those queued already stay queued
+            for later in range(it + 1, min(it + ahead, cfg.iterations - 1) + 1):
+                c.source.prefetch(later)
+        t1 = time.perf_counter()
+        with phase_peak() as score_peak:
+            if c.scorer is not None:
+                c.scorer.score(batch)
+        t2 = time.perf_counter()
+        with phase_peak() as update_peak:
+            batch.tensors.update(zip(("advantages", "returns"), self.advantages(cfg, batch)))
+            version = c.learner.policy_version
+            try:
+                metrics = c.learner.update(batch, it)
+            except TrainingDiverged as exc:
+                raise diverged_message(exc, self.run_dir) from None
+            sync_metrics = c.source.sync_weights(c.learner)
+        t3 = time.perf_counter()
+        metrics.update(batch.metrics)
+        metrics.update(sync_metrics or {})
+        metrics.update(memory_metrics(collect=collect_peak, score=score_peak, update=update_peak))
+        if ahead and batch.policy_version is not None:
+            # the weights that sampled the batch, and the updates between them and this
+            # update's: min(it, k) with the queue full (RolloutQueue)
+            metrics["policy_version"] = batch.policy_version
+            metrics["staleness"] = version - batch.policy_version
+        metrics.update(time_collect=t1 - t0, time_update=t3 - t2)
+        if c.scorer is not None:
+            metrics["time_score"] = t2 - t1
+        if self.steps:
+            metrics["global_step"] = (it + 1) * self.steps
+            metrics["sps"] = (it + 1 - self.start_it) * self.steps / max(t3 - self.start, 1e-9)
+        else:
+            metrics["samples"] = (it + 1) * len(batch)
+        for line in self.health.check(it, metrics):  # no signal to learn from, runaway updates
+            self.tracker.message(line)
+        if batch.samples and cfg.run.log_samples and it % cfg.run.samples_every == 0:
+            self.tracker.log_samples(it, batch.samples[: cfg.run.log_samples])
+        return metrics
+
+    def _evaluate_on_schedule(self, it: int, metrics: dict[str, Any], last: bool) -> str | None:
+        """The periodic evaluation after iteration ``it`` and its stopping rule, the final one at the
+        end, into ``metrics`` (and the summary); the reason to stop early, or None."""
+        evaluator = self.components.evaluator
+        stop_reason = None
+        if evaluator is not None and evaluator.every and (it + 1) % evaluator.every == 0 and not last:
+            result = self.evaluate("periodic", it + 1)
+            metrics.update(result)
+            stop_reason = evaluator.stop_reason(result)
+            if stop_reason:
+                self.tracker.message(f"{stop_reason}: stopping after iteration {it}")
+                self.summary["stop_reason"] = stop_reason  # in the result and the final checkpoint's meta
+        if last or stop_reason:
+            if evaluator is not None:
+                result = self.evaluate("final", it + 1)
+                metrics.update(result)
+                self.summary.update(result)
+            metrics["wall_time"] = time.perf_counter() - self.start
+        return stop_reason
+
+    def save(self, path: Path, iteration: int, finished: bool = False) -> Path:
+        """The whole run state at ``path`` (atomically; ``meta.json`` last). Non-finite weights are
+        never written over (or pruned into) the good checkpoints."""
+        c = self.components
+        if not c.learner.weights_finite():
+            raise diverged_message(
+                TrainingDiverged(f"training diverged: the policy's weights are not finite after iteration {iteration}"),
+                self.run_dir,
+            )
+        parts: dict[str, Any] = {"learner": c.learner.state_dict(), "source": c.source.state_dict()}
+        if c.scorer is not None:
+            parts["scorer"] = c.scorer.state_dict()
+        if c.evaluator is not None:
+            parts["evaluator"] = c.evaluator.state_dict()
+        parts["rng"] = capture_rng()
+        meta = {
+            "workload": self.workload.name,
+            "iteration": iteration,
+            "finished": finished,
+            "eval_history": self.history,
+            "summary": self.summary,
+            **c.checkpoint_meta,
+            "config": self.cfg.to_dict(),
+        }
+        if self.steps:
+            meta["global_step"] = iteration * self.steps
+        return save_checkpoint(path, parts, meta, files=c.learner.save_files)
+
+    def result(self) -> dict[str, Any]:
+        """The last iteration's metrics with the summary, the history and where the run and its
+        final checkpoint are."""
+        result = dict(self.metrics)
+        result.update(self.summary)
+        result.update(
+            iterations=self.last + 1,
+            eval_history=self.history,
+            run_dir=str(self.run_dir),
+            checkpoint=str(self.final_path) if self.final_path is not None else None,
+        )
+        return result
 
 
 def memory_metrics(**phases: PhasePeak) -> dict[str, float]:
@@ -217,46 +286,6 @@ def memory_metrics(**phases: PhasePeak) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _save(
-    path: Path,
-    iteration: int,
-    *,
-    components: Components,
-    workload: Workload,
-    cfg: Config,
-    history: list,
-    summary: dict,
-    run_dir: Path,
-    finished: bool = False,
-) -> Path:
-    """The whole run state at ``path`` (atomically; ``meta.json`` last). Non-finite weights are
-    never written over (or pruned into) the good checkpoints."""
-    if not components.learner.weights_finite():
-        raise diverged_message(
-            TrainingDiverged(f"training diverged: the policy's weights are not finite after iteration {iteration}"),
-            run_dir,
-        )
-    parts: dict[str, Any] = {"learner": components.learner.state_dict(), "source": components.source.state_dict()}
-    if components.scorer is not None:
-        parts["scorer"] = components.scorer.state_dict()
-    if components.evaluator is not None:
-        parts["evaluator"] = components.evaluator.state_dict()
-    parts["rng"] = capture_rng()
-    meta = {
-        "workload": workload.name,
-        "iteration": iteration,
-        "finished": finished,
-        "eval_history": history,
-        "summary": summary,
-        **components.checkpoint_meta,
-        "config": cfg.to_dict(),
-    }
-    steps = components.source.steps_per_iteration
-    if steps:
-        meta["global_step"] = iteration * steps
-    return save_checkpoint(path, parts, meta, files=components.learner.save_files)
-
-
 def read_resumable_checkpoint(workload: Workload, cfg: Config, path: Path, run_dir: Path) -> Checkpoint:
     """The checkpoint at ``path``, checked to continue this run: its workload, its config (equal
     but for how the run reports), its iteration count and its parts. Every problem is a
