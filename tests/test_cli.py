@@ -87,10 +87,10 @@ def cli(capsys, *argv: str) -> tuple[int, str]:
 
 
 def test_seed_options_have_the_config_bound():
-    from ppokit import cli as cli_mod
     from ppokit import config
+    from ppokit.commands import arguments
 
-    assert cli_mod.SEED_MAX == config.SEED_MAX
+    assert arguments.SEED_MAX == config.SEED_MAX
 
 
 @pytest.mark.parametrize(
@@ -145,10 +145,11 @@ def test_usage_errors_are_one_line(capsys, argv, line):
 
 def test_name_and_output_dir_options_are_strings_as_given(capsys, monkeypatch):
     from ppokit import cli as cli_mod
+    from ppokit.commands import train
     from ppokit.config import load_config
 
     given = []
-    monkeypatch.setattr(cli_mod, "_train", lambda source, overrides, resume: given.append(overrides) or 0)
+    monkeypatch.setattr(train, "run_training", lambda source, overrides, resume: given.append(overrides) or 0)
     assert cli_mod.main(["train", "cartpole", "--name", "2024", "--output-dir", "yes"]) == 0
     cfg = load_config("cartpole", given[-1])
     assert (cfg.run.name, cfg.run.output_dir) == ("2024", "yes")

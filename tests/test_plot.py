@@ -153,8 +153,8 @@ def test_train_writes_curves_png(tmp_path, capsys):
 
 
 def test_a_plotting_failure_after_training_is_only_a_warning(tmp_path, capsys):
-    from ppokit.cli import _write_curves
+    from ppokit.commands.train import write_curves
 
-    _write_curves(tmp_path / "gone")  # no metrics: plot_runs raises; the run must not be lost
+    write_curves(tmp_path / "gone")  # no metrics: plot_runs raises; the run must not be lost
     err = capsys.readouterr().err
     assert err.startswith("ppokit: warning: could not draw") and "ppokit plot" in err

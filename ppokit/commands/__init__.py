@@ -1,11 +1,19 @@
-"""What the ``ppokit`` command runs, above the library: each module is one command.
+"""The ``ppokit`` commands, above the library: each module is one command (``interactive``: two).
 
-- :mod:`.demo`         ``ppokit demo [NAME]``
-- :mod:`.evaluate`     ``ppokit eval`` for a language model (control: :mod:`ppokit.control.evaluate`)
-- :mod:`.export`       ``ppokit export``
+Each command module has ``add_parser(subparsers)``, which adds its parser and sets ``run``, the
+function that runs it (``run(args)`` -> exit status); :mod:`ppokit.cli` registers them in order.
+
+- :mod:`.arguments`    what the parsers share: argument types, sampling options, one-line usage errors
+- :mod:`.train`        ``ppokit train``
+- :mod:`.evaluate`     ``ppokit eval`` (a control run: :mod:`ppokit.control.evaluate`)
 - :mod:`.interactive`  ``ppokit generate`` and ``ppokit chat``
 - :mod:`.reward`       ``ppokit reward``
+- :mod:`.demo`         ``ppokit demo [NAME]``
 - :mod:`.sft`          ``ppokit sft``
+- :mod:`.plot`         ``ppokit plot`` (the drawing: :mod:`ppokit.plot`)
+- :mod:`.export`       ``ppokit export``
+- :mod:`.config`       ``ppokit config show|list|fields``
 
-Nothing is imported here: ``ppokit --help`` does not load torch.
+Nothing heavy is imported at a module's top: ``ppokit --help`` adds every parser and loads no
+torch; what a command needs is imported when it runs.
 """

@@ -1,4 +1,8 @@
-"""``ppokit eval`` for a language model: mean reward, greedy pass@1, sampled pass@k, mean length.
+"""``ppokit eval``: a control run's return; for a language model, mean reward, greedy pass@1,
+sampled pass@k, mean length.
+
+:func:`run` picks by what RUN_DIR holds: a multi-turn run, a language-model run or model
+directory, else a control run (:func:`ppokit.control.evaluate.evaluate_run`).
 
 :func:`evaluate_lm` evaluates a run directory (its trained actor,
 :func:`ppokit.lm.model.checkpoint.find_lm_checkpoint`)
@@ -16,12 +20,175 @@ win rates or success rate, as the run's own evaluations measure them.
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ppokit.commands.arguments import SEED_MAX, add_command, int_at_least, positive_float
 from ppokit.errors import UserError
-from ppokit.lm.evaluate import score_texts
+
+LM_EVAL_OPTIONS = (
+    "data",
+    "reward",
+    "samples",
+    "k",
+    "prompt_key",
+    "answer_key",
+    "chat_template",
+    "temperature",
+    "top_p",
+    "max_new_tokens",
+    "json",
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        subparsers,
+        "eval",
+        run,
+        help="evaluate a trained run's policy, or a model directory on a dataset",
+        description="Control run: run the deterministic policy of RUN_DIR's checkpoint and "
+        "print the mean and std of the episode return. Language model (a run's "
+        "trained actor, or a Hugging Face model directory with --data): the greedy "
+        "mean reward, greedy pass@1, sampled pass@k (unbiased estimator, with "
+        "--samples N --k K) and the mean response length, as a table or --json; on "
+        "a text environment (textenv), its greedy win rates.",
+    )
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR|MODEL_DIR",
+        help="a run directory, one of its checkpoint directories, or a language model's directory",
+    )
+    parser.add_argument(
+        "--episodes",
+        type=int_at_least(1),
+        default=None,
+        help="control: episodes to run (default 10); text environment: greedy episodes against each "
+        "evaluation opponent (default: the run's textenv.eval_episodes)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int_at_least(1),
+        default=None,
+        help="language model: prompts to score (default: all of the held-out set)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int_at_least(0, SEED_MAX),
+        default=None,
+        help="evaluation seed (control default: the run's seed + 10000; language model: 0)",
+    )
+    _add_lm_options(parser)
+    parser.add_argument("--temperature", type=positive_float, default=None, help="sampling temperature (the run's)")
+    parser.add_argument("--top-p", type=positive_float, default=None, help="nucleus sampling (the run's)")
+    parser.add_argument(
+        "--max-new-tokens", type=int_at_least(1), default=None, help="response length limit (the run's)"
+    )
+    parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the run's, else auto)")
+    parser.add_argument("--json", action="store_true", help="language model: print the result as JSON")
+
+
+def _add_lm_options(parser: argparse.ArgumentParser) -> None:
+    """--data, --reward, --samples, --k, --threshold, --prompt-key, --answer-key, --chat-template,
+    --reward-timeout."""
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="language model: the prompts, a task (its held-out split) or a "
+        "JSONL / Parquet file / datasets directory (default: the run's held-out set)",
+    )
+    parser.add_argument(
+        "--reward",
+        default=None,
+        help="language model: the verifier, a built-in, module:fn or "
+        "file.py:fn (default: the run's, or the task's own)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int_at_least(0),
+        default=0,
+        help="language model: sampled responses per prompt for pass@k (default 0: greedy only)",
+    )
+    parser.add_argument(
+        "--k",
+        type=int_at_least(1),
+        nargs="+",
+        default=None,
+        metavar="K",
+        help="language model: pass@K for each K (needs --samples >= K; default: 1 and --samples)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=1.0,
+        help="language model: a response is correct when its reward is at least this (default 1)",
+    )
+    parser.add_argument("--prompt-key", default=None, help="language model: the prompt field of --data")
+    parser.add_argument("--answer-key", default=None, help="language model: the answer field of --data")
+    parser.add_argument(
+        "--chat-template",
+        action="store_true",
+        default=None,
+        help="language model: render prompts with the model's chat template (default: as the run did)",
+    )
+    parser.add_argument(
+        "--reward-timeout",
+        type=positive_float,
+        default=30.0,
+        help="language model: seconds per sample before a reward counts as failed (default 30)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """A multi-turn run, a language-model run or model directory, else a control run."""
+    from ppokit.rundir import evaluation_checkpoint, saved_config
+
+    path = Path(args.run_dir)
+    is_model_dir = path.is_dir() and (path / "config.json").is_file()
+    ckpt = evaluation_checkpoint(path) if path.is_dir() else None
+    saved = (saved_config(ckpt) if ckpt is not None else None) or {}
+    is_lm_run = saved.get("workload") == "lm"
+    if is_lm_run and (saved.get("textenv") or {}).get("env") is not None:  # a multi-turn run
+        result = evaluate_textenv_run(path, args.episodes, device=args.device)
+        print(f"{result['message']} ({result['checkpoint']})")
+        return 0
+    if path.is_dir() and (is_lm_run or is_model_dir):
+        k = args.k if args.k is not None else (sorted({1, args.samples}) if args.samples else [])
+        result = evaluate_lm(
+            path,
+            data=args.data,
+            reward=args.reward,
+            size=args.prompts,
+            samples=args.samples,
+            k=k,
+            threshold=args.threshold,
+            prompt_key=args.prompt_key,
+            answer_key=args.answer_key,
+            chat_template=args.chat_template,
+            reward_timeout=args.reward_timeout,
+            seed=args.seed or 0,
+            device=args.device,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+        )
+        print(json.dumps(result, indent=2) if args.json else format_eval_table(result))
+        return 0
+    given = [f"--{name.replace('_', '-')}" for name in LM_EVAL_OPTIONS if getattr(args, name) not in (None, False, 0)]
+    if given:
+        raise UserError(
+            f"{args.run_dir} is not a language-model run or model directory, and {', '.join(given)} "
+            "apply to language models only"
+        )
+    from ppokit.control.evaluate import evaluate_run
+
+    episodes = args.episodes or 10
+    mean, std = evaluate_run(args.run_dir, episodes, seed=args.seed)
+    print(f"return over {episodes} episodes: {mean:.2f} +- {std:.2f}")
+    return 0
 
 
 def evaluate_lm(
@@ -57,7 +224,7 @@ def evaluate_lm(
     """
     import torch
 
-    from ppokit.algo.evaluation import mean_pass_at_k
+    from ppokit.lm.evaluate import score_texts
     from ppokit.lm.generation.loading import load_generator
     from ppokit.lm.rewards.functions import BUILTIN_REWARDS
     from ppokit.lm.rewards.pool import make_reward_scorer
@@ -91,26 +258,39 @@ def evaluate_lm(
             "reward_errors": greedy_results.num_errors,
         }
         if samples:
-            sampled = gen.engine.generate(prompts, group_size=samples, items=items)
-            results = score_texts(scorer, sampled.prompts, sampled.texts, sampled.items)
-            sampled_scores = torch.tensor(results.scores, dtype=torch.float64).view(len(items), samples)  # (P, n)
-            out.update(
-                {
-                    "samples": samples,
-                    "temperature": gen.engine.cfg.temperature,
-                    "sampled_mean_reward": sampled_scores.mean().item(),
-                    "sampled_mean_length": sampled.response_lengths.double().mean().item(),
-                }
-            )
-            out["reward_errors"] += results.num_errors
-            for kk in ks:
-                out[f"pass@{kk}"] = mean_pass_at_k(sampled_scores >= threshold, kk)
+            sampled_out, num_errors = _sampled_metrics(gen, scorer, prompts, items, samples, ks, threshold)
+            out.update(sampled_out)
+            out["reward_errors"] += num_errors
     finally:
         scorer.close()
     out["threshold"] = threshold
     if isinstance(reward_spec, str) and reward_spec not in BUILTIN_REWARDS:
         out["reward"] = str(reward_spec)
     return out
+
+
+def _sampled_metrics(
+    gen, scorer, prompts: list, items: list, samples: int, ks: Sequence[int], threshold: float
+) -> tuple[dict[str, Any], int]:
+    """``samples`` sampled responses per prompt: their mean reward and length, and ``pass@K`` for
+    each K in ``ks``; and the number of reward errors."""
+    import torch
+
+    from ppokit.algo.evaluation import mean_pass_at_k
+    from ppokit.lm.evaluate import score_texts
+
+    sampled = gen.engine.generate(prompts, group_size=samples, items=items)
+    results = score_texts(scorer, sampled.prompts, sampled.texts, sampled.items)
+    sampled_scores = torch.tensor(results.scores, dtype=torch.float64).view(len(items), samples)  # (P, n)
+    out: dict[str, Any] = {
+        "samples": samples,
+        "temperature": gen.engine.cfg.temperature,
+        "sampled_mean_reward": sampled_scores.mean().item(),
+        "sampled_mean_length": sampled.response_lengths.double().mean().item(),
+    }
+    for kk in ks:
+        out[f"pass@{kk}"] = mean_pass_at_k(sampled_scores >= threshold, kk)
+    return out, results.num_errors
 
 
 def _eval_items(

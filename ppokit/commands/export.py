@@ -10,16 +10,35 @@ re-saved with the tokenizer. The critic and the value head are not part of the e
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
+from ppokit.commands.arguments import add_command
 from ppokit.errors import UserError
-from ppokit.lm.model.checkpoint import POLICY_META_FILE, base_model_of, load_adapter, read_policy_meta
-from ppokit.lm.model.hf import load_causal_lm, load_tokenizer, quiet_transformers
-from ppokit.lm.model.policy import ACTOR
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        subparsers,
+        "export",
+        run,
+        help="merge a trained LM's actor into a standalone model directory",
+        description="Write the trained actor (LoRA merged into the backbone) and the "
+        "tokenizer to OUT, loadable by AutoModelForCausalLM.from_pretrained.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR")
+    parser.add_argument("out_dir", metavar="OUT")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"exported to {export_merged(args.run_dir, args.out_dir)}")
+    return 0
 
 
 def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
     """``RUN_DIR/checkpoint`` for a run directory, or the checkpoint directory itself."""
+    from ppokit.lm.model.checkpoint import POLICY_META_FILE
+
     p = Path(run_or_ckpt)
     if (p / POLICY_META_FILE).is_file():
         return p
@@ -42,6 +61,9 @@ def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
 def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the actor as a standalone model (+ tokenizer) to ``out_dir`` (new or empty)."""
     from ppokit.checkpoint import atomic_directory
+    from ppokit.lm.model.checkpoint import base_model_of, load_adapter, read_policy_meta
+    from ppokit.lm.model.hf import load_causal_lm, load_tokenizer, quiet_transformers
+    from ppokit.lm.model.policy import ACTOR
     from ppokit.output_paths import check_output_dir, writing_to
 
     ckpt = checkpoint_dir(run_dir)

@@ -20,10 +20,12 @@ sampling option (``/set temperature=0.2``), ``/help``, ``/exit`` (or end of inpu
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from ppokit.commands.arguments import add_command, add_sampling_options, int_at_least, sampling_kwargs
 from ppokit.errors import UserError
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
@@ -31,6 +33,68 @@ HELP = (
     "commands: /clear (forget the conversation), /set KEY=VALUE (temperature, top_p, top_k, max_new_tokens), "
     "/help, /exit (or end of input)"
 )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Two commands: ``generate`` and ``chat``."""
+    gen = add_command(
+        subparsers,
+        "generate",
+        run_generate,
+        help="generate from a trained actor or a model directory",
+        description="Answer each --prompt (or each line of standard input) with the trained "
+        "actor of RUN_DIR (its LoRA adapter applied) or a Hugging Face model "
+        "directory, through ppokit's generation path.",
+    )
+    gen.add_argument("path", metavar="RUN_DIR|MODEL_DIR")
+    gen.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt (repeat for several; default: one per line of standard input)",
+    )
+    gen.add_argument("--num-samples", type=int_at_least(1), default=1, help="responses per prompt (default 1)")
+    gen.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    gen.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap each prompt as a user message in the chat template (default: as the run did)",
+    )
+    gen.add_argument("--system", default=None, help="a system message (with the chat template)")
+    add_sampling_options(gen)
+
+    chat = add_command(
+        subparsers,
+        "chat",
+        run_chat,
+        help="chat with a trained actor or a model directory",
+        description="Read messages from standard input, one per line, and answer with the "
+        "conversation rendered by the model's chat template. Commands: /clear, "
+        "/set KEY=VALUE (temperature, top_p, top_k, max_new_tokens), /help, /exit.",
+    )
+    chat.add_argument("path", metavar="RUN_DIR|MODEL_DIR")
+    chat.add_argument("--system", default=None, help="a system message that opens the conversation")
+    chat.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    add_sampling_options(chat)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    return generate_main(
+        args.path,
+        args.prompt,
+        chat_template=args.chat_template,
+        system=args.system,
+        num_samples=args.num_samples,
+        greedy=args.greedy,
+        seed=args.seed,
+        **sampling_kwargs(args),
+    )
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    return chat_main(args.path, system=args.system, greedy=args.greedy, seed=args.seed, **sampling_kwargs(args))
 
 
 class Conversation:

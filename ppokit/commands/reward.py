@@ -18,13 +18,51 @@ would change how it is written (``1.50`` stays ``"1.50"``, ``007`` stays ``"007"
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ppokit.commands.arguments import add_command, positive_float
 from ppokit.errors import UserError
 
 RESERVED = ("prompt", "response")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        subparsers,
+        "reward",
+        run,
+        help="score one response with a reward function (debug a verifier)",
+        description="Run the reward function NAME on one prompt and response as training "
+        "does (in a worker process with a time limit, except the cheap built-ins) "
+        "and print the score and, when there is one, the reason for it or the "
+        "failure. Exit status 0 when scored, 2 for bad arguments.",
+    )
+    parser.add_argument(
+        "name",
+        metavar="NAME",
+        help="a built-in (exact_match, numeric_match, math, code, countdown), module:fn or file.py:fn",
+    )
+    parser.add_argument("--prompt", required=True, metavar="TEXT")
+    parser.add_argument("--response", required=True, metavar="TEXT")
+    parser.add_argument(
+        "--field",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a data field for the function (JSON values are parsed: --field tests='[...]')",
+    )
+    parser.add_argument("--timeout", type=positive_float, default=30.0, help="seconds before it counts as hung")
+
+
+def run(args: argparse.Namespace) -> int:
+    score, reason = reward_main(args.name, args.prompt, args.response, args.field, timeout=args.timeout)
+    print(f"score: {score:g}")
+    if reason:
+        print(f"reason: {reason}")
+    return 0
 
 
 def parse_value(text: str) -> Any:

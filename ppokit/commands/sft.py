@@ -6,18 +6,74 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from ppokit.commands.arguments import SEED_MAX, add_command, int_at_least, positive_float
 from ppokit.errors import UserError
-from ppokit.lm.data.chat import model_chat_renderer, render_records
-from ppokit.lm.data.sources import is_file_source, load_prompts
-from ppokit.lm.data.tasks import get_task
-from ppokit.lm.model.tiny import build_tiny_model
-from ppokit.lm.rewards.functions import load_reward_fn
-from ppokit.lm.sft import run_sft
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        subparsers,
+        "sft",
+        run,
+        help="supervised warm start of a language model (before PPO)",
+        description="Fine-tune a causal LM on worked examples (loss on the answer and EOS) "
+        "until held-out accuracy stops improving; save the best model to --out.",
+    )
+    parser.add_argument(
+        "prompts",
+        metavar="TASK_OR_JSONL",
+        help="a built-in task (arithmetic, arithmetic:digits=3) or a JSONL file with prompt + completion per line",
+    )
+    parser.add_argument("--out", required=True, help="directory for the fine-tuned model (new or empty)")
+    parser.add_argument("--model", default="tiny", help="model directory, or tiny (the built-in tiny Llama)")
+    parser.add_argument(
+        "--examples", type=int_at_least(1), default=None, help="number of training examples (task default 300)"
+    )
+    parser.add_argument("--eval-prompts", default=None, help="held-out JSONL (required with a JSONL training file)")
+    parser.add_argument(
+        "--eval-size", type=int_at_least(1), default=256, help="held-out problems to evaluate (default 256)"
+    )
+    parser.add_argument("--reward", default=None, help="exact_match, numeric_match, module:fn or file.py:fn")
+    parser.add_argument("--epochs-max", type=int_at_least(1), default=300)
+    parser.add_argument("--batch-size", type=int_at_least(1), default=32)
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument(
+        "--patience", type=int_at_least(1), default=8, help="evaluations without improvement before stopping"
+    )
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
+    parser.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=0)
+    parser.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="render the prompts with the model's chat template (as data.chat_template)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = sft_main(
+        args.prompts,
+        args.out,
+        model=args.model,
+        examples=args.examples,
+        eval_prompts=args.eval_prompts,
+        eval_size=args.eval_size,
+        reward=args.reward,
+        seed=args.seed,
+        chat_template=args.chat_template,
+        epochs_max=args.epochs_max,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        patience=args.patience,
+        precision=args.precision,
+    )
+    print(f"held-out accuracy after SFT: {summary['best_accuracy']:.1%} (curve: {args.out}/sft_curve.json)")
+    return 0
 
 
 def sft_main(
@@ -46,6 +102,13 @@ def sft_main(
     ``options`` go to :func:`run_sft` (``epochs_max``, ``batch_size``, ``learning_rate``,
     ``patience``, ``precision``, ``device``, ``log``, ...).
     """
+    from ppokit.lm.data.chat import model_chat_renderer, render_records
+    from ppokit.lm.data.sources import is_file_source, load_prompts
+    from ppokit.lm.data.tasks import get_task
+    from ppokit.lm.model.tiny import build_tiny_model
+    from ppokit.lm.rewards.functions import load_reward_fn
+    from ppokit.lm.sft import run_sft
+
     for flag, value in (("--examples", examples), ("--eval-size", eval_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise UserError(f"sft {flag} must be a positive integer (got {value!r})")
