@@ -166,12 +166,11 @@ def test_long_prompts_are_dropped_and_counted_and_the_tiny_model_grows_to_fit():
     cfg = build_config([{"workload": "lm", "data": {"max_prompt_tokens": 6}, "rollout": {"max_new_tokens": 16}}])
     train = [{"prompt": "1+1="}, {"prompt": "123+456="}, {"prompt": "12+3="}]  # 5, 9, 6 tokens (BOS)
     held = [{"prompt": "99999+1="}, {"prompt": "2+2="}]
-    header: list[str] = []
-    kept, kept_eval, dropped = drop_long(cfg, train, held, header)
-    assert kept == [train[0], train[2]] and kept_eval == [held[1]] and dropped == 1
-    assert header == [
+    sets = drop_long(cfg, train, held)
+    assert sets.train == [train[0], train[2]] and sets.held_out == [held[1]] and sets.dropped == 1
+    assert sets.note == (
         "data: dropped 1 of 3 training and 1 of 2 held-out prompts longer than 6 tokens (data.max_prompt_tokens)"
-    ]
+    )
     assert tiny_positions(cfg, train) == 64  # 9 + 16 fits the default 64
     assert tiny_positions(cfg, [{"prompt": "1" * 100}]) == 128  # 101 + 16 -> a multiple of 64
     fixed = build_config([{"workload": "lm", "model": {"tiny_max_positions": 300}}])

@@ -18,7 +18,7 @@ from ppokit.lm.generation.engine import assemble
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import LMPolicy, build_policy
 from ppokit.lm.scoring import Scorer
-from ppokit.trainer import PPOTrainer
+from ppokit.trainer import PPOTrainer, StepPlan
 
 CPU = torch.device("cpu")
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -82,7 +82,8 @@ def one_step(cfg, policy, batch):
     """Gradients and loss terms of one optimizer step (the step itself is not taken)."""
     trainer = PPOTrainer(cfg, policy, total_iterations=1)
     trainer._clip_and_step = lambda: {}  # keep the gradients, leave the weights
-    totals = trainer._optimizer_step(batch, cfg.micro_batch_size, batch["mask"].shape[1], critic_only=False)
+    plan = StepPlan(micro=cfg.micro_batch_size, horizon=batch["mask"].shape[1], critic_only=False, penalty_coef=None)
+    totals, _ = trainer._optimizer_step(batch, plan)
     grads = [p.grad.detach().clone() for p in trainer.params]
     return grads, {k: float(v) for k, v in totals.items() if k != "grad_norm"}, trainer
 

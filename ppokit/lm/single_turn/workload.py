@@ -31,6 +31,7 @@ coefficient).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,27 @@ from ppokit.resume import seed_globals
 from ppokit.trainer import DataParallel
 
 
+@dataclass
+class PromptSets:
+    """A run's training and held-out prompts within ``data.max_prompt_tokens``."""
+
+    train: list[dict]
+    held_out: list[dict]
+    dropped: int = 0  # training prompts over the limit
+    note: str | None = None  # the run header's line when any prompt was dropped
+
+
+@dataclass
+class RunInputs:
+    """What a single-turn run reads before its model is built (:meth:`LMWorkload.build`)."""
+
+    prompts: PromptSets
+    verifier: Any  # the reward function's scorer (held-out accuracy; None without a function)
+    rewards: SequenceRewards  # the training reward
+    header: list[str] = field(default_factory=list)  # lines said at the start, after the model's
+    closers: list[Any] = field(default_factory=list)  # closed at the run's end (the verifier's workers)
+
+
 class LMWorkload:
     """Builds the components of a language-model run (:class:`ppokit.components.Workload`)."""
 
@@ -73,6 +95,7 @@ class LMWorkload:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.model_path: Path | None = None  # set by build: what rollout workers and learner ranks load
 
     def check_inputs(self) -> None:
         """Prompts, held-out set, reward function and model directory, before a run directory exists."""
@@ -83,7 +106,7 @@ class LMWorkload:
             causal_lm_config(cfg.model.path)
         tokenizer = prompt_tokenizer(cfg)  # loaded once for every check (a bad directory: one line)
         if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
-            train_items, _, _ = drop_long(cfg, train_items, eval_items, [], tokenizer)
+            train_items = drop_long(cfg, train_items, eval_items, tokenizer).train
             check_token_budget(cfg, tokenizer, train_items)
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
         prompts = [x["prompt"] for x in train_items + eval_items]
@@ -112,18 +135,30 @@ class LMWorkload:
     def build(self, run_dir: Path) -> Components:
         run_dir.mkdir(parents=True, exist_ok=True)
         seed_globals(self.cfg.seed)
+        inputs = self._inputs()
+        try:
+            return self._build(run_dir, inputs)
+        except BaseException:
+            for closer in inputs.closers:
+                closer.close()
+            raise
+
+    def _inputs(self) -> RunInputs:
+        """The prompts (auto micro-batch sizes chosen from the longest: ``self.cfg`` updated, what
+        every part and the Ray workers read), the verifier and the training reward."""
         device, autocast_dtype = placement(self.cfg)
         train_items, eval_items, reward_fn = load_data(self.cfg)
         header: list[str] = []
-        closers: list[Any] = []
         auto = has_auto_micro_batches(self.cfg)  # sized by the longest prompt
         tokenizer = prompt_tokenizer(self.cfg) if auto or self.cfg.data.max_prompt_tokens is not None else None
-        train_items, eval_items, dropped = drop_long(self.cfg, train_items, eval_items, header, tokenizer)
+        prompts = drop_long(self.cfg, train_items, eval_items, tokenizer)
+        if prompts.note:
+            header.append(prompts.note)
         if auto:
-            longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in train_items + eval_items])
+            longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in prompts.train + prompts.held_out])
             self.cfg, micro_batches = resolve_micro_batches(self.cfg, prompt_tokens=longest)
             header.append(micro_batches)
-        cfg = self.cfg  # (auto micro-batch sizes chosen: what every part below and the Ray workers read)
+        cfg = self.cfg
         # the training reward: the reward model's score and/or a function's (the task's own only
         # without a reward model; held-out accuracy always uses the function)
         train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
@@ -137,6 +172,7 @@ class LMWorkload:
                 cpu_kernels=cfg.model.cpu_kernels,
             )
         verifier = None
+        closers: list[Any] = []
         if reward_fn is not None:  # worker processes kept for the run, closed at its end
             verifier = reward_scorer(cfg, reward_fn)
             closers.append(verifier)
@@ -148,26 +184,17 @@ class LMWorkload:
                 verifier=verifier if train_reward_fn is not None else None,
                 reward_model=reward_model,
             )
-            return self._build(run_dir, train_items, eval_items, dropped, verifier, rewards, header, closers)
         except BaseException:
             for closer in closers:
                 closer.close()
             raise
+        return RunInputs(prompts, verifier, rewards, header, closers)
 
-    def _build(
-        self,
-        run_dir: Path,
-        train_items: list[dict],
-        eval_items: list[dict],
-        dropped: int,
-        verifier,
-        rewards: SequenceRewards,
-        header: list[str],
-        closers: list[Any],
-    ) -> Components:
-        cfg = self.cfg
+    def _build(self, run_dir: Path, inputs: RunInputs) -> Components:
+        cfg, verifier = self.cfg, inputs.verifier
+        train_items, eval_items = inputs.prompts.train, inputs.prompts.held_out
         model_path = prepare_model(cfg, run_dir, eval_items, verifier, progress, prompts=train_items + eval_items)
-        self.model_path = model_path  # what rollout workers and learner ranks load
+        self.model_path = model_path
         causal_lm_config(model_path, "model.path")  # a clear error before anything heavy
         stack = build_policy_stack(cfg, model_path)
         engine = make_engine(stack.policy, stack.tokenizer, cfg.rollout, kv_cache=stack.kv_cache)
@@ -177,10 +204,19 @@ class LMWorkload:
         check_token_budget(cfg, stack.tokenizer, train_items)
         learner = LMLearner(cfg, stack.policy, stack.tokenizer, model_path)
         prompts = PromptIterator(train_items, cfg.train.batch_size // cfg.algo.group_size, seed=cfg.seed)
-        source = LMSource(cfg, engine, prompts, rewards, stack.device, dropped_prompts=dropped, policy=stack.policy)
+        source = LMSource(
+            cfg,
+            engine,
+            prompts,
+            inputs.rewards,
+            stack.device,
+            dropped_prompts=inputs.prompts.dropped,
+            policy=stack.policy,
+        )
         evaluator = LMEvaluator(cfg, engine, eval_items, verifier) if eval_items and verifier is not None else None
-        header.insert(0, f"lm: {stack.describe()}, {cfg.iterations} iterations of {cfg.train.batch_size} sequences")
-        described = rewards.describe()
+        header = [f"lm: {stack.describe()}, {cfg.iterations} iterations of {cfg.train.batch_size} sequences"]
+        header += inputs.header
+        described = inputs.rewards.describe()
         if described:
             header.append(described)
         return Components(
@@ -190,29 +226,28 @@ class LMWorkload:
             evaluator=evaluator,
             description=cfg.preset or "lm",
             header=header,
-            closers=closers,
+            closers=inputs.closers,
         )
 
 
 # ----------------------------------------------------------------------------- checks and rewards
-def drop_long(
-    cfg: Config, train_items: list[dict], eval_items: list[dict], header: list[str], tokenizer=None
-) -> tuple[list[dict], list[dict], int]:
+def drop_long(cfg: Config, train_items: list[dict], eval_items: list[dict], tokenizer=None) -> PromptSets:
     """``data.max_prompt_tokens``: the training and held-out prompts within the limit (counted with
     ``tokenizer``, by default model.path's, the built-in character tokenizer for tiny), the number
-    of training prompts dropped; a line for the header when any are."""
+    of training prompts dropped and a line for the header when any are."""
     limit = cfg.data.max_prompt_tokens
     if limit is None:
-        return train_items, eval_items, 0
+        return PromptSets(train_items, eval_items)
     tokenizer = tokenizer or prompt_tokenizer(cfg)
     kept, dropped = drop_long_prompts(train_items, limit, tokenizer=tokenizer)
     eval_kept, eval_dropped = drop_long_prompts(eval_items, limit, tokenizer=tokenizer) if eval_items else ([], 0)
+    note = None
     if dropped or eval_dropped:
-        header.append(
+        note = (
             f"data: dropped {dropped} of {len(train_items)} training and {eval_dropped} of "
             f"{len(eval_items)} held-out prompts longer than {limit} tokens (data.max_prompt_tokens)"
         )
-    return kept, eval_kept, dropped
+    return PromptSets(kept, eval_kept, dropped, note)
 
 
 def check_token_budget(cfg: Config, tokenizer, items: list[dict]) -> None:
