@@ -99,15 +99,16 @@ def sft_main(
     directory. ``reward``: scores the held-out answers (default: the task's own).
     ``chat_template``: render the prompts with the model's chat template, as
     ``data.chat_template`` (:mod:`ppokit.lm.data.chat`; not for the tiny model, which has none).
-    ``options`` go to :func:`run_sft` (``epochs_max``, ``batch_size``, ``learning_rate``,
-    ``patience``, ``precision``, ``device``, ``log``, ...).
+    ``options``: :class:`~ppokit.lm.sft.SFTSettings` fields (``epochs_max``, ``batch_size``,
+    ``learning_rate``, ``patience``, ``precision``, ``device``, ...), and :func:`run_sft`'s ``log``
+    and ``overwrite``.
     """
     from ppokit.lm.data.chat import model_chat_renderer, render_records
     from ppokit.lm.data.sources import is_file_source, load_prompts
     from ppokit.lm.data.tasks import get_task
     from ppokit.lm.model.tiny import build_tiny_model
     from ppokit.lm.rewards.functions import load_reward_fn
-    from ppokit.lm.sft import run_sft
+    from ppokit.lm.sft import SFTSettings, run_sft
 
     for flag, value in (("--examples", examples), ("--eval-size", eval_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -137,10 +138,12 @@ def sft_main(
             model, what="--model", option="--chat-template", fix="give --model a chat model's directory"
         )
         train, held_out = render_records(train, render), render_records(held_out, render)
+    log, overwrite = options.pop("log", print), options.pop("overwrite", False)
+    settings = SFTSettings(seed=seed, **options)
     if model != "tiny":
-        return run_sft(model, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
+        return run_sft(model, out_dir, train, held_out, settings, reward_fn=reward_fn, log=log, overwrite=overwrite)
     with tempfile.TemporaryDirectory(prefix="ppokit-tiny-") as tmp:
         init = build_tiny_model(Path(tmp) / "init", seed=seed)
-        summary = run_sft(init, out_dir, train, held_out, reward_fn=reward_fn, seed=seed, **options)
+        summary = run_sft(init, out_dir, train, held_out, settings, reward_fn=reward_fn, log=log, overwrite=overwrite)
     summary["settings"]["model_dir"] = "tiny"
     return summary

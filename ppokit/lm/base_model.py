@@ -24,7 +24,7 @@ from ppokit.lm.data.sources import load_prompts
 from ppokit.lm.model.device import run_device
 from ppokit.lm.model.gguf import converted_directory, is_gguf
 from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer, build_tiny_model
-from ppokit.lm.sft import run_sft
+from ppokit.lm.sft import SFTSettings, run_sft
 
 BASE_MODEL_DIR = "base_model"
 BASE_MODEL_MARKER = "ppokit_base_model.json"  # in base_model/, written when it is complete
@@ -93,22 +93,8 @@ def prepare_model(
         render = chat_render(cfg)
         if render is not None:
             examples = render_records(examples, render)
-        run_sft(
-            path,
-            run_dir / BASE_MODEL_DIR,
-            examples,
-            eval_items,
-            epochs_max=cfg.data.sft_epochs,
-            batch_size=cfg.data.sft_batch_size,
-            learning_rate=cfg.data.sft_learning_rate,
-            seed=cfg.seed,
-            precision=cfg.run.precision,
-            reward_fn=reward_fn,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            device=str(run_device(cfg)),
-            num_threads=cfg.run.torch_threads,
-            log=log,
-        )
+        settings = SFTSettings.for_run(cfg, device=str(run_device(cfg)))
+        run_sft(path, run_dir / BASE_MODEL_DIR, examples, eval_items, settings, reward_fn=reward_fn, log=log)
         path = str(run_dir / BASE_MODEL_DIR)
     if path == str(base):
         marker = {"model.path": cfg.model.path, "data.sft_epochs": cfg.data.sft_epochs, "seed": cfg.seed}

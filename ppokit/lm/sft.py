@@ -35,6 +35,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -183,39 +184,79 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------------------- SFT
+@dataclass(frozen=True)
+class SFTSettings:
+    """The warm start's settings (``ppokit sft``'s flags; a PPO run's ``data.sft_*`` fields:
+    :meth:`for_run`). ``patience``: evaluations (every ``eval_every`` epochs) without
+    improvement before stopping, not before ``min_epochs``. ``max_new_tokens``: None, the
+    longest completion + 2. ``num_threads``: torch intra-op threads (None: the model-size rule
+    of :func:`ppokit.lm.model.device.threads_for`)."""
+
+    epochs_max: int = 300
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    patience: int = 8
+    seed: int = 0
+    precision: str = "auto"
+    eval_every: int = 1
+    min_epochs: int = 0
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    max_new_tokens: int | None = None
+    eval_batch_size: int = 256
+    device: str = "cpu"
+    num_threads: int | None = None
+
+    @classmethod
+    def for_run(cls, cfg: Any, device: str) -> SFTSettings:
+        """A PPO run's warm start: its data.sft_* fields, seed, precision, length and threads."""
+        return cls(
+            epochs_max=cfg.data.sft_epochs,
+            batch_size=cfg.data.sft_batch_size,
+            learning_rate=cfg.data.sft_learning_rate,
+            seed=cfg.seed,
+            precision=cfg.run.precision,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            device=device,
+            num_threads=cfg.run.torch_threads,
+        )
+
+    def check(self) -> None:
+        """UserError on a count below 1 or a learning rate not above 0."""
+        for name in ("epochs_max", "batch_size", "patience", "eval_every", "eval_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{name} must be a positive integer (got {value!r})")
+        if not self.learning_rate > 0:
+            raise UserError(f"learning_rate must be > 0 (got {self.learning_rate})")
+
+
+@dataclass(frozen=True)
+class SFTData:
+    """The warm start's examples and held-out set, tokenized once."""
+
+    train: list[tuple[list[int], int]]  # (token ids, prompt length) per example
+    held_out: Sequence[dict[str, Any]]  # prompt records, scored by generation
+    held_out_encoded: list[tuple[list[int], int]] | None  # with their completions, for the answer loss
+
+
 def run_sft(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     examples: Sequence[dict[str, Any]],
     eval_set: Sequence[dict[str, Any]],
+    settings: SFTSettings = SFTSettings(),
     *,
-    epochs_max: int = 300,
-    batch_size: int = 32,
-    learning_rate: float = 1e-3,
-    patience: int = 8,
-    seed: int = 0,
-    precision: str = "auto",
-    eval_every: int = 1,
-    min_epochs: int = 0,
-    warmup_steps: int = 20,
-    weight_decay: float = 0.0,
-    grad_clip: float | None = 1.0,
     reward_fn: str | Callable[..., float] = "exact_match",
-    max_new_tokens: int | None = None,
-    eval_batch_size: int = 256,
-    device: str = "cpu",
-    num_threads: int | None = None,
     overwrite: bool = False,
     log: Callable[[str], None] | None = print,
 ) -> dict[str, Any]:
     """Fine-tune all weights of the model in ``model_dir`` on ``examples``; keep the best.
 
     ``examples``: ``{"prompt", "completion"}`` records (``answer`` serves when there is no
-    completion). ``eval_set``: held-out prompt records scored by ``reward_fn``.
-    ``patience``: evaluations (every ``eval_every`` epochs) without improvement before
-    stopping, not before ``min_epochs``. ``num_threads``: torch intra-op threads (None:
-    the model-size rule of :func:`ppokit.lm.model.device.threads_for`). ``log``: called with one
-    line per evaluation (None: quiet).
+    completion). ``eval_set``: held-out prompt records scored by ``reward_fn``. ``log``: called
+    with one line per evaluation (None: quiet).
 
     Returns the summary that is also written to ``out_dir/sft_curve.json``: ``curve`` (one
     row per evaluation: epoch, train_loss, heldout_accuracy, heldout_loss, elapsed_s;
@@ -223,15 +264,7 @@ def run_sft(
     ``train_accuracy`` (of the best model on up to 256 SFT examples), ``stopped``
     (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s`` and ``settings``.
     """
-    _check_positive(
-        epochs_max=epochs_max,
-        batch_size=batch_size,
-        patience=patience,
-        eval_every=eval_every,
-        eval_batch_size=eval_batch_size,
-    )
-    if not learning_rate > 0:
-        raise UserError(f"learning_rate must be > 0 (got {learning_rate})")
+    settings.check()
     if not examples:
         raise UserError("no SFT examples")
     if not eval_set:
@@ -239,86 +272,38 @@ def run_sft(
     out = Path(out_dir)
     check_output_dir(out, "choose a new or empty output directory", replace=overwrite)  # before the work
     reward = reward_fn if hasattr(reward_fn, "score") else load_reward_fn(reward_fn)  # a scorer: the run's pool
-    settings = {
-        "model_dir": str(model_dir),
-        "examples": len(examples),
-        "eval_examples": len(eval_set),
-        "epochs_max": epochs_max,
-        "batch_size": batch_size,
-        "learning_rate": learning_rate,
-        "patience": patience,
-        "eval_every": eval_every,
-        "min_epochs": min_epochs,
-        "seed": seed,
-        "reward_fn": reward.name,
-        "warmup_steps": warmup_steps,
-        "weight_decay": weight_decay,
-        "grad_clip": grad_clip,
-        "eval_batch_size": eval_batch_size,
-    }
-
+    log = log or (lambda _msg: None)
     started = time.perf_counter()
-    dev = resolve_device(device)
-    autocast_dtype = resolve_precision(precision, dev)
-    settings["precision"] = precision_name(autocast_dtype)
+    dev = resolve_device(settings.device)
+    autocast_dtype = resolve_precision(settings.precision, dev)
     model, tokenizer = load_model_and_tokenizer(model_dir)
     model.to(dev)
-    max_length = getattr(model.config, "max_position_embeddings", None)
-    train_encoded = encode_examples(tokenizer, examples, max_length=max_length)
-    eval_encoded = (
-        encode_examples(tokenizer, eval_set, max_length=max_length)
-        if all(completion_of(it) is not None for it in eval_set)
-        else None
-    )
-    if max_new_tokens is None:
-        longest = max(len(ids) - n for ids, n in train_encoded + (eval_encoded or []))
-        max_new_tokens = longest + 2  # the answer, its EOS, and one token of slack
-    settings["max_new_tokens"] = max_new_tokens
-    settings["num_threads"] = num_threads = threads_for(model, dev, num_threads)
-
-    with torch_threads(num_threads):
-        summary = _train(
-            model,
-            tokenizer,
-            train_encoded,
-            eval_set,
-            eval_encoded,
-            reward,
-            settings,
-            autocast_dtype=autocast_dtype,
-            started=started,
-            log=log or (lambda _msg: None),
-        )
-        probe = list(examples[:256])
+    data = _encode(tokenizer, examples, eval_set, getattr(model.config, "max_position_embeddings", None))
+    if settings.max_new_tokens is None:
+        longest = max(len(ids) - n for ids, n in data.train + (data.held_out_encoded or []))
+        settings = replace(settings, max_new_tokens=longest + 2)  # the answer, its EOS, and one token of slack
+    settings = replace(settings, num_threads=threads_for(model, dev, settings.num_threads))
+    with torch_threads(settings.num_threads):
+        summary = _train(model, tokenizer, data, reward, settings, autocast_dtype, started, log)
         summary["train_accuracy"] = evaluate(
             model,
             tokenizer,
-            probe,
+            list(examples[:256]),
             reward,
-            batch_size=eval_batch_size,
-            max_new_tokens=max_new_tokens,
+            batch_size=settings.eval_batch_size,
+            max_new_tokens=settings.max_new_tokens,
             autocast_dtype=autocast_dtype,
         )
     summary["wall_time_s"] = round(time.perf_counter() - started, 2)
+    keys = ("best_epoch", "best_accuracy", "best_heldout_loss", "train_accuracy", "stopped", "epochs_run")
     summary = {
-        **{
-            k: summary[k]
-            for k in (
-                "best_epoch",
-                "best_accuracy",
-                "best_heldout_loss",
-                "train_accuracy",
-                "stopped",
-                "epochs_run",
-                "wall_time_s",
-            )
-        },
-        "settings": settings,
+        **{k: summary[k] for k in (*keys, "wall_time_s")},
+        "settings": _described(settings, model_dir, examples, eval_set, reward, autocast_dtype),
         "curve": summary["curve"],
     }
     with writing_to(out):
         _save(model, tokenizer, out, summary)
-    (log or (lambda _msg: None))(
+    log(
         f"sft: best held-out accuracy {summary['best_accuracy']:.1%} at epoch {summary['best_epoch']} "
         f"({summary['stopped']}); train accuracy {summary['train_accuracy']:.1%}; "
         f"saved to {out} in {summary['wall_time_s']:.1f}s"
@@ -326,77 +311,77 @@ def run_sft(
     return summary
 
 
+def _encode(tokenizer, examples, eval_set, max_length: int | None) -> SFTData:
+    """The examples tokenized, and the held-out set with its completions where every record has one."""
+    held_out_encoded = (
+        encode_examples(tokenizer, eval_set, max_length=max_length)
+        if all(completion_of(it) is not None for it in eval_set)
+        else None
+    )
+    return SFTData(encode_examples(tokenizer, examples, max_length=max_length), eval_set, held_out_encoded)
+
+
+def _described(settings: SFTSettings, model_dir, examples, eval_set, reward, autocast_dtype) -> dict[str, Any]:
+    """The summary's ``settings``: what ran, the resolved precision, length and threads included."""
+    described = {"model_dir": str(model_dir), "examples": len(examples), "eval_examples": len(eval_set)}
+    described.update({k: v for k, v in asdict(settings).items() if k != "device"})
+    described.update(reward_fn=reward.name, precision=precision_name(autocast_dtype))
+    return described
+
+
 def _train(
     model,
     tokenizer,
-    train_encoded,
-    eval_set,
-    eval_encoded,
+    data: SFTData,
     reward,
-    settings: dict[str, Any],
-    *,
+    s: SFTSettings,
     autocast_dtype: torch.dtype | None,
     started: float,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """The SFT loop; leaves the best weights in ``model``."""
-    s = settings
     pad_id = tokenizer.pad_token_id
-    torch.manual_seed(s["seed"])
-    shuffle = torch.Generator().manual_seed(s["seed"])
+    torch.manual_seed(s.seed)
+    shuffle = torch.Generator().manual_seed(s.seed)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=s["learning_rate"], weight_decay=s["weight_decay"], betas=(0.9, 0.98)
+        model.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay, betas=(0.9, 0.98)
     )
-    warmup = max(1, s["warmup_steps"])
+    warmup = max(1, s.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
 
     def evaluate_now() -> tuple[float, float | None]:
         accuracy = evaluate(
             model,
             tokenizer,
-            eval_set,
+            data.held_out,
             reward,
-            batch_size=s["eval_batch_size"],
-            max_new_tokens=s["max_new_tokens"],
+            batch_size=s.eval_batch_size,
+            max_new_tokens=s.max_new_tokens,
             autocast_dtype=autocast_dtype,
         )
-        loss = (
-            None
-            if eval_encoded is None
-            else mean_answer_loss(
-                model, eval_encoded, pad_id, batch_size=s["eval_batch_size"], autocast_dtype=autocast_dtype
-            )
+        if data.held_out_encoded is None:
+            return accuracy, None
+        return accuracy, mean_answer_loss(
+            model, data.held_out_encoded, pad_id, batch_size=s.eval_batch_size, autocast_dtype=autocast_dtype
         )
-        return accuracy, loss
 
     accuracy, heldout_loss = evaluate_now()
     curve = [_row(0, None, accuracy, heldout_loss, started)]
     best = {"epoch": 0, "accuracy": accuracy, "loss": heldout_loss, "state": _snapshot(model)}
     log(
-        f"sft: {len(train_encoded)} examples, {len(eval_set)} held out, {model.num_parameters():,} parameters, "
-        f"precision {s['precision']}, {torch.get_num_threads()} thread(s); before training held-out accuracy "
-        f"{accuracy:.1%}"
+        f"sft: {len(data.train)} examples, {len(data.held_out)} held out, {model.num_parameters():,} parameters, "
+        f"precision {precision_name(autocast_dtype)}, {torch.get_num_threads()} thread(s); before training "
+        f"held-out accuracy {accuracy:.1%}"
     )
     stale, stopped, epoch = 0, "epochs_max", 0
     model.train()
     try:
-        for epoch in range(1, s["epochs_max"] + 1):
-            order = torch.randperm(len(train_encoded), generator=shuffle).tolist()
-            total, count = 0.0, 0
-            for start in range(0, len(order), s["batch_size"]):
-                batch = collate([train_encoded[i] for i in order[start : start + s["batch_size"]]], pad_id)
-                loss_sum, n_tokens = answer_loss(model, batch, autocast_dtype)
-                optimizer.zero_grad(set_to_none=True)
-                (loss_sum / max(n_tokens, 1)).backward()
-                if s["grad_clip"] is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"])
-                optimizer.step()
-                scheduler.step()
-                total, count = total + loss_sum.item(), count + n_tokens
-            train_loss = total / max(count, 1)
+        for epoch in range(1, s.epochs_max + 1):
+            order = torch.randperm(len(data.train), generator=shuffle).tolist()
+            train_loss = _epoch(model, [data.train[i] for i in order], pad_id, s, optimizer, scheduler, autocast_dtype)
             if not math.isfinite(train_loss):
                 raise UserError(f"SFT diverged at epoch {epoch} (loss {train_loss}); lower the learning rate")
-            if epoch % s["eval_every"] and epoch != s["epochs_max"]:
+            if epoch % s.eval_every and epoch != s.epochs_max:
                 continue
             accuracy, heldout_loss = evaluate_now()
             curve.append(_row(epoch, train_loss, accuracy, heldout_loss, started))
@@ -410,7 +395,7 @@ def _train(
                 + (f"  loss {heldout_loss:.3f}" if heldout_loss is not None else "")
                 + f"  best {best['accuracy']:.1%} @ {best['epoch']}  {time.perf_counter() - started:6.1f}s"
             )
-            if stale >= s["patience"] and epoch >= s["min_epochs"]:
+            if stale >= s.patience and epoch >= s.min_epochs:
                 stopped = "patience"
                 break
     except KeyboardInterrupt:
@@ -428,10 +413,21 @@ def _train(
     }
 
 
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{name} must be a positive integer (got {value!r})")
+def _epoch(model, examples, pad_id: int, s: SFTSettings, optimizer, scheduler, autocast_dtype) -> float:
+    """One pass over ``examples`` (in this order) in batches of ``s.batch_size``: the answer
+    tokens' mean loss."""
+    total, count = 0.0, 0
+    for start in range(0, len(examples), s.batch_size):
+        batch = collate(examples[start : start + s.batch_size], pad_id)
+        loss_sum, n_tokens = answer_loss(model, batch, autocast_dtype)
+        optimizer.zero_grad(set_to_none=True)
+        (loss_sum / max(n_tokens, 1)).backward()
+        if s.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        total, count = total + loss_sum.item(), count + n_tokens
+    return total / max(count, 1)
 
 
 def _row(

@@ -64,9 +64,8 @@ def no_training(monkeypatch):
 
 def run_sft(model_dir, out, **options):
     examples = ArithmeticTask(digits=1, seed=0).items("sft", 4)
-    return sft.run_sft(
-        model_dir, out, examples, examples, epochs_max=1, batch_size=4, precision="fp32", log=None, **options
-    )
+    settings = sft.SFTSettings(epochs_max=1, batch_size=4, precision="fp32")
+    return sft.run_sft(model_dir, out, examples, examples, settings, log=None, **options)
 
 
 def test_sft_output_that_is_a_file_or_not_empty(tiny_dir, tmp_path, no_training):

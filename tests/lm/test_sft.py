@@ -10,7 +10,16 @@ from ppokit.commands.sft import sft_main
 from ppokit.errors import UserError
 from ppokit.lm.data.tasks import ArithmeticTask
 from ppokit.lm.model.hf import load_model_and_tokenizer
-from ppokit.lm.sft import CURVE_FILE, IGNORE_INDEX, collate, encode_examples, eval_engine, evaluate, run_sft
+from ppokit.lm.sft import (
+    CURVE_FILE,
+    IGNORE_INDEX,
+    SFTSettings,
+    collate,
+    encode_examples,
+    eval_engine,
+    evaluate,
+    run_sft,
+)
 
 
 def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):
@@ -55,13 +64,9 @@ def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
         out,
         examples,
         examples,
-        epochs_max=25,
-        batch_size=8,
-        learning_rate=3e-3,
-        patience=25,
-        warmup_steps=5,
-        seed=0,
-        precision="fp32",
+        SFTSettings(
+            epochs_max=25, batch_size=8, learning_rate=3e-3, patience=25, warmup_steps=5, seed=0, precision="fp32"
+        ),
         log=None,
     )
     curve = summary["curve"]
@@ -79,7 +84,7 @@ def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
     assert accuracy == pytest.approx(summary["train_accuracy"])
 
     with pytest.raises(UserError, match="not empty"):
-        run_sft(tiny_model_dir, out, examples, examples, epochs_max=1, log=None)
+        run_sft(tiny_model_dir, out, examples, examples, SFTSettings(epochs_max=1), log=None)
 
 
 def test_sft_stops_on_patience(tiny_model_dir, tmp_path):
@@ -90,12 +95,7 @@ def test_sft_stops_on_patience(tiny_model_dir, tmp_path):
         tmp_path / "sft",
         examples,
         examples,
-        epochs_max=50,
-        batch_size=8,
-        learning_rate=1e-7,
-        patience=2,
-        warmup_steps=1,
-        precision="fp32",
+        SFTSettings(epochs_max=50, batch_size=8, learning_rate=1e-7, patience=2, warmup_steps=1, precision="fp32"),
         log=lines.append,
     )
     assert summary["stopped"] == "patience" and summary["epochs_run"] == 2  # nothing improves at lr 1e-7
