@@ -179,7 +179,14 @@ class SingleProcess:
 
 
 class TrainablePolicy(Protocol):
-    """What the update loop needs from a model (a ``torch.nn.Module`` in practice)."""
+    """What the update loop needs from a model (a ``torch.nn.Module`` in practice); the
+    attributes and :meth:`refresh_parameters` are what FSDP sharding needs (:mod:`ppokit.dist.fsdp`)."""
+
+    autocast_dtype: torch.dtype | None  # the compute precision (bf16: FSDP's parameter dtype), None: float32
+    compute_device: torch.device | None  # where the passes run when not the weights' device (FSDP offload)
+
+    def refresh_parameters(self) -> None:
+        """Re-read any cached parameter lists (after FSDP replaced the parameters with shards)."""
 
     def param_groups(self, cfg: Config) -> list[dict[str, Any]]:
         """Optimizer parameter groups, each with ``params``, ``lr`` and ``name``."""

@@ -50,6 +50,9 @@ def layer_init(layer: nn.Linear, gain: float) -> nn.Linear:
 class ActorCritic(nn.Module):
     """MLP policy and value function; the ``policy`` object of :class:`ppokit.trainer.PPOTrainer`."""
 
+    autocast_dtype = None  # float32 throughout
+    compute_device = None  # the passes run where the weights are
+
     def __init__(self, obs_dim: int, action_dim: int, discrete: bool, net: NetworkConfig):
         super().__init__()
         self.obs_dim = obs_dim
@@ -107,6 +110,9 @@ class ActorCritic(nn.Module):
     def compact(micro_batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """The micro-batch as it is: transitions have no padding columns."""
         return micro_batch
+
+    def refresh_parameters(self) -> None:
+        """Nothing cached: the optimizer reads :meth:`param_groups` after sharding."""
 
     # ------------------------------------------------------------------ rollout API
     def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor]:

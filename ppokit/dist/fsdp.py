@@ -84,7 +84,7 @@ class FSDPParallel(ProcessGroupParallel):
         self.mesh = init_device_mesh(device_type, (world_size,))
 
     def prepare(self, policy: nn.Module) -> None:
-        shard_policy(policy, self.mesh, param_dtype=getattr(policy, "autocast_dtype", None), offload=self.offload)
+        shard_policy(policy, self.mesh, param_dtype=policy.autocast_dtype, offload=self.offload)
 
     def passes(self, count: int) -> int:
         most = torch.tensor(count, dtype=torch.int64, device=self.device_type)
@@ -109,16 +109,13 @@ def shard_policy(policy: nn.Module, mesh, *, param_dtype: torch.dtype | None = N
     # the root's inputs are a micro-batch dict: its float tensors (advantages, ...) are not the model's
     fully_shard(policy, mesh=mesh, mp_policy=replace(compute, cast_forward_inputs=False), offload_policy=offload_policy)
     for name in FORWARD_METHODS:
-        if hasattr(policy, name):
-            register_fsdp_forward_method(policy, name)
+        register_fsdp_forward_method(policy, name)
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum over the ranks (module docstring)
             module.set_force_sum_reduction_for_comms(True)
-    if hasattr(policy, "refresh_parameters"):  # cached parameter lists point at the unsharded tensors
-        policy.refresh_parameters()
-    if hasattr(policy, "compute_device"):  # offloaded shards live in CPU memory, the passes run on the mesh's device
-        policy.compute_device = torch.device(mesh.device_type)
+    policy.refresh_parameters()  # cached parameter lists point at the unsharded tensors
+    policy.compute_device = torch.device(mesh.device_type)  # offloaded shards live in host memory
     # FSDP warns that a unit's output is a view (the value head's squeeze, the log-probs' slices):
     # an in-place op on it would skip a hook; the trainer never writes into the policy's outputs
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
