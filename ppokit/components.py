@@ -31,6 +31,9 @@ from typing import Any, Protocol
 from torch import Tensor
 
 __all__ = [
+    "SEQUENCE_INPUTS",
+    "CONTROL_INPUTS",
+    "UPDATE_KEYS",
     "Batch",
     "Components",
     "Evaluator",
@@ -69,7 +72,7 @@ class Batch:
     ``samples``: plain per-sample records for ``samples.jsonl`` (lm: prompt, response,
     reward, fields), or empty. ``metrics``: what the source and the scorer measured.
     ``policy_version``: the :attr:`Learner.policy_version` of the weights that sampled
-    the batch (None where the source does not say).
+    the batch (None where the source does not say). The key sets below name these once.
     """
 
     tensors: dict[str, Tensor]
@@ -102,6 +105,12 @@ class Batch:
             metrics={k: float(v) for k, v in state.get("metrics", {}).items()},
             policy_version=int(version) if version is not None else None,
         )
+
+
+# The batch's key sets (Batch's docstring says what each key holds).
+SEQUENCE_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")  # lm: a policy pass's inputs
+CONTROL_INPUTS = ("obs", "actions")  # control: a policy pass's inputs
+UPDATE_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")  # the update reads these
 
 
 class RolloutQueue:

@@ -115,6 +115,7 @@ import torch
 from torch import Tensor
 
 from ppokit import algo
+from ppokit.components import UPDATE_KEYS
 from ppokit.config import Config
 from ppokit.errors import UserError
 from ppokit.resume import BadStepGuard
@@ -122,7 +123,7 @@ from ppokit.resume import BadStepGuard
 if TYPE_CHECKING:
     from ppokit.components import Batch
 
-REQUIRED_KEYS = ("mask", "old_log_prob", "advantages", "returns", "old_values")
+REQUIRED_KEYS = UPDATE_KEYS
 # normalize_adv whitens the advantages of these estimators over the batch; the others
 # (GRPO, Dr.GRPO, RLOO, REINFORCE++) define their own normalisation or baseline, and a
 # second whitening would give a group whose samples all got one reward a non-zero advantage

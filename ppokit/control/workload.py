@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppokit.components import Batch, Components, RolloutQueue
+from ppokit.components import CONTROL_INPUTS, UPDATE_KEYS, Batch, Components, RolloutQueue
 from ppokit.config import Config
 from ppokit.control.envs import VecEnv, make_vector_env
 from ppokit.control.evaluate import Evaluator, evaluate_policy
@@ -34,7 +34,7 @@ from ppokit.stopping import EarlyStop
 from ppokit.trainer import DataParallel, PPOTrainer
 
 # The per-sample tensors of the update (N = E*S transitions, each a sequence of T = 1 step).
-UPDATE_KEYS = ("obs", "actions", "mask", "old_log_prob", "old_values", "advantages", "returns")
+CONTROL_UPDATE_KEYS = (*CONTROL_INPUTS, *UPDATE_KEYS)
 
 
 class ControlSource:
@@ -284,7 +284,7 @@ class ControlLearner:
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
         n = batch.tensors["mask"].numel()  # E * S transitions
-        flat = {k: v.reshape(n, 1, *v.shape[2:]) for k, v in batch.tensors.items() if k in UPDATE_KEYS}
+        flat = {k: v.reshape(n, 1, *v.shape[2:]) for k, v in batch.tensors.items() if k in CONTROL_UPDATE_KEYS}
         metrics = self.trainer.update(flat, iteration)
         self.policy_version += 1
         return metrics

@@ -17,7 +17,7 @@ import torch
 from peft import get_peft_model_state_dict
 
 from ppokit import algo
-from ppokit.components import Batch
+from ppokit.components import SEQUENCE_INPUTS, UPDATE_KEYS, Batch
 from ppokit.config import Config
 from ppokit.lm.model.checkpoint import load_trained_state, save_policy
 from ppokit.lm.model.stack import PolicyStack, build_policy_stack
@@ -28,18 +28,7 @@ from ppokit.trainer import DataParallel, PPOTrainer
 KL_METRIC_ROWS = 64  # without a KL term, kl_ref is measured on this many sequences
 # the batch tensors the update reads (ref_log_prob only with a KL term in the loss; rollout_log_prob,
 # the engine's behaviour log-probs, where the engine gave them)
-UPDATE_KEYS = (
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "responses",
-    "mask",
-    "old_log_prob",
-    "old_values",
-    "advantages",
-    "returns",
-    "rollout_log_prob",
-)
+LM_UPDATE_KEYS = (*SEQUENCE_INPUTS, *UPDATE_KEYS, "rollout_log_prob")
 
 
 def needs_ref_log_prob(cfg: Config) -> bool:
@@ -120,7 +109,7 @@ class LMLearner:
             horizon=horizon or cfg.rollout.max_new_tokens,
             parallel=parallel,
         )
-        self.keys = UPDATE_KEYS + (("ref_log_prob",) if needs_ref_log_prob(cfg) else ())
+        self.keys = LM_UPDATE_KEYS + (("ref_log_prob",) if needs_ref_log_prob(cfg) else ())
         self.policy_version = 0
 
     def needs_scored_old_log_prob(self) -> bool:

@@ -53,11 +53,8 @@ import torch
 from torch import Tensor
 
 from ppokit import algo
-from ppokit.components import Batch
+from ppokit.components import SEQUENCE_INPUTS, Batch
 from ppokit.errors import UserError
-
-# the tensors of a batch that the policy's forward passes read
-POLICY_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 @torch.no_grad()
@@ -66,9 +63,8 @@ def behaviour_log_probs(policy, tensors: dict[str, Tensor], chunk: int) -> Tenso
     the behaviour log-probs of a rollout collected ahead of its update (``rollout.off_policy_steps``),
     in the scorer's numerics, ``chunk`` rows a pass."""
     n = tensors["mask"].shape[0]
-    parts = [
-        policy.log_probs({k: tensors[k][s : s + chunk] for k in POLICY_INPUTS})["log_prob"] for s in range(0, n, chunk)
-    ]
+    inputs = {k: tensors[k] for k in SEQUENCE_INPUTS}
+    parts = [policy.log_probs({k: v[s : s + chunk] for k, v in inputs.items()})["log_prob"] for s in range(0, n, chunk)]
     return torch.cat(parts).float() * tensors["mask"]
 
 
@@ -112,7 +108,8 @@ class Scorer:
                 )
             t["old_log_prob"] = t["rollout_log_prob"]
         # a rollout that ran ahead of the update brings its behaviour policy's old_log_prob
-        scored = self.forward_passes({k: t[k] for k in (*POLICY_INPUTS, "mask")}, old_log_prob="old_log_prob" not in t)
+        inputs = {k: t[k] for k in (*SEQUENCE_INPUTS, "mask")}
+        scored = self.forward_passes(inputs, old_log_prob="old_log_prob" not in t)
         if "ref_log_prob_metric" in scored:  # (K, R): not per sample
             batch.extras["ref_log_prob_metric"] = scored.pop("ref_log_prob_metric")
         t.update(scored)
@@ -183,7 +180,7 @@ class Scorer:
             + (["kl_full"] if self.kl_ctrl is not None and self.kl_penalty == "full" else [])
         )
         out = {k: torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for k in names}  # (N, R)
-        inputs = {k: tensors[k] for k in POLICY_INPUTS}
+        inputs = {k: tensors[k] for k in SEQUENCE_INPUTS}
         n = mask.shape[0]
         for rows in algo.micro_batch_indices(tensors, self.chunk, self.micro_batch_tokens):
             if isinstance(rows, slice):  # rows in order: a view of the batch

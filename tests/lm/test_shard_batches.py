@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from lm_helpers import randomize
 
+from ppokit.components import SEQUENCE_INPUTS
 from ppokit.config import build_config
 from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
-from ppokit.lm.scoring import POLICY_INPUTS
 from ppokit.lm.single_turn.source import RolloutPart, concat_parts
 
 
@@ -58,8 +58,8 @@ def test_parts_of_different_widths_keep_their_rows(tiny_dir):
         assert torch.equal(merged.old_log_prob[rows, :r], part.old_log_prob)
         assert not merged.old_log_prob[rows, r:].any()
         with torch.no_grad():
-            own = policy.log_probs({k: src[k] for k in POLICY_INPUTS})["log_prob"] * src["mask"]
-            joined = policy.log_probs({k: dst[k] for k in POLICY_INPUTS})["log_prob"] * dst["mask"]
+            own = policy.log_probs({k: src[k] for k in SEQUENCE_INPUTS})["log_prob"] * src["mask"]
+            joined = policy.log_probs({k: dst[k] for k in SEQUENCE_INPUTS})["log_prob"] * dst["mask"]
         torch.testing.assert_close(joined[:, :r], own, atol=1e-5, rtol=1e-5)
     assert m.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert m.prompts == a.prompts + b.prompts and m.texts == a.texts + b.texts

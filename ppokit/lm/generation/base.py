@@ -68,7 +68,9 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "mask")
+from ppokit.components import SEQUENCE_INPUTS
+
+TENSOR_KEYS = (*SEQUENCE_INPUTS, "mask")  # a rollout's tensors
 
 
 @dataclass
