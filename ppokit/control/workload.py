@@ -29,7 +29,7 @@ from ppokit.control.envs import VecEnv, make_vector_env
 from ppokit.control.evaluate import Evaluator, evaluate_policy
 from ppokit.control.networks import ActorCritic
 from ppokit.control.rollout import Rollout
-from ppokit.resume import all_finite, rollout_rngs
+from ppokit.resume import all_finite, rollout_rngs, seed_globals
 from ppokit.stopping import EarlyStop
 from ppokit.trainer import DataParallel, PPOTrainer
 
@@ -384,9 +384,7 @@ class ControlWorkload:
     def rollout_shard(self, shard: int, num_shards: int) -> ControlSource:
         """Envs ``shard*E/N ..`` of the run's E, seeded as in-process, and a policy copy."""
         cfg, e = self.cfg, self.cfg.env
-        torch.set_num_threads(cfg.run.torch_threads or 1)
-        torch.manual_seed(cfg.seed)
-        np.random.seed(cfg.seed % 2**32)
+        _set_up_process(cfg)
         n = e.num_envs // num_shards
         venv = VecEnv(e, n, seed=cfg.seed + shard * n, gamma=cfg.algo.gamma, training=True)
         policy = ActorCritic(venv.obs_dim, venv.action_dim, venv.discrete, cfg.network)
@@ -394,8 +392,7 @@ class ControlWorkload:
 
     def learner_replica(self, parallel: DataParallel) -> ControlLearner:
         cfg = self.cfg
-        torch.set_num_threads(cfg.run.torch_threads or 1)
-        torch.manual_seed(cfg.seed)
+        _set_up_process(cfg)
         venv = make_vector_env(cfg.env, 1)
         try:
             obs_dim = int(venv.single_observation_space.shape[0])
@@ -408,9 +405,7 @@ class ControlWorkload:
 
     def build(self, run_dir: Path) -> Components:
         cfg, e = self.cfg, self.cfg.env
-        torch.set_num_threads(cfg.run.torch_threads or 1)
-        torch.manual_seed(cfg.seed)  # network init, then action sampling
-        np.random.seed(cfg.seed % 2**32)
+        _set_up_process(cfg)  # network init, then action sampling
         venv = VecEnv(e, e.num_envs, seed=cfg.seed, gamma=cfg.algo.gamma, training=True)
         try:
             policy = ActorCritic(venv.obs_dim, venv.action_dim, venv.discrete, cfg.network)
@@ -435,3 +430,10 @@ class ControlWorkload:
             checkpoint_meta=meta,
             closers=[venv],
         )
+
+
+def _set_up_process(cfg: Config) -> None:
+    """Torch's threads (``run.torch_threads``, else one: the control networks are small) and the
+    global RNGs seeded, as each process that builds control parts starts (run, worker, learner rank)."""
+    torch.set_num_threads(cfg.run.torch_threads or 1)
+    seed_globals(cfg.seed)
