@@ -1,106 +1,47 @@
-"""The PPO update loop, shared by both workloads.
+"""The PPO update, shared by every workload.
 
-One iteration's batch is a dict of tensors whose dim 0 indexes samples (N) and dim 1
-positions (T): a response token of a language model and a step of an environment are
-both a position ``t`` with ``mask[n, t] = 1``. The loop does not know which workload it
-serves::
+A batch is a dict of tensors, dim 0 the samples (N), dim 1 the positions (T: response
+tokens or environment steps) with ``mask[n, t] = 1`` where trained; the update does not
+know which workload it serves::
 
-    for epoch in range(epochs):                         # train.epochs
-        for mini_batch in shuffled(batch, mini_batch_size):
-            normalizer = aggregation_normalizer(mini_batch.mask)   # whole mini-batch
-            for micro_batch in split(mini_batch):         # micro_batch_size rows, or a token budget
-                out = policy.evaluate(micro_batch)      # log_prob, [values], entropy (n, T)
-                loss = L_policy + value_coeff * L_value - entropy_coeff * H + beta * KL
-                loss.backward()                         # losses share the normalizer,
-            clip_grad_norm(actor, grad_clip)            # so the sum over micro-batches is
-            clip_grad_norm(critic, critic_grad_clip)    # exactly the mini-batch gradient
-            optimizer.step()
+    for epoch in range(train.epochs):
+        for mini_batch in shuffled(batch, mini_batch_size):      # one optimizer step each
+            normalizer = aggregation_normalizer(mini_batch.mask)   # the whole mini-batch's
+            for micro_batch in split(mini_batch):                # rows, or a token budget
+                out = policy.evaluate(micro_batch)               # log_prob, [values], entropy (n, T)
+                loss = L_policy + value_coeff L_value - entropy_coeff H + beta KL
+                loss.backward()                                  # sums to the mini-batch's gradient
+            clip actor and critic gradients apart; optimizer.step()
         stop early when approx_kl > target_kl
-    penalty mode: beta_pen *= 2 or / 2 from the last epoch's KL (PPO paper, adaptive KL penalty)
+    penalty mode: beta_pen x2 or /2 from the last epoch's KL (the PPO paper's adaptive penalty)
 
-``L_policy`` is the registered policy loss ``algo.loss_mode`` (:data:`ppokit.algo.POLICY_LOSSES`),
-called the same way for every loss (``PolicyLossInputs`` and ``cfg.algo``): ``clip`` (the
-clipped surrogate; asymmetric and dual clip; ratios per token, per sequence or GSPO's
-length-normalised sequence ratio, ``algo.ratio_level``), ``penalty`` (no clip,
-``-r A + beta_pen KL(old || new)``, the coefficient adapted to ``algo.penalty_target_kl``
-after each iteration), or one of the 2026 set (CISPO, DPPO, GPG, DRO, SAPO, GMPO, Clip-Cov,
-KL-Cov). Actor and critic gradients are clipped apart (as verl does): a large critic gradient
-does not shrink the actor's step.
-``seq-mean-token-sum-norm`` (Dr.GRPO) divides by a constant horizon, the generation
-budget of a language model, so that the loss scale does not move between iterations.
+``L_policy`` is the registered loss ``algo.loss_mode`` (:data:`ppokit.algo.POLICY_LOSSES`), one
+call for all (``PolicyLossInputs`` and ``cfg.algo``). Required keys: ``mask``, ``old_log_prob``,
+``advantages``, ``returns``, ``old_values`` (:data:`ppokit.components.UPDATE_KEYS`), and
+``ref_log_prob`` when ``algo.beta > 0``; the rest goes to ``policy.evaluate``. A policy without
+a critic returns no ``values``: no value term, no ``value_loss``/``vf_clipfrac`` metrics.
 
-The first mini-batch of the first epoch is exactly on-policy: no optimizer step has
-happened since the rollout, so its ``old_log_prob`` is taken from the update's own
-forward pass (detached) and its importance ratio is exactly 1 on every device. The
-rollout's (or scorer's) old log-probs are still read there: their largest difference
-from that forward pass is the metric ``old_log_prob_gap`` (0 on the CPU, < 1e-4 on a GPU,
-whose kernels depend on the batch shape; a large gap means the rollout and the update
-compute different policies: a temperature, tokenisation or normalisation mismatch).
-Later mini-batches use the rollout's old log-probs as they are. The first mini-batch's
-own log-probs are kept as :attr:`PPOTrainer.on_policy_log_prob`.
+Why the pieces are as they are:
 
-An update is *fully on-policy* when it makes one optimizer step: one epoch of one
-mini-batch (:meth:`PPOTrainer.fully_on_policy`). Every micro-batch then takes its old
-log-probs from its own forward, so the batch may leave ``old_log_prob`` out and the
-rollout skip the forward pass that would compute it (the language-model scorer does);
-``old_log_prob_gap`` is then not reported.
-
-Micro-batches: ``train.micro_batch_size`` rows each, or with ``train.micro_batch_tokens``
-rows of similar length packed to a token budget (:mod:`ppokit.algo.batching`, verl's
-``use_dynamic_bsz``) and cut to their own longest row by the policy's optional
-``compact``. Either way the loss is exactly the mini-batch's (the shared normalizer).
-The metric ``padding_frac`` (batches of token sequences) is the padding share of the positions the passes computed.
-
-With ``rollout.off_policy_steps: k`` > 0 the batch was sampled by the policy up to k
-updates older (the rollout ran while earlier updates did): its ``old_log_prob`` are the
-behaviour policy's and every ratio, the first included, is taken against them. The first
-mini-batch's forward still measures the lag: ``old_log_prob_gap`` (largest difference)
-and ``off_policy_kl`` (mean k3 estimate of KL(behaviour || current) over its tokens).
-
-Rollout correction (:mod:`ppokit.algo.rollout_correction`): a batch that carries
-``rollout_log_prob``, the rollout engine's behaviour log-probs (the distribution it
-sampled from), is measured against the trainer's ``old_log_prob`` over the whole batch
-every iteration (``mismatch_kl``, ``mismatch_kl_k1``, ``mismatch_ratio_max``,
-``mismatch_ratio_min``; from the first mini-batch's own forward when the update is fully
-on-policy and the scorer gave none). With ``algo.rollout_correction`` (tis, mis) the
-weights ``w`` and the kept tokens ``k`` of ``r = pi_old / pi_engine`` are computed once per
-batch before the epochs; every actor term (policy loss, entropy, KL) then takes the
-advantages times ``w`` and the mask times ``k``, with the normaliser of that mask. The
-critic's loss is not corrected. ``off_policy_kl`` and ``mismatch_kl`` measure two
-different gaps: the policy lag (the update's current weights against the weights that
-sampled, both as the trainer computes them) and the engine's numerics (the engine against
-the trainer on the sampling weights); the correction covers the second, PPO's ratio the
-first. The rejection rules of ``algo.rollout_correction_rs`` (verl's ``rollout_rs``: a
-token, or a whole response, whose k1/k2/k3 statistic leaves its bounds) drop tokens the same
-way, alone or beside a weight. Bypass mode (``algo.rollout_correction_bypass``): the batch's
-``old_log_prob`` is its ``rollout_log_prob`` (the scorer ran no actor pass), every ratio,
-the first mini-batch's included, is ``pi / pi_engine``, no weight is applied, the rules are
-tested in each pass against the current log-probs (the normaliser keeps what they drop, as
-verl's does; their shares are weighted like ``clipfrac``), and the mismatch metrics come
-from the first mini-batch's own forward on its rows. Whatever workload gives the batch
-``rollout_log_prob`` (N, T), aligned with ``old_log_prob`` and 0 where the model sampled
-nothing, gets the same correction.
-
-Data parallel (``cluster.learners`` > 1, :mod:`ppokit.dist.learner_group`): every rank
-holds the whole batch and draws the same shuffle; each rank takes its contiguous slice
-of every mini-batch (:meth:`DataParallel.shard`). The aggregation normaliser is
-all-reduced over the ranks, so it is the whole mini-batch's token or sequence count,
-and the summed gradients are all-reduced before clipping: the step is the
-single-learner step for every ``loss_agg_mode``. Metrics are reduced the same way
-(sums; maxima for ``ratio_max`` and ``old_log_prob_gap``). With FSDP learners
-(``cluster.sharding: fsdp``, :mod:`ppokit.dist.fsdp`) the parallel shards the policy
-before the optimizer is built (:meth:`DataParallel.prepare`), each rank's gradient is its
-shard of that same sum (reduce-scattered per layer in the backward pass), the clipping
-norms are the whole gradient's (:func:`clip_grad_norm`), and the ranks make the same number
-of passes per mini-batch (:meth:`DataParallel.passes`: a rank with fewer micro-batches
-repeats its last one with its loss times 0).
-
-The required batch keys are ``mask``, ``old_log_prob``, ``advantages``, ``returns`` and
-``old_values`` (all (N, T)); ``ref_log_prob`` (N, T) is needed when ``algo.beta > 0``.
-Every other key is sliced along dim 0 and handed to ``policy.evaluate``. A policy
-without a critic (a language model trained with GRPO, RLOO or REINFORCE++) returns no
-``values``: the loss then has no value term, and the metrics no ``value_loss``,
-``vf_clipfrac`` or ``explained_variance``.
+- **The first mini-batch is on-policy**: no step since the rollout, so its ``old_log_prob`` is
+  the update's own forward (ratio exactly 1 on every device); its gap to the rollout's is the
+  metric ``old_log_prob_gap`` (a large one means rollout and update compute different
+  policies). With one step per update (*fully on-policy*) the batch may omit ``old_log_prob``.
+- **Micro-batches** share the mini-batch's normalizer, so their gradients add up to it exactly
+  (``train.micro_batch_tokens``: rows packed to a budget and cut by ``policy.compact``, verl's
+  ``use_dynamic_bsz``); ``padding_frac`` is the padding share of what the passes computed.
+- **k steps off** (``rollout.off_policy_steps``): ``old_log_prob`` is the behaviour policy's
+  and every ratio uses it; ``off_policy_kl`` measures the lag.
+- **Rollout correction** (:mod:`ppokit.algo.rollout_correction`): with ``rollout_log_prob``
+  (the engine's), the weights and kept tokens of ``pi_old / pi_engine`` are computed once per
+  batch and applied to every actor term; in bypass mode ``old_log_prob`` is the engine's and the
+  rejection rules run in each pass. The ``mismatch_*`` metrics measure the engine against the
+  trainer; ``off_policy_kl`` the policy lag.
+- **Data parallel** (:mod:`ppokit.dist.learner_group`): every rank draws the same shuffle and
+  takes its slice of each mini-batch; the normalizer, the gradients and the metrics are
+  all-reduced, so the step is the single learner's. FSDP ranks (:mod:`ppokit.dist.fsdp`) shard
+  the policy before the optimizer is built and make equal numbers of passes (an idle pass has
+  its loss times 0).
 """
 
 from __future__ import annotations
