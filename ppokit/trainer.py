@@ -395,16 +395,20 @@ class PPOTrainer:
         if self._positions_computed and "attention_mask" in batch:  # token sequences: padding share computed
             out["padding_frac"] = 1.0 - float(self._positions_real) / self._positions_computed
         out["skipped_steps"] = float(self.skipped_steps - skipped_before)  # in this iteration
-        for group in self.optimizer.param_groups:
-            out[f"lr/{group.get('name', 'group')}" if len(self.optimizer.param_groups) > 1 else "lr"] = group["lr"]
-        if len(self.optimizer.param_groups) > 1:
-            out["lr"] = self.optimizer.param_groups[0]["lr"]
+        out.update(self._learning_rates())
         if "value_loss" in out:  # the critic's fit (a policy without one has no values)
             with torch.no_grad():
                 out["explained_variance"] = algo.explained_variance(
                     batch["old_values"], batch["returns"], batch["mask"]
                 ).item()
         return out
+
+    def _learning_rates(self) -> dict[str, float]:
+        """``lr``, and with several parameter groups ``lr/<group>`` each (``lr``: the first's)."""
+        groups = self.optimizer.param_groups
+        if len(groups) == 1:
+            return {"lr": groups[0]["lr"]}
+        return {**{f"lr/{g.get('name', 'group')}": g["lr"] for g in groups}, "lr": groups[0]["lr"]}
 
     def _bypass_old_log_prob(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """Bypass mode: the batch with ``old_log_prob`` = its ``rollout_log_prob`` (the engine's

@@ -350,20 +350,7 @@ def _train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
 
     def evaluate_now() -> tuple[float, float | None]:
-        accuracy = evaluate(
-            model,
-            tokenizer,
-            data.held_out,
-            reward,
-            batch_size=s.eval_batch_size,
-            max_new_tokens=s.max_new_tokens,
-            autocast_dtype=autocast_dtype,
-        )
-        if data.held_out_encoded is None:
-            return accuracy, None
-        return accuracy, mean_answer_loss(
-            model, data.held_out_encoded, pad_id, batch_size=s.eval_batch_size, autocast_dtype=autocast_dtype
-        )
+        return _held_out_scores(model, tokenizer, data, reward, s, autocast_dtype)
 
     accuracy, heldout_loss = evaluate_now()
     curve = [_row(0, None, accuracy, heldout_loss, started)]
@@ -411,6 +398,27 @@ def _train(
         "epochs_run": epoch,
         "curve": curve,
     }
+
+
+def _held_out_scores(model, tokenizer, data: SFTData, reward, s: SFTSettings, autocast_dtype):
+    """The held-out accuracy (greedy, scored by ``reward``) and answer loss (None where a record has
+    no completion)."""
+    accuracy = evaluate(
+        model,
+        tokenizer,
+        data.held_out,
+        reward,
+        batch_size=s.eval_batch_size,
+        max_new_tokens=s.max_new_tokens,
+        autocast_dtype=autocast_dtype,
+    )
+    if data.held_out_encoded is None:
+        return accuracy, None
+    pad_id = tokenizer.pad_token_id
+    loss = mean_answer_loss(
+        model, data.held_out_encoded, pad_id, batch_size=s.eval_batch_size, autocast_dtype=autocast_dtype
+    )
+    return accuracy, loss
 
 
 def _epoch(model, examples, pad_id: int, s: SFTSettings, optimizer, scheduler, autocast_dtype) -> float:
