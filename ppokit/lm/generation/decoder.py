@@ -217,42 +217,8 @@ class DecoderWeights:
             raise ValueError(f"the CUDA engine's decoder does not run {reason}")
         spec = DecoderSpec.of(model)
         lm = causal_lm(model)
-        keys: dict[int, list[str]] = {}  # a tensor's state-dict keys (tied weights have several)
-        for key, p in lm.state_dict(keep_vars=True).items():
-            keys.setdefault(id(p), []).append(key)
-        owned = [0]
-        params: dict[str, Fold] = {}  # state-dict key -> where it lands
-        module_dest: dict[int, Tensor] = {}  # a linear module -> the engine's rows of its weight
-
-        def place(p: Tensor, dest: Tensor) -> Tensor:
-            for key in keys.get(id(p), []):
-                params.setdefault(key, Fold(dest, p))  # a tied weight lands where it first did
-            return dest
-
-        def share_or_copy(p: Tensor) -> Tensor:
-            """``p`` itself when frozen and already in place (never changed by training), else a copy."""
-            if not p.requires_grad and p.dtype == dtype and p.device == device:
-                return place(p, p.detach())
-            out = p.detach().to(device=device, dtype=dtype, copy=True)
-            owned[0] += out.numel() * out.element_size()
-            return place(p, out)
-
-        def stacked(modules: list[nn.Module], bias: bool = False) -> Tensor | None:
-            """The modules' weights (or biases) stacked by rows in one new tensor."""
-            parts = [_linear(m).bias if bias else _linear(m).weight for m in modules]
-            if parts[0] is None:
-                return None
-            out = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=dtype, device=device)
-            owned[0] += out.numel() * out.element_size()
-            row = 0
-            for m, p in zip(modules, parts):
-                view = place(p, out[row : row + p.shape[0]])
-                view.copy_(p)
-                if not bias:
-                    module_dest[id(m)] = view
-                row += p.shape[0]
-            return out
-
+        placer = _Placer(lm, dtype, device)
+        share_or_copy, stacked = placer.share_or_copy, placer.stacked
         layers = []
         for block in lm.model.layers:
             attn, mlp = block.self_attn, block.mlp
@@ -293,14 +259,15 @@ class DecoderWeights:
             cos=cos,
             sin=sin,
             act=ACT2FN[spec.act],
-            params=params,
+            params=placer.params,
         )
         for name, module in model.named_modules() if adapter is not None else ():
             if _adapted(module, adapter):
-                fold = Fold(module_dest[id(module)], module.get_base_layer().weight, float(module.scaling[adapter]))
+                base = module.get_base_layer().weight
+                fold = Fold(placer.module_dest[id(module)], base, float(module.scaling[adapter]))
                 fold.fold(module.lora_A[adapter].weight, module.lora_B[adapter].weight)
                 weights.adapters[name] = fold
-        weights.owned_bytes = owned[0] + cos.numel() * cos.element_size() * 2
+        weights.owned_bytes = placer.owned + cos.numel() * cos.element_size() * 2
         return weights
 
     @torch.no_grad()
@@ -479,3 +446,47 @@ def decode_step(
         x = x + F.linear(out.reshape(B, s.heads * s.head_dim), layer.o, layer.o_bias)
         x = _mlp(w, layer, x)
     return _logits(w, x)
+
+
+class _Placer:
+    """Where each tensor of a causal LM lands in the engine's copy (:meth:`DecoderWeights.from_model`):
+    ``params`` (state-dict key -> :class:`Fold`), ``module_dest`` (a linear module -> the engine's
+    rows of its weight), ``owned`` (bytes the copy allocated)."""
+
+    def __init__(self, lm: nn.Module, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.keys: dict[int, list[str]] = {}  # a tensor's state-dict keys (tied weights have several)
+        for key, p in lm.state_dict(keep_vars=True).items():
+            self.keys.setdefault(id(p), []).append(key)
+        self.params: dict[str, Fold] = {}
+        self.module_dest: dict[int, Tensor] = {}
+        self.owned = 0
+
+    def place(self, p: Tensor, dest: Tensor) -> Tensor:
+        for key in self.keys.get(id(p), []):
+            self.params.setdefault(key, Fold(dest, p))  # a tied weight lands where it first did
+        return dest
+
+    def share_or_copy(self, p: Tensor) -> Tensor:
+        """``p`` itself when frozen and already in place (never changed by training), else a copy."""
+        if not p.requires_grad and p.dtype == self.dtype and p.device == self.device:
+            return self.place(p, p.detach())
+        out = p.detach().to(device=self.device, dtype=self.dtype, copy=True)
+        self.owned += out.numel() * out.element_size()
+        return self.place(p, out)
+
+    def stacked(self, modules: list[nn.Module], bias: bool = False) -> Tensor | None:
+        """The modules' weights (or biases) stacked by rows in one new tensor."""
+        parts = [_linear(m).bias if bias else _linear(m).weight for m in modules]
+        if parts[0] is None:
+            return None
+        out = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=self.dtype, device=self.device)
+        self.owned += out.numel() * out.element_size()
+        row = 0
+        for m, p in zip(modules, parts):
+            view = self.place(p, out[row : row + p.shape[0]])
+            view.copy_(p)
+            if not bias:
+                self.module_dest[id(m)] = view
+            row += p.shape[0]
+        return out
