@@ -481,8 +481,9 @@ def run_python(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: SandboxLimits) -> RunResult:
-    as_nobody = _runs_as_nobody()
+def _write_files(workdir: str, program: str, stdin: str, test: str | None, as_nobody: bool) -> tuple[str, str, str]:
+    """The program (and its test), its input and empty output files in ``workdir`` (owned by
+    nobody when the run drops to it): the input, stdout and stderr paths."""
     Path(workdir, "solution.py").write_text(program, encoding="utf-8")
     if test is not None:
         Path(workdir, "test.py").write_text(test, encoding="utf-8")
@@ -496,6 +497,28 @@ def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: Sa
     if as_nobody:
         for path in (workdir, *(os.path.join(workdir, f) for f in os.listdir(workdir))):
             os.chown(path, NOBODY, NOBODY)
+    return in_path, out_path, err_path
+
+
+def _program_env(workdir: str) -> dict[str, str]:
+    """The program's environment: a few of ours (_ENV_KEEP), its home and temp in ``workdir``, one thread."""
+    env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
+    env.update(
+        HOME=workdir,
+        TMPDIR=workdir,
+        PYTHONHASHSEED="0",
+        PYTHONDONTWRITEBYTECODE="1",
+        PYTHONIOENCODING="utf-8",
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+    )
+    return env
+
+
+def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: SandboxLimits) -> RunResult:
+    as_nobody = _runs_as_nobody()
+    in_path, out_path, err_path = _write_files(workdir, program, stdin, test, as_nobody)
     limit = process_limit()
     cgroup = _new_run_cgroup(limits.max_processes) if limit == "cgroup" else None
     cfg = {
@@ -509,17 +532,7 @@ def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: Sa
         "cgroup": cgroup,
     }
     prefix = _isolation_prefix(isolation(), workdir, cgroup) or []
-    env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
-    env.update(
-        HOME=workdir,
-        TMPDIR=workdir,
-        PYTHONHASHSEED="0",
-        PYTHONDONTWRITEBYTECODE="1",
-        PYTHONIOENCODING="utf-8",
-        OMP_NUM_THREADS="1",
-        OPENBLAS_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-    )
+    env = _program_env(workdir)
     nonce = secrets.token_hex(16)
     proc = None
     cfg["lifeline"], keep_alive = os.pipe()  # the guard ends the run when keep_alive closes (module docstring)
@@ -559,9 +572,16 @@ def _run_in(workdir: str, program: str, stdin: str, test: str | None, limits: Sa
     elapsed = time.monotonic() - start
     stdout = _read_capped(out_path, limits.file_size_mb << 20)
     stderr = _read_capped(err_path, 64 << 10)
-    code = proc.returncode
+    return _result(proc.returncode, stdout, stderr, timed_out, elapsed, nonce if test is not None else None, limits)
+
+
+def _result(
+    code: int | None, stdout: str, stderr: str, timed_out: bool, elapsed: float, nonce: str | None, limits
+) -> RunResult:
+    """The run's status from its exit code and output; a test run (``nonce``) passed only when its
+    last line is the nonce (the launcher prints it after the test)."""
     signum = -code if code is not None and code < 0 else code - 128 if code is not None and code > 128 else None
-    if test is not None and code == 0:
+    if nonce is not None and code == 0:
         lines = stdout.rstrip("\n").split("\n")
         code = 0 if lines and lines[-1] == nonce else 1  # exited early (sys.exit before the test)
         stdout = "\n".join(lines[:-1]) if code == 0 else stdout
