@@ -165,77 +165,87 @@ class EpisodePlayer:
         """Play ``len(seeds)`` episodes (episode i on ``envs[i]``, reset with ``seeds[i]``)."""
         if len(seeds) > len(self.envs):
             raise ValueError(f"{len(seeds)} episodes but only {len(self.envs)} environments")
-        t_env = t_gen = peak_gen = 0.0
-        tokens = actions_played = cut = 0
-        truncations = dict.fromkeys(TRUNCATION_REASONS, 0)
-        failures, first_error = 0, None
-        episodes = []
+        result = PlayResult(
+            trajectories=[],
+            records=[],
+            actors=[],
+            truncations=dict.fromkeys(TRUNCATION_REASONS, 0),
+            failures=0,
+            first_error=None,
+            time_generate=0.0,
+            time_env=0.0,
+            peak_gb_generate=0.0,
+            generated_tokens=0,
+        )
         start = time.perf_counter()
-        for i, seed in enumerate(seeds):
-            ep = _Episode(i, self.envs[i])
-            obs, info = checked_reset(ep.env, seed=seed, options=options[i] if options else None, name=self.env_name)
-            ep.actors = dict(seat_actors(i, info))
-            ep.seat = _acting_seat(info)
-            self._observe(ep, ep.seat, obs)
-            episodes.append(ep)
-        t_env += time.perf_counter() - start
-        trajectories: list[Trajectory] = []
+        episodes = [self._start(i, seed, seat_actors, options[i] if options else None) for i, seed in enumerate(seeds)]
+        result.time_env += time.perf_counter() - start
         live = list(episodes)
         while live:
-            ready = []
-            for ep in live:
-                reason = self._budget_cut(ep)
-                if reason is None:
-                    ready.append(ep)
-                else:
-                    truncations[reason] += 1
-                    self._truncate(ep, bootstrap_seat=ep.seat)
-            by_actor: dict[str, list[_Episode]] = {}
-            for ep in ready:
-                by_actor.setdefault(ep.actors.get(ep.seat, CURRENT), []).append(ep)
-            actions: dict[int, tuple[list[int], str, list[float] | None]] = {}
-            for actor, group in by_actor.items():
-                start = time.perf_counter()
-                with phase_peak() as peak:
-                    out = self.generate(actor, [ep.streams[ep.seat].prompt() for ep in group], greedy)
-                t_gen += time.perf_counter() - start
-                peak_gen = max(peak_gen, peak.gb)
-                ids, texts = out[0], out[1]
-                log_probs = out[2] if len(out) > 2 and out[2] is not None else [None] * len(ids)
-                for ep, a, text, lp in zip(group, ids, texts, log_probs):
-                    if lp is not None and len(lp) != len(a):
-                        raise ValueError(f"generate gave {len(lp)} log-probs for a reply of {len(a)} tokens")
-                    actions[ep.index] = (a, text, lp)
-                    tokens += len(a)
-                    cut += len(a) >= self.max_new_tokens and a[-1] not in self.codec.stop_ids
-                actions_played += len(group)
+            ready = [ep for ep in live if self._within_budget(ep, result.truncations)]
+            actions = self._replies(ready, greedy, result)
             start = time.perf_counter()
             for ep in ready:
                 action_ids, text, log_probs = actions[ep.index]
-                failed = self._step(ep, action_ids, text, truncations, log_probs)
+                failed = self._step(ep, action_ids, text, result.truncations, log_probs)
                 if failed is not None:
-                    failures += 1
-                    first_error = first_error or failed
-            t_env += time.perf_counter() - start
+                    result.failures += 1
+                    result.first_error = result.first_error or failed
+            result.time_env += time.perf_counter() - start
             live = [ep for ep in ready if not ep.done]
         for ep in episodes:
-            trajectories += [
+            result.trajectories += [
                 ep.trajectories[s] for s in sorted(ep.trajectories, key=_seat_key) if ep.trajectories[s].turns
             ]
-        return PlayResult(
-            trajectories=trajectories,
-            records=[{s: t.record for s, t in ep.trackers.items()} for ep in episodes],
-            actors=[ep.actors for ep in episodes],
-            truncations=truncations,
-            failures=failures,
-            first_error=first_error,
-            time_generate=t_gen,
-            time_env=t_env,
-            peak_gb_generate=peak_gen,
-            generated_tokens=tokens,
-            actions=actions_played,
-            cut_replies=cut,
-        )
+        result.records = [{s: t.record for s, t in ep.trackers.items()} for ep in episodes]
+        result.actors = [ep.actors for ep in episodes]
+        return result
+
+    def _start(
+        self, index: int, seed: int, seat_actors: Callable[[int, dict], dict[int | None, str]], options: dict | None
+    ) -> _Episode:
+        """Episode ``index`` reset with ``seed``, its actors chosen and its first observation read."""
+        ep = _Episode(index, self.envs[index])
+        obs, info = checked_reset(ep.env, seed=seed, options=options, name=self.env_name)
+        ep.actors = dict(seat_actors(index, info))
+        ep.seat = _acting_seat(info)
+        self._observe(ep, ep.seat, obs)
+        return ep
+
+    def _within_budget(self, ep: _Episode, truncations: dict[str, int]) -> bool:
+        """Whether ``ep`` may take another turn; if not, it is truncated and its reason counted."""
+        reason = self._budget_cut(ep)
+        if reason is None:
+            return True
+        truncations[reason] += 1
+        self._truncate(ep, bootstrap_seat=ep.seat)
+        return False
+
+    def _replies(
+        self, ready: list[_Episode], greedy: bool, result: PlayResult
+    ) -> dict[int, tuple[list[int], str, list[float] | None]]:
+        """Each ready episode's reply (token ids, text, behaviour log-probs), one generation call per
+        actor; the calls' time, peak memory, tokens and cut replies counted in ``result``."""
+        by_actor: dict[str, list[_Episode]] = {}
+        for ep in ready:
+            by_actor.setdefault(ep.actors.get(ep.seat, CURRENT), []).append(ep)
+        actions: dict[int, tuple[list[int], str, list[float] | None]] = {}
+        for actor, group in by_actor.items():
+            start = time.perf_counter()
+            with phase_peak() as peak:
+                out = self.generate(actor, [ep.streams[ep.seat].prompt() for ep in group], greedy)
+            result.time_generate += time.perf_counter() - start
+            result.peak_gb_generate = max(result.peak_gb_generate, peak.gb)
+            ids, texts = out[0], out[1]
+            log_probs = out[2] if len(out) > 2 and out[2] is not None else [None] * len(ids)
+            for ep, a, text, lp in zip(group, ids, texts, log_probs):
+                if lp is not None and len(lp) != len(a):
+                    raise ValueError(f"generate gave {len(lp)} log-probs for a reply of {len(a)} tokens")
+                actions[ep.index] = (a, text, lp)
+                result.generated_tokens += len(a)
+                result.cut_replies += len(a) >= self.max_new_tokens and a[-1] not in self.codec.stop_ids
+            result.actions += len(group)
+        return actions
 
     # ------------------------------------------------------------------ one episode
     def _observe(self, ep: _Episode, seat: int | None, observation: Any) -> None:
