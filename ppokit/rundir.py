@@ -9,7 +9,7 @@ resume reads back from it.
       samples.jsonl    lm: a few rollout samples every run.samples_every iterations
       tb/              TensorBoard event files (when tensorboard is installed)
       curves.png       the training curves, drawn when the run ends (``ppokit plot``)
-      checkpoint/      the final checkpoint
+      checkpoint/      the final checkpoint (meta.json; lm: policy.json, the policy's files)
       checkpoints/     iter-NNNNNN: periodic (run.checkpoint_every) and SIGINT/SIGTERM
                        checkpoints, the newest run.keep_checkpoints kept
       .lock            held by the process that trains in the directory
@@ -23,7 +23,9 @@ for the next one). ``ppokit eval``, ``plot`` and ``export`` only read and take n
 
 The CLI picks the run directory and the checkpoint to resume from with
 :func:`prepare_run_dir` (``ppokit train CONFIG [--resume]`` and ``run.resume``) or
-:func:`open_run_for_resume` (``ppokit train --resume RUN_DIR``).
+:func:`open_run_for_resume` (``ppokit train --resume RUN_DIR``). The commands that read a run
+(``eval``, ``export``, ``generate``, ``chat``) read it through one :class:`RunDir`: the
+checkpoint each of them reads, its saved config, the workload kind and the metrics.
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ppokit.checkpoint import recover_interrupted
+from ppokit.checkpoint import META, recover_interrupted  # META: a checkpoint's completion marker
 from ppokit.config import build_config, parse_overrides, read_yaml
 from ppokit.errors import UserError
 
@@ -54,7 +57,8 @@ CURVES_FILE = "curves.png"
 FINAL_DIR = "checkpoint"
 PERIODIC_DIR = "checkpoints"
 LOCK_FILE = ".lock"
-META = "meta.json"  # a checkpoint's completion marker (= ppokit.checkpoint.META)
+POLICY_META_FILE = "policy.json"  # an LM checkpoint's policy (ppokit.lm.model.checkpoint)
+MODEL_CONFIG_FILE = "config.json"  # a Hugging Face model directory's
 ITERATION_LOGS = (METRICS_FILE, SAMPLES_FILE)  # one row per iteration (or per logged sample)
 # What a run that never got to its first iteration may hold besides things built from its
 # config (an LM run's base_model/, say): with only these it may start over with another config.
@@ -330,36 +334,183 @@ def latest_checkpoint(run_dir: Path | str) -> Path | None:
     return found[-1][1] if found else None
 
 
-def evaluation_checkpoint(path: Path | str) -> Path | None:
-    """The checkpoint a run is evaluated, sampled or exported from: ``path`` itself when it is a
-    checkpoint directory, else ``RUN_DIR/checkpoint`` (the end of training), else the newest
-    periodic checkpoint (an interrupted or running run); None when there is none."""
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    if (path / FINAL_DIR / META).is_file():
-        return path / FINAL_DIR
-    return latest_checkpoint(path)
-
-
 def saved_config(ckpt: Path | str) -> dict | None:
     """The config a checkpoint was trained with, as a plain dict: its ``meta.json``'s, else the
     run's ``config.yaml`` (beside the checkpoint or one or two levels up); None when neither
     exists. A corrupt ``meta.json`` is a :class:`UserError`."""
     ckpt = Path(ckpt)
-    for meta in (ckpt / META, ckpt / "trainer" / META):  # (trainer/: checkpoints before the run loop)
-        if meta.is_file():
-            try:
-                saved = json.loads(meta.read_text()).get("config")
-            except (OSError, ValueError, AttributeError):
-                raise UserError(f"checkpoint file {meta} is corrupt or truncated") from None
-            if isinstance(saved, dict):
-                return saved
-            break
+    meta = ckpt / META
+    if meta.is_file():
+        try:
+            saved = json.loads(meta.read_text()).get("config")
+        except (OSError, ValueError, AttributeError):
+            raise UserError(f"checkpoint file {meta} is corrupt or truncated") from None
+        if isinstance(saved, dict):
+            return saved
     for candidate in (ckpt / CONFIG_FILE, ckpt.parent / CONFIG_FILE, ckpt.parent.parent / CONFIG_FILE):
         if candidate.is_file():
             return read_run_config(candidate)
     return None
+
+
+class RunDir:
+    """A run directory (or one of its checkpoint directories, or a Hugging Face model directory) as
+    the commands read it: each thing below is resolved once, on first use, and the object is
+    passed down rather than the path resolved again.
+
+    - :attr:`checkpoint`: what is evaluated or sampled (``ppokit eval``, ``generate``, ``chat``):
+      ``path`` itself when it is a checkpoint directory, else ``RUN_DIR/checkpoint`` (the end of
+      training), else the newest periodic checkpoint (an interrupted or running run); None when
+      there is none.
+    - :attr:`lm_checkpoint`: the language-model checkpoint (``path`` itself when it holds a
+      policy, else :attr:`checkpoint` when it does).
+    - :meth:`export_checkpoint`, :meth:`control_checkpoint`, :meth:`resume_checkpoint`: the
+      checkpoint ``ppokit export``, a control evaluation and a resume read, with their errors.
+    - :attr:`saved`, :meth:`config`: the config a checkpoint was trained with (:func:`saved_config`).
+    - :attr:`kind`: the workload kind that reads it (:attr:`ppokit.config.Config.kind`).
+    - :attr:`metrics_file`, :meth:`metrics`: ``metrics.jsonl``.
+    """
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.is_dir = self.path.is_dir()
+        self._saved: dict[Path, dict | None] = {}
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS_FILE
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """The rows of :attr:`metrics_file` (:func:`read_metrics`)."""
+        return read_metrics(self.path)
+
+    @cached_property
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (:func:`latest_checkpoint`); None when there is none."""
+        return latest_checkpoint(self.path) if self.is_dir else None
+
+    @cached_property
+    def checkpoint(self) -> Path | None:
+        """The checkpoint a run is evaluated or sampled from (class docstring)."""
+        if not self.is_dir:
+            return None
+        if (self.path / META).is_file():
+            return self.path
+        if (self.path / FINAL_DIR / META).is_file():
+            return self.path / FINAL_DIR
+        return self.latest
+
+    @cached_property
+    def lm_checkpoint(self) -> Path | None:
+        """The language-model checkpoint: ``path`` itself when it holds a policy
+        (:data:`POLICY_META_FILE`), else :attr:`checkpoint` when it does; None otherwise (not a
+        language-model run, or no checkpoint yet)."""
+        if (self.path / POLICY_META_FILE).is_file():
+            return self.path
+        ckpt = self.checkpoint
+        return ckpt if ckpt is not None and (ckpt / POLICY_META_FILE).is_file() else None
+
+    def saved_config(self, ckpt: Path | None = None) -> dict | None:
+        """:func:`saved_config` of ``ckpt`` (default :attr:`checkpoint`), read once."""
+        ckpt = self.checkpoint if ckpt is None else ckpt
+        if ckpt is None:
+            return None
+        if ckpt not in self._saved:
+            self._saved[ckpt] = saved_config(ckpt)
+        return self._saved[ckpt]
+
+    @property
+    def saved(self) -> dict | None:
+        """The config :attr:`checkpoint` was trained with, as a plain dict (None: none found)."""
+        return self.saved_config()
+
+    def config(self, ckpt: Path | None = None) -> Any:
+        """The :class:`~ppokit.config.Config` ``ckpt`` (default :attr:`checkpoint`) was trained
+        with, validated (an invalid one is a one-line :class:`~ppokit.config.ConfigError`)."""
+        ckpt = self.checkpoint if ckpt is None else ckpt
+        saved = self.saved_config(ckpt)
+        if saved is None:
+            raise UserError(f"{ckpt}: no config found (neither {Path(ckpt) / META} nor the run's config.yaml)")
+        return build_config([saved])
+
+    @cached_property
+    def kind(self) -> str:
+        """The workload kind that reads this directory: the saved config's (as
+        :attr:`ppokit.config.Config.kind`: ``textenv`` for ``workload: lm`` with ``textenv.env``,
+        ``lm``, ``control``); ``lm`` for a Hugging Face model directory; else ``control``, whose
+        evaluation says what is missing."""
+        saved = self.saved or {}
+        if saved.get("workload") == "lm":
+            return "textenv" if (saved.get("textenv") or {}).get("env") is not None else "lm"
+        return "lm" if self.is_dir and (self.path / MODEL_CONFIG_FILE).is_file() else "control"
+
+    def export_checkpoint(self) -> Path:
+        """The language-model checkpoint ``ppokit export`` reads: ``path`` itself, else
+        ``RUN_DIR/checkpoint``; a run that has not finished, or holds no policy, is a
+        :class:`UserError`."""
+        p = self.path
+        if (p / POLICY_META_FILE).is_file():
+            return p
+        if (p / FINAL_DIR / POLICY_META_FILE).is_file():
+            return p / FINAL_DIR
+        newest = self.latest
+        if newest is not None and (newest / POLICY_META_FILE).is_file():
+            raise UserError(
+                f"{p} has no final checkpoint (training has not finished): finish it with "
+                f"ppokit train --resume {p}, or export its newest checkpoint, {newest}"
+            )
+        raise UserError(
+            f"{p} holds no LM checkpoint (expected {p}/{FINAL_DIR}/{POLICY_META_FILE}); "
+            "a run writes it when training finishes"
+        )
+
+    def control_checkpoint(self) -> tuple[Path, str | None]:
+        """The checkpoint a control run is evaluated from, and a note to print when it is not the
+        final one: ``path`` itself when it is a checkpoint directory, else ``RUN_DIR/checkpoint``,
+        else (none there) the newest periodic one. A missing directory, a language-model run or
+        no checkpoint at all is a :class:`UserError`."""
+        run_dir = self.path
+        if not self.is_dir:
+            raise UserError(f"run directory {run_dir} does not exist")
+        ckpt_dir = run_dir if (run_dir / META).is_file() else run_dir / FINAL_DIR
+        if ckpt_dir.is_dir() and (self.saved_config(ckpt_dir) or {}).get("workload") == "lm":
+            raise UserError(
+                f"{run_dir} is a language-model run; `ppokit eval` runs control policies in their "
+                "environment (an LM run prints its held-out accuracy; `ppokit export` writes the model)"
+            )
+        if ckpt_dir.exists() or ckpt_dir == run_dir:
+            return ckpt_dir, None
+        newest = self.latest
+        if newest is None:
+            raise UserError(
+                f"run directory {run_dir} has no checkpoint (the final one is written when training "
+                "finishes, others every run.checkpoint_every iterations and on SIGINT/SIGTERM)"
+            )
+        return newest, (
+            f"note: {run_dir} has not finished training (no {FINAL_DIR}/); evaluating its newest "
+            f"checkpoint, {newest} (to finish the run: ppokit train --resume {run_dir})"
+        )
+
+    def resume_checkpoint(self, *, required: bool) -> Path | None:
+        """The checkpoint to resume from, the newest; None to start fresh (only when not ``required``)."""
+        if not self.is_dir:
+            if required:
+                raise UserError(f"cannot resume: run directory {self.path} does not exist")
+            return None
+        if self.latest is None and required:
+            raise UserError(
+                f"cannot resume: run directory {self.path} has no checkpoint (one is written every "
+                "run.checkpoint_every iterations, on SIGINT/SIGTERM and at the end); to start it over "
+                "in the same directory, run its config with run.resume=auto"
+            )
+        return self.latest
 
 
 def checked_iteration(meta: Mapping[str, Any], path: Path | str, iterations: int, run_dir: Path | str) -> int:
@@ -504,23 +655,6 @@ def check_resumable_config(
         raise UserError(f"cannot resume {where}: the config differs from the run's in {diff}; {hint}")
 
 
-def find_resume_checkpoint(run_dir: Path | str, *, required: bool) -> Path | None:
-    """The checkpoint to resume ``run_dir`` from; None to start fresh (only when not ``required``)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        if required:
-            raise UserError(f"cannot resume: run directory {run_dir} does not exist")
-        return None
-    last = latest_checkpoint(run_dir)
-    if last is None and required:
-        raise UserError(
-            f"cannot resume: run directory {run_dir} has no checkpoint (one is written every "
-            "run.checkpoint_every iterations, on SIGINT/SIGTERM and at the end); to start it over "
-            "in the same directory, run its config with run.resume=auto"
-        )
-    return last
-
-
 def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Path | None]:
     """The run directory of ``cfg``, locked, and the checkpoint to resume from (None: a fresh start).
 
@@ -540,7 +674,7 @@ def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Path | N
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     if run_dir.is_dir():
         RunLock(run_dir).acquire()
-    found = find_resume_checkpoint(run_dir, required=required)
+    found = RunDir(run_dir).resume_checkpoint(required=required)
     if found is not None:
         return run_dir, found
     if not has_started(run_dir):
@@ -561,16 +695,16 @@ def open_run_for_resume(run_dir: Path | str, overrides: list[str]) -> tuple[Any,
     The config is the run's own, from its newest checkpoint; overrides may change only
     :data:`PRESENTATION_FIELDS` (e.g. ``run.progress=false``).
     """
-    run_dir = Path(run_dir)
-    config_file = run_dir / CONFIG_FILE
-    if not run_dir.is_dir() or not config_file.is_file():
+    run = RunDir(run_dir)
+    run_dir, config_file = run.path, run.config_file
+    if not run.is_dir or not config_file.is_file():
         raise UserError(
             f"--resume {run_dir}: not a run directory (no config.yaml); to resume the run.name of a "
             "config, write: ppokit train CONFIG --resume"
         )
     RunLock(run_dir).acquire()
     readable = read_run_config(config_file) is not None
-    found = find_resume_checkpoint(run_dir, required=readable)
+    found = run.resume_checkpoint(required=readable)
     if found is None:
         raise UserError(
             f"cannot resume: run directory {run_dir} has no checkpoint, and its {config_file} is "

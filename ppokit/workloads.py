@@ -1,4 +1,7 @@
-"""Which workload trains a config: control, single-turn LM or multi-turn LM (:func:`workload_kind`).
+"""Which workload trains a config: control, single-turn LM or multi-turn LM (:func:`workload_kind`),
+and what each kind does that the commands need: its :data:`WORKLOADS` class, its evaluation of a
+run directory (:data:`EVALUATORS`, ``ppokit eval``) and the line that sums up a finished run
+(:func:`summary_line`, ``ppokit train``). Light to import: the kinds' modules load on demand.
 
 :func:`train` is the library's entry point for a whole run (what ``ppokit train`` calls)::
 
@@ -23,6 +26,16 @@ WORKLOADS = {
     "control": ("ppokit.control.workload", "ControlWorkload"),
     "lm": ("ppokit.lm.single_turn.workload", "LMWorkload"),
     "textenv": ("ppokit.lm.multi_turn.workload", "MultiTurnWorkload"),
+}
+
+# workload kind -> what ``ppokit eval`` prints for a run directory of that kind, imported on demand:
+# (module, function) with ``function(run, /, **options) -> str`` (run: a ppokit.rundir.RunDir;
+# options: the command's parsed arguments by name, each evaluation reading its own), and whether
+# the kind takes the language-model options of ``ppokit eval`` (--data, --samples, ...)
+EVALUATORS = {
+    "control": ("ppokit.control.evaluate", "report_run", False),
+    "lm": ("ppokit.lm.run_eval", "report_run", True),
+    "textenv": ("ppokit.lm.multi_turn.run_eval", "report_run", True),
 }
 
 
@@ -72,3 +85,41 @@ def train(cfg: Config, run_dir: Path | str, resume_from: Path | str | None = Non
     from ppokit.loop import run
 
     return run(make_workload(cfg), cfg, run_dir, resume_from)
+
+
+def takes_lm_options(kind: str) -> bool:
+    """Whether ``ppokit eval`` of a run of ``kind`` takes the language-model options (:data:`EVALUATORS`)."""
+    return EVALUATORS[kind][2]
+
+
+def evaluate_run(run: Any, /, **options: Any) -> str:
+    """What ``ppokit eval`` prints for ``run`` (a :class:`ppokit.rundir.RunDir`): the evaluation of its
+    kind (:data:`EVALUATORS`) with the command's ``options``."""
+    module, name, _ = EVALUATORS[run.kind]
+    return getattr(importlib.import_module(module), name)(run, **options)
+
+
+def _control_summary(result: dict[str, Any]) -> str | None:
+    if "eval_return_mean" not in result:
+        return None
+    return f"deterministic eval: return {result['eval_return_mean']:.1f} +- {result.get('eval_return_std', 0.0):.1f}"
+
+
+def _lm_summary(result: dict[str, Any]) -> str | None:
+    if "eval_accuracy_after" not in result:
+        return None
+    return f"held-out accuracy: {result['eval_accuracy_before']:.1%} before, {result['eval_accuracy_after']:.1%} after"
+
+
+def _no_summary(result: dict[str, Any]) -> None:
+    return None  # a multi-turn run's evaluations print their win rates as they run (ppokit.loop)
+
+
+# workload kind -> the line ``ppokit train`` prints after a finished run, from :func:`train`'s result
+# (None: nothing to add, e.g. no final evaluation)
+SUMMARIES = {"control": _control_summary, "lm": _lm_summary, "textenv": _no_summary}
+
+
+def summary_line(cfg: Config, result: dict[str, Any]) -> str | None:
+    """The line that sums up ``result``, a finished run of ``cfg`` (:data:`SUMMARIES`)."""
+    return SUMMARIES[workload_kind(cfg)](result)

@@ -5,7 +5,7 @@ function that runs it (``run(args)`` -> exit status); :mod:`ppokit.cli` register
 
 - :mod:`.arguments`    what the parsers share: argument types, sampling options, one-line usage errors
 - :mod:`.train`        ``ppokit train``
-- :mod:`.evaluate`     ``ppokit eval`` (a control run: :mod:`ppokit.control.evaluate`)
+- :mod:`.evaluate`     ``ppokit eval`` (each workload kind's evaluation: :data:`ppokit.workloads.EVALUATORS`)
 - :mod:`.interactive`  ``ppokit generate`` and ``ppokit chat``
 - :mod:`.reward`       ``ppokit reward``
 - :mod:`.demo`         ``ppokit demo [NAME]``

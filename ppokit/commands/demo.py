@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ppokit.commands.arguments import add_command
+from ppokit.errors import UserError
 
 DEMO_PRESET = "arith"
 PLOT_FILE = "reward_curve.png"
@@ -266,6 +267,43 @@ def plot_textenv_curves(
     return _save(fig, Path(out) if out is not None else Path(run_dir) / PLOT_FILE)
 
 
+def _check_lm(cfg) -> None:
+    if cfg.data.eval_size == 0:
+        raise UserError("the demo reports held-out accuracy; data.eval_size must be > 0")
+
+
+def _check_textenv(cfg) -> None:
+    if not cfg.textenv.eval_episodes:
+        raise UserError("the demo reports win rates; textenv.eval_episodes must be > 0")
+
+
+def _lm_report(cfg, result: dict[str, Any]) -> tuple[str, list[str], str | None]:
+    """The last line, the lines before it and the evaluation curve's line of an LM demo."""
+    curve = eval_curve_line(  # eval_accuracy_before, eval_accuracy, eval_accuracy_after
+        result.get("eval_history", ()), "held-out accuracy (greedy)", lambda k: k.startswith("eval_accuracy")
+    )
+    return summary_line(result["eval_accuracy_before"], result["eval_accuracy_after"]), [], curve
+
+
+def _textenv_report(cfg, result: dict[str, Any]) -> tuple[str, list[str], str | None]:
+    """The same of a text-environment demo: eval_before/random/win_rate, eval/random/win_rate, ...
+    (eval_before/win_rate alone without an opponent)."""
+    summary, lines = textenv_summary(result, cfg.textenv.eval_opponents)
+    first = cfg.textenv.eval_opponents[0] if cfg.textenv.eval_opponents else None
+    tail = f"/{first}/win_rate" if first else "/win_rate"
+    label = f"greedy win rate vs {first}" if first else "greedy success"
+    curve = eval_curve_line(result.get("eval_history", ()), label, lambda k: k.startswith("eval") and k.endswith(tail))
+    return summary, lines, curve
+
+
+# workload kind (Config.kind) -> its demo: the check of the config, the reward curve, the report
+# (last line, lines before it, evaluation curve line); a kind without one has no demo
+DEMOS = {
+    "lm": (_check_lm, plot_curves, _lm_report),
+    "textenv": (_check_textenv, plot_textenv_curves, _textenv_report),
+}
+
+
 def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET) -> dict[str, Any]:
     """Train the preset ``name`` (``arith`` by default) with ``overrides``; print the summary;
     return the result.
@@ -274,7 +312,7 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     ``wall_time_s`` and ``summary`` (the last line printed).
     """
     from ppokit.config import load_config, preset_names
-    from ppokit.errors import UserError, did_you_mean
+    from ppokit.errors import did_you_mean
     from ppokit.rundir import create_run_dir, release_locks
     from ppokit.workloads import check_inputs, train
 
@@ -285,13 +323,10 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
             "default), tictactoe, frozenlake"
         )
     cfg = load_config(name, list(overrides))
-    if cfg.workload != "lm":
+    if cfg.kind not in DEMOS:
         raise UserError(f"the demo runs the language-model workload (got workload={cfg.workload})")
-    textenv = cfg.textenv.env is not None
-    if textenv and not cfg.textenv.eval_episodes:
-        raise UserError("the demo reports win rates; textenv.eval_episodes must be > 0")
-    if not textenv and cfg.data.eval_size == 0:
-        raise UserError("the demo reports held-out accuracy; data.eval_size must be > 0")
+    check, plot_reward_curve, report = DEMOS[cfg.kind]
+    check(cfg)
     cfg, fitted = fit_iterations(cfg, name, overrides)
     check_inputs(cfg)  # as ppokit train does: data, model, memory, before a run directory exists
     run_dir = create_run_dir(cfg, lock=True)
@@ -302,10 +337,7 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
         result = train(cfg, run_dir)
     finally:
         release_locks()
-    if textenv:
-        plot = plot_textenv_curves(run_dir, result.get("eval_history", ()))
-    else:
-        plot = plot_curves(run_dir, result.get("eval_history", ()))
+    plot = plot_reward_curve(run_dir, result.get("eval_history", ()))
     echo(f"reward curve: {plot}")
     try:  # the training curves of `ppokit plot` as well; a drawing failure must not lose the run
         from ppokit.plot import plot_runs
@@ -317,19 +349,8 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     result["run_dir"] = str(run_dir)
     result["plot"] = str(plot)
     result["wall_time_s"] = time.perf_counter() - started
-    if textenv:
-        result["summary"], lines = textenv_summary(result, cfg.textenv.eval_opponents)
-    else:
-        result["summary"], lines = summary_line(result["eval_accuracy_before"], result["eval_accuracy_after"]), []
+    result["summary"], lines, curve = report(cfg, result)
     echo(f"wall time: {result['wall_time_s']:.0f} s")
-    history = result.get("eval_history", ())
-    if textenv:  # eval_before/random/win_rate, eval/random/win_rate, ... (eval_before/win_rate alone)
-        first = cfg.textenv.eval_opponents[0] if cfg.textenv.eval_opponents else None
-        tail = f"/{first}/win_rate" if first else "/win_rate"
-        label = f"greedy win rate vs {first}" if first else "greedy success"
-        curve = eval_curve_line(history, label, lambda k: k.startswith("eval") and k.endswith(tail))
-    else:  # eval_accuracy_before, eval_accuracy, eval_accuracy_after
-        curve = eval_curve_line(history, "held-out accuracy (greedy)", lambda k: k.startswith("eval_accuracy"))
     if curve:
         echo(curve)
     if result.get("stop_reason"):

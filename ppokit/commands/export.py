@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ppokit.commands.arguments import add_command
-from ppokit.errors import UserError
+
+if TYPE_CHECKING:
+    from ppokit.rundir import RunDir
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,44 +38,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def checkpoint_dir(run_or_ckpt: str | Path) -> Path:
-    """``RUN_DIR/checkpoint`` for a run directory, or the checkpoint directory itself."""
-    from ppokit.lm.model.checkpoint import POLICY_META_FILE
-
-    p = Path(run_or_ckpt)
-    if (p / POLICY_META_FILE).is_file():
-        return p
-    if (p / "checkpoint" / POLICY_META_FILE).is_file():
-        return p / "checkpoint"
-    from ppokit.rundir import latest_checkpoint
-
-    newest = latest_checkpoint(p) if p.is_dir() else None
-    if newest is not None and (newest / POLICY_META_FILE).is_file():
-        raise UserError(
-            f"{p} has no final checkpoint (training has not finished): finish it with "
-            f"ppokit train --resume {p}, or export its newest checkpoint, {newest}"
-        )
-    raise UserError(
-        f"{p} holds no LM checkpoint (expected {p}/checkpoint/{POLICY_META_FILE}); "
-        "a run writes it when training finishes"
-    )
-
-
-def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write the actor as a standalone model (+ tokenizer) to ``out_dir`` (new or empty)."""
+def export_merged(run_dir: str | Path | RunDir, out_dir: str | Path) -> Path:
+    """Write the actor of ``run_dir``'s final checkpoint (:meth:`ppokit.rundir.RunDir.export_checkpoint`;
+    or of the checkpoint directory ``run_dir``) as a standalone model (+ tokenizer) to ``out_dir``
+    (new or empty)."""
     from ppokit.checkpoint import atomic_directory
     from ppokit.lm.model.checkpoint import base_model_of, load_adapter, read_policy_meta
     from ppokit.lm.model.hf import load_causal_lm, load_tokenizer, quiet_transformers
     from ppokit.lm.model.policy import ACTOR
     from ppokit.output_paths import check_output_dir, writing_to
+    from ppokit.rundir import RunDir
 
-    ckpt = checkpoint_dir(run_dir)
+    ckpt = (run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)).export_checkpoint()
     out = Path(out_dir)
     check_output_dir(out, "choose a new directory for the export")
     meta = read_policy_meta(ckpt)
     tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
     if meta["mode"] == "lora":
-        base = load_causal_lm(base_model_of(ckpt), "the checkpoint's base model")
+        base = load_causal_lm(base_model_of(ckpt, meta), "the checkpoint's base model")
         model = load_adapter(base, ckpt, ACTOR).merge_and_unload()
     else:
         model = load_causal_lm(ckpt / ACTOR, "the checkpoint's actor")

@@ -1,7 +1,8 @@
 """``ppokit train``: train from a preset or YAML config, or resume a run directory.
 
 :func:`run_training` loads the config, prepares (or reopens) the run directory, trains
-through :func:`ppokit.workloads.train` and draws ``RUN_DIR/curves.png``.
+through :func:`ppokit.workloads.train`, draws ``RUN_DIR/curves.png`` and prints the line that
+sums up the run (:func:`ppokit.workloads.summary_line`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _train_locked(source: str | None, overrides: list[str], resume: bool | str |
     from ppokit import rundir
     from ppokit.config import load_config
     from ppokit.errors import UserError
-    from ppokit.workloads import check_inputs, train
+    from ppokit.workloads import check_inputs, summary_line, train
 
     if isinstance(resume, str):  # ppokit train --resume RUN_DIR [KEY=VALUE ...]: the run's own config
         cfg, run_dir, resume_from = rundir.open_run_for_resume(resume, ([source] if source else []) + overrides)
@@ -81,14 +82,9 @@ def _train_locked(source: str | None, overrides: list[str], resume: bool | str |
         print(f"run {run_dir} had already finished ({result['iterations']} iterations): nothing to do")
         return 0
     write_curves(run_dir)
-    if "eval_return_mean" in result:
-        print(
-            f"deterministic eval: return {result['eval_return_mean']:.1f} +- {result.get('eval_return_std', 0.0):.1f}"
-        )
-    if "eval_accuracy_after" in result:
-        print(
-            f"held-out accuracy: {result['eval_accuracy_before']:.1%} before, {result['eval_accuracy_after']:.1%} after"
-        )
+    summary = summary_line(cfg, result)  # the workload kind's final evaluation, when it ran
+    if summary:
+        print(summary)
     return 0
 
 

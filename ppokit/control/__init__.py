@@ -5,7 +5,7 @@
 - :mod:`.rollout`   preallocated [num_envs, num_steps] rollouts, masks, truncation bootstrap
 - :mod:`.envstate`  snapshots of vector environments mid-episode, for exact resume
 - :mod:`.workload`  the source, learner and evaluator of a control run
-- :mod:`.evaluate`  deterministic evaluation, ``evaluate_run(run_dir, episodes)``
+- :mod:`.evaluate`  deterministic evaluation, ``evaluate_run(run_dir, episodes)``, ``ppokit eval`` of a control run
 
 Importing this package imports neither torch nor gymnasium; the modules do.
 """

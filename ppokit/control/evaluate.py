@@ -10,6 +10,7 @@ Episodes run in their own vector env (``min(episodes, 16)`` copies) seeded
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from ppokit.config import Config, build_config
 from ppokit.control.envs import VecEnv
 from ppokit.control.networks import ActorCritic
 from ppokit.errors import UserError
-from ppokit.rundir import FINAL_DIR, latest_checkpoint, saved_config
+from ppokit.rundir import RunDir
 
 EVAL_SEED_OFFSET = 10_000
 MAX_EVAL_ENVS = 16
@@ -94,11 +95,8 @@ def load_policy(path: Path | str) -> tuple[Config, ActorCritic, dict]:
     """(config, policy with the checkpoint's weights, normalizer state) from a checkpoint directory."""
     ckpt = load_checkpoint(path)
     meta_file = Path(path) / META
-    parts = ckpt.parts
-    if "learner" in parts:  # the run loop's layout
-        model, norm = parts["learner"].get("model"), parts.get("source", {}).get("normalizer")
-    else:  # checkpoints written before it
-        model, norm = parts.get("model"), parts.get("normalizer")
+    parts = ckpt.parts  # the run loop's layout
+    model, norm = parts.get("learner", {}).get("model"), parts.get("source", {}).get("normalizer")
     if ckpt.meta.get("workload") != "control" or model is None or norm is None:
         raise UserError(f"checkpoint file {meta_file} is not a control-workload checkpoint")
     try:
@@ -126,36 +124,26 @@ def load_policy(path: Path | str) -> tuple[Config, ActorCritic, dict]:
     return cfg, policy, norm
 
 
-def evaluate_run(run_dir: str | Path, episodes: int, seed: int | None = None) -> tuple[float, float]:
+def evaluate_run(run_dir: str | Path | RunDir, episodes: int, seed: int | None = None) -> tuple[float, float]:
     """Load ``RUN_DIR``'s config and checkpoint, run the deterministic policy: (mean, std).
 
     The checkpoint is ``RUN_DIR/checkpoint`` (the end of training), else the newest periodic
     one (an interrupted or running run; a note says which), or RUN_DIR itself when it is a
-    checkpoint directory. Reads only: a run training in ``RUN_DIR`` is left alone.
+    checkpoint directory (:meth:`ppokit.rundir.RunDir.control_checkpoint`). Reads only: a run
+    training in ``RUN_DIR`` is left alone.
     """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"run directory {run_dir} does not exist")
-    # RUN_DIR, or a checkpoint directory itself (RUN_DIR/checkpoint, RUN_DIR/checkpoints/iter-N)
-    ckpt_dir = run_dir if (run_dir / META).is_file() else run_dir / FINAL_DIR
-    if ckpt_dir.is_dir() and (saved_config(ckpt_dir) or {}).get("workload") == "lm":
-        raise UserError(
-            f"{run_dir} is a language-model run; `ppokit eval` runs control policies in their "
-            "environment (an LM run prints its held-out accuracy; `ppokit export` writes the model)"
-        )
-    if not ckpt_dir.exists() and ckpt_dir != run_dir:
-        newest = latest_checkpoint(run_dir)
-        if newest is None:
-            raise UserError(
-                f"run directory {run_dir} has no checkpoint (the final one is written when training "
-                "finishes, others every run.checkpoint_every iterations and on SIGINT/SIGTERM)"
-            )
-        print(
-            f"note: {run_dir} has not finished training (no {FINAL_DIR}/); evaluating its newest "
-            f"checkpoint, {newest} (to finish the run: ppokit train --resume {run_dir})",
-            flush=True,
-        )
-        ckpt_dir = newest
+    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    ckpt_dir, note = run.control_checkpoint()
+    if note:
+        print(note, flush=True)
     cfg, policy, normalizer_state = load_policy(ckpt_dir)
     torch.set_num_threads(cfg.run.torch_threads or 1)
     return evaluate_policy(cfg, policy, normalizer_state, episodes, seed)
+
+
+def report_run(run: RunDir, /, *, episodes: int | None = None, seed: int | None = None, **_: Any) -> str:
+    """What ``ppokit eval`` prints for a control run: the deterministic return over ``episodes``
+    (default 10) episodes (:func:`evaluate_run`)."""
+    episodes = episodes or 10
+    mean, std = evaluate_run(run, episodes, seed=seed)
+    return f"return over {episodes} episodes: {mean:.2f} +- {std:.2f}"

@@ -19,6 +19,7 @@ Modules shared by both workloads:
 - :mod:`.scoring`      old and reference log-probs, values and token rewards of a rollout
 - :mod:`.learner`      the learner (optimizer, the shared PPO update, checkpoint files) and the scorer's set-up
 - :mod:`.evaluate`     greedy held-out accuracy through the rollout engine
+- :mod:`.run_eval`     ``ppokit eval`` of a language-model run or model directory (pass@k)
 
 Nothing is imported here: ``import ppokit.lm`` must not load torch or transformers.
 """

@@ -360,7 +360,7 @@ def test_leftovers_of_a_killed_writer_are_recovered(tmp_path):
     assert rundir.latest_checkpoint(tmp_path) == tmp_path / "checkpoint"
     assert rundir.latest_checkpoint(tmp_path / "nothing") is None
     with pytest.raises(UserError, match="has no checkpoint"):
-        rundir.find_resume_checkpoint(ck / "iter-000001", required=True)
+        rundir.RunDir(ck / "iter-000001").resume_checkpoint(required=True)
 
 
 def test_bad_step_guard_counts_consecutive_steps_only():

@@ -23,7 +23,7 @@ from resume_helpers import read_rows, start_and_wait, train_cmd
 
 from ppokit.errors import UserError
 from ppokit.lm.model import gguf
-from ppokit.lm.model.checkpoint import find_lm_checkpoint
+from ppokit.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,7 +163,7 @@ def test_a_run_from_the_file_checkpoints_resumes_exports_and_reloads(converted, 
     base = run / "base_model"
     assert (base / "ppokit_base_model.json").is_file() and (base / "model.safetensors").is_file()
     assert (base / "model.safetensors").stat().st_size == (converted / "model.safetensors").stat().st_size
-    ckpt = find_lm_checkpoint(run)
+    ckpt = RunDir(run).lm_checkpoint
     policy = json.loads((ckpt / "policy.json").read_text())
     assert (ckpt / policy["base_model"]).resolve() == base.resolve()  # the run's copy, not the cache
     resumed = _cli("train", "--resume", str(run))

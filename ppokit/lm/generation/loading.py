@@ -1,6 +1,7 @@
 """A trained actor or a model directory, ready to generate: what ``ppokit generate``, ``chat`` and ``eval`` load.
 
-:func:`load_generator` takes a run directory (its final checkpoint, else its newest), a
+:func:`load_generator` takes a run directory (its final checkpoint, else its newest:
+:attr:`ppokit.rundir.RunDir.lm_checkpoint`), a
 checkpoint directory, a plain Hugging Face model directory or a GGUF file, and returns a
 :class:`Generator`: a rollout engine (:func:`~ppokit.lm.generation.factory.make_engine`, the seam of
 :mod:`ppokit.lm.generation.base`) over the trained actor (lora: the ``actor`` adapter applied to the backbone; full: the
@@ -21,11 +22,11 @@ from pydantic import ValidationError
 from ppokit.config import RolloutConfig, format_validation_error
 from ppokit.errors import UserError
 from ppokit.lm.generation.factory import make_engine, make_model_engine
-from ppokit.lm.model.checkpoint import find_lm_checkpoint, run_config
 from ppokit.lm.model.device import resolve_device, resolve_precision
 from ppokit.lm.model.gguf import converted_directory, is_gguf
 from ppokit.lm.model.hf import causal_lm_config, load_causal_lm, load_tokenizer
 from ppokit.lm.model.stack import load_policy_stack
+from ppokit.rundir import RunDir
 
 
 @dataclass
@@ -55,22 +56,17 @@ def rollout_options(base, **overrides: Any):
 
 
 def load_generator(
-    path: str | Path, *, device: str | None = None, precision: str | None = None, **sampling: Any
+    path: str | Path | RunDir, *, device: str | None = None, precision: str | None = None, **sampling: Any
 ) -> Generator:
-    """The generator of ``path``: a run or checkpoint directory, or a model directory (module docstring).
+    """The generator of ``path``: a run or checkpoint directory (or its :class:`~ppokit.rundir.RunDir`,
+    already read), or a model directory (module docstring).
     ``device``/``precision``: as ``run.device``/``run.precision`` (default: the run's, else auto).
     ``sampling``: temperature, top_p, top_k, max_new_tokens (None keeps the run's)."""
-    if is_gguf(path):  # a model file: its converted directory (ppokit.lm.model.gguf)
-        path = converted_directory(path, "the model file")
-    path = Path(path)
-    if not path.is_dir():
-        raise UserError(
-            f"{path} is not a directory; give a run directory (ppokit train's), a Hugging Face model directory "
-            "or a GGUF file"
-        )
-    ckpt = find_lm_checkpoint(path)
+    run = _open(path)
+    path = run.path
+    ckpt = run.lm_checkpoint
     if ckpt is not None:
-        cfg = run_config(ckpt)
+        cfg = run.config(ckpt)
         stack = load_policy_stack(ckpt, cfg, device=device, precision=precision)
         engine = make_engine(
             stack.policy, stack.tokenizer, rollout_options(cfg.rollout, **sampling), kv_cache=stack.kv_cache
@@ -90,3 +86,17 @@ def load_generator(
     model.requires_grad_(False)
     engine = make_model_engine(model, tokenizer, rollout_options(None, **sampling), autocast_dtype=dtype)
     return Generator(engine, tokenizer, None, str(path))
+
+
+def _open(path: str | Path | RunDir) -> RunDir:
+    """The directory of ``path`` (a GGUF file: its converted directory, :mod:`ppokit.lm.model.gguf`)."""
+    if not isinstance(path, RunDir):
+        if is_gguf(path):
+            path = converted_directory(path, "the model file")
+        path = RunDir(path)
+    if not path.is_dir:
+        raise UserError(
+            f"{path.path} is not a directory; give a run directory (ppokit train's), a Hugging Face model "
+            "directory or a GGUF file"
+        )
+    return path

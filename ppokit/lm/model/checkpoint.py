@@ -10,11 +10,11 @@ A checkpoint directory written by :func:`save_policy`::
 
 It loads with peft and transformers alone: :func:`load_policy` for inference (``ppokit
 eval``), ``ppokit export`` to merge the actor into a standalone model, and
-:func:`load_trained_state` into a freshly built policy for an exact resume.
-:func:`find_lm_checkpoint` is the checkpoint a run directory is read from, and
-:func:`run_config` the config it was trained with. This module is the one owner of the
-policy's file names. A missing,
-damaged or ill-fitting file is a one-line :class:`~ppokit.errors.UserError` naming it.
+:func:`load_trained_state` into a freshly built policy for an exact resume. Which checkpoint
+of a run directory is read, and the config it was trained with, is
+:class:`ppokit.rundir.RunDir`'s (``lm_checkpoint``, ``config()``); it knows a policy by its
+``policy.json`` (:data:`POLICY_META_FILE`). This module owns the policy's other file names.
+A missing, damaged or ill-fitting file is a one-line :class:`~ppokit.errors.UserError` naming it.
 """
 
 from __future__ import annotations
@@ -31,15 +31,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ppokit.config import Config, build_config
 from ppokit.errors import UserError, first_line
 from ppokit.lm.model.device import attention_implementation
 from ppokit.lm.model.hf import load_causal_lm
 from ppokit.lm.model.policy import ACTOR, CRITIC, LMPolicy, ValueHead
-from ppokit.rundir import META, evaluation_checkpoint, saved_config
+from ppokit.rundir import POLICY_META_FILE
 
 VALUE_HEAD_FILE = "value_head.safetensors"
-POLICY_META_FILE = "policy.json"
 
 
 def save_policy(policy: LMPolicy, out_dir: str | Path, *, base_model: str, tokenizer=None) -> Path:
@@ -242,10 +240,11 @@ def load_adapter(lm: nn.Module, ckpt_dir: str | Path, name: str, *, trainable: b
         ) from None
 
 
-def base_model_of(ckpt_dir: str | Path) -> Path:
-    """The backbone directory a checkpoint was trained from (lora mode)."""
+def base_model_of(ckpt_dir: str | Path, meta: dict[str, Any] | None = None) -> Path:
+    """The backbone directory a checkpoint was trained from (lora mode); ``meta``: its
+    :func:`read_policy_meta`, when already read."""
     ckpt = Path(ckpt_dir)
-    meta = read_policy_meta(ckpt)
+    meta = read_policy_meta(ckpt) if meta is None else meta
     path = Path(meta["base_model"])
     return path if path.is_absolute() else (ckpt / path).resolve()
 
@@ -265,7 +264,7 @@ def load_policy(
     critic = meta["critic"]
     policy_kwargs: dict[str, Any] = {}
     if meta["mode"] == "lora":
-        base = load_causal_lm(base_model_of(ckpt), "the checkpoint's base model", attn_implementation=attn)
+        base = load_causal_lm(base_model_of(ckpt, meta), "the checkpoint's base model", attn_implementation=attn)
         lm = load_adapter(base, ckpt, ACTOR, trainable=trainable)
         if critic:
             lm = load_adapter(lm, ckpt, CRITIC, trainable=trainable)
@@ -289,26 +288,3 @@ def load_policy(
     policy.to(device)
     policy.cast_frozen_weights(autocast_dtype)
     return policy
-
-
-def is_lm_checkpoint(path: Path) -> bool:
-    """Whether ``path`` holds a language-model policy (its :data:`POLICY_META_FILE`)."""
-    return (path / POLICY_META_FILE).is_file()
-
-
-def find_lm_checkpoint(path: str | Path) -> Path | None:
-    """The language-model checkpoint of ``path`` (a run directory or a checkpoint directory):
-    :func:`ppokit.rundir.evaluation_checkpoint` when it holds a policy; None otherwise (not a
-    language-model run, or no checkpoint yet)."""
-    path = Path(path)
-    ckpt = path if is_lm_checkpoint(path) else evaluation_checkpoint(path)
-    return ckpt if ckpt is not None and is_lm_checkpoint(ckpt) else None
-
-
-def run_config(ckpt: str | Path) -> Config:
-    """The config ``ckpt`` was trained with (:func:`ppokit.rundir.saved_config`), validated
-    (an invalid one is a one-line :class:`~ppokit.config.ConfigError`)."""
-    saved = saved_config(ckpt)
-    if saved is None:
-        raise UserError(f"{ckpt}: no config found (neither {Path(ckpt) / META} nor the run's config.yaml)")
-    return build_config([saved])

@@ -4,6 +4,7 @@
 - :mod:`.demonstrations`  the warm start from demonstrations played in the environment
 - :mod:`.advantages`      credit over each trajectory's action tokens (token or turn GAE)
 - :mod:`.source`      the rollout source and the evaluator (greedy win rates)
+- :mod:`.run_eval`    ``ppokit eval`` of a multi-turn run: its greedy win rates
 - :mod:`.shards`      episodes on Ray rollout workers: each worker's share, merged in episode order
 - :mod:`.episodes`    many episodes played at once, batched generation across them
 - :mod:`.streams`     each seat's token stream: sampled tokens, observations appended
