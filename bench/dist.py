@@ -129,15 +129,15 @@ def bench_equality(a: argparse.Namespace, out: Path) -> dict:
 def bench_gradients(a: argparse.Namespace, out: Path) -> dict:
     import ray
 
+    from ppokit.cluster.learner_group import LearnerGroup
+    from ppokit.cluster.ray_cluster import Cluster
     from ppokit.config import load_config
-    from ppokit.dist.cluster import Cluster
-    from ppokit.dist.learner_group import LearnerGroup
     from ppokit.lm.model.tiny import build_tiny_model
     from ppokit.lm.single_turn.workload import LMWorkload
     from ppokit.trainer import SingleProcess
 
-    sys.path.insert(0, str(ROOT / "tests" / "dist"))
-    from test_dist_learners import random_lm_batch
+    sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+    from test_cluster_learners import random_lm_batch
 
     model = build_tiny_model(out / "tiny", seed=0)  # the arith preset's built-in model
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -267,10 +267,10 @@ def bench_pipeline(a: argparse.Namespace, out: Path) -> dict:
 def bench_sync(a: argparse.Namespace, out: Path) -> dict:
     import ray
 
+    from ppokit.cluster.ray_cluster import Cluster
+    from ppokit.cluster.rollout_workers import RolloutWorker
+    from ppokit.cluster.weights import MIB, buckets
     from ppokit.config import load_config
-    from ppokit.dist.cluster import Cluster
-    from ppokit.dist.rollout_workers import RolloutWorker
-    from ppokit.dist.weights import MIB, buckets
     from ppokit.lm.model.tiny import build_tiny_model
     from ppokit.lm.single_turn.workload import LMWorkload
     from ppokit.trainer import SingleProcess

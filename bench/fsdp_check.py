@@ -2,12 +2,12 @@
 
 A one-rank process group (nccl on a GPU; ``--smoke``: gloo on the CPU) builds the full-mode
 learner of a randomly initialised Llama (``LMWorkload.learner_replica`` with
-:class:`ppokit.dist.fsdp.FSDPParallel`, as a ``cluster.sharding=fsdp`` learner rank does),
+:class:`ppokit.cluster.fsdp.FSDPParallel`, as a ``cluster.sharding=fsdp`` learner rank does),
 without and with ``cluster.cpu_offload``, and for each:
 
 - takes ``--updates`` PPO updates on a random batch (bf16 compute on a GPU, float32 with
   ``--smoke``): seconds per update, finite gradient norms;
-- reads what the rank holds (parameters, gradients, Adam moments: :func:`ppokit.dist.fsdp.local_bytes`)
+- reads what the rank holds (parameters, gradients, Adam moments: :func:`ppokit.cluster.fsdp.local_bytes`)
   and, on a GPU, the allocator's peak;
 - gathers every trained weight whole (``full_tensor``, the path weights take to the training
   process) and checks it against the rank's own shards;
@@ -20,7 +20,7 @@ on the same batch:
 - the metrics of every update (losses, gradient norms, KL) and the trained weights after them
   agree with FSDP's to bf16 tolerance (``ddp_max_rel_metric``, ``ddp_weight_rel``);
 - resume: the FSDP learner's state after ``--updates - 1`` updates (the Adam moments as DCP
-  shards, :class:`ppokit.dist.learner_group.LearnerRank`'s ``state_dict`` and ``save_shards``)
+  shards, :class:`ppokit.cluster.learner_group.LearnerRank`'s ``state_dict`` and ``save_shards``)
   is loaded into a fresh FSDP learner, which takes the last update as the original did
   (``resume_max_rel_metric``, ``resume_weight_rel``).
 
@@ -96,7 +96,7 @@ def one_learner(model_dir: Path, device: str, offload: bool, updates: int, shape
     from torch.distributed.tensor import DTensor
 
     from ppokit.checkpoint import load_shards, save_shards
-    from ppokit.dist.fsdp import FSDPParallel, full_tensor, local_bytes
+    from ppokit.cluster.fsdp import FSDPParallel, full_tensor, local_bytes
     from ppokit.lm.single_turn.workload import LMWorkload
 
     n, prompt, response = shape[3:]
@@ -155,7 +155,7 @@ def check(smoke: bool, updates: int = 3, bf16: bool | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ppokit.dist.parallel import free_port
+    from ppokit.cluster.parallel import free_port
     from ppokit.lm.model.tiny import build_tiny_model
 
     device = "cpu" if smoke else "cuda"
@@ -255,10 +255,10 @@ def against_ddp(model_dir: Path, device: str, updates: int, shape: tuple, bf16: 
     checkpoint after ``updates - 1`` updates resumed in a fresh FSDP learner (module docstring)."""
     import torch
 
+    from ppokit.cluster.fsdp import full_tensor
+    from ppokit.cluster.learner_group import LearnerRank
+    from ppokit.cluster.parallel import ProcessGroupParallel
     from ppokit.components import Batch
-    from ppokit.dist.fsdp import full_tensor
-    from ppokit.dist.learner_group import LearnerRank
-    from ppokit.dist.parallel import ProcessGroupParallel
     from ppokit.lm.single_turn.workload import LMWorkload
 
     n, prompt, response = shape[3:]

@@ -2,9 +2,9 @@
 
 1. Measured: ``--world`` gloo ranks (CPU processes) each build the full-mode learner of a
    small Llama (``ppokit.lm.single_turn.workload.LMWorkload.learner_replica`` with
-   :class:`ppokit.dist.fsdp.FSDPParallel`: actor and critic sharded per decoder layer and
+   :class:`ppokit.cluster.fsdp.FSDPParallel`: actor and critic sharded per decoder layer and
    root) and take one PPO update; each rank reads what it holds from its local shards
-   (:func:`ppokit.dist.fsdp.local_bytes`): parameters, gradients, Adam moments. One
+   (:func:`ppokit.cluster.fsdp.local_bytes`): parameters, gradients, Adam moments. One
    in-process learner (what every ddp rank holds) is measured the same way. Printed: the
    bytes per parameter each rank holds per ``1/W`` share of the model, and the ratio to
    the ddp learner.
@@ -92,7 +92,7 @@ def batch(vocab: int, n: int = 16, prompt: int = 4, response: int = 8):
 def measure(learner, vocab: int) -> dict[str, int]:
     """One update (the Adam moments exist), then the bytes of parameters, the first mini-batch's
     gradients and the optimizer state, from this process's local tensors."""
-    from ppokit.dist.fsdp import local_bytes
+    from ppokit.cluster.fsdp import local_bytes
 
     trainer = learner.trainer
     trainer.update(batch(vocab), 0)
@@ -110,7 +110,7 @@ def rank_main(rank: int, world: int, model_dir: str, port: int, out: str) -> Non
     import torch
     import torch.distributed as dist
 
-    from ppokit.dist.fsdp import FSDPParallel
+    from ppokit.cluster.fsdp import FSDPParallel
     from ppokit.lm.single_turn.workload import LMWorkload
 
     torch.set_num_threads(1)
@@ -126,7 +126,7 @@ def rank_main(rank: int, world: int, model_dir: str, port: int, out: str) -> Non
 def measured(world: int, hidden: int, layers: int) -> dict:
     import torch.multiprocessing as mp
 
-    from ppokit.dist.parallel import free_port
+    from ppokit.cluster.parallel import free_port
     from ppokit.lm.model.tiny import build_tiny_model
     from ppokit.lm.single_turn.workload import LMWorkload
     from ppokit.trainer import SingleProcess

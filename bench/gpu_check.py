@@ -16,7 +16,7 @@ from the project root fills ``.whl/``), bring ``.whl/`` along and start with::
 Steps, each in its own process (a crash or an out-of-memory error is a row of the table,
 the other steps still run), within one time budget (``--budget``, 480 s):
 
-``tests``  the test suite but its Ray tests (``tests/dist``), on a machine whose default device
+``tests``  the test suite but its Ray tests (``tests/cluster``), on a machine whose default device
            is CUDA (``run.device: auto``); in the background beside the ``7b``, ``fsdp`` and
            ``demo`` steps, whose figures are not timings (``--tests device``: only the files that
            touch a device, :data:`DEVICE_TESTS`)
@@ -453,7 +453,7 @@ def child_tests(args) -> dict:
     if args.smoke:
         files = list(SMOKE_TESTS)
     elif args.tests == "all":
-        files = ["tests", "--ignore=tests/dist"]  # (Ray's wheel is too large to bring to a GPU machine)
+        files = ["tests", "--ignore=tests/cluster"]  # (Ray's wheel is too large to bring to a GPU machine)
     else:
         files = list(DEVICE_TESTS)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="lora", help=argparse.SUPPRESS)
     parser.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--tests", choices=("all", "device"), default="all", help="the suite but tests/dist, or the device tests only"
+        "--tests", choices=("all", "device"), default="all", help="the suite but tests/cluster, or the device tests"
     )
     args = parser.parse_args(argv)
     if args.child:

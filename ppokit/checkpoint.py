@@ -13,7 +13,7 @@ numbers, strings, None, ``torch.Tensor`` and ``numpy.ndarray`` (arrays come back
 arrays). That covers ``nn.Module.state_dict()``, optimizer and LR-scheduler state and
 ``torch.Generator`` states.
 
-Sharded tensors (the Adam moments of FSDP learners, :mod:`ppokit.dist.fsdp`) are written by
+Sharded tensors (the Adam moments of FSDP learners, :mod:`ppokit.cluster.fsdp`) are written by
 the ranks themselves with ``torch.distributed.checkpoint`` into ``CKPT/learner_shards/``:
 its Hugging Face storage writes one safetensors file per rank, each chunk's offsets in the
 file's JSON header (no ``.metadata`` file, nothing pickled; :func:`save_shards`). The state

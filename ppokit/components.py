@@ -14,7 +14,7 @@ The run loop (:mod:`ppokit.loop`) drives four objects that a workload builds
     evaluator.evaluate(phase)                # Evaluator: on the loop's schedule
 
 Each protocol is small so that a source or a learner can live in another process (Ray
-workers, :mod:`ppokit.dist`): a :class:`Batch` holds tensors and plain per-sample data,
+workers, :mod:`ppokit.cluster`): a :class:`Batch` holds tensors and plain per-sample data,
 never model objects. The loop does not know which workload it runs, nor where its
 components run. A workload that scales out also gives :meth:`Workload.shard_plan`,
 :meth:`Workload.rollout_shard` and :meth:`Workload.learner_replica`: the pieces that a
@@ -126,7 +126,7 @@ class RolloutQueue:
     A queued batch is part of its source's checkpoint (:meth:`state_dict`: the first
     iteration and the batches in order), so a resumed run trains on the very batches
     the uninterrupted run does. In-process sources collect at once (sequentially);
-    :class:`ppokit.dist.rollout_workers.RemoteSource` keeps its requests in flight and
+    :class:`ppokit.cluster.rollout_workers.RemoteSource` keeps its requests in flight and
     puts them here when gathered.
     """
 
@@ -297,7 +297,7 @@ class Components:
 
 
 class ShardSource(Protocol):
-    """A rollout worker's source (:mod:`ppokit.dist.rollout_workers`): a shard of the envs
+    """A rollout worker's source (:mod:`ppokit.cluster.rollout_workers`): a shard of the envs
     (control) or generation for the prompts it is sent (lm), with its own policy copy."""
 
     def collect_shard(self, iteration: int, request: Any) -> Any:

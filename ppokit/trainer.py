@@ -37,9 +37,9 @@ Why the pieces are as they are:
   batch and applied to every actor term; in bypass mode ``old_log_prob`` is the engine's and the
   rejection rules run in each pass. The ``mismatch_*`` metrics measure the engine against the
   trainer; ``off_policy_kl`` the policy lag.
-- **Data parallel** (:mod:`ppokit.dist.learner_group`): every rank draws the same shuffle and
+- **Data parallel** (:mod:`ppokit.cluster.learner_group`): every rank draws the same shuffle and
   takes its slice of each mini-batch; the normalizer, the gradients and the metrics are
-  all-reduced, so the step is the single learner's. FSDP ranks (:mod:`ppokit.dist.fsdp`) shard
+  all-reduced, so the step is the single learner's. FSDP ranks (:mod:`ppokit.cluster.fsdp`) shard
   the policy before the optimizer is built and make equal numbers of passes (an idle pass has
   its loss times 0).
 """
@@ -77,8 +77,8 @@ MAX_METRICS = ("ratio_max", "old_log_prob_gap")
 
 
 class DataParallel(Protocol):
-    """How the update shares a mini-batch with other learners (:mod:`ppokit.dist.parallel`,
-    :mod:`ppokit.dist.fsdp`)."""
+    """How the update shares a mini-batch with other learners (:mod:`ppokit.cluster.parallel`,
+    :mod:`ppokit.cluster.fsdp`)."""
 
     world_size: int
 
@@ -122,7 +122,7 @@ class SingleProcess:
 
 class TrainablePolicy(Protocol):
     """What the update loop needs from a model (a ``torch.nn.Module`` in practice); the
-    attributes and :meth:`refresh_parameters` are what FSDP sharding needs (:mod:`ppokit.dist.fsdp`)."""
+    attributes and :meth:`refresh_parameters` are what FSDP sharding needs (:mod:`ppokit.cluster.fsdp`)."""
 
     autocast_dtype: torch.dtype | None  # the compute precision (bf16: FSDP's parameter dtype), None: float32
     compute_device: torch.device | None  # where the passes run when not the weights' device (FSDP offload)

@@ -58,13 +58,13 @@ def describe(cfg: Config) -> str:
 
 def make_workload(cfg: Config):
     """The :class:`~ppokit.components.Workload` of :func:`workload_kind`, built from ``cfg``; with
-    ``cluster.rollout_workers`` or ``cluster.learners`` > 1, on Ray (:mod:`ppokit.dist`)."""
-    from ppokit.dist import require_ray, wants_cluster
+    ``cluster.rollout_workers`` or ``cluster.learners`` > 1, on Ray (:mod:`ppokit.cluster`)."""
+    from ppokit.cluster import require_ray, wants_cluster
 
     module, name = WORKLOADS[workload_kind(cfg)]
     workload = getattr(importlib.import_module(module), name)(cfg)
     if wants_cluster(cfg):
-        from ppokit.dist.workload import DistributedWorkload
+        from ppokit.cluster.workload import DistributedWorkload
 
         require_ray(cfg)  # a one-line error naming the extra, before a run directory exists
         workload = DistributedWorkload(workload, cfg)

@@ -3,7 +3,7 @@
 With the queue full the batch trained at iteration i was sampled by the weights of version
 i - min(i, k) (``staleness`` = min(i, k)); the rollouts queued at a checkpoint are part of
 it, so a resumed run trains on the batches the uninterrupted run does. The workloads' own
-sources (in-process and on Ray workers) are tested in tests/dist/test_dist_pipelining.py.
+sources (in-process and on Ray workers) are tested in tests/cluster/test_cluster_pipelining.py.
 """
 
 from __future__ import annotations

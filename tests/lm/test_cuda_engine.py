@@ -321,7 +321,7 @@ def test_lora_refresh_refolds_the_adapter_from_its_state_dict(model_dir, targets
 
     assert mismatch() > 1e-2  # stale weights: the test can fail
     state = get_peft_model_state_dict(policy.lm, adapter_name="actor")
-    if bucketed:  # one tensor per bucket (ppokit.dist.weights): each module's A and B come apart
+    if bucketed:  # one tensor per bucket (ppokit.cluster.weights): each module's A and B come apart
         for name, tensor in state.items():
             engine.load_weights({name: tensor})
         assert not engine.weights.pending_halves

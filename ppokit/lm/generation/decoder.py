@@ -274,7 +274,7 @@ class DecoderWeights:
     def load_adapter(self, state: dict[str, Tensor]) -> None:
         """Refold the adapted layers from an adapter state dict (``get_peft_model_state_dict``
         keys: ``<module>.lora_A.weight``, ``<module>.lora_B.weight``), whole or one bucket of
-        it (:mod:`ppokit.dist.weights`): a module is refolded once both its halves have come.
+        it (:mod:`ppokit.cluster.weights`): a module is refolded once both its halves have come.
         Other keys are frozen weights peft adds when the LM head is adapted (its base layer):
         unchanged, not read."""
         unknown = [k for k in state if ".lora_" in k and _adapter_module(k) not in self.adapters]

@@ -247,7 +247,7 @@ class HFEngine(PromptFrontEnd):
         """``learner.rollout_weights()`` into the model generated with: the actor adapter's weights
         (lora) or the actor model's (full), all of them or one bucket."""
         if self.policy is not None:
-            self.policy.load_actor_weights(weights)  # whole, or one bucket (ppokit.dist.weights)
+            self.policy.load_actor_weights(weights)  # whole, or one bucket (ppokit.cluster.weights)
         else:
             self.model.load_state_dict(weights)
 

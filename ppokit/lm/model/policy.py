@@ -70,7 +70,7 @@ ACTOR, CRITIC = "actor", "critic"
 class ValueHead(nn.Module):
     """``V(s) = w . h + b`` on the critic's last hidden state, always in float32 (zero-initialised)."""
 
-    keeps_float32 = True  # FSDP mixed precision leaves its weights in float32 (ppokit.dist.fsdp)
+    keeps_float32 = True  # FSDP mixed precision leaves its weights in float32 (ppokit.cluster.fsdp)
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -148,7 +148,7 @@ class LMPolicy(nn.Module):
     # ------------------------------------------------------------------ structure
     def refresh_parameters(self) -> None:
         """lora: find each adapter's LoRA parameters (again, after FSDP replaced every parameter
-        by its shard: :mod:`ppokit.dist.fsdp`)."""
+        by its shard: :mod:`ppokit.cluster.fsdp`)."""
         if self.mode != "lora":
             return
         for name in self.adapter_names:

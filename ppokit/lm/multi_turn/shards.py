@@ -16,7 +16,7 @@ from; the workers play the episodes::
 So the environment failures, the pool's results and its RNG, the role baselines and the
 checkpoint state are the in-process source's (a checkpoint resumes in any layout), and with
 one worker the batch is the in-process batch bit for bit (the driver's RNG travels with the
-request, :mod:`ppokit.dist.rollout_workers`). With N workers each shard's generation runs
+request, :mod:`ppokit.cluster.rollout_workers`). With N workers each shard's generation runs
 under RNGs seeded from (seed, iteration, shard): runs are reproducible, but the sampled
 replies differ from the in-process run's (generation is batched per worker).
 

@@ -220,7 +220,7 @@ class MultiTurnWorkload:
             horizon=cfg.textenv.max_episode_tokens,
         )
 
-    # ------------------------------------------------------------------ Ray workers (ppokit.dist)
+    # ------------------------------------------------------------------ Ray workers (ppokit.cluster)
     def shard_plan(self, components: Components, num_shards: int) -> MultiTurnShardPlan:
         return MultiTurnShardPlan(components.source, num_shards)
 

@@ -3,7 +3,7 @@
 :class:`LMSource` draws the iteration's prompts, generates ``group_size`` responses to each
 (:mod:`ppokit.lm.generation`) and scores them with the sequence rewards
 (:mod:`ppokit.lm.rewards.sequence`) into a :class:`~ppokit.components.Batch`. With rollout
-workers (:mod:`ppokit.dist`) the generation runs there in shards (:meth:`LMSource.collect_shard`)
+workers (:mod:`ppokit.cluster`) the generation runs there in shards (:meth:`LMSource.collect_shard`)
 and :class:`LMShardPlan` merges the parts on the driver, which scores them.
 """
 
@@ -235,7 +235,7 @@ class LMShardPlan:
 
     def merge(self, iteration: int, parts: list[RolloutPart], states: list[dict[str, Any]]) -> Batch | None:
         """The iteration's batch; None (``rollout.dynamic_sampling``) when it needs another
-        generation batch: :class:`~ppokit.dist.rollout_workers.RemoteSource` asks for new requests."""
+        generation batch: :class:`~ppokit.cluster.rollout_workers.RemoteSource` asks for new requests."""
         part = parts[0] if len(parts) == 1 else concat_parts(parts, self.source.engine.pad_id)
         batch = self.source.finish(iteration, part)
         if batch is None:

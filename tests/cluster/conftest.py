@@ -1,7 +1,7 @@
 """One local Ray (2 CPUs, no dashboard) for all the scale-out tests of a session.
 
 Starting Ray costs seconds, so the session shares one instance; runs in these tests
-find it initialised and join it (:class:`ppokit.dist.cluster.Cluster` then leaves it
+find it initialised and join it (:class:`ppokit.cluster.ray_cluster.Cluster` then leaves it
 running and removes only its own actors and placement group). The fixture shuts it
 down at the end of the session, and checks that no run left an actor or a placement
 group behind.

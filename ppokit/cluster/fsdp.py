@@ -14,7 +14,7 @@ gradients are reduce-scattered together:
 
 Each rank then holds the ``1/W`` slice (rows, dim 0) of every parameter as a ``DTensor``,
 its gradient and its Adam moments: parameter, gradient and optimizer memory per rank
-falls as ``1/W`` (measured by :func:`local_bytes`; ``tests/dist/test_dist_fsdp.py``).
+falls as ``1/W`` (measured by :func:`local_bytes`; ``tests/cluster/test_cluster_fsdp.py``).
 In lora mode the frozen backbone is sharded the same way and only the adapters and the
 value head are trained.
 
@@ -63,7 +63,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ppokit.dist.parallel import ProcessGroupParallel
+from ppokit.cluster.parallel import ProcessGroupParallel
 
 __all__ = ["FSDPParallel", "full_tensor", "local_bytes", "local_layout", "shard_policy"]
 

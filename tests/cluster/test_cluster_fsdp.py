@@ -1,7 +1,7 @@
 """FSDP learners (``cluster.sharding=fsdp``): two gloo ranks holding half of the policy each take
 the single learner's step, and hold about half of its memory.
 
-The same LM batch and shuffle as ``test_dist_learners.py``: ``train.mini_batch_size=8`` split
+The same LM batch and shuffle as ``test_cluster_learners.py``: ``train.mini_batch_size=8`` split
 4 + 4 over two Ray ranks, each in micro-batches of 2 (or by a token budget, which gives the
 ranks different numbers of micro-batches). The gradient of the first optimizer step,
 gathered from the shards, must equal one learner's to 1e-6 for every ``loss_agg_mode``, in
@@ -13,11 +13,11 @@ must be at most 0.55x what a replicating (ddp) learner holds.
 from __future__ import annotations
 
 import pytest
-from dist_helpers import arith_cfg
-from test_dist_learners import AGG_MODES, random_lm_batch
+from cluster_helpers import arith_cfg
+from test_cluster_learners import AGG_MODES, random_lm_batch
 
+from ppokit.cluster.fsdp import local_bytes
 from ppokit.components import Batch
-from ppokit.dist.fsdp import local_bytes
 from ppokit.lm.single_turn.workload import LMWorkload
 from ppokit.trainer import SingleProcess
 
@@ -51,8 +51,8 @@ def workload(model_dir, reward, mode: str, agg: str, budget: int | None) -> LMWo
 @pytest.fixture(scope="module")
 def fsdp_group(ray_cluster, tiny_model_dir, digits_reward):
     """Two FSDP learner ranks on the session's Ray, rebuilt per case; closed at the end."""
-    from ppokit.dist.cluster import Cluster
-    from ppokit.dist.learner_group import LearnerGroup
+    from ppokit.cluster.learner_group import LearnerGroup
+    from ppokit.cluster.ray_cluster import Cluster
 
     first = workload(tiny_model_dir, digits_reward, *CASES[0])
     cluster = Cluster(first.cfg, rollout_workers=0, learners=2)

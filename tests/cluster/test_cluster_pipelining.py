@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from dist_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
+from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
 
 from ppokit.config import load_config
 from ppokit.control.networks import ActorCritic

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dist_helpers import arith_cfg, cartpole_cfg, run
+from cluster_helpers import arith_cfg, cartpole_cfg, run
 
 from ppokit.lm.single_turn.workload import LMWorkload
 from ppokit.rundir import periodic_checkpoint_path
@@ -49,8 +49,8 @@ def test_two_learners_take_the_single_learner_gradient(cluster_clean, tiny_model
     """For each aggregation mode, a replica of that config on the same two ranks (one group)."""
     from transformers import AutoConfig
 
-    from ppokit.dist.cluster import Cluster
-    from ppokit.dist.learner_group import LearnerGroup
+    from ppokit.cluster.learner_group import LearnerGroup
+    from ppokit.cluster.ray_cluster import Cluster
 
     vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
     batch = random_lm_batch(16, 3, 5, vocab)

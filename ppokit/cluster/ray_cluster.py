@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ppokit.dist import require_ray
+from ppokit.cluster import require_ray
 from ppokit.errors import UserError
 
 # Ray starts worker processes at niceness 15 (below the driver and Ray's own daemons). The

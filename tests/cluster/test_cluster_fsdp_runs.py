@@ -17,9 +17,9 @@ import signal
 
 import numpy as np
 import pytest
-from dist_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
+from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
 from resume_helpers import assert_same_state, start_and_wait, train_cmd
-from test_dist_learners import close_rows
+from test_cluster_learners import close_rows
 
 from ppokit.checkpoint import SHARDS_DIR, load_checkpoint
 from ppokit.rundir import latest_checkpoint, periodic_checkpoint_path, read_metrics

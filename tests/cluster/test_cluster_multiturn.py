@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from dist_helpers import DIST_ONLY, assert_rows_equal, kill_first_worker_after, run
+from cluster_helpers import DIST_ONLY, assert_rows_equal, kill_first_worker_after, run
 
 from ppokit.config import build_config, parse_overrides
 

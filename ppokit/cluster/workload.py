@@ -4,8 +4,8 @@
 reserves its resources (an impossible placement fails before anything heavy), builds the
 usual in-process components (same seeds, same order: a fresh run and a resume build the
 same way), then replaces the source with a
-:class:`~ppokit.dist.rollout_workers.RemoteSource` (``cluster.rollout_workers`` >= 1)
-and the learner with a :class:`~ppokit.dist.learner_group.LearnerGroup`
+:class:`~ppokit.cluster.rollout_workers.RemoteSource` (``cluster.rollout_workers`` >= 1)
+and the learner with a :class:`~ppokit.cluster.learner_group.LearnerGroup`
 (``cluster.learners`` > 1). The actors get a copy of the built workload and build
 their parts with :meth:`Workload.rollout_shard` / :meth:`Workload.learner_replica`.
 The run loop sees the same protocols as in-process; checkpoints keep the in-process
@@ -17,11 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ppokit.cluster.learner_group import LearnerGroup
+from ppokit.cluster.ray_cluster import Cluster
+from ppokit.cluster.rollout_workers import RemoteSource, RolloutWorker
 from ppokit.components import Components
 from ppokit.config import Config
-from ppokit.dist.cluster import Cluster
-from ppokit.dist.learner_group import LearnerGroup
-from ppokit.dist.rollout_workers import RemoteSource, RolloutWorker
 
 
 class DistributedWorkload:

@@ -19,7 +19,7 @@ RNG
 Weights
     :meth:`RemoteSource.sync_weights` puts ``learner.rollout_weights()`` (lora: the
     actor adapter only) into the object store once, in buckets of at most
-    ``cluster.sync_bucket_mb`` MiB in layer order (:mod:`ppokit.dist.weights`), and every
+    ``cluster.sync_bucket_mb`` MiB in layer order (:mod:`ppokit.cluster.weights`), and every
     worker fetches and loads them one at a time; the metrics ``sync_bytes``,
     ``sync_bucket_peak`` (the largest bucket) and ``sync_time`` (put, plus the workers'
     load when the run is synchronous) are logged per iteration. A plan with a
@@ -56,9 +56,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ppokit.cluster import ray_get, require_ray
+from ppokit.cluster.weights import MIB, buckets, nbytes
 from ppokit.components import Batch, RolloutQueue
-from ppokit.dist import ray_get, require_ray
-from ppokit.dist.weights import MIB, buckets, nbytes
 from ppokit.errors import UserError
 from ppokit.resume import DRAW_STREAM, capture_rng, restore_rng, rollout_rngs
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import torch
-from dist_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, run
+from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, run
 
 from ppokit.algo.dynamic_sampling import groups_with_variance
 from ppokit.lm.single_turn import source as source_mod

@@ -10,17 +10,17 @@ and all-reduces the normaliser (:mod:`ppokit.trainer`), so all ranks take the sa
 
 ddp
     Every rank holds the whole policy, its gradients and Adam moments
-    (:class:`~ppokit.dist.parallel.ProcessGroupParallel`: one all-reduce of the summed
+    (:class:`~ppokit.cluster.parallel.ProcessGroupParallel`: one all-reduce of the summed
     gradients per step).
 fsdp
-    The policy is sharded over the ranks with FSDP2 (:mod:`ppokit.dist.fsdp`): each holds
+    The policy is sharded over the ranks with FSDP2 (:mod:`ppokit.cluster.fsdp`): each holds
     ``1/M`` of every parameter, gradient and Adam moment. With ``cluster.learners: 1`` it
     is a group of one rank (CPU offload of a model too large for one device's memory).
 
 :class:`LearnerGroup` is the run loop's :class:`~ppokit.components.Learner`. The driver
 keeps its own replica (the workload's local learner: weights, no gradients or
 optimizer moments) for scoring, evaluation and the rollout's weights. After each update
-it copies the trained weights into it bucket by bucket (:mod:`ppokit.dist.weights`):
+it copies the trained weights into it bucket by bucket (:mod:`ppokit.cluster.weights`):
 with fsdp the ranks all-gather one bucket's parameters at a time, and the driver loads
 it before asking for the next, so no process holds a second whole copy of the model.
 The same buckets carry the driver's weights to the ranks at the start and on resume.
@@ -46,11 +46,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ppokit.checkpoint import SHARDED, SHARDS_DIR, is_sharded_marker, load_shards, save_shards, sharded_marker
+from ppokit.cluster import ray_get, require_ray
+from ppokit.cluster.fsdp import FSDPParallel, full_tensor, local_bytes, local_layout
+from ppokit.cluster.parallel import free_port, init_process_group
+from ppokit.cluster.weights import MIB, bucket_plan, nbytes
 from ppokit.components import Batch
-from ppokit.dist import ray_get, require_ray
-from ppokit.dist.fsdp import FSDPParallel, full_tensor, local_bytes, local_layout
-from ppokit.dist.parallel import free_port, init_process_group
-from ppokit.dist.weights import MIB, bucket_plan, nbytes
 
 # the per-parameter optimizer state of a learner's state dict: "trainer.optimizer.state.<index>.<slot>"
 OPTIMIZER_SLOT = re.compile(r"(?:^|\.)optimizer\.state\.(\d+)\.[^.]+$")

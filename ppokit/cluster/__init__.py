@@ -14,16 +14,16 @@ are the run's usual components (:mod:`ppokit.components`) in other processes::
              │      rank 0's weights -> driver       gradient all-reduce (gloo / nccl)
              └─ RemoteSource.sync_weights ──────> set_weights(learner.rollout_weights())
 
-- :mod:`ppokit.dist.cluster`: Ray start or join, the placement group with a bounded
+- :mod:`ppokit.cluster.ray_cluster`: Ray start or join, the placement group with a bounded
   wait, shutting everything down.
-- :mod:`ppokit.dist.rollout_workers`: :class:`RemoteSource` (a RolloutSource) and the
+- :mod:`ppokit.cluster.rollout_workers`: :class:`RemoteSource` (a RolloutSource) and the
   worker actor; fixed shard order, one-step-off pipelining, restart of a dead worker.
-- :mod:`ppokit.dist.learner_group`: :class:`LearnerGroup` (a Learner) and the rank actor.
-- :mod:`ppokit.dist.parallel`: the torch.distributed side of the trainer (no Ray).
-- :mod:`ppokit.dist.fsdp`: FSDP2 learners (``cluster.sharding: fsdp``): the policy sharded per
+- :mod:`ppokit.cluster.learner_group`: :class:`LearnerGroup` (a Learner) and the rank actor.
+- :mod:`ppokit.cluster.parallel`: the torch.distributed side of the trainer (no Ray).
+- :mod:`ppokit.cluster.fsdp`: FSDP2 learners (``cluster.sharding: fsdp``): the policy sharded per
   decoder layer and root, sum-reduced gradients, local shard sizes.
-- :mod:`ppokit.dist.weights`: weights in bounded buckets (``cluster.sync_bucket_mb``), layer order.
-- :mod:`ppokit.dist.workload`: :class:`DistributedWorkload`, a workload that builds the
+- :mod:`ppokit.cluster.weights`: weights in bounded buckets (``cluster.sync_bucket_mb``), layer order.
+- :mod:`ppokit.cluster.workload`: :class:`DistributedWorkload`, a workload that builds the
   local components and moves the source and/or the learner onto the cluster.
 
 Ray is imported only here and only when a run asks for workers: ``ppokit --help``,

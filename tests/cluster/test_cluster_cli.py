@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
+from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
 from resume_helpers import TEST_TAG, start_and_wait, subprocess_env, train_cmd
 
 from ppokit.rundir import read_metrics

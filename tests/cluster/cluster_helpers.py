@@ -83,7 +83,7 @@ def kill_first_worker_after(
 ) -> tuple[threading.Thread, list]:
     """Record the run's RemoteSource and SIGKILL its first rollout worker's process once ``run_dir``'s
     metrics.jsonl has ``rows`` rows (or after ``timeout`` seconds): the started thread and the killed pids."""
-    from ppokit.dist import rollout_workers
+    from ppokit.cluster import rollout_workers
 
     sources = []
     real_init = rollout_workers.RemoteSource.__init__

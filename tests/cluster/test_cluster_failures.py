@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from dist_helpers import DIST_ONLY, assert_rows_equal, cartpole_cfg, kill_first_worker_after, run
+from cluster_helpers import DIST_ONLY, assert_rows_equal, cartpole_cfg, kill_first_worker_after, run
 
 from ppokit.errors import UserError
 
@@ -33,8 +33,8 @@ def test_killed_worker_is_replaced_and_changes_nothing(tmp_path, cluster_clean, 
 def test_a_worker_that_dies_on_every_try_stops_the_run(cluster_clean, monkeypatch):
     """A part whose worker process dies each time (a crash the part causes) is tried
     MAX_RESTARTS more times on new workers, then a one-line error, not an endless loop."""
-    from ppokit.dist import rollout_workers
-    from ppokit.dist.rollout_workers import RemoteSource
+    from ppokit.cluster import rollout_workers
+    from ppokit.cluster.rollout_workers import RemoteSource
 
     MAX_RESTARTS = 1  # each try starts a worker process: keep the test short
     monkeypatch.setattr(rollout_workers, "MAX_RESTARTS", MAX_RESTARTS)
@@ -77,7 +77,7 @@ def test_a_worker_that_dies_on_every_try_stops_the_run(cluster_clean, monkeypatc
 def test_actors_run_at_the_drivers_priority(cluster_clean):
     """Ray's default niceness for worker processes (15) would starve the rollout workers on a
     CPU shared with the driver; the run's actors get niceness 0."""
-    from ppokit.dist.cluster import Cluster
+    from ppokit.cluster.ray_cluster import Cluster
 
     class Probe:  # defined here: Ray ships it by value
         def niceness(self):
@@ -113,7 +113,7 @@ def test_errors_for_people_raised_in_an_actor_come_out_as_themselves(cluster_cle
     traceback; any other exception keeps Ray's wrapper (a bug's traceback)."""
     from ray.exceptions import RayTaskError
 
-    from ppokit.dist import ray_get
+    from ppokit.cluster import ray_get
     from ppokit.errors import TrainingDiverged
 
     class Failing:  # defined here: Ray ships it by value (the test module is not importable there)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from dist_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
+from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
 
 
 def samples(run_dir):
