@@ -14,6 +14,8 @@ Sub-packages, grouped by concern:
 
 Modules shared by both workloads:
 
+- :mod:`.inputs`       a run's training prompts, held-out prompts and reward function (above
+  :mod:`.data` and :mod:`.rewards`: it reads both)
 - :mod:`.base_model`   the backbone a run trains: model.path, the tiny model, or a warm start
 - :mod:`.sft`          the supervised warm start (SFT before RL)
 - :mod:`.scoring`      old and reference log-probs, values and token rewards of a rollout

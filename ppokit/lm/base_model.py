@@ -18,9 +18,9 @@ from pathlib import Path
 from ppokit.config import Config
 from ppokit.errors import UserError
 from ppokit.lm.data.chat import render_records
-from ppokit.lm.data.inputs import chat_render
 from ppokit.lm.data.records import count_tokens_with
 from ppokit.lm.data.sources import load_prompts
+from ppokit.lm.inputs import chat_render
 from ppokit.lm.model.device import run_device
 from ppokit.lm.model.gguf import converted_directory, is_gguf
 from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer, build_tiny_model

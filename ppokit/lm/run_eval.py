@@ -23,11 +23,11 @@ import torch
 from ppokit.algo.evaluation import mean_pass_at_k
 from ppokit.errors import UserError
 from ppokit.lm.data.chat import chat_renderer, render_records
-from ppokit.lm.data.inputs import load_data
 from ppokit.lm.data.sources import is_file_source, load_prompts
 from ppokit.lm.data.tasks import get_task
 from ppokit.lm.evaluate import score_texts
 from ppokit.lm.generation.loading import load_generator
+from ppokit.lm.inputs import load_data
 from ppokit.lm.rewards.functions import BUILTIN_REWARDS
 from ppokit.lm.rewards.pool import make_reward_scorer
 from ppokit.rundir import RunDir

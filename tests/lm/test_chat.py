@@ -67,7 +67,7 @@ def test_malformed_messages_are_named(tmp_path, prompt, problem):
 
 
 def test_a_model_without_a_chat_template_is_a_clear_error(tiny_dir):
-    from ppokit.lm.data.inputs import load_data
+    from ppokit.lm.inputs import load_data
 
     cfg = build_config(
         [
@@ -162,7 +162,7 @@ def test_the_warm_start_trains_on_rendered_prompts(chat_dir, tmp_path, monkeypat
     )
     seen = {}
 
-    def fake_sft(model_dir, out_dir, examples, eval_set, **kwargs):
+    def fake_sft(model_dir, out_dir, examples, eval_set, settings, **kwargs):
         seen["examples"] = examples
         raise KeyboardInterrupt  # stop here: only the examples are checked
 

@@ -214,7 +214,7 @@ def test_an_incomplete_base_model_is_built_again(config, tmp_path):
     the next start deletes it and warm-starts again (the same model: SFT is seeded)."""
     from ppokit.config import load_config
     from ppokit.lm.base_model import BASE_MODEL_MARKER, prepare_model
-    from ppokit.lm.data.inputs import load_data
+    from ppokit.lm.inputs import load_data
 
     cfg = load_config(str(config))
     _, eval_items, reward_fn = load_data(cfg)

@@ -22,10 +22,10 @@ from ppokit.cli import main  # noqa: E402
 from ppokit.config import load_config  # noqa: E402
 from ppokit.errors import UserError  # noqa: E402
 from ppokit.lm.data import reasoning_gym as rgt  # noqa: E402
-from ppokit.lm.data.inputs import load_data  # noqa: E402
 from ppokit.lm.data.sources import is_file_source, load_prompts  # noqa: E402
 from ppokit.lm.data.tasks import get_task  # noqa: E402
 from ppokit.lm.evaluate import score_texts  # noqa: E402
+from ppokit.lm.inputs import load_data  # noqa: E402
 from ppokit.lm.rewards.functions import load_reward_fn, reward_fields  # noqa: E402
 from ppokit.lm.single_turn.workload import reward_scorer  # noqa: E402
 

@@ -1,6 +1,5 @@
 """Prompt data of a language-model run: records, formats, chat templates, built-in tasks.
 
-- :mod:`.inputs`     a run's training prompts, held-out prompts and reward function
 - :mod:`.sources`    a built-in task or the user's file, and the resumable prompt iterator
 - :mod:`.records`    JSONL, Parquet and ``datasets`` directories, checked record by record
 - :mod:`.chat`       prompts rendered with the tokenizer's chat template

@@ -20,7 +20,7 @@ from ppokit.envs.sft import demonstration_records
 from ppokit.errors import UserError
 from ppokit.lm.base_model import BASE_MODEL_DIR, BASE_MODEL_MARKER, prepare_model, progress
 from ppokit.lm.data.chat import render_records
-from ppokit.lm.data.inputs import chat_render
+from ppokit.lm.inputs import chat_render
 
 SFT_EVAL_RECORDS = 256
 SFT_EVAL_SEED = 10**12  # held-out demonstration episodes: seeds far from the training ones

@@ -39,11 +39,11 @@ from ppokit.components import Components
 from ppokit.config import Config
 from ppokit.errors import UserError
 from ppokit.lm.base_model import prepare_model, progress
-from ppokit.lm.data.inputs import load_data
 from ppokit.lm.data.records import count_tokens_with, drop_long_prompts
 from ppokit.lm.data.sources import PromptIterator
 from ppokit.lm.generation.engine import check_prompts_fit
 from ppokit.lm.generation.factory import make_engine
+from ppokit.lm.inputs import load_data
 from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
