@@ -41,14 +41,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     """Parse ``argv``; KEY=VALUE overrides may also come after options (``train cartpole --name x seed=3``)."""
     args, extra = parser.parse_known_args(argv)
     swallowed = []  # `train CONFIG --resume seed=3`: --resume took the override as its RUN_DIR
-    resume = getattr(args, "resume", None)
-    if isinstance(resume, str) and "=" in resume and not os.path.exists(resume):
-        swallowed, args.resume = [resume], True
-    if hasattr(args, "overrides"):
+    if isinstance(args.resume, str) and "=" in args.resume and not os.path.exists(args.resume):
+        swallowed, args.resume = [args.resume], True
+    if args.overrides is not None:  # a command that takes KEY=VALUE overrides
         args.overrides = args.overrides + swallowed + [arg for arg in extra if not arg.startswith("-")]
         extra = [arg for arg in extra if arg.startswith("-")]
     if extra:
-        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 
@@ -60,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.set_defaults(run=None)
+    # what every command's arguments carry; a command's own parser sets those it has
+    parser.set_defaults(run=None, command_parser=parser, resume=None, overrides=None)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(subparsers)
