@@ -603,7 +603,7 @@ class RolloutConfig(Section):
     )
     off_policy_steps: int = field(
         0,
-        "every workload (multi-turn: in the training process only): 0 = each iteration's rollout uses the "
+        "every workload, in process or on rollout workers: 0 = each iteration's rollout uses the "
         "newest weights; k = up to k rollouts are collected ahead, while the updates run (iteration i trains "
         "on the weights of version i - min(i, k); their log-probs are old_log_prob; the queued rollouts are "
         "checkpointed)",
@@ -1168,12 +1168,6 @@ def _check_textenv(cfg: Config) -> None:
         raise ValueError(
             "textenv.pool.snapshot_every: past opponents are LoRA actor adapters; set "
             "model.mode=lora, or textenv.pool.snapshot_every=0"
-        )
-    if cfg.rollout.off_policy_steps and c.rollout_workers:
-        raise ValueError(
-            f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: multi-turn episodes (textenv) are "
-            "played ahead in the training process only; set cluster.rollout_workers=0 or "
-            "rollout.off_policy_steps=0"
         )
     if c.rollout_workers > 1 and t.batch_size % c.rollout_workers:
         raise ValueError(

@@ -33,7 +33,11 @@ Pipelining (``rollout.off_policy_steps`` = k >= 1)
     weights of update i-1 were sent before it and those of update i are sent after it,
     so the workers generate i+k with version i while the driver scores and updates on
     i, and the batch of iteration j is always sampled by version j - min(j, k)
-    (:class:`~ppokit.components.RolloutQueue`). A checkpoint waits for every rollout in
+    (:class:`~ppokit.components.RolloutQueue`). The behaviour log-probs that become the
+    batch's ``old_log_prob`` are taken on the worker right after the rollout, with the
+    weights that sampled it (single-turn: ``RolloutPart.old_log_prob``; multi-turn: each
+    turn's ``TurnData.behaviour_log_probs``), so the driver never takes them from newer
+    weights. A checkpoint waits for every rollout in
     flight and stores their batches in order (``pending``) with the shards' states after
     the last: a resume continues exactly. The weight buckets of every version an
     in-flight request was sent after stay in the object store (a restarted worker needs

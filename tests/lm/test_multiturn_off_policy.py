@@ -13,6 +13,8 @@ from resume_helpers import LM_TIMING_KEYS, assert_same_metrics, copy_without_fin
 from test_multiturn_source import build, mt_config
 
 from ppokit.checkpoint import load_checkpoint
+from ppokit.lm.multi_turn.shards import MultiTurnShard, MultiTurnShardPlan
+from ppokit.resume import rollout_rngs
 from ppokit.workloads import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like .optimizer.step:UserWarning")
@@ -75,3 +77,36 @@ def test_a_multi_turn_run_k_steps_off_resumes_exactly(finished, tiny_dir, tmp_pa
     rows = read_rows(finished)
     timing = {k for k in LM_TIMING_KEYS | {"time_behaviour_log_prob", "time_env"} if k in rows[0]} | {"wall_time"}
     assert_same_metrics(read_rows(run), rows, ITERATIONS, timing)
+
+
+@pytest.mark.parametrize(
+    "textenv",
+    [
+        {},  # state mode: a row per turn
+        {"kwargs": {"observation_mode": "message"}},  # a row per trajectory, observations between the turns
+        {"env": "tictactoe", "kwargs": {"opponent": "self"}, "max_turns": 9},  # both seats trained
+    ],
+)
+def test_a_workers_turns_carry_the_behaviour_log_probs_of_the_weights_that_played_them(tiny_dir, tmp_path, textenv):
+    """What a Ray worker does (``MultiTurnShard.collect_shard``), here in one process over two shares of
+    the episodes: each turn gets its action tokens' log-probs under the weights that played it right
+    after the play, and the driver's batch of the merged shares carries them as ``old_log_prob``
+    (rows aligned, 0 off the action tokens), so the scorer runs no actor pass with newer weights."""
+    cfg = off_policy_config(tiny_dir, tmp_path, textenv=textenv)
+    c = build(cfg, tmp_path)
+    shard = MultiTurnShard(
+        c.source.player, c.learner.policy, cfg=cfg, mode=c.source.mode, pad_id=c.source.pad_id, device="cpu"
+    )
+    plan = MultiTurnShardPlan(c.source, 2)
+    with rollout_rngs(cfg.seed, 0):
+        parts = [shard.collect_shard(0, request) for request in plan.requests(0)]
+    assert all(turn.behaviour_log_probs is not None for p in parts for t in p[0].trajectories for turn in t.turns)
+    batch = plan.merge(0, parts, [{}, {}])
+    t = batch.tensors
+    assert "time_behaviour_log_prob" in batch.metrics and t["old_log_prob"].shape == t["mask"].shape
+    with torch.no_grad():
+        want = c.learner.policy.log_probs(
+            {k: t[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
+        )
+    torch.testing.assert_close(t["old_log_prob"], want["log_prob"].float() * t["mask"])
+    assert (t["old_log_prob"][t["mask"] == 0] == 0).all() and (t["old_log_prob"][t["mask"] == 1] < 0).all()

@@ -81,6 +81,9 @@ class TurnData:
     action_text: str = ""
     # the engine's behaviour log-prob of each action token (len(action_ids)); None when it gave none
     action_log_probs: list[float] | None = None
+    # rollout.off_policy_steps on a Ray worker: the scorer's log-prob of each action token under the
+    # weights that played it (len(action_ids)), taken there right after the play; the batch's old_log_prob
+    behaviour_log_probs: list[float] | None = None
 
 
 @dataclass

@@ -20,6 +20,19 @@ request, :mod:`ppokit.cluster.rollout_workers`). With N workers each shard's gen
 under RNGs seeded from (seed, iteration, shard): runs are reproducible, but the sampled
 replies differ from the in-process run's (generation is batched per worker).
 
+k-step-off pipelining (``rollout.off_policy_steps: k``): the requests of iteration i + k go
+out after iteration i is collected and before the weights of update i (Ray runs a worker's calls
+in order), so the worker plays them with version i; right after the play it takes each turn's
+behaviour log-probs with those weights in the scorer's numerics
+(:func:`~ppokit.lm.multi_turn.turn_batch.attach_behaviour_log_probs` over its own rows), and the
+driver's :func:`~ppokit.lm.multi_turn.turn_batch.trajectory_tensors` of the merged turns gives them
+as ``old_log_prob`` (the scorer runs no actor pass). The seeds, the seat plans and the pool's
+opponents of i + k are drawn when its requests go out, where the in-process source plays it
+(``selfplay/pool_size`` is the pool's size then); the driver's finishing (failures, role
+baselines, the pool's results) runs in iteration order when the batch is gathered, or when a
+checkpoint gathers the rollouts in flight. With one worker the run equals the pipelined
+in-process run (both seed iteration i's rollout from (seed, i, 0)).
+
 The pool's snapshots are LoRA actor adapters taken on the driver (its policy replica is
 the learner's weights after each update, :meth:`MultiTurnShardPlan.sync_weights`); a worker
 copies the ones its episodes play into its own opponent slot
@@ -28,12 +41,14 @@ copies the ones its episodes play into its own opponent slot
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ppokit.components import Batch
 from ppokit.lm.multi_turn.episodes import TRUNCATION_REASONS, PlayResult
 from ppokit.lm.multi_turn.source import MultiTurnSource, seat_actors_of
+from ppokit.lm.multi_turn.turn_batch import attach_behaviour_log_probs
 
 __all__ = ["EpisodeRequest", "MultiTurnShard", "MultiTurnShardPlan", "merge_results"]
 
@@ -80,12 +95,20 @@ class MultiTurnShardPlan:
                 self.snapshot_refs[i] = ray.put(self.source.opponents.tensors[i])
         return dict(self.snapshot_refs)
 
-    def merge(self, iteration: int, parts: list[tuple[PlayResult, float]], states: list[dict]) -> Batch:
-        results = [result for result, _ in parts]
+    def merge(self, iteration: int, parts: list[tuple[PlayResult, float, float | None]], states: list[dict]) -> Batch:
+        """The batch of the parts in episode order; with the behaviour log-probs the workers took
+        (``rollout.off_policy_steps``), its ``old_log_prob``."""
+        results = [part[0] for part in parts]
         if self.source.opponents is not None:  # the workers' time copying snapshots into their slots
-            self.source.opponents.load_seconds += sum(seconds for _, seconds in parts)
+            self.source.opponents.load_seconds += sum(part[1] for part in parts)
         k = self.source.cfg.train.batch_size // self.num_shards
-        return self.source.finish(iteration, merge_results(results, [s * k for s in range(self.num_shards)]))
+        batch = self.source.finish(iteration, merge_results(results, [s * k for s in range(self.num_shards)]))
+        behaviour_times = [part[2] for part in parts if part[2] is not None]
+        if behaviour_times:
+            if "old_log_prob" not in batch.tensors:  # the scorer would take them from newer weights
+                raise RuntimeError(f"iteration {iteration}: a worker's episodes came without behaviour log-probs")
+            batch.metrics["time_behaviour_log_prob"] = max(behaviour_times)
+        return batch
 
     def sync_weights(self, learner) -> None:
         """The driver's source counts the update (and takes the pool's snapshots from its replica)."""
@@ -123,20 +146,40 @@ def merge_results(results: list[PlayResult], firsts: list[int]) -> PlayResult:
 
 class MultiTurnShard:
     """A worker's source (a :class:`~ppokit.components.ShardSource`): envs for its share of the
-    episodes, the actor (lora: with the opponent slot) and the player."""
+    episodes, the actor (lora: with the opponent slot) and the player. With
+    ``rollout.off_policy_steps`` (and not ``algo.rollout_correction_bypass``) it also takes each
+    turn's behaviour log-probs (:func:`~ppokit.lm.multi_turn.turn_batch.attach_behaviour_log_probs`)
+    right after the play, with the weights that played it, in rows of ``mode`` padded with ``pad_id``
+    on ``device``."""
 
-    def __init__(self, player, policy, opponents=None):
+    def __init__(self, player, policy, opponents=None, *, cfg=None, mode: str = "state", pad_id: int = 0, device="cpu"):
         self.player, self.policy, self.opponents = player, policy, opponents
+        self.mode, self.pad_id, self.device = mode, pad_id, device
+        ahead = cfg is not None and cfg.rollout.off_policy_steps and not cfg.algo.rollout_correction_bypass
+        self.behaviour_chunk = cfg.infer_micro_batch_size if ahead else 0  # 0: the driver's scorer computes them
 
-    def collect_shard(self, iteration: int, request: EpisodeRequest) -> tuple[PlayResult, float]:
-        """(the played episodes, seconds spent copying snapshots into the opponent slot)."""
+    def collect_shard(self, iteration: int, request: EpisodeRequest) -> tuple[PlayResult, float, float | None]:
+        """(the played episodes, seconds spent copying snapshots into the opponent slot, seconds
+        spent on the behaviour log-probs or None)."""
         if self.opponents is not None:
             self._fetch_snapshots(request.snapshots)
             self.opponents.load_seconds = 0.0
         result = self.player.play(request.seeds, seat_actors=seat_actors_of(request.plans))
+        behaviour_time = None
+        if self.behaviour_chunk:  # before the next weights arrive (Ray runs this actor's calls in order)
+            start = time.perf_counter()
+            attach_behaviour_log_probs(
+                result.trajectories,
+                self.policy,
+                mode=self.mode,
+                pad_id=self.pad_id,
+                chunk=self.behaviour_chunk,
+                device=self.device,
+            )
+            behaviour_time = time.perf_counter() - start
         for trajectory in result.trajectories:  # the stream's tokenizer stays here (the driver has its own)
             trajectory.stream.codec = None
-        return result, self.opponents.load_seconds if self.opponents is not None else 0.0
+        return result, self.opponents.load_seconds if self.opponents is not None else 0.0, behaviour_time
 
     def _fetch_snapshots(self, refs: dict[str, Any]) -> None:
         import ray

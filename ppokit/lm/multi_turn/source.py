@@ -33,7 +33,9 @@ current policy (both seats are then trained on) or, with ``textenv.pool.snapshot
 with probability ``1 - pool.current_prob`` a snapshot drawn from the
 :class:`~ppokit.envs.selfplay.OpponentPool` of earlier actor adapters
 (:mod:`ppokit.lm.multi_turn.opponents`). The starting policy is the pool's first, pinned snapshot;
-a new one is added every ``snapshot_every`` updates.
+a new one is added every ``snapshot_every`` weight syncs with new weights (the run's first sync
+counts; a resumed run's first, of the weights it resumed with, does not: the pool goes on as in
+the uninterrupted run).
 
 Per-role baselines (``textenv.role_baseline_tau`` > 0, UnstableBaselines' role
 advantage): each seat keeps an exponential moving average of its episode returns, and
@@ -56,6 +58,7 @@ before training, every ``textenv.eval_every`` iterations and after.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -74,6 +77,7 @@ from ppokit.lm.multi_turn.episodes import TRUNCATION_REASONS, EpisodePlayer, Pla
 from ppokit.lm.multi_turn.streams import StreamCodec
 from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
 from ppokit.lm.scoring import behaviour_log_probs
+from ppokit.resume import rollout_rngs
 from ppokit.stopping import EarlyStop
 
 __all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs", "seat_actors_of"]
@@ -170,9 +174,11 @@ class MultiTurnSource:
                 seed=cfg.seed,
             )
             self._add_snapshot(pinned=True)
-        self.updates = 0
+        self.updates = 0  # weight syncs with new weights (the run's first included)
+        self.synced_version: int | None = None  # the learner's version at the last of them
         self.role_baseline: dict[str, float] = {}
         self.episodes_generated_total = 0  # rollout.dynamic_sampling: episodes played over the run
+        self.pool_sizes: dict[int, int] = {}  # iteration -> the pool's size when its opponents were drawn
 
     # ------------------------------------------------------------------ collect
     def collect(self, iteration: int) -> Batch:
@@ -181,11 +187,21 @@ class MultiTurnSource:
 
     def prefetch(self, iteration: int) -> None:
         """``rollout.off_policy_steps`` = k: play ``iteration``'s episodes now, with the weights of
-        this moment, for the update k iterations on (in this process nothing overlaps the update)."""
+        this moment, for the update k iterations on (in this process nothing overlaps the update).
+        Every rollout of a pipelined run is seeded from (seed, iteration) (:func:`rollout_rngs`), as
+        a Ray worker seeds shard 0: one worker gives this run's batches."""
         if iteration not in self.queue:  # each iteration is played once, in order
             self.queue.put(iteration, self._collect(iteration))
 
     def _collect(self, iteration: int) -> Batch:
+        # played ahead (rollout.off_policy_steps): seeded per iteration, as Ray workers seed shard 0
+        seeded = (
+            rollout_rngs(self.cfg.seed, iteration) if self.cfg.rollout.off_policy_steps else contextlib.nullcontext()
+        )
+        with seeded:
+            return self._play_batch(iteration)
+
+    def _play_batch(self, iteration: int) -> Batch:
         if self.cfg.rollout.dynamic_sampling.enable:
             batch = self._collect_filtered(iteration)
         else:
@@ -251,6 +267,8 @@ class MultiTurnSource:
         first = draw * groups  # the draw's first group
         seeds = [episode_seed(self.cfg.seed, iteration, first + i // g) for i in range(n)]  # a group: one seed
         seat_mode = self.cfg.textenv.seat
+        if self.pool is not None:  # its size when the opponents were drawn (a Ray worker plays them later)
+            self.pool_sizes[iteration] = len(self.pool)
         plans = []
         for j in range(groups):  # a group: one seat for the learner, one actor for the other seat
             learner = assign_seat(iteration * groups + j, mode=seat_mode, seed=self.cfg.seed)
@@ -355,7 +373,7 @@ class MultiTurnSource:
                 self.pool.record(other, outcome)
         total = sum(games.values())
         out = {
-            "selfplay/pool_size": float(len(self.pool)),
+            "selfplay/pool_size": float(self.pool_sizes.pop(iteration, len(self.pool))),
             "selfplay/vs_current_episodes": float(current),
             "selfplay/vs_pool_episodes": float(total),
         }
@@ -375,6 +393,9 @@ class MultiTurnSource:
         if self.engine is not None and not self.engine.weights_shared:
             self.engine.load_weights(learner.rollout_weights())
         self.policy_version = learner.policy_version
+        if self.synced_version == learner.policy_version:  # the same weights again: a resumed run's first sync
+            return
+        self.synced_version = learner.policy_version
         self.updates += 1
         every = self.cfg.textenv.pool.snapshot_every
         if self.pool is not None and every and self.updates % every == 0:
@@ -384,6 +405,7 @@ class MultiTurnSource:
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "updates": self.updates,
+            "synced_version": self.synced_version,
             "role_baseline": dict(self.role_baseline),
             "episodes_generated_total": self.episodes_generated_total,
         }
@@ -397,6 +419,8 @@ class MultiTurnSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         self.updates = int(state["updates"])
+        synced = state.get("synced_version")  # absent before: the resumed run's first sync counted again
+        self.synced_version = None if synced is None else int(synced)
         self.role_baseline = {str(k): float(v) for k, v in state.get("role_baseline", {}).items()}
         self.episodes_generated_total = int(state.get("episodes_generated_total", 0))
         self.queue.load_state_dict(state.get("pending"))

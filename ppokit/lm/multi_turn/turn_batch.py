@@ -27,6 +27,11 @@ ratio, an entropy, a KL or a value loss; ``attention_mask`` is 1 on every real t
                           ``old_log_prob``. Only when every turn carries them (sampled, not
                           greedy): the trainer measures the mismatch and applies
                           ``algo.rollout_correction`` with them (:mod:`ppokit.algo.rollout_correction`)
+    old_log_prob (N, R)   float32: the behaviour policy's log-probs in the scorer's numerics, 0 on
+                          environment tokens and padding, when every turn carries them
+                          (:attr:`TurnData.behaviour_log_probs`: episodes played ahead on a Ray
+                          worker, ``rollout.off_policy_steps``; :func:`attach_behaviour_log_probs`
+                          computed them there with the weights that played them)
 
 and, per trajectory (E of them): ``traj_truncated`` (E,), and for those that bootstrap
 ``bootstrap_input_ids`` / ``bootstrap_attention_mask`` (B, L) left-padded prompts with
@@ -43,8 +48,9 @@ from torch import Tensor
 from ppokit.lm.generation.base import left_pad
 from ppokit.lm.generation.engine import position_ids_from
 from ppokit.lm.multi_turn.episodes import Trajectory
+from ppokit.lm.scoring import behaviour_log_probs
 
-__all__ = ["trajectory_rows", "trajectory_tensors"]
+__all__ = ["attach_behaviour_log_probs", "trajectory_rows", "trajectory_tensors"]
 
 
 def trajectory_rows(
@@ -95,7 +101,9 @@ def trajectory_tensors(
     traj_index = torch.tensor([r[0] for r in rows], dtype=torch.long)
     carried = all(span[4] is not None for r in rows for span in r[3])  # every turn has its log-probs
     rollout_log_prob = torch.zeros((N, R), dtype=torch.float32) if carried else None  # (N, R)
-    for n, (_, _, response, spans) in enumerate(rows):
+    behaved = all(trajectories[r[0]].turns[span[2]].behaviour_log_probs is not None for r in rows for span in r[3])
+    old_log_prob = torch.zeros((N, R), dtype=torch.float32) if behaved else None  # (N, R)
+    for n, (e, _, response, spans) in enumerate(rows):
         responses[n, : len(response)] = torch.tensor(response, dtype=torch.long)
         response_attention[n, : len(response)] = 1
         for start, end, turn, reward, log_probs in spans:
@@ -104,6 +112,9 @@ def trajectory_tensors(
             token_scores[n, end - 1] += reward
             if rollout_log_prob is not None:
                 rollout_log_prob[n, start:end] = torch.tensor(log_probs, dtype=torch.float32)
+            if old_log_prob is not None:
+                behaviour = trajectories[e].turns[turn].behaviour_log_probs
+                old_log_prob[n, start:end] = torch.tensor(behaviour, dtype=torch.float32)
     attention_mask = torch.cat([prompt_mask, response_attention], 1)  # (N, P + R)
     tensors = {
         "input_ids": torch.cat([prompt_ids, responses], 1),
@@ -117,6 +128,8 @@ def trajectory_tensors(
     }
     if rollout_log_prob is not None:
         tensors["rollout_log_prob"] = rollout_log_prob
+    if old_log_prob is not None:
+        tensors["old_log_prob"] = old_log_prob
     extras = {"traj_truncated": torch.tensor([t.truncated for t in trajectories], dtype=torch.bool)}
     boot = [(e, t.bootstrap_ids) for e, t in enumerate(trajectories) if t.bootstrap_ids is not None]
     if boot:
@@ -127,3 +140,20 @@ def trajectory_tensors(
             bootstrap_traj=torch.tensor([e for e, _ in boot], dtype=torch.long),
         )
     return {k: v.to(device) for k, v in tensors.items()}, {k: v.to(device) for k, v in extras.items()}
+
+
+def attach_behaviour_log_probs(
+    trajectories: Sequence[Trajectory], policy, *, mode: str, pad_id: int, chunk: int, device: torch.device | str
+) -> None:
+    """Each turn's :attr:`TurnData.behaviour_log_probs`: ``policy``'s log-probs of its action tokens
+    now (:func:`ppokit.lm.scoring.behaviour_log_probs` over the rows of :func:`trajectory_tensors`,
+    ``chunk`` rows a pass), so that :func:`trajectory_tensors` of these turns, merged with other
+    workers' in episode order, gives the batch's ``old_log_prob``."""
+    rows = trajectory_rows(trajectories, mode)
+    if not rows:
+        return
+    tensors, _ = trajectory_tensors(trajectories, mode=mode, pad_id=pad_id, device=device)
+    old = behaviour_log_probs(policy, tensors, chunk).cpu()  # (N, R)
+    for n, (e, _, _, spans) in enumerate(rows):
+        for start, end, turn, _, _ in spans:
+            trajectories[e].turns[turn].behaviour_log_probs = old[n, start:end].tolist()

@@ -230,7 +230,15 @@ class MultiTurnWorkload:
         seed_globals(self.cfg.seed)
         stack = build_policy_stack(self.cfg, self.model_path, need_critic=False, need_reference=False)
         rollout = self._rollout_parts(stack, self.cfg.train.batch_size // num_shards)
-        return MultiTurnShard(rollout.player, stack.policy, rollout.opponents)
+        return MultiTurnShard(
+            rollout.player,
+            stack.policy,
+            rollout.opponents,
+            cfg=self.cfg,
+            mode=self.mode,
+            pad_id=stack.tokenizer.pad_token_id,
+            device=stack.device,
+        )
 
     def learner_replica(self, parallel: DataParallel) -> LMLearner:
         """A learner rank's policy (:func:`~ppokit.lm.learner.learner_policy_stack`) and its optimizer."""
