@@ -25,6 +25,17 @@ How TextArena maps onto the API (TextArena 0.7.4):
   TextArena's ``LLMObservationWrapper`` shows it. That is the whole context of the game for
   that player, so each turn is its own prompt (short rows, and warm starts from
   demonstrations work); it grows with the game, so long games cost more tokens per turn.
+  ``view="board"`` (state mode) shows less, as TextArena's ``-train`` variants
+  (``GameMessagesAndCurrentBoardObservationWrapper``, what UnstableBaselines trains on) do:
+  the rules prompt, the game's messages other than moves, boards and notices, this turn's
+  notices (an invalid move's reason) and the latest board. A board game's prompt then grows
+  only by the game's one-line messages (TicTacToe-v0 against random, SmolLM2's tokenizer: at
+  most 270 tokens a turn where the whole transcript reaches 930), which makes each turn
+  cheaper to generate and train on; ``view="history"`` (the default) is the whole
+  transcript. A game that sends no board shows its messages. ``instruction``: a line
+  put after every observation (each turn's, in either mode), as UnstableBaselines wraps its
+  observations in a prompt template: a small model shown ``"Reply with one of the available
+  moves, in brackets, and nothing else."`` answers with a move far more often.
   ``observation_mode="message"``: ``reset`` gives the acting player's first messages and
   each ``step`` the next acting player's new ones (without the echo of its own last move,
   which its stream already holds), appended to one conversation per seat.
@@ -43,6 +54,9 @@ How TextArena maps onto the API (TextArena 0.7.4):
   else ``loss``). ``info["reason"]`` is TextArena's reason for the end.
 - **Invalid moves**: TextArena decides. Its default (``error_allowance`` 1) tells the
   player why and lets it move again; a second invalid move in a row loses the game (-1).
+  ``invalid_move_reward`` (default 0) is added to the mover's reward at each invalid move,
+  a format penalty as UnstableBaselines gives one (e.g. -0.1: the turn that broke the rules
+  is credited at once, not only through the game's outcome).
   Either way the step has ``info["illegal"] = True`` and ``info["illegal_reason"]`` (the
   reason TextArena gave); after a retry notice the episode goes on with the same player
   to move. ``error_allowance=0`` ends the game at the first invalid move (as ppokit's
@@ -110,6 +124,7 @@ LIST_COMMAND = "python -m ppokit.envs.textarena"
 VARIANT_SUFFIXES = ("-raw", "-train")  # the same game with other (or no) TextArena wrappers
 OPPONENTS = ("random", "self")
 ACTION_FORMATS = ("last_bracket", "raw")
+VIEWS = ("history", "board")
 MAX_OPPONENT_MOVES = 1000  # per learner step: a game that never hands the turn back is a bug
 
 _NLTK = "needs the network: it downloads NLTK corpora (nltk.download) when it is built"
@@ -239,7 +254,11 @@ class TextArenaEnv(TextEnv):
     ``env_id``: a TextArena id (``TicTacToe-v0``). ``opponent`` (two players): ``"random"``
     (the default), ``"self"`` or a function ``(observation, info) -> action``.
     ``policy_seat``: the learner's seat against an opponent (0, 1, ``"alternate"`` or
-    ``"random"``). ``observation_mode``: ``"state"`` or ``"message"``. ``action_format``:
+    ``"random"``). ``observation_mode``: ``"state"`` or ``"message"``. ``view`` (state mode):
+    ``"history"`` (the whole transcript) or ``"board"`` (the rules, the game's messages and the
+    latest board, as TextArena's ``-train`` variants). ``instruction``: text put after every
+    observation. ``invalid_move_reward``: added to the reward of a step with an invalid
+    move. ``action_format``:
     ``"last_bracket"`` or ``"raw"``. ``error_allowance``: invalid moves a player may retry
     before losing (None: the game's own, 1 in TextArena). ``num_players``: 1 or 2 (None:
     found by starting the game). ``game_kwargs``: keyword arguments for the game's class,
@@ -256,6 +275,9 @@ class TextArenaEnv(TextEnv):
         error_allowance: int | None = None,
         num_players: int | None = None,
         game_kwargs: dict[str, Any] | None = None,
+        view: str = "history",
+        instruction: str | None = None,
+        invalid_move_reward: float = 0.0,
     ) -> None:
         super().__init__()
         self.env_id = env_id
@@ -272,7 +294,18 @@ class TextArenaEnv(TextEnv):
         if self.family in REFUSED:
             raise EnvError(f"{self.name} {REFUSED[self.family]}; ppokit plays only games that run offline")
         self._check_options(observation_mode, action_format, error_allowance, num_players, game_kwargs, policy_seat)
+        if view not in VIEWS:
+            raise EnvError(f"{self.name}: view must be 'history' or 'board' (got {view!r})")
+        if view != "history" and observation_mode != "state":
+            raise EnvError(f"{self.name}: view={view!r} is a state-mode view; set observation_mode='state'")
+        if instruction is not None and not isinstance(instruction, str):
+            raise EnvError(f"{self.name}: instruction must be text (got {instruction!r})")
+        if isinstance(invalid_move_reward, bool) or not isinstance(invalid_move_reward, (int, float)):
+            raise EnvError(f"{self.name}: invalid_move_reward must be a number (got {invalid_move_reward!r})")
         self.observation_mode = observation_mode
+        self.view = view
+        self.instruction = instruction.strip() if instruction else None
+        self.invalid_move_reward = float(invalid_move_reward)
         self.action_format = action_format
         self.error_allowance = error_allowance
         self.policy_seat = policy_seat
@@ -414,12 +447,34 @@ class TextArenaEnv(TextEnv):
         return messages
 
     def _observation(self, player: int, new: list[tuple]) -> str:
-        """State mode: ``player``'s whole history; message mode: its ``new`` messages (after a
-        newline, except at the start of its conversation)."""
+        """State mode: ``player``'s whole history (or its board view); message mode: its ``new``
+        messages (after a newline, except at the start of its conversation); then the
+        instruction, after a blank line."""
         if self.observation_mode == "state":
-            return self._render(self._history[player])
-        text = self._render(new, skip_actions_of=player)
-        return text if len(new) == len(self._history[player]) else "\n" + text
+            text = self._render(self._history[player]) if self.view == "history" else self._board_view(player)
+        else:
+            text = self._render(new, skip_actions_of=player)
+            text = text if len(new) == len(self._history[player]) else "\n" + text
+        return f"{text}\n\n{self.instruction}" if self.instruction else text
+
+    def _board_view(self, player: int) -> str:
+        """``view="board"``: the rules prompt, the game's messages that are not moves, boards or
+        notices (in order, one a line), this turn's notices, then the latest board, as
+        TextArena's ``GameMessagesAndCurrentBoardObservationWrapper`` writes them (plain text, no
+        ``[GAME]`` tags; it drops the notices: a player retrying an invalid move is shown why
+        here)."""
+        prompt, lines, board = [], [], []
+        for _, text, kind in self._history[player]:
+            kind = _kind(kind)
+            if kind == "PROMPT":
+                prompt.append(str(text))
+            elif kind == "GAME_BOARD":
+                board = [str(text)]
+            elif kind not in ("PLAYER_ACTION", "GAME_ADMIN"):
+                lines.append(str(text))
+        lines += [str(text) for _, text, kind in self._fresh[player] if _kind(kind) == "GAME_ADMIN"]
+        parts = ("\n".join(prompt), "\n".join(lines), *board)
+        return "\n\n".join(part.strip("\n") for part in parts if part.strip())
 
     def _legal_actions(self, player: int) -> list[str] | None:
         """The legal moves of ``player`` (to move): from the game's state where ppokit knows
@@ -586,12 +641,14 @@ class TextArenaEnv(TextEnv):
         if not done and self.seat is not None and self._current_player() != self.seat:
             done, moves = self._opponent_moves()
             info["opponent_actions"] = moves
+        penalty = self.invalid_move_reward if reason is not None else 0.0
         if done:
-            return self._final(mover, info)
+            observation, reward, terminated, truncated, info = self._final(mover, info)
+            return observation, reward + penalty, terminated, truncated, info
         player = self._current_player()
         new = self._receive(player)
         info.update(self._turn_info(player))
-        return self._observation(player, new), 0.0, False, False, info
+        return self._observation(player, new), penalty, False, False, info
 
 
 def _parameters(entry: Any) -> str:

@@ -345,6 +345,49 @@ def test_message_mode_appends_what_state_mode_shows_without_the_players_own_move
     assert turns >= 4
 
 
+def test_the_board_view_shows_the_rules_the_games_messages_and_the_latest_board_only():
+    """view=board, as TextArena's -train variants: no moves echoed, no [GAME] tags, one board (the
+    latest), this turn's invalid-move notice; the same game and infos as the whole transcript."""
+    history = make_env(TTT, opponent="self")
+    board = make_env(TTT, opponent="self", view="board")
+    h_obs, h_info = history.reset(seed=3)
+    b_obs, b_info = board.reset(seed=3)
+    assert b_info == h_info and "[GAME]" not in b_obs and b_obs.startswith("You are Player 0 in Tic Tac Toe.")
+    assert b_obs.endswith("Available Moves: " + ", ".join(f"'{m}'" for m in b_info["legal_actions"]))
+    for move in ("[4]", "[0]"):
+        h_obs, _, _, _, h_info = history.step(move)
+        b_obs, _, _, _, b_info = board.step(move)
+        assert b_info == h_info
+    assert b_obs.count("Current Board:") == 1 and h_obs.count("Current Board:") == 3
+    assert "Player 0 placed their symbol (O) in cell 4." in b_obs and "[Player" not in b_obs
+    assert b_obs.split("Current Board:")[1] == h_obs.split("Current Board:")[-1]  # the latest board
+    retry = board.step("[4]")  # occupied: the notice is shown on the retry, then no more
+    assert retry[4]["illegal"] and "cell 4 is already occupied" in retry[0]
+    assert "already occupied" not in board.step("[8]")[0]
+    assert len(b_obs) < 0.7 * len(h_obs)
+
+
+def test_an_instruction_follows_every_observation_and_invalid_moves_can_cost_reward():
+    instruction = "Reply with one of the available moves, in brackets, and nothing else."
+    env = make_env(TTT, opponent="self", view="board", instruction=instruction + "\n", invalid_move_reward=-0.1)
+    obs, _ = env.reset(seed=0)
+    assert obs.endswith("\n\n" + instruction)
+    step = checked_step(env, "[4]")
+    assert step.reward == 0.0 and step.observation.endswith("\n\n" + instruction)
+    retry = checked_step(env, "[4]")  # occupied: the penalty at once
+    assert retry.info["illegal"] and retry.reward == pytest.approx(-0.1) and not retry.done
+    lost = checked_step(env, "[4]")  # the second in a row loses: the game's -1 plus the penalty
+    assert lost.terminated and lost.reward == pytest.approx(-1.1) and lost.info["outcome"] == "loss"
+    message = make_env(TTT, opponent="self", observation_mode="message", instruction=instruction)
+    first, _ = message.reset(seed=0)
+    assert first.endswith("\n\n" + instruction) and message.step("[4]")[0].endswith(instruction)
+    # the defaults are unchanged: no instruction, no penalty
+    plain = make_env(TTT, opponent="self")
+    assert plain.reset(seed=0)[0].endswith("'[8]'")
+    plain.step("[4]")
+    assert plain.step("[4]")[1] == 0.0
+
+
 # ----------------------------------------------------------------------------- errors
 @pytest.mark.parametrize(
     "spec,kwargs,message",
@@ -362,6 +405,10 @@ def test_message_mode_appends_what_state_mode_shows_without_the_players_own_move
         (TTT, {"opponnent": "self"}, "does not take 'opponnent'; did you mean 'opponent'?"),
         (TTT, {"opponent": "heuristic"}, "unknown opponent 'heuristic'; valid: random, self"),
         (TTT, {"observation_mode": "chat"}, "observation_mode must be 'state' or 'message'"),
+        (TTT, {"view": "last"}, "view must be 'history' or 'board'"),
+        (TTT, {"view": "board", "observation_mode": "message"}, "view='board' is a state-mode view"),
+        (TTT, {"instruction": 3}, "instruction must be text"),
+        (TTT, {"invalid_move_reward": "-1"}, "invalid_move_reward must be a number"),
         (TTT, {"action_format": "first"}, "action_format must be"),
         (TTT, {"policy_seat": "x"}, "policy_seat must be 0, 1, 'alternate' or 'random'"),
         (TTT, {"error_allowance": -1}, "error_allowance must be a whole number >= 0"),

@@ -15,7 +15,15 @@ import torch
 from ppokit.config import build_config, load_config, preset_names
 from ppokit.errors import UserError
 from ppokit.lm.model import memory
-from ppokit.lm.model.memory import GB, ModelShape, check_fits, estimate_memory, model_shape, multi_turn_rows
+from ppokit.lm.model.memory import (
+    GB,
+    ModelShape,
+    check_fits,
+    estimate_memory,
+    model_shape,
+    multi_turn_rows,
+    state_prompt_tokens,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -183,6 +191,83 @@ def test_a_multi_turn_run_is_sized_by_its_environment_s_own_turn_limit(tiny_dir,
     workload.MultiTurnWorkload(cfg)._sequences(env)
     (args,) = seen
     assert args[2] is True and args[-1] == 6  # message mode, the environment's 6 turns
+
+
+def test_state_prompts_are_the_longest_observation_of_an_episode_with_room_for_the_replies():
+    assert state_prompt_tokens([40], 8) == 40
+    assert state_prompt_tokens([40, 100, 300], 8) == 300 + 2 * 8
+    assert state_prompt_tokens([400, 100, 60], 8) == 400  # a shrinking observation: the first
+
+
+class _Transcript:
+    """A state-mode environment whose observation is the whole transcript: it grows each turn,
+    as TextArena's view=history does; 4 steps of one legal move."""
+
+    observation_mode = "state"
+
+    def reset(self, seed=None, options=None):
+        self.turn = 0
+        return "start", {"legal_actions": ["go"]}
+
+    def step(self, action):
+        self.turn += 1
+        done = self.turn == 4
+        return "start" + " more" * 50 * self.turn, float(done), done, False, {"legal_actions": ["go"]}
+
+
+def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_first(tiny_dir):
+    """The measured reason (docs/performance.md, "SmolLM2 on TextArena games"): sized by its first
+    observation, a whole-transcript run's estimate was a third of the peak that ended it; a probe
+    episode by random legal moves finds the longest prompt (here the third step's: the fourth ends
+    the episode), plus R per reply before it."""
+    from ppokit.lm.model.stack import prompt_tokenizer
+    from ppokit.lm.multi_turn import workload
+
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir)},
+                "textenv": {"env": "tictactoe", "max_turns": 9},
+                "rollout": {"max_new_tokens": 5},
+                "train": {"iterations": 1, "batch_size": 8},
+            }
+        ]
+    )
+    count = prompt_tokenizer(cfg)
+    longest = len(count("start" + " more" * 150)["input_ids"])
+    rows, prompt, response = workload.MultiTurnWorkload(cfg)._sequences(_Transcript())
+    assert (rows, prompt, response) == (8 * 9, longest + 3 * 5, 5)
+    assert prompt > 3 * len(count("start")["input_ids"])
+    # the turn limit bounds the probe: two turns see the first step's observation at most
+    cfg2 = cfg.model_copy(update={"textenv": cfg.textenv.model_copy(update={"max_turns": 2})})
+    _, prompt2, _ = workload.MultiTurnWorkload(cfg2)._sequences(_Transcript())
+    assert prompt2 == len(count("start" + " more" * 50)["input_ids"]) + 5
+    # an environment without legal actions is sized by its first observation, as before
+    bare = _Transcript()
+    bare.reset = lambda seed=None, options=None: ("start", {})
+    assert workload.MultiTurnWorkload(cfg)._sequences(bare)[1] == len(count("start")["input_ids"])
+
+
+def test_a_chat_run_counts_its_prompts_with_the_template(chat_dir):
+    """The rows are the observation rendered with the chat template (SmolLM2's adds 30 tokens)."""
+    from ppokit.lm.data.chat import chat_renderer
+    from ppokit.lm.model.stack import prompt_tokenizer
+    from ppokit.lm.multi_turn import workload
+
+    layer = {
+        "workload": "lm",
+        "model": {"path": str(chat_dir)},
+        "textenv": {"env": "tictactoe", "max_turns": 1},
+        "train": {"iterations": 1, "batch_size": 8},
+    }
+    plain = build_config([layer])
+    chat = build_config([{**layer, "data": {"chat_template": True}}])
+    count = prompt_tokenizer(chat)
+    rendered = chat_renderer(count, "model.path")("start")
+    assert len(count(rendered)["input_ids"]) > len(count("start")["input_ids"])
+    assert workload.MultiTurnWorkload(chat)._sequences(_Transcript())[1] == len(count(rendered)["input_ids"])
+    assert workload.MultiTurnWorkload(plain)._sequences(_Transcript())[1] == len(count("start")["input_ids"])
 
 
 # ----------------------------------------------------------------------------- against a measured run

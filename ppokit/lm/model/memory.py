@@ -76,6 +76,7 @@ __all__ = [
     "longest_prompt_tokens",
     "model_shape",
     "multi_turn_rows",
+    "state_prompt_tokens",
 ]
 
 GB = 1e9
@@ -440,6 +441,21 @@ def longest_prompt_tokens(tokenizer: Any, texts: list[str], sample: int = 64) ->
     if not longest:
         return 0
     return max(len(ids) for ids in tokenizer(longest)["input_ids"])
+
+
+def state_prompt_tokens(observation_tokens: list[int], reply_tokens: int) -> int:
+    """P of a state-mode multi-turn run: the longest prompt of an episode, from the token counts
+    of its observations in turn order (one episode played by random legal moves, the first
+    observation at 0), observation k counted with room for the k replies before it
+    (``reply_tokens`` = R each). A state observation may be the whole transcript (TextArena's
+    ``view: history`` echoes every reply and notice), so the last prompts of an episode can be
+    several times the first: sized by the first alone, a TicTacToe-v0 run with SmolLM2 was
+    estimated at 7.6 GB and killed at 18 GB for lack of memory, and with the shorter
+    ``view: board`` one measured 8.6 GB against 4.4 GB estimated (8.3 GB from the probe and the
+    chat template's tokens; docs/performance.md, "SmolLM2 on TextArena games"). The probe's
+    moves are short, the model's replies up to R tokens: the R per earlier turn covers a
+    transcript that echoes them."""
+    return max(n + k * reply_tokens for k, n in enumerate(observation_tokens))
 
 
 def multi_turn_rows(

@@ -20,14 +20,16 @@ in state mode, one per seat in message mode), so each epoch is split into
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ppokit.components import Components
 from ppokit.config import Config
-from ppokit.envs import checked_reset, make_env
+from ppokit.envs import checked_reset, checked_step, make_env
 from ppokit.errors import UserError
+from ppokit.lm.data.chat import chat_renderer
 from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
@@ -38,6 +40,7 @@ from ppokit.lm.model.memory import (
     model_shape,
     multi_turn_rows,
     resolve_micro_batches,
+    state_prompt_tokens,
 )
 from ppokit.lm.model.policy import lora_config
 from ppokit.lm.model.stack import PolicyStack, build_policy_stack, prompt_tokenizer
@@ -96,21 +99,35 @@ class MultiTurnWorkload:
             check_run_fits(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
 
     def _sequences(self, env: Any) -> tuple[int, int, int] | None:
-        """``(rows, P, R)`` of an iteration from ``env``'s first observation
-        (:func:`ppokit.lm.model.memory.multi_turn_rows`); None when its reset fails (the run
+        """``(rows, P, R)`` of an iteration from ``env``'s first observation (message mode), or
+        from the observations of one episode played by random legal actions (state mode: an
+        observation that is the whole transcript grows with the turns,
+        :func:`ppokit.lm.model.memory.state_prompt_tokens`), through
+        :func:`ppokit.lm.model.memory.multi_turn_rows`; None when its reset fails (the run
         reports that in its own way, ``textenv.failure_reward``)."""
         name = getattr(env, "env_name", self.cfg.textenv.env)
         try:
-            observation, _ = checked_reset(env, seed=self.cfg.seed, name=name)
+            observation, info = checked_reset(env, seed=self.cfg.seed, name=name)
         except UserError:
             return None
-        text = observation if isinstance(observation, str) else " ".join(str(m) for m in observation)
-        tokens = len(prompt_tokenizer(self.cfg)(text)["input_ids"])
+        tokenizer = prompt_tokenizer(self.cfg)
+        # the prompt as the rollout renders it: SmolLM2's chat template adds 30 tokens to each
+        render = chat_renderer(tokenizer, "model.path") if self.cfg.data.chat_template else None
+
+        def count(obs: Any) -> int:
+            text = obs if isinstance(obs, str) else " ".join(str(m) for m in obs)
+            return len(tokenizer(render(obs) if render is not None else text)["input_ids"])
+
+        tokens = count(observation)
         message = getattr(env, "observation_mode", "state") == "message"
         shape = model_shape(self.cfg.model.path)
         context = shape.max_positions if shape is not None else None
         limit = getattr(env, "max_turns", None)  # the environment's own turn limit, where it has one
         env_turns = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1 else None
+        if not message:
+            turns = min(self.cfg.textenv.max_turns, env_turns or self.cfg.textenv.max_turns)
+            lengths = [tokens] + [count(obs) for obs in _probe_observations(env, info, turns - 1, self.cfg.seed, name)]
+            tokens = state_prompt_tokens(lengths, self.cfg.rollout.max_new_tokens)
         return multi_turn_rows(self.cfg, tokens, message, context, env_turns)
 
     def _resolve_micro_batches(self) -> str | None:
@@ -256,3 +273,24 @@ class RolloutParts:
     codec: StreamCodec
     context: int | None
     player: Any
+
+
+def _probe_observations(env: Any, info: dict, steps: int, seed: int, name: str) -> list[Any]:
+    """The observations after each of up to ``steps`` random legal actions from a reset ``env``
+    (``info`` is the reset's): none when the environment lists no ``legal_actions``; the probe
+    stops at the episode's end or at the first failing step (the run reports that itself)."""
+    rng = random.Random(seed)
+    seen: list[Any] = []
+    for _ in range(steps):
+        legal = info.get("legal_actions")
+        if not legal:
+            break
+        try:
+            result = checked_step(env, rng.choice(list(legal)), name=name)
+        except Exception:  # noqa: BLE001 - a failing environment is the run's to report
+            break
+        if result.terminated or result.truncated:
+            break
+        seen.append(result.observation)
+        info = result.info
+    return seen
