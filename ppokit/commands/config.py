@@ -25,9 +25,11 @@ def run(args: argparse.Namespace) -> int:
     if args.config_command == "show":
         print(config_mod.load_config(args.config, args.overrides).to_yaml(), end="")
     elif args.config_command == "list":
-        for name in config_mod.preset_names():
+        names = config_mod.preset_names()
+        width = max(map(len, names))
+        for name in names:
             cfg = config_mod.load_config(name)
-            print(f"{name:14s} {workload_kind(cfg):8s} {describe(cfg)}")
+            print(f"{name:{width}s} {workload_kind(cfg):8s} {describe(cfg)}")
     elif args.config_command == "fields":
         for path, default, aliases, description in config_mod.describe_fields():
             alias_text = f"  (aliases: {aliases})" if aliases else ""
