@@ -14,7 +14,6 @@ import torch
 from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, run
 
 from ppokit.algo.dynamic_sampling import groups_with_variance
-from ppokit.lm.single_turn import source as source_mod
 
 DS = (
     "algo.adv_estimator=grpo",
@@ -47,17 +46,8 @@ def test_one_worker_with_dynamic_sampling_equals_in_process(tmp_path, cluster_cl
     assert samples(tmp_path / "remote") == samples(tmp_path / "local")
 
 
-def test_two_workers_fill_the_batch_with_groups_that_vary(tmp_path, cluster_clean, tiny_model_dir, monkeypatch):
-    seen = []
-    real = source_mod.LMSource.finish
-
-    def finish(self, iteration, part):
-        batch = real(self, iteration, part)
-        if batch is not None:
-            seen.append(batch)
-        return batch
-
-    monkeypatch.setattr(source_mod.LMSource, "finish", finish)  # the driver's source, in this process
+def test_two_workers_fill_the_batch_with_groups_that_vary(tmp_path, cluster_clean, tiny_model_dir, trained_batches):
+    seen = trained_batches  # the driver's source, in this process
     rows = run(arith_cfg(tiny_model_dir, digit_reward(tmp_path), *DS, "cluster.rollout_workers=2"), tmp_path / "w2")
     assert len(rows) == len(seen) == 3
     assert any(r["dynamic_sampling/gen_batches"] > 1 for r in rows)

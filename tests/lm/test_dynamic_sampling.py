@@ -29,7 +29,6 @@ from ppokit.algo.dynamic_sampling import groups_with_variance
 from ppokit.cli import main
 from ppokit.config import build_config
 from ppokit.lm.generation.base import RolloutBatch
-from ppokit.lm.single_turn import source as source_mod
 from ppokit.lm.single_turn.dynamic_sampling import DynamicSampler, merge_draw_metrics
 from ppokit.lm.single_turn.source import RolloutPart, concat_parts
 
@@ -189,23 +188,8 @@ def train(args: list[str], out: Path, name: str) -> Path:
     return out / name
 
 
-@pytest.fixture
-def batches(monkeypatch) -> list:
-    """Every batch LMSource.finish hands to the loop."""
-    seen = []
-    real = source_mod.LMSource.finish
-
-    def finish(self, iteration, part):
-        batch = real(self, iteration, part)
-        if batch is not None:
-            seen.append(batch)
-        return batch
-
-    monkeypatch.setattr(source_mod.LMSource, "finish", finish)
-    return seen
-
-
-def test_every_trained_group_varies_and_the_batch_is_full(tiny_dir, digit_reward, tmp_path, batches):
+def test_every_trained_group_varies_and_the_batch_is_full(tiny_dir, digit_reward, tmp_path, trained_batches):
+    batches = trained_batches
     run = train(run_args(tiny_dir, digit_reward, "rollout.dynamic_sampling.max_gen_batches=0"), tmp_path, "ds")
     rows = read_rows(run)
     assert len(batches) == len(rows) == 4
@@ -235,7 +219,8 @@ def test_every_trained_group_varies_and_the_batch_is_full(tiny_dir, digit_reward
         assert len({r["prompt"] for r in group}) == 1 and len({r["reward"] for r in group}) == 2  # a kept group
 
 
-def test_at_the_limit_the_batch_is_filled_with_dropped_groups(tiny_dir, tmp_path, batches):
+def test_at_the_limit_the_batch_is_filled_with_dropped_groups(tiny_dir, tmp_path, trained_batches):
+    batches = trained_batches
     """exact_match on the untrained model: every group is all 0; after max_gen_batches the
     iteration trains on the first dropped groups (the first generation batch) and goes on."""
     args = run_args(tiny_dir, "exact_match", "rollout.dynamic_sampling.max_num_gen_batches=2", "train.iterations=2")
