@@ -220,9 +220,9 @@ def test_every_trained_group_varies_and_the_batch_is_full(tiny_dir, digit_reward
 
 
 def test_at_the_limit_the_batch_is_filled_with_dropped_groups(tiny_dir, tmp_path, trained_batches):
-    batches = trained_batches
     """exact_match on the untrained model: every group is all 0; after max_gen_batches the
     iteration trains on the first dropped groups (the first generation batch) and goes on."""
+    batches = trained_batches
     args = run_args(tiny_dir, "exact_match", "rollout.dynamic_sampling.max_num_gen_batches=2", "train.iterations=2")
     rows = read_rows(train(args, tmp_path, "limit"))
     assert len(rows) == 2 and len(batches) == 2
