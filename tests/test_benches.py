@@ -52,3 +52,14 @@ def test_the_real_model_bench_reports_each_phase_against_the_machines_own_rates(
     decode = result["phases"]["generate"]["decode"]
     assert decode["steps"] > 0 and decode["step_s"] > 0 and decode["memory_floor_s"] > 0
     assert result["bandwidth"]["read"] > 0
+
+
+def test_the_call_path_bench_counts_modules_and_returns(tmp_path):
+    out = tmp_path / "path.json"
+    bench("bench/call_path.py", "--json", str(out), "config", "show", "cartpole")
+    result = json.loads(out.read_text())
+    assert result["status"] == 0
+    run = result["run"]
+    assert run["order"][0] == "ppokit.commands.config" and "ppokit.config" in run["order"]
+    assert run["modules"] == len(run["order"]) and 0 <= run["returns"] < run["entries"]
+    assert result["all"]["modules"] >= run["modules"]
