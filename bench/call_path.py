@@ -2,6 +2,7 @@
 
     python bench/call_path.py eval RUN_DIR            # any `ppokit` command line
     python bench/call_path.py --json out.json eval RUN_DIR
+    python bench/call_path.py --until LMSource.collect train arith   # up to the first rollout
 
 It runs the command in this process under ``sys.setprofile`` and records every call of a
 ppokit function by its module. Consecutive calls in one module count once; a *return* is an
@@ -15,7 +16,8 @@ entry into a module the path had already left. Views, each from the one before:
   loaded model), which counts as one module.
 
 It prints each view's module count, returns and module order, and how often the functions that
-read a run directory ran (:data:`READERS`).
+read a run directory ran (:data:`READERS`). ``--until QUALNAME``: the path up to the first call of
+that function (its own call included), the command stopped there.
 """
 
 from __future__ import annotations
@@ -30,14 +32,19 @@ from typing import Any
 READERS = ("saved_config", "latest_checkpoint", "find_checkpoints", "read_run_config", "read_policy_meta")
 
 
+class Reached(Exception):
+    """The function of ``--until`` was called: the command stops there."""
+
+
 class Recorder:
     """The ppokit calls of a command: (module, at import, beneath a model call, beneath accel, function)."""
 
-    def __init__(self) -> None:
+    def __init__(self, until: str | None = None) -> None:
         self.events: list[tuple[str, bool, bool, bool, str]] = []
+        self.until = until
 
     def __call__(self, frame, event, arg) -> None:
-        if event != "call":
+        if event != "call" or self.until == "":
             return
         name = frame.f_globals.get("__name__", "")
         if not name.startswith("ppokit") or frame.f_code.co_name == "<module>":
@@ -54,6 +61,9 @@ class Recorder:
                 accel = True
             caller = caller.f_back
         self.events.append((name, imported, model, accel, frame.f_code.co_qualname))
+        if self.until and frame.f_code.co_qualname == self.until:
+            self.until = ""  # record nothing more
+            raise Reached(self.until)
 
 
 def collapse(events: list[tuple], rename=lambda module: module) -> list[str]:
@@ -103,17 +113,20 @@ def views(events: list[tuple]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the views to this file")
+    parser.add_argument("--until", help="stop at the first call of this function (e.g. LMSource.collect)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the ppokit command line")
     args = parser.parse_args(argv)
     from ppokit.cli import main as ppokit_main  # noqa: PLC0415 (its imports are part of what is traced)
 
-    recorder = Recorder()
+    recorder = Recorder(args.until)
     sys.setprofile(recorder)
     threading.setprofile(recorder)
     try:
         status = ppokit_main(args.command)
     except SystemExit as exc:
         status = exc.code
+    except Reached:
+        status = f"stopped at {args.until}"
     finally:
         sys.setprofile(None)
         threading.setprofile(None)

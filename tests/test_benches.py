@@ -63,3 +63,7 @@ def test_the_call_path_bench_counts_modules_and_returns(tmp_path):
     assert run["order"][0] == "ppokit.commands.config" and "ppokit.config" in run["order"]
     assert run["modules"] == len(run["order"]) and 0 <= run["returns"] < run["entries"]
     assert result["all"]["modules"] >= run["modules"]
+    stopped = tmp_path / "stopped.json"
+    bench("bench/call_path.py", "--until", "load_config", "--json", str(stopped), "config", "show", "cartpole")
+    cut = json.loads(stopped.read_text())
+    assert cut["status"] == "stopped at load_config" and cut["run"]["order"][-1] == "ppokit.config"
