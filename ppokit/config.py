@@ -200,6 +200,13 @@ class AlgoConfig(Section):
         "KL estimator of the in-loss KL term (full: the exact KL "
         "over the vocabulary, from the logits, computed in chunks)",
     )
+    kl_metric_rows: int = field(
+        64,
+        "lm, without a KL term (algo.beta = 0, no KL in the reward): the sequences of a batch whose "
+        "reference log-probs measure the kl_ref metric, one reference pass over them (0 = kl_ref not "
+        "measured, no reference pass)",
+        ge=0,
+    )
     use_kl_in_reward: bool = field(False, "subtract the KL to the reference from the reward")
     kl_penalty: KLEstimatorName = field(
         "kl", "KL estimator of the in-reward KL penalty (full: the exact KL over the vocabulary)"
@@ -899,6 +906,12 @@ class TextEnvConfig(Section):
         "warm start (data.sft_epochs > 0): demonstrations by uniformly random legal actions (the format "
         "and the rules), the same keeping only the turns of seats that won (chosen by the outcome alone), or by "
         "the environment's expert_action()",
+    )
+    sft_eval_turns: int = field(
+        256,
+        "warm start: held-out demonstration turns that score each epoch (greedy generation: on a real model "
+        "each turn costs a prompt's forward pass)",
+        ge=1,
     )
     eval_episodes: int = field(200, "episodes of each greedy evaluation (before, every eval_every, after)", ge=0)
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)

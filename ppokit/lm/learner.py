@@ -25,7 +25,6 @@ from ppokit.lm.scoring import Scorer, kl_ref_metric
 from ppokit.resume import all_finite, seed_globals
 from ppokit.trainer import DataParallel, PPOTrainer
 
-KL_METRIC_ROWS = 64  # without a KL term, kl_ref is measured on this many sequences
 # the batch tensors the update reads (ref_log_prob only with a KL term in the loss; rollout_log_prob,
 # the engine's behaviour log-probs, where the engine gave them)
 LM_UPDATE_KEYS = (*SEQUENCE_INPUTS, *UPDATE_KEYS, "rollout_log_prob")
@@ -60,7 +59,7 @@ def learner_policy_stack(cfg: Config, model_path: Path, parallel: DataParallel) 
 
 def make_scorer(cfg: Config, policy, learner: LMLearner) -> Scorer:
     """The run's scorer: the reference pass when the loss has a KL term (else on
-    :data:`KL_METRIC_ROWS` sequences, for the ``kl_ref`` metric), the actor pass unless the
+    :attr:`algo.kl_metric_rows` sequences, for the ``kl_ref`` metric), the actor pass unless the
     update supplies the old log-probs itself, and the KL controller of ``algo.kl_ctrl`` when
     ``algo.use_kl_in_reward`` puts the KL into the rewards."""
     a = cfg.algo
@@ -73,7 +72,7 @@ def make_scorer(cfg: Config, policy, learner: LMLearner) -> Scorer:
         policy,
         cfg.infer_micro_batch_size,
         need_reference=needs_ref_log_prob(cfg),
-        metric_rows=KL_METRIC_ROWS,
+        metric_rows=a.kl_metric_rows,
         need_old_log_prob=learner.needs_scored_old_log_prob(),
         bypass=a.rollout_correction_bypass,
         kl_ctrl=kl_ctrl,

@@ -61,6 +61,7 @@ from ppokit.output_paths import check_output_dir, writing_to
 
 IGNORE_INDEX = -100
 CURVE_FILE = "sft_curve.json"
+TRAIN_ACCURACY_EXAMPLES = 256  # the most training examples the summary's train accuracy generates for
 
 
 # ---------------------------------------------------------------------------- batching
@@ -261,8 +262,9 @@ def run_sft(
     Returns the summary that is also written to ``out_dir/sft_curve.json``: ``curve`` (one
     row per evaluation: epoch, train_loss, heldout_accuracy, heldout_loss, elapsed_s;
     epoch 0 is the model before training), ``best_epoch``, ``best_accuracy``,
-    ``train_accuracy`` (of the best model on up to 256 SFT examples), ``stopped``
-    (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s`` and ``settings``.
+    ``train_accuracy`` (of the best model on the first SFT examples, as many as were held out,
+    at most 256), ``stopped`` (``patience``, ``epochs_max`` or ``interrupted``), ``wall_time_s``
+    and ``settings``.
     """
     settings.check()
     if not examples:
@@ -288,7 +290,7 @@ def run_sft(
         summary["train_accuracy"] = evaluate(
             model,
             tokenizer,
-            list(examples[:256]),
+            list(examples[: min(TRAIN_ACCURACY_EXAMPLES, len(eval_set))]),  # as many as were held out
             reward,
             batch_size=settings.eval_batch_size,
             max_new_tokens=settings.max_new_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -36,3 +37,26 @@ def test_random_wins_with_no_win_in_reach_is_a_one_line_error():
     env = make_env("frozenlake", desc=["SH", "HG"], max_steps=5, letters=True)  # the goal cannot be reached
     with pytest.raises(UserError, match="turns of winning seats; use textenv.sft_policy=random"):
         demonstration_examples(env, "random_wins", 2, seed=0, name="frozenlake")
+
+
+def test_the_warm_start_scores_textenv_sft_eval_turns_held_out_turns(tiny_dir, tmp_path):
+    from ppokit.config import build_config
+    from ppokit.lm.multi_turn.demonstrations import warm_started_model
+    from ppokit.lm.sft import CURVE_FILE
+
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir)},
+                "data": {"sft_epochs": 1, "sft_examples": 12, "sft_batch_size": 4},
+                "textenv": {"env": "frozenlake", "kwargs": LAKE, "sft_eval_turns": 5},
+                "rollout": {"max_new_tokens": 2},
+                "run": {"precision": "fp32", "progress": False, "tensorboard": False},
+            }
+        ]
+    )
+    base = warm_started_model(cfg, tmp_path, make_env("frozenlake", **LAKE), "frozenlake", "state")
+    summary = json.loads((base / CURVE_FILE).read_text())
+    assert summary["settings"]["examples"] == 12
+    assert summary["settings"]["eval_examples"] == 5  # not the 256 a real model would spend minutes on

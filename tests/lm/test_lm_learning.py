@@ -123,6 +123,26 @@ def test_a_fully_on_policy_run_takes_its_old_log_probs_from_the_update(tiny_dir,
     assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[-1]["kl_ref"] > 1e-4
 
 
+def test_kl_metric_rows_sizes_the_reference_pass_and_0_skips_it(tiny_dir, tmp_path, sevens, monkeypatch):
+    from ppokit.lm import learner
+    from ppokit.workloads import train as train_lm
+
+    built = []
+    scorer_class = learner.Scorer
+    monkeypatch.setattr(learner, "Scorer", lambda *a, **kw: built.append(kw) or scorer_class(*a, **kw))
+    for rows_measured in (5, 0):
+        cfg = config(
+            tiny_dir,
+            tmp_path,
+            data={"reward": sevens, "eval_size": 0},
+            train={"iterations": 1},
+            algo={"kl_metric_rows": rows_measured},
+        )
+        train_lm(cfg, tmp_path / f"run{rows_measured}")
+        assert built[-1]["metric_rows"] == rows_measured
+        assert ("kl_ref" in read_metrics(tmp_path / f"run{rows_measured}")[0]) == (rows_measured > 0)
+
+
 def test_group_estimator_with_adaptive_kl_in_reward(tiny_dir, tmp_path, sevens):
     from ppokit.workloads import train as train_lm
 

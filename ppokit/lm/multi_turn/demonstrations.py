@@ -22,7 +22,6 @@ from ppokit.lm.base_model import BASE_MODEL_DIR, BASE_MODEL_MARKER, prepare_mode
 from ppokit.lm.data.chat import render_records
 from ppokit.lm.inputs import chat_render
 
-SFT_EVAL_RECORDS = 256
 SFT_EVAL_SEED = 10**12  # held-out demonstration episodes: seeds far from the training ones
 
 
@@ -86,7 +85,9 @@ def warm_started_model(cfg: Config, run_dir: Path, env: Any, env_name: str, mode
         return prepare_model(cfg, run_dir, [], None, progress)
     kind = cfg.textenv.sft_policy
     train = demonstration_examples(env, kind, cfg.data.sft_examples, seed=cfg.seed, name=env_name)
-    held_out = demonstration_examples(env, kind, SFT_EVAL_RECORDS, seed=SFT_EVAL_SEED + cfg.seed, name=env_name)
+    held_out = demonstration_examples(
+        env, kind, cfg.textenv.sft_eval_turns, seed=SFT_EVAL_SEED + cfg.seed, name=env_name
+    )
     if cfg.data.chat_template:
         held_out = render_records(held_out, chat_render(cfg))
     reward: Callable | str = legal_action_reward if kind != "expert" else "exact_match"
