@@ -326,7 +326,7 @@ class ShardPlan(Protocol):
     def merge(self, iteration: int, parts: list[Any], states: list[dict[str, Any]]) -> Batch | None:
         """Iteration ``iteration``'s batch from the shards' parts, in shard order; ``states``:
         each shard's :meth:`ShardSource.state_dict` after its part. None: the iteration needs
-        another round of :meth:`requests` (lm: ``rollout.dynamic_sampling`` draws more prompts)."""
+        another round of :meth:`requests` (lm: ``rollout.dynamic_sampling`` draws more prompts or episodes)."""
 
     def sync_weights(self, learner: Learner) -> None:
         """After the workers got the learner's new weights: the driver's own share of the sync

@@ -1155,7 +1155,7 @@ def _check_lm(cfg: Config) -> None:
 
 def _check_textenv(cfg: Config) -> None:
     """Multi-turn episodes (``textenv``): the estimators and credit they take, self-play's pool,
-    and what runs only in the training process."""
+    the rollout workers' shares and the filter of dynamic sampling."""
     a, t, c = cfg.algo, cfg.train, cfg.cluster
     if a.adv_estimator != "gae" and a.adv_estimator not in GROUP_ESTIMATORS:
         raise ValueError(
@@ -1191,11 +1191,6 @@ def _check_textenv(cfg: Config) -> None:
         raise ValueError(
             "rollout.dynamic_sampling.metric=verifier is data.reward's score; multi-turn episodes (textenv) "
             "are filtered on their return: set rollout.dynamic_sampling.metric=reward"
-        )
-    if cfg.rollout.dynamic_sampling.enable and c.rollout_workers:
-        raise ValueError(
-            "rollout.dynamic_sampling plays the extra episodes of multi-turn runs (textenv) in the "
-            "training process: set cluster.rollout_workers=0, or rollout.dynamic_sampling=false"
         )
 
 
@@ -1238,9 +1233,9 @@ def _check_stopping_target(cfg: Config) -> None:
 
 
 def _check_dynamic_sampling(cfg: Config) -> None:
-    """rollout.dynamic_sampling filters the groups of single-turn prompts (and of multi-turn
-    episodes, played in the training process), each generation batch sampled by the weights of
-    the iteration's first one."""
+    """rollout.dynamic_sampling filters the groups of single-turn prompts and of multi-turn
+    episodes (in the training process or on rollout workers), each generation batch sampled by
+    the weights of the iteration's first one."""
     if not cfg.rollout.dynamic_sampling.enable:
         return
     if cfg.algo.group_size < 2:

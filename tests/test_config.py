@@ -381,11 +381,13 @@ def test_dynamic_sampling_takes_a_switch_a_section_and_verls_names(tmp_path):
         C.load_config(None, [*base, "rollout.dynamic_sampling.max_gen_batches=-1"])
 
 
-def test_multi_turn_k_steps_off_runs_on_rollout_workers_but_dynamic_sampling_there_does_not():
+def test_multi_turn_k_steps_off_and_dynamic_sampling_run_on_rollout_workers_but_not_together():
     base = ["workload=lm", "textenv.env=frozenlake", "train.batch_size=8", "rollout.off_policy_steps=2"]
     cfg = C.load_config(None, [*base, "cluster.rollout_workers=2"])
     assert (cfg.rollout.off_policy_steps, cfg.cluster.rollout_workers) == (2, 2)
     grouped = [*base, "algo.adv_estimator=grpo", "algo.group_size=4", "rollout.dynamic_sampling=true"]
     assert C.load_config(None, grouped).rollout.dynamic_sampling.enable  # in the training process
-    with pytest.raises(ConfigError, match="rollout.dynamic_sampling"):
-        C.load_config(None, [*grouped, "cluster.rollout_workers=1"])
+    synchronous = [*grouped, "rollout.off_policy_steps=0", "cluster.rollout_workers=2"]
+    assert C.load_config(None, synchronous).rollout.dynamic_sampling.enable  # on the workers
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling with rollout.off_policy_steps=2"):
+        C.load_config(None, [*grouped, "cluster.rollout_workers=1"])  # its further draws: newer weights

@@ -13,8 +13,8 @@ RNG
     shard's rollout of iteration i runs under RNGs seeded from (seed, i, shard)
     (:func:`ppokit.resume.rollout_rngs`), which the in-process pipelined source uses too.
     A plan whose :meth:`merge` returns None (lm: ``rollout.dynamic_sampling`` wants more
-    groups with reward variance) gets another round of requests for the same iteration:
-    its d-th further round is seeded with shard ``s + d * DRAW_STREAM``.
+    groups whose rewards, or multi-turn returns, vary) gets another round of requests for
+    the same iteration: its d-th further round is seeded with shard ``s + d * DRAW_STREAM``.
 
 Weights
     :meth:`RemoteSource.sync_weights` puts ``learner.rollout_weights()`` (lora: the

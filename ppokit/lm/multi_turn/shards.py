@@ -20,6 +20,15 @@ request, :mod:`ppokit.cluster.rollout_workers`). With N workers each shard's gen
 under RNGs seeded from (seed, iteration, shard): runs are reproducible, but the sampled
 replies differ from the in-process run's (generation is batched per worker).
 
+``rollout.dynamic_sampling`` (DAPO's filter): the driver filters each merged draw with the
+in-process code (:meth:`~ppokit.lm.multi_turn.source.MultiTurnSource.finish_draw`); while the
+groups whose returns vary do not fill the batch, :meth:`MultiTurnShardPlan.merge` returns None
+and the workers get the requests of the next draw d: the seeds and seat plans the in-process
+source plays for it (groups ``d * B/G + j``, the pool's opponents drawn in the same order). One
+worker thus equals the in-process run bit for bit; with N workers draw d of shard s runs under
+RNGs seeded from (seed, iteration, s + d * DRAW_STREAM). (With ``rollout.off_policy_steps`` it
+stays in the training process: on the workers a further draw would be played by newer weights.)
+
 k-step-off pipelining (``rollout.off_policy_steps: k``): the requests of iteration i + k go
 out after iteration i is collected and before the weights of update i (Ray runs a worker's calls
 in order), so the worker plays them with version i; right after the play it takes each turn's
@@ -73,7 +82,9 @@ class MultiTurnShardPlan:
         self.snapshot_refs: dict[str, Any] = {}  # put into the object store once per snapshot
 
     def requests(self, iteration: int) -> list[EpisodeRequest]:
-        seeds, plans = self.source.episodes(iteration)
+        """The shards of the iteration's next draw of episodes: its first, or (``rollout.dynamic_sampling``,
+        after :meth:`merge` returned None) the next one, with new seeds and seat plans."""
+        seeds, plans = self.source.episodes(iteration, draw=self.source.draw)
         snapshots = self._snapshot_refs()
         k = len(seeds) // self.num_shards
         return [
@@ -95,14 +106,21 @@ class MultiTurnShardPlan:
                 self.snapshot_refs[i] = ray.put(self.source.opponents.tensors[i])
         return dict(self.snapshot_refs)
 
-    def merge(self, iteration: int, parts: list[tuple[PlayResult, float, float | None]], states: list[dict]) -> Batch:
+    def merge(
+        self, iteration: int, parts: list[tuple[PlayResult, float, float | None]], states: list[dict]
+    ) -> Batch | None:
         """The batch of the parts in episode order; with the behaviour log-probs the workers took
-        (``rollout.off_policy_steps``), its ``old_log_prob``."""
+        (``rollout.off_policy_steps``), its ``old_log_prob``. None (``rollout.dynamic_sampling``)
+        while the groups whose returns vary do not fill the batch yet
+        (:meth:`~ppokit.lm.multi_turn.source.MultiTurnSource.finish_draw`, the in-process filter):
+        :class:`~ppokit.cluster.rollout_workers.RemoteSource` asks for the next draw's requests."""
         results = [part[0] for part in parts]
         if self.source.opponents is not None:  # the workers' time copying snapshots into their slots
             self.source.opponents.load_seconds += sum(part[1] for part in parts)
         k = self.source.cfg.train.batch_size // self.num_shards
-        batch = self.source.finish(iteration, merge_results(results, [s * k for s in range(self.num_shards)]))
+        batch = self.source.finish_draw(iteration, merge_results(results, [s * k for s in range(self.num_shards)]))
+        if batch is None:
+            return None
         behaviour_times = [part[2] for part in parts if part[2] is not None]
         if behaviour_times:
             if "old_log_prob" not in batch.tensors:  # the scorer would take them from newer weights

@@ -24,7 +24,8 @@ itself); the opponent's moves still follow the moves made, and a self-play oppon
 samples its own replies. A trajectory's group is its episode's group and its seat
 (:func:`trajectory_groups`); ``env/uniform_group_rate`` counts the groups whose returns
 are all equal (advantage 0). ``rollout.dynamic_sampling`` drops those groups and plays
-more, with new seeds, until the batch is full (:meth:`MultiTurnSource._collect_filtered`).
+more, with new seeds, until the batch is full (:meth:`MultiTurnSource.finish_draw`; on Ray
+rollout workers the driver sends the further draws out, :mod:`ppokit.lm.multi_turn.shards`).
 
 Self-play (a two-player environment that plays no seat itself, e.g. ``tictactoe`` with
 ``opponent: self``): in each episode the learner's seat is
@@ -178,6 +179,7 @@ class MultiTurnSource:
         self.synced_version: int | None = None  # the learner's version at the last of them
         self.role_baseline: dict[str, float] = {}
         self.episodes_generated_total = 0  # rollout.dynamic_sampling: episodes played over the run
+        self.draws: list[tuple[PlayResult, list[bool]]] = []  # and the iteration's draws so far, each kept group
         self.pool_sizes: dict[int, int] = {}  # iteration -> the pool's size when its opponents were drawn
 
     # ------------------------------------------------------------------ collect
@@ -202,11 +204,10 @@ class MultiTurnSource:
             return self._play_batch(iteration)
 
     def _play_batch(self, iteration: int) -> Batch:
-        if self.cfg.rollout.dynamic_sampling.enable:
-            batch = self._collect_filtered(iteration)
-        else:
-            seeds, plans = self.episodes(iteration)
-            batch = self.finish(iteration, self.player.play(seeds, seat_actors=seat_actors_of(plans)))
+        batch = None
+        while batch is None:  # rollout.dynamic_sampling: too few groups whose returns vary yet
+            seeds, plans = self.episodes(iteration, draw=self.draw)
+            batch = self.finish_draw(iteration, self.player.play(seeds, seat_actors=seat_actors_of(plans)))
         batch.policy_version = self.policy_version
         if self.cfg.rollout.off_policy_steps and not self.cfg.algo.rollout_correction_bypass:
             # the weights that played it, in the scorer's numerics, before the updates move them
@@ -218,22 +219,30 @@ class MultiTurnSource:
             batch.metrics["time_behaviour_log_prob"] = time.perf_counter() - start
         return batch
 
-    def _collect_filtered(self, iteration: int) -> Batch:
-        """``rollout.dynamic_sampling`` (DAPO's dynamic sampling, as single-turn runs filter prompt
-        groups): draws of ``train.batch_size`` episodes (new seeds each, :meth:`episodes`) until
-        the groups whose returns vary (:func:`groups_with_signal`) fill the batch, or
-        ``max_gen_batches`` draws; the batch is the first ``batch_size / group_size`` such groups
-        in draw order, filled up at the limit with dropped groups in draw order."""
+    @property
+    def draw(self) -> int:
+        """The index of the iteration's next draw of ``train.batch_size`` episodes (0: its first;
+        only ``rollout.dynamic_sampling`` plays more than one)."""
+        return len(self.draws)
+
+    def finish_draw(self, iteration: int, result: PlayResult) -> Batch | None:
+        """The batch of a draw of ``iteration``'s episodes (:meth:`episodes` with ``draw=``
+        :attr:`draw`), played here or on Ray rollout workers (:mod:`ppokit.lm.multi_turn.shards`).
+        Without ``rollout.dynamic_sampling``: :meth:`finish`. With it (DAPO's dynamic sampling, as
+        single-turn runs filter prompt groups): None until the groups whose returns vary
+        (:func:`groups_with_signal`) fill the batch, or ``max_gen_batches`` draws were played (the
+        caller plays draw :attr:`draw` next); then the batch of the first ``batch_size / group_size``
+        such groups in draw order, filled up at the limit with dropped groups in draw order."""
+        if not self.cfg.rollout.dynamic_sampling.enable:
+            return self.finish(iteration, result)
         ds, n, g = self.cfg.rollout.dynamic_sampling, self.cfg.train.batch_size, self.cfg.algo.group_size
         want = n // g
-        draws: list[tuple[PlayResult, list[bool]]] = []
-        while True:
-            seeds, plans = self.episodes(iteration, draw=len(draws))
-            result = self.player.play(seeds, seat_actors=seat_actors_of(plans))
-            draws.append((result, groups_with_signal(result.trajectories, g, want)))
-            kept = sum(sum(keep) for _, keep in draws)
-            if kept >= want or (ds.max_gen_batches and len(draws) >= ds.max_gen_batches):
-                break
+        self.draws.append((result, groups_with_signal(result.trajectories, g, want)))
+        draws = self.draws
+        kept = sum(sum(keep) for _, keep in draws)
+        if kept < want and not (ds.max_gen_batches and len(draws) >= ds.max_gen_batches):
+            return None
+        self.draws = []  # the next iteration starts at draw 0
         chosen = [(d, j) for d, (_, keep) in enumerate(draws) for j in range(want) if keep[j]][:want]
         padded = [(d, j) for d, (_, keep) in enumerate(draws) for j in range(want) if not keep[j]]
         padded = padded[: want - len(chosen)]
