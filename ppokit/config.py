@@ -913,7 +913,13 @@ class TextEnvConfig(Section):
         "each turn costs a prompt's forward pass)",
         ge=1,
     )
-    eval_episodes: int = field(200, "episodes of each greedy evaluation (before, every eval_every, after)", ge=0)
+    eval_episodes: int = field(200, "episodes of each evaluation (before, every eval_every, after)", ge=0)
+    eval_sampling: Literal["greedy", "sampled"] = field(
+        "greedy",
+        "how the evaluation episodes pick replies: greedy (the most likely), or sampled at rollout.temperature "
+        "as the rollouts are, on a random stream of the evaluation's own (the run's rollouts are the same "
+        "either way); a policy that is greedy-stuck on an illegal move repeats it until the episode is cut",
+    )
     eval_every: int = field(0, "also evaluate every N iterations (0 = before and after training only)", ge=0)
     stop_at_win_rate: float | None = field(
         None,

@@ -292,3 +292,24 @@ def test_the_opponent_pool_plays_snapshots_from_a_spare_adapter_slot(tiny_dir, t
     fresh.load_state_dict(state)
     assert fresh.pool.ids() == ["update-0", "update-1"] and fresh.updates == 1
     assert all(torch.equal(fresh.opponents.tensors["update-1"][k], snap[k]) for k in snap)
+
+
+# ----------------------------------------------------------------------------- evaluation
+def test_a_sampled_evaluation_draws_from_its_own_stream(tiny_dir, tmp_path):
+    """textenv.eval_sampling=sampled: the episodes sample as rollouts do, every evaluation draws the
+    same numbers, and the run's own random stream (the next rollout) is untouched."""
+    textenv = {"env": "tictactoe", "kwargs": {"opponent": "random"}, "eval_episodes": 8, "max_turns": 5}
+    greedy_parts = build(mt_config(tiny_dir, tmp_path / "g", textenv=textenv), tmp_path / "g")
+    sampled_parts = build(
+        mt_config(tiny_dir, tmp_path / "s", textenv={**textenv, "eval_sampling": "sampled"}), tmp_path / "s"
+    )
+    greedy = greedy_parts.evaluator.evaluate("before")
+    torch.manual_seed(11)
+    untouched = torch.rand(3)
+    torch.manual_seed(11)
+    first = sampled_parts.evaluator.evaluate("before")
+    assert torch.equal(torch.rand(3), untouched)  # the run's stream is where it was
+    again = sampled_parts.evaluator.evaluate("periodic")
+    assert again == {k.replace("eval_before", "eval"): v for k, v in first.items()}  # the same draws
+    assert greedy != first  # a random model's sampled replies differ from its greedy ones
+    assert "sampled at temperature 1 " in sampled_parts.evaluator.message("before", first)

@@ -541,9 +541,12 @@ def _text(observation: Any) -> Any:
 
 # ----------------------------------------------------------------------------- evaluation
 class TextEnvEvaluator:
-    """Greedy episodes on fixed seeds: against each evaluation opponent, or the environment as trained.
+    """Episodes on fixed seeds: against each evaluation opponent, or the environment as trained.
     Periodic evaluations play the first opponent only (the one the stopping rule reads);
-    the evaluations before and after training play them all.
+    the evaluations before and after training play them all. Replies are greedy, or
+    (``textenv.eval_sampling: sampled``) sampled as the rollouts are, from a random stream
+    seeded by the run's seed at every evaluation: the run's own stream, and with it every
+    rollout, is the same either way, and every evaluation draws the same numbers.
 
     Metrics, with ``S`` = ``_before`` (before training), ``""`` (periodic) or ``_after``
     (after training) and ``O`` = ``/OPPONENT`` (or nothing): ``evalS/O/win_rate``,
@@ -557,6 +560,7 @@ class TextEnvEvaluator:
         t = cfg.textenv
         self.every = t.eval_every
         self.episodes = t.eval_episodes
+        self.greedy, self.seed, self.temperature = t.eval_sampling == "greedy", cfg.seed, cfg.rollout.temperature
         self.opponents = list(t.eval_opponents) or [None]
         self.players = {}
         for opponent in self.opponents:
@@ -580,7 +584,7 @@ class TextEnvEvaluator:
         out: dict[str, float] = {}
         for opponent, player in list(self.players.items())[: 1 if phase == "periodic" else None]:
             seeds = [EVAL_SEED_BASE + i for i in range(self.episodes)]
-            result = player.play(seeds, seat_actors=lambda i, info: {}, greedy=True)
+            result = self._play(player, seeds)
             records = [r for episode in result.records for r in episode.values()]
             metrics = episode_metrics(records, prefix="")
             where = f"eval{suffix}" + (f"/{opponent}" if opponent is not None else "")
@@ -598,6 +602,15 @@ class TextEnvEvaluator:
             self.before = dict(out)
         return out
 
+    def _play(self, player: EpisodePlayer, seeds: list[int]) -> PlayResult:
+        """The evaluation's episodes: greedy, or sampled on a random stream of their own."""
+        if self.greedy:
+            return player.play(seeds, seat_actors=lambda i, info: {}, greedy=True)
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(self.seed)
+            return player.play(seeds, seat_actors=lambda i, info: {}, greedy=False)
+
     def message(self, phase: str, metrics: dict[str, float]) -> str | None:
         suffix = {"before": "_before", "final": "_after"}.get(phase, "")
         label = {"before": "before PPO", "final": "after PPO"}.get(phase, "evaluation")
@@ -611,7 +624,8 @@ class TextEnvEvaluator:
                 f"{vs} {metrics[where + '/win_rate']:.1%} (draw {metrics[where + '/draw_rate']:.1%}, "
                 f"illegal moves {metrics[where + '/illegal_action_rate']:.2%})"
             )
-        return f"{label}: " + "; ".join(parts) + f" ({self.episodes} greedy episodes each)"
+        how = "greedy" if self.greedy else f"sampled at temperature {self.temperature:g}"
+        return f"{label}: " + "; ".join(parts) + f" ({self.episodes} {how} episodes each)"
 
     def stop_reason(self, metrics: dict[str, float]) -> str | None:
         return self.early_stop.update(metrics.get(self.stop_key))
