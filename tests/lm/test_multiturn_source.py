@@ -312,4 +312,4 @@ def test_a_sampled_evaluation_draws_from_its_own_stream(tiny_dir, tmp_path):
     again = sampled_parts.evaluator.evaluate("periodic")
     assert again == {k.replace("eval_before", "eval"): v for k, v in first.items()}  # the same draws
     assert greedy != first  # a random model's sampled replies differ from its greedy ones
-    assert "sampled at temperature 1 " in sampled_parts.evaluator.message("before", first)
+    assert "episodes each, sampled at temperature 1)" in sampled_parts.evaluator.message("before", first)

@@ -625,7 +625,7 @@ class TextEnvEvaluator:
                 f"illegal moves {metrics[where + '/illegal_action_rate']:.2%})"
             )
         how = "greedy" if self.greedy else f"sampled at temperature {self.temperature:g}"
-        return f"{label}: " + "; ".join(parts) + f" ({self.episodes} {how} episodes each)"
+        return f"{label}: " + "; ".join(parts) + f" ({self.episodes} episodes each, {how})"
 
     def stop_reason(self, metrics: dict[str, float]) -> str | None:
         return self.early_stop.update(metrics.get(self.stop_key))
