@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from ppokit.errors import ConfigError, did_you_mean
+from ppokit.errors import ConfigError, UserError, did_you_mean
 
 PRESET_DIR = Path(__file__).with_name("presets")
 
@@ -623,6 +623,18 @@ class RolloutConfig(Section):
         "algo.group_size episodes of one seed, filtered on their returns",
         "filter_groups",
     )
+
+
+def rollout_options(base: RolloutConfig | None, **overrides: Any) -> RolloutConfig:
+    """A :class:`RolloutConfig` from ``base`` (None: the defaults) with the ``overrides`` that are
+    not None (``ppokit generate``/``chat``/``eval``'s sampling options), validated (a bad value is
+    a one-line :class:`UserError` naming the option)."""
+    values = base.model_dump() if base is not None else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return RolloutConfig(**values)
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc).replace("rollout.", "")) from None
 
 
 class ClusterConfig(Section):

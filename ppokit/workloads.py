@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ppokit.config import Config
 
@@ -28,14 +28,22 @@ WORKLOADS = {
     "textenv": ("ppokit.lm.multi_turn.workload", "MultiTurnWorkload"),
 }
 
-# workload kind -> what ``ppokit eval`` prints for a run directory of that kind, imported on demand:
-# (module, function) with ``function(run, /, **options) -> str`` (run: a ppokit.rundir.RunDir;
-# options: the command's parsed arguments by name, each evaluation reading its own), and whether
-# the kind takes the language-model options of ``ppokit eval`` (--data, --samples, ...)
+
+class Evaluator(NamedTuple):
+    """What ``ppokit eval`` runs for a run directory of one workload kind, imported on demand:
+    ``module.function(run, /, **options) -> str`` (run: a :class:`ppokit.rundir.RunDir`; options:
+    the command's parsed arguments by name, each evaluation reading its own)."""
+
+    module: str
+    function: str
+    takes_lm_options: bool  # the language-model options of ``ppokit eval`` (--data, --samples, ...)
+
+
+# workload kind -> its evaluation (``ppokit eval``)
 EVALUATORS = {
-    "control": ("ppokit.control.evaluate", "report_run", False),
-    "lm": ("ppokit.lm.run_eval", "report_run", True),
-    "textenv": ("ppokit.lm.multi_turn.run_eval", "report_run", True),
+    "control": Evaluator("ppokit.control.evaluate", "report_run", takes_lm_options=False),
+    "lm": Evaluator("ppokit.lm.run_eval", "report_run", takes_lm_options=True),
+    "textenv": Evaluator("ppokit.lm.multi_turn.run_eval", "report_run", takes_lm_options=True),
 }
 
 
@@ -89,14 +97,14 @@ def train(cfg: Config, run_dir: Path | str, resume_from: Path | str | None = Non
 
 def takes_lm_options(kind: str) -> bool:
     """Whether ``ppokit eval`` of a run of ``kind`` takes the language-model options (:data:`EVALUATORS`)."""
-    return EVALUATORS[kind][2]
+    return EVALUATORS[kind].takes_lm_options
 
 
 def evaluate_run(run: Any, /, **options: Any) -> str:
     """What ``ppokit eval`` prints for ``run`` (a :class:`ppokit.rundir.RunDir`): the evaluation of its
     kind (:data:`EVALUATORS`) with the command's ``options``."""
-    module, name, _ = EVALUATORS[run.kind]
-    return getattr(importlib.import_module(module), name)(run, **options)
+    evaluator = EVALUATORS[run.kind]
+    return getattr(importlib.import_module(evaluator.module), evaluator.function)(run, **options)
 
 
 def _control_summary(result: dict[str, Any]) -> str | None:

@@ -202,7 +202,8 @@ def chat_main(
     """``ppokit chat``: a conversation on standard input and output (module docstring)."""
     import torch
 
-    from ppokit.lm.generation.loading import load_generator, rollout_options
+    from ppokit.config import rollout_options
+    from ppokit.lm.generation.loading import load_generator
 
     gen = load_generator(path, device=device, **sampling)
     conversation = Conversation(gen.tokenizer, gen.label, system)

@@ -57,7 +57,7 @@ def prepare_model(
     """
     path = cfg.model.path
     base = run_dir / BASE_MODEL_DIR
-    gguf = is_gguf(path)
+    gguf = path != "tiny" and is_gguf(path)  # the built-in model is never a GGUF file
     if path == "tiny" or cfg.data.sft_epochs or gguf:
         if (base / BASE_MODEL_MARKER).is_file():
             return base

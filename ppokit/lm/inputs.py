@@ -2,8 +2,9 @@
 
 :func:`load_data` reads and checks them (a built-in task or prompt files, ``data.reward``
 or the task's own verifier, the chat template) before any model loads, so that a bad
-file or reward function fails at once; ``ppokit train``, ``ppokit eval`` and the run all
-read them through it.
+file or reward function fails at once; ``ppokit train`` and the run read them through it.
+``ppokit eval`` of a run reads its held-out prompts and reward spec alone, by the same rules
+(:func:`load_heldout`).
 """
 
 from __future__ import annotations
@@ -43,38 +44,60 @@ def load_data(cfg: Config, tokenizer=None, where: str | None = None) -> tuple[li
     ``tokenizer`` (``where`` names it in errors; default: model.path's tokenizer).
     """
     d = cfg.data
-    from_file = is_file_source(d.prompts)
-    if d.reward is None:
-        if from_file:
-            if d.reward_model is None:
-                raise UserError(
-                    f"data.reward: the prompt file {d.prompts} needs a reward function "
-                    "(a built-in name, module:fn or file.py:fn) or data.reward_model"
-                )
-            if d.eval_prompts is not None and d.eval_size:
-                raise UserError(
-                    "data.eval_prompts: the held-out accuracy is scored by data.reward (a verifier), "
-                    "and the reward model alone does not say what is correct; set data.reward, or "
-                    "data.eval_size=0"
-                )
-            reward_spec = None
-        else:
-            reward_spec = get_task(d.prompts).default_reward
-    else:
-        reward_spec = d.reward
+    reward_spec = _reward_spec(cfg)
     reward_fn = load_reward_fn(reward_spec) if reward_spec is not None else None
-    chat = d.chat_template
-    keys = {"prompt_key": d.prompt_key, "answer_key": d.answer_key}
-    train_items = load_prompts(d.prompts, "train", chat=chat, **keys)
-    if d.eval_size == 0:
-        eval_items = []
-    elif d.eval_prompts is not None:
-        eval_items = load_prompts(d.eval_prompts, "eval", chat=chat, **keys)[: d.eval_size]
-    elif not from_file:
-        eval_items = load_prompts(d.prompts, "eval", n=d.eval_size)
-    else:
-        eval_items = []
+    train_items = load_prompts(
+        d.prompts, "train", chat=d.chat_template, prompt_key=d.prompt_key, answer_key=d.answer_key
+    )
+    eval_items = _heldout_items(cfg)
     render = chat_render(cfg, tokenizer, where)
     if render is not None:
         train_items, eval_items = render_records(train_items, render), render_records(eval_items, render)
     return train_items, eval_items, reward_fn
+
+
+def load_heldout(cfg: Config, tokenizer, where: str | None = None) -> tuple[list[dict], str | None]:
+    """(held-out records, the reward spec) of a run of ``cfg``, as :func:`load_data` reads them
+    (rendered with ``tokenizer``'s chat template under ``data.chat_template``), without the
+    training prompts: what ``ppokit eval`` scores a run's trained actor on. The spec is None for
+    a prompt file scored by ``data.reward_model`` alone; the function is loaded by its scorer."""
+    render = chat_render(cfg, tokenizer, where)
+    reward_spec = _reward_spec(cfg)
+    eval_items = _heldout_items(cfg)
+    return (render_records(eval_items, render) if render is not None else eval_items), reward_spec
+
+
+def _reward_spec(cfg: Config):
+    """``data.reward``, else the task's own verifier; None for a prompt file scored by
+    ``data.reward_model`` alone (a file with neither is a :class:`UserError`)."""
+    d = cfg.data
+    if d.reward is not None:
+        return d.reward
+    if not is_file_source(d.prompts):
+        return get_task(d.prompts).default_reward
+    if d.reward_model is None:
+        raise UserError(
+            f"data.reward: the prompt file {d.prompts} needs a reward function "
+            "(a built-in name, module:fn or file.py:fn) or data.reward_model"
+        )
+    if d.eval_prompts is not None and d.eval_size:
+        raise UserError(
+            "data.eval_prompts: the held-out accuracy is scored by data.reward (a verifier), "
+            "and the reward model alone does not say what is correct; set data.reward, or "
+            "data.eval_size=0"
+        )
+    return None
+
+
+def _heldout_items(cfg: Config) -> list[dict]:
+    """The held-out records, not rendered: ``data.eval_prompts``' first ``data.eval_size``, else
+    the task's held-out split; none with ``data.eval_size=0`` or for a prompt file alone."""
+    d = cfg.data
+    if d.eval_size == 0:
+        return []
+    if d.eval_prompts is not None:
+        keys = {"prompt_key": d.prompt_key, "answer_key": d.answer_key}
+        return load_prompts(d.eval_prompts, "eval", chat=d.chat_template, **keys)[: d.eval_size]
+    if not is_file_source(d.prompts):
+        return load_prompts(d.prompts, "eval", n=d.eval_size)
+    return []

@@ -25,9 +25,8 @@ from ppokit.errors import UserError
 from ppokit.lm.data.chat import chat_renderer, render_records
 from ppokit.lm.data.sources import is_file_source, load_prompts
 from ppokit.lm.data.tasks import get_task
-from ppokit.lm.evaluate import score_texts
 from ppokit.lm.generation.loading import load_generator
-from ppokit.lm.inputs import load_data
+from ppokit.lm.inputs import load_heldout
 from ppokit.lm.rewards.functions import BUILTIN_REWARDS
 from ppokit.lm.rewards.pool import make_reward_scorer
 from ppokit.rundir import RunDir
@@ -82,7 +81,9 @@ def evaluate_lm(
         torch.manual_seed(seed)
         prompts = [it["prompt"] for it in items]
         greedy = gen.engine.generate(prompts, greedy=True, items=items)
-        greedy_results = score_texts(scorer, prompts, greedy.texts, items)
+        lengths = greedy.response_lengths.double()  # (P,)
+        greedy_results = scorer.score(prompts, greedy.texts, items)
+        num_errors = greedy_results.num_errors
         scores = torch.tensor(greedy_results.scores, dtype=torch.float64)  # (P,)
         out: dict[str, Any] = {
             "model": gen.label,
@@ -90,13 +91,13 @@ def evaluate_lm(
             "reward": reward_spec,
             "mean_reward": scores.mean().item(),
             "pass@1_greedy": (scores >= threshold).double().mean().item(),
-            "mean_length": greedy.response_lengths.double().mean().item(),
-            "reward_errors": greedy_results.num_errors,
+            "mean_length": lengths.mean().item(),
+            "reward_errors": num_errors,
         }
         if samples:
-            sampled_out, num_errors = _sampled_metrics(gen, scorer, prompts, items, samples, ks, threshold)
+            sampled_out, sampled_errors = _sampled_metrics(gen, scorer, prompts, items, samples, ks, threshold)
             out.update(sampled_out)
-            out["reward_errors"] += num_errors
+            out["reward_errors"] += sampled_errors
     finally:
         scorer.close()
     out["threshold"] = threshold
@@ -111,13 +112,14 @@ def _sampled_metrics(
     """``samples`` sampled responses per prompt: their mean reward and length, and ``pass@K`` for
     each K in ``ks``; and the number of reward errors."""
     sampled = gen.engine.generate(prompts, group_size=samples, items=items)
-    results = score_texts(scorer, sampled.prompts, sampled.texts, sampled.items)
+    sampled_lengths = sampled.response_lengths.double()  # (P * n,)
+    results = scorer.score(list(sampled.prompts), list(sampled.texts), list(sampled.items))
     sampled_scores = torch.tensor(results.scores, dtype=torch.float64).view(len(items), samples)  # (P, n)
     out: dict[str, Any] = {
         "samples": samples,
         "temperature": gen.engine.cfg.temperature,
         "sampled_mean_reward": sampled_scores.mean().item(),
-        "sampled_mean_length": sampled.response_lengths.double().mean().item(),
+        "sampled_mean_length": sampled_lengths.mean().item(),
     }
     for kk in ks:
         out[f"pass@{kk}"] = mean_pass_at_k(sampled_scores >= threshold, kk)
@@ -142,12 +144,12 @@ def _eval_items(
             )
         if reward is not None:
             cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"reward": reward})})
-        _, items, reward_fn = load_data(cfg, gen.tokenizer, where="the checkpoint")
-        if reward_fn is None:
+        items, reward_spec = load_heldout(cfg, gen.tokenizer, where="the checkpoint")
+        if reward_spec is None:
             raise UserError("the run is scored by its reward model alone; give a verifier with --reward")
         if not items:
             raise UserError("the run has no held-out prompts; give them with --data")
-        return items, reward_fn.spec
+        return items, reward_spec.strip()
     keys = {
         "prompt_key": prompt_key or (cfg.data.prompt_key if cfg else "prompt"),
         "answer_key": answer_key or (cfg.data.answer_key if cfg else "answer"),

@@ -8,7 +8,7 @@ checkpoint directory, a plain Hugging Face model directory or a GGUF file, and r
 actor model) with its tokenizer, plus the run's config when there is one. Sampling
 options (temperature, top_p, top_k, max_new_tokens) start from the run's
 ``rollout`` section (the defaults for a model directory) and are overridden by the
-caller's.
+caller's (:func:`ppokit.config.rollout_options`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from ppokit.config import RolloutConfig, format_validation_error
+from ppokit.config import rollout_options
 from ppokit.errors import UserError
 from ppokit.lm.generation.factory import make_engine, make_model_engine
 from ppokit.lm.model.device import resolve_device, resolve_precision
@@ -44,17 +42,6 @@ class Generator:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
 
-def rollout_options(base, **overrides: Any):
-    """A :class:`~ppokit.config.RolloutConfig` from ``base`` with the ``overrides`` that are not
-    None, validated (a bad value is a one-line :class:`UserError` naming the option)."""
-    values = base.model_dump() if base is not None else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return RolloutConfig(**values)
-    except ValidationError as exc:
-        raise UserError(format_validation_error(exc).replace("rollout.", "")) from None
-
-
 def load_generator(
     path: str | Path | RunDir, *, device: str | None = None, precision: str | None = None, **sampling: Any
 ) -> Generator:
@@ -67,10 +54,9 @@ def load_generator(
     ckpt = run.lm_checkpoint
     if ckpt is not None:
         cfg = run.config(ckpt)
+        rollout = rollout_options(cfg.rollout, **sampling)
         stack = load_policy_stack(ckpt, cfg, device=device, precision=precision)
-        engine = make_engine(
-            stack.policy, stack.tokenizer, rollout_options(cfg.rollout, **sampling), kv_cache=stack.kv_cache
-        )
+        engine = make_engine(stack.policy, stack.tokenizer, rollout, kv_cache=stack.kv_cache)
         return Generator(engine, stack.tokenizer, cfg, f"the trained actor of {ckpt}")
     if not (path / "config.json").is_file():
         raise UserError(
@@ -78,13 +64,14 @@ def load_generator(
             "directory (no config.json); give RUN_DIR (after ppokit train) or a Hugging Face model "
             "directory"
         )
+    rollout = rollout_options(None, **sampling)
     causal_lm_config(path, "the model directory")
     dev = resolve_device(device or "auto")
     dtype = resolve_precision(precision or "auto", dev)
     tokenizer = load_tokenizer(path, "the model directory")
     model = load_causal_lm(path, "the model directory").to(dev).eval()
     model.requires_grad_(False)
-    engine = make_model_engine(model, tokenizer, rollout_options(None, **sampling), autocast_dtype=dtype)
+    engine = make_model_engine(model, tokenizer, rollout, autocast_dtype=dtype)
     return Generator(engine, tokenizer, None, str(path))
 
 

@@ -255,12 +255,16 @@ def load_policy(
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None = None,
     trainable: bool = False,
-    attn_implementation: str = "auto",
+    attn_implementation: str | None = "auto",
 ) -> LMPolicy:
-    """Reload a policy saved by :func:`save_policy` (the reference of lora mode comes with it)."""
+    """Reload a policy saved by :func:`save_policy` (the reference of lora mode comes with it).
+    ``attn_implementation``: ``auto`` is :func:`~ppokit.lm.model.device.attention_implementation`'s
+    choice for ``device``; another value (None: the model's default) is used as it is."""
     ckpt = Path(ckpt_dir)
+    attn = attn_implementation
+    if attn == "auto":
+        attn = attention_implementation(attn, torch.device(device))
     meta = read_policy_meta(ckpt)
-    attn = attention_implementation(attn_implementation, torch.device(device))
     critic = meta["critic"]
     policy_kwargs: dict[str, Any] = {}
     if meta["mode"] == "lora":

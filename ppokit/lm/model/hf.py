@@ -64,7 +64,7 @@ def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bo
     Otherwise (a reward model's): right padding, truncation from the left, no requirement.
     A GGUF file stands for its converted directory (:mod:`ppokit.lm.model.gguf`).
     """
-    path = model_directory(path, what)
+    path = _directory(path, what)
     _check_local_dir(path, what)
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(
@@ -104,7 +104,7 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
     """The model config of a local directory, checked to be in ``mapping`` (an auto class's
     configs; otherwise the UserError says the config ``not_loadable``). A GGUF file stands for
     its converted directory."""
-    path = model_directory(path, what)
+    path = _directory(path, what)
     _check_local_dir(path, what)
     if not (Path(path) / "config.json").is_file():
         raise UserError(
@@ -150,7 +150,7 @@ def load_hf_model(
     in ``eval()`` mode; any failure is a UserError naming the directory. ``check(model,
     loading_info)`` may raise one too, before transformers' load report is printed (it is
     dropped when loading fails)."""
-    path = model_directory(path, what)
+    path = _directory(path, what)
     with held_load_report() as report:
         try:
             model, info = auto_class.from_pretrained(
@@ -233,6 +233,13 @@ def weights_problem(exc: BaseException, report: Sequence[str] = ()) -> str:
     if isinstance(exc, SafetensorError) or "safetensors" in str(exc).lower():
         return f"the weight file is corrupt or truncated ({first_line(exc)}); copy or save the model again"
     return f"cannot load the model weights ({type(exc).__name__}: {first_line(exc)})"
+
+
+def _directory(path: str | Path, what: str) -> str | Path:
+    """``path`` when it is a directory (:mod:`ppokit.lm.model.gguf` is not asked then), else
+    :func:`~ppokit.lm.model.gguf.model_directory`: a GGUF file or a packaged model's name stands
+    for its converted directory."""
+    return path if Path(path).is_dir() else model_directory(path, what)
 
 
 def _check_local_dir(path: str | Path, what: str) -> None:

@@ -22,7 +22,14 @@ import torch
 from ppokit.config import Config
 from ppokit.lm.accel import accelerate_policy
 from ppokit.lm.model.checkpoint import load_policy
-from ppokit.lm.model.device import placement, precision_name, resolve_device, resolve_precision, set_threads
+from ppokit.lm.model.device import (
+    attention_implementation,
+    placement,
+    precision_name,
+    resolve_device,
+    resolve_precision,
+    set_threads,
+)
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import LMPolicy, build_policy
 from ppokit.lm.model.tiny import build_char_tokenizer
@@ -92,8 +99,9 @@ def load_policy_stack(
     with ``precision`` (None: the run's ``run.device``/``run.precision``)."""
     dev = resolve_device(device or cfg.run.device)
     autocast_dtype = resolve_precision(precision or cfg.run.precision, dev)
+    attn = attention_implementation("auto", dev)
     tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
-    policy = load_policy(ckpt, device=dev, autocast_dtype=autocast_dtype)
+    policy = load_policy(ckpt, device=dev, autocast_dtype=autocast_dtype, attn_implementation=attn)
     return _finish(cfg, policy, tokenizer, dev, autocast_dtype, Path(ckpt))
 
 

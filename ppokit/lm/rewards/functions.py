@@ -247,6 +247,25 @@ class RewardFunction:
     def __call__(self, prompt: str, response: str, **fields: Any) -> Any:
         return self.fn(prompt, response, **self.select_fields(fields))
 
+    def outcome(self, index: int, prompt: str, response: str, fields: dict[str, Any]) -> tuple:
+        """``(status, score or reason, note)`` of sample ``index``, failures caught: ``("ok", score,
+        note)`` (:func:`split_outcome`), ``("error", reason, None)`` when the function raises,
+        ``("bad_value", reason, None)`` when it returns something else than a finite number
+        (:func:`as_score`). What :mod:`ppokit.lm.rewards.pool` records."""
+        try:
+            value = self(prompt, response, **fields)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed
+            return "error", one_line_error(exc), None
+        try:
+            score = as_score(value, self.name, index, prompt)
+        except UserError as exc:
+            return "bad_value", str(exc), None
+        return "ok", score, split_outcome(value)[1]
+
+    def outcomes(self, tasks: Sequence[tuple[int, str, str, dict[str, Any]]]) -> list[tuple]:
+        """:meth:`outcome` of each ``(index, prompt, response, fields)`` in ``tasks``, in order."""
+        return [self.outcome(*task) for task in tasks]
+
     def __repr__(self) -> str:
         return f"RewardFunction({self.spec!r})"
 

@@ -55,12 +55,9 @@ from ppokit.lm.rewards.functions import (
     BUILTIN_REWARDS,
     IN_PROCESS_REWARDS,
     RewardFunction,
-    as_score,
     load_reward_fn,
     reward_fields,
-    split_outcome,
 )
-from ppokit.user_code import one_line_error
 
 ERROR_KINDS = ("error", "bad_value", "timeout", "worker_died")
 DEFAULT_TIMEOUT = 30.0
@@ -165,9 +162,9 @@ class InProcessScorer:
         self, prompts: Sequence[str], responses: Sequence[str], fields_list: Sequence[dict[str, Any]] | None = None
     ) -> RewardResults:
         tasks = _tasks(prompts, responses, fields_list)
+        outcomes = self.reward.outcomes(tasks)
         results = RewardResults([self.reward_on_error] * len(tasks), [None] * len(tasks), [None] * len(tasks))
-        for index, prompt, response, fields in tasks:
-            status, value, note = _score_one(self.reward, index, prompt, response, fields)
+        for index, (status, value, note) in enumerate(outcomes):
             _record(results, index, status, value, note, self.reward_on_error)
         check_error_limit(results, self.max_reward_errors, self.name)
         return results
@@ -458,19 +455,6 @@ def _record(
         results.errors[index] = (status, value)
 
 
-def _score_one(reward, index: int, prompt: str, response: str, fields: dict[str, Any]) -> tuple:
-    """``(status, score or reason, note)`` for one sample."""
-    try:
-        value = reward(prompt, response, **fields)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function failed
-        return "error", one_line_error(exc), None
-    try:
-        score = as_score(value, reward.name, index, prompt)
-    except UserError as exc:
-        return "bad_value", str(exc), None
-    return "ok", score, split_outcome(value)[1]
-
-
 def _portable_spec(spec: Any, reward) -> Any:
     """What a worker needs to load the reward: a spec string (file paths made absolute), or
     the pickled callable."""
@@ -544,6 +528,6 @@ def _worker_main(conn, payload: tuple) -> None:
             return
         if chunk is None:
             return
-        for index, prompt, response, fields in chunk:
-            status, result, note = _score_one(reward, index, prompt, response, fields)
-            conn.send((index, status, result, note))
+        for task in chunk:
+            status, result, note = reward.outcome(*task)
+            conn.send((task[0], status, result, note))
