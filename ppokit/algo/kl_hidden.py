@@ -19,6 +19,12 @@ The reference is a constant: no gradient reaches ``ref_hidden``, ``ref_weight`` 
 ``ref_bias`` (with ``ref_weight=None`` the reference shares ``weight``, as the
 LoRA reference shares the frozen ``lm_head``; a trainable ``weight`` still gets the
 gradient of the policy side only).
+
+Memory: besides the (...) output and (N,) saved KL, at most a few ``(chunk_size, V)``
+buffers in the compute dtype exist at any time (two log-prob chunks, plus the temporaries
+of ``logsumexp`` and one bool mask), in forward and backward. A bf16/fp16 ``weight`` is
+upcast once per pass, a (V, D) float32 copy; a trainable ``weight`` also gets a (V, D)
+float32 gradient accumulator.
 """
 
 from __future__ import annotations
@@ -127,6 +133,36 @@ class _KLFromHidden(torch.autograd.Function):
         )
 
 
+def _check_kl_inputs(hidden, ref_hidden, weight, ref_weight, bias, ref_bias, temperature, chunk_size) -> None:
+    """The types and shapes :func:`kl_full_from_hidden` takes; a ValueError naming the first one wrong."""
+    for name, t in (("hidden", hidden), ("ref_hidden", ref_hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor")
+    if hidden.dim() < 1 or weight.dim() != 2:
+        raise ValueError(
+            f"hidden must be (..., D) and weight (V, D), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    if ref_hidden.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(
+            f"ref_hidden shape {tuple(ref_hidden.shape)} != hidden shape {tuple(hidden.shape)} before the hidden size"
+        )
+    rw = weight if ref_weight is None else ref_weight
+    if not isinstance(rw, torch.Tensor) or rw.dim() != 2 or rw.shape != (weight.shape[0], ref_hidden.shape[-1]):
+        raise ValueError(
+            f"ref_weight must be (V, D_ref) = ({weight.shape[0]}, {ref_hidden.shape[-1]}), "
+            f"got {tuple(rw.shape) if isinstance(rw, torch.Tensor) else rw!r}"
+        )
+    for name, b in (("bias", bias), ("ref_bias", ref_bias)):
+        if b is not None and (not isinstance(b, torch.Tensor) or b.shape != (weight.shape[0],)):
+            raise ValueError(f"{name} must be None or shape (V,) = ({weight.shape[0]},)")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
 def kl_full_from_hidden(
     hidden: torch.Tensor,
     ref_hidden: torch.Tensor,
@@ -162,40 +198,10 @@ def kl_full_from_hidden(
 
     Returns:
         (...) KL per position, float32 (float64 if any input is float64): bf16/fp16
-        inputs are computed in float32.
-
-    Memory: besides the (...) output and (N,) saved KL, at most a few
-    ``(chunk_size, V)`` buffers in the compute dtype exist at any time (two log-prob
-    chunks, plus the temporaries of ``logsumexp`` and one bool mask), in forward and
-    backward. A bf16/fp16 ``weight`` is upcast once per pass, a (V, D) float32 copy;
-    a trainable ``weight`` also gets a (V, D) float32 gradient accumulator.
+        inputs are computed in float32. Memory: a few ``(chunk_size, V)`` buffers at a time
+        (the module docstring).
     """
-    for name, t in (("hidden", hidden), ("ref_hidden", ref_hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point tensor")
-    if hidden.dim() < 1 or weight.dim() != 2:
-        raise ValueError(
-            f"hidden must be (..., D) and weight (V, D), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
-    if ref_hidden.shape[:-1] != hidden.shape[:-1]:
-        raise ValueError(
-            f"ref_hidden shape {tuple(ref_hidden.shape)} != hidden shape {tuple(hidden.shape)} before the hidden size"
-        )
-    rw = weight if ref_weight is None else ref_weight
-    if not isinstance(rw, torch.Tensor) or rw.dim() != 2 or rw.shape != (weight.shape[0], ref_hidden.shape[-1]):
-        raise ValueError(
-            f"ref_weight must be (V, D_ref) = ({weight.shape[0]}, {ref_hidden.shape[-1]}), "
-            f"got {tuple(rw.shape) if isinstance(rw, torch.Tensor) else rw!r}"
-        )
-    for name, b in (("bias", bias), ("ref_bias", ref_bias)):
-        if b is not None and (not isinstance(b, torch.Tensor) or b.shape != (weight.shape[0],)):
-            raise ValueError(f"{name} must be None or shape (V,) = ({weight.shape[0]},)")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check_kl_inputs(hidden, ref_hidden, weight, ref_weight, bias, ref_bias, temperature, chunk_size)
     # the reference is a constant, even when it shares a trainable weight (None: use
     # weight's values inside, where nothing is recorded for autograd)
     shared = ref_weight is None or ref_weight is weight

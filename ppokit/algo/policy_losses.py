@@ -27,6 +27,42 @@ at least ``clipfrac``, ``approx_kl_k1``, ``approx_kl_k3`` and ``ratio_max``.
 - ``"sequence"``: ``r_i = prod_t r_t``, one per sequence, the sequence's mean advantage.
 - ``"gspo"``: GSPO-token (the GSPO paper, Zheng et al., 2025): the length-normalised
   sequence ratio ``s_i = (prod_t r_t)^(1/|y_i|)`` on every token, the token's advantage.
+
+Sequence-level ratios
+---------------------
+``ratio_level="sequence"`` (one importance ratio per sequence, the product of its token
+ratios)::
+
+    log r_b = clamp(sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
+    A_b     = masked mean of advantages over row b  (or advantages (B,) as given)
+
+the per-sequence loss ``L_b`` is put on every valid token of row b and then aggregated;
+with ``clip`` and ``seq-mean-token-mean`` that gives ``-(1/B) sum_b min(A_b r_b, A_b clip(r_b))``.
+
+``ratio_level="gspo"`` (GSPO-token)::
+
+    log s_b  = clamp((1/|y_b|) sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
+    s_bt     = sg[s_b] * pi_bt / sg[pi_bt]        (sg = stop gradient)
+    L_bt     = max(-A_bt s_bt, -A_bt clip(s_bt, 1 - eps_low, 1 + eps_high))  (+ dual clip)
+
+``s_bt`` equals the length-normalised (geometric-mean) sequence ratio ``s_b`` on every
+token, and ``d s_bt / d log pi_bt = s_b``; the advantage may differ per token. With one
+advantage per row and ``seq-mean-token-mean`` the value and the gradient equal GSPO's
+sequence objective ``-(1/B) sum_b min(s_b A_b, clip(s_b) A_b)`` (other ``agg_mode`` weight
+each row by its token count as usual). Because ``s_b`` is a per-token geometric mean it
+stays much closer to 1 than token ratios: GSPO uses clip ranges about three orders of
+magnitude smaller than token-level PPO (the GSPO paper: ``lower_clip_ratio=3e-4``,
+``upper_clip_ratio=4e-4``); set them accordingly, with the usual 0.2 nothing is ever clipped.
+
+The KL penalty
+--------------
+``penalty``'s ``KL_t = (r_t - 1) - log r_t`` is Schulman's k3 estimator of
+``KL(pi_old || pi)`` from tokens sampled by ``pi_old`` (the rollout policy):
+``E_old[r - 1] = 0``, so its mean is the k1 estimate ``E_old[-log r] = KL(pi_old || pi)``
+(unbiased), while each term is non-negative (``x - 1 >= log x``) and has far less variance
+than ``-log r``, so a penalty on it never rewards moving away. Its gradient is
+``d KL_t / d log pi_t = r_t - 1``: zero at the start of the update, pulling back as the
+policy moves.
 """
 
 from __future__ import annotations
@@ -228,6 +264,74 @@ def _importance_ratio(
     return torch.exp(log_ratio), adv, m
 
 
+def _ratio_inputs(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, ratio_level: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(m, token_log_ratio, ratio, adv, unit_mask)``: the bool (B, T) mask, ``log pi - log pi_old``
+    (B, T) with masked-out positions 0, and :func:`_importance_ratio` at ``ratio_level``."""
+    m = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
+    zero = log_prob.new_zeros(())
+    # masked-out positions may hold garbage (even inf); select them away early
+    token_log_ratio = torch.where(m, log_prob - old_log_prob, zero)  # (B, T)
+    ratio, adv, unit_mask = _importance_ratio(log_prob, advantages, m, token_log_ratio, ratio_level)
+    return m, token_log_ratio, ratio, adv, unit_mask
+
+
+def _clip_metrics(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    m: torch.Tensor,
+    unit_mask: torch.Tensor,
+    lower_clip_ratio: float,
+    upper_clip_ratio: float,
+    clip_ratio_c: float | None,
+    diagnostics: bool,
+) -> dict[str, torch.Tensor]:
+    """:func:`policy_loss`'s metrics (see its Returns), detached, on device."""
+    with torch.no_grad():
+        r = ratio.detach()
+        a = adv.detach()
+        lower = (a < 0) & (r < 1.0 - lower_clip_ratio)
+        upper = (a > 0) & (r > 1.0 + upper_clip_ratio)
+        if clip_ratio_c is not None:
+            dual_hit = (a < 0) & (r > clip_ratio_c)
+        else:
+            dual_hit = torch.zeros_like(lower)
+        tlr = token_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+        if not diagnostics:
+            return {
+                "clipfrac": masked_mean((lower | upper | dual_hit).to(r.dtype), unit_mask),
+                "approx_kl_k1": masked_mean(-tlr, m),
+                "approx_kl_k3": masked_mean(torch.expm1(tlr) - tlr, m),
+                "ratio_max": _masked_extreme(r, unit_mask, largest=True),
+            }
+        return {
+            "clipfrac": masked_mean((lower | upper | dual_hit).to(r.dtype), unit_mask),
+            "clipfrac_lower": masked_mean(lower.to(r.dtype), unit_mask),
+            "clipfrac_upper": masked_mean(upper.to(r.dtype), unit_mask),
+            "clipfrac_dual": masked_mean(dual_hit.to(r.dtype), unit_mask),
+            "approx_kl_k1": masked_mean(-tlr, m),
+            "approx_kl_k3": masked_mean(torch.expm1(tlr) - tlr, m),
+            "ratio_mean": masked_mean(r, unit_mask),
+            "ratio_max": _masked_extreme(r, unit_mask, largest=True),
+            "ratio_min": _masked_extreme(r, unit_mask, largest=False),
+        }
+
+
+def _check_penalty_coef(penalty_coef: Any) -> None:
+    """``penalty_coef`` is a 0-dim tensor (not read: no host sync) or a finite number >= 0."""
+    if isinstance(penalty_coef, torch.Tensor):
+        if penalty_coef.dim() != 0:
+            raise ValueError(f"penalty_coef must be a number or a 0-dim tensor, got shape {tuple(penalty_coef.shape)}")
+    elif (
+        not isinstance(penalty_coef, numbers.Real)
+        or isinstance(penalty_coef, bool)
+        or not (0.0 <= penalty_coef < float("inf"))
+    ):
+        raise ValueError(f"penalty_coef must be a finite number >= 0, got {penalty_coef!r}")
+
+
 def _clip_settings(a: Any, inputs: PolicyLossInputs) -> dict[str, Any]:
     return {
         "lower_clip_ratio": a.lower_clip_ratio,
@@ -253,7 +357,7 @@ def policy_loss(
     horizon: int | None = None,
     diagnostics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate policy loss.
+    """Clipped surrogate policy loss (the PPO paper, Schulman et al., 2017).
 
     Per position (token, or sequence with ``ratio_level="sequence"``)::
 
@@ -263,32 +367,9 @@ def policy_loss(
 
     and the loss is ``aggregate(L, mask, agg_mode, normalizer=..., horizon=...)``.
     The gradient w.r.t. ``log_prob`` is exactly 0 wherever a clip is active.
-
-    ``ratio_level="sequence"`` (one importance ratio per sequence, the product of
-    its token ratios)::
-
-        log r_b = clamp(sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
-        A_b     = masked mean of advantages over row b  (or advantages (B,) as given)
-
-    the per-sequence loss ``L_b`` is put on every valid token of row b and then
-    aggregated; ``seq-mean-token-mean`` gives ``-(1/B) sum_b min(A_b r_b, A_b clip(r_b))``.
-
-    ``ratio_level="gspo"`` (GSPO-token, the GSPO paper, Zheng et al., 2025)::
-
-        log s_b  = clamp((1/|y_b|) sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
-        s_bt     = sg[s_b] * pi_bt / sg[pi_bt]        (sg = stop gradient)
-        L_bt     = max(-A_bt s_bt, -A_bt clip(s_bt, 1 - eps_low, 1 + eps_high))  (+ dual clip)
-
-    ``s_bt`` equals the length-normalised (geometric-mean) sequence ratio ``s_b`` on
-    every token, and ``d s_bt / d log pi_bt = s_b``; the advantage may differ per
-    token. With one advantage per row and ``seq-mean-token-mean`` the value and the
-    gradient equal GSPO's sequence objective ``-(1/B) sum_b min(s_b A_b, clip(s_b) A_b)``
-    (other ``agg_mode`` weight each row by its token count as usual). Because
-    ``s_b`` is a per-token geometric mean it stays much closer to 1 than token
-    ratios: GSPO uses clip ranges about three orders of magnitude smaller than
-    token-level PPO (the GSPO paper: ``lower_clip_ratio=3e-4``,
-    ``upper_clip_ratio=4e-4``); set them accordingly, with the usual 0.2 nothing is
-    ever clipped.
+    ``ratio_level`` ``"sequence"`` and ``"gspo"`` (GSPO-token, Zheng et al., 2025) replace
+    ``r`` by a sequence ratio: the module docstring derives both (GSPO wants clip ranges
+    about 1000x smaller than token-level PPO).
 
     Args:
         log_prob: (B, T) log-probs of the taken tokens/actions under the current policy.
@@ -298,7 +379,7 @@ def policy_loss(
         lower_clip_ratio, upper_clip_ratio: eps_low in [0, 1) and eps_high >= 0.
         clip_ratio_c: dual-clip constant c > 1, or None.
         agg_mode, normalizer, horizon: see :func:`~ppokit.algo.aggregation.aggregate`.
-        ratio_level: ``"token"``, ``"sequence"`` or ``"gspo"`` (see above).
+        ratio_level: ``"token"``, ``"sequence"`` or ``"gspo"``.
         diagnostics: False returns only ``clipfrac``, ``approx_kl_k1``, ``approx_kl_k3``
             and ``ratio_max`` (what a training loop logs every step; each metric is a
             handful of tiny ops that cost more than the loss itself on small batches).
@@ -318,12 +399,7 @@ def policy_loss(
     check_clip_bounds(lower_clip_ratio, upper_clip_ratio)
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
-
-    m = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
-    zero = log_prob.new_zeros(())
-    # masked-out positions may hold garbage (even inf); select them away early
-    token_log_ratio = torch.where(m, log_prob - old_log_prob, zero)  # (B, T)
-    ratio, adv, unit_mask = _importance_ratio(log_prob, advantages, m, token_log_ratio, ratio_level)
+    m, token_log_ratio, ratio, adv, unit_mask = _ratio_inputs(log_prob, old_log_prob, advantages, mask, ratio_level)
 
     surr = -adv * ratio
     surr_clipped = -adv * ratio.clamp(1.0 - lower_clip_ratio, 1.0 + upper_clip_ratio)
@@ -335,36 +411,9 @@ def policy_loss(
     if ratio_level == "sequence":
         loss_per = loss_per[:, None].expand_as(log_prob)  # (B, T)
     loss = aggregate(loss_per, m, agg_mode, normalizer=normalizer, horizon=horizon)
-
-    # ---- metrics (detached, on device)
-    with torch.no_grad():
-        r = ratio.detach()
-        a = adv.detach()
-        lower = (a < 0) & (r < 1.0 - lower_clip_ratio)
-        upper = (a > 0) & (r > 1.0 + upper_clip_ratio)
-        if clip_ratio_c is not None:
-            dual_hit = (a < 0) & (r > clip_ratio_c)
-        else:
-            dual_hit = torch.zeros_like(lower)
-        tlr = token_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
-        if not diagnostics:
-            return loss, {
-                "clipfrac": masked_mean((lower | upper | dual_hit).to(r.dtype), unit_mask),
-                "approx_kl_k1": masked_mean(-tlr, m),
-                "approx_kl_k3": masked_mean(torch.expm1(tlr) - tlr, m),
-                "ratio_max": _masked_extreme(r, unit_mask, largest=True),
-            }
-        metrics = {
-            "clipfrac": masked_mean((lower | upper | dual_hit).to(r.dtype), unit_mask),
-            "clipfrac_lower": masked_mean(lower.to(r.dtype), unit_mask),
-            "clipfrac_upper": masked_mean(upper.to(r.dtype), unit_mask),
-            "clipfrac_dual": masked_mean(dual_hit.to(r.dtype), unit_mask),
-            "approx_kl_k1": masked_mean(-tlr, m),
-            "approx_kl_k3": masked_mean(torch.expm1(tlr) - tlr, m),
-            "ratio_mean": masked_mean(r, unit_mask),
-            "ratio_max": _masked_extreme(r, unit_mask, largest=True),
-            "ratio_min": _masked_extreme(r, unit_mask, largest=False),
-        }
+    metrics = _clip_metrics(
+        ratio, adv, token_log_ratio, m, unit_mask, lower_clip_ratio, upper_clip_ratio, clip_ratio_c, diagnostics
+    )
     return loss, metrics
 
 
@@ -398,15 +447,8 @@ def ppo_penalty_loss(
     ``rho_t`` is the importance ratio at ``ratio_level`` (``token``: ``r_t``;
     ``sequence``: the row's ``prod_t r_t`` with the row's mean advantage; ``gspo``:
     the GSPO-token ratio, see :func:`policy_loss`); nothing is clipped. The penalty
-    is always per token.
-
-    ``KL_t`` is Schulman's k3 estimator of ``KL(pi_old || pi)`` from tokens sampled
-    by ``pi_old`` (the rollout policy): ``E_old[r - 1] = 0``, so its mean is the
-    k1 estimate ``E_old[-log r] = KL(pi_old || pi)`` (unbiased), while each term is
-    non-negative (``x - 1 >= log x``) and has far less variance than ``-log r``,
-    so a penalty on it never rewards moving away. Its gradient is
-    ``d KL_t / d log pi_t = r_t - 1``: zero at the start of the update, pulling back
-    as the policy moves. Update ``beta`` between iterations with
+    is always per token: ``KL_t`` is the k3 estimator of ``KL(pi_old || pi)`` (why, and
+    its gradient: the module docstring). Update ``beta`` between iterations with
     :class:`~ppokit.algo.kl.AdaptivePenaltyCoef` from the measured ``kl_old``.
 
     Args:
@@ -423,20 +465,8 @@ def ppo_penalty_loss(
         rows at sequence level).
     """
     check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode, ratio_level)
-    if isinstance(penalty_coef, torch.Tensor):
-        if penalty_coef.dim() != 0:
-            raise ValueError(f"penalty_coef must be a number or a 0-dim tensor, got shape {tuple(penalty_coef.shape)}")
-    elif (
-        not isinstance(penalty_coef, numbers.Real)
-        or isinstance(penalty_coef, bool)
-        or not (0.0 <= penalty_coef < float("inf"))
-    ):
-        raise ValueError(f"penalty_coef must be a finite number >= 0, got {penalty_coef!r}")
-
-    m = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
-    zero = log_prob.new_zeros(())
-    token_log_ratio = torch.where(m, log_prob - old_log_prob, zero)  # (B, T)
-    ratio, adv, unit_mask = _importance_ratio(log_prob, advantages, m, token_log_ratio, ratio_level)
+    _check_penalty_coef(penalty_coef)
+    m, token_log_ratio, ratio, adv, unit_mask = _ratio_inputs(log_prob, old_log_prob, advantages, mask, ratio_level)
 
     surr = -adv * ratio  # (B, T) or (B,)
     if ratio_level == "sequence":

@@ -434,6 +434,68 @@ def _pack_action_tokens(
     return E, rows, cols, traj, pos, counts
 
 
+def _trajectory_bootstrap(
+    truncated: torch.Tensor | None, last_values: torch.Tensor | None, E: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """(E,) what each trajectory bootstraps from after its last action: ``last_values`` where
+    ``truncated`` (all of them without ``truncated``), else 0; None without either."""
+    if truncated is None and last_values is None:
+        return None
+    lv = torch.zeros(E, dtype=dtype, device=device) if last_values is None else last_values.to(dtype)
+    if lv.shape != (E,):
+        raise ValueError(f"last_values shape {tuple(lv.shape)} != (E,) = ({E},)")
+    if truncated is None:
+        return lv
+    truncated = torch.as_tensor(truncated, device=device).bool()
+    if truncated.shape != (E,):
+        raise ValueError(f"truncated shape {tuple(truncated.shape)} != (E,) = ({E},)")
+    if last_values is None and bool(truncated.any()):
+        raise ValueError("truncated trajectories need last_values (E,): the value after the last action")
+    return torch.where(truncated, lv, torch.zeros_like(lv))
+
+
+def _token_credit(r_tok, v_tok, E, traj, pos, counts, bootstrap, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
+    """``credit="token"``: GAE over the (E, L) grid of each trajectory's action tokens in time order;
+    the (M,) advantages and returns of the packed tokens (``r_tok``, ``v_tok`` (M,))."""
+    L = int(counts.max()) if E else 0
+    grid_r = r_tok.new_zeros(E, L).index_put_((traj, pos), r_tok)  # (E, L)
+    grid_v = r_tok.new_zeros(E, L).index_put_((traj, pos), v_tok)  # (E, L)
+    grid_m = torch.zeros(E, L, dtype=torch.bool, device=r_tok.device).index_put_(
+        (traj, pos), torch.ones_like(pos, dtype=torch.bool)
+    )  # (E, L)
+    a_grid, r_grid = compute_gae(grid_r, grid_v, gamma=gamma, lam=lam, mask=grid_m, last_values=bootstrap)
+    return a_grid[traj, pos], r_grid[traj, pos]
+
+
+def _action_turns(turn_index, shape, rows, cols, traj) -> torch.Tensor:
+    """(M,) the turn of each packed action token, checked: numbered, non-decreasing within a trajectory."""
+    if turn_index is None:
+        raise ValueError("credit='turn' needs turn_index (N, T): the turn number of each action token")
+    if turn_index.shape != shape:
+        raise ValueError(f"turn_index shape {tuple(turn_index.shape)} != rewards shape {tuple(shape)}")
+    turn = turn_index[rows, cols].long()  # (M,)
+    if bool((turn < 0).any()):
+        raise ValueError("turn_index is -1 on a position where the mask is 1; number every action token's turn")
+    if bool(((traj[1:] == traj[:-1]) & (turn[1:] < turn[:-1])).any()):
+        raise ValueError("turn_index decreases within a trajectory; turns must be numbered in time order")
+    return turn
+
+
+def _turn_credit(r_tok, v_tok, E, traj, turn, bootstrap, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
+    """``credit="turn"``: per turn, the value at its first action token and the sum of its rewards;
+    GAE over the (E, K) turns; the (M,) advantages and returns of the packed tokens, their turn's."""
+    K = int(turn.max()) + 1 if turn.numel() else 1
+    first = torch.ones_like(turn, dtype=torch.bool)  # (M,) first token of its turn
+    first[1:] = ~((traj[1:] == traj[:-1]) & (turn[1:] == turn[:-1]))
+    turn_values = r_tok.new_zeros(E, K).index_put_((traj[first], turn[first]), v_tok[first])  # (E, K)
+    turn_rewards = r_tok.new_zeros(E, K).index_put_((traj, turn), r_tok, accumulate=True)  # (E, K)
+    present = torch.zeros(E, K, dtype=torch.bool, device=r_tok.device).index_put_(
+        (traj, turn), torch.ones_like(turn, dtype=torch.bool)
+    )  # (E, K)
+    a_turn, r_turn = compute_gae(turn_rewards, turn_values, gamma=gamma, lam=lam, mask=present, last_values=bootstrap)
+    return a_turn[traj, turn], r_turn[traj, turn]
+
+
 def trajectory_credit(
     *,
     credit: str,
@@ -479,56 +541,18 @@ def trajectory_credit(
         )
     dtype = torch.promote_types(rewards.dtype, values.dtype)
     E, rows, cols, traj, pos, counts = _pack_action_tokens(mask, traj_index, num_trajectories)
-    bootstrap = None
-    if truncated is not None or last_values is not None:
-        lv = torch.zeros(E, dtype=dtype, device=rewards.device) if last_values is None else last_values.to(dtype)
-        if lv.shape != (E,):
-            raise ValueError(f"last_values shape {tuple(lv.shape)} != (E,) = ({E},)")
-        if truncated is None:
-            bootstrap = lv
-        else:
-            truncated = torch.as_tensor(truncated, device=rewards.device).bool()
-            if truncated.shape != (E,):
-                raise ValueError(f"truncated shape {tuple(truncated.shape)} != (E,) = ({E},)")
-            if last_values is None and bool(truncated.any()):
-                raise ValueError("truncated trajectories need last_values (E,): the value after the last action")
-            bootstrap = torch.where(truncated, lv, torch.zeros_like(lv))
+    bootstrap = _trajectory_bootstrap(truncated, last_values, E, dtype, rewards.device)
     r_tok = rewards.to(dtype)[rows, cols]  # (M,)
     v_tok = values.to(dtype)[rows, cols]  # (M,)
+    if credit == "token":
+        tok_adv, tok_ret = _token_credit(r_tok, v_tok, E, traj, pos, counts, bootstrap, gamma, lam)
+    else:
+        turn = _action_turns(turn_index, rewards.shape, rows, cols, traj)
+        tok_adv, tok_ret = _turn_credit(r_tok, v_tok, E, traj, turn, bootstrap, gamma, lam)
     adv = torch.zeros(rewards.shape, dtype=dtype, device=rewards.device)  # (N, T)
     ret = torch.zeros_like(adv)
-    if credit == "token":
-        L = int(counts.max()) if E else 0
-        grid_r = adv.new_zeros(E, L).index_put_((traj, pos), r_tok)  # (E, L)
-        grid_v = adv.new_zeros(E, L).index_put_((traj, pos), v_tok)  # (E, L)
-        grid_m = torch.zeros(E, L, dtype=torch.bool, device=adv.device).index_put_(
-            (traj, pos), torch.ones_like(pos, dtype=torch.bool)
-        )  # (E, L)
-        a_grid, r_grid = compute_gae(grid_r, grid_v, gamma=gamma, lam=lam, mask=grid_m, last_values=bootstrap)
-        adv[rows, cols] = a_grid[traj, pos]
-        ret[rows, cols] = r_grid[traj, pos]
-        return adv, ret
-    if turn_index is None:
-        raise ValueError("credit='turn' needs turn_index (N, T): the turn number of each action token")
-    if turn_index.shape != rewards.shape:
-        raise ValueError(f"turn_index shape {tuple(turn_index.shape)} != rewards shape {tuple(rewards.shape)}")
-    turn = turn_index[rows, cols].long()  # (M,)
-    if bool((turn < 0).any()):
-        raise ValueError("turn_index is -1 on a position where the mask is 1; number every action token's turn")
-    same_traj = traj[1:] == traj[:-1]
-    if bool((same_traj & (turn[1:] < turn[:-1])).any()):
-        raise ValueError("turn_index decreases within a trajectory; turns must be numbered in time order")
-    K = int(turn.max()) + 1 if turn.numel() else 1
-    first = torch.ones_like(turn, dtype=torch.bool)  # (M,) first token of its turn
-    first[1:] = ~(same_traj & (turn[1:] == turn[:-1]))
-    turn_values = adv.new_zeros(E, K).index_put_((traj[first], turn[first]), v_tok[first])  # (E, K)
-    turn_rewards = adv.new_zeros(E, K).index_put_((traj, turn), r_tok, accumulate=True)  # (E, K)
-    present = torch.zeros(E, K, dtype=torch.bool, device=adv.device).index_put_(
-        (traj, turn), torch.ones_like(turn, dtype=torch.bool)
-    )  # (E, K)
-    a_turn, r_turn = compute_gae(turn_rewards, turn_values, gamma=gamma, lam=lam, mask=present, last_values=bootstrap)
-    adv[rows, cols] = a_turn[traj, turn]
-    ret[rows, cols] = r_turn[traj, turn]
+    adv[rows, cols] = tok_adv
+    ret[rows, cols] = tok_ret
     return adv, ret
 
 

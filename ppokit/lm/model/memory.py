@@ -237,6 +237,95 @@ def advice(part: str, cfg: Any) -> str:
     return "free memory on the machine"
 
 
+def _resident_memory(
+    cfg: Any, model: ModelShape, N: int, R: int, L: int, bf16: bool, device_type: str, reward_model: ModelShape | None
+) -> tuple[dict[str, float], int]:
+    """``(resident, trained_models)``: what stays for the whole run (runtime, weights, optimizer,
+    rollout) and the number of fully trained models (0 with LoRA; their autocast copies)."""
+    m, H, W = cfg.model, model.hidden_size, model.num_parameters
+    w = 2 if bf16 else 4
+    critic = cfg.uses_critic
+    if m.mode == "lora":
+        adapters = model.lora_parameters(m.lora_rank, m.lora_target_modules) * (2 if critic else 1)
+        trained = adapters + ((H + 1) if critic else 0)
+        weights = W * w + 4 * trained
+        trained_models = 0
+    else:
+        trained_models = 2 if critic else 1
+        trained = trained_models * W + ((H + 1) if critic else 0)
+        reference = cfg.algo.beta > 0 or cfg.algo.use_kl_in_reward
+        weights = 4 * trained + (W * w if reference else 0)
+    if reward_model is not None:
+        weights += reward_model.num_parameters * w
+    resident = {
+        "runtime": CUDA_CONTEXT if device_type == "cuda" else CPU_RUNTIME,
+        "weights": weights,
+        "optimizer": 12 * trained,
+        "rollout": N * (8 * ROLLOUT_INT64_TENSORS * L + (8 + 4 * ROLLOUT_FLOAT_TENSORS) * R + SAMPLE_OBJECTS),
+    }
+    return resident, trained_models
+
+
+def _generate_memory(cfg: Any, model: ModelShape, N: int, P: int, L: int, act: int, eager: bool) -> dict[str, float]:
+    """The generate phase: ``g`` sequences at a time, their KV cache, prefill and sampling."""
+    H, F, heads = model.hidden_size, model.intermediate_size, model.num_heads
+    kv = model.num_kv_heads * model.head_dim
+    g = min(cfg.rollout.micro_batch_size, N)
+    prefill = g * P * (6 * H + 3 * F) * act + (g * heads * P * P * 4 if eager else 0)
+    return {
+        "kv_cache": 2 * (model.num_layers + 1) * kv * g * L * act,  # + one layer's growing copy
+        "prefill": prefill,
+        "sampling": 4 * g * model.vocab_size * 4,
+        "batch_tokens": 32 * N * L,
+    }
+
+
+def _score_memory(cfg: Any, model: ModelShape, N: int, R: int, L: int, act: int, eager: bool) -> dict[str, float]:
+    """The score phase: ``s`` sequences per pass without gradients, one layer's activations at a time."""
+    H, F, V, heads = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_heads
+    s = min(cfg.infer_micro_batch_size, N)
+    chunk = min(max(1, DEFAULT_CHUNK_ELEMENTS // V), s * R)
+    return {
+        "score_layer": s * L * (6 * H + 3 * F) * act + (s * heads * L * L * 4 if eager else 0),
+        "score_hidden": 4 * s * L * H,
+        "score_logits": 3 * chunk * V * 4,
+    }
+
+
+def _update_memory(
+    cfg: Any,
+    model: ModelShape,
+    N: int,
+    R: int,
+    L: int,
+    bf16: bool,
+    checkpointing: bool,
+    eager: bool,
+    trained_models: int,
+) -> dict[str, float]:
+    """The update phase: a micro-batch of ``u`` tokens, its saved activations (``S`` per token and
+    layer), gradients, logits chunk and autocast copies."""
+    t = cfg.train
+    H, F, V, heads = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_heads
+    act = 2 if bf16 else 4
+    s_att = 6 if bf16 else 4
+    micro_rows = min(cfg.micro_batch_size, N)
+    u = t.micro_batch_tokens if t.micro_batch_tokens is not None else micro_rows * L
+    passes = 2 if cfg.uses_critic else 1
+    per_token_layer = (10 * H + 4 * F) * act + (heads * L * s_att if eager else 0)  # S
+    if checkpointing:  # the layers' inputs, and the replayed layer: its activations, temporaries, gradients
+        activations = passes * model.num_layers * u * H * act + 3 * u * per_token_layer
+    else:
+        activations = passes * model.num_layers * u * per_token_layer
+    update_chunk = min(max(1, DEFAULT_CHUNK_ELEMENTS // V), micro_rows * R)
+    return {
+        "activations": activations + passes * u * 12 * H,
+        "backward": u * per_token_layer,
+        "update_logits": 3 * update_chunk * V * 4,
+        "autocast_copies": 2 * model.num_parameters * trained_models if bf16 else 0,
+    }
+
+
 def estimate_memory(
     cfg: Any,
     model: ModelShape,
@@ -250,77 +339,24 @@ def estimate_memory(
     eager_attention: bool,
     reward_model: ModelShape | None = None,
 ) -> MemoryEstimate:
-    """The estimate of the module docstring for ``cfg`` on ``model``.
+    """The estimate of the module docstring for ``cfg`` on ``model``: what stays resident and each
+    phase's own (generate, score, update).
 
     ``prompt_tokens``: the longest prompt (P); ``rows``: sequences per iteration (default
     ``train.batch_size``; multi-turn: rows); ``response_tokens``: R (default
     ``rollout.max_new_tokens``); ``bf16``: autocast in bf16; ``checkpointing``: gradient
     checkpointing on; ``eager_attention``: attention keeps its (L x L) probabilities.
     """
-    t, m, a = cfg.train, cfg.model, cfg.algo
-    H, F, V, layers = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
-    heads, kv = model.num_heads, model.num_kv_heads * model.head_dim
-    w = act = 2 if bf16 else 4
-    s_att = 6 if bf16 else 4
-    N = rows if rows is not None else t.batch_size
+    N = rows if rows is not None else cfg.train.batch_size
     R = response_tokens if response_tokens is not None else cfg.rollout.max_new_tokens
     P = prompt_tokens
     L = P + R
-    W = model.num_parameters
-    critic = cfg.uses_critic
-    reference = a.beta > 0 or a.use_kl_in_reward
-
+    act = 2 if bf16 else 4
     est = MemoryEstimate()
-    if m.mode == "lora":
-        adapters = model.lora_parameters(m.lora_rank, m.lora_target_modules) * (2 if critic else 1)
-        trained = adapters + ((H + 1) if critic else 0)
-        weights = W * w + 4 * trained
-        trained_models = 0
-    else:
-        trained_models = 2 if critic else 1
-        trained = trained_models * W + ((H + 1) if critic else 0)
-        weights = 4 * trained + (W * w if reference else 0)
-    if reward_model is not None:
-        weights += reward_model.num_parameters * w
-    est.resident = {
-        "runtime": CUDA_CONTEXT if device_type == "cuda" else CPU_RUNTIME,
-        "weights": weights,
-        "optimizer": 12 * trained,
-        "rollout": N * (8 * ROLLOUT_INT64_TENSORS * L + (8 + 4 * ROLLOUT_FLOAT_TENSORS) * R + SAMPLE_OBJECTS),
-    }
-
-    g = min(cfg.rollout.micro_batch_size, N)
-    prefill = g * P * (6 * H + 3 * F) * act + (g * heads * P * P * 4 if eager_attention else 0)
-    est.phases["generate"] = {
-        "kv_cache": 2 * (layers + 1) * kv * g * L * act,  # + one layer's growing copy
-        "prefill": prefill,
-        "sampling": 4 * g * V * 4,
-        "batch_tokens": 32 * N * L,
-    }
-
-    s = min(cfg.infer_micro_batch_size, N)
-    chunk = min(max(1, DEFAULT_CHUNK_ELEMENTS // V), s * R)
-    est.phases["score"] = {
-        "score_layer": s * L * (6 * H + 3 * F) * act + (s * heads * L * L * 4 if eager_attention else 0),
-        "score_hidden": 4 * s * L * H,
-        "score_logits": 3 * chunk * V * 4,
-    }
-
-    micro_rows = min(cfg.micro_batch_size, N)
-    u = t.micro_batch_tokens if t.micro_batch_tokens is not None else micro_rows * L
-    passes = 2 if critic else 1
-    per_token_layer = (10 * H + 4 * F) * act + (heads * L * s_att if eager_attention else 0)  # S
-    if checkpointing:  # the layers' inputs, and the replayed layer: its activations, temporaries, gradients
-        activations = passes * layers * u * H * act + 3 * u * per_token_layer
-    else:
-        activations = passes * layers * u * per_token_layer
-    update_chunk = min(max(1, DEFAULT_CHUNK_ELEMENTS // V), micro_rows * R)
-    est.phases["update"] = {
-        "activations": activations + passes * u * 12 * H,
-        "backward": u * per_token_layer,
-        "update_logits": 3 * update_chunk * V * 4,
-        "autocast_copies": 2 * W * trained_models if bf16 else 0,
-    }
+    est.resident, trained_models = _resident_memory(cfg, model, N, R, L, bf16, device_type, reward_model)
+    est.phases["generate"] = _generate_memory(cfg, model, N, P, L, act, eager_attention)
+    est.phases["score"] = _score_memory(cfg, model, N, R, L, act, eager_attention)
+    est.phases["update"] = _update_memory(cfg, model, N, R, L, bf16, checkpointing, eager_attention, trained_models)
     return est
 
 
