@@ -79,20 +79,26 @@ def make_workload(cfg: Config):
     return workload
 
 
-def check_inputs(cfg: Config) -> None:
+def check_inputs(cfg: Config):
     """Fail on a bad env id, model directory, data file or reward function, or wandb asked for and not
-    usable, before a run directory exists."""
+    usable, before a run directory exists. Returns the checked workload (:func:`make_workload`): given
+    to :func:`train`, it builds the run from what the check read (``ppokit train`` reads its inputs once)."""
     from ppokit.track import check_wandb
 
     check_wandb(cfg)
-    make_workload(cfg).check_inputs()
+    workload = make_workload(cfg)
+    workload.check_inputs()
+    return workload
 
 
-def train(cfg: Config, run_dir: Path | str, resume_from: Path | str | None = None) -> dict[str, Any]:
-    """Train ``cfg`` in ``run_dir`` (see :func:`ppokit.loop.run`)."""
+def train(
+    cfg: Config, run_dir: Path | str, resume_from: Path | str | None = None, *, workload: Any = None
+) -> dict[str, Any]:
+    """Train ``cfg`` in ``run_dir`` (see :func:`ppokit.loop.run`). ``workload``: what
+    :func:`check_inputs` returned for ``cfg``, built once; None: a new :func:`make_workload`."""
     from ppokit.loop import run
 
-    return run(make_workload(cfg), cfg, run_dir, resume_from)
+    return run(workload if workload is not None else make_workload(cfg), cfg, run_dir, resume_from)
 
 
 def takes_lm_options(kind: str) -> bool:

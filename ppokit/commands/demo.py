@@ -328,13 +328,13 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     check, plot_reward_curve, report = DEMOS[cfg.kind]
     check(cfg)
     cfg, fitted = fit_iterations(cfg, name, overrides)
-    check_inputs(cfg)  # as ppokit train does: data, model, memory, before a run directory exists
+    workload = check_inputs(cfg)  # as ppokit train does: data, model, memory, before a run directory exists
     run_dir = create_run_dir(cfg, lock=True)
     echo(f"run directory: {run_dir}")
     if fitted:
         echo(fitted)
     try:
-        result = train(cfg, run_dir)
+        result = train(cfg, run_dir, workload=workload)
     finally:
         release_locks()
     plot = plot_reward_curve(run_dir, result.get("eval_history", ()))

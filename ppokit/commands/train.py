@@ -69,15 +69,15 @@ def _train_locked(source: str | None, overrides: list[str], resume: bool | str |
 
     if isinstance(resume, str):  # ppokit train --resume RUN_DIR [KEY=VALUE ...]: the run's own config
         cfg, run_dir, resume_from = rundir.open_run_for_resume(resume, ([source] if source else []) + overrides)
-        check_inputs(cfg)
+        workload = check_inputs(cfg)
     else:
         if source is None:
             raise UserError("ppokit train needs CONFIG (a preset or YAML file), or --resume RUN_DIR")
         cfg = load_config(source, overrides)
-        check_inputs(cfg)  # fail on a bad env id or model path before a run directory exists
+        workload = check_inputs(cfg)  # fail on a bad env id or model path before a run directory exists
         run_dir, resume_from = rundir.prepare_run_dir(cfg, required=resume is True)  # locked from here on
     print(f"run directory: {run_dir}" + (f" (resuming from {resume_from})" if resume_from else ""), flush=True)
-    result = train(cfg, run_dir, resume_from)
+    result = train(cfg, run_dir, resume_from, workload=workload)  # built from what the check read
     if result.get("already_finished"):
         print(f"run {run_dir} had already finished ({result['iterations']} iterations): nothing to do")
         return 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ppokit.components import Components
 from ppokit.config import Config
@@ -77,6 +77,16 @@ class PromptSets:
     note: str | None = None  # the run header's line when any prompt was dropped
 
 
+class CheckedInputs(NamedTuple):
+    """What :meth:`LMWorkload.check_inputs` read (:func:`~ppokit.lm.inputs.load_data`'s records and
+    reward function, the prompts' tokenizer), kept for :meth:`LMWorkload.build`."""
+
+    train: list[dict]
+    held_out: list[dict]
+    reward_fn: Any
+    tokenizer: Any
+
+
 @dataclass
 class RunInputs:
     """What a single-turn run reads before its model is built (:meth:`LMWorkload.build`)."""
@@ -96,21 +106,25 @@ class LMWorkload:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.model_path: Path | None = None  # set by build: what rollout workers and learner ranks load
+        self._checked: CheckedInputs | None = None  # what check_inputs read, for build (then dropped)
 
     def check_inputs(self) -> None:
-        """Prompts, held-out set, reward function and model directory, before a run directory exists."""
+        """Prompts, held-out set, reward function and model directory, before a run directory exists;
+        what it reads is kept for :meth:`build`, which then reads nothing again."""
         cfg = self.cfg
-        train_items, eval_items, reward_fn = load_data(cfg)
+        loaded_train, eval_items, reward_fn = load_data(cfg)
         check_filter_metric(cfg, has_verifier=reward_fn is not None)
         if cfg.model.path != "tiny":
             causal_lm_config(cfg.model.path)
         tokenizer = prompt_tokenizer(cfg)  # loaded once for every check (a bad directory: one line)
+        train_items = loaded_train
         if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
             train_items = drop_long(cfg, train_items, eval_items, tokenizer).train
             check_token_budget(cfg, tokenizer, train_items)
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
         prompts = [x["prompt"] for x in train_items + eval_items]
         check_run_fits(cfg, prompt_tokens=longest_prompt_tokens(tokenizer, prompts))
+        self._checked = CheckedInputs(loaded_train, eval_items, reward_fn, tokenizer)
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)  # the policy's files are there (a UserError names what is wrong)
@@ -147,10 +161,15 @@ class LMWorkload:
         """The prompts (auto micro-batch sizes chosen from the longest: ``self.cfg`` updated, what
         every part and the Ray workers read), the verifier and the training reward."""
         device, autocast_dtype = placement(self.cfg)
-        train_items, eval_items, reward_fn = load_data(self.cfg)
+        checked, self._checked = self._checked, None  # not kept: the Ray workers get a copy of self
+        if checked is None:  # not checked first (a library caller's workload): read them now
+            checked = CheckedInputs(*load_data(self.cfg), tokenizer=None)
+        train_items, eval_items, reward_fn = checked.train, checked.held_out, checked.reward_fn
         header: list[str] = []
         auto = has_auto_micro_batches(self.cfg)  # sized by the longest prompt
-        tokenizer = prompt_tokenizer(self.cfg) if auto or self.cfg.data.max_prompt_tokens is not None else None
+        tokenizer = None
+        if auto or self.cfg.data.max_prompt_tokens is not None:
+            tokenizer = checked.tokenizer if checked.tokenizer is not None else prompt_tokenizer(self.cfg)
         prompts = drop_long(self.cfg, train_items, eval_items, tokenizer)
         if prompts.note:
             header.append(prompts.note)
