@@ -25,6 +25,7 @@ from ppokit.lm.model.device import run_device
 from ppokit.lm.model.gguf import converted_directory, is_gguf
 from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer, build_tiny_model
 from ppokit.lm.sft import SFTSettings, run_sft
+from ppokit.peak_memory import release_freed_memory
 
 BASE_MODEL_DIR = "base_model"
 BASE_MODEL_MARKER = "ppokit_base_model.json"  # in base_model/, written when it is complete
@@ -95,6 +96,7 @@ def prepare_model(
             examples = render_records(examples, render)
         settings = SFTSettings.for_run(cfg, device=str(run_device(cfg)))
         run_sft(path, run_dir / BASE_MODEL_DIR, examples, eval_items, settings, reward_fn=reward_fn, log=log)
+        release_freed_memory()  # the full fine-tuning's freed gigabytes would stay resident through PPO
         path = str(run_dir / BASE_MODEL_DIR)
     if path == str(base):
         marker = {"model.path": cfg.model.path, "data.sft_epochs": cfg.data.sft_epochs, "seed": cfg.seed}
