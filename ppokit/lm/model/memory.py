@@ -43,6 +43,21 @@ per iteration (``train.batch_size``; multi-turn: rows), ``w`` bytes of a frozen 
                  the logits chunk 3 c V 4, and under bf16 the autocast copies 2 W of each
                  trained model (full mode)
 
+    sft          the warm start (data.sft_epochs > 0, ppokit.lm.sft.run_sft), before the run: the
+                 runtime alone beside it (the estimate does not know whether a resumed run reuses
+                 its warm-started model: it counts the warm start then too, erring high);
+                 b = data.sft_batch_size rows of T = P + R tokens (the longest prompt and its
+                 answer), the whole model trained in fp32 with the model's default (SDPA) attention:
+                 weights 4 W, gradients and AdamW's moments 12 W, the best model's copy on the host
+                 4 (W + V H if tied) (CPU only), and the larger of
+                 a step: activations (ℓ + 1) b T S' + 12 b T H, S' = S (+ 8 H under bf16: the
+                   float32 residual stream the norms keep), x 1.5 on a CPU (the heap keeps the
+                   previous step's freed pieces); logits, their float32 copy and log-softmax
+                   3 b T V 4, under bf16 the autocast copies 2 W
+                 the held-out evaluation, e = min(256, held-out examples) rows at a time: the larger
+                   of greedy generation (as generate, g = N = e) and the answer loss without
+                   gradients, e T (6 H + 3 F) a + 4 e T V 4 (measured: 14.8 bytes a logit in bf16)
+
 ``S`` per token and layer was measured with autograd's saved-tensor hooks on Llama layers
 (docs/performance.md, "Memory"): 8-10 ``H`` and 3-4 ``F`` values per pass in fp32, ~10 ``H``
 and 4 ``F`` (plus a few float32 norm statistics) in bf16; eager attention keeps its
@@ -84,6 +99,10 @@ CPU_RUNTIME = 0.45e9  # resident size of a process with torch, transformers and 
 CUDA_CONTEXT = 0.5e9  # the CUDA context and kernels, outside the caching allocator
 ROLLOUT_INT64_TENSORS = 3  # input_ids, attention_mask, position_ids over (N, L)
 ROLLOUT_FLOAT_TENSORS = 10  # float32 tensors over (N, R) (plus responses, int64)
+# a CPU warm start's later steps peak higher than its first: the heap keeps the previous step's freed
+# pieces, which tensors of other sizes cannot reuse (tiny model, 128 x 245 tokens: 1.17x fp32, 1.43x bf16)
+CPU_HEAP_SLACK = 1.5
+SFT_EVAL_BATCH = 256  # the warm start's held-out rows at a time (ppokit.lm.sft.SFTSettings.eval_batch_size)
 SAMPLE_OBJECTS = 1536  # bytes of a sample's Python objects (its text, token lists, record), measured
 # models whose MLP is not gated (two matrices, not three)
 UNGATED_MODEL_TYPES = ("gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon", "phi", "codegen", "mpt")
@@ -185,9 +204,21 @@ class MemoryEstimate:
     resident: dict[str, float] = field(default_factory=dict)
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     other_processes: float = 0.0  # CPU: local Ray processes beside this one
+    # phases that end before the run's resident memory exists (the warm start): the runtime alone beside them
+    before_run: set[str] = field(default_factory=set)
+
+    def beside(self, phase: str) -> dict[str, float]:
+        """What stays beside ``phase``: the resident parts (and the other processes), or for a phase
+        before the run the runtime alone."""
+        if phase in self.before_run:
+            return {"runtime": self.resident.get("runtime", 0.0)}
+        parts = dict(self.resident)
+        if self.other_processes:
+            parts["other_processes"] = self.other_processes
+        return parts
 
     def phase_total(self, phase: str) -> float:
-        return sum(self.resident.values()) + sum(self.phases[phase].values()) + self.other_processes
+        return sum(self.beside(phase).values()) + sum(self.phases[phase].values())
 
     @property
     def largest_phase(self) -> str:
@@ -200,9 +231,7 @@ class MemoryEstimate:
 
     def largest_part(self) -> tuple[str, float]:
         """The single largest term of the largest phase (resident or its own)."""
-        parts = {**self.resident, **self.phases[self.largest_phase]}
-        if self.other_processes:
-            parts["other_processes"] = self.other_processes
+        parts = {**self.beside(self.largest_phase), **self.phases[self.largest_phase]}
         name = max(parts, key=parts.get)
         return name, parts[name]
 
@@ -232,6 +261,12 @@ def advice(part: str, cfg: Any) -> str:
         return f"{GENERATION} (now {cfg.rollout.micro_batch_size})"
     if part.startswith("score_"):
         return f"{SCORING} (now {cfg.infer_micro_batch_size})"
+    if part in ("sft_activations", "sft_logits", "sft_autocast_copies"):
+        return f"lower data.sft_batch_size (now {cfg.data.sft_batch_size})"
+    if part == "sft_heldout":
+        return "hold out fewer warm-start examples (data.eval_size; multi-turn: textenv.sft_eval_turns)"
+    if part.startswith("sft_"):
+        return "use a smaller model (model.path), or no warm start (data.sft_epochs=0)"
     if part == "other_processes":
         return "use fewer cluster.rollout_workers or cluster.learners"
     return "free memory on the machine"
@@ -266,11 +301,10 @@ def _resident_memory(
     return resident, trained_models
 
 
-def _generate_memory(cfg: Any, model: ModelShape, N: int, P: int, L: int, act: int, eager: bool) -> dict[str, float]:
+def _generate_memory(g: int, model: ModelShape, N: int, P: int, L: int, act: int, eager: bool) -> dict[str, float]:
     """The generate phase: ``g`` sequences at a time, their KV cache, prefill and sampling."""
     H, F, heads = model.hidden_size, model.intermediate_size, model.num_heads
     kv = model.num_kv_heads * model.head_dim
-    g = min(cfg.rollout.micro_batch_size, N)
     prefill = g * P * (6 * H + 3 * F) * act + (g * heads * P * P * 4 if eager else 0)
     return {
         "kv_cache": 2 * (model.num_layers + 1) * kv * g * L * act,  # + one layer's growing copy
@@ -292,6 +326,13 @@ def _score_memory(cfg: Any, model: ModelShape, N: int, R: int, L: int, act: int,
     }
 
 
+def saved_per_token_layer(model: ModelShape, L: int, bf16: bool, eager: bool) -> int:
+    """``S``: the bytes a decoder layer keeps for the backward pass per token (module docstring)."""
+    act, s_att = (2, 6) if bf16 else (4, 4)
+    H, F = model.hidden_size, model.intermediate_size
+    return (10 * H + 4 * F) * act + (model.num_heads * L * s_att if eager else 0)
+
+
 def _update_memory(
     cfg: Any,
     model: ModelShape,
@@ -306,13 +347,12 @@ def _update_memory(
     """The update phase: a micro-batch of ``u`` tokens, its saved activations (``S`` per token and
     layer), gradients, logits chunk and autocast copies."""
     t = cfg.train
-    H, F, V, heads = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_heads
+    H, V = model.hidden_size, model.vocab_size
     act = 2 if bf16 else 4
-    s_att = 6 if bf16 else 4
     micro_rows = min(cfg.micro_batch_size, N)
     u = t.micro_batch_tokens if t.micro_batch_tokens is not None else micro_rows * L
     passes = 2 if cfg.uses_critic else 1
-    per_token_layer = (10 * H + 4 * F) * act + (heads * L * s_att if eager else 0)  # S
+    per_token_layer = saved_per_token_layer(model, L, bf16, eager)  # S
     if checkpointing:  # the layers' inputs, and the replayed layer: its activations, temporaries, gradients
         activations = passes * model.num_layers * u * H * act + 3 * u * per_token_layer
     else:
@@ -324,6 +364,39 @@ def _update_memory(
         "update_logits": 3 * update_chunk * V * 4,
         "autocast_copies": 2 * model.num_parameters * trained_models if bf16 else 0,
     }
+
+
+def _sft_memory(
+    cfg: Any, model: ModelShape, P: int, R: int, bf16: bool, device_type: str, eval_rows: int | None
+) -> dict[str, float]:
+    """The warm start (:func:`ppokit.lm.sft.run_sft`): the whole model trained in fp32 with AdamW,
+    ``b = data.sft_batch_size`` sequences of ``T = P + R`` tokens a step (SDPA attention: the
+    model's default), then at its largest either the step (activations, logits, autocast copies)
+    or the held-out evaluation (greedy generation and the answer loss, ``e`` rows at a time)."""
+    H, V, W = model.hidden_size, model.vocab_size, model.num_parameters
+    act = 2 if bf16 else 4
+    T, b = P + R, cfg.data.sft_batch_size
+    e = min(SFT_EVAL_BATCH, eval_rows if eval_rows is not None else SFT_EVAL_BATCH)
+    u = b * T
+    # + under bf16 the residual stream's float32 values the RMSNorms keep, 8 H (saved-tensor hooks on the
+    # tiny model, 128 x 245 tokens: 7.9 kB a token and layer against S = 5.3 kB; fp32 12.0 against 10.6)
+    S = saved_per_token_layer(model, T, bf16, eager=False) + (8 * H if bf16 else 0)
+    activations = model.num_layers * u * S + u * 12 * H + u * S  # + one layer's gradients in flight
+    step = {
+        "sft_activations": activations * (CPU_HEAP_SLACK if device_type == "cpu" else 1),
+        "sft_logits": 3 * u * V * 4,  # (b, T, V) logits, their float32 copy and log-softmax (or its gradient)
+        "sft_autocast_copies": 2 * W if bf16 else 0,
+    }
+    generation = sum(_generate_memory(e, model, e, P, T, act, eager=False).values())
+    # no gradients: one layer's activations, and 16 bytes per logit of the (e, T, V) logits (measured on
+    # SmolLM2 in bf16, 32 x 291 tokens: 14.8; the logits, their float32 copy, log-softmax and a buffer)
+    answer_loss = e * T * (6 * H + 3 * model.intermediate_size) * act + 4 * e * T * V * 4
+    held_out = {"sft_heldout": max(generation, answer_loss)}
+    # the best model's state_dict copied to the host (a tied embedding copied twice); not on a GPU
+    tied = V * H if model.tied_embeddings else 0
+    best_copy = 4 * (W + tied) if device_type == "cpu" else 0
+    fixed = {"sft_weights": 4 * W, "sft_optimizer": 12 * W, "sft_best_copy": best_copy}
+    return {**fixed, **(step if sum(step.values()) >= sum(held_out.values()) else held_out)}
 
 
 def estimate_memory(
@@ -338,14 +411,18 @@ def estimate_memory(
     checkpointing: bool,
     eager_attention: bool,
     reward_model: ModelShape | None = None,
+    sft_eval_rows: int | None = None,
 ) -> MemoryEstimate:
     """The estimate of the module docstring for ``cfg`` on ``model``: what stays resident and each
-    phase's own (generate, score, update).
+    phase's own (generate, score, update, and ``sft`` before the run with ``data.sft_epochs`` > 0).
 
     ``prompt_tokens``: the longest prompt (P); ``rows``: sequences per iteration (default
     ``train.batch_size``; multi-turn: rows); ``response_tokens``: R (default
     ``rollout.max_new_tokens``); ``bf16``: autocast in bf16; ``checkpointing``: gradient
-    checkpointing on; ``eager_attention``: attention keeps its (L x L) probabilities.
+    checkpointing on; ``eager_attention``: attention keeps its (L x L) probabilities;
+    ``sft_eval_rows``: the warm start's held-out examples (None: as many as it evaluates at once).
+    The warm start is estimated whenever ``data.sft_epochs`` > 0, also for a resumed run that
+    reuses its warm-started model (the estimate then errs high).
     """
     N = rows if rows is not None else cfg.train.batch_size
     R = response_tokens if response_tokens is not None else cfg.rollout.max_new_tokens
@@ -354,9 +431,13 @@ def estimate_memory(
     act = 2 if bf16 else 4
     est = MemoryEstimate()
     est.resident, trained_models = _resident_memory(cfg, model, N, R, L, bf16, device_type, reward_model)
-    est.phases["generate"] = _generate_memory(cfg, model, N, P, L, act, eager_attention)
+    g = min(cfg.rollout.micro_batch_size, N)
+    est.phases["generate"] = _generate_memory(g, model, N, P, L, act, eager_attention)
     est.phases["score"] = _score_memory(cfg, model, N, R, L, act, eager_attention)
     est.phases["update"] = _update_memory(cfg, model, N, R, L, bf16, checkpointing, eager_attention, trained_models)
+    if cfg.data.sft_epochs:
+        est.phases["sft"] = _sft_memory(cfg, model, P, R, bf16, device_type, sft_eval_rows)
+        est.before_run.add("sft")
     return est
 
 
@@ -516,7 +597,12 @@ def multi_turn_rows(
 
 
 def check_run_fits(
-    cfg: Any, *, prompt_tokens: int, rows: int | None = None, response_tokens: int | None = None
+    cfg: Any,
+    *,
+    prompt_tokens: int,
+    rows: int | None = None,
+    response_tokens: int | None = None,
+    sft_eval_rows: int | None = None,
 ) -> MemoryEstimate | None:
     """Estimate ``cfg``'s memory (module docstring) and refuse, with one line, a run whose
     largest phase exceeds the memory of its device; the estimate (None when
@@ -528,6 +614,7 @@ def check_run_fits(
     estimator = Estimator.for_run(cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens)
     if estimator is None:
         return None
+    estimator.sft_eval_rows = sft_eval_rows
     est = estimator.estimate(cfg)
     if estimator.device.type == "cpu":
         add_local_processes(est, cfg, estimator.model, estimator.bf16)
@@ -550,6 +637,7 @@ class Estimator:
     rows: int | None
     response_tokens: int | None
     reward_model: ModelShape | None
+    sft_eval_rows: int | None = None  # the warm start's held-out examples (None: unknown)
 
     @classmethod
     def for_run(
@@ -593,6 +681,7 @@ class Estimator:
             checkpointing=self.checkpointing,
             eager_attention=self.eager_attention,
             reward_model=self.reward_model,
+            sft_eval_rows=self.sft_eval_rows,
         )
 
 

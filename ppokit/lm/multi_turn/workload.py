@@ -96,7 +96,8 @@ class MultiTurnWorkload:
         sequences = self._sequences(env)
         if sequences is not None:
             rows, prompt, response = sequences
-            check_run_fits(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
+            turns = self.cfg.textenv.sft_eval_turns  # the warm start's held-out demonstration turns
+            check_run_fits(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response, sft_eval_rows=turns)
 
     def _sequences(self, env: Any) -> tuple[int, int, int] | None:
         """``(rows, P, R)`` of an iteration from ``env``'s first observation (message mode), or

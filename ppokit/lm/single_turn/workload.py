@@ -123,7 +123,7 @@ class LMWorkload:
             check_token_budget(cfg, tokenizer, train_items)
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
         prompts = [x["prompt"] for x in train_items + eval_items]
-        check_run_fits(cfg, prompt_tokens=longest_prompt_tokens(tokenizer, prompts))
+        check_run_fits(cfg, prompt_tokens=longest_prompt_tokens(tokenizer, prompts), sft_eval_rows=len(eval_items))
         self._checked = CheckedInputs(loaded_train, eval_items, reward_fn, tokenizer)
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
