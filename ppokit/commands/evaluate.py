@@ -51,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--episodes",
         type=int_at_least(1),
         default=None,
-        help="control: episodes to run (default 10); text environment: greedy episodes against each "
+        help="control: episodes to run (default 10); text environment: episodes (textenv.eval_sampling) against each "
         "evaluation opponent (default: the run's textenv.eval_episodes)",
     )
     parser.add_argument(

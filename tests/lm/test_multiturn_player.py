@@ -94,7 +94,7 @@ def test_the_evaluator_tracks_win_rates_against_random_and_heuristic(tok):
     naive = TextEnvEvaluator(cfg, scripted(tok, first_legal), codec, 64, "tictactoe").evaluate("before")
     assert naive["eval_before/random/win_rate"] < 0.9
     line = best.message("final", metrics)
-    assert line.startswith("after PPO: vs random 9") and "vs heuristic" in line and "200 greedy episodes" in line
+    assert line.startswith("after PPO: vs random 9") and "vs heuristic" in line and "200 episodes each, greedy" in line
     # periodic evaluations: the first opponent only, which the stopping rule reads
     periodic = best.evaluate("periodic")
     assert {key.split("/")[1] for key in periodic} == {"random"}

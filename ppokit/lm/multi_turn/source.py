@@ -52,7 +52,8 @@ Metrics per iteration (the learner's seat; see :func:`ppokit.envs.episode_metric
 ``rollout.max_new_tokens``), ``time_env`` against ``time_generate``,
 the rows and action tokens trained on; in self-play the results against the pool.
 
-:class:`TextEnvEvaluator` plays ``textenv.eval_episodes`` greedy episodes on fixed seeds
+:class:`TextEnvEvaluator` plays ``textenv.eval_episodes`` episodes on fixed seeds (greedy, or
+sampled: ``textenv.eval_sampling``)
 against each of ``textenv.eval_opponents`` (or the training environment as configured):
 before training, every ``textenv.eval_every`` iterations and after.
 """
