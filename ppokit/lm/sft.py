@@ -55,9 +55,11 @@ from ppokit.lm.model.device import (
     threads_for,
     torch_threads,
 )
+from ppokit.lm.model.heads import logits_at
 from ppokit.lm.model.hf import load_model_and_tokenizer, quiet_transformers
 from ppokit.lm.rewards.functions import load_reward_fn
 from ppokit.output_paths import check_output_dir, writing_to
+from ppokit.peak_memory import phase_peak
 
 IGNORE_INDEX = -100
 CURVE_FILE = "sft_curve.json"
@@ -117,19 +119,21 @@ def collate(encoded: Sequence[tuple[list[int], int]], pad_id: int) -> dict[str, 
 def answer_loss(
     model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over the completion + EOS tokens, and their count."""
+    """Summed cross-entropy over the completion + EOS tokens, and their count.
+
+    Only the n positions that predict an answer token get logits, (n, V)
+    (:func:`~ppokit.lm.model.heads.logits_at`): an answer is a few tokens after a prompt of
+    hundreds, and (B, T, V) logits of a 49k-token vocabulary were most of the warm start's memory."""
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
+    targets = batch["labels"][:, 1:]  # (B, T-1): the token each position predicts
+    keep = torch.zeros_like(batch["labels"], dtype=torch.bool)  # (B, T)
+    keep[:, :-1] = targets != IGNORE_INDEX
     with autocast(autocast_dtype, device):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-    targets = batch["labels"][:, 1:]  # (B, T-1)
-    loss = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    return loss, int((targets != IGNORE_INDEX).sum())
+        logits = logits_at(model, batch["input_ids"], batch["attention_mask"], keep)  # (n, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> float32; float64 kept
+    loss = F.cross_entropy(logits, targets[keep[:, :-1]], reduction="sum")
+    return loss, int(keep.sum())
 
 
 @torch.no_grad()
@@ -276,6 +280,29 @@ def run_sft(
     reward = reward_fn if hasattr(reward_fn, "score") else load_reward_fn(reward_fn)  # a scorer: the run's pool
     log = log or (lambda _msg: None)
     started = time.perf_counter()
+    with phase_peak() as peak:  # the warm start's own peak: the memory estimate's phase ``sft``
+        model, tokenizer, settings, summary = _fit(model_dir, examples, eval_set, settings, reward, started, log)
+    summary["wall_time_s"] = round(time.perf_counter() - started, 2)
+    summary["peak_gb"] = round(peak.gb, 2)
+    keys = ("best_epoch", "best_accuracy", "best_heldout_loss", "train_accuracy", "stopped", "epochs_run")
+    summary = {
+        **{k: summary[k] for k in (*keys, "wall_time_s", "peak_gb")},
+        "settings": _described(settings, model_dir, examples, eval_set, reward),
+        "curve": summary["curve"],
+    }
+    with writing_to(out):
+        _save(model, tokenizer, out, summary)
+    log(
+        f"sft: best held-out accuracy {summary['best_accuracy']:.1%} at epoch {summary['best_epoch']} "
+        f"({summary['stopped']}); train accuracy {summary['train_accuracy']:.1%}; "
+        f"saved to {out} in {summary['wall_time_s']:.1f}s; peak memory {summary['peak_gb']:.2f} GB"
+    )
+    return summary
+
+
+def _fit(model_dir, examples, eval_set, settings: SFTSettings, reward, started: float, log):
+    """Load the model, train it (:func:`_train`) and score the best one on training examples:
+    the model, its tokenizer, the settings as resolved, and the summary so far."""
     dev = resolve_device(settings.device)
     autocast_dtype = resolve_precision(settings.precision, dev)
     model, tokenizer = load_model_and_tokenizer(model_dir)
@@ -296,21 +323,7 @@ def run_sft(
             max_new_tokens=settings.max_new_tokens,
             autocast_dtype=autocast_dtype,
         )
-    summary["wall_time_s"] = round(time.perf_counter() - started, 2)
-    keys = ("best_epoch", "best_accuracy", "best_heldout_loss", "train_accuracy", "stopped", "epochs_run")
-    summary = {
-        **{k: summary[k] for k in (*keys, "wall_time_s")},
-        "settings": _described(settings, model_dir, examples, eval_set, reward, autocast_dtype),
-        "curve": summary["curve"],
-    }
-    with writing_to(out):
-        _save(model, tokenizer, out, summary)
-    log(
-        f"sft: best held-out accuracy {summary['best_accuracy']:.1%} at epoch {summary['best_epoch']} "
-        f"({summary['stopped']}); train accuracy {summary['train_accuracy']:.1%}; "
-        f"saved to {out} in {summary['wall_time_s']:.1f}s"
-    )
-    return summary
+    return model, tokenizer, settings, summary
 
 
 def _encode(tokenizer, examples, eval_set, max_length: int | None) -> SFTData:
@@ -323,10 +336,11 @@ def _encode(tokenizer, examples, eval_set, max_length: int | None) -> SFTData:
     return SFTData(encode_examples(tokenizer, examples, max_length=max_length), eval_set, held_out_encoded)
 
 
-def _described(settings: SFTSettings, model_dir, examples, eval_set, reward, autocast_dtype) -> dict[str, Any]:
+def _described(settings: SFTSettings, model_dir, examples, eval_set, reward) -> dict[str, Any]:
     """The summary's ``settings``: what ran, the resolved precision, length and threads included."""
     described = {"model_dir": str(model_dir), "examples": len(examples), "eval_examples": len(eval_set)}
     described.update({k: v for k, v in asdict(settings).items() if k != "device"})
+    autocast_dtype = resolve_precision(settings.precision, resolve_device(settings.device))
     described.update(reward_fn=reward.name, precision=precision_name(autocast_dtype))
     return described
 

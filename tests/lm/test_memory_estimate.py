@@ -176,9 +176,11 @@ def test_the_warm_start_is_a_phase_only_with_sft_epochs_and_grows_with_its_batch
         check_fits(many, many.total - 1, "the machine has 1.0 GB available", cfg)
     assert many.largest_phase == "sft" and "(largest phase: sft; its largest part: sft_" in str(err.value)
     assert "lower data.sft_batch_size (now 32)" in str(err.value)
-    # the held-out evaluation, when it is larger than a step: its answer loss over (e, T, V) logits
+    # the held-out evaluation, when it is larger than a step: its answer loss over the answers' logits,
+    # (e, R + 1, V) at most: the completion and EOS, never the prompt's positions
+    held_cfg = build_config([{"workload": "lm", "data": {"sft_epochs": 1, "sft_batch_size": 1}}])
     held = estimate_memory(
-        build_config([{"workload": "lm", "data": {"sft_epochs": 1, "sft_batch_size": 1}}]),
+        held_cfg,
         QWEN_05B,
         prompt_tokens=100,
         bf16=True,
@@ -187,7 +189,9 @@ def test_the_warm_start_is_a_phase_only_with_sft_epochs_and_grows_with_its_batch
         eager_attention=True,
         sft_eval_rows=64,
     )
-    assert held.phases["sft"]["sft_heldout"] >= 64 * 116 * QWEN_05B.vocab_size * 16  # 16 bytes a logit
+    answers = held_cfg.rollout.max_new_tokens + 1
+    assert held.phases["sft"]["sft_heldout"] >= 64 * answers * QWEN_05B.vocab_size * 16  # 16 bytes a logit
+    assert held.phases["sft"]["sft_heldout"] < 64 * 116 * QWEN_05B.vocab_size * 16 / 4  # not (e, T, V)
     assert held.phases["sft"]["sft_best_copy"] == 4 * (W + QWEN_05B.vocab_size * 896)  # a tied embedding twice
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from ppokit.commands.sft import sft_main
 from ppokit.errors import UserError
@@ -14,6 +16,7 @@ from ppokit.lm.sft import (
     CURVE_FILE,
     IGNORE_INDEX,
     SFTSettings,
+    answer_loss,
     collate,
     encode_examples,
     eval_engine,
@@ -36,6 +39,62 @@ def test_labels_cover_the_completion_and_eos_only(tiny_model_dir):
         encode_examples(tok, [{"prompt": "1+1="}])
     with pytest.raises(UserError, match="at most 4"):
         encode_examples(tok, [{"prompt": "1+1=", "completion": "2"}], max_length=4)
+
+
+def _naive_answer_loss(model, batch):
+    """Float64 reference: the full (B, T, V) logits, then -log softmax at every labelled token."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    log_probs = logits.log_softmax(-1)
+    total, count = 0.0, 0
+    for b in range(batch["labels"].shape[0]):
+        for t in range(1, batch["labels"].shape[1]):
+            target = int(batch["labels"][b, t])
+            if target != IGNORE_INDEX:
+                total, count = total - float(log_probs[b, t - 1, target]), count + 1
+    return total, count
+
+
+class _SoftCapped(torch.nn.Module):
+    """A model whose logits are not lm_head(last hidden state): they go through tanh soft-capping."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm, self.config = lm, lm.config
+
+    def forward(self, **kwargs):
+        out = self.lm(**kwargs)
+        out.logits = 3.0 * torch.tanh(out.logits / 3.0)
+        return out
+
+    def get_decoder(self):
+        return self.lm.get_decoder()
+
+    def get_output_embeddings(self):
+        return self.lm.get_output_embeddings()
+
+
+def test_answer_loss_reads_only_the_answer_positions(tiny_model_dir):
+    """The loss from logits at the answer positions alone equals the full-logits loss in float64,
+    for right-padded rows of different lengths, and for a model whose logits are post-processed."""
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    model = model.double()
+    items = [
+        {"prompt": "12+30=", "completion": "42"},
+        {"prompt": "1+2=", "answer": "3"},
+        {"prompt": "7=", "answer": "77"},
+    ]
+    batch = collate(encode_examples(tok, items), tok.pad_token_id)
+    for lm in (model, _SoftCapped(model)):
+        loss, n = answer_loss(lm, batch)
+        expected, count = _naive_answer_loss(lm, batch)
+        assert n == count == 3 + 2 + 3  # each completion's tokens + EOS
+        assert float(loss) == pytest.approx(expected, rel=1e-12)
+    capped, _ = answer_loss(_SoftCapped(model), batch)
+    assert abs(float(capped) - float(answer_loss(model, batch)[0])) > 1e-3  # the capping path was taken
+    full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    plain = F.cross_entropy(full[:, :-1].reshape(-1, full.shape[-1]), targets.reshape(-1), reduction="sum")
+    assert float(answer_loss(model, batch)[0]) == pytest.approx(float(plain), rel=1e-12)
 
 
 def test_generation_batches_match_single_prompts(tiny_model_dir):
@@ -78,6 +137,9 @@ def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
 
     saved = json.loads((out / CURVE_FILE).read_text())
     assert saved["best_epoch"] == summary["best_epoch"] and len(saved["curve"]) == len(curve)
+    # the warm start's own peak (this process's resident peak on a CPU): at least the fp32 model and AdamW's moments
+    n_params = sum(p.numel() for p in load_model_and_tokenizer(tiny_model_dir)[0].parameters())
+    assert saved["peak_gb"] == summary["peak_gb"] >= 16 * n_params / 1e9
     model, tok = load_model_and_tokenizer(out)  # the best model, reloadable
     assert tok.padding_side == "left" and not (out / "ppokit_tiny.json").exists()
     accuracy = evaluate(model, tok, examples, "exact_match", batch_size=16, max_new_tokens=4)

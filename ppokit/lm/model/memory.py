@@ -52,11 +52,12 @@ per iteration (``train.batch_size``; multi-turn: rows), ``w`` bytes of a frozen 
                  4 (W + V H if tied) (CPU only), and the larger of
                  a step: activations (ℓ + 1) b T S' + 12 b T H, S' = S (+ 8 H under bf16: the
                    float32 residual stream the norms keep), x 1.5 on a CPU (the heap keeps the
-                   previous step's freed pieces); logits, their float32 copy and log-softmax
-                   3 b T V 4, under bf16 the autocast copies 2 W
+                   previous step's freed pieces); logits at the answer tokens only (R + 1 a row:
+                   the completion and EOS), their float32 copy and log-softmax 3 b (R + 1) V 4,
+                   under bf16 the autocast copies 2 W
                  the held-out evaluation, e = min(256, held-out examples) rows at a time: the larger
                    of greedy generation (as generate, g = N = e) and the answer loss without
-                   gradients, e T (6 H + 3 F) a + 4 e T V 4 (measured: 14.8 bytes a logit in bf16)
+                   gradients, e T (6 H + 3 F) a + 4 e (R + 1) V 4
 
 ``S`` per token and layer was measured with autograd's saved-tensor hooks on Llama layers
 (docs/performance.md, "Memory"): 8-10 ``H`` and 3-4 ``F`` values per pass in fp32, ~10 ``H``
@@ -378,19 +379,20 @@ def _sft_memory(
     T, b = P + R, cfg.data.sft_batch_size
     e = min(SFT_EVAL_BATCH, eval_rows if eval_rows is not None else SFT_EVAL_BATCH)
     u = b * T
+    answers = min(R + 1, T)  # positions a row gets logits at: the completion and its EOS (ppokit.lm.sft.answer_loss)
     # + under bf16 the residual stream's float32 values the RMSNorms keep, 8 H (saved-tensor hooks on the
     # tiny model, 128 x 245 tokens: 7.9 kB a token and layer against S = 5.3 kB; fp32 12.0 against 10.6)
     S = saved_per_token_layer(model, T, bf16, eager=False) + (8 * H if bf16 else 0)
     activations = model.num_layers * u * S + u * 12 * H + u * S  # + one layer's gradients in flight
     step = {
         "sft_activations": activations * (CPU_HEAP_SLACK if device_type == "cpu" else 1),
-        "sft_logits": 3 * u * V * 4,  # (b, T, V) logits, their float32 copy and log-softmax (or its gradient)
+        "sft_logits": 3 * b * answers * V * 4,  # the answers' logits, a float32 copy, log-softmax (or its gradient)
         "sft_autocast_copies": 2 * W if bf16 else 0,
     }
     generation = sum(_generate_memory(e, model, e, P, T, act, eager=False).values())
-    # no gradients: one layer's activations, and 16 bytes per logit of the (e, T, V) logits (measured on
-    # SmolLM2 in bf16, 32 x 291 tokens: 14.8; the logits, their float32 copy, log-softmax and a buffer)
-    answer_loss = e * T * (6 * H + 3 * model.intermediate_size) * act + 4 * e * T * V * 4
+    # no gradients: one layer's activations, and 16 bytes per logit of the answers' logits (the logits,
+    # their float32 copy, log-softmax and a buffer)
+    answer_loss = e * T * (6 * H + 3 * model.intermediate_size) * act + 4 * e * answers * V * 4
     held_out = {"sft_heldout": max(generation, answer_loss)}
     # the best model's state_dict copied to the host (a tied embedding copied twice); not on a GPU
     tied = V * H if model.tied_embeddings else 0

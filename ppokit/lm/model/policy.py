@@ -62,6 +62,7 @@ from torch import Tensor, nn
 from ppokit import algo
 from ppokit.errors import UserError
 from ppokit.lm.model.device import attention_implementation
+from ppokit.lm.model.heads import decoder_of, hidden_then_head_matches, plain_head
 from ppokit.lm.model.hf import load_causal_lm
 
 ACTOR, CRITIC = "actor", "critic"
@@ -143,7 +144,7 @@ class LMPolicy(nn.Module):
         else:
             if ref_lm is not None:
                 ref_lm.requires_grad_(False)
-        self._direct_head = {id(m): _hidden_then_head_matches(m) for m in self.models()}
+        self._direct_head = {id(m): hidden_then_head_matches(m) for m in self.models()}
 
     # ------------------------------------------------------------------ structure
     def refresh_parameters(self) -> None:
@@ -335,7 +336,7 @@ class LMPolicy(nn.Module):
             input_ids=input_ids, attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False
         )
         if self._direct_head[id(lm)]:
-            hidden = _decoder(lm)(**kwargs).last_hidden_state  # (n, P + R, H)
+            hidden = decoder_of(lm)(**kwargs).last_hidden_state  # (n, P + R, H)
         else:
             hidden = lm(**kwargs, output_hidden_states=True).hidden_states[-1]
         return hidden[:, start : start + R]
@@ -353,7 +354,7 @@ class LMPolicy(nn.Module):
         responses = mb["responses"]
         out: dict[str, Tensor] = {}
         with self.autocast():
-            head = _plain_head(lm) if self._direct_head[id(lm)] else None
+            head = plain_head(lm) if self._direct_head[id(lm)] else None
             if head is not None:
                 hidden = self._hidden(lm, mb)  # (n, R, H)
                 if keep_hidden:
@@ -402,7 +403,7 @@ class LMPolicy(nn.Module):
         ref_lm = self.lm if self.mode == "lora" else self.ref_lm
         if ref_lm is None:
             raise RuntimeError("no reference model loaded (full mode loads one only when a KL term needs it)")
-        head, ref_head = _plain_head(self.lm), _plain_head(ref_lm)
+        head, ref_head = plain_head(self.lm), plain_head(ref_lm)
         if not self._direct_head[id(self.lm)] or head is None or ref_head is None:
             logits = self._full_logits(self.lm, mb, ACTOR)
             with torch.no_grad(), self.reference():
@@ -496,47 +497,10 @@ class LMPolicy(nn.Module):
             if self.mode == "lora":
                 critic = list(self._adapter_params[CRITIC])
             else:
-                critic = [p for p in _decoder(self.critic_lm).parameters() if p.requires_grad]
+                critic = [p for p in decoder_of(self.critic_lm).parameters() if p.requires_grad]
             critic += list(self.value_head.parameters())
             groups.append({"params": critic, "lr": critic_lr, "name": "critic"})
         return groups
-
-
-def _decoder(lm: nn.Module) -> nn.Module:
-    """The transformer body of a causal LM (the peft wrapper is looked through)."""
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    return base.get_decoder()
-
-
-def _plain_head(lm: nn.Module) -> nn.Linear | None:
-    """The model's ``lm_head`` when it is a plain linear layer (its logits are ``h W^T + b``), else
-    None (a LoRA adapter on it: peft's layer adds the adapter's product)."""
-    head = lm.get_output_embeddings()
-    return head if isinstance(head, nn.Linear) else None
-
-
-def _hidden_then_head_matches(lm: nn.Module) -> bool:
-    """Whether ``lm_head(decoder(x).last_hidden_state)`` equals ``lm(x).logits``.
-
-    True for Llama/Qwen/Mistral/GPT-2-like models; False for models that post-process
-    logits (soft-capping, logit scales), which then take the full-logits path.
-    """
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    try:
-        decoder, head = base.get_decoder(), base.get_output_embeddings()
-    except (AttributeError, NotImplementedError, ValueError):
-        return False
-    if decoder is None or head is None or decoder is base:
-        return False
-    device = next(base.parameters()).device
-    ids = torch.arange(1, 5, device=device)[None] % max(2, base.config.vocab_size)
-    with torch.no_grad():
-        try:
-            full = base(input_ids=ids, use_cache=False).logits
-            split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
-        except Exception:  # noqa: BLE001 - any failure means "use the general path"
-            return False
-    return full.shape == split.shape and torch.allclose(full, split, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- building
