@@ -102,6 +102,17 @@ def seed_globals(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@contextlib.contextmanager
+def own_random_stream(seed: int) -> Iterator[None]:
+    """Inside the block torch's global generators (CPU, and CUDA's once in use) start from ``seed``;
+    after it they are as before: an evaluation that samples takes no numbers from the run's stream
+    and draws the same ones each time."""
+    in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if in_use else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every RNG state a run depends on, as checkpoint-storable data (see :mod:`ppokit.checkpoint`).
 

@@ -79,7 +79,7 @@ from ppokit.lm.multi_turn.episodes import TRUNCATION_REASONS, EpisodePlayer, Pla
 from ppokit.lm.multi_turn.streams import StreamCodec
 from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
 from ppokit.lm.scoring import behaviour_log_probs
-from ppokit.resume import rollout_rngs
+from ppokit.resume import own_random_stream, rollout_rngs
 from ppokit.stopping import EarlyStop
 
 __all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs", "seat_actors_of"]
@@ -607,9 +607,7 @@ class TextEnvEvaluator:
         """The evaluation's episodes: greedy, or sampled on a random stream of their own."""
         if self.greedy:
             return player.play(seeds, seat_actors=lambda i, info: {}, greedy=True)
-        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(self.seed)
+        with own_random_stream(self.seed):
             return player.play(seeds, seat_actors=lambda i, info: {}, greedy=False)
 
     def message(self, phase: str, metrics: dict[str, float]) -> str | None:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ppokit.config import Config
 from ppokit.lm.evaluate import heldout_results
 from ppokit.lm.rewards.pool import check_error_limit
+from ppokit.resume import own_random_stream
 from ppokit.stopping import EarlyStop
 
 # below this share of the greedy accuracy, the sampled responses are the thing to fix
@@ -57,10 +56,7 @@ class LMEvaluator:
 
     def _sampled_accuracy(self) -> float:
         """Mean reward of one sampled response per held-out prompt, on a random stream of its own."""
-        device = getattr(self.engine, "device", None)
-        cuda = [device] if getattr(device, "type", None) == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(self.seed)
+        with own_random_stream(self.seed):
             _, results = heldout_results(self.engine, self.items, self.reward, greedy=False)
         return sum(results.scores) / len(results.scores)
 
