@@ -80,20 +80,8 @@ def evaluate_lm(
     try:
         torch.manual_seed(seed)
         prompts = [it["prompt"] for it in items]
-        greedy = gen.engine.generate(prompts, greedy=True, items=items)
-        lengths = greedy.response_lengths.double()  # (P,)
-        greedy_results = scorer.score(prompts, greedy.texts, items)
-        num_errors = greedy_results.num_errors
-        scores = torch.tensor(greedy_results.scores, dtype=torch.float64)  # (P,)
-        out: dict[str, Any] = {
-            "model": gen.label,
-            "prompts": len(items),
-            "reward": reward_spec,
-            "mean_reward": scores.mean().item(),
-            "pass@1_greedy": (scores >= threshold).double().mean().item(),
-            "mean_length": lengths.mean().item(),
-            "reward_errors": num_errors,
-        }
+        out = {"model": gen.label, "prompts": len(items), "reward": reward_spec}
+        out.update(_greedy_metrics(gen, scorer, prompts, items, threshold))
         if samples:
             sampled_out, sampled_errors = _sampled_metrics(gen, scorer, prompts, items, samples, ks, threshold)
             out.update(sampled_out)
@@ -104,6 +92,20 @@ def evaluate_lm(
     if isinstance(reward_spec, str) and reward_spec not in BUILTIN_REWARDS:
         out["reward"] = str(reward_spec)
     return out
+
+
+def _greedy_metrics(gen, scorer, prompts: list, items: list, threshold: float) -> dict[str, Any]:
+    """One greedy response per prompt: the mean reward, the share scoring at least ``threshold``,
+    the mean length, and the number of reward errors."""
+    greedy = gen.engine.generate(prompts, greedy=True, items=items)
+    results = scorer.score(prompts, greedy.texts, items)
+    scores = torch.tensor(results.scores, dtype=torch.float64)  # (P,)
+    return {
+        "mean_reward": scores.mean().item(),
+        "pass@1_greedy": (scores >= threshold).double().mean().item(),
+        "mean_length": greedy.response_lengths.double().mean().item(),
+        "reward_errors": results.num_errors,
+    }
 
 
 def _sampled_metrics(

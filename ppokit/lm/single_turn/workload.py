@@ -112,19 +112,19 @@ class LMWorkload:
         """Prompts, held-out set, reward function and model directory, before a run directory exists;
         what it reads is kept for :meth:`build`, which then reads nothing again."""
         cfg = self.cfg
-        loaded_train, eval_items, reward_fn = load_data(cfg)
+        train_items, eval_items, reward_fn = load_data(cfg)
         check_filter_metric(cfg, has_verifier=reward_fn is not None)
         if cfg.model.path != "tiny":
             causal_lm_config(cfg.model.path)
         tokenizer = prompt_tokenizer(cfg)  # loaded once for every check (a bad directory: one line)
-        train_items = loaded_train
+        within_limit = train_items  # the training prompts the run keeps (data.max_prompt_tokens)
         if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
-            train_items = drop_long(cfg, train_items, eval_items, tokenizer).train
-            check_token_budget(cfg, tokenizer, train_items)
+            within_limit = drop_long(cfg, train_items, eval_items, tokenizer).train
+            check_token_budget(cfg, tokenizer, within_limit)
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
-        prompts = [x["prompt"] for x in train_items + eval_items]
+        prompts = [x["prompt"] for x in within_limit + eval_items]
         check_run_fits(cfg, prompt_tokens=longest_prompt_tokens(tokenizer, prompts), sft_eval_rows=len(eval_items))
-        self._checked = CheckedInputs(loaded_train, eval_items, reward_fn, tokenizer)
+        self._checked = CheckedInputs(train_items, eval_items, reward_fn, tokenizer)  # as read: build drops again
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)  # the policy's files are there (a UserError names what is wrong)
