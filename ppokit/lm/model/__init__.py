@@ -5,6 +5,7 @@
 - :mod:`.tiny`        a tiny Llama-style model and character tokenizer, built here (no downloads)
 - :mod:`.policy`      the policy: LoRA actor and critic on one backbone (or full models),
   the value head, the reference as the backbone with adapters off
+- :mod:`.heads`       a causal LM's body and output layer apart: logits at chosen positions only
 - :mod:`.checkpoint`  the policy's checkpoint files, written and read back
 - :mod:`.device`      ``run.device``, ``run.precision``, the attention kernel, torch threads
 - :mod:`.stack`       a policy ready to train or sample: device, tokenizer, policy, CPU kernels, threads
