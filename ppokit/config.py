@@ -1527,7 +1527,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         node = result
         parts = key.split(".")
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
+            child = node.setdefault(part, _DottedKeys())
             if not isinstance(child, dict):
                 raise ConfigError(f"override '{item}' conflicts with an earlier override of '{part}'")
             node = child
@@ -1535,14 +1535,29 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return result
 
 
+class _DottedKeys(dict):
+    """The keys an override names inside a mapping (``textenv.kwargs.opponent=self``): they merge
+    into a ``kwargs`` mapping of an earlier layer, where a whole ``kwargs`` mapping replaces it
+    (an environment's arguments are not mixed with another environment's)."""
+
+
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """Merge ``update`` into ``base`` in place; nested dicts merge, other values replace."""
+    """Merge ``update`` into ``base`` in place; nested dicts merge, other values replace (a
+    ``kwargs`` mapping replaces, unless an override named keys inside it: :class:`_DottedKeys`)."""
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict) and key != "kwargs":
+        merges = key != "kwargs" or isinstance(value, _DottedKeys)
+        if isinstance(value, dict) and isinstance(base.get(key), dict) and merges:
             deep_merge(base[key], value)
         else:
-            base[key] = copy.deepcopy(value)
+            base[key] = _plain(copy.deepcopy(value))
     return base
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every :class:`_DottedKeys` mapping in it a plain dict (it has merged)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _section_type(annotation: Any) -> type[Section] | None:

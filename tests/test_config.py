@@ -288,6 +288,22 @@ def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path):
     assert C.read_yaml(path)["algo"] == {"gamma": 0.8, "gae_lambda": 0.5}  # a merge key may be overridden
 
 
+def test_an_override_inside_kwargs_keeps_the_preset_s_other_arguments(tmp_path):
+    """``textenv.kwargs.opponent=self`` changes one argument of the preset's environment (it used to
+    replace all of them, and the run silently played TextArena's whole-transcript view); a whole
+    mapping, from the command line or a file, still replaces the preset's."""
+    preset = C.load_config("smollm2_tictactoe", []).textenv.kwargs
+    one = C.load_config("smollm2_tictactoe", ["textenv.kwargs.opponent=self", "textenv.kwargs.extra.depth=2"])
+    assert one.textenv.kwargs == {**preset, "opponent": "self", "extra": {"depth": 2}}
+    assert type(one.textenv.kwargs["extra"]) is dict
+    whole = C.load_config("smollm2_tictactoe", ["textenv.kwargs={opponent: self}"])
+    assert whole.textenv.kwargs == {"opponent": "self"}
+    path = tmp_path / "mine.yaml"
+    path.write_text("workload: lm\ntextenv:\n  env: tictactoe\n  kwargs: {opponent: heuristic}\n")
+    assert C.load_config(str(path), ["textenv.kwargs.seat=1"]).textenv.kwargs == {"opponent": "heuristic", "seat": 1}
+    assert C.load_config("cartpole", ["env.kwargs.max_episode_steps=50"]).env.kwargs == {"max_episode_steps": 50}
+
+
 @pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../x", "/tmp/x"])
 def test_run_name_is_a_plain_directory_name(name):
     with pytest.raises(ConfigError, match="run.name: must be a plain directory name .*run.output_dir"):
