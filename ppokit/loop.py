@@ -39,7 +39,7 @@ from ppokit.components import Components, Workload
 from ppokit.config import Config
 from ppokit.errors import TrainingDiverged, UserError
 from ppokit.health import RunHealth
-from ppokit.peak_memory import PhasePeak, phase_peak
+from ppokit.peak_memory import PhasePeak, phase_peak, release_freed_memory
 from ppokit.resume import GracefulStop, capture_rng, restore_rng
 from ppokit.track import Tracker
 from ppokit.trainer import batch_advantages
@@ -129,6 +129,9 @@ class _Loop:
         """The evaluator's metrics at ``phase`` after ``done`` iterations, kept in the history and said."""
         evaluator = self.components.evaluator
         result = evaluator.evaluate(phase)
+        # its garbage (reference cycles among its episodes' objects) stayed resident under the next
+        # update's peak: SmolLM2 on Nim-v0, 40 episodes before PPO, 4.56 GB in the update, 3.05 without
+        release_freed_memory()
         row = {"iteration": done, "phase": phase, "time": time.time(), **result}
         if self.steps:
             row["global_step"] = done * self.steps

@@ -125,3 +125,20 @@ def test_release_freed_memory_hands_a_fragmented_heaps_free_pages_back():
     peak_memory.release_freed_memory()
     assert freed - _resident_gb() > 0.15, "the freed blocks stayed resident"
     assert len(kept) == 160
+
+
+def test_each_evaluation_hands_its_garbage_back(tmp_path, monkeypatch):
+    """After every evaluation the run releases the heap's free pages (an LM evaluation's garbage
+    stayed resident under the next update: 4.56 GB against 3.05 on SmolLM2)."""
+    from ppokit import loop
+    from ppokit.cli import main
+    from ppokit.rundir import read_metrics
+
+    calls = []
+    monkeypatch.setattr(loop, "release_freed_memory", lambda: calls.append(1))
+    args = ["train", "cartpole", "train.total_steps=384", "env.num_envs=2", "env.num_steps=64"]
+    args += ["train.mini_batch_size=64", "env.eval_episodes=1", "env.eval_every=1"]
+    assert main([*args, "--output-dir", str(tmp_path), "--name", "run", "--no-progress", "run.tensorboard=false"]) == 0
+    rows = read_metrics(tmp_path / "run")  # two periodic evaluations and the final one
+    evaluations = [r for r in rows if "periodic_eval_return_mean" in r or "eval_return_mean" in r]
+    assert len(calls) == len(evaluations) == 3
