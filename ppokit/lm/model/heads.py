@@ -52,12 +52,16 @@ def _compare_paths(lm: nn.Module) -> bool:
         return False
     device = next(base.parameters()).device
     ids = torch.arange(1, 5, device=device)[None] % max(2, base.config.vocab_size)
+    was_training = base.training
+    base.eval()  # a model in training with dropout would differ between the two passes
     with torch.no_grad():
         try:
             full = base(input_ids=ids, use_cache=False).logits
             split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
         except Exception:  # noqa: BLE001 - any failure means "use the general path"
             return False
+        finally:
+            base.train(was_training)
     return full.shape == split.shape and torch.allclose(full, split, rtol=1e-4, atol=1e-5)
 
 
