@@ -38,7 +38,7 @@ PRESET_DIR = Path(__file__).with_name("presets")
 
 # Names of the registries in ppokit.algo, as literal types so that the config needs no
 # torch import. tests/test_config.py checks that they match the registries.
-AdvEstimatorName = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AdvEstimatorName = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gigpo"]
 AggModeName = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimatorName = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
 PolicyLossName = Literal[
@@ -60,7 +60,7 @@ PolicyLossName = Literal[
 ]
 POLICY_LOSS_ALIASES = {"ppo": "clip", "vanilla": "clip", "ppo_penalty": "penalty", "gmpo": "geo_mean"}
 TOKEN_RATIO_LOSSES = ("cispo", "dppo_tv", "dppo_kl", "gpg", "dro", "sapo", "geo_mean", "clip_cov", "kl_cov")
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "gigpo")
 # Seeds go to torch.manual_seed (at most 2**64 - 1) and, plus offsets, to Gymnasium (>= 0).
 SEED_MAX = 2**63 - 1
 
@@ -122,7 +122,14 @@ class AlgoConfig(Section):
     gamma: float = field(0.99, "discount factor", ge=0, le=1)
     gae_lambda: float = field(0.95, "GAE lambda: 0 = one-step TD, 1 = Monte-Carlo", "lam", ge=0, le=1)
     normalize_adv: bool = field(True, "whiten advantages over the batch", "normalize_advantages")
-    norm_adv_by_std_in_grpo: bool = field(True, "grpo: divide by the group std (false = Dr.GRPO)")
+    norm_adv_by_std_in_grpo: bool = field(True, "grpo, gigpo: divide by the group std (false = Dr.GRPO)")
+    step_advantage_weight: float = field(
+        1.0,
+        "gigpo (textenv): weight of the step-level advantage (each turn against the turns taken from the "
+        "same state in its group, on the return discounted by algo.gamma) added to the episode's grpo advantage",
+        "step_advantage_w",
+        ge=0,
+    )
     group_size: int = field(
         1,
         "samples per prompt (group estimators need >= 2); textenv: episodes per environment seed",
@@ -1048,6 +1055,11 @@ def _check_objective(cfg: Config) -> None:
         raise ValueError(
             f"algo.adv_estimator={a.adv_estimator} needs algo.group_size >= 2 "
             f"(got {a.group_size}): a group of one has no baseline"
+        )
+    if a.adv_estimator == "gigpo" and cfg.kind != "textenv":
+        raise ValueError(
+            "algo.adv_estimator=gigpo compares the turns that multi-turn episodes (textenv) take from one "
+            "state; single-turn samples have one turn each (use grpo) and control takes gae"
         )
     if a.loss_mode == "dro" and a.dro_beta is None:
         raise ValueError(

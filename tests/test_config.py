@@ -116,7 +116,9 @@ def test_config_names_match_algo_registries():
 
     from ppokit import algo
 
-    assert set(get_args(C.AdvEstimatorName)) <= set(algo.ADVANTAGE_ESTIMATORS.names())
+    # gigpo compares the turns of multi-turn episodes (ppokit.algo.turns), not single-turn samples
+    assert set(get_args(C.AdvEstimatorName)) - {"gigpo"} <= set(algo.ADVANTAGE_ESTIMATORS.names())
+    assert "gigpo" in algo.turns.GROUP_ESTIMATORS
     assert set(get_args(C.AggModeName)) == set(algo.AGG_MODES.names())
     kl_names = set(get_args(C.KLEstimatorName)) - {"full"}
     assert kl_names <= set(algo.KL_ESTIMATORS.names(include_aliases=True))

@@ -79,6 +79,7 @@ from .turns import (
     gather_turn_values,
     place_at_turn_ends,
     spread_over_turns,
+    step_group_advantages,
     sum_turn_rewards,
     trajectory_credit,
     trajectory_group_advantages,
@@ -186,4 +187,5 @@ __all__ = [
     "turn_group_advantages",
     "trajectory_credit",
     "trajectory_group_advantages",
+    "step_group_advantages",
 ]

@@ -559,7 +559,7 @@ def trajectory_credit(
 # ----------------------------------------------------------------------------- critic-free, per episode
 # the estimators of ppokit.algo.advantages that take their baseline from a group of samples
 # (ppokit.config.GROUP_ESTIMATORS names the same ones; tests/algo/test_algo_turns.py checks it)
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "gigpo")
 
 
 def trajectory_group_advantages(
@@ -572,6 +572,10 @@ def trajectory_group_advantages(
     num_trajectories: int | None = None,
     norm_by_std: bool = True,
     eps: float = 1e-6,
+    turn_index: torch.Tensor | None = None,
+    turn_state: torch.Tensor | None = None,
+    step_weight: float = 1.0,
+    gamma: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic-free outcome advantages of trajectories that span rows, against their group: (N, T) each.
 
@@ -590,11 +594,39 @@ def trajectory_group_advantages(
         rloo                   A_e = s_e - (sum_g s - s_e) / (n_g - 1)
         reinforce_pp_baseline  A_e = s_e - mean_g s, then whitened over all action tokens of the batch
 
+        gigpo                  A_e as grpo, plus step_weight * the step advantage of each turn
+                               (:func:`step_group_advantages` with ``turn_index``, ``turn_state``, ``gamma``)
+
     (``std_g`` unbiased; a group of one gets 0.) ``A_e`` goes on every action token of e, in
     every row of it, and is 0 elsewhere: the outcome advantage at token level, as verl and
     SkyRL train agent episodes. ``returns = advantages`` (there is no critic to fit).
     Computed in the dtype of ``rewards``.
     """
+    if estimator == "gigpo":
+        if turn_index is None or turn_state is None:
+            raise ValueError("estimator='gigpo' needs turn_index (N, T) and turn_state (E, K)")
+        episode, _ = trajectory_group_advantages(
+            estimator="grpo",
+            rewards=rewards,
+            mask=mask,
+            traj_index=traj_index,
+            traj_group=traj_group,
+            num_trajectories=num_trajectories,
+            norm_by_std=norm_by_std,
+            eps=eps,
+        )
+        step = step_group_advantages(
+            rewards=rewards,
+            mask=mask,
+            traj_index=traj_index,
+            turn_index=turn_index,
+            turn_state=turn_state,
+            gamma=gamma,
+            norm_by_std=norm_by_std,
+            eps=eps,
+        )
+        adv = episode + step_weight * step
+        return adv, adv.clone()
     if estimator not in GROUP_ESTIMATORS:
         raise ValueError(f"estimator must be a group estimator ({', '.join(GROUP_ESTIMATORS)}), got {estimator!r}")
     if rewards.dim() != 2 or mask.shape != rewards.shape:
@@ -613,6 +645,73 @@ def trajectory_group_advantages(
     adv = torch.zeros_like(rewards)  # (N, T)
     adv[rows, cols] = grid_a[traj, pos]
     return adv, adv.clone()
+
+
+def step_group_advantages(
+    *,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    traj_index: torch.Tensor,
+    turn_index: torch.Tensor,
+    turn_state: torch.Tensor,
+    gamma: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GiGPO's step-level advantages (Feng et al., 2025, "Group-in-Group Policy Optimization for
+    LLM Agent Training"; verl-agent's ``gigpo``): each turn against the turns taken from the same
+    state in other trajectories of its group. (N, T), on action tokens, 0 elsewhere.
+
+    - ``rewards``, ``mask`` (N, T), ``traj_index`` (N,) as :func:`trajectory_group_advantages`;
+    - ``turn_index`` (N, T): the turn number of each action token, -1 elsewhere;
+    - ``turn_state`` (E, K) integer: the anchor state of turn k of trajectory e (equal ids = the
+      same state, seen by trajectories of the same group; the caller keys it on both), -1 where
+      e has no turn k.
+
+    With ``r_{e,k}`` the sum of turn k's rewards (on its action tokens) and
+    ``Q_{e,k} = sum_{j >= k} gamma^(j-k) r_{e,j}`` (the discounted return from turn k), each
+    anchor group S (the turns with one ``turn_state``, n_S of them)::
+
+        A_{e,k} = (Q_{e,k} - mean_S Q) / (std_S Q + eps)    (norm_by_std; else Q_{e,k} - mean_S Q)
+
+    (``std_S`` unbiased); a state seen once gets 0: no other action from it to compare with.
+    ``A_{e,k}`` goes on every action token of turn k. Computed in the dtype of ``rewards``.
+    """
+    if rewards.dim() != 2 or mask.shape != rewards.shape or turn_index.shape != rewards.shape:
+        raise ValueError(
+            f"rewards, mask and turn_index must be (N, T) alike, got {tuple(rewards.shape)}, "
+            f"{tuple(mask.shape)}, {tuple(turn_index.shape)}"
+        )
+    E, rows, cols, traj, _, _ = _pack_action_tokens(mask, traj_index, turn_state.shape[0])
+    turn_state = torch.as_tensor(turn_state, device=rewards.device)
+    K = turn_state.shape[1] if turn_state.dim() == 2 else -1
+    if turn_state.shape != (E, K) or turn_state.dtype.is_floating_point:
+        raise ValueError(f"turn_state must be an (E, K) integer tensor, got {tuple(turn_state.shape)}")
+    turn = turn_index[rows, cols]  # (M,)
+    if turn.numel() and (int(turn.min()) < 0 or int(turn.max()) >= K):
+        raise ValueError(f"turn_index must be in 0..{K - 1} on every action token")
+    if turn.numel() and bool((turn_state[traj, turn] < 0).any()):
+        raise ValueError("turn_state is -1 at a turn that has action tokens")
+    turn_r = rewards.new_zeros(E, K).index_put_((traj, turn), rewards[rows, cols], accumulate=True)  # (E, K)
+    taken = turn_state >= 0  # (E, K)
+    q = torch.zeros_like(turn_r)  # (E, K) discounted return from each turn
+    running = rewards.new_zeros(E)
+    for k in range(K - 1, -1, -1):
+        running = torch.where(taken[:, k], turn_r[:, k] + gamma * running, running)
+        q[:, k] = running
+    _, anchor = torch.unique(torch.where(taken, turn_state, -1), return_inverse=True)  # (E, K)
+    S = int(anchor.max()) + 1 if anchor.numel() else 0
+    flat, member = anchor.flatten(), taken.flatten().to(rewards.dtype)  # (E*K,)
+    count = rewards.new_zeros(S).index_add(0, flat, member)  # (S,)
+    mean = rewards.new_zeros(S).index_add(0, flat, q.flatten() * member) / count.clamp(min=1)
+    centered = (q.flatten() - mean[flat]) * member  # (E*K,)
+    if norm_by_std:
+        var = rewards.new_zeros(S).index_add(0, flat, centered**2) / (count - 1).clamp(min=1)
+        centered = centered / (var.sqrt()[flat] + eps)
+    step = torch.where(count[flat] > 1, centered, torch.zeros_like(centered)).view(E, K)  # (E, K)
+    adv = torch.zeros_like(rewards)  # (N, T)
+    adv[rows, cols] = step[traj, turn]
+    return adv
 
 
 # ----------------------------------------------------------------------------- critic-free, per turn index

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from ppokit.algo import trajectory_credit, trajectory_group_advantages
+from ppokit.algo import step_group_advantages, trajectory_credit, trajectory_group_advantages
 from ppokit.algo.turns import GROUP_ESTIMATORS
 from ppokit.config import GROUP_ESTIMATORS as CONFIG_GROUP_ESTIMATORS
 
@@ -271,4 +271,113 @@ def test_group_estimators_are_the_configs_and_bad_inputs_are_named():
     with pytest.raises(ValueError, match=r"traj_group shape \(3,\) != \(E,\) = \(2,\)"):
         trajectory_group_advantages(
             estimator="grpo", rewards=z, mask=z + 1, traj_index=one, traj_group=torch.tensor([0, 0, 1])
+        )
+
+
+# ----------------------------------------------------------------------------- GiGPO: step groups by state
+def naive_step(trajectories, states, gamma, norm_by_std, eps=1e-6):
+    """Per trajectory, per turn, GiGPO's step advantage as plain Python floats: the turn's
+    discounted return against the other turns taken from the same state id."""
+    q = []
+    for turns in trajectories:
+        r = [sum(x for x, _ in turn) for turn in turns]
+        q.append([sum(gamma ** (j - k) * r[j] for j in range(k, len(r))) for k in range(len(r))])
+    members = {}
+    for e, turns in enumerate(trajectories):
+        for k in range(len(turns)):
+            members.setdefault(states[e][k], []).append(q[e][k])
+    out = []
+    for e, turns in enumerate(trajectories):
+        row = []
+        for k in range(len(turns)):
+            m = members[states[e][k]]
+            n, mean = len(m), sum(m) / len(m)
+            if n == 1:
+                row.append(0.0)
+                continue
+            a = q[e][k] - mean
+            if norm_by_std:
+                a /= math.sqrt(sum((x - mean) ** 2 for x in m) / (n - 1)) + eps
+            row.append(a)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("gamma,norm_by_std", [(1.0, True), (0.9, True), (0.95, False)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gigpo_step_and_episode_advantages_match_a_float64_loop(gamma, norm_by_std, seed):
+    rng = random.Random(seed)
+    E = 10
+    rewards, _, mask, turn_index, traj_index, trajectories = build_batch(rng, E)
+    groups = [0] * 5 + [1] * 4 + [2]
+    K = max(len(t) for t in trajectories)
+    # few state ids, so that turns share them; an id is only shared within a group (as the source keys them)
+    states = [[groups[e] * 100 + rng.randint(0, 2) for _ in range(len(trajectories[e]))] for e in range(E)]
+    turn_state = torch.full((E, K), -1, dtype=torch.long)
+    for e in range(E):
+        turn_state[e, : len(states[e])] = torch.tensor(states[e])
+    step = step_group_advantages(
+        rewards=rewards,
+        mask=mask,
+        traj_index=traj_index,
+        turn_index=turn_index,
+        turn_state=turn_state,
+        gamma=gamma,
+        norm_by_std=norm_by_std,
+    )
+    want = naive_step(trajectories, states, gamma, norm_by_std)
+    assert step.dtype == torch.float64 and torch.all(step[mask == 0] == 0)
+    got = gather(step, step, mask, turn_index, traj_index, E)
+    for e in range(E):
+        for k, turn in enumerate(got[e]):
+            assert [a for a, _ in turn] == pytest.approx([want[e][k]] * len(turn), abs=1e-12)
+    assert any(a != 0 for row in want for a in row)  # the draw shares states: the check has teeth
+    # gigpo = grpo's episode advantage + w * the step advantage
+    kwargs = dict(rewards=rewards, mask=mask, traj_index=traj_index, traj_group=torch.tensor(groups))
+    episode, _ = trajectory_group_advantages(estimator="grpo", norm_by_std=norm_by_std, **kwargs)
+    adv, ret = trajectory_group_advantages(
+        estimator="gigpo",
+        norm_by_std=norm_by_std,
+        turn_index=turn_index,
+        turn_state=turn_state,
+        step_weight=0.5,
+        gamma=gamma,
+        **kwargs,
+    )
+    torch.testing.assert_close(adv, episode + 0.5 * step, rtol=0, atol=1e-12)
+    assert torch.equal(adv, ret)
+
+
+def test_gigpo_steps_from_unique_states_get_nothing_and_bad_inputs_are_named():
+    # two one-row trajectories of two turns each: turn 0 from one shared state, turn 1 from states of their own
+    mask = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1]])
+    turn_index = torch.tensor([[0, 0, -1, 1], [0, -1, 1, 1]])
+    rewards = torch.tensor([[0.0, 1.0, 7.0, 2.0], [3.0, 9.0, 0.0, -1.0]], dtype=torch.float64)
+    turn_state = torch.tensor([[5, 6], [5, 7]])
+    step = step_group_advantages(
+        rewards=rewards,
+        mask=mask,
+        traj_index=torch.tensor([0, 1]),
+        turn_index=turn_index,
+        turn_state=turn_state,
+        gamma=0.5,
+        norm_by_std=False,
+    )
+    # Q: trajectory 0: turn 1 = 2, turn 0 = 1 + 0.5 * 2 = 2; trajectory 1: turn 1 = -1, turn 0 = 3 - 0.5 = 2.5
+    assert step.tolist() == [[-0.25, -0.25, 0.0, 0.0], [0.25, 0.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="gigpo' needs turn_index"):
+        trajectory_group_advantages(
+            estimator="gigpo",
+            rewards=rewards,
+            mask=mask,
+            traj_index=torch.tensor([0, 1]),
+            traj_group=torch.tensor([0, 0]),
+        )
+    with pytest.raises(ValueError, match="turn_state is -1 at a turn"):
+        step_group_advantages(
+            rewards=rewards,
+            mask=mask,
+            traj_index=torch.tensor([0, 1]),
+            turn_index=turn_index,
+            turn_state=torch.tensor([[5, -1], [5, 7]]),
         )

@@ -91,6 +91,69 @@ def test_grpo_over_episodes_of_one_seed_needs_no_critic(tiny_dir, tmp_path, mode
     assert batch.metrics["env/uniform_group_rate"] == uniform
 
 
+def contexts_of(batch):
+    """(trajectory, turn) -> the token ids the policy answered at that turn, read off the batch."""
+    t, out = batch.tensors, {}
+    P = t["input_ids"].shape[1] - t["responses"].shape[1]
+    for row, e in enumerate(t["traj_index"].tolist()):
+        real = t["attention_mask"][row] == 1
+        turns = t["turn_index"][row]
+        for k in sorted(set(turns[turns >= 0].tolist())):
+            start = P + int((turns == k).nonzero()[0])
+            out[(e, k)] = tuple(t["input_ids"][row, :start][real[:start]].tolist())
+    return out
+
+
+@pytest.mark.parametrize("mode", ["state", "message"])
+def test_gigpo_compares_the_turns_taken_from_one_context_within_a_group(tiny_dir, tmp_path, mode):
+    algo = {**GRPO4, "adv_estimator": "gigpo", "gamma": 0.9, "step_advantage_weight": 0.5}
+    cfg = mt_config(tiny_dir, tmp_path, {"kwargs": {"observation_mode": mode}}, algo=algo)
+    c = build(cfg, tmp_path)
+    assert not c.learner.policy.has_critic
+    batch = c.source.collect(0)
+    groups = batch.extras["traj_group"].tolist()
+    state = batch.extras["turn_state"]  # (E, K)
+    contexts = contexts_of(batch)
+    # equal ids exactly where the group and the context are equal
+    key = {ek: (groups[ek[0]], ctx) for ek, ctx in contexts.items()}
+    for a in key:
+        for b in key:
+            assert (state[a] == state[b]) == (key[a] == key[b])
+    assert all(int(state[e, k]) == -1 for e in range(8) for k in range(state.shape[1]) if (e, k) not in key)
+    shared = [sum(key[ek] == v for v in key.values()) > 1 for ek in key]
+    assert any(shared)  # a group's first observations are one seed's: its turn 0 is one state
+    assert batch.metrics["env/shared_state_rate"] == pytest.approx(sum(shared) / len(shared))
+    c.scorer.score(batch)
+    t = batch.tensors
+    adv, _ = trajectory_advantages(cfg, batch)
+    # float64 reference: turn rewards, returns discounted by 0.9, GRPO per episode, step groups by key
+    turn_r = dict.fromkeys(key, 0.0)
+    for row, e in enumerate(t["traj_index"].tolist()):
+        for col in (t["mask"][row] == 1).nonzero().flatten().tolist():
+            turn_r[(e, int(t["turn_index"][row, col]))] += float(t["rewards"][row, col])
+    q = {(e, k): sum(0.9 ** (j - k) * turn_r[(e, j)] for j in range(k, 9) if (e, j) in turn_r) for e, k in key}
+    episode = naive_grpo([sum(r for (e2, _), r in turn_r.items() if e2 == e) for e in range(8)], groups)
+    for row, e in enumerate(t["traj_index"].tolist()):
+        for col in (t["mask"][row] == 1).nonzero().flatten().tolist():
+            ek = (e, int(t["turn_index"][row, col]))
+            peers = [q[o] for o in key if key[o] == key[ek]]
+            step = 0.0
+            if len(peers) > 1:
+                mean = sum(peers) / len(peers)
+                std = math.sqrt(sum((x - mean) ** 2 for x in peers) / (len(peers) - 1))
+                step = (q[ek] - mean) / (std + 1e-6)
+            assert float(adv[row, col]) == pytest.approx(episode[e] + 0.5 * step, abs=1e-4)
+
+
+def test_a_multi_turn_gigpo_run_trains_and_logs_its_shared_states(tiny_dir, tmp_path):
+    algo = {**GRPO4, "adv_estimator": "gigpo", "rollout_correction": "tis"}
+    cfg = mt_config(tiny_dir, tmp_path, algo=algo, train={"iterations": 2}, run={"name": "run"})
+    train(cfg, tmp_path / "run")
+    rows = read_metrics(Path(tmp_path) / "run")
+    assert len(rows) == 2 and all(0 < row["env/shared_state_rate"] <= 1 for row in rows)
+    assert all("value_loss" not in row and math.isfinite(row["policy_loss"]) for row in rows)
+
+
 # ----------------------------------------------------------------------------- behaviour log-probs
 @pytest.mark.parametrize("mode", ["state", "message"])
 def test_episodes_carry_the_engines_log_probs_on_the_models_tokens(tiny_dir, tmp_path, mode):

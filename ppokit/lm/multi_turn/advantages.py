@@ -10,7 +10,11 @@ sequence of turns:
 - a group estimator (``grpo``, ``rloo``, ``reinforce_pp_baseline``; no critic): each
   trajectory's return against the other trajectories of its group, the episodes of one
   environment seed and one seat (``extras["traj_group"]``, :mod:`ppokit.lm.multi_turn.source`),
-  on every model token of the trajectory (:func:`ppokit.algo.trajectory_group_advantages`).
+  on every model token of the trajectory (:func:`ppokit.algo.trajectory_group_advantages`);
+- ``gigpo``: grpo's episode advantage plus ``algo.step_advantage_weight`` times each turn's
+  step advantage: its return from that turn (discounted by ``algo.gamma``) against the turns
+  the group's other trajectories took from the same state (``extras["turn_state"]``,
+  :func:`ppokit.algo.step_group_advantages`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ def trajectory_advantages(cfg: Config, batch: Batch) -> tuple[Tensor, Tensor]:
             traj_group=batch.extras["traj_group"],
             num_trajectories=num_trajectories,
             norm_by_std=a.norm_adv_by_std_in_grpo,
+            turn_index=t["turn_index"],
+            turn_state=batch.extras.get("turn_state"),
+            step_weight=a.step_advantage_weight,
+            gamma=a.gamma,
         )
         return advantages
     advantages, returns = algo.trajectory_credit(

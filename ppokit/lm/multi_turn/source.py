@@ -8,7 +8,8 @@ the scorer and the learner train on what it collects unchanged. One iteration::
     EpisodePlayer.play(...)      one batched generate per turn and actor (ppokit.lm.multi_turn.episodes)
     trajectory_tensors(...)      the single-turn layout with a per-token action mask and the
                                  engine's behaviour log-probs (ppokit.lm.multi_turn.turn_batch)
-    Batch(tensors, extras, samples, metrics)    extras["traj_group"] (E,): each trajectory's group
+    Batch(tensors, extras, samples, metrics)    extras["traj_group"] (E,): each trajectory's group;
+                                 gigpo: extras["turn_state"] (E, K), each turn's state (turn_states)
 
 then the scorer's one forward pass per row gives old/reference log-probs and values,
 :func:`ppokit.lm.multi_turn.advantages.trajectory_advantages` applies ``algo.credit`` (token
@@ -16,7 +17,7 @@ or turn GAE over each trajectory) or, without a critic, the group estimator over
 trajectories of one seat, and the learner updates in ``train.batch_size /
 train.mini_batch_size`` mini-batches of rows.
 
-Groups (``algo.adv_estimator`` grpo, rloo or reinforce_pp_baseline, ``algo.group_size`` G):
+Groups (``algo.adv_estimator`` grpo, rloo, reinforce_pp_baseline or gigpo, ``algo.group_size`` G):
 episodes ``jG .. jG+G-1`` are reset with one seed and share one seat plan (in self-play
 the learner's seat and the other seat's actor, drawn once per group). The seed fixes the
 environment's own randomness (its start state, the random stream of an opponent it plays
@@ -77,7 +78,7 @@ from ppokit.envs.checks import check_failure_rate
 from ppokit.errors import UserError
 from ppokit.lm.multi_turn.episodes import TRUNCATION_REASONS, EpisodePlayer, PlayResult, Trajectory
 from ppokit.lm.multi_turn.streams import StreamCodec
-from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
+from ppokit.lm.multi_turn.turn_batch import trajectory_tensors, turn_states
 from ppokit.lm.scoring import behaviour_log_probs
 from ppokit.resume import own_random_stream, rollout_rngs
 from ppokit.stopping import EarlyStop
@@ -303,13 +304,18 @@ class MultiTurnSource:
         tensors, extras = trajectory_tensors(
             result.trajectories, mode=self.mode, pad_id=self.pad_id, device=self.device
         )
-        extras["traj_group"] = trajectory_groups(result.trajectories, self.cfg.algo.group_size).to(self.device)
+        groups = trajectory_groups(result.trajectories, self.cfg.algo.group_size)
+        extras["traj_group"] = groups.to(self.device)
+        if self.cfg.algo.adv_estimator == "gigpo":  # each turn's state, for the step groups
+            extras["turn_state"] = turn_states(result.trajectories, groups, self.mode).to(self.device)
         metrics = episode_metrics(learner)
         # the learner's mean episode return, under the name the progress line and `ppokit plot` read
         metrics["reward_mean"] = metrics.get("env/return_mean", 0.0)
         metrics.update(self._play_metrics(result, n))
         if self.cfg.algo.group_size > 1:
             metrics["env/uniform_group_rate"] = uniform_group_rate(result.trajectories, extras["traj_group"])
+        if "turn_state" in extras:
+            metrics["env/shared_state_rate"] = shared_state_rate(extras["turn_state"])
         metrics.update(
             rows=float(len(tensors["mask"])),
             trajectories=float(len(result.trajectories)),
@@ -456,6 +462,16 @@ def uniform_group_rate(trajectories: Sequence[Trajectory], groups: torch.Tensor)
     for traj, g in zip(trajectories, groups.tolist()):
         returns.setdefault(g, set()).add(traj.episode_return)
     return sum(len(r) == 1 for r in returns.values()) / max(len(returns), 1)
+
+
+def shared_state_rate(turn_state: torch.Tensor) -> float:
+    """The fraction of turns (``turn_state`` (E, K), -1: no turn) taken from a state that another
+    trajectory of the group took a turn from too: the turns a GiGPO step advantage can be nonzero on."""
+    taken = turn_state[turn_state >= 0]  # (turns,)
+    if not taken.numel():
+        return 0.0
+    _, index, counts = torch.unique(taken, return_inverse=True, return_counts=True)
+    return float((counts[index] > 1).float().mean())
 
 
 def groups_with_signal(trajectories: Sequence[Trajectory], group_size: int, num_groups: int) -> list[bool]:

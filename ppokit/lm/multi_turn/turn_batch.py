@@ -50,7 +50,7 @@ from ppokit.lm.generation.engine import position_ids_from
 from ppokit.lm.multi_turn.episodes import Trajectory
 from ppokit.lm.scoring import behaviour_log_probs
 
-__all__ = ["attach_behaviour_log_probs", "trajectory_rows", "trajectory_tensors"]
+__all__ = ["attach_behaviour_log_probs", "trajectory_rows", "trajectory_tensors", "turn_states"]
 
 
 def trajectory_rows(
@@ -140,6 +140,23 @@ def trajectory_tensors(
             bootstrap_traj=torch.tensor([e for e, _ in boot], dtype=torch.long),
         )
     return {k: v.to(device) for k, v in tensors.items()}, {k: v.to(device) for k, v in extras.items()}
+
+
+def turn_states(trajectories: Sequence[Trajectory], groups: Tensor, mode: str) -> Tensor:
+    """(E, K) long: the anchor state of each trajectory's turn k for GiGPO's step groups
+    (:func:`ppokit.algo.step_group_advantages`), -1 past its last turn. A state is the exact
+    context the policy answered, within the trajectory's group (``groups`` (E,)): in state mode
+    the turn's observation, in message mode the conversation so far (the same history)."""
+    E = len(trajectories)
+    K = max((len(t.turns) for t in trajectories), default=0)
+    ids = torch.full((E, K), -1, dtype=torch.long)
+    keys: dict[tuple[int, tuple[int, ...]], int] = {}
+    group = groups.tolist()
+    for e, prompt, response, spans in trajectory_rows(trajectories, mode):
+        for start, _, turn, _, _ in spans:
+            context = tuple(prompt) + tuple(response[:start])
+            ids[e, turn] = keys.setdefault((group[e], context), len(keys))
+    return ids
 
 
 def attach_behaviour_log_probs(
