@@ -101,17 +101,17 @@ def test_multiturn_ppo_learns_a_frozenlake_corridor(tiny_dir, tmp_path, credit):
 
 
 @pytest.mark.slow
-def test_grpo_over_groups_of_episodes_learns_the_corridor(tiny_dir, tmp_path):
+@pytest.mark.parametrize("estimator", ["grpo", "gigpo"])
+def test_grpo_over_groups_of_episodes_learns_the_corridor(tiny_dir, tmp_path, estimator):
     """8 groups of 8 episodes from one start: no critic, each episode's group advantage on all its
     tokens. Measured on the CPU over seeds 0-7: the sampled success passes 0.8 after 7 to 9
     iterations and ends at 0.94-1.0, the greedy policy reaches the goal. At the critic runs'
     learning rate (3e-3) an update now and then makes the replies lose their stop token (every
     move illegal, seeds 3 and 5 of 0-7): every group is then uniform, its advantages 0, and
     GRPO has no signal to recover from (the critic's whitened advantages always have one), hence
-    1e-3 here."""
-    cfg = lake_config(
-        tiny_dir, tmp_path, "token", algo={"adv_estimator": "grpo", "group_size": 8}, train={"learning_rate": 1e-3}
-    )
+    1e-3 here. GiGPO (step groups by state on top) the same way."""
+    algo = {"adv_estimator": estimator, "group_size": 8}
+    cfg = lake_config(tiny_dir, tmp_path, "token", algo=algo, train={"learning_rate": 1e-3})
     result = train(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     success = [r["env/win_rate"] for r in rows]
@@ -119,3 +119,5 @@ def test_grpo_over_groups_of_episodes_learns_the_corridor(tiny_dir, tmp_path):
     assert first < 0.25 and last > 0.8, success
     assert result["eval_after/win_rate"] == 1.0
     assert "value_loss" not in rows[-1]  # no critic
+    if estimator == "gigpo":  # one start state: the groups' turns share states
+        assert min(r["env/shared_state_rate"] for r in rows) > 0.5
