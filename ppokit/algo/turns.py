@@ -605,27 +605,12 @@ def trajectory_group_advantages(
     if estimator == "gigpo":
         if turn_index is None or turn_state is None:
             raise ValueError("estimator='gigpo' needs turn_index (N, T) and turn_state (E, K)")
+        batch = dict(rewards=rewards, mask=mask, traj_index=traj_index, norm_by_std=norm_by_std, eps=eps)
         episode, _ = trajectory_group_advantages(
-            estimator="grpo",
-            rewards=rewards,
-            mask=mask,
-            traj_index=traj_index,
-            traj_group=traj_group,
-            num_trajectories=num_trajectories,
-            norm_by_std=norm_by_std,
-            eps=eps,
+            estimator="grpo", traj_group=traj_group, num_trajectories=num_trajectories, **batch
         )
-        step = step_group_advantages(
-            rewards=rewards,
-            mask=mask,
-            traj_index=traj_index,
-            turn_index=turn_index,
-            turn_state=turn_state,
-            gamma=gamma,
-            norm_by_std=norm_by_std,
-            eps=eps,
-        )
-        adv = episode + step_weight * step
+        step = step_group_advantages(turn_index=turn_index, turn_state=turn_state, gamma=gamma, **batch)
+        adv = episode + step_weight * step  # (N, T)
         return adv, adv.clone()
     if estimator not in GROUP_ESTIMATORS:
         raise ValueError(f"estimator must be a group estimator ({', '.join(GROUP_ESTIMATORS)}), got {estimator!r}")

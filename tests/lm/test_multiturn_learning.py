@@ -19,7 +19,12 @@ iterations, and once it has saturated an update now and then (whitened advantage
 near-equal returns are mostly noise) costs one iteration a dip, to 0.28 and 0.69 in 2 of
 the 16 runs, that the next iteration repairs. The former criterion (10 iterations, the
 mean of the last three above 0.8) failed seed 7 here and an H200 run (0.66); hence 14
-iterations and the median of the last three.
+iterations and the median of the last three. On a CPU with AVX2 only (fp32 kernels that round
+otherwise) seed 2 with token credit then lost its stop token in the last iteration (approx_kl 1.66
+in one update of near-equal returns: every move illegal, greedy success 0), so the critic runs
+train at 2e-3, not 3e-3: there, seeds 0-7 with either credit all pass (16 runs), the sampled
+success passes 0.8 after 5 to 11 iterations, and 3 of the 16 runs have one collapsed iteration
+(approx_kl 0.59-0.76) that the next one repairs.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ def lake_config(tiny_dir, tmp_path, credit, **more):
                     "micro_batch_size": 256,
                     "infer_micro_batch_size": 256,
                     "epochs": 2,
-                    "learning_rate": 3e-3,
+                    "learning_rate": 2e-3,
                     "critic_learning_rate": 5e-3,
                     "grad_clip": 1.0,
                     "lr_warmup_ratio": 0.0,
@@ -105,8 +110,8 @@ def test_multiturn_ppo_learns_a_frozenlake_corridor(tiny_dir, tmp_path, credit):
 def test_grpo_over_groups_of_episodes_learns_the_corridor(tiny_dir, tmp_path, estimator):
     """8 groups of 8 episodes from one start: no critic, each episode's group advantage on all its
     tokens. Measured on the CPU over seeds 0-7: the sampled success passes 0.8 after 7 to 9
-    iterations and ends at 0.94-1.0, the greedy policy reaches the goal. At the critic runs'
-    learning rate (3e-3) an update now and then makes the replies lose their stop token (every
+    iterations and ends at 0.94-1.0, the greedy policy reaches the goal. At 3e-3 (the critic
+    runs' former learning rate) an update now and then makes the replies lose their stop token (every
     move illegal, seeds 3 and 5 of 0-7): every group is then uniform, its advantages 0, and
     GRPO has no signal to recover from (the critic's whitened advantages always have one), hence
     1e-3 here. GiGPO (step groups by state on top) the same way."""
