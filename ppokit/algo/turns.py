@@ -684,16 +684,12 @@ def step_group_advantages(
     for k in range(K - 1, -1, -1):
         running = torch.where(taken[:, k], turn_r[:, k] + gamma * running, running)
         q[:, k] = running
-    _, anchor = torch.unique(torch.where(taken, turn_state, -1), return_inverse=True)  # (E, K)
-    S = int(anchor.max()) + 1 if anchor.numel() else 0
-    flat, member = anchor.flatten(), taken.flatten().to(rewards.dtype)  # (E*K,)
-    count = rewards.new_zeros(S).index_add(0, flat, member)  # (S,)
-    mean = rewards.new_zeros(S).index_add(0, flat, q.flatten() * member) / count.clamp(min=1)
-    centered = (q.flatten() - mean[flat]) * member  # (E*K,)
-    if norm_by_std:
-        var = rewards.new_zeros(S).index_add(0, flat, centered**2) / (count - 1).clamp(min=1)
-        centered = centered / (var.sqrt()[flat] + eps)
-    step = torch.where(count[flat] > 1, centered, torch.zeros_like(centered)).view(E, K)  # (E, K)
+    # each anchor state a group of GRPO over its turns' returns (one sample a row)
+    grpo = get_advantage_estimator("grpo")
+    step_taken, _ = grpo(
+        rewards=q[taken][:, None], mask=None, group_ids=turn_state[taken], norm_by_std=norm_by_std, eps=eps
+    )
+    step = torch.zeros_like(q).index_put_((taken.nonzero(as_tuple=True)), step_taken[:, 0])  # (E, K)
     adv = torch.zeros_like(rewards)  # (N, T)
     adv[rows, cols] = step[traj, turn]
     return adv
