@@ -570,5 +570,52 @@ def test_a_run_trains_with_the_sizes_auto_chose_and_says_so(tiny_dir, tmp_path, 
             line.startswith("micro-batches (auto): 8 rows a pass in the update, 16 in scoring")
             for line in components.header
         )
+        # the header's estimate is the run's as it runs: at the sizes auto chose, not the unresolved ones
+        from ppokit.lm.model.stack import prompt_tokenizer
+
+        longest = memory.longest_prompt_tokens(prompt_tokenizer(cfg), [f"{i}+1=" for i in range(40)])
+        (note,) = [line for line in components.header if line.startswith("memory estimate: about ")]
+        update = float(note.split("update ")[1].split(";")[0])
+        assert update == round(_phase_at(cfg, "update", "micro_batch_size", 8, longest) / 1e9, 2)
+        assert update != round(_phase_at(cfg, "update", "micro_batch_size", 1, longest) / 1e9, 2)
+        assert note.endswith("measured peaks: memory/peak_gb") and "\n" not in note
     finally:
         components.close()
+
+
+def test_a_multi_turn_run_s_header_says_its_estimate(tiny_dir, tmp_path):
+    """The multi-turn header's estimate is sized as the pre-start check sizes the run (its probe
+    episode's rows, prompt and replies) and says each phase."""
+    from ppokit.envs import make_env
+    from ppokit.lm.multi_turn import workload
+
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir)},
+                "run": {"device": "cpu"},
+                "textenv": {"env": "tictactoe", "max_turns": 9, "eval_episodes": 0},
+                "rollout": {"max_new_tokens": 2},
+                "train": {
+                    "iterations": 1,
+                    "batch_size": 8,
+                    "mini_batch_size": 8,
+                    "micro_batch_size": 8,
+                    "infer_micro_batch_size": 8,
+                },
+            }
+        ]
+    )
+    run = workload.MultiTurnWorkload(cfg)
+    rows, prompt, response = run._sequences(make_env("tictactoe"))
+    expected = memory.Estimator.for_run(cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
+    est = expected.run_estimate(cfg, cfg.textenv.sft_eval_turns)
+    components = run.build(tmp_path / "run")
+    try:
+        (note,) = [line for line in components.header if line.startswith("memory estimate: ")]
+    finally:
+        components.close()
+    assert note.startswith(f"memory estimate: {memory.describe(est)}; by phase (GB): ")
+    for phase in ("generate", "score", "update"):
+        assert f"{phase} {est.phase_total(phase) / 1e9:.2f}" in note

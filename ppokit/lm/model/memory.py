@@ -86,6 +86,7 @@ __all__ = [
     "ModelShape",
     "available_memory",
     "check_run_fits",
+    "estimate_note",
     "has_auto_micro_batches",
     "resolve_micro_batches",
     "estimate_memory",
@@ -616,13 +617,28 @@ def check_run_fits(
     estimator = Estimator.for_run(cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens)
     if estimator is None:
         return None
-    estimator.sft_eval_rows = sft_eval_rows
-    est = estimator.estimate(cfg)
-    if estimator.device.type == "cpu":
-        add_local_processes(est, cfg, estimator.model, estimator.bf16)
+    est = estimator.run_estimate(cfg, sft_eval_rows)
     available, where = available_memory(estimator.device)
     check_fits(est, available, where, cfg)
     return est
+
+
+def estimate_note(
+    cfg: Any,
+    *,
+    prompt_tokens: int,
+    rows: int | None = None,
+    response_tokens: int | None = None,
+    sft_eval_rows: int | None = None,
+) -> str | None:
+    """The run header's line with the estimate of ``cfg`` as it will run (its micro-batch sizes
+    resolved), beside which each iteration logs the measured peaks; None without the model's sizes."""
+    estimator = Estimator.for_run(cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens)
+    if estimator is None:
+        return None
+    est = estimator.run_estimate(cfg, sft_eval_rows)
+    phases = ", ".join(f"{p} {est.phase_total(p) / GB:.2f}" for p in est.phases)
+    return f"memory estimate: {describe(est)}; by phase (GB): {phases}; measured peaks: memory/peak_gb"
 
 
 @dataclass
@@ -685,6 +701,15 @@ class Estimator:
             reward_model=self.reward_model,
             sft_eval_rows=self.sft_eval_rows,
         )
+
+    def run_estimate(self, cfg: Any, sft_eval_rows: int | None) -> MemoryEstimate:
+        """The whole run's estimate: with the warm start's held-out rows, and on a CPU the local
+        Ray processes beside this one."""
+        self.sft_eval_rows = sft_eval_rows
+        est = self.estimate(cfg)
+        if self.device.type == "cpu":
+            add_local_processes(est, cfg, self.model, self.bf16)
+        return est
 
 
 # the share of the device's memory an ``auto`` micro-batch size lets its phase reach: half, a

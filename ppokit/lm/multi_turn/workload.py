@@ -36,6 +36,7 @@ from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
 from ppokit.lm.model.memory import (
     check_run_fits,
+    estimate_note,
     has_auto_micro_batches,
     model_shape,
     multi_turn_rows,
@@ -131,24 +132,29 @@ class MultiTurnWorkload:
             tokens = state_prompt_tokens(lengths, self.cfg.rollout.max_new_tokens)
         return multi_turn_rows(self.cfg, tokens, message, context, env_turns)
 
-    def _resolve_micro_batches(self) -> str | None:
+    def _sizing_notes(self) -> list[str]:
         """``self.cfg`` with its ``auto`` micro-batch sizes chosen (a fresh environment sizes the
-        sequences, so the probe's stream stays as it was); the header's line about them, None when
-        no size is ``auto``."""
-        if not has_auto_micro_batches(self.cfg):
-            return None
+        sequences, so the probe's stream stays as it was); the header's lines: the sizes chosen and
+        the memory estimate of the run as it will run."""
         t = self.cfg.textenv
         sequences = self._sequences(make_env(t.env, **t.kwargs))
         rows, prompt, response = sequences if sequences is not None else (None, 0, None)
-        self.cfg, line = resolve_micro_batches(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
-        return line
+        lines = []
+        if has_auto_micro_batches(self.cfg):
+            self.cfg, line = resolve_micro_batches(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
+            lines.append(line)
+        if sequences is not None:
+            sizes = {"prompt_tokens": prompt, "rows": rows, "response_tokens": response}
+            note = estimate_note(self.cfg, **sizes, sft_eval_rows=t.sft_eval_turns)
+            lines += [note] if note else []
+        return lines
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)
 
     def build(self, run_dir: Path) -> Components:
         run_dir.mkdir(parents=True, exist_ok=True)
-        micro_batches = self._resolve_micro_batches()
+        sizing = self._sizing_notes()
         cfg, t = self.cfg, self.cfg.textenv
         seed_globals(cfg.seed)
         probe = make_env(t.env, **t.kwargs)
@@ -184,8 +190,7 @@ class MultiTurnWorkload:
             f"lm on {env_name} ({mode} mode, {credit}): {stack.describe()}, "
             f"{cfg.iterations} iterations of {cfg.train.batch_size} episodes"
         ]
-        if micro_batches:
-            header.append(micro_batches)
+        header += sizing
         return Components(
             source=source,
             learner=learner,

@@ -50,6 +50,7 @@ from ppokit.lm.model.device import placement
 from ppokit.lm.model.hf import causal_lm_config
 from ppokit.lm.model.memory import (
     check_run_fits,
+    estimate_note,
     has_auto_micro_batches,
     longest_prompt_tokens,
     resolve_micro_batches,
@@ -85,6 +86,7 @@ class CheckedInputs(NamedTuple):
     held_out: list[dict]
     reward_fn: Any
     tokenizer: Any
+    prompt_tokens: int | None = None  # the longest prompt the run keeps, in tokens (the memory estimate's P)
 
 
 @dataclass
@@ -122,9 +124,9 @@ class LMWorkload:
             within_limit = drop_long(cfg, train_items, eval_items, tokenizer).train
             check_token_budget(cfg, tokenizer, within_limit)
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
-        prompts = [x["prompt"] for x in within_limit + eval_items]
-        check_run_fits(cfg, prompt_tokens=longest_prompt_tokens(tokenizer, prompts), sft_eval_rows=len(eval_items))
-        self._checked = CheckedInputs(train_items, eval_items, reward_fn, tokenizer)  # as read: build drops again
+        longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in within_limit + eval_items])
+        check_run_fits(cfg, prompt_tokens=longest, sft_eval_rows=len(eval_items))
+        self._checked = CheckedInputs(train_items, eval_items, reward_fn, tokenizer, longest)  # build drops again
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)  # the policy's files are there (a UserError names what is wrong)
@@ -173,11 +175,15 @@ class LMWorkload:
         prompts = drop_long(self.cfg, train_items, eval_items, tokenizer)
         if prompts.note:
             header.append(prompts.note)
+        longest = checked.prompt_tokens
         if auto:
             longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in prompts.train + prompts.held_out])
             self.cfg, micro_batches = resolve_micro_batches(self.cfg, prompt_tokens=longest)
             header.append(micro_batches)
         cfg = self.cfg
+        if longest is not None:  # the estimate of the run as it will run, beside its measured peaks
+            note = estimate_note(cfg, prompt_tokens=longest, sft_eval_rows=len(eval_items))
+            header += [note] if note else []
         # the training reward: the reward model's score and/or a function's (the task's own only
         # without a reward model; held-out accuracy always uses the function)
         train_reward_fn = reward_fn if cfg.data.reward is not None or cfg.data.reward_model is None else None
