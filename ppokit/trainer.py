@@ -539,10 +539,13 @@ class PPOTrainer:
                 )
                 losses.update(actor_losses)
                 metrics.update(actor_metrics)
+            # idle: the same backward graph as a real pass, a zero gradient
+            (loss * 0.0 if idle else loss).backward()
+            # this pass's outputs, kept until the next pass's forward, hold memory of their graph
+            # through it: SmolLM2's fp32 update peaked at 9.7 GB with them, 6.4 GB without
+            del out, loss
             if idle:
-                (loss * 0.0).backward()  # the same backward graph as a real pass, a zero gradient
                 continue
-            loss.backward()
             # Losses computed with the mini-batch normalizer add up over micro-batches;
             # rates (clipfrac, approx_kl) are means over this micro-batch: weight by its share.
             share = algo.aggregation_normalizer(part["mask"], mode) / normalizer

@@ -101,6 +101,32 @@ def test_micro_batches_give_the_mini_batch_gradient(mode):
             assert part_metrics[key] == pytest.approx(full_metrics[key], rel=1e-5, abs=1e-6)
 
 
+def test_no_pass_s_outputs_outlive_its_backward():
+    """A pass's outputs and loss hold memory of their graph: alive through the next pass's
+    forward, they took a SmolLM2 update's peak from 6.5 to 9.1 GB (docs/performance.md). Each
+    pass's outputs are gone by the time the next pass starts, and after the update."""
+    import gc
+    import weakref
+
+    policy = ToyPolicy()
+    cfg = lm_like_config(micro_batch_size=3, epochs=2)
+    trainer = PPOTrainer(cfg, policy, total_iterations=1)
+    evaluate, outputs, alive_at_call = policy.evaluate, [], []
+
+    def tracked(mb):
+        gc.collect()
+        alive_at_call.append(sum(ref() is not None for ref in outputs))
+        out = evaluate(mb)
+        outputs.extend(weakref.ref(t) for t in out.values())
+        return out
+
+    policy.evaluate = tracked
+    trainer.update(make_batch())
+    gc.collect()
+    assert len(alive_at_call) == 8  # 2 epochs x 12 rows in micro-batches of 3
+    assert alive_at_call == [0] * 8 and all(ref() is None for ref in outputs)
+
+
 def test_the_batchs_old_log_probs_are_used_row_for_row():
     """With the policy's own log-probs as old_log_prob and no learning, every mini-batch of
     every epoch (the on-policy first one and the later ones that read the batch's

@@ -451,6 +451,7 @@ def _epoch(model, examples, pad_id: int, s: SFTSettings, optimizer, scheduler, a
         optimizer.step()
         scheduler.step()
         total, count = total + loss_sum.item(), count + n_tokens
+        del loss_sum  # its graph would hold memory through the next batch's forward (as in the PPO update)
     return total / max(count, 1)
 
 

@@ -149,6 +149,31 @@ def test_sft_memorises_its_training_examples(tiny_model_dir, tmp_path):
         run_sft(tiny_model_dir, out, examples, examples, SFTSettings(epochs_max=1), log=None)
 
 
+def test_no_batch_s_loss_outlives_its_step(tiny_model_dir, tmp_path, monkeypatch):
+    """A batch's loss holds memory of its graph: alive through the next batch's forward it
+    raises the warm start's peak (SmolLM2: 9.45 GB with it, 8.67 without; docs/performance.md)."""
+    import gc
+    import weakref
+
+    from ppokit.lm import sft
+
+    losses, alive_at_call = [], []
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        alive_at_call.append(sum(ref() is not None for ref in losses))
+        loss_sum, n_tokens = answer_loss(*args, **kwargs)
+        if loss_sum.requires_grad:  # a training batch (the held-out loss runs without gradients)
+            losses.append(weakref.ref(loss_sum))
+        return loss_sum, n_tokens
+
+    monkeypatch.setattr(sft, "answer_loss", tracked)
+    examples = ArithmeticTask(digits=1, seed=0).items("sft", 12)
+    settings = SFTSettings(epochs_max=1, batch_size=4, learning_rate=1e-3, warmup_steps=1, precision="fp32")
+    run_sft(tiny_model_dir, tmp_path / "sft", examples, examples, settings, log=None)
+    assert len(losses) == 3 and alive_at_call and not any(alive_at_call)
+
+
 def test_sft_stops_on_patience(tiny_model_dir, tmp_path):
     examples = ArithmeticTask(digits=1, seed=0).items("sft", 8)
     lines = []
