@@ -212,6 +212,16 @@ def test_multi_turn_rows():
     assert multi_turn_rows(cfg, 40, True, 4096, env_turns=6) == (512, 40, 6 * (16 + 40))
     assert multi_turn_rows(cfg, 40, False, 64, env_turns=6) == (256 * 6, 40, 16)
     assert multi_turn_rows(cfg, 40, False, 64, env_turns=50) == (256 * 9, 40, 16)
+    # message mode with a probe's later observations: each turn's reply and its observation, the
+    # probe's longest repeated for the turns beyond it
+    assert multi_turn_rows(cfg, 40, True, 4096, later_observations=[10, 12, 5]) == (
+        512,
+        40,
+        9 * 16 + 10 + 12 + 5 + 6 * 12,
+    )
+    assert multi_turn_rows(cfg, 40, True, 4096, env_turns=2, later_observations=[10, 12, 5]) == (512, 40, 32 + 22)
+    assert multi_turn_rows(cfg, 40, True, 4096, later_observations=[]) == (512, 40, 9 * (16 + 40))
+    assert multi_turn_rows(cfg, 40, False, 64, later_observations=[10]) == (256 * 9, 40, 16)  # state: unused
 
 
 def test_a_multi_turn_run_is_sized_by_its_environment_s_own_turn_limit(tiny_dir, monkeypatch):
@@ -229,7 +239,9 @@ def test_a_multi_turn_run_is_sized_by_its_environment_s_own_turn_limit(tiny_dir,
         ]
     )
     seen = []
-    monkeypatch.setattr(workload, "multi_turn_rows", lambda *args: seen.append(args) or multi_turn_rows(*args))
+    monkeypatch.setattr(
+        workload, "multi_turn_rows", lambda *args, **kw: seen.append(args) or multi_turn_rows(*args, **kw)
+    )
     env = make_env("calculator", observation_mode="message")
     assert env.max_turns == 6 < cfg.textenv.max_turns == 32
     workload.MultiTurnWorkload(cfg)._sequences(env)
@@ -291,6 +303,52 @@ def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_f
     bare = _Transcript()
     bare.reset = lambda seed=None, options=None: ("start", {})
     assert workload.MultiTurnWorkload(cfg)._sequences(bare)[1] == len(count("start")["input_ids"])
+
+
+class _Chat:
+    """A message-mode environment: a long first message (the rules), then a short one per move
+    (as a game's board after the opponent's move); 4 steps of one legal move."""
+
+    observation_mode = "message"
+
+    def reset(self, seed=None, options=None):
+        self.turn = 0
+        return "rules" + " word" * 200, {"legal_actions": ["go"]}
+
+    def step(self, action):
+        self.turn += 1
+        done = self.turn == 4
+        return "move" + " x" * self.turn, float(done), done, False, {"legal_actions": ["go"]}
+
+
+def test_a_message_mode_run_sizes_its_later_messages_by_a_probe_episode(tiny_dir, monkeypatch):
+    """Each turn adds a reply and the environment's next message: sized by the probe's later
+    messages (the longest repeated past the probe's end), not as long as the first, which also
+    holds the rules (the calculator's SmolLM2 run was estimated 4.1x its peak that way)."""
+    from ppokit.lm.model.stack import prompt_tokenizer
+    from ppokit.lm.multi_turn import workload
+
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir)},
+                "textenv": {"env": "tictactoe", "max_turns": 6},
+                "rollout": {"max_new_tokens": 5},
+                "train": {"iterations": 1, "batch_size": 8},
+            }
+        ]
+    )
+    monkeypatch.setattr(workload, "model_shape", lambda path: None)  # no context limit (the tiny model's is 64)
+    count = prompt_tokenizer(cfg)
+    first = len(count("rules" + " word" * 200)["input_ids"])
+    later = [len(count("move" + " x" * k)["input_ids"]) for k in (1, 2, 3)]  # the 4th step ends the episode
+    rows, prompt, response = workload.MultiTurnWorkload(cfg)._sequences(_Chat())
+    assert (rows, prompt) == (2 * 8, first)
+    assert response == 6 * 5 + sum(later) + 3 * max(later) < 6 * (5 + first)
+    bare = _Chat()  # no legal actions listed: no probe, every message as long as the first
+    bare.reset = lambda seed=None, options=None: ("rules" + " word" * 200, {})
+    assert workload.MultiTurnWorkload(cfg)._sequences(bare)[2] == 6 * (5 + first)
 
 
 def test_a_chat_run_counts_its_prompts_with_the_template(chat_dir):

@@ -579,21 +579,32 @@ def state_prompt_tokens(observation_tokens: list[int], reply_tokens: int) -> int
 
 
 def multi_turn_rows(
-    cfg: Any, observation_tokens: int, message_mode: bool, context: int | None, env_turns: int | None = None
+    cfg: Any,
+    observation_tokens: int,
+    message_mode: bool,
+    context: int | None,
+    env_turns: int | None = None,
+    later_observations: list[int] | None = None,
 ) -> tuple[int, int, int]:
     """``(rows, P, R)`` of a multi-turn iteration from the first observation's length:
     state mode, one row per turn (``train.batch_size x`` turns, both seats of a self-play
     game included), the observation as the prompt and ``rollout.max_new_tokens``; message
     mode, one row per seat of an episode (two at most) with the rest of the conversation as
     its response region (``textenv.max_episode_tokens``, else every turn's reply and an
-    observation as long as the first, within the model's context). Turns: ``textenv.max_turns``,
-    or the environment's own limit ``env_turns`` when that is lower (the calculator ends an
-    episode after 6 turns, where the default ``textenv.max_turns`` is 32)."""
+    observation, within the model's context). The observations after the first are
+    ``later_observations`` (token counts from a probe episode, the longest repeated for the
+    turns beyond it; a game's later messages are a move and a board, its first the rules too),
+    else as long as the first. Turns: ``textenv.max_turns``, or the environment's own limit
+    ``env_turns`` when that is lower (the calculator ends an episode after 6 turns, where the
+    default ``textenv.max_turns`` is 32)."""
     t, R = cfg.textenv, cfg.rollout.max_new_tokens
     turns = min(t.max_turns, env_turns) if env_turns else t.max_turns
     if not message_mode:
         return cfg.train.batch_size * turns, observation_tokens, R
-    stream = t.max_episode_tokens or turns * (R + observation_tokens)
+    later = list(later_observations or [])[:turns]
+    if later:
+        later += [max(later)] * (turns - len(later))
+    stream = t.max_episode_tokens or turns * R + (sum(later) if later else turns * observation_tokens)
     if context is not None:
         stream = min(stream, max(context - observation_tokens, R))
     return 2 * cfg.train.batch_size, observation_tokens, stream

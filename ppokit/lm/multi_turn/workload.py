@@ -101,12 +101,12 @@ class MultiTurnWorkload:
             check_run_fits(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response, sft_eval_rows=turns)
 
     def _sequences(self, env: Any) -> tuple[int, int, int] | None:
-        """``(rows, P, R)`` of an iteration from ``env``'s first observation (message mode), or
-        from the observations of one episode played by random legal actions (state mode: an
+        """``(rows, P, R)`` of an iteration from ``env``'s first observation and the observations
+        of one episode played by random legal actions, where it lists them (state mode: an
         observation that is the whole transcript grows with the turns,
-        :func:`ppokit.lm.model.memory.state_prompt_tokens`), through
-        :func:`ppokit.lm.model.memory.multi_turn_rows`; None when its reset fails (the run
-        reports that in its own way, ``textenv.failure_reward``)."""
+        :func:`ppokit.lm.model.memory.state_prompt_tokens`; message mode: the later messages,
+        often shorter than the first), through :func:`ppokit.lm.model.memory.multi_turn_rows`;
+        None when its reset fails (the run reports that in its own way, ``textenv.failure_reward``)."""
         name = getattr(env, "env_name", self.cfg.textenv.env)
         try:
             observation, info = checked_reset(env, seed=self.cfg.seed, name=name)
@@ -126,11 +126,13 @@ class MultiTurnWorkload:
         context = shape.max_positions if shape is not None else None
         limit = getattr(env, "max_turns", None)  # the environment's own turn limit, where it has one
         env_turns = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1 else None
+        turns = min(self.cfg.textenv.max_turns, env_turns or self.cfg.textenv.max_turns)
+        later = [count(obs) for obs in _probe_observations(env, info, turns - 1, self.cfg.seed, name)]
         if not message:
-            turns = min(self.cfg.textenv.max_turns, env_turns or self.cfg.textenv.max_turns)
-            lengths = [tokens] + [count(obs) for obs in _probe_observations(env, info, turns - 1, self.cfg.seed, name)]
-            tokens = state_prompt_tokens(lengths, self.cfg.rollout.max_new_tokens)
-        return multi_turn_rows(self.cfg, tokens, message, context, env_turns)
+            tokens = state_prompt_tokens([tokens] + later, self.cfg.rollout.max_new_tokens)
+        return multi_turn_rows(
+            self.cfg, tokens, message, context, env_turns, later_observations=later if message else None
+        )
 
     def _sizing_notes(self) -> list[str]:
         """``self.cfg`` with its ``auto`` micro-batch sizes chosen (a fresh environment sizes the
