@@ -260,15 +260,30 @@ class _Transcript:
     as TextArena's view=history does; 4 steps of one legal move."""
 
     observation_mode = "state"
+    first = "start"
+
+    def later(self, turn: int) -> str:
+        return "start" + " more" * 50 * turn
 
     def reset(self, seed=None, options=None):
         self.turn = 0
-        return "start", {"legal_actions": ["go"]}
+        return self.first, {"legal_actions": ["go"]}
 
     def step(self, action):
         self.turn += 1
         done = self.turn == 4
-        return "start" + " more" * 50 * self.turn, float(done), done, False, {"legal_actions": ["go"]}
+        return self.later(self.turn), float(done), done, False, {"legal_actions": ["go"]}
+
+
+class _Chat(_Transcript):
+    """A message-mode environment: a long first message (the rules), then a short one per move
+    (as a game's board after the opponent's move); 4 steps of one legal move."""
+
+    observation_mode = "message"
+    first = "rules" + " word" * 200
+
+    def later(self, turn: int) -> str:
+        return "move" + " x" * turn
 
 
 def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_first(tiny_dir):
@@ -303,22 +318,6 @@ def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_f
     bare = _Transcript()
     bare.reset = lambda seed=None, options=None: ("start", {})
     assert workload.MultiTurnWorkload(cfg)._sequences(bare)[1] == len(count("start")["input_ids"])
-
-
-class _Chat:
-    """A message-mode environment: a long first message (the rules), then a short one per move
-    (as a game's board after the opponent's move); 4 steps of one legal move."""
-
-    observation_mode = "message"
-
-    def reset(self, seed=None, options=None):
-        self.turn = 0
-        return "rules" + " word" * 200, {"legal_actions": ["go"]}
-
-    def step(self, action):
-        self.turn += 1
-        done = self.turn == 4
-        return "move" + " x" * self.turn, float(done), done, False, {"legal_actions": ["go"]}
 
 
 def test_a_message_mode_run_sizes_its_later_messages_by_a_probe_episode(tiny_dir, monkeypatch):

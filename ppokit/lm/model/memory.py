@@ -629,8 +629,7 @@ def check_run_fits(
     if estimator is None:
         return None
     est = estimator.run_estimate(cfg, sft_eval_rows)
-    available, where = available_memory(estimator.device)
-    check_fits(est, available, where, cfg)
+    check_fits(est, *available_memory(estimator.device), cfg)
     return est
 
 
@@ -644,7 +643,8 @@ def estimate_note(
 ) -> str | None:
     """The run header's line with the estimate of ``cfg`` as it will run (its micro-batch sizes
     resolved), beside which each iteration logs the measured peaks; None without the model's sizes."""
-    estimator = Estimator.for_run(cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens)
+    sizes = {"prompt_tokens": prompt_tokens, "rows": rows, "response_tokens": response_tokens}
+    estimator = Estimator.for_run(cfg, **sizes)
     if estimator is None:
         return None
     est = estimator.run_estimate(cfg, sft_eval_rows)
