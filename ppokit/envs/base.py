@@ -40,6 +40,9 @@ Documented ``info`` keys (:data:`INFO_KEYS`); an environment sets those that app
   adds ``rewards[s]`` to the last turn of every other seat ``s`` (self-play).
 - ``action`` (str): the action as the environment understood it (canonical form).
 - ``legal_actions`` (list of str): the legal actions for the next turn, where finite.
+- ``example_actions`` (list of str): where the legal actions are not finite (a tool's
+  calls), a few the environment accepts next; the memory estimate's probe episodes play
+  them (:mod:`ppokit.lm.multi_turn.sizing`) to size the later observations.
 - ``env_error`` (str): set by :func:`ppokit.envs.checks.step_or_fail` when ``step``
   raised; the episode ended there with the configured failure reward.
 
@@ -79,6 +82,7 @@ INFO_KEYS = (
     "rewards",
     "action",
     "legal_actions",
+    "example_actions",
     "env_error",
 )
 

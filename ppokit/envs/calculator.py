@@ -246,7 +246,7 @@ class CalculatorEnv(TextEnv):
         self._seed(seed)
         self.problem = generate_problem(self.rng, self.templates)
         self.calls, self.turns, self.done = [], 0, False
-        info = {"gold_answer": format_number(self.problem.answer)}
+        info = {"gold_answer": format_number(self.problem.answer), "example_actions": self.example_actions()}
         if self.observation_mode == "message":
             messages = [{"role": "user", "content": self.problem.text}]
             if self.instructions:
@@ -297,7 +297,14 @@ class CalculatorEnv(TextEnv):
         if truncated:
             self.done = True
             info["outcome"] = "loss"
+        else:
+            info["example_actions"] = self.example_actions()
         return self._reply(result), self.call_reward, False, truncated, info
+
+    def example_actions(self) -> list[str]:
+        """Calls this problem's solution makes (``info["example_actions"]``: tool calls are not finite)."""
+        assert self.problem is not None
+        return [f"calc: {step}" for step in self.problem.steps]
 
     # ------------------------------------------------------------------ demonstrations
     def expert_action(self) -> str:

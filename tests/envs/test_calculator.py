@@ -75,11 +75,17 @@ def test_state_mode_episode_with_the_exact_strings():
     env = CalculatorEnv(templates=["mul_sub"])
     obs, info = env.reset(seed=3)
     problem = env.problem
-    assert obs == problem.text + "\n" and info == {"gold_answer": str(problem.answer)}
+    calls = [f"calc: {step}" for step in problem.steps]  # a tool's calls are not finite: examples
+    assert obs == problem.text + "\n" and info == {"gold_answer": str(problem.answer), "example_actions": calls}
     a, b = problem.steps[0].split("*")
     obs, reward, terminated, truncated, info = checked_step(env, f"calc: {a}*{b}")
     assert obs == f"{problem.text}\ncalc: {a}*{b} = {int(a) * int(b)}\n"
-    assert (reward, terminated, truncated, info) == (0.0, False, False, {"illegal": False, "action": f"calc: {a}*{b}"})
+    assert (reward, terminated, truncated, info) == (
+        0.0,
+        False,
+        False,
+        {"illegal": False, "action": f"calc: {a}*{b}", "example_actions": calls},
+    )
     obs, reward, terminated, truncated, info = checked_step(env, "calc: 1/0")
     assert obs.endswith("calc: 1/0 = error\n") and "division by zero" in info["tool_error"]
     obs, reward, terminated, truncated, info = checked_step(env, f"answer: {problem.answer}")

@@ -144,6 +144,21 @@ def test_the_terms_move_with_the_fields_that_set_them():
     assert gen.phases["generate"]["kv_cache"] == pytest.approx(2 * 25 * 128 * 128 * 116 * 2)
 
 
+def test_a_message_mode_generation_prefills_the_conversation_so_far():
+    """Each turn of a message-mode episode generates from its whole stream (no cache across turns):
+    the prefill term is the longest prompt taken in, eager attention's scores quadratic in it."""
+    cfg = build_config([{"workload": "lm", "train": {"iterations": 1}}])
+    sizes = {"prompt_tokens": 40, "rows": 8, "response_tokens": 400, "bf16": False, "device_type": "cpu"}
+    first = estimate_memory(cfg, QWEN_05B, **sizes, checkpointing=False, eager_attention=True)
+    later = estimate_memory(cfg, QWEN_05B, **sizes, checkpointing=False, eager_attention=True, prefill_tokens=440)
+    H, F, heads = 896, 4864, 14
+    for est, taken_in in ((first, 40), (later, 440)):
+        assert est.phases["generate"]["prefill"] == pytest.approx(
+            8 * taken_in * (6 * H + 3 * F) * 4 + 8 * heads * taken_in**2 * 4, rel=1e-12
+        )
+    assert later.phases["update"] == first.phases["update"] and later.phases["score"] == first.phases["score"]
+
+
 def test_the_largest_phase_and_part_and_the_message():
     est = _estimate(train__batch_size=10**8)
     assert est.largest_part()[0] == "rollout"
@@ -206,33 +221,44 @@ def test_multi_turn_rows():
         [{"workload": "lm", "textenv": {"env": "tictactoe", "max_turns": 9}, "train": {"iterations": 1}}]
     )
     assert multi_turn_rows(cfg, 40, False, 64) == (256 * 9, 40, 16)
-    assert multi_turn_rows(cfg, 40, True, 4096) == (512, 40, 9 * (16 + 40))
+    # message mode: 9 replies and the 8 messages between them, each as long as the first without a probe
+    assert multi_turn_rows(cfg, 40, True, 4096) == (512, 40, 9 * 16 + 8 * 40)
     assert multi_turn_rows(cfg, 40, True, 400) == (512, 40, 360)  # within the model's context
+    assert multi_turn_rows(cfg, 40, True, 4096, seats=1) == (256, 40, 9 * 16 + 8 * 40)  # one trained seat
     # the environment's own turn limit, where it is lower than textenv.max_turns
-    assert multi_turn_rows(cfg, 40, True, 4096, env_turns=6) == (512, 40, 6 * (16 + 40))
+    assert multi_turn_rows(cfg, 40, True, 4096, env_turns=6) == (512, 40, 6 * 16 + 5 * 40)
     assert multi_turn_rows(cfg, 40, False, 64, env_turns=6) == (256 * 6, 40, 16)
     assert multi_turn_rows(cfg, 40, False, 64, env_turns=50) == (256 * 9, 40, 16)
-    # message mode with a probe's later observations: each turn's reply and its observation, the
-    # probe's longest repeated for the turns beyond it
-    assert multi_turn_rows(cfg, 40, True, 4096, later_observations=[10, 12, 5]) == (
+    # message mode with a probe's later observations: each turn's reply and the messages between,
+    # the probe's longest repeated for the turns beyond it
+    probe = [10, 12, 5]
+    assert multi_turn_rows(cfg, 40, True, 4096, later_observations=probe) == (512, 40, 9 * 16 + 27 + 5 * 12)
+    assert multi_turn_rows(cfg, 40, True, 4096, env_turns=2, later_observations=probe) == (512, 40, 2 * 16 + 10)
+    assert multi_turn_rows(cfg, 40, True, 4096, later_observations=[]) == (512, 40, 9 * 16 + 8 * 40)
+    assert multi_turn_rows(cfg, 40, False, 64, later_observations=[10]) == (256 * 9, 40, 16)  # state: unused
+    # where an invalid reply is asked again, that message may come at any turn: the 8 largest of both
+    assert multi_turn_rows(cfg, 40, True, 4096, later_observations=probe, retry_observation=11) == (
         512,
         40,
-        9 * 16 + 10 + 12 + 5 + 6 * 12,
+        9 * 16 + 12 + 7 * 11,
     )
-    assert multi_turn_rows(cfg, 40, True, 4096, env_turns=2, later_observations=[10, 12, 5]) == (512, 40, 32 + 22)
-    assert multi_turn_rows(cfg, 40, True, 4096, later_observations=[]) == (512, 40, 9 * (16 + 40))
-    assert multi_turn_rows(cfg, 40, False, 64, later_observations=[10]) == (256 * 9, 40, 16)  # state: unused
+    assert multi_turn_rows(cfg, 40, True, 4096, later_observations=probe, retry_observation=3) == (
+        512,
+        40,
+        9 * 16 + 27 + 5 * 3,
+    )
 
 
-def test_a_multi_turn_run_is_sized_by_its_environment_s_own_turn_limit(tiny_dir, monkeypatch):
+def test_a_multi_turn_run_is_sized_by_its_environment_s_own_turn_limit(chat_dir, monkeypatch):
     from ppokit.envs import make_env
-    from ppokit.lm.multi_turn import workload
+    from ppokit.lm.multi_turn import sizing
 
     cfg = build_config(
         [
             {
                 "workload": "lm",
-                "model": {"path": str(tiny_dir)},
+                "model": {"path": str(chat_dir)},
+                "data": {"chat_template": True},  # the calculator's messages need one
                 "textenv": {"env": "calculator", "kwargs": {"observation_mode": "message"}},
                 "train": {"iterations": 1},
             }
@@ -240,11 +266,11 @@ def test_a_multi_turn_run_is_sized_by_its_environment_s_own_turn_limit(tiny_dir,
     )
     seen = []
     monkeypatch.setattr(
-        workload, "multi_turn_rows", lambda *args, **kw: seen.append(args) or multi_turn_rows(*args, **kw)
+        sizing, "multi_turn_rows", lambda *args, **kw: seen.append(args) or multi_turn_rows(*args, **kw)
     )
     env = make_env("calculator", observation_mode="message")
     assert env.max_turns == 6 < cfg.textenv.max_turns == 32
-    workload.MultiTurnWorkload(cfg)._sequences(env)
+    _sequences(cfg, env)
     (args,) = seen
     assert args[2] is True and args[-1] == 6  # message mode, the environment's 6 turns
 
@@ -253,6 +279,13 @@ def test_state_prompts_are_the_longest_observation_of_an_episode_with_room_for_t
     assert state_prompt_tokens([40], 8) == 40
     assert state_prompt_tokens([40, 100, 300], 8) == 300 + 2 * 8
     assert state_prompt_tokens([400, 100, 60], 8) == 400  # a shrinking observation: the first
+
+
+def _sequences(cfg, env):
+    """``(rows, P, R)`` of an iteration of ``cfg`` on ``env``, as the multi-turn workload probes it."""
+    from ppokit.lm.multi_turn.sizing import iteration_sequences
+
+    return iteration_sequences(cfg, env, "env")
 
 
 class _Transcript:
@@ -277,13 +310,30 @@ class _Transcript:
 
 class _Chat(_Transcript):
     """A message-mode environment: a long first message (the rules), then a short one per move
-    (as a game's board after the opponent's move); 4 steps of one legal move."""
+    (as a game's board after the opponent's move); 4 steps of one legal move; anything else is
+    illegal and ends the episode."""
 
     observation_mode = "message"
     first = "rules" + " word" * 200
 
     def later(self, turn: int) -> str:
         return "move" + " x" * turn
+
+    def step(self, action):
+        if action != "go":
+            return "", -1.0, True, False, {"illegal": True}
+        return super().step(action)
+
+
+class _Retrying(_Chat):
+    """:class:`_Chat` that asks again after an illegal reply, with a message of its own."""
+
+    retry = "that is not a move, try again" + " please" * 10
+
+    def step(self, action):
+        if action != "go":
+            return self.retry, 0.0, False, False, {"illegal": True, "legal_actions": ["go"]}
+        return super().step(action)
 
 
 def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_first(tiny_dir):
@@ -292,7 +342,6 @@ def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_f
     episode by random legal moves finds the longest prompt (here the third step's: the fourth ends
     the episode), plus R per reply before it."""
     from ppokit.lm.model.stack import prompt_tokenizer
-    from ppokit.lm.multi_turn import workload
 
     cfg = build_config(
         [
@@ -307,25 +356,26 @@ def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_f
     )
     count = prompt_tokenizer(cfg)
     longest = len(count("start" + " more" * 150)["input_ids"])
-    rows, prompt, response = workload.MultiTurnWorkload(cfg)._sequences(_Transcript())
+    rows, prompt, response = _sequences(cfg, _Transcript())
     assert (rows, prompt, response) == (8 * 9, longest + 3 * 5, 5)
     assert prompt > 3 * len(count("start")["input_ids"])
     # the turn limit bounds the probe: two turns see the first step's observation at most
     cfg2 = cfg.model_copy(update={"textenv": cfg.textenv.model_copy(update={"max_turns": 2})})
-    _, prompt2, _ = workload.MultiTurnWorkload(cfg2)._sequences(_Transcript())
+    _, prompt2, _ = _sequences(cfg2, _Transcript())
     assert prompt2 == len(count("start" + " more" * 50)["input_ids"]) + 5
     # an environment without legal actions is sized by its first observation, as before
     bare = _Transcript()
     bare.reset = lambda seed=None, options=None: ("start", {})
-    assert workload.MultiTurnWorkload(cfg)._sequences(bare)[1] == len(count("start")["input_ids"])
+    assert _sequences(cfg, bare)[1] == len(count("start")["input_ids"])
 
 
 def test_a_message_mode_run_sizes_its_later_messages_by_a_probe_episode(tiny_dir, monkeypatch):
     """Each turn adds a reply and the environment's next message: sized by the probe's later
     messages (the longest repeated past the probe's end), not as long as the first, which also
-    holds the rules (the calculator's SmolLM2 run was estimated 4.1x its peak that way)."""
+    holds the rules (the calculator's SmolLM2 run was estimated 4.1x its peak that way); where an
+    invalid reply is asked again, that message may fill any turn (the largest of both kinds)."""
     from ppokit.lm.model.stack import prompt_tokenizer
-    from ppokit.lm.multi_turn import workload
+    from ppokit.lm.multi_turn.sizing import iteration_sizes
 
     cfg = build_config(
         [
@@ -338,23 +388,66 @@ def test_a_message_mode_run_sizes_its_later_messages_by_a_probe_episode(tiny_dir
             }
         ]
     )
-    monkeypatch.setattr(workload, "model_shape", lambda path: None)  # no context limit (the tiny model's is 64)
+    monkeypatch.setattr("ppokit.lm.multi_turn.sizing.model_shape", lambda path: None)  # no context limit (64)
     count = prompt_tokenizer(cfg)
-    first = len(count("rules" + " word" * 200)["input_ids"])
-    later = [len(count("move" + " x" * k)["input_ids"]) for k in (1, 2, 3)]  # the 4th step ends the episode
-    rows, prompt, response = workload.MultiTurnWorkload(cfg)._sequences(_Chat())
-    assert (rows, prompt) == (2 * 8, first)
-    assert response == 6 * 5 + sum(later) + 3 * max(later) < 6 * (5 + first)
+
+    def appended(text):  # a later message adds its own tokens to the stream (no chat template here)
+        return len(count(text, add_special_tokens=False)["input_ids"])
+
+    first = len(count(_Chat.first)["input_ids"])
+    later = [appended("move" + " x" * k) for k in (1, 2, 3)]  # the 4th step ends the episode
+    rows, prompt, response = _sequences(cfg, _Chat())
+    assert (rows, prompt) == (8, first)  # one seat: no "player" in the info
+    sizes = iteration_sizes(cfg, _Chat(), "chat")  # a later turn prefills the conversation so far
+    assert sizes == {"prompt_tokens": first, "rows": 8, "response_tokens": response, "prefill_tokens": first + response}
+    assert iteration_sizes(cfg, _Transcript(), "state")["prefill_tokens"] is None
+    assert response == 6 * 5 + sum(later) + 2 * max(later) < 6 * 5 + 5 * first
+    retry = appended(_Retrying.retry)
+    assert retry > max(later)
+    assert _sequences(cfg, _Retrying())[2] == 6 * 5 + 5 * retry
     bare = _Chat()  # no legal actions listed: no probe, every message as long as the first
     bare.reset = lambda seed=None, options=None: ("rules" + " word" * 200, {})
-    assert workload.MultiTurnWorkload(cfg)._sequences(bare)[2] == 6 * (5 + first)
+    assert _sequences(cfg, bare)[2] == 6 * 5 + 5 * first
+
+
+def test_a_chat_stream_s_later_messages_count_what_the_template_appends(chat_dir):
+    """With a chat template a later message appends the end of the reply's turn, the message and
+    the next generation prompt, not the message rendered as a conversation of its own (that counted
+    the default system prompt again for each one)."""
+    from ppokit.lm.data.chat import chat_renderer
+    from ppokit.lm.model.stack import prompt_tokenizer
+    from ppokit.lm.multi_turn import sizing
+
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(chat_dir)},
+                "data": {"chat_template": True},
+                "textenv": {"env": "tictactoe", "max_turns": 6},
+                "train": {"iterations": 1, "batch_size": 8},
+            }
+        ]
+    )
+    tok = prompt_tokenizer(cfg)
+    render = chat_renderer(tok, "model.path")
+    probe = sizing.probe_environment(cfg, _Chat(), "chat")
+    conversation = [{"role": "user", "content": _Chat.first}]
+    lengths = [len(tok(render(conversation))["input_ids"])]
+    for k in (1, 2, 3):
+        conversation += [{"role": "assistant", "content": "go"}, {"role": "user", "content": _Chat().later(k)}]
+        lengths.append(len(tok(render(conversation))["input_ids"]))
+    # the rendered conversation grows by the reply's text and what follows it (this template ends a
+    # reply with its own text: the model's stop token belongs to the reply, counted among R)
+    reply = len(tok("go", add_special_tokens=False)["input_ids"])
+    assert probe.first == lengths[0]
+    assert probe.later == [b - a - reply for a, b in zip(lengths, lengths[1:])]
 
 
 def test_a_chat_run_counts_its_prompts_with_the_template(chat_dir):
     """The rows are the observation rendered with the chat template (SmolLM2's adds 30 tokens)."""
     from ppokit.lm.data.chat import chat_renderer
     from ppokit.lm.model.stack import prompt_tokenizer
-    from ppokit.lm.multi_turn import workload
 
     layer = {
         "workload": "lm",
@@ -367,8 +460,8 @@ def test_a_chat_run_counts_its_prompts_with_the_template(chat_dir):
     count = prompt_tokenizer(chat)
     rendered = chat_renderer(count, "model.path")("start")
     assert len(count(rendered)["input_ids"]) > len(count("start")["input_ids"])
-    assert workload.MultiTurnWorkload(chat)._sequences(_Transcript())[1] == len(count(rendered)["input_ids"])
-    assert workload.MultiTurnWorkload(plain)._sequences(_Transcript())[1] == len(count("start")["input_ids"])
+    assert _sequences(chat, _Transcript())[1] == len(count(rendered)["input_ids"])
+    assert _sequences(plain, _Transcript())[1] == len(count("start")["input_ids"])
 
 
 # ----------------------------------------------------------------------------- against a measured run
@@ -665,7 +758,7 @@ def test_a_multi_turn_run_s_header_says_its_estimate(tiny_dir, tmp_path):
         ]
     )
     run = workload.MultiTurnWorkload(cfg)
-    rows, prompt, response = run._sequences(make_env("tictactoe"))
+    rows, prompt, response = _sequences(cfg, make_env("tictactoe"))
     expected = memory.Estimator.for_run(cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
     est = expected.run_estimate(cfg, cfg.textenv.sft_eval_turns)
     components = run.build(tmp_path / "run")

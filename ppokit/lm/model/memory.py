@@ -25,8 +25,9 @@ per iteration (``train.batch_size``; multi-turn: rows), ``w`` bytes of a frozen 
 
     generate     g = min(rollout.micro_batch_size, N) sequences at a time
                  KV cache 2 (ℓ + 1) k d g L a (a layer's cache is copied as it grows)
-                 + the prompts' pass, one layer at a time: g P (6 H + 3 F) a (+ eager attention
-                   scores g h P² 4)
+                 + the prompts' pass, one layer at a time: g P' (6 H + 3 F) a (+ eager attention
+                   scores g h P'² 4), P' the longest prompt taken in (P; a message-mode
+                   episode's later turns take in the conversation so far, up to L)
                  + the next-token distribution and sampling, 4 g V x 4
                  + the token tensors of the whole batch being assembled, 32 N L
     score        s = min(train.infer_micro_batch_size, N) sequences per pass, no gradients:
@@ -415,6 +416,7 @@ def estimate_memory(
     eager_attention: bool,
     reward_model: ModelShape | None = None,
     sft_eval_rows: int | None = None,
+    prefill_tokens: int | None = None,
 ) -> MemoryEstimate:
     """The estimate of the module docstring for ``cfg`` on ``model``: what stays resident and each
     phase's own (generate, score, update, and ``sft`` before the run with ``data.sft_epochs`` > 0).
@@ -423,7 +425,9 @@ def estimate_memory(
     ``train.batch_size``; multi-turn: rows); ``response_tokens``: R (default
     ``rollout.max_new_tokens``); ``bf16``: autocast in bf16; ``checkpointing``: gradient
     checkpointing on; ``eager_attention``: attention keeps its (L x L) probabilities;
-    ``sft_eval_rows``: the warm start's held-out examples (None: as many as it evaluates at once).
+    ``sft_eval_rows``: the warm start's held-out examples (None: as many as it evaluates at once);
+    ``prefill_tokens``: the longest prompt a generation call takes in (default P; a message-mode
+    episode's later turns prefill the conversation so far, up to L).
     The warm start is estimated whenever ``data.sft_epochs`` > 0, also for a resumed run that
     reuses its warm-started model (the estimate then errs high).
     """
@@ -435,7 +439,8 @@ def estimate_memory(
     est = MemoryEstimate()
     est.resident, trained_models = _resident_memory(cfg, model, N, R, L, bf16, device_type, reward_model)
     g = min(cfg.rollout.micro_batch_size, N)
-    est.phases["generate"] = _generate_memory(g, model, N, P, L, act, eager_attention)
+    prefill = prefill_tokens if prefill_tokens is not None else P
+    est.phases["generate"] = _generate_memory(g, model, N, prefill, L, act, eager_attention)
     est.phases["score"] = _score_memory(cfg, model, N, R, L, act, eager_attention)
     est.phases["update"] = _update_memory(cfg, model, N, R, L, bf16, checkpointing, eager_attention, trained_models)
     if cfg.data.sft_epochs:
@@ -585,29 +590,41 @@ def multi_turn_rows(
     context: int | None,
     env_turns: int | None = None,
     later_observations: list[int] | None = None,
+    retry_observation: int | None = None,
+    seats: int = 2,
 ) -> tuple[int, int, int]:
     """``(rows, P, R)`` of a multi-turn iteration from the first observation's length:
     state mode, one row per turn (``train.batch_size x`` turns, both seats of a self-play
     game included), the observation as the prompt and ``rollout.max_new_tokens``; message
-    mode, one row per seat of an episode (two at most) with the rest of the conversation as
-    its response region (``textenv.max_episode_tokens``, else every turn's reply and an
-    observation, within the model's context). The observations after the first are
-    ``later_observations`` (token counts from a probe episode, the longest repeated for the
-    turns beyond it; a game's later messages are a move and a board, its first the rules too),
-    else as long as the first. Turns: ``textenv.max_turns``, or the environment's own limit
-    ``env_turns`` when that is lower (the calculator ends an episode after 6 turns, where the
-    default ``textenv.max_turns`` is 32)."""
+    mode, one row per trained seat of an episode (``seats``: 2 in self-play) with the rest
+    of the conversation as its response region (``textenv.max_episode_tokens``, else every
+    turn's reply and the ``turns - 1`` messages between them, within the model's context).
+
+    The messages after the first are ``later_observations`` (token counts from a probe
+    episode; a game's later messages are a move and a board, its first the rules too) and,
+    where an invalid reply does not end the episode, ``retry_observation`` (the message
+    asking again), which may come at any turn: the ``turns - 1`` largest of the probe's
+    messages and the retry's, repeated. Without a retry the probe's longest is repeated for
+    the turns beyond it; without a probe every message is as long as the first. Turns:
+    ``textenv.max_turns``, or the environment's own limit ``env_turns`` when that is lower
+    (the calculator ends an episode after 6 turns, where the default ``textenv.max_turns``
+    is 32)."""
     t, R = cfg.textenv, cfg.rollout.max_new_tokens
     turns = min(t.max_turns, env_turns) if env_turns else t.max_turns
     if not message_mode:
         return cfg.train.batch_size * turns, observation_tokens, R
-    later = list(later_observations or [])[:turns]
-    if later:
-        later += [max(later)] * (turns - len(later))
-    stream = t.max_episode_tokens or turns * R + (sum(later) if later else turns * observation_tokens)
+    slots = turns - 1  # the messages between the replies
+    later = list(later_observations or [])
+    if not later:
+        later = [observation_tokens] * slots
+    elif retry_observation is not None:
+        later = sorted(later + [retry_observation] * slots, reverse=True)
+    else:
+        later += [max(later)] * slots
+    stream = t.max_episode_tokens or turns * R + sum(later[:slots])
     if context is not None:
         stream = min(stream, max(context - observation_tokens, R))
-    return 2 * cfg.train.batch_size, observation_tokens, stream
+    return seats * cfg.train.batch_size, observation_tokens, stream
 
 
 def check_run_fits(
@@ -616,6 +633,7 @@ def check_run_fits(
     prompt_tokens: int,
     rows: int | None = None,
     response_tokens: int | None = None,
+    prefill_tokens: int | None = None,
     sft_eval_rows: int | None = None,
 ) -> MemoryEstimate | None:
     """Estimate ``cfg``'s memory (module docstring) and refuse, with one line, a run whose
@@ -625,7 +643,8 @@ def check_run_fits(
     the run fits if that fits, and auto picks no more than fits."""
     if not cfg.run.memory_check:
         return None
-    estimator = Estimator.for_run(cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens)
+    sizes = {"prompt_tokens": prompt_tokens, "rows": rows, "response_tokens": response_tokens}
+    estimator = Estimator.for_run(cfg, **sizes, prefill_tokens=prefill_tokens)
     if estimator is None:
         return None
     est = estimator.run_estimate(cfg, sft_eval_rows)
@@ -639,12 +658,13 @@ def estimate_note(
     prompt_tokens: int,
     rows: int | None = None,
     response_tokens: int | None = None,
+    prefill_tokens: int | None = None,
     sft_eval_rows: int | None = None,
 ) -> str | None:
     """The run header's line with the estimate of ``cfg`` as it will run (its micro-batch sizes
     resolved), beside which each iteration logs the measured peaks; None without the model's sizes."""
     sizes = {"prompt_tokens": prompt_tokens, "rows": rows, "response_tokens": response_tokens}
-    estimator = Estimator.for_run(cfg, **sizes)
+    estimator = Estimator.for_run(cfg, **sizes, prefill_tokens=prefill_tokens)
     if estimator is None:
         return None
     est = estimator.run_estimate(cfg, sft_eval_rows)
@@ -667,10 +687,17 @@ class Estimator:
     response_tokens: int | None
     reward_model: ModelShape | None
     sft_eval_rows: int | None = None  # the warm start's held-out examples (None: unknown)
+    prefill_tokens: int | None = None  # the longest prompt a generation call takes in (None: P)
 
     @classmethod
     def for_run(
-        cls, cfg: Any, *, prompt_tokens: int, rows: int | None = None, response_tokens: int | None = None
+        cls,
+        cfg: Any,
+        *,
+        prompt_tokens: int,
+        rows: int | None = None,
+        response_tokens: int | None = None,
+        prefill_tokens: int | None = None,
     ) -> Estimator | None:
         """The estimator of ``cfg``'s run (None when the model's config does not give its sizes)."""
         from ppokit.lm.model.device import (  # noqa: PLC0415 - torch on import
@@ -696,6 +723,7 @@ class Estimator:
             rows=rows,
             response_tokens=response_tokens,
             reward_model=reward_model_shape(cfg.data.reward_model) if cfg.data.reward_model else None,
+            prefill_tokens=prefill_tokens,
         )
 
     def estimate(self, cfg: Any) -> MemoryEstimate:
@@ -711,6 +739,7 @@ class Estimator:
             eager_attention=self.eager_attention,
             reward_model=self.reward_model,
             sft_eval_rows=self.sft_eval_rows,
+            prefill_tokens=self.prefill_tokens,
         )
 
     def run_estimate(self, cfg: Any, sft_eval_rows: int | None) -> MemoryEstimate:

@@ -1,6 +1,7 @@
 """Multi-turn PPO on text environments: episodes of many turns, credit by token or by turn.
 
 - :mod:`.workload`        the components of a multi-turn run
+- :mod:`.sizing`          an iteration's sequences, probed in the environment before the run
 - :mod:`.demonstrations`  the warm start from demonstrations played in the environment
 - :mod:`.advantages`      credit over each trajectory's action tokens (token or turn GAE)
 - :mod:`.source`      the rollout source and the evaluator (greedy win rates)

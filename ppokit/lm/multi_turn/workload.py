@@ -20,16 +20,14 @@ in state mode, one per seat in message mode), so each epoch is split into
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ppokit.components import Components
 from ppokit.config import Config
-from ppokit.envs import checked_reset, checked_step, make_env
+from ppokit.envs import checked_reset, make_env
 from ppokit.errors import UserError
-from ppokit.lm.data.chat import chat_renderer
 from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
@@ -38,17 +36,15 @@ from ppokit.lm.model.memory import (
     check_run_fits,
     estimate_note,
     has_auto_micro_batches,
-    model_shape,
-    multi_turn_rows,
     resolve_micro_batches,
-    state_prompt_tokens,
 )
 from ppokit.lm.model.policy import lora_config
-from ppokit.lm.model.stack import PolicyStack, build_policy_stack, prompt_tokenizer
+from ppokit.lm.model.stack import PolicyStack, build_policy_stack
 from ppokit.lm.multi_turn.advantages import trajectory_advantages
 from ppokit.lm.multi_turn.demonstrations import warm_started_model
 from ppokit.lm.multi_turn.opponents import AdapterSnapshots
 from ppokit.lm.multi_turn.shards import MultiTurnShard, MultiTurnShardPlan
+from ppokit.lm.multi_turn.sizing import iteration_sizes
 from ppokit.lm.multi_turn.source import (
     MultiTurnSource,
     TextEnvEvaluator,
@@ -93,60 +89,27 @@ class MultiTurnWorkload:
             raise UserError(messages_without_template(name))
 
     def _check_memory(self, env: Any) -> None:
-        """Refuse a run that cannot fit its device's memory, sized by the first observation."""
-        sequences = self._sequences(env)
-        if sequences is not None:
-            rows, prompt, response = sequences
-            turns = self.cfg.textenv.sft_eval_turns  # the warm start's held-out demonstration turns
-            check_run_fits(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response, sft_eval_rows=turns)
+        """Refuse a run that cannot fit its device's memory, sized by probe episodes (:mod:`.sizing`)."""
+        sizes = self._sizes(env)
+        if sizes is not None:
+            check_run_fits(self.cfg, **sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns)
 
-    def _sequences(self, env: Any) -> tuple[int, int, int] | None:
-        """``(rows, P, R)`` of an iteration from ``env``'s first observation and the observations
-        of one episode played by random legal actions, where it lists them (state mode: an
-        observation that is the whole transcript grows with the turns,
-        :func:`ppokit.lm.model.memory.state_prompt_tokens`; message mode: the later messages,
-        often shorter than the first), through :func:`ppokit.lm.model.memory.multi_turn_rows`;
-        None when its reset fails (the run reports that in its own way, ``textenv.failure_reward``)."""
-        name = getattr(env, "env_name", self.cfg.textenv.env)
-        try:
-            observation, info = checked_reset(env, seed=self.cfg.seed, name=name)
-        except UserError:
-            return None
-        tokenizer = prompt_tokenizer(self.cfg)
-        # the prompt as the rollout renders it: SmolLM2's chat template adds 30 tokens to each
-        render = chat_renderer(tokenizer, "model.path") if self.cfg.data.chat_template else None
-
-        def count(obs: Any) -> int:
-            text = obs if isinstance(obs, str) else " ".join(str(m) for m in obs)
-            return len(tokenizer(render(obs) if render is not None else text)["input_ids"])
-
-        tokens = count(observation)
-        message = getattr(env, "observation_mode", "state") == "message"
-        shape = model_shape(self.cfg.model.path)
-        context = shape.max_positions if shape is not None else None
-        limit = getattr(env, "max_turns", None)  # the environment's own turn limit, where it has one
-        env_turns = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1 else None
-        turns = min(self.cfg.textenv.max_turns, env_turns or self.cfg.textenv.max_turns)
-        later = [count(obs) for obs in _probe_observations(env, info, turns - 1, self.cfg.seed, name)]
-        if not message:
-            tokens = state_prompt_tokens([tokens] + later, self.cfg.rollout.max_new_tokens)
-        return multi_turn_rows(
-            self.cfg, tokens, message, context, env_turns, later_observations=later if message else None
-        )
+    def _sizes(self, env: Any) -> dict[str, int | None] | None:
+        return iteration_sizes(self.cfg, env, getattr(env, "env_name", self.cfg.textenv.env))
 
     def _sizing_notes(self) -> list[str]:
         """``self.cfg`` with its ``auto`` micro-batch sizes chosen (a fresh environment sizes the
         sequences, so the probe's stream stays as it was); the header's lines: the sizes chosen and
         the memory estimate of the run as it will run."""
         t = self.cfg.textenv
-        sequences = self._sequences(make_env(t.env, **t.kwargs))
-        rows, prompt, response = sequences if sequences is not None else (None, 0, None)
+        sizes = self._sizes(make_env(t.env, **t.kwargs))
         lines = []
         if has_auto_micro_batches(self.cfg):
-            self.cfg, line = resolve_micro_batches(self.cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
+            known = sizes or {"prompt_tokens": 0}
+            shape = {k: v for k, v in known.items() if k != "prefill_tokens"}  # auto sizes the update and scoring
+            self.cfg, line = resolve_micro_batches(self.cfg, **shape)
             lines.append(line)
-        if sequences is not None:
-            sizes = {"prompt_tokens": prompt, "rows": rows, "response_tokens": response}
+        if sizes is not None:
             note = estimate_note(self.cfg, **sizes, sft_eval_rows=t.sft_eval_turns)
             lines += [note] if note else []
         return lines
@@ -281,24 +244,3 @@ class RolloutParts:
     codec: StreamCodec
     context: int | None
     player: Any
-
-
-def _probe_observations(env: Any, info: dict, steps: int, seed: int, name: str) -> list[Any]:
-    """The observations after each of up to ``steps`` random legal actions from a reset ``env``
-    (``info`` is the reset's): none when the environment lists no ``legal_actions``; the probe
-    stops at the episode's end or at the first failing step (the run reports that itself)."""
-    rng = random.Random(seed)
-    seen: list[Any] = []
-    for _ in range(steps):
-        legal = info.get("legal_actions")
-        if not legal:
-            break
-        try:
-            result = checked_step(env, rng.choice(list(legal)), name=name)
-        except Exception:  # noqa: BLE001 - a failing environment is the run's to report
-            break
-        if result.terminated or result.truncated:
-            break
-        seen.append(result.observation)
-        info = result.info
-    return seen
