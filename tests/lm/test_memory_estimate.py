@@ -410,6 +410,37 @@ def test_a_message_mode_run_sizes_its_later_messages_by_a_probe_episode(tiny_dir
     assert _sequences(cfg, bare)[2] == 6 * 5 + 5 * first
 
 
+class _Seated(_Chat):
+    """:class:`_Chat` against the environment's own opponent: seat 0 unless ``options`` say; the
+    second seat's first message holds the opponent's first move too."""
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed)
+        seat = (options or {}).get("seat", 0)
+        first = self.first + " opponent" * 40 * seat
+        return first, {"legal_actions": ["go"], "seat": seat, "player": seat}
+
+
+def test_the_probe_plays_the_learner_in_each_seat_against_the_environment_s_opponent(tiny_dir):
+    from ppokit.lm.model.stack import prompt_tokenizer
+    from ppokit.lm.multi_turn import sizing
+
+    cfg = build_config(
+        [
+            {
+                "workload": "lm",
+                "model": {"path": str(tiny_dir)},
+                "textenv": {"env": "tictactoe", "max_turns": 6},
+                "train": {"iterations": 1, "batch_size": 8},
+            }
+        ]
+    )
+    count = prompt_tokenizer(cfg)
+    probe = sizing.probe_environment(cfg, _Seated(), "seated")
+    assert probe.first == len(count(_Chat.first + " opponent" * 40)["input_ids"])  # seat 1's, the longer
+    assert probe.seats == 1  # the environment plays the other seat: one stream an episode
+
+
 def test_a_chat_stream_s_later_messages_count_what_the_template_appends(chat_dir):
     """With a chat template a later message appends the end of the reply's turn, the message and
     the next generation prompt, not the message rendered as a conversation of its own (that counted

@@ -119,7 +119,7 @@ def probe_environment(cfg: Config, env: Any, name: str) -> Probe | None:
         except Exception:  # noqa: BLE001 - an observation the run cannot take is the run's to report
             return None
         episodes.append(_legal_episode(env, info, counter, turns - 1, cfg.seed + episode, name))
-        if message and retry is None:
+        if message and episode == 0:  # an environment that ends an episode on an invalid reply always does
             retry = _retry_message(env, counter, cfg.seed + episode, name)
     return Probe(first=max(firsts), later=max(episodes, key=sum), retry=retry, seats=seats)
 
