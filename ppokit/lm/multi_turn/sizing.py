@@ -86,6 +86,7 @@ def iteration_sequences(cfg: Config, env: Any, name: str) -> tuple[int, int, int
 
 
 def env_mode(env: Any) -> str:
+    """``env``'s observation mode (:attr:`ppokit.envs.TextEnv.observation_mode`; state by default)."""
     return getattr(env, "observation_mode", "state")
 
 
