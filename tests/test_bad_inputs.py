@@ -197,13 +197,21 @@ def test_bad_input(case, tmp_path, monkeypatch, capsys, sources):
     assert_one_line_error(status, err, fill(spec["expect"]))
 
 
-def test_a_text_environment_in_message_mode_without_a_chat_template_writes_nothing(tmp_path, capsys, monkeypatch):
-    """Refused among the pre-start checks: no run directory is made (it used to be, with the header)."""
-    case = CORPUS / "data" / "textenv_messages_without_chat_template"
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("textenv_messages_without_chat_template", "gave chat messages as the observation, but data.chat_template"),
+        ("textenv_message_mode_warm_start", "a warm start from demonstrations needs 'state' observations"),
+    ],
+)
+def test_a_text_environment_s_mode_refused_writes_nothing(case, expected, tmp_path, capsys, monkeypatch):
+    """Refused among the pre-start checks: no run directory is made (each used to be, with the header)."""
+    folder = CORPUS / "data" / case
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
-    status, err = run_cli(["train", str(case / "calculator.yaml"), "--output-dir", str(runs), "--no-progress"], capsys)
-    assert_one_line_error(status, err, "gave chat messages as the observation, but data.chat_template is false")
+    args = ["train", str(folder / "calculator.yaml"), "--output-dir", str(runs), "--no-progress"]
+    status, err = run_cli(args, capsys)
+    assert_one_line_error(status, err, expected)
     assert not runs.exists() or not any(runs.iterdir())
 
 

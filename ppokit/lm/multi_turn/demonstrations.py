@@ -72,15 +72,21 @@ def demonstration_examples(env: Any, policy_kind: str, n: int, *, seed: int, nam
     ]
 
 
-def warm_started_model(cfg: Config, run_dir: Path, env: Any, env_name: str, mode: str) -> Path:
-    """The backbone: model.path or the tiny model, warm-started on demonstrations when data.sft_epochs > 0."""
-    if not cfg.data.sft_epochs:
-        return prepare_model(cfg, run_dir, [], None, progress)
-    if mode != "state":
+def check_warm_start_mode(cfg: Config, mode: str, env_name: str) -> None:
+    """A warm start (data.sft_epochs > 0) plays demonstrations as prompts of their own: an
+    environment in message mode is refused, among the pre-start checks."""
+    if cfg.data.sft_epochs and mode != "state":
         raise UserError(
-            f"environment '{env_name}' has observation_mode='message'; a warm start from "
+            f"environment '{env_name}' has observation_mode={mode!r}; a warm start from "
             "demonstrations needs 'state' observations: set data.sft_epochs=0"
         )
+
+
+def warm_started_model(cfg: Config, run_dir: Path, env: Any, env_name: str, mode: str) -> Path:
+    """The backbone: model.path or the tiny model, warm-started on demonstrations when data.sft_epochs > 0."""
+    check_warm_start_mode(cfg, mode, env_name)
+    if not cfg.data.sft_epochs:
+        return prepare_model(cfg, run_dir, [], None, progress)
     if (run_dir / BASE_MODEL_DIR / BASE_MODEL_MARKER).is_file():  # a resumed run: warm-started already
         return prepare_model(cfg, run_dir, [], None, progress)
     kind = cfg.textenv.sft_policy

@@ -41,10 +41,10 @@ from ppokit.lm.model.memory import (
 from ppokit.lm.model.policy import lora_config
 from ppokit.lm.model.stack import PolicyStack, build_policy_stack
 from ppokit.lm.multi_turn.advantages import trajectory_advantages
-from ppokit.lm.multi_turn.demonstrations import warm_started_model
+from ppokit.lm.multi_turn.demonstrations import check_warm_start_mode, warm_started_model
 from ppokit.lm.multi_turn.opponents import AdapterSnapshots
 from ppokit.lm.multi_turn.shards import MultiTurnShard, MultiTurnShardPlan
-from ppokit.lm.multi_turn.sizing import iteration_sizes
+from ppokit.lm.multi_turn.sizing import env_mode, iteration_sizes
 from ppokit.lm.multi_turn.source import (
     MultiTurnSource,
     TextEnvEvaluator,
@@ -74,6 +74,7 @@ class MultiTurnWorkload:
         if self.cfg.model.path != "tiny":
             causal_lm_config(self.cfg.model.path)
             load_tokenizer(self.cfg.model.path)
+        check_warm_start_mode(self.cfg, env_mode(env), getattr(env, "env_name", self.cfg.textenv.env))
         self._check_observation(env)
         self._check_memory(env)
 
