@@ -279,6 +279,13 @@ def test_state_prompts_are_the_longest_observation_of_an_episode_with_room_for_t
     assert state_prompt_tokens([40], 8) == 40
     assert state_prompt_tokens([40, 100, 300], 8) == 300 + 2 * 8
     assert state_prompt_tokens([400, 100, 60], 8) == 400  # a shrinking observation: the first
+    # an environment that asks again after an invalid reply: k legal moves, then j retries, each
+    # retry growing the transcript as it grew the all-invalid episode (+50, +100), within 5 turns
+    assert state_prompt_tokens([40, 100, 300], 8, retried=[40, 90, 140], turns=5) == 300 + 100 + 4 * 8
+    assert state_prompt_tokens([40, 100, 300], 8, retried=[40, 90, 140], turns=4) == 300 + 50 + 3 * 8
+    assert state_prompt_tokens([40, 100, 300], 8, retried=[40, 90, 140], turns=3) == 300 + 2 * 8  # no turn left
+    assert state_prompt_tokens([40, 100, 300], 8, retried=[40]) == 300 + 2 * 8  # the first retry ended it
+    assert state_prompt_tokens([400, 100], 8, retried=[400, 405, 410], turns=3) == 400 + 10 + 2 * 8  # a board view
 
 
 def _sequences(cfg, env):
@@ -336,6 +343,23 @@ class _Retrying(_Chat):
         return super().step(action)
 
 
+class _RetryingTranscript(_Transcript):
+    """:class:`_Transcript` that asks again after an invalid reply, the notice added to the transcript."""
+
+    def reset(self, seed=None, options=None):
+        self.notices = 0
+        return super().reset(seed)
+
+    def later(self, turn: int) -> str:
+        return super().later(turn) + " notice" * 30 * self.notices
+
+    def step(self, action):
+        if action != "go":
+            self.notices += 1
+            return self.later(self.turn), 0.0, False, False, {"illegal": True, "legal_actions": ["go"]}
+        return super().step(action)
+
+
 def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_first(tiny_dir):
     """The measured reason (docs/performance.md, "SmolLM2 on TextArena games"): sized by its first
     observation, a whole-transcript run's estimate was a third of the peak that ended it; a probe
@@ -363,6 +387,9 @@ def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_f
     cfg2 = cfg.model_copy(update={"textenv": cfg.textenv.model_copy(update={"max_turns": 2})})
     _, prompt2, _ = _sequences(cfg2, _Transcript())
     assert prompt2 == len(count("start" + " more" * 50)["input_ids"]) + 5
+    # retried invalid replies grow the transcript too: 3 legal moves and 5 notices in 9 turns
+    retrying = _sequences(cfg, _RetryingTranscript())[1]
+    assert retrying == len(count("start" + " more" * 150 + " notice" * 150)["input_ids"]) + 8 * 5
     # an environment without legal actions is sized by its first observation, as before
     bare = _Transcript()
     bare.reset = lambda seed=None, options=None: ("start", {})

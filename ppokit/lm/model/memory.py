@@ -568,7 +568,9 @@ def longest_prompt_tokens(tokenizer: Any, texts: list[str], sample: int = 64) ->
     return max(len(ids) for ids in tokenizer(longest)["input_ids"])
 
 
-def state_prompt_tokens(observation_tokens: list[int], reply_tokens: int) -> int:
+def state_prompt_tokens(
+    observation_tokens: list[int], reply_tokens: int, retried: list[int] | None = None, turns: int | None = None
+) -> int:
     """P of a state-mode multi-turn run: the longest prompt of an episode, from the token counts
     of its observations in turn order (one episode played by random legal moves, the first
     observation at 0), observation k counted with room for the k replies before it
@@ -579,8 +581,22 @@ def state_prompt_tokens(observation_tokens: list[int], reply_tokens: int) -> int
     ``view: board`` one measured 8.6 GB against 4.4 GB estimated (8.3 GB from the probe and the
     chat template's tokens; docs/performance.md, "SmolLM2 on TextArena games"). The probe's
     moves are short, the model's replies up to R tokens: the R per earlier turn covers a
-    transcript that echoes them."""
-    return max(n + k * reply_tokens for k, n in enumerate(observation_tokens))
+    transcript that echoes them.
+
+    ``retried``: the observations of an episode of invalid replies from a first observation
+    (``[first, after one, after two, ...]``, as long as the environment asks again), where an
+    invalid reply does not end the episode: a turn may come after k legal moves and j retries,
+    sized ``n_k + retried_j - retried_0`` with room for its k + j replies, within ``turns``
+    (a whole transcript grows by each notice: TicTacToe-v0's by 129 tokens, 8 retries reaching
+    1,247 tokens where the legal probe's longest prompt was 997)."""
+    R = reply_tokens
+    longest = max(n + k * R for k, n in enumerate(observation_tokens))
+    if not retried or turns is None:
+        return longest
+    for k, n in enumerate(observation_tokens[:turns]):
+        for j in range(1, min(len(retried), turns - k)):
+            longest = max(longest, n + retried[j] - retried[0] + (k + j) * R)
+    return longest
 
 
 def multi_turn_rows(

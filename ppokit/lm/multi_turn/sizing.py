@@ -9,9 +9,10 @@ first observation and what each later turn adds. Probe episodes find them:
   against an environment's own opponent (``reset(options={"seat": ...})``: the second
   seat's first message holds the opponent's move); the longest first observation and the
   episode whose later observations add the most are kept;
-- **an invalid reply** (message mode): one empty reply after the reset; where the episode
-  goes on (the environment asks again, as TextArena's games do within their error
-  allowance), the message it sends may come at every later turn.
+- **invalid replies:** empty replies from the reset; where the episode goes on (the
+  environment asks again, as TextArena's games do within their error allowance), a retry
+  may come at any later turn: in message mode its message, in state mode the growth of a
+  transcript that echoes each notice (:func:`~ppokit.lm.model.memory.state_prompt_tokens`).
 
 State mode counts each observation as the prompt it becomes. Message mode counts what a later
 observation appends to a seat's stream (:class:`~ppokit.lm.multi_turn.streams.Stream`: the
@@ -46,8 +47,13 @@ class Probe:
 
     first: int  # the longest first observation, as a prompt
     later: list[int]  # the later observations of the probe episode that added the most (none: no probe)
-    retry: int | None  # message mode: what the message after an invalid reply appends, where the episode goes on
+    retried: list[int]  # an episode of invalid replies: its first observation, then each one after a retry
     seats: int  # streams an episode trains: 2 in self-play (the environment plays no seat itself), else 1
+
+    @property
+    def retry(self) -> int | None:
+        """Message mode: the most a message after an invalid reply appends (None: an invalid reply ends the episode)."""
+        return max(self.retried[1:]) if len(self.retried) > 1 else None
 
 
 def iteration_sizes(cfg: Config, env: Any, name: str) -> dict[str, int | None] | None:
@@ -72,7 +78,8 @@ def iteration_sequences(cfg: Config, env: Any, name: str) -> tuple[int, int, int
     message = env_mode(env) == "message"
     shape = model_shape(cfg.model.path)
     context = shape.max_positions if shape is not None else None
-    first = probe.first if message else state_prompt_tokens([probe.first, *probe.later], cfg.rollout.max_new_tokens)
+    R, turns = cfg.rollout.max_new_tokens, episode_turns(cfg, env)
+    first = probe.first if message else state_prompt_tokens([probe.first, *probe.later], R, probe.retried, turns)
     return multi_turn_rows(
         cfg,
         first,
@@ -96,14 +103,18 @@ def env_turn_limit(env: Any) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1 else None
 
 
+def episode_turns(cfg: Config, env: Any) -> int:
+    """An episode's turns at most: ``textenv.max_turns``, or the environment's own limit when lower."""
+    return min(cfg.textenv.max_turns, env_turn_limit(env) or cfg.textenv.max_turns)
+
+
 def probe_environment(cfg: Config, env: Any, name: str) -> Probe | None:
     """The module docstring's probe of ``env`` for ``cfg`` (None when its first reset fails)."""
     tokenizer = prompt_tokenizer(cfg)
     message = env_mode(env) == "message"
-    limit = env_turn_limit(env)
-    turns = min(cfg.textenv.max_turns, limit or cfg.textenv.max_turns)
+    turns = episode_turns(cfg, env)
     counter = _MessageCounter(cfg, tokenizer, name) if message else _PromptCounter(cfg, tokenizer)
-    firsts, episodes, retry, seats, seat = [], [], None, 1, None
+    firsts, episodes, retried, seats, seat = [], [], [], 1, None
     for episode in range(PROBE_EPISODES):
         try:
             observation, info = _reset(env, cfg.seed + episode, seat, name)
@@ -120,9 +131,9 @@ def probe_environment(cfg: Config, env: Any, name: str) -> Probe | None:
         except Exception:  # noqa: BLE001 - an observation the run cannot take is the run's to report
             return None
         episodes.append(_legal_episode(env, info, counter, turns - 1, cfg.seed + episode, name))
-        if message and episode == 0:  # an environment that ends an episode on an invalid reply always does
-            retry = _retry_message(env, counter, cfg.seed + episode, name)
-    return Probe(first=max(firsts), later=max(episodes, key=sum), retry=retry, seats=seats)
+        if episode == 0:  # an environment that ends an episode on an invalid reply always does
+            retried = _invalid_episode(env, counter, turns - 1, cfg.seed, name)
+    return Probe(first=max(firsts), later=max(episodes, key=sum), retried=retried, seats=seats)
 
 
 def _reset(env: Any, seed: int, seat: int | None, name: str) -> tuple[Any, dict]:
@@ -159,18 +170,21 @@ def _legal_episode(env: Any, info: dict, counter: Any, steps: int, seed: int, na
     return counts
 
 
-def _retry_message(env: Any, counter: Any, seed: int, name: str) -> int | None:
-    """What the message after an invalid first reply appends, where the episode goes on; None where
-    it ends the episode (or the step fails)."""
+def _invalid_episode(env: Any, counter: Any, steps: int, seed: int, name: str) -> list[int]:
+    """The token counts of an episode of up to ``steps`` invalid replies: its first observation,
+    then each one after a retry, while the environment asks again (a step with ``info["illegal"]``
+    that does not end the episode); ``[]`` where the reset or a step fails."""
     try:
         observation, _ = checked_reset(env, seed=seed, name=name)
-        counter.first(observation)
-        result = checked_step(env, INVALID_REPLY, name=name)
-        if result.terminated or result.truncated:
-            return None
-        return counter.later(INVALID_REPLY, result.observation)
+        counts = [counter.first(observation)]
+        for _ in range(steps):
+            result = checked_step(env, INVALID_REPLY, name=name)
+            if result.terminated or result.truncated or not result.info.get("illegal"):
+                break  # the episode ended, or the environment took the empty reply as a move
+            counts.append(counter.later(INVALID_REPLY, result.observation))
     except Exception:  # noqa: BLE001 - a failing environment or template is the run's to report
-        return None
+        return []
+    return counts
 
 
 class _PromptCounter:
