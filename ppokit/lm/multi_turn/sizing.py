@@ -47,7 +47,9 @@ class Probe:
 
     first: int  # the longest first observation, as a prompt
     later: list[int]  # the later observations of the probe episode that added the most (none: no probe)
-    retried: list[int]  # an episode of invalid replies: its first observation, then each one after a retry
+    # an episode of invalid replies while the environment asks again: its first observation, then after each
+    # retry the prompt (state mode) or what the message appends (message mode); [first] where one ends it
+    retried: list[int]
     seats: int  # streams an episode trains: 2 in self-play (the environment plays no seat itself), else 1
 
     @property
