@@ -288,6 +288,17 @@ def test_state_prompts_are_the_longest_observation_of_an_episode_with_room_for_t
     assert state_prompt_tokens([400, 100], 8, retried=[400, 405, 410], turns=3) == 400 + 10 + 2 * 8  # a board view
 
 
+def _sized_run(model_dir, max_turns: int, **sections):
+    """The config of a multi-turn run of 8 episodes on the model at ``model_dir`` that the probe sizes."""
+    layer = {
+        "workload": "lm",
+        "model": {"path": str(model_dir)},
+        "textenv": {"env": "tictactoe", "max_turns": max_turns},
+        "train": {"iterations": 1, "batch_size": 8},
+    }
+    return build_config([{**layer, **sections}])
+
+
 def _sequences(cfg, env):
     """``(rows, P, R)`` of an iteration of ``cfg`` on ``env``, as the multi-turn workload probes it."""
     from ppokit.lm.multi_turn.sizing import iteration_sequences
@@ -367,17 +378,7 @@ def test_a_state_mode_run_is_sized_by_the_longest_prompt_of_an_episode_not_the_f
     the episode), plus R per reply before it."""
     from ppokit.lm.model.stack import prompt_tokenizer
 
-    cfg = build_config(
-        [
-            {
-                "workload": "lm",
-                "model": {"path": str(tiny_dir)},
-                "textenv": {"env": "tictactoe", "max_turns": 9},
-                "rollout": {"max_new_tokens": 5},
-                "train": {"iterations": 1, "batch_size": 8},
-            }
-        ]
-    )
+    cfg = _sized_run(tiny_dir, 9, rollout={"max_new_tokens": 5})
     count = prompt_tokenizer(cfg)
     longest = len(count("start" + " more" * 150)["input_ids"])
     rows, prompt, response = _sequences(cfg, _Transcript())
@@ -404,17 +405,7 @@ def test_a_message_mode_run_sizes_its_later_messages_by_a_probe_episode(tiny_dir
     from ppokit.lm.model.stack import prompt_tokenizer
     from ppokit.lm.multi_turn.sizing import iteration_sizes
 
-    cfg = build_config(
-        [
-            {
-                "workload": "lm",
-                "model": {"path": str(tiny_dir)},
-                "textenv": {"env": "tictactoe", "max_turns": 6},
-                "rollout": {"max_new_tokens": 5},
-                "train": {"iterations": 1, "batch_size": 8},
-            }
-        ]
-    )
+    cfg = _sized_run(tiny_dir, 6, rollout={"max_new_tokens": 5})
     monkeypatch.setattr("ppokit.lm.multi_turn.sizing.model_shape", lambda path: None)  # no context limit (64)
     count = prompt_tokenizer(cfg)
 
@@ -452,16 +443,7 @@ def test_the_probe_plays_the_learner_in_each_seat_against_the_environment_s_oppo
     from ppokit.lm.model.stack import prompt_tokenizer
     from ppokit.lm.multi_turn import sizing
 
-    cfg = build_config(
-        [
-            {
-                "workload": "lm",
-                "model": {"path": str(tiny_dir)},
-                "textenv": {"env": "tictactoe", "max_turns": 6},
-                "train": {"iterations": 1, "batch_size": 8},
-            }
-        ]
-    )
+    cfg = _sized_run(tiny_dir, 6)
     count = prompt_tokenizer(cfg)
     probe = sizing.probe_environment(cfg, _Seated(), "seated")
     assert probe.first == len(count(_Chat.first + " opponent" * 40)["input_ids"])  # seat 1's, the longer
@@ -476,17 +458,7 @@ def test_a_chat_stream_s_later_messages_count_what_the_template_appends(chat_dir
     from ppokit.lm.model.stack import prompt_tokenizer
     from ppokit.lm.multi_turn import sizing
 
-    cfg = build_config(
-        [
-            {
-                "workload": "lm",
-                "model": {"path": str(chat_dir)},
-                "data": {"chat_template": True},
-                "textenv": {"env": "tictactoe", "max_turns": 6},
-                "train": {"iterations": 1, "batch_size": 8},
-            }
-        ]
-    )
+    cfg = _sized_run(chat_dir, 6, data={"chat_template": True})
     tok = prompt_tokenizer(cfg)
     render = chat_renderer(tok, "model.path")
     probe = sizing.probe_environment(cfg, _Chat(), "chat")

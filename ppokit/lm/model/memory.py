@@ -659,8 +659,9 @@ def check_run_fits(
     the run fits if that fits, and auto picks no more than fits."""
     if not cfg.run.memory_check:
         return None
-    sizes = {"prompt_tokens": prompt_tokens, "rows": rows, "response_tokens": response_tokens}
-    estimator = Estimator.for_run(cfg, **sizes, prefill_tokens=prefill_tokens)
+    estimator = Estimator.for_run(
+        cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens, prefill_tokens=prefill_tokens
+    )
     if estimator is None:
         return None
     est = estimator.run_estimate(cfg, sft_eval_rows)
@@ -679,8 +680,9 @@ def estimate_note(
 ) -> str | None:
     """The run header's line with the estimate of ``cfg`` as it will run (its micro-batch sizes
     resolved), beside which each iteration logs the measured peaks; None without the model's sizes."""
-    sizes = {"prompt_tokens": prompt_tokens, "rows": rows, "response_tokens": response_tokens}
-    estimator = Estimator.for_run(cfg, **sizes, prefill_tokens=prefill_tokens)
+    estimator = Estimator.for_run(
+        cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens, prefill_tokens=prefill_tokens
+    )
     if estimator is None:
         return None
     est = estimator.run_estimate(cfg, sft_eval_rows)
@@ -774,7 +776,12 @@ AUTO_MEMORY_SHARE = 0.5
 
 
 def resolve_micro_batches(
-    cfg: Any, *, prompt_tokens: int, rows: int | None = None, response_tokens: int | None = None
+    cfg: Any,
+    *,
+    prompt_tokens: int,
+    rows: int | None = None,
+    response_tokens: int | None = None,
+    prefill_tokens: int | None = None,
 ) -> tuple[Any, str | None]:
     """``cfg`` with its ``auto`` micro-batch sizes replaced by numbers, and a line for the run's
     header saying what was chosen (None when neither size is ``auto``).
@@ -785,14 +792,17 @@ def resolve_micro_batches(
     total memory; ``train.infer_micro_batch_size: auto``: the same for the scoring phase, up to
     the rows of an iteration. At least 1. The device's total (not its free) memory makes the
     choice the same at every start of a run on one machine, so that a resumed run computes as
-    it did. Without the model's sizes: the unresolved sizes (1 and 4)."""
+    it did. Without the model's sizes: the unresolved sizes (1 and 4). The sizes are
+    :func:`check_run_fits`'s (``prefill_tokens`` sets the generate phase alone)."""
     from ppokit.config import UNRESOLVED_INFER_MICRO_BATCH, UNRESOLVED_MICRO_BATCH  # noqa: PLC0415 - a cycle
 
     t = cfg.train
     auto_train, auto_infer = t.micro_batch_size == "auto", t.infer_micro_batch_size == "auto"
     if not has_auto_micro_batches(cfg):
         return cfg, None
-    estimator = Estimator.for_run(cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens)
+    estimator = Estimator.for_run(
+        cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens, prefill_tokens=prefill_tokens
+    )
     total, where = total_memory(estimator.device) if estimator is not None else (0.0, "")
     known = estimator is not None and total > 0
 

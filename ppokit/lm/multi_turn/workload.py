@@ -21,6 +21,7 @@ in state mode, one per seat in message mode), so each epoch is split into
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ class MultiTurnWorkload:
             load_tokenizer(self.cfg.model.path)
         check_warm_start_mode(self.cfg, env_mode(env), getattr(env, "env_name", self.cfg.textenv.env))
         self._check_observation(env)
-        self._check_memory(env)
+        self._check_memory()
 
     def _check_observation(self, env: Any) -> None:
         """Chat messages as observations need a chat template: refused before the run starts (the
@@ -89,29 +90,29 @@ class MultiTurnWorkload:
         if not isinstance(observation, str) and not self.cfg.data.chat_template:
             raise UserError(messages_without_template(name))
 
-    def _check_memory(self, env: Any) -> None:
+    def _check_memory(self) -> None:
         """Refuse a run that cannot fit its device's memory, sized by probe episodes (:mod:`.sizing`)."""
-        sizes = self._sizes(env)
-        if sizes is not None:
-            check_run_fits(self.cfg, **sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns)
+        if self._sizes is not None:
+            check_run_fits(self.cfg, **self._sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns)
 
-    def _sizes(self, env: Any) -> dict[str, int | None] | None:
-        return iteration_sizes(self.cfg, env, getattr(env, "env_name", self.cfg.textenv.env))
+    @cached_property
+    def _sizes(self) -> dict[str, int | None] | None:
+        """The estimate's sizes of an iteration, probed once in a fresh environment (the pre-start
+        check and the header's estimate share them: the micro-batch sizes do not change them)."""
+        t = self.cfg.textenv
+        env = make_env(t.env, **t.kwargs)
+        return iteration_sizes(self.cfg, env, getattr(env, "env_name", t.env))
 
     def _sizing_notes(self) -> list[str]:
-        """``self.cfg`` with its ``auto`` micro-batch sizes chosen (a fresh environment sizes the
-        sequences, so the probe's stream stays as it was); the header's lines: the sizes chosen and
-        the memory estimate of the run as it will run."""
-        t = self.cfg.textenv
-        sizes = self._sizes(make_env(t.env, **t.kwargs))
+        """``self.cfg`` with its ``auto`` micro-batch sizes chosen; the header's lines: the sizes
+        chosen and the memory estimate of the run as it will run."""
+        sizes = self._sizes
         lines = []
         if has_auto_micro_batches(self.cfg):
-            known = sizes or {"prompt_tokens": 0}
-            shape = {k: v for k, v in known.items() if k != "prefill_tokens"}  # auto sizes the update and scoring
-            self.cfg, line = resolve_micro_batches(self.cfg, **shape)
+            self.cfg, line = resolve_micro_batches(self.cfg, **(sizes or {"prompt_tokens": 0}))
             lines.append(line)
         if sizes is not None:
-            note = estimate_note(self.cfg, **sizes, sft_eval_rows=t.sft_eval_turns)
+            note = estimate_note(self.cfg, **sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns)
             lines += [note] if note else []
         return lines
 
