@@ -76,6 +76,21 @@ def collapse(events: list[tuple], rename=lambda module: module) -> list[str]:
     return sequence
 
 
+def entries(events: list[tuple], rename=lambda module: module) -> list[str]:
+    """Each entry into a module as ``module:function`` (the first function called there), marked
+    ``<`` where it returns to a module the path had left: the sequence :func:`stats` counts."""
+    out: list[str] = []
+    seen: set[str] = set()
+    last = None
+    for event in events:
+        module = rename(event[0])
+        if module != last:
+            out.append(f"{'< ' if module in seen else ''}{module.removeprefix('ppokit.')}:{event[4]}")
+            seen.add(module)
+            last = module
+    return out
+
+
 def stats(sequence: list[str]) -> dict[str, Any]:
     """Distinct modules, entries, returns (entries into a module seen before) and the first-seen order."""
     seen: list[str] = []
@@ -106,6 +121,7 @@ def views(events: list[tuple]) -> dict[str, Any]:
         "path": stats(collapse(path)),
         "run": stats(collapse(run)),
         "run-m": stats(collapse(run_m, accel)),
+        "run-m entries": entries(run_m, accel),
         "reads": dict(reads),
     }
 

@@ -677,15 +677,19 @@ def estimate_note(
     response_tokens: int | None = None,
     prefill_tokens: int | None = None,
     sft_eval_rows: int | None = None,
+    known: MemoryEstimate | None = None,
 ) -> str | None:
     """The run header's line with the estimate of ``cfg`` as it will run (its micro-batch sizes
-    resolved), beside which each iteration logs the measured peaks; None without the model's sizes."""
-    estimator = Estimator.for_run(
-        cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens, prefill_tokens=prefill_tokens
-    )
-    if estimator is None:
-        return None
-    est = estimator.run_estimate(cfg, sft_eval_rows)
+    resolved), beside which each iteration logs the measured peaks; None without the model's sizes.
+    ``known``: this very estimate, already made (the pre-start check's, where no size was ``auto``)."""
+    est = known
+    if est is None:
+        estimator = Estimator.for_run(
+            cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens, prefill_tokens=prefill_tokens
+        )
+        if estimator is None:
+            return None
+        est = estimator.run_estimate(cfg, sft_eval_rows)
     phases = ", ".join(f"{p} {est.phase_total(p) / GB:.2f}" for p in est.phases)
     return f"memory estimate: {describe(est)}; by phase (GB): {phases}; measured peaks: memory/peak_gb"
 

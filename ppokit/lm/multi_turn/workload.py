@@ -68,6 +68,7 @@ class MultiTurnWorkload:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self._estimate: Any = None  # the pre-start check's memory estimate, for the header
 
     def check_inputs(self) -> None:
         """The environment builds and the model directory loads, before a run directory exists."""
@@ -93,7 +94,7 @@ class MultiTurnWorkload:
     def _check_memory(self) -> None:
         """Refuse a run that cannot fit its device's memory, sized by probe episodes (:mod:`.sizing`)."""
         if self._sizes is not None:
-            check_run_fits(self.cfg, **self._sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns)
+            self._estimate = check_run_fits(self.cfg, **self._sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns)
 
     @cached_property
     def _sizes(self) -> dict[str, int | None] | None:
@@ -106,13 +107,14 @@ class MultiTurnWorkload:
     def _sizing_notes(self) -> list[str]:
         """``self.cfg`` with its ``auto`` micro-batch sizes chosen; the header's lines: the sizes
         chosen and the memory estimate of the run as it will run."""
-        sizes = self._sizes
+        sizes, known = self._sizes, self._estimate  # the pre-start check's estimate, unless auto sizes change cfg
         lines = []
         if has_auto_micro_batches(self.cfg):
             self.cfg, line = resolve_micro_batches(self.cfg, **(sizes or {"prompt_tokens": 0}))
             lines.append(line)
+            known = None
         if sizes is not None:
-            note = estimate_note(self.cfg, **sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns)
+            note = estimate_note(self.cfg, **sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns, known=known)
             lines += [note] if note else []
         return lines
 

@@ -87,6 +87,7 @@ class CheckedInputs(NamedTuple):
     reward_fn: Any
     tokenizer: Any
     prompt_tokens: int | None = None  # the longest prompt the run keeps, in tokens (the memory estimate's P)
+    estimate: Any = None  # the pre-start check's memory estimate (None with run.memory_check off)
 
 
 @dataclass
@@ -125,8 +126,8 @@ class LMWorkload:
             check_token_budget(cfg, tokenizer, within_limit)
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
         longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in within_limit + eval_items])
-        check_run_fits(cfg, prompt_tokens=longest, sft_eval_rows=len(eval_items))
-        self._checked = CheckedInputs(train_items, eval_items, reward_fn, tokenizer, longest)  # build drops again
+        estimate = check_run_fits(cfg, prompt_tokens=longest, sft_eval_rows=len(eval_items))
+        self._checked = CheckedInputs(train_items, eval_items, reward_fn, tokenizer, longest, estimate)  # build drops
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)  # the policy's files are there (a UserError names what is wrong)
@@ -182,7 +183,8 @@ class LMWorkload:
             header.append(micro_batches)
         cfg = self.cfg
         if longest is not None:  # the estimate of the run as it will run, beside its measured peaks
-            note = estimate_note(cfg, prompt_tokens=longest, sft_eval_rows=len(eval_items))
+            known = None if auto else checked.estimate  # the pre-start check's, of this very config
+            note = estimate_note(cfg, prompt_tokens=longest, sft_eval_rows=len(eval_items), known=known)
             header += [note] if note else []
         # the training reward: the reward model's score and/or a function's (the task's own only
         # without a reward model; held-out accuracy always uses the function)
