@@ -339,7 +339,7 @@ def child_run(args) -> dict:
     import torch
 
     from ppokit.errors import UserError
-    from ppokit.lm.model.memory import check_run_fits, resolve_micro_batches
+    from ppokit.lm.model.memory import IterationSizes, check_run_fits, resolve_micro_batches
     from ppokit.workloads import train
 
     paths = json.loads(Path(args.paths).read_text())
@@ -355,8 +355,8 @@ def child_run(args) -> dict:
         policy.load_causal_lm = build_on_device(device)
     try:  # what the run checks before its start (the bench runs anyway: its peak is the measure),
         # at the micro-batch sizes auto will pick (the check itself counts auto at its fallback sizes)
-        sized, _ = resolve_micro_batches(cfg, prompt_tokens=work.prompt_tokens)
-        estimate, refused = check_run_fits(sized, prompt_tokens=work.prompt_tokens), None
+        sized, _ = resolve_micro_batches(cfg, IterationSizes(work.prompt_tokens))
+        estimate, refused = check_run_fits(sized, IterationSizes(work.prompt_tokens)), None
     except UserError as e:
         estimate, refused = None, str(e)
     if device == "cuda":

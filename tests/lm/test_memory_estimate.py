@@ -402,6 +402,7 @@ def test_a_message_mode_run_sizes_its_later_messages_by_a_probe_episode(tiny_dir
     messages (the longest repeated past the probe's end), not as long as the first, which also
     holds the rules (the calculator's SmolLM2 run was estimated 4.1x its peak that way); where an
     invalid reply is asked again, that message may fill any turn (the largest of both kinds)."""
+    from ppokit.lm.model.memory import IterationSizes
     from ppokit.lm.model.stack import prompt_tokenizer
     from ppokit.lm.multi_turn.sizing import iteration_sizes
 
@@ -417,8 +418,8 @@ def test_a_message_mode_run_sizes_its_later_messages_by_a_probe_episode(tiny_dir
     rows, prompt, response = _sequences(cfg, _Chat())
     assert (rows, prompt) == (8, first)  # one seat: no "player" in the info
     sizes = iteration_sizes(cfg, _Chat(), "chat")  # a later turn prefills the conversation so far
-    assert sizes == {"prompt_tokens": first, "rows": 8, "response_tokens": response, "prefill_tokens": first + response}
-    assert iteration_sizes(cfg, _Transcript(), "state")["prefill_tokens"] is None
+    assert sizes == IterationSizes(first, rows=8, response_tokens=response, prefill_tokens=first + response)
+    assert iteration_sizes(cfg, _Transcript(), "state").prefill_tokens is None
     assert response == 6 * 5 + sum(later) + 2 * max(later) < 6 * 5 + 5 * first
     retry = appended(_Retrying.retry)
     assert retry > max(later)
@@ -620,8 +621,8 @@ def test_every_preset_and_demo_fits_a_laptop(preset, monkeypatch):
     estimates = []
     checked = memory.check_run_fits
 
-    def check(cfg, **kwargs):
-        estimates.append(checked(cfg, **kwargs))
+    def check(cfg, *args, **kwargs):
+        estimates.append(checked(cfg, *args, **kwargs))
         return estimates[-1]
 
     monkeypatch.setattr(memory, "available_memory", lambda device: (16e9, "a laptop has 16 GB"))
@@ -675,7 +676,7 @@ def _auto_config(tiny_dir, **train):
 
 
 def _phase_at(cfg, phase: str, field: str, rows: int, prompt_tokens: int = 20) -> float:
-    estimator = memory.Estimator.for_run(cfg, prompt_tokens=prompt_tokens)
+    estimator = memory.Estimator.for_run(cfg, memory.IterationSizes(prompt_tokens))
     trial = cfg.model_copy(update={"train": cfg.train.model_copy(update={field: rows})})
     return estimator.estimate(trial).phase_total(phase)
 
@@ -692,7 +693,7 @@ def test_auto_micro_batches_are_the_largest_power_of_two_whose_phase_fits_half_t
     assert score != update  # (the two phases need their own devices below)
     for half, expected in ((update, ("micro_batch_size", 4)), (score, ("infer_micro_batch_size", 16))):
         monkeypatch.setattr(memory, "total_memory", lambda device, half=half: (2 * half, "a test device's memory"))
-        resolved, line = memory.resolve_micro_batches(cfg, prompt_tokens=20)
+        resolved, line = memory.resolve_micro_batches(cfg, memory.IterationSizes(20))
         name, rows = expected
         assert getattr(resolved.train, name) == rows
         assert (
@@ -711,22 +712,22 @@ def expected_phase(name: str) -> str:
 def test_auto_micro_batches_stop_at_a_learner_s_share_and_at_one(tiny_dir, monkeypatch):
     cfg = _auto_config(tiny_dir)
     monkeypatch.setattr(memory, "total_memory", lambda device: (1e15, "a large device's memory"))
-    resolved, _ = memory.resolve_micro_batches(cfg, prompt_tokens=20)
+    resolved, _ = memory.resolve_micro_batches(cfg, memory.IterationSizes(20))
     assert (resolved.train.micro_batch_size, resolved.train.infer_micro_batch_size) == (32, 64)  # mini, batch
     two = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"learners": 2})})
-    assert memory.resolve_micro_batches(two, prompt_tokens=20)[0].train.micro_batch_size == 16
+    assert memory.resolve_micro_batches(two, memory.IterationSizes(20))[0].train.micro_batch_size == 16
     odd = _auto_config(tiny_dir, batch_size=48, mini_batch_size=48)  # a share that is no power of two
-    assert memory.resolve_micro_batches(odd, prompt_tokens=20)[0].train.micro_batch_size == 48
+    assert memory.resolve_micro_batches(odd, memory.IterationSizes(20))[0].train.micro_batch_size == 48
     monkeypatch.setattr(memory, "total_memory", lambda device: (1.0, "a device without memory"))
-    resolved, _ = memory.resolve_micro_batches(cfg, prompt_tokens=20)
+    resolved, _ = memory.resolve_micro_batches(cfg, memory.IterationSizes(20))
     assert (resolved.train.micro_batch_size, resolved.train.infer_micro_batch_size) == (1, 1)
 
 
 def test_sizes_given_stay_and_unknown_shapes_keep_the_unresolved_sizes(tiny_dir, monkeypatch):
     given = _auto_config(tiny_dir, micro_batch_size=2, infer_micro_batch_size=8)
-    assert memory.resolve_micro_batches(given, prompt_tokens=20) == (given, None)
+    assert memory.resolve_micro_batches(given, memory.IterationSizes(20)) == (given, None)
     monkeypatch.setattr(memory, "model_shape", lambda path, what="model.path": None)  # a config without sizes
-    resolved, line = memory.resolve_micro_batches(_auto_config(tiny_dir), prompt_tokens=20)
+    resolved, line = memory.resolve_micro_batches(_auto_config(tiny_dir), memory.IterationSizes(20))
     assert (resolved.train.micro_batch_size, resolved.train.infer_micro_batch_size) == (1, 4)
     assert "sizes are unknown" in line
 
@@ -763,6 +764,36 @@ def test_a_run_trains_with_the_sizes_auto_chose_and_says_so(tiny_dir, tmp_path, 
         components.close()
 
 
+@pytest.mark.parametrize("workload", ["single_turn", "multi_turn"])
+def test_the_header_reuses_the_pre_start_estimate_where_no_size_is_auto(workload, tiny_dir, tmp_path, monkeypatch):
+    """With numbered micro-batch sizes the run is estimated once (the pre-start check's), and the
+    header's line is the one an estimate made afresh at the same sizes gives."""
+    from ppokit.workloads import make_workload
+
+    train = {"iterations": 1, "batch_size": 8, "mini_batch_size": 8, "micro_batch_size": 8, "infer_micro_batch_size": 8}
+    extra = {"textenv": {"env": "tictactoe", "max_turns": 9, "eval_episodes": 0}} if workload == "multi_turn" else {}
+    run = {"device": "cpu"}
+    cfg = build_config([{"workload": "lm", "model": {"path": str(tiny_dir)}, "run": run, "train": train, **extra}])
+    calls = []
+    run_estimate = memory.Estimator.run_estimate
+
+    def counted(self, cfg, sft_eval_rows):
+        calls.append((self.sizes, sft_eval_rows))
+        return run_estimate(self, cfg, sft_eval_rows)
+
+    monkeypatch.setattr(memory.Estimator, "run_estimate", counted)
+    workload = make_workload(cfg)
+    workload.check_inputs()
+    components = workload.build(tmp_path / "run")
+    try:
+        (note,) = [line for line in components.header if line.startswith("memory estimate: ")]
+    finally:
+        components.close()
+    ((sizes, sft_eval_rows),) = calls  # the pre-start check's estimate, reused by the header
+    assert note == memory.estimate_note(cfg, sizes, sft_eval_rows=sft_eval_rows)
+    assert len(calls) == 2  # (afresh, the line above)
+
+
 def test_a_multi_turn_run_s_header_says_its_estimate(tiny_dir, tmp_path):
     """The multi-turn header's estimate is sized as the pre-start check sizes the run (its probe
     episode's rows, prompt and replies) and says each phase."""
@@ -789,7 +820,7 @@ def test_a_multi_turn_run_s_header_says_its_estimate(tiny_dir, tmp_path):
     )
     run = workload.MultiTurnWorkload(cfg)
     rows, prompt, response = _sequences(cfg, make_env("tictactoe"))
-    expected = memory.Estimator.for_run(cfg, prompt_tokens=prompt, rows=rows, response_tokens=response)
+    expected = memory.Estimator.for_run(cfg, memory.IterationSizes(prompt, rows=rows, response_tokens=response))
     est = expected.run_estimate(cfg, cfg.textenv.sft_eval_turns)
     components = run.build(tmp_path / "run")
     try:

@@ -75,7 +75,7 @@ own, and the estimate is the largest process's.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ from ppokit.algo.hidden_log_probs import DEFAULT_CHUNK_ELEMENTS
 from ppokit.errors import UserError
 
 __all__ = [
+    "IterationSizes",
     "MemoryEstimate",
     "ModelShape",
     "available_memory",
@@ -643,15 +644,20 @@ def multi_turn_rows(
     return seats * cfg.train.batch_size, observation_tokens, stream
 
 
-def check_run_fits(
-    cfg: Any,
-    *,
-    prompt_tokens: int,
-    rows: int | None = None,
-    response_tokens: int | None = None,
-    prefill_tokens: int | None = None,
-    sft_eval_rows: int | None = None,
-) -> MemoryEstimate | None:
+@dataclass(frozen=True)
+class IterationSizes:
+    """The sequences of an iteration as the estimate sizes them: ``P`` the longest prompt (in
+    tokens), ``N`` the rows an iteration trains (None: ``train.batch_size x algo.group_size``),
+    ``R`` each row's response region (None: ``rollout.max_new_tokens``) and ``P'`` the longest
+    prompt a generation call takes in (None: ``P``; a message-mode turn prefills its conversation)."""
+
+    prompt_tokens: int
+    rows: int | None = None
+    response_tokens: int | None = None
+    prefill_tokens: int | None = None
+
+
+def check_run_fits(cfg: Any, sizes: IterationSizes, *, sft_eval_rows: int | None = None) -> MemoryEstimate | None:
     """Estimate ``cfg``'s memory (module docstring) and refuse, with one line, a run whose
     largest phase exceeds the memory of its device; the estimate (None when
     ``run.memory_check`` is off, or the model's config does not give its sizes). An ``auto``
@@ -659,9 +665,7 @@ def check_run_fits(
     the run fits if that fits, and auto picks no more than fits."""
     if not cfg.run.memory_check:
         return None
-    estimator = Estimator.for_run(
-        cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens, prefill_tokens=prefill_tokens
-    )
+    estimator = Estimator.for_run(cfg, sizes)
     if estimator is None:
         return None
     est = estimator.run_estimate(cfg, sft_eval_rows)
@@ -670,23 +674,14 @@ def check_run_fits(
 
 
 def estimate_note(
-    cfg: Any,
-    *,
-    prompt_tokens: int,
-    rows: int | None = None,
-    response_tokens: int | None = None,
-    prefill_tokens: int | None = None,
-    sft_eval_rows: int | None = None,
-    known: MemoryEstimate | None = None,
+    cfg: Any, sizes: IterationSizes, *, sft_eval_rows: int | None = None, known: MemoryEstimate | None = None
 ) -> str | None:
     """The run header's line with the estimate of ``cfg`` as it will run (its micro-batch sizes
     resolved), beside which each iteration logs the measured peaks; None without the model's sizes.
     ``known``: this very estimate, already made (the pre-start check's, where no size was ``auto``)."""
     est = known
     if est is None:
-        estimator = Estimator.for_run(
-            cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens, prefill_tokens=prefill_tokens
-        )
+        estimator = Estimator.for_run(cfg, sizes)
         if estimator is None:
             return None
         est = estimator.run_estimate(cfg, sft_eval_rows)
@@ -704,23 +699,12 @@ class Estimator:
     bf16: bool
     checkpointing: bool
     eager_attention: bool
-    prompt_tokens: int
-    rows: int | None
-    response_tokens: int | None
+    sizes: IterationSizes
     reward_model: ModelShape | None
     sft_eval_rows: int | None = None  # the warm start's held-out examples (None: unknown)
-    prefill_tokens: int | None = None  # the longest prompt a generation call takes in (None: P)
 
     @classmethod
-    def for_run(
-        cls,
-        cfg: Any,
-        *,
-        prompt_tokens: int,
-        rows: int | None = None,
-        response_tokens: int | None = None,
-        prefill_tokens: int | None = None,
-    ) -> Estimator | None:
+    def for_run(cls, cfg: Any, sizes: IterationSizes) -> Estimator | None:
         """The estimator of ``cfg``'s run (None when the model's config does not give its sizes)."""
         from ppokit.lm.model.device import (  # noqa: PLC0415 - torch on import
             attention_implementation,
@@ -734,34 +718,31 @@ class Estimator:
         if model is None:
             return None
         if cfg.data.max_prompt_tokens is not None:  # longer prompts are dropped
-            prompt_tokens = min(prompt_tokens, cfg.data.max_prompt_tokens)
+            sizes = replace(sizes, prompt_tokens=min(sizes.prompt_tokens, cfg.data.max_prompt_tokens))
         return cls(
             model=model,
             device=device,
             bf16=resolve_precision(cfg.run.precision, device) is not None,
             checkpointing=gradient_checkpointing_wanted(cfg.train.gradient_checkpointing, device, model.num_parameters),
             eager_attention=attention_implementation(cfg.model.attn_implementation, device) == "eager",
-            prompt_tokens=prompt_tokens,
-            rows=rows,
-            response_tokens=response_tokens,
+            sizes=sizes,
             reward_model=reward_model_shape(cfg.data.reward_model) if cfg.data.reward_model else None,
-            prefill_tokens=prefill_tokens,
         )
 
     def estimate(self, cfg: Any) -> MemoryEstimate:
         return estimate_memory(
             cfg,
             self.model,
-            prompt_tokens=self.prompt_tokens,
-            rows=self.rows,
-            response_tokens=self.response_tokens,
+            prompt_tokens=self.sizes.prompt_tokens,
+            rows=self.sizes.rows,
+            response_tokens=self.sizes.response_tokens,
             bf16=self.bf16,
             device_type=self.device.type,
             checkpointing=self.checkpointing,
             eager_attention=self.eager_attention,
             reward_model=self.reward_model,
             sft_eval_rows=self.sft_eval_rows,
-            prefill_tokens=self.prefill_tokens,
+            prefill_tokens=self.sizes.prefill_tokens,
         )
 
     def run_estimate(self, cfg: Any, sft_eval_rows: int | None) -> MemoryEstimate:
@@ -779,14 +760,7 @@ class Estimator:
 AUTO_MEMORY_SHARE = 0.5
 
 
-def resolve_micro_batches(
-    cfg: Any,
-    *,
-    prompt_tokens: int,
-    rows: int | None = None,
-    response_tokens: int | None = None,
-    prefill_tokens: int | None = None,
-) -> tuple[Any, str | None]:
+def resolve_micro_batches(cfg: Any, sizes: IterationSizes) -> tuple[Any, str | None]:
     """``cfg`` with its ``auto`` micro-batch sizes replaced by numbers, and a line for the run's
     header saying what was chosen (None when neither size is ``auto``).
 
@@ -797,16 +771,14 @@ def resolve_micro_batches(
     the rows of an iteration. At least 1. The device's total (not its free) memory makes the
     choice the same at every start of a run on one machine, so that a resumed run computes as
     it did. Without the model's sizes: the unresolved sizes (1 and 4). The sizes are
-    :func:`check_run_fits`'s (``prefill_tokens`` sets the generate phase alone)."""
+    :func:`check_run_fits`'s (:attr:`IterationSizes.prefill_tokens` sets the generate phase alone)."""
     from ppokit.config import UNRESOLVED_INFER_MICRO_BATCH, UNRESOLVED_MICRO_BATCH  # noqa: PLC0415 - a cycle
 
     t = cfg.train
     auto_train, auto_infer = t.micro_batch_size == "auto", t.infer_micro_batch_size == "auto"
     if not has_auto_micro_batches(cfg):
         return cfg, None
-    estimator = Estimator.for_run(
-        cfg, prompt_tokens=prompt_tokens, rows=rows, response_tokens=response_tokens, prefill_tokens=prefill_tokens
-    )
+    estimator = Estimator.for_run(cfg, sizes)
     total, where = total_memory(estimator.device) if estimator is not None else (0.0, "")
     known = estimator is not None and total > 0
 
@@ -827,7 +799,7 @@ def resolve_micro_batches(
         chosen["micro_batch_size"] = largest("micro_batch_size", "update", share, UNRESOLVED_MICRO_BATCH)
         parts.append(f"{chosen['micro_batch_size']} rows a pass in the update")
     if auto_infer:
-        n = rows if rows is not None else t.batch_size
+        n = sizes.rows if sizes.rows is not None else t.batch_size
         chosen["infer_micro_batch_size"] = largest("infer_micro_batch_size", "score", n, UNRESOLVED_INFER_MICRO_BATCH)
         parts.append(f"{chosen['infer_micro_batch_size']} in scoring")
     why = f"the largest the memory estimate fits in half of {where}" if known else "the model's sizes are unknown"

@@ -31,7 +31,7 @@ from ppokit.config import Config
 from ppokit.envs import checked_reset, checked_step
 from ppokit.errors import UserError
 from ppokit.lm.data.chat import chat_renderer
-from ppokit.lm.model.memory import model_shape, multi_turn_rows, state_prompt_tokens
+from ppokit.lm.model.memory import IterationSizes, model_shape, multi_turn_rows, state_prompt_tokens
 from ppokit.lm.model.stack import prompt_tokenizer
 from ppokit.lm.multi_turn.streams import StreamCodec
 
@@ -58,16 +58,16 @@ class Probe:
         return max(self.retried[1:]) if len(self.retried) > 1 else None
 
 
-def iteration_sizes(cfg: Config, env: Any, name: str) -> dict[str, int | None] | None:
-    """The memory estimate's sizes of an iteration (:func:`ppokit.lm.model.memory.check_run_fits`'s
-    keywords): rows, P and R (:func:`iteration_sequences`) and, in message mode, the longest
-    prompt a generation call takes in, the conversation so far (each turn prefills its stream)."""
+def iteration_sizes(cfg: Config, env: Any, name: str) -> IterationSizes | None:
+    """The memory estimate's sizes of an iteration: rows, P and R (:func:`iteration_sequences`)
+    and, in message mode, the longest prompt a generation call takes in, the conversation so far
+    (each turn prefills its stream)."""
     sequences = iteration_sequences(cfg, env, name)
     if sequences is None:
         return None
     rows, prompt, response = sequences
     prefill = prompt + response if env_mode(env) == "message" else None
-    return {"prompt_tokens": prompt, "rows": rows, "response_tokens": response, "prefill_tokens": prefill}
+    return IterationSizes(prompt, rows=rows, response_tokens=response, prefill_tokens=prefill)
 
 
 def iteration_sequences(cfg: Config, env: Any, name: str) -> tuple[int, int, int] | None:

@@ -34,6 +34,7 @@ from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
 from ppokit.lm.model.memory import (
+    IterationSizes,
     check_run_fits,
     estimate_note,
     has_auto_micro_batches,
@@ -94,10 +95,10 @@ class MultiTurnWorkload:
     def _check_memory(self) -> None:
         """Refuse a run that cannot fit its device's memory, sized by probe episodes (:mod:`.sizing`)."""
         if self._sizes is not None:
-            self._estimate = check_run_fits(self.cfg, **self._sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns)
+            self._estimate = check_run_fits(self.cfg, self._sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns)
 
     @cached_property
-    def _sizes(self) -> dict[str, int | None] | None:
+    def _sizes(self) -> IterationSizes | None:
         """The estimate's sizes of an iteration, probed once in a fresh environment (the pre-start
         check and the header's estimate share them: the micro-batch sizes do not change them)."""
         t = self.cfg.textenv
@@ -110,11 +111,11 @@ class MultiTurnWorkload:
         sizes, known = self._sizes, self._estimate  # the pre-start check's estimate, unless auto sizes change cfg
         lines = []
         if has_auto_micro_batches(self.cfg):
-            self.cfg, line = resolve_micro_batches(self.cfg, **(sizes or {"prompt_tokens": 0}))
+            self.cfg, line = resolve_micro_batches(self.cfg, sizes or IterationSizes(0))
             lines.append(line)
             known = None
         if sizes is not None:
-            note = estimate_note(self.cfg, **sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns, known=known)
+            note = estimate_note(self.cfg, sizes, sft_eval_rows=self.cfg.textenv.sft_eval_turns, known=known)
             lines += [note] if note else []
         return lines
 

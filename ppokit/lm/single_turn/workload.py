@@ -49,6 +49,7 @@ from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
 from ppokit.lm.model.hf import causal_lm_config
 from ppokit.lm.model.memory import (
+    IterationSizes,
     check_run_fits,
     estimate_note,
     has_auto_micro_batches,
@@ -126,7 +127,7 @@ class LMWorkload:
             check_token_budget(cfg, tokenizer, within_limit)
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
         longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in within_limit + eval_items])
-        estimate = check_run_fits(cfg, prompt_tokens=longest, sft_eval_rows=len(eval_items))
+        estimate = check_run_fits(cfg, IterationSizes(longest), sft_eval_rows=len(eval_items))
         self._checked = CheckedInputs(train_items, eval_items, reward_fn, tokenizer, longest, estimate)  # build drops
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
@@ -179,12 +180,12 @@ class LMWorkload:
         longest = checked.prompt_tokens
         if auto:
             longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in prompts.train + prompts.held_out])
-            self.cfg, micro_batches = resolve_micro_batches(self.cfg, prompt_tokens=longest)
+            self.cfg, micro_batches = resolve_micro_batches(self.cfg, IterationSizes(longest))
             header.append(micro_batches)
         cfg = self.cfg
         if longest is not None:  # the estimate of the run as it will run, beside its measured peaks
             known = None if auto else checked.estimate  # the pre-start check's, of this very config
-            note = estimate_note(cfg, prompt_tokens=longest, sft_eval_rows=len(eval_items), known=known)
+            note = estimate_note(cfg, IterationSizes(longest), sft_eval_rows=len(eval_items), known=known)
             header += [note] if note else []
         # the training reward: the reward model's score and/or a function's (the task's own only
         # without a reward model; held-out accuracy always uses the function)
