@@ -1455,7 +1455,7 @@ def mode_layer(file_layer: dict[str, Any], user: dict[str, Any], source: str) ->
         if isinstance(model, dict) and "mode" in model:
             mode = model["mode"]
     mode = mode if mode is not None else ModelConfig.model_fields["mode"].default
-    return [sections[mode]] if mode in sections else []
+    return [sections[mode]] if isinstance(mode, str) and mode in sections else []  # a bad mode: validation says so
 
 
 def build_config(layers: list[dict[str, Any]], label: str | None = None) -> Config:
