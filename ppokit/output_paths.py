@@ -36,7 +36,10 @@ def check_output_dir(out: Path, fix: str, *, replace: bool = False) -> None:
         raise UserError(f"{out} is a mount point, which the output cannot replace; give a new directory inside it")
     parent = next((p for p in out.absolute().parents if p.exists()), Path("/"))  # where the first new entry goes
     with writing_to(out):
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        except FileNotFoundError:  # an existing directory that takes no new entries (/proc, /sys)
+            raise UserError(f"cannot write {out}: {parent} takes no new directories; {fix}") from None
 
 
 @contextlib.contextmanager

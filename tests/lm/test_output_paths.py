@@ -3,7 +3,9 @@ found before the work, and a failed write leaves nothing half-written."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +91,15 @@ def test_export_output_that_is_a_file_or_not_empty(checkpoint, tmp_path):
         export_merged(checkpoint.parent, afile)
     with pytest.raises(UserError, match="checkpoint is not empty"):
         export_merged(checkpoint.parent, checkpoint)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system")
+def test_a_directory_that_takes_no_new_entries_fails_before_the_work(tiny_dir, checkpoint, no_training):
+    """procfs answers a new directory with ENOENT, not a permission error."""
+    with pytest.raises(UserError, match="cannot write /proc/exp: /proc takes no new directories; choose a new dir"):
+        export_merged(checkpoint.parent, Path("/proc/exp"))
+    with pytest.raises(UserError, match="cannot write /proc/s: /proc takes no new directories"):
+        run_sft(tiny_dir, Path("/proc/s"))
 
 
 def test_read_only_output_fails_before_the_work(tiny_dir, checkpoint, mount, no_training):
