@@ -1499,7 +1499,7 @@ def _read_source(source: str) -> tuple[dict[str, Any], str]:
     if path.suffix in (".yaml", ".yml"):
         raise ConfigError(f"config file '{source}' does not exist; give a YAML path or {choices}")
     raise ConfigError(
-        f"unknown preset '{source}'{did_you_mean(source, preset_names())} "
+        f"unknown preset '{source}'{did_you_mean(source, preset_names()) or ';'} "
         f"presets: {', '.join(preset_names())}; or give a path to a YAML file"
     )
 

@@ -152,6 +152,8 @@ def test_bad_overrides(overrides, message):
 def test_unknown_preset_suggests_a_name():
     with pytest.raises(ConfigError, match="unknown preset 'cartpol'; did you mean 'cartpole'"):
         C.load_config("cartpol")
+    with pytest.raises(ConfigError, match="unknown preset 'zzz'; presets: acrobot, "):  # no close name
+        C.load_config("zzz")
 
 
 def test_missing_yaml_file():

@@ -172,7 +172,7 @@ def test_eval_of_a_model_directory_on_a_dataset(tiny_dir, tmp_path, capsys):
     [
         (["--samples", "2", "--k", "4"], "--k must be between 1 and --samples"),
         (["--data", "nope.jsonl", "--reward", "exact_match"], "nope.jsonl does not exist"),
-        (["--data", "arithmetic", "--reward", "nosuch"], "unknown reward function 'nosuch'"),
+        (["--data", "arithmetic", "--reward", "nosuch"], "unknown reward function 'nosuch'; built-ins: exact_match"),
         (["--temperature", "0"], "argument --temperature: must be a finite number > 0"),
     ],
 )
@@ -208,7 +208,7 @@ def test_reward_command_prints_score_and_reason(tmp_path):
     done = ppokit("reward", f"{tmp_path / 'r.py'}:slow", "--prompt", "p", "--response", "r", "--timeout", "1")
     assert done.returncode == 0 and done.stdout == "score: 0\nreason: timeout: timed out after 1 s\n", done.stdout
     for args, message in (
-        (["nosuch", "--prompt", "p", "--response", "r"], "unknown reward function 'nosuch'"),
+        (["nosuch", "--prompt", "p", "--response", "r"], "unknown reward function 'nosuch'; built-ins: exact_match"),
         (["math", "--prompt", "p", "--response", "r", "--field", "answer"], "KEY=VALUE"),
         (["math", "--prompt", "p"], "the following arguments are required: --response"),
     ):

@@ -243,7 +243,7 @@ class ReasoningGymTask:
         for key in options:
             if key not in allowed:
                 raise UserError(
-                    f"{where} has no option '{key}'{did_you_mean(key, allowed)} options: {', '.join(allowed)}"
+                    f"{where} has no option '{key}'{did_you_mean(key, allowed) or ';'} options: {', '.join(allowed)}"
                 )
         self.options = dict(options)
         self.base_seed = self.seed * SEED_STRIDE

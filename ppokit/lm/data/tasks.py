@@ -213,7 +213,7 @@ def get_task(spec: str, **kwargs: Any):
     for key in parsed:
         if key not in allowed:
             raise UserError(
-                f"task '{name}' has no option '{key}'{did_you_mean(key, allowed)} options: {', '.join(allowed)}"
+                f"task '{name}' has no option '{key}'{did_you_mean(key, allowed) or ';'} options: {', '.join(allowed)}"
             )
     return cls(**parsed)
 

@@ -291,7 +291,7 @@ def load_reward_fn(spec: str | RewardCallable) -> RewardFunction:
         return RewardFunction(BUILTIN_REWARDS[spec], spec)
     if not is_user_spec(spec):
         raise UserError(
-            f"unknown reward function '{spec}'{did_you_mean(spec, BUILTIN_REWARDS)} built-ins: "
+            f"unknown reward function '{spec}'{did_you_mean(spec, BUILTIN_REWARDS) or ';'} built-ins: "
             f"{', '.join(BUILTIN_REWARDS)}; or give module:function or path/to/file.py:function"
         )
     fn = load_user_object(
