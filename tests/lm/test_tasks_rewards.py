@@ -71,6 +71,8 @@ def test_task_registry_errors():
         get_task("arithmatic")
     with pytest.raises(UserError, match="did you mean 'digits'"):
         get_task("arithmetic", digit=2)
+    with pytest.raises(UserError, match="task 'arithmetic' has no option 'zzz'; options: digits, "):
+        get_task("arithmetic:zzz=3")
     with pytest.raises(UserError, match="op must be one of"):
         get_task("arithmetic", op="/")
     with pytest.raises(UserError, match="has 13 eval problems"):
