@@ -557,6 +557,16 @@ class ModelConfig(Section):
         "about a second; without one, transformers' layers and PyTorch's matmuls are used)",
     )
 
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _some_target_modules(cls, names: str | list[str]) -> str | list[str]:
+        if not names or (isinstance(names, list) and not all(isinstance(n, str) and n for n in names)):
+            raise ValueError(
+                f"must be one or more module names, none empty (got {names!r}); "
+                "all-linear adapts every linear layer but lm_head"
+            )
+        return names
+
 
 STATIC_CACHE_FULL_BF16 = (
     "rollout.cache_implementation=static does not work with model.mode=full under bf16 "
