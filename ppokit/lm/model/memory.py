@@ -647,7 +647,7 @@ def multi_turn_rows(
 @dataclass(frozen=True)
 class IterationSizes:
     """The sequences of an iteration as the estimate sizes them: ``P`` the longest prompt (in
-    tokens), ``N`` the rows an iteration trains (None: ``train.batch_size x algo.group_size``),
+    tokens), ``N`` the rows an iteration trains (None: ``train.batch_size``, its sequences),
     ``R`` each row's response region (None: ``rollout.max_new_tokens``) and ``P'`` the longest
     prompt a generation call takes in (None: ``P``; a message-mode turn prefills its conversation)."""
 
