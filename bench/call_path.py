@@ -66,28 +66,30 @@ class Recorder:
             raise Reached(self.until)
 
 
-def collapse(events: list[tuple], rename=lambda module: module) -> list[str]:
-    """The modules in call order, consecutive calls in one module counted once."""
-    sequence: list[str] = []
+def module_entries(events: list[tuple], rename=lambda module: module) -> list[tuple[str, str]]:
+    """``(module, first function called there)`` for each entry into a module, in call order:
+    consecutive calls in one module count once."""
+    sequence: list[tuple[str, str]] = []
     for event in events:
         module = rename(event[0])
-        if not sequence or sequence[-1] != module:
-            sequence.append(module)
+        if not sequence or sequence[-1][0] != module:
+            sequence.append((module, event[4]))
     return sequence
 
 
+def collapse(events: list[tuple], rename=lambda module: module) -> list[str]:
+    """The modules in call order, consecutive calls in one module counted once."""
+    return [module for module, _ in module_entries(events, rename)]
+
+
 def entries(events: list[tuple], rename=lambda module: module) -> list[str]:
-    """Each entry into a module as ``module:function`` (the first function called there), marked
-    ``<`` where it returns to a module the path had left: the sequence :func:`stats` counts."""
+    """Each entry as ``module:function``, marked ``<`` where it returns to a module the path had
+    left: the sequence :func:`stats` counts."""
     out: list[str] = []
     seen: set[str] = set()
-    last = None
-    for event in events:
-        module = rename(event[0])
-        if module != last:
-            out.append(f"{'< ' if module in seen else ''}{module.removeprefix('ppokit.')}:{event[4]}")
-            seen.add(module)
-            last = module
+    for module, function in module_entries(events, rename):
+        out.append(f"{'< ' if module in seen else ''}{module.removeprefix('ppokit.')}:{function}")
+        seen.add(module)
     return out
 
 

@@ -35,6 +35,7 @@ from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.hf import causal_lm_config, load_tokenizer
 from ppokit.lm.model.memory import (
     IterationSizes,
+    MemoryEstimate,
     check_run_fits,
     estimate_note,
     has_auto_micro_batches,
@@ -69,7 +70,7 @@ class MultiTurnWorkload:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self._estimate: Any = None  # the pre-start check's memory estimate, for the header
+        self._estimate: MemoryEstimate | None = None  # the pre-start check's memory estimate, for the header
 
     def check_inputs(self) -> None:
         """The environment builds and the model directory loads, before a run directory exists."""

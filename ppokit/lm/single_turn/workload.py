@@ -50,6 +50,7 @@ from ppokit.lm.model.device import placement
 from ppokit.lm.model.hf import causal_lm_config
 from ppokit.lm.model.memory import (
     IterationSizes,
+    MemoryEstimate,
     check_run_fits,
     estimate_note,
     has_auto_micro_batches,
@@ -88,7 +89,7 @@ class CheckedInputs(NamedTuple):
     reward_fn: Any
     tokenizer: Any
     prompt_tokens: int | None = None  # the longest prompt the run keeps, in tokens (the memory estimate's P)
-    estimate: Any = None  # the pre-start check's memory estimate (None with run.memory_check off)
+    estimate: MemoryEstimate | None = None  # the pre-start check's memory estimate (None: run.memory_check off)
 
 
 @dataclass
