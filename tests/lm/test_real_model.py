@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -81,21 +82,60 @@ def test_the_conversion_is_transformers_dequantised_model_as_a_plain_directory(c
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_the_cache_is_reused_and_an_unfinished_conversion_is_redone(converted, tmp_path):
+def test_the_cache_is_reused_and_an_unfinished_conversion_is_redone(converted, tmp_path, monkeypatch):
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
     said = []
     assert gguf.converted_directory(smollm2_gguf(), log=said.append) == converted
     assert said == [] and (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    # the cache's rules, with the transformers conversion itself (tested above) stubbed out
+    made = []
+    monkeypatch.setattr(gguf, "_convert", lambda file, out, name: made.append((out / "weights").write_text("w")))
     # a copy of the file under another name: its own entry, converted once
     copy = tmp_path / "copy.gguf"
     shutil.copy(smollm2_gguf(), copy)
     target = gguf.converted_directory(copy, log=said.append)
-    assert target.name.startswith("copy-") and target != converted
+    assert target.name.startswith("copy-") and target != converted and (target / "weights").is_file()
+    assert gguf.converted_directory(copy, log=said.append) == target and len(made) == 1
     # a conversion killed before its marker: converted again, not used as it is
     (target / gguf.MARKER).unlink()
     assert gguf.converted_directory(copy, log=said.append) == target
-    assert (target / gguf.MARKER).is_file() and sum("converting" in line for line in said) == 2
+    assert (target / gguf.MARKER).is_file() and sum("converting" in line for line in said) == 2 and len(made) == 2
+    # a conversion that fails leaves no entry and no work directory behind
     shutil.rmtree(target)
+    monkeypatch.setattr(gguf, "_convert", lambda file, out, name: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        gguf.converted_directory(copy, log=said.append)
+    assert not target.exists() and not [p for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")]
+
+
+def test_two_processes_converting_one_file_convert_it_once(converted, tmp_path, monkeypatch):
+    """The second caller waits on the first's lock and takes its result (threads hold separate
+    descriptors, so their ``flock`` excludes each other as two processes' would)."""
+    started, release, made = threading.Event(), threading.Event(), []
+
+    def slow_convert(file, out, name):
+        made.append(out)
+        started.set()
+        assert release.wait(30)
+        (out / "weights").write_text("w")
+
+    monkeypatch.setattr(gguf, "_convert", slow_convert)
+    copy = tmp_path / "twice.gguf"
+    shutil.copy(smollm2_gguf(), copy)
+    results = []
+    first = threading.Thread(target=lambda: results.append(gguf.converted_directory(copy, log=lambda line: None)))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=lambda: results.append(gguf.converted_directory(copy, log=lambda line: None)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # waiting on the lock, not converting
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert len(made) == 1 and len(results) == 2 and results[0] == results[1]
+    assert (results[0] / gguf.MARKER).is_file() and (results[0] / "weights").is_file()
+    shutil.rmtree(results[0])
 
 
 def _text_file(directory: Path) -> Path:

