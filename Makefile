@@ -32,7 +32,7 @@ demo: install
 test: install-dev
 	$(PY) -m ruff check ppokit tests bench
 	$(PY) -m ruff format --check ppokit tests bench
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n logical
 
 bench: install
 	$(PIP) -e '.[bench]'

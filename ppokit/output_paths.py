@@ -1,4 +1,5 @@
-"""Where a command writes its output: checked before the work, write failures as UserErrors.
+"""Where a command writes its output: checked before the work, write failures as UserErrors;
+and where ppokit keeps its cache (:func:`cache_root`).
 
 A read-only file system, a permission error or a full disk is the user's to fix (choose
 another place), not a bug: :func:`writing_to` turns it into a one-line
@@ -22,6 +23,14 @@ from ppokit.errors import UserError
 
 # Failures to write that are the user's to fix (where the output goes), not bugs.
 WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EBUSY}
+
+
+def cache_root() -> Path:
+    """ppokit's own cache (GGUF models converted to directories, the CPU kernels it builds):
+    ``$PPOKIT_CACHE``, else ``$XDG_CACHE_HOME/ppokit``, else ``~/.cache/ppokit``."""
+    if os.environ.get("PPOKIT_CACHE"):
+        return Path(os.environ["PPOKIT_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ppokit"
 
 
 def check_output_dir(out: Path, fix: str, *, replace: bool = False) -> None:

@@ -1,7 +1,8 @@
 """Puts tests/ on sys.path (pytest's prepend import mode) for the shared ``resume_helpers``, and
-gives the session its own model cache (``PPOKIT_CACHE``: GGUF files converted once per session,
-in a temporary directory removed at its end, never the user's ``~/.cache``), which the processes
-the tests start inherit; the fixtures that several test folders use (``trained_batches``)."""
+gives the session its own cache (``PPOKIT_CACHE``: GGUF files converted and CPU kernels built
+once per session, in a temporary directory removed at its end, never the user's ``~/.cache``),
+which the processes the tests start and the pytest-xdist workers inherit; how xdist shares the
+tests among its workers; the fixtures that several test folders use (``trained_batches``)."""
 
 import os
 import shutil
@@ -9,9 +10,29 @@ import tempfile
 
 import pytest
 
+# Under pytest-xdist (``make test``: ``-n logical``) the workers share the cores: torch's default
+# thread count (and that of the processes the tests start) is the cores a worker gets.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+
 _OWN_CACHE = None
 if "PPOKIT_CACHE" not in os.environ:
     _OWN_CACHE = os.environ["PPOKIT_CACHE"] = tempfile.mkdtemp(prefix="ppokit-test-cache-")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist every test is its own unit of work, but the scale-out tests
+    (``tests/cluster``) are one unit, run by one worker: the session starts one local Ray
+    (``ray.init(num_cpus=2)``), not one per worker on the same cores."""
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 - only under xdist
+
+    class ScaleOutTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/cluster" if nodeid.startswith("tests/cluster/") else nodeid
+
+    return ScaleOutTogether(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):

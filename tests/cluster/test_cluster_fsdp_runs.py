@@ -67,7 +67,7 @@ def test_cartpole_on_fsdp_learners_and_its_checkpoints_in_other_layouts(tmp_path
 
 
 def test_lm_full_mode_on_fsdp_learners(tmp_path, cluster_clean, tiny_model_dir, digits_reward):
-    """10 iterations of full fine-tuning (actor and critic sharded over two ranks) with one rollout worker,
+    """6 iterations of full fine-tuning (actor and critic sharded over two ranks) with one rollout worker,
     weights synced in buckets of 0.1 MiB:
 
     - the in-process run's rewards and losses (to float32 summation order);
@@ -82,7 +82,7 @@ def test_lm_full_mode_on_fsdp_learners(tmp_path, cluster_clean, tiny_model_dir, 
 
     from ppokit.commands.export import export_merged
 
-    common = ("train.iterations=10", "model.mode=full", "run.checkpoint_every=2", "data.eval_every=5")
+    common = ("train.iterations=6", "model.mode=full", "run.checkpoint_every=2", "data.eval_every=5")
     sharded_args = (*common, *FSDP2, *WITH_A_WORKER, "cluster.sync_bucket_mb=0.1")
     local = run(arith_cfg(tiny_model_dir, digits_reward, *common), tmp_path / "local")
     sharded = run(arith_cfg(tiny_model_dir, digits_reward, *sharded_args), tmp_path / "fsdp")

@@ -32,7 +32,7 @@ def train_without_a_compiler(tmp_path: Path, *overrides: str) -> subprocess.Comp
     empty = tmp_path / "bin"
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "CC"}
-    env.update(PATH=str(empty), PPOKIT_CACHE_DIR=str(tmp_path / "kernel-cache"), OMP_NUM_THREADS="1")
+    env.update(PATH=str(empty), PPOKIT_CACHE=str(tmp_path / "kernel-cache"), OMP_NUM_THREADS="1")
     return subprocess.run(
         [
             sys.executable,

@@ -796,21 +796,21 @@ def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_pa
         "print('LIB', None if lib is None else lib._name)"
     )
     cache = tmp_path / "cache"
-    first = run_python(code, PPOKIT_CACHE_DIR=str(cache))
+    first = run_python(code, PPOKIT_CACHE=str(cache))
     built = first.stdout.split("LIB ")[1].strip()
     assert built.startswith(str(cache)) and Path(built).is_file(), first.stderr
     mtime = Path(built).stat().st_mtime_ns
-    second = run_python(code, PPOKIT_CACHE_DIR=str(cache))
+    second = run_python(code, PPOKIT_CACHE=str(cache))
     assert second.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_mtime_ns == mtime
 
-    off = run_python(code, PPOKIT_CACHE_DIR=str(tmp_path / "c2"), PPOKIT_CPU_KERNELS="0")
+    off = run_python(code, PPOKIT_CACHE=str(tmp_path / "c2"), PPOKIT_CPU_KERNELS="0")
     assert "LIB None" in off.stdout and not (tmp_path / "c2").exists()
-    broken = run_python(code, PPOKIT_CACHE_DIR=str(tmp_path / "c3"), CC="false")
+    broken = run_python(code, PPOKIT_CACHE=str(tmp_path / "c3"), CC="false")
     assert "LIB None" in broken.stdout
     assert "fused CPU kernels off: building cpu_kernels.c failed" in broken.stderr
 
     Path(built).write_bytes(b"not a shared library")  # a damaged cache entry is built again
-    damaged = run_python(code, PPOKIT_CACHE_DIR=str(cache))
+    damaged = run_python(code, PPOKIT_CACHE=str(cache))
     assert damaged.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_size > 1000
 
 

@@ -13,9 +13,9 @@ The directory is a cache, made once per file content::
 
     $PPOKIT_CACHE/gguf/<file stem>-<first 16 hex digits of the file's SHA-256>/
 
-(``$PPOKIT_CACHE`` defaults to ``~/.cache/ppokit``). It is written beside its final place and
-renamed into it, and its marker :data:`MARKER` is written last, so a conversion killed
-half-way is never used. One process converts a file at a time (a ``flock`` on
+(:func:`ppokit.output_paths.cache_root`: ``$PPOKIT_CACHE``, default ``~/.cache/ppokit``). It is
+written beside its final place and renamed into it, and its marker :data:`MARKER` is written
+last, so a conversion killed half-way is never used. One process converts a file at a time (a ``flock`` on
 ``<entry>.lock``): a second run started meanwhile waits and uses the result. A run copies
 the directory into ``RUN_DIR/base_model`` (hard links where the file system allows), so that
 the run's checkpoints, ``--resume`` and ``ppokit export`` do not depend on the cache
@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppokit.errors import UserError, first_line
+from ppokit.output_paths import cache_root
 
-__all__ = ["MARKER", "PACKAGED_MODELS", "cache_root", "converted_directory", "is_gguf", "model_directory"]
+__all__ = ["MARKER", "PACKAGED_MODELS", "converted_directory", "is_gguf", "model_directory"]
 
 GGUF_MAGIC = b"GGUF"
 MARKER = "ppokit_gguf.json"  # in a converted directory, written when it is complete
@@ -89,11 +90,6 @@ def packaged_file(name: str, what: str = "model.path") -> Path:
 def model_directory(path: str | Path, what: str = "model.path") -> str | Path:
     """``path`` itself, or the converted directory of a GGUF file (:func:`converted_directory`)."""
     return converted_directory(path, what) if is_gguf(path) else path
-
-
-def cache_root() -> Path:
-    """``$PPOKIT_CACHE``, else ``~/.cache/ppokit``."""
-    return Path(os.environ.get("PPOKIT_CACHE") or Path.home() / ".cache" / "ppokit").expanduser()
 
 
 def converted_directory(path: str | Path, what: str = "model.path", *, log=print) -> Path:

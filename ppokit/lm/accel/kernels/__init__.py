@@ -10,7 +10,7 @@ mean, scale, weight) and more backward. The kernels in ``cpu_kernels.c`` make on
 per row instead, with the same bf16 roundings.
 
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``,
-``gcc`` or ``clang``) into ``$PPOKIT_CACHE_DIR`` (default ``~/.cache/ppokit``), keyed by
+``gcc`` or ``clang``) into ``$PPOKIT_CACHE/kernels`` (default ``~/.cache/ppokit``), keyed by
 the source, the flags, the compiler and the CPU, and loaded with ``ctypes``: no PyTorch
 headers, about a second to build. Without a compiler, or when the build fails, nothing
 changes: every layer keeps transformers' own forward (:func:`cpu_library` returns None
@@ -41,6 +41,7 @@ from functools import cache
 from pathlib import Path
 
 from ppokit.errors import UserError
+from ppokit.output_paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +82,6 @@ BF16_KERNEL_ARGS = {
 }
 SIGNATURES = {f"{name}_{suffix}": args for name, args in KERNEL_ARGS.items() for suffix in TYPE_SUFFIXES}
 SIGNATURES.update({f"{name}_bf16": args for name, args in BF16_KERNEL_ARGS.items()})
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: ``$PPOKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ppokit``
-    or ``~/.cache/ppokit``."""
-    if os.environ.get("PPOKIT_CACHE_DIR"):
-        return Path(os.environ["PPOKIT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "ppokit"
 
 
 def find_compiler() -> str | None:
@@ -140,7 +132,7 @@ def build(compiler: str, flags: list[str]) -> tuple[Path | None, str]:
     key = hashlib.sha256(
         "\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode()
     ).hexdigest()[:16]
-    for directory in (cache_dir(), Path(tempfile.gettempdir()) / "ppokit-cache"):
+    for directory in (cache_root(), Path(tempfile.gettempdir()) / "ppokit-cache"):
         out = directory / "kernels" / f"cpu_kernels-{key}.so"
         if out.is_file():
             return out, ""
