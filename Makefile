@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
+# pytest-xdist workers: the CPUs this process may use (not the host's), at most 8 (each holds a model)
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(len(os.sched_getaffinity(0)), 8))")
 
 .PHONY: demo test install install-dev bench gpu-check clean
 
@@ -32,7 +34,7 @@ demo: install
 test: install-dev
 	$(PY) -m ruff check ppokit tests bench
 	$(PY) -m ruff format --check ppokit tests bench
-	$(PY) -m pytest -q -n logical
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: install
 	$(PIP) -e '.[bench]'

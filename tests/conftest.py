@@ -10,11 +10,11 @@ import tempfile
 
 import pytest
 
-# Under pytest-xdist (``make test``: ``-n logical``) the workers share the cores: torch's default
-# thread count (and that of the processes the tests start) is the cores a worker gets.
+# Under pytest-xdist (``make test``: ``-n TEST_WORKERS``) the workers share the cores: torch's
+# default thread count (and that of the processes the tests start) is the cores a worker gets.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
 
 _OWN_CACHE = None
 if "PPOKIT_CACHE" not in os.environ:
