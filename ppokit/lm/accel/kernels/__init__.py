@@ -10,7 +10,7 @@ mean, scale, weight) and more backward. The kernels in ``cpu_kernels.c`` make on
 per row instead, with the same bf16 roundings.
 
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``,
-``gcc`` or ``clang``) into ``$PPOKIT_CACHE/kernels`` (default ``~/.cache/ppokit``), keyed by
+``gcc`` or ``clang``) into ``kernels/`` of the cache (``$PPOKIT_CACHE``, default ``~/.cache/ppokit``), keyed by
 the source, the flags, the compiler and the CPU, and loaded with ``ctypes``: no PyTorch
 headers, about a second to build. Without a compiler, or when the build fails, nothing
 changes: every layer keeps transformers' own forward (:func:`cpu_library` returns None
