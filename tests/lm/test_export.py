@@ -13,6 +13,7 @@ from ppokit.errors import UserError
 from ppokit.lm.generation.factory import make_engine
 from ppokit.lm.model.checkpoint import load_policy
 from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.stack import load_policy_stack
 
 
 def train(tiny_dir, out, mode):
@@ -88,6 +89,11 @@ def test_reload_gives_the_trained_policy(lora_run, tiny_dir):
     # and it is trainable again when asked
     trainable = load_policy(ckpt, trainable=True)
     assert all(p.requires_grad for p in trainable.adapter_parameters("actor"))
+    # sampling (generate, chat, eval) loads the actor's adapter alone
+    sampler = load_policy_stack(ckpt, cfg, device="cpu", precision="fp32").policy
+    assert set(sampler.lm.peft_config) == {"actor"} < set(policy.lm.peft_config) and sampler.value_head is None
+    with torch.no_grad():
+        torch.testing.assert_close(sampler.log_probs(ro.tensors())["log_prob"][mask], lp[mask], rtol=1e-5, atol=1e-5)
 
 
 def test_exported_model_gives_the_policy_log_probs(lora_run, tmp_path):
@@ -133,6 +139,13 @@ def test_full_mode_round_trip(tiny_dir, tmp_path):
         ]
     got = torch.log_softmax(logits / policy.temperature, -1).gather(-1, ro.responses[..., None]).squeeze(-1)
     torch.testing.assert_close(got[ro.mask.bool()], expected[ro.mask.bool()], rtol=1e-5, atol=1e-5)
+    # generate, chat and eval load the actor alone: not the critic's whole model, nor its head
+    sampler = load_policy_stack(ckpt, cfg, device="cpu", precision="fp32").policy
+    assert sampler.critic_lm is None and sampler.value_head is None and policy.critic_lm is not None
+    assert sum(p.numel() for p in sampler.parameters()) == sum(p.numel() for p in policy.lm.parameters())
+    with torch.no_grad():
+        actor_only = sampler.log_probs(ro.tensors())["log_prob"]
+    torch.testing.assert_close(actor_only[ro.mask.bool()], expected[ro.mask.bool()], rtol=1e-5, atol=1e-5)
 
 
 def test_export_of_a_directory_without_checkpoint(tmp_path):

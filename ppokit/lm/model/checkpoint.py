@@ -256,16 +256,19 @@ def load_policy(
     autocast_dtype: torch.dtype | None = None,
     trainable: bool = False,
     attn_implementation: str | None = "auto",
+    with_critic: bool = True,
 ) -> LMPolicy:
     """Reload a policy saved by :func:`save_policy` (the reference of lora mode comes with it).
     ``attn_implementation``: ``auto`` is :func:`~ppokit.lm.model.device.attention_implementation`'s
-    choice for ``device``; another value (None: the model's default) is used as it is."""
+    choice for ``device``; another value (None: the model's default) is used as it is.
+    ``with_critic=False``: the actor alone, for sampling (full mode: the critic's whole model is
+    not loaded; lora: neither its adapter nor the value head)."""
     ckpt = Path(ckpt_dir)
     attn = attn_implementation
     if attn == "auto":
         attn = attention_implementation(attn, torch.device(device))
     meta = read_policy_meta(ckpt)
-    critic = meta["critic"]
+    critic = meta["critic"] and with_critic
     policy_kwargs: dict[str, Any] = {}
     if meta["mode"] == "lora":
         base = load_causal_lm(base_model_of(ckpt, meta), "the checkpoint's base model", attn_implementation=attn)

@@ -95,13 +95,13 @@ def build_policy_stack(
 def load_policy_stack(
     ckpt: str | Path, cfg: Config, *, device: str | None = None, precision: str | None = None
 ) -> PolicyStack:
-    """The policy of checkpoint ``ckpt`` (its run's config ``cfg``) for sampling, on ``device``
-    with ``precision`` (None: the run's ``run.device``/``run.precision``)."""
+    """The actor of checkpoint ``ckpt`` (its run's config ``cfg``) for sampling, on ``device``
+    with ``precision`` (None: the run's ``run.device``/``run.precision``); its critic is not loaded."""
     dev = resolve_device(device or cfg.run.device)
     autocast_dtype = resolve_precision(precision or cfg.run.precision, dev)
     attn = attention_implementation("auto", dev)
     tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
-    policy = load_policy(ckpt, device=dev, autocast_dtype=autocast_dtype, attn_implementation=attn)
+    policy = load_policy(ckpt, device=dev, autocast_dtype=autocast_dtype, attn_implementation=attn, with_critic=False)
     return _finish(cfg, policy, tokenizer, dev, autocast_dtype, Path(ckpt))
 
 
