@@ -1319,6 +1319,11 @@ def _check_rollout_correction(cfg: Config) -> None:
             "algo.rollout_correction_rs_threshold bounds the rejection rules, but algo.rollout_correction_rs "
             "names none; set algo.rollout_correction_rs (e.g. seq_mean_k3) or remove the threshold"
         )
+    if a.rollout_correction_lower is not None and a.rollout_correction != "mis":
+        raise ValueError(
+            f"algo.rollout_correction_lower is the lowest ratio mis keeps, but algo.rollout_correction="
+            f"{a.rollout_correction} keeps every ratio; set algo.rollout_correction=mis or remove the bound"
+        )
     a.rejection_rules  # noqa: B018  (a bad rule or bound: ValueError)
     if a.rollout_correction_bypass and a.rollout_correction != "none":
         raise ValueError(
