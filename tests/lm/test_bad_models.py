@@ -68,6 +68,50 @@ def test_config_that_does_not_fit_the_weights(tiny_dir, tmp_path, load, change, 
     assert "LOAD REPORT" not in capfd.readouterr().err  # transformers' table is not printed
 
 
+@pytest.mark.parametrize("load", [load_causal_lm, load_model_and_tokenizer], ids=["policy", "sft"])
+def test_weights_without_the_output_layer(tiny_dir, tmp_path, load, capfd):
+    """The bare decoder saved (AutoModel's save_pretrained): the untied output layer would start random."""
+    from transformers import AutoModelForCausalLM
+
+    headless = tmp_path / "headless"
+    AutoModelForCausalLM.from_pretrained(tiny_dir).model.save_pretrained(headless)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (tiny_dir / name).is_file():
+            shutil.copy(tiny_dir / name, headless / name)
+    capfd.readouterr()
+    with pytest.raises(UserError, match=r"lack 1 of the model's tensors \(lm_head.weight\), which would start random"):
+        load(headless)
+    assert "LOAD REPORT" not in capfd.readouterr().err
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_embeds(tiny_dir, tmp_path):
+    """A pad token added to the tokenizer without resizing the model: an index error inside the
+    first forward pass before; one line from the pre-start check, the warm start's load, the
+    policy's build and ``ppokit generate`` on the directory now."""
+    from transformers import AutoTokenizer
+
+    from ppokit.lm.generation.loading import load_generator
+    from ppokit.lm.model.stack import build_policy_stack, prompt_tokenizer
+
+    model = copy_model(tiny_dir, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = len(tokenizer)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    tokenizer.save_pretrained(model)
+    want = rf"model embeds {rows} \(ids from {rows} on, \[PAD\], have no embedding\); resize the model"
+    for load in (
+        lambda: prompt_tokenizer(lm_config(model)),
+        lambda: load_model_and_tokenizer(model),
+        lambda: build_policy_stack(lm_config(model), model),
+        lambda: load_generator(model, device="cpu"),
+    ):
+        with pytest.raises(UserError, match=want) as info:
+            load()
+        assert str(model) in one_line(info)
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(model)
+    assert len(prompt_tokenizer(lm_config(model))) == rows
+
+
 def test_full_mode_critic_with_a_smaller_vocabulary(tiny_dir, tmp_path):
     small = build_tiny_model(tmp_path / "small", hidden_size=32, num_layers=1, num_heads=2, alphabet="0123456789")
     cfg = lm_config(tiny_dir, model={"mode": "full", "critic_path": str(small)})

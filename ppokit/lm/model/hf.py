@@ -36,8 +36,10 @@ from ppokit.lm.model.gguf import model_directory
 __all__ = [
     "TOKENIZER_FILES",
     "causal_lm_config",
+    "check_tokenizer_fits",
     "hf_config",
     "held_load_report",
+    "input_embedding_rows",
     "load_causal_lm",
     "load_hf_model",
     "load_model_and_tokenizer",
@@ -93,6 +95,27 @@ def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bo
     return tok
 
 
+def check_tokenizer_fits(tokenizer, rows: int | None, what: str, path: str | Path) -> None:
+    """The tokenizer's ids must index the model's ``rows`` input embeddings (None: not known):
+    tokens added to a tokenizer (a pad token, say) without ``resize_token_embeddings`` would
+    fail inside the first forward pass; they are a UserError naming them instead."""
+    size = len(tokenizer)
+    if not isinstance(rows, int) or size <= rows:
+        return
+    beyond = tokenizer.convert_ids_to_tokens(list(range(rows, min(size, rows + 3))))
+    raise UserError(
+        f"{what}={path}: the tokenizer has {size} tokens but the model embeds {rows} (ids from {rows} on, "
+        f"{', '.join(map(str, beyond))}{', ...' if size > rows + 3 else ''}, have no embedding); resize the "
+        "model to its tokenizer (model.resize_token_embeddings(len(tokenizer)), then save_pretrained) or "
+        "use the tokenizer it was trained with"
+    )
+
+
+def input_embedding_rows(model: nn.Module) -> int:
+    """Rows of a model's input embedding: the token ids it can read."""
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
 def causal_lm_config(path: str | Path, what: str = "model.path"):
     """The model config of a local directory, checked to be a causal LM (no weights loaded)."""
     return hf_config(
@@ -135,12 +158,24 @@ def load_causal_lm(
     """``AutoModelForCausalLM.from_pretrained`` of a local directory; UserError on bad input.
 
     ``attn_implementation``: None keeps the model's default (sdpa where supported).
-    Weights that are truncated, corrupt or do not fit config.json are a UserError naming
-    the directory (and transformers' load report is not printed then).
+    Weights that are truncated, corrupt, incomplete (a tensor of the model missing: it would
+    start random) or do not fit config.json are a UserError naming the directory (and
+    transformers' load report is not printed then).
     """
     config = causal_lm_config(path, what)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    return load_hf_model(AutoModelForCausalLM, path, what, config, dtype=dtype, **kwargs)
+
+    def has_every_weight(model, info: dict) -> None:
+        missing = sorted(info.get("missing_keys") or ())  # (a tied output layer is not missing)
+        if missing:
+            listed = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            raise UserError(
+                f"{what}={path}: the weights lack {len(missing)} of the model's tensors ({listed}), which would "
+                "start random; save the whole causal language model there (AutoModelForCausalLM's save_pretrained, "
+                "not the bare AutoModel's)"
+            )
+
+    return load_hf_model(AutoModelForCausalLM, path, what, config, check=has_every_weight, dtype=dtype, **kwargs)
 
 
 def load_hf_model(
@@ -253,7 +288,9 @@ def _check_local_dir(path: str | Path, what: str) -> None:
 
 def load_model_and_tokenizer(path: str | Path, what: str = "model.path") -> tuple[nn.Module, object]:
     """A causal LM (float32 master weights, eval mode) and its generation tokenizer from ``path``."""
-    return load_causal_lm(path, what), load_tokenizer(path, what)
+    model, tokenizer = load_causal_lm(path, what), load_tokenizer(path, what)
+    check_tokenizer_fits(tokenizer, input_embedding_rows(model), what, path)
+    return model, tokenizer
 
 
 @contextlib.contextmanager

@@ -63,7 +63,7 @@ from ppokit import algo
 from ppokit.errors import UserError
 from ppokit.lm.model.device import attention_implementation
 from ppokit.lm.model.heads import decoder_of, hidden_then_head_matches, plain_head
-from ppokit.lm.model.hf import load_causal_lm
+from ppokit.lm.model.hf import input_embedding_rows, load_causal_lm
 
 ACTOR, CRITIC = "actor", "critic"
 
@@ -613,7 +613,7 @@ def _load_critic(m, model_path: str | Path, lm: nn.Module, attn: str | None) -> 
     critic = load_causal_lm(
         critic_path, "model.critic_path" if m.critic_path else "model.path", attn_implementation=attn
     )
-    vocab, critic_vocab = _vocab_size(lm), _vocab_size(critic)
+    vocab, critic_vocab = input_embedding_rows(lm), input_embedding_rows(critic)
     if critic_vocab < vocab:
         raise UserError(
             f"model.critic_path={critic_path}: the critic embeds {critic_vocab} tokens but the "
@@ -635,11 +635,6 @@ def linear_module_names(lm: nn.Module) -> list[str]:
             if name and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")
         }
     )
-
-
-def _vocab_size(lm: nn.Module) -> int:
-    """Rows of the input embedding: the token ids a model can read."""
-    return int(lm.get_input_embeddings().weight.shape[0])
 
 
 def _hidden_size(lm: nn.Module) -> int:

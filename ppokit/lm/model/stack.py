@@ -30,7 +30,7 @@ from ppokit.lm.model.device import (
     resolve_precision,
     set_threads,
 )
-from ppokit.lm.model.hf import load_tokenizer
+from ppokit.lm.model.hf import causal_lm_config, check_tokenizer_fits, input_embedding_rows, load_tokenizer
 from ppokit.lm.model.policy import LMPolicy, build_policy
 from ppokit.lm.model.tiny import build_char_tokenizer
 
@@ -58,10 +58,15 @@ class PolicyStack:
 
 
 def prompt_tokenizer(cfg: Config):
-    """The tokenizer prompts are counted with before the model is built."""
+    """The tokenizer prompts are counted with before the model is built, checked against the
+    vocabulary config.json gives the model (the built model's embeddings are checked again)."""
     if cfg.model.path == "tiny":
         return build_char_tokenizer()
-    return load_tokenizer(cfg.model.path, "model.path")
+    tokenizer = load_tokenizer(cfg.model.path, "model.path")
+    config = causal_lm_config(cfg.model.path)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    check_tokenizer_fits(tokenizer, getattr(text, "vocab_size", None), "model.path", cfg.model.path)
+    return tokenizer
 
 
 def build_policy_stack(
@@ -89,6 +94,7 @@ def build_policy_stack(
         need_critic=need_critic,
         need_reference=need_reference,
     )
+    check_tokenizer_fits(tokenizer, input_embedding_rows(policy.lm), "model.path", model_path)
     return _finish(cfg, policy, tokenizer, device, autocast_dtype, Path(model_path))
 
 
