@@ -16,7 +16,7 @@ from ppokit.errors import UserError
 from ppokit.lm.data.chat import chat_renderer, model_chat_renderer, render_records
 from ppokit.lm.data.sources import is_file_source, load_prompts
 from ppokit.lm.data.tasks import get_task
-from ppokit.lm.rewards.functions import load_reward_fn
+from ppokit.lm.rewards.functions import load_reward_fn, reward_fields
 
 
 def chat_render(cfg: Config, tokenizer=None, where: str | None = None):
@@ -50,10 +50,30 @@ def load_data(cfg: Config, tokenizer=None, where: str | None = None) -> tuple[li
         d.prompts, "train", chat=d.chat_template, prompt_key=d.prompt_key, answer_key=d.answer_key
     )
     eval_items = _heldout_items(cfg)
+    if reward_fn is not None:
+        check_reward_fields(train_items, reward_fn, d.prompts)
+        check_reward_fields(eval_items, reward_fn, d.eval_prompts or d.prompts)
     render = chat_render(cfg, tokenizer, where)
     if render is not None:
         train_items, eval_items = render_records(train_items, render), render_records(eval_items, render)
     return train_items, eval_items, reward_fn
+
+
+def check_reward_fields(records: list[dict], reward_fn, source: str) -> None:
+    """Every record holds a value for each field the reward function requires: a missing or
+    null ``answer`` would otherwise fail (or score 0) only once the first batch is scored."""
+    unfilled = [(i, reward_fn.unfilled_fields(reward_fields(r))) for i, r in enumerate(records)]
+    unfilled = [(i, names) for i, names in unfilled if names]
+    if not unfilled:
+        return
+    first, names = unfilled[0]
+    prompt = str(records[first]["prompt"])
+    raise UserError(
+        f"{source}: {len(unfilled)} of {len(records)} records have no value for {', '.join(names)}, which "
+        f"reward function '{reward_fn.name}' needs (the first: record {first + 1}, prompt "
+        f"{prompt[:40] + ('...' if len(prompt) > 40 else '')!r}); fill it in every record, or name its column "
+        "(data.answer_key)"
+    )
 
 
 def load_heldout(cfg: Config, tokenizer, where: str | None = None) -> tuple[list[dict], str | None]:

@@ -234,6 +234,11 @@ class RewardFunction:
                 f"({', '.join(positional_only_extra)} are positional-only)"
             )
 
+    def unfilled_fields(self, fields: dict[str, Any]) -> list[str]:
+        """The fields this function requires (parameters without a default) that ``fields``
+        lacks or holds as None: a prompt record that cannot be scored as it is."""
+        return sorted(name for name in self._required if fields.get(name) is None)
+
     def select_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
         """The fields this function accepts; raises KeyError naming a missing required one."""
         missing = sorted(self._required - set(fields))
