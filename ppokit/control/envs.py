@@ -35,6 +35,7 @@ Normalization
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any
 
 import gymnasium as gym
@@ -52,7 +53,12 @@ def resolve_spec(env_id: str) -> gym.envs.registration.EnvSpec:
     """The registered spec of ``env_id``; an unknown id is a :class:`UserError` with a hint."""
     find = getattr(gym.envs.registration, "_find_spec", gym.spec)  # _find_spec: what make_vec uses;
     try:  # it imports 'module:' prefixes
-        return find(env_id)
+        with warnings.catch_warnings(record=True) as said:  # (an out-of-date version warns, then fails)
+            warnings.simplefilter("always")
+            spec = find(env_id)
+        for w in said:  # found: its warnings are shown as usual
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return spec
     except gym.error.Error as exc:  # NameNotFound, VersionNotFound, DeprecatedEnv, NamespaceNotFound, ...
         hint = did_you_mean(env_id.split(":")[-1], list(gym.registry.keys()))
         reason = "" if hint else f" ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
