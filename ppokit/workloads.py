@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ppokit.config import Config
+from ppokit.errors import UserError
 
 # workload kind -> (module, class); imported on demand (the LM stack is heavy)
 WORKLOADS = {
@@ -36,14 +37,22 @@ class Evaluator(NamedTuple):
 
     module: str
     function: str
-    takes_lm_options: bool  # the language-model options of ``ppokit eval`` (--data, --samples, ...)
+    what: str  # what such a run directory is, for messages
+    options: frozenset[str]  # the options of ``ppokit eval`` it reads (by name); the others are refused
 
+
+LM_EVAL_OPTIONS = frozenset(
+    {"data", "reward", "prompts", "samples", "k", "threshold", "prompt_key", "answer_key", "chat_template"}
+    | {"reward_timeout", "seed", "device", "temperature", "top_p", "max_new_tokens", "json"}
+)
 
 # workload kind -> its evaluation (``ppokit eval``)
 EVALUATORS = {
-    "control": Evaluator("ppokit.control.evaluate", "report_run", takes_lm_options=False),
-    "lm": Evaluator("ppokit.lm.run_eval", "report_run", takes_lm_options=True),
-    "textenv": Evaluator("ppokit.lm.multi_turn.run_eval", "report_run", takes_lm_options=True),
+    "control": Evaluator("ppokit.control.evaluate", "report_run", "a control run", frozenset({"episodes", "seed"})),
+    "lm": Evaluator("ppokit.lm.run_eval", "report_run", "a language-model run or model directory", LM_EVAL_OPTIONS),
+    "textenv": Evaluator(
+        "ppokit.lm.multi_turn.run_eval", "report_run", "a text-environment run", frozenset({"episodes", "device"})
+    ),
 }
 
 
@@ -101,16 +110,19 @@ def train(
     return run(workload if workload is not None else make_workload(cfg), cfg, run_dir, resume_from)
 
 
-def takes_lm_options(kind: str) -> bool:
-    """Whether ``ppokit eval`` of a run of ``kind`` takes the language-model options (:data:`EVALUATORS`)."""
-    return EVALUATORS[kind].takes_lm_options
-
-
 def evaluate_run(run: Any, /, **options: Any) -> str:
     """What ``ppokit eval`` prints for ``run`` (a :class:`ppokit.rundir.RunDir`): the evaluation of its
-    kind (:data:`EVALUATORS`) with the command's ``options``."""
+    kind (:data:`EVALUATORS`) with the command's ``options`` (None: not given). An option given that
+    this evaluation does not read is a :class:`UserError` naming it, not silently ignored."""
     evaluator = EVALUATORS[run.kind]
-    return getattr(importlib.import_module(evaluator.module), evaluator.function)(run, **options)
+    given = {name: value for name, value in options.items() if value is not None}
+    ignored = sorted(set(given) - evaluator.options)
+    if ignored:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in ignored)
+        takes = ", ".join(f"--{name.replace('_', '-')}" for name in sorted(evaluator.options))
+        verb = "does" if len(ignored) == 1 else "do"
+        raise UserError(f"{flags} {verb} not apply to {run.path}, {evaluator.what}; it takes {takes}")
+    return getattr(importlib.import_module(evaluator.module), evaluator.function)(run, **given)
 
 
 def _control_summary(result: dict[str, Any]) -> str | None:

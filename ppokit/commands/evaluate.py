@@ -12,20 +12,11 @@ from __future__ import annotations
 import argparse
 
 from ppokit.commands.arguments import SEED_MAX, add_command, int_at_least, positive_float
-from ppokit.errors import UserError
 
-LM_EVAL_OPTIONS = (
-    "data",
-    "reward",
-    "samples",
-    "k",
-    "prompt_key",
-    "answer_key",
-    "chat_template",
-    "temperature",
-    "top_p",
-    "max_new_tokens",
-    "json",
+# the command's options by name: each is None unless given, and the run's kind says which it reads
+EVAL_OPTIONS = (
+    *("episodes", "prompts", "seed", "data", "reward", "samples", "k", "threshold", "prompt_key", "answer_key"),
+    *("chat_template", "reward_timeout", "temperature", "top_p", "max_new_tokens", "device", "json"),
 )
 
 
@@ -73,7 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-new-tokens", type=int_at_least(1), default=None, help="response length limit (the run's)"
     )
     parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the run's, else auto)")
-    parser.add_argument("--json", action="store_true", help="language model: print the result as JSON")
+    parser.add_argument("--json", action="store_true", default=None, help="language model: print the result as JSON")
 
 
 def _add_lm_options(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +85,7 @@ def _add_lm_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--samples",
         type=int_at_least(0),
-        default=0,
+        default=None,
         help="language model: sampled responses per prompt for pass@k (default 0: greedy only)",
     )
     parser.add_argument(
@@ -108,7 +99,7 @@ def _add_lm_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threshold",
         type=float,
-        default=1.0,
+        default=None,
         help="language model: a response is correct when its reward is at least this (default 1)",
     )
     parser.add_argument("--prompt-key", default=None, help="language model: the prompt field of --data")
@@ -122,22 +113,17 @@ def _add_lm_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reward-timeout",
         type=positive_float,
-        default=30.0,
+        default=None,
         help="language model: seconds per sample before a reward counts as failed (default 30)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    """The evaluation of RUN_DIR's workload kind; the language-model options are refused for a control run."""
+    """The evaluation of RUN_DIR's workload kind, with the options given (each left at None when
+    not given: an option its kind does not read is refused, :func:`ppokit.workloads.evaluate_run`)."""
     from ppokit.rundir import RunDir
-    from ppokit.workloads import evaluate_run, takes_lm_options
+    from ppokit.workloads import evaluate_run
 
-    given = [f"--{name.replace('_', '-')}" for name in LM_EVAL_OPTIONS if getattr(args, name) not in (None, False, 0)]
-    run_dir = RunDir(args.run_dir)
-    if not takes_lm_options(run_dir.kind) and given:
-        raise UserError(
-            f"{args.run_dir} is not a language-model run or model directory, and {', '.join(given)} "
-            "apply to language models only"
-        )
-    print(evaluate_run(run_dir, **vars(args)))
+    options = {name: getattr(args, name) for name in EVAL_OPTIONS}
+    print(evaluate_run(RunDir(args.run_dir), **options))
     return 0

@@ -78,6 +78,9 @@ def test_corrupt_checkpoint_and_a_good_one(tmp_path, capsys):
     run_dir = tmp_path / "tiny"
     code, out, err = cli(capsys, "eval", str(run_dir), "--episodes", "2")
     assert code == 0 and "return over 2 episodes" in out, err
+    code, _, err = cli(capsys, "eval", str(run_dir), "--episodes", "2", "--prompts", "3", "--json")
+    assert code == 2  # language-model options are refused, not ignored
+    _one_line(err, f"--json, --prompts do not apply to {run_dir}, a control run; it takes --episodes, --seed")
     model = run_dir / "checkpoint" / "learner.safetensors"
     model.write_bytes(model.read_bytes()[:64])
     code, _, err = cli(capsys, "eval", str(run_dir), "--episodes", "2")

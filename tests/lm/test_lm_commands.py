@@ -133,6 +133,48 @@ def test_eval_table_and_json_for_a_run(run_dir, capsys):
     assert "mean reward (greedy)" in table and "pass@1 (greedy, reward >= 1)" in table and "prompts" in table
 
 
+def test_eval_refuses_the_options_its_run_does_not_read(run_dir, capsys):
+    import importlib
+    import inspect
+
+    from ppokit.commands.evaluate import EVAL_OPTIONS
+    from ppokit.workloads import EVALUATORS
+
+    assert main(["eval", str(run_dir), "--prompts", "2", "--episodes", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"ppokit: error: --episodes does not apply to {run_dir}, a language-model run")
+    assert "\n" not in err
+    # the command passes every option it has (None when not given) ...
+    from ppokit.cli import build_parser
+
+    defaults = vars(build_parser().parse_args(["eval", "RUN"]))
+    assert {name for name, value in defaults.items() if value is None} - {"resume", "overrides"} == set(EVAL_OPTIONS)
+    # ... and each kind's evaluation reads exactly the options the registry says
+    for kind, evaluator in EVALUATORS.items():
+        function = getattr(importlib.import_module(evaluator.module), evaluator.function)
+        params = inspect.signature(function).parameters.values()
+        assert {p.name for p in params if p.kind is p.KEYWORD_ONLY} == evaluator.options, kind
+        assert evaluator.options <= set(EVAL_OPTIONS), kind
+
+
+def test_eval_of_a_text_environment_run(tmp_path, capsys):
+    """``ppokit eval`` of a multi-turn run: its greedy win rate over --episodes games a side."""
+    args = ["train", "tictactoe", "train.iterations=1", "data.sft_epochs=0", "textenv.eval_episodes=2"]
+    args += ["textenv.stop_at_win_rate=null", "train.batch_size=16", "train.mini_batch_size=16"]
+    assert main([*args, "run.name=ttt", f"run.output_dir={tmp_path}", "run.tensorboard=false"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "ttt"), "--episodes", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("evaluation: vs random ") and "(3 episodes each, greedy)" in out, out
+    assert main(["eval", str(tmp_path / "ttt"), "--samples", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    run = tmp_path / "ttt"
+    assert (
+        err
+        == f"ppokit: error: --samples does not apply to {run}, a text-environment run; it takes --device, --episodes"
+    )
+
+
 def test_eval_of_a_model_directory_on_a_dataset(tiny_dir, tmp_path, capsys):
     data = tmp_path / "test.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i}+1=", "gold": str(i + 1)}) + "\n" for i in range(5)))
