@@ -466,6 +466,8 @@ class RunDir:
                 f"{p} has no final checkpoint (training has not finished): finish it with "
                 f"ppokit train --resume {p}, or export its newest checkpoint, {newest}"
             )
+        if (self.saved or {}).get("workload") == "control":
+            raise UserError(f"{p} is a control run: export writes a language model's trained actor as a model folder")
         raise UserError(
             f"{p} holds no LM checkpoint (expected {p}/{FINAL_DIR}/{POLICY_META_FILE}); "
             "a run writes it when training finishes"

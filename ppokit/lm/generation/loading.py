@@ -64,6 +64,8 @@ def load_generator(
         stack = load_policy_stack(ckpt, cfg, device=device, precision=precision)
         engine = make_engine(stack.policy, stack.tokenizer, rollout, kv_cache=stack.kv_cache)
         return Generator(engine, stack.tokenizer, cfg, f"the trained actor of {ckpt}")
+    if (run.saved or {}).get("workload") == "control":
+        raise UserError(f"{path} is a control run: generate and chat sample from a language model's run or directory")
     if not (path / "config.json").is_file():
         raise UserError(
             f"{path} is neither a run directory with a language-model checkpoint nor a model "
