@@ -1097,7 +1097,8 @@ def _check_batches(cfg: Config) -> None:
     if t.mini_batch_size is not None:
         if t.mini_batch_size > t.batch_size:
             raise ValueError(
-                f"train.mini_batch_size={t.mini_batch_size} is larger than train.batch_size={t.batch_size}"
+                f"train.mini_batch_size={t.mini_batch_size} is larger than train.batch_size={t.batch_size}; set it "
+                f"to a divisor of the batch, e.g. {_divisors_near(t.batch_size, t.batch_size // 4)}"
             )
         if t.batch_size % t.mini_batch_size:
             raise ValueError(
