@@ -230,7 +230,8 @@ def test_train_checks_every_prompt_before_the_first_rollout(short_gpt2, tmp_path
 
     monkeypatch.chdir(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "{i}+1="}}\n' for i in range(8)) + '{"prompt": "12+30=12+30="}\n')
+    records = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [*records, {"prompt": "12+30=12+30=", "answer": "42"}]))
     calls = []
     generate = rollout.HFEngine.generate
     monkeypatch.setattr(rollout.HFEngine, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
