@@ -22,13 +22,7 @@ from ppokit.errors import UserError
 from ppokit.lm.generation.factory import make_engine, make_model_engine
 from ppokit.lm.model.device import resolve_device, resolve_precision
 from ppokit.lm.model.gguf import converted_directory, is_gguf
-from ppokit.lm.model.hf import (
-    causal_lm_config,
-    check_tokenizer_fits,
-    input_embedding_rows,
-    load_causal_lm,
-    load_tokenizer,
-)
+from ppokit.lm.model.hf import causal_lm_config, load_model_and_tokenizer
 from ppokit.lm.model.stack import load_policy_stack
 from ppokit.rundir import RunDir
 
@@ -76,10 +70,8 @@ def load_generator(
     causal_lm_config(path, "the model directory")
     dev = resolve_device(device or "auto")
     dtype = resolve_precision(precision or "auto", dev)
-    tokenizer = load_tokenizer(path, "the model directory")
-    model = load_causal_lm(path, "the model directory").to(dev).eval()
-    check_tokenizer_fits(tokenizer, input_embedding_rows(model), "the model directory", path)
-    model.requires_grad_(False)
+    model, tokenizer = load_model_and_tokenizer(path, "the model directory")
+    model.to(dev).requires_grad_(False)
     engine = make_model_engine(model, tokenizer, rollout, autocast_dtype=dtype)
     return Generator(engine, tokenizer, None, str(path))
 

@@ -62,8 +62,8 @@ def prompt_tokenizer(cfg: Config):
     vocabulary config.json gives the model (the built model's embeddings are checked again)."""
     if cfg.model.path == "tiny":
         return build_char_tokenizer()
+    config = causal_lm_config(cfg.model.path)  # (a directory that is no causal LM: that error first)
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
-    config = causal_lm_config(cfg.model.path)
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     check_tokenizer_fits(tokenizer, getattr(text, "vocab_size", None), "model.path", cfg.model.path)
     return tokenizer

@@ -119,8 +119,6 @@ class LMWorkload:
         cfg = self.cfg
         train_items, eval_items, reward_fn = load_data(cfg)
         check_filter_metric(cfg, has_verifier=reward_fn is not None)
-        if cfg.model.path != "tiny":
-            causal_lm_config(cfg.model.path)
         tokenizer = prompt_tokenizer(cfg)  # loaded once for every check (a bad directory: one line)
         within_limit = train_items  # the training prompts the run keeps (data.max_prompt_tokens)
         if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
