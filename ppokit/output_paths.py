@@ -1,5 +1,6 @@
 """Where a command writes its output: checked before the work, write failures as UserErrors;
-and where ppokit keeps its cache (:func:`cache_root`).
+and where ppokit keeps its cache (:func:`cache_root`), one process filling an entry at a time
+(:func:`cache_entry_lock`).
 
 A read-only file system, a permission error or a full disk is the user's to fix (choose
 another place), not a bug: :func:`writing_to` turns it into a one-line
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import tempfile
@@ -31,6 +33,20 @@ def cache_root() -> Path:
     if os.environ.get("PPOKIT_CACHE"):
         return Path(os.environ["PPOKIT_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ppokit"
+
+
+@contextlib.contextmanager
+def cache_entry_lock(entry: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<entry>.lock`` beside a cache entry, held while it is made: a
+    second process (another run, a Ray worker starting beside it) waits, then finds the entry made.
+    The kernel drops the lock when its process dies, so a killed maker never blocks the next.
+    The entry's folder must exist."""
+    fd = os.open(entry.parent / f"{entry.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def check_output_dir(out: Path, fix: str, *, replace: bool = False) -> None:

