@@ -11,7 +11,7 @@ import torch
 from test_policy import lm_config
 
 from ppokit.errors import UserError
-from ppokit.lm.model.hf import load_causal_lm, load_model_and_tokenizer
+from ppokit.lm.model.hf import later_tokens_influence, load_causal_lm, load_model_and_tokenizer
 from ppokit.lm.model.policy import build_policy
 from ppokit.lm.model.tiny import build_tiny_model
 
@@ -270,3 +270,35 @@ def test_lora_on_conv1d_layers_prints_no_peft_note(short_gpt2):
         warnings.simplefilter("always")
         build_policy(lm_config(short_gpt2), short_gpt2, device=CPU, autocast_dtype=None)
     assert not [w for w in caught if "fan_in_fan_out" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("load", [load_causal_lm, load_model_and_tokenizer], ids=["policy", "sft"])
+def test_an_encoder_with_a_language_model_head_is_not_causal(tiny_dir, tmp_path, load, capfd):
+    """A BERT saved with its head loads through AutoModelForCausalLM (as BertLMHeadModel) but attends
+    to later tokens: sampling token by token and scoring whole sequences would disagree. Refused,
+    and the same weights as a decoder (``is_decoder: true``) load."""
+    from transformers import AutoTokenizer, BertConfig, BertLMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        initializer_range=0.2,  # (at BERT's 0.02 a random encoder barely mixes its positions)
+    )
+    encoder = tmp_path / "bert"
+    torch.manual_seed(0)
+    BertLMHeadModel(config).save_pretrained(encoder)
+    tokenizer.save_pretrained(encoder)
+    capfd.readouterr()
+    with pytest.raises(
+        UserError, match=r"the model is not causal: its outputs at a position change with later"
+    ) as info:
+        load(encoder)
+    assert str(encoder) in one_line(info) and "BertLMHeadModel" in one_line(info)
+    decoder = edit_config(encoder, tmp_path / "as-decoder", is_decoder=True)
+    loaded = load_causal_lm(decoder)
+    assert later_tokens_influence(loaded, "it") == 0.0
+    assert later_tokens_influence(load_causal_lm(tiny_dir), "it") == 0.0  # the tests' tiny Llama

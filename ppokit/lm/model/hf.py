@@ -40,6 +40,7 @@ __all__ = [
     "hf_config",
     "held_load_report",
     "input_embedding_rows",
+    "later_tokens_influence",
     "load_causal_lm",
     "load_hf_model",
     "load_model_and_tokenizer",
@@ -159,8 +160,9 @@ def load_causal_lm(
 
     ``attn_implementation``: None keeps the model's default (sdpa where supported).
     Weights that are truncated, corrupt, incomplete (a tensor of the model missing: it would
-    start random) or do not fit config.json are a UserError naming the directory (and
-    transformers' load report is not printed then).
+    start random) or do not fit config.json, and a model that is not causal (an encoder with a
+    language-model head: :func:`later_tokens_influence`), are a UserError naming the directory
+    (and transformers' load report is not printed then).
     """
     config = causal_lm_config(path, what)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -175,7 +177,46 @@ def load_causal_lm(
                 "not the bare AutoModel's)"
             )
 
-    return load_hf_model(AutoModelForCausalLM, path, what, config, check=has_every_weight, dtype=dtype, **kwargs)
+    def is_whole_and_causal(model, info: dict) -> None:
+        has_every_weight(model, info)
+        influence = later_tokens_influence(model, f"{what}={path}")
+        if influence > CAUSALITY_TOLERANCE:
+            raise UserError(
+                f"{what}={path}: the model is not causal: its outputs at a position change with later tokens "
+                f"({influence:.2g} of their own change; {type(model).__name__}: an encoder with an LM head), "
+                "so generating token by token and scoring whole sequences would disagree; use a decoder-only causal "
+                "language model (an encoder such as BERT is one only with is_decoder: true in its config.json)"
+            )
+
+    return load_hf_model(AutoModelForCausalLM, path, what, config, check=is_whole_and_causal, dtype=dtype, **kwargs)
+
+
+# A causal model's earlier positions see identical inputs (exactly 0 measured in fp32 and bf16); an
+# encoder's change with the later tokens (0.05-0.7 for small BERTs; 0.003 at BERT's near-zero random init)
+CAUSALITY_TOLERANCE = 1e-2
+
+
+@torch.no_grad()
+def later_tokens_influence(model: nn.Module, name: str) -> float:
+    """How much a position's logits depend on later tokens: for two 8-token inputs that differ in
+    their last 4 tokens, ``max |dlogits|`` over the first 4 positions divided by that over the last
+    4. 0 for a causal language model, whose first positions see the same inputs in both. UserError
+    (naming the model as ``name``) when the model cannot run on them."""
+    rows = input_embedding_rows(model)
+    first = torch.arange(8, device=model.device) % rows  # [8]
+    second = first.clone()
+    second[4:] = (first[4:] + rows // 2) % rows
+    training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=torch.stack([first, second]), use_cache=False).logits.float()  # [2, 8, V]
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's model code
+        raise UserError(f"{name}: the model fails on a forward pass of 8 tokens ({first_line(exc)})") from None
+    finally:
+        model.train(training)
+    change = (logits[0] - logits[1]).abs().amax(-1)  # [8]
+    later = change[4:].max().item()
+    return change[:4].max().item() / later if later > 0 else 0.0
 
 
 def load_hf_model(
