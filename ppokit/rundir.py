@@ -285,6 +285,18 @@ def create_run_dir(cfg: Any, lock: bool = False) -> Path:
     return run_dir
 
 
+def discard_unstarted(run_dir: Path | str) -> bool:
+    """Remove a run directory that holds only what starting it wrote (:data:`NOT_BUILT`: its
+    config, an empty ``metrics.jsonl``, its lock), as a start that failed on bad input leaves it:
+    nothing of a run is lost. Anything else there (a warm start's ``base_model/``, a row, a
+    checkpoint) keeps it. True when it was removed."""
+    run_dir = Path(run_dir)
+    if has_started(run_dir) or any(entry.name not in NOT_BUILT for entry in run_dir.iterdir()):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)  # (the lock goes with it: this process holds it)
+    return not run_dir.exists()
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def periodic_checkpoint_path(run_dir: Path | str, iteration: int) -> Path:
     """``RUN_DIR/checkpoints/iter-NNNNNN`` for the state after ``iteration`` iterations."""

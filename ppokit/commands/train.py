@@ -77,7 +77,12 @@ def _train_locked(source: str | None, overrides: list[str], resume: bool | str |
         workload = check_inputs(cfg)  # fail on a bad env id or model path before a run directory exists
         run_dir, resume_from = rundir.prepare_run_dir(cfg, required=resume is True)  # locked from here on
     print(f"run directory: {run_dir}" + (f" (resuming from {resume_from})" if resume_from else ""), flush=True)
-    result = train(cfg, run_dir, resume_from, workload=workload)  # built from what the check read
+    try:
+        result = train(cfg, run_dir, resume_from, workload=workload)  # built from what the check read
+    except UserError:  # bad input found at the start (a model that fails to load): no empty run left behind
+        if resume_from is None and rundir.discard_unstarted(run_dir):
+            print(f"run directory {run_dir} removed: the run did not start", flush=True)
+        raise
     if result.get("already_finished"):
         print(f"run {run_dir} had already finished ({result['iterations']} iterations): nothing to do")
         return 0
