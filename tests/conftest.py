@@ -35,6 +35,14 @@ def pytest_xdist_make_scheduler(config, log):
     return ScaleOutTogether(config, log)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The test files with ``slow`` tests first, each file's tests together and in order (its
+    module fixtures are set up once): under pytest-xdist the short ones then fill in at the end,
+    rather than one worker finishing a minute-long test alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

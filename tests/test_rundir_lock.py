@@ -24,6 +24,7 @@ RUN = [
 ]
 
 
+@pytest.mark.slow
 def test_a_second_train_on_a_run_in_use_exits_2_and_the_first_finishes_intact(tmp_path):
     run_dir = tmp_path / "busy"
     first = start_and_wait(train_cmd(*RUN, f"run.output_dir={tmp_path}", "run.name=busy"), run_dir, rows=2)
@@ -40,6 +41,7 @@ def test_a_second_train_on_a_run_in_use_exits_2_and_the_first_finishes_intact(tm
     assert (run_dir / "checkpoint" / "meta.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path):
     run_dir = tmp_path / "killed"
     proc = start_and_wait(train_cmd(*RUN, f"run.output_dir={tmp_path}", "run.name=killed"), run_dir, rows=3)

@@ -69,6 +69,7 @@ def reference(tmp_path_factory) -> Path:
     return out / "ref"
 
 
+@pytest.mark.slow
 def test_sigkill_at_several_points_then_resume_matches_the_uninterrupted_run(reference, tmp_path, capsys):
     run_dir = tmp_path / "killed"
     args = [*RUN_ARGS, f"run.output_dir={tmp_path}", "run.name=killed", "run.checkpoint_every=1"]
@@ -119,6 +120,7 @@ def reference_k_off(tmp_path_factory) -> Path:
     return out / "ref"
 
 
+@pytest.mark.slow
 def test_sigkill_with_rollouts_queued_ahead_then_resume_matches(reference_k_off, tmp_path, capsys):
     """k = 2: every checkpoint holds the next two iterations' batches, sampled by older weights;
     after SIGKILLs the resumed run trains on them and equals the uninterrupted run bit for bit."""

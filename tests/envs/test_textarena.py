@@ -458,6 +458,7 @@ def test_warm_start_demonstrations_are_legal_moves_on_the_rollouts_observations(
         assert r["prompt"].endswith("Available Moves: " + ", ".join(f"'{m}'" for m in r["legal_actions"]))
 
 
+@pytest.mark.slow
 def test_ppokit_train_self_play_with_the_pool_on_tictactoe_v0(tmp_path, capsys):
     """Two PPO iterations of two self-play episodes on the built-in tiny model: the other seat
     is a pool snapshot, the evaluations play the built-in random opponent. Plumbing, not learning."""

@@ -793,6 +793,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_build_is_cached_across_processes_and_a_damaged_entry_is_built_again(tmp_path, monkeypatch):
     code = "from ppokit.lm.accel.kernels import cpu_library\nlib = cpu_library()\nprint('LIB', lib._name)"
     cache = tmp_path / "cache"

@@ -267,6 +267,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tiny_dir, digit_reward, tmp
     assert (run / "samples.jsonl").read_text() == (finished / "samples.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_the_uninterrupted_run(tiny_dir, digit_reward, tmp_path):
     args = run_args(tiny_dir, digit_reward, "run.checkpoint_every=1")
     reference = train(args, tmp_path, "ref")

@@ -135,6 +135,7 @@ def _assert_same_final_state(a: Path, b: Path) -> None:
     assert ca.meta["finished"] and ca.meta["iteration"] == ITERATIONS
 
 
+@pytest.mark.slow
 def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, reference, tmp_path, capsys):
     run_dir = tmp_path / "killed"
     args = [str(config), f"run.output_dir={tmp_path}", "run.name=killed", "run.checkpoint_every=1"]
@@ -176,6 +177,7 @@ def test_sigkill_twice_then_resume_matches_the_uninterrupted_run(config, referen
     assert len(read_rows(run_dir)) == len(read_rows(reference)) == ITERATIONS
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(config, reference, tmp_path):
     run_dir = tmp_path / "term"
     # no periodic checkpoints: the one written on SIGTERM is all there is to resume from

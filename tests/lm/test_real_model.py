@@ -57,6 +57,7 @@ def converted(cache) -> Path:
     return gguf.converted_directory(smollm2_gguf(), log=lambda line: None)
 
 
+@pytest.mark.slow
 def test_the_conversion_is_transformers_dequantised_model_as_a_plain_directory(converted, cache):
     from transformers import AutoModelForCausalLM
 
