@@ -59,10 +59,21 @@ def positive_float(text: str) -> float:
 positive_float.__name__ = "float"
 
 
+def probability(text: str) -> float:
+    """An argparse type: a float in (0, 1] (``--top-p``: the share of probability kept)."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] (got {text})")
+    return value
+
+
+probability.__name__ = "float"
+
+
 def add_sampling_options(parser: argparse.ArgumentParser, what: str = "the run's rollout settings") -> None:
     """--temperature, --top-p, --top-k, --max-new-tokens, --seed, --device."""
     parser.add_argument("--temperature", type=positive_float, default=None, help=f"sampling temperature ({what})")
-    parser.add_argument("--top-p", type=positive_float, default=None, help=f"nucleus sampling ({what})")
+    parser.add_argument("--top-p", type=probability, default=None, help=f"nucleus sampling ({what})")
     parser.add_argument("--top-k", type=int_at_least(0), default=None, help=f"top-k sampling, 0 = off ({what})")
     parser.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help=f"response length limit ({what})")
     parser.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=0, help="sampling seed (default 0)")

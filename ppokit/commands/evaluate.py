@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from ppokit.commands.arguments import SEED_MAX, add_command, int_at_least, positive_float
+from ppokit.commands.arguments import SEED_MAX, add_command, int_at_least, positive_float, probability
 
 # the command's options by name: each is None unless given, and the run's kind says which it reads
 EVAL_OPTIONS = (
@@ -59,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_lm_options(parser)
     parser.add_argument("--temperature", type=positive_float, default=None, help="sampling temperature (the run's)")
-    parser.add_argument("--top-p", type=positive_float, default=None, help="nucleus sampling (the run's)")
+    parser.add_argument("--top-p", type=probability, default=None, help="nucleus sampling (the run's)")
     parser.add_argument(
         "--max-new-tokens", type=int_at_least(1), default=None, help="response length limit (the run's)"
     )

@@ -216,6 +216,8 @@ def test_eval_of_a_model_directory_on_a_dataset(tiny_dir, tmp_path, capsys):
         (["--data", "nope.jsonl", "--reward", "exact_match"], "nope.jsonl does not exist"),
         (["--data", "arithmetic", "--reward", "nosuch"], "unknown reward function 'nosuch'; built-ins: exact_match"),
         (["--temperature", "0"], "argument --temperature: must be a finite number > 0"),
+        (["--top-p", "2"], "argument --top-p: must be a number in (0, 1] (got 2)"),
+        (["--top-p", "nan"], "argument --top-p: must be a number in (0, 1] (got nan)"),
     ],
 )
 def test_eval_bad_arguments_are_one_line(run_dir, args, message, capsys):
