@@ -179,6 +179,8 @@ def load_causal_lm(
 
     def is_whole_and_causal(model, info: dict) -> None:
         has_every_weight(model, info)
+        if getattr(model.config, "is_decoder", None) is not False:
+            return  # decoder-only configs have no is_decoder field (transformers 5): no probe needed
         influence = later_tokens_influence(model, f"{what}={path}")
         if influence > CAUSALITY_TOLERANCE:
             raise UserError(
