@@ -155,6 +155,18 @@ def test_a_bad_model_file_is_one_line(tmp_path, make, message, cache):
     assert str(err.value).startswith(f"model.path={path}: ") and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("size", [10, 1000, 300_000])
+def test_a_truncated_gguf_file_is_one_line(tmp_path, size, cache):
+    """Cut inside its header or its metadata, the reader's struct.error used to escape as a traceback."""
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_gguf(), "rb") as f:
+        cut.write_bytes(f.read(size))
+    with pytest.raises(UserError, match=r"cannot read this GGUF file; is it whole \(not truncated or damaged\)\?"):
+        gguf.converted_directory(cut, log=lambda line: None)
+    left = [p for p in (cache / "gguf").iterdir() if p.name.startswith(("cut-", ".cut-")) and p.is_dir()]
+    assert not left  # no entry and no work directory (the lock files stay, as for every entry)
+
+
 def test_without_the_gguf_package_the_message_says_what_to_install(tmp_path, monkeypatch, cache):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))

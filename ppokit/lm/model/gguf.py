@@ -142,8 +142,11 @@ def _convert(file: Path, out: Path, name: str) -> None:
         try:  # (each call parses the whole file again: the model's config comes with the model)
             quantised = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf_file, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
-        except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as exc:
-            raise UserError(f"{name}: transformers cannot read this GGUF file ({first_line(exc)})") from None
+        except Exception as exc:  # noqa: BLE001 - a damaged file fails in the reader in many ways (struct.error, OverflowError, ...)
+            raise UserError(
+                f"{name}: transformers cannot read this GGUF file; is it whole (not truncated or damaged)? "
+                f"({first_line(exc)})"
+            ) from None
         config = copy.deepcopy(quantised.config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
