@@ -39,6 +39,7 @@ __all__ = [
     "check_tokenizer_fits",
     "hf_config",
     "held_load_report",
+    "check_generation_numbers",
     "input_embedding_rows",
     "later_tokens_influence",
     "load_causal_lm",
@@ -145,9 +146,27 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
                 f"{transformers.__version__} does not know; upgrade transformers or fix config.json"
             ) from None
         raise UserError(f"{what}={path}: not a Hugging Face model directory ({first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - the config class's own validation (huggingface_hub's strict dataclasses), a bad dtype
+        raise UserError(f"{what}={path}: config.json is not valid ({_last_line(exc)}); fix config.json") from None
     if type(config) not in mapping:
         raise UserError(f"{what}={path}: a {type(config).__name__} {not_loadable}")
+    for field in SIZE_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise UserError(
+                f"{what}={path}: config.json has {field}={value}, which must be at least 1; fix config.json"
+            )
     return config
+
+
+# config.json sizes that transformers does not check but that no model can have below 1
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last non-empty line of an error (a validation error's first line names only the validator)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def load_causal_lm(
@@ -179,6 +198,7 @@ def load_causal_lm(
 
     def is_whole_and_causal(model, info: dict) -> None:
         has_every_weight(model, info)
+        check_generation_numbers(model, f"{what}={path}")
         if getattr(model.config, "is_decoder", None) is not False:
             return  # decoder-only configs have no is_decoder field (transformers 5): no probe needed
         influence = later_tokens_influence(model, f"{what}={path}")
@@ -191,6 +211,34 @@ def load_causal_lm(
             )
 
     return load_hf_model(AutoModelForCausalLM, path, what, config, check=is_whole_and_causal, dtype=dtype, **kwargs)
+
+
+# generation_config.json's numbers that transformers reads when a call leaves them unset (greedy decoding)
+GENERATION_NUMBERS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "typical_p",
+    "min_p",
+    "repetition_penalty",
+    "max_length",
+    "max_new_tokens",
+    "min_length",
+    "min_new_tokens",
+    "no_repeat_ngram_size",
+)
+
+
+def check_generation_numbers(model: nn.Module, name: str) -> None:
+    """UserError (naming the model as ``name``) when the model's generation_config.json gives a
+    sampling field something other than a number (``"top_k": "x"`` failed inside generate)."""
+    gen = getattr(model, "generation_config", None)
+    for field in GENERATION_NUMBERS:
+        value = getattr(gen, field, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(
+                f"{name}: generation_config.json has {field}={value!r}, which is not a number; fix or remove that field"
+            )
 
 
 # A causal model's earlier positions see identical inputs (exactly 0 measured in fp32 and bf16); an
