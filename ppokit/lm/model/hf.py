@@ -3,7 +3,8 @@
 The policy's model, full mode's critic and reference copy, a reward model, the
 supervised warm start, ``ppokit eval`` and ``ppokit export`` all load through here, so a
 directory that cannot work (no such directory, no config.json, a model type transformers
-does not know, truncated or ill-fitting weights, no tokenizer) is the same one-line
+does not know, a config its class refuses, truncated or ill-fitting weights, a model that is
+not causal, no tokenizer) is the same one-line
 :class:`~ppokit.errors.UserError` naming the directory and the fix everywhere; nothing is
 downloaded (``local_files_only``).
 
@@ -36,10 +37,10 @@ from ppokit.lm.model.gguf import model_directory
 __all__ = [
     "TOKENIZER_FILES",
     "causal_lm_config",
+    "check_generation_numbers",
     "check_tokenizer_fits",
     "hf_config",
     "held_load_report",
-    "check_generation_numbers",
     "input_embedding_rows",
     "later_tokens_influence",
     "load_causal_lm",
@@ -49,6 +50,28 @@ __all__ = [
     "quiet_transformers",
     "weights_problem",
 ]
+
+# config.json sizes that transformers does not check but that no model can have below 1
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+# generation_config.json's numbers that transformers reads when a call leaves them unset (greedy decoding)
+GENERATION_NUMBERS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "typical_p",
+    "min_p",
+    "repetition_penalty",
+    "max_length",
+    "max_new_tokens",
+    "min_length",
+    "min_new_tokens",
+    "no_repeat_ngram_size",
+)
+
+# A causal model's earlier positions see identical inputs (exactly 0 measured in fp32 and bf16); an
+# encoder's change with the later tokens (0.05-0.7 for small BERTs; 0.003 at BERT's near-zero random init)
+CAUSALITY_TOLERANCE = 1e-2
 
 # Files a Hugging Face tokenizer is loaded from; a directory with none of them has no tokenizer.
 TOKENIZER_FILES = (
@@ -159,10 +182,6 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
     return config
 
 
-# config.json sizes that transformers does not check but that no model can have below 1
-SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-
-
 def _last_line(exc: BaseException) -> str:
     """The last non-empty line of an error (a validation error's first line names only the validator)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -213,22 +232,6 @@ def load_causal_lm(
     return load_hf_model(AutoModelForCausalLM, path, what, config, check=is_whole_and_causal, dtype=dtype, **kwargs)
 
 
-# generation_config.json's numbers that transformers reads when a call leaves them unset (greedy decoding)
-GENERATION_NUMBERS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "typical_p",
-    "min_p",
-    "repetition_penalty",
-    "max_length",
-    "max_new_tokens",
-    "min_length",
-    "min_new_tokens",
-    "no_repeat_ngram_size",
-)
-
-
 def check_generation_numbers(model: nn.Module, name: str) -> None:
     """UserError (naming the model as ``name``) when the model's generation_config.json gives a
     sampling field something other than a number (``"top_k": "x"`` failed inside generate)."""
@@ -239,11 +242,6 @@ def check_generation_numbers(model: nn.Module, name: str) -> None:
             raise UserError(
                 f"{name}: generation_config.json has {field}={value!r}, which is not a number; fix or remove that field"
             )
-
-
-# A causal model's earlier positions see identical inputs (exactly 0 measured in fp32 and bf16); an
-# encoder's change with the later tokens (0.05-0.7 for small BERTs; 0.003 at BERT's near-zero random init)
-CAUSALITY_TOLERANCE = 1e-2
 
 
 @torch.no_grad()
