@@ -291,7 +291,7 @@ def discard_unstarted(run_dir: Path | str) -> bool:
     nothing of a run is lost. Anything else there (a warm start's ``base_model/``, a row, a
     checkpoint) keeps it. True when it was removed."""
     run_dir = Path(run_dir)
-    if has_started(run_dir) or any(entry.name not in NOT_BUILT for entry in run_dir.iterdir()):
+    if not run_dir.is_dir() or has_started(run_dir) or any(entry.name not in NOT_BUILT for entry in run_dir.iterdir()):
         return False
     shutil.rmtree(run_dir, ignore_errors=True)  # (the lock goes with it: this process holds it)
     return not run_dir.exists()

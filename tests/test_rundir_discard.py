@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -67,3 +68,5 @@ def test_only_a_directory_of_what_a_start_writes_is_discarded(tmp_path):
     (run_dir / "checkpoint").mkdir()
     (run_dir / "config.yaml").write_text("workload: control\n")
     assert not rundir.discard_unstarted(run_dir) and run_dir.is_dir()
+    shutil.rmtree(run_dir)
+    assert not rundir.discard_unstarted(run_dir)  # gone already (removed meanwhile): nothing to do
