@@ -3,8 +3,8 @@
 The policy's model, full mode's critic and reference copy, a reward model, the
 supervised warm start, ``ppokit eval`` and ``ppokit export`` all load through here, so a
 directory that cannot work (no such directory, no config.json, a model type transformers
-does not know, a config its class refuses, truncated or ill-fitting weights, a model that is
-not causal, no tokenizer) is the same one-line
+does not know, a config its class refuses or with an unknown rope type, truncated or
+ill-fitting weights, a model that is not causal, no tokenizer) is the same one-line
 :class:`~ppokit.errors.UserError` naming the directory and the fix everywhere; nothing is
 downloaded (``local_files_only``).
 
@@ -28,6 +28,7 @@ import transformers
 from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import logging as hf_logging
 
@@ -159,6 +160,11 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
             f"{what}={path}: no config.json there, so not a Hugging Face model directory (save the "
             "model with save_pretrained)"
         )
+    with held_load_report():  # transformers' warnings about a config refused here are not printed
+        return _checked_config(path, what, mapping, not_loadable)
+
+
+def _checked_config(path: str | Path, what: str, mapping, not_loadable: str):
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -179,7 +185,24 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
             raise UserError(
                 f"{what}={path}: config.json has {field}={value}, which must be at least 1; fix config.json"
             )
+    known = ["default", *sorted(ROPE_INIT_FUNCTIONS)]
+    unknown_rope = sorted(set(rope_types(config)) - set(known))
+    if unknown_rope:
+        raise UserError(
+            f"{what}={path}: config.json's rope_type '{unknown_rope[0]}' is not one transformers "
+            f"{transformers.__version__} knows ({', '.join(known)}); fix config.json"
+        )
     return config
+
+
+def rope_types(config) -> list[str]:
+    """The ``rope_type`` values of a config's rotary settings (``rope_parameters``, or
+    ``rope_scaling`` before transformers 5; one dict, or one per attention kind)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return []
+    parts = [rope, *(v for v in rope.values() if isinstance(v, dict))]
+    return [str(part["rope_type"]) for part in parts if "rope_type" in part]
 
 
 def _last_line(exc: BaseException) -> str:
