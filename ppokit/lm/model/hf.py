@@ -71,7 +71,7 @@ GENERATION_NUMBERS = (
 )
 
 # A causal model's earlier positions see identical inputs (exactly 0 measured in fp32 and bf16); an
-# encoder's change with the later tokens (0.05-0.7 for small BERTs; 0.003 at BERT's near-zero random init)
+# encoder's change with the later tokens (0.05-0.9 for small BERTs; 0.003 at BERT's near-zero random init)
 CAUSALITY_TOLERANCE = 1e-2
 
 # Files a Hugging Face tokenizer is loaded from; a directory with none of them has no tokenizer.
