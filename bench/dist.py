@@ -130,7 +130,7 @@ def bench_gradients(a: argparse.Namespace, out: Path) -> dict:
     import ray
 
     from ppokit.cluster.learner_group import LearnerGroup
-    from ppokit.cluster.ray_cluster import Cluster
+    from ppokit.cluster.ray_cluster import Cluster, start_local_ray
     from ppokit.config import load_config
     from ppokit.lm.model.tiny import build_tiny_model
     from ppokit.lm.single_turn.workload import LMWorkload
@@ -141,7 +141,7 @@ def bench_gradients(a: argparse.Namespace, out: Path) -> dict:
 
     model = build_tiny_model(out / "tiny", seed=0)  # the arith preset's built-in model
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     result = {}
     group = cluster = None
     try:
@@ -267,7 +267,7 @@ def bench_pipeline(a: argparse.Namespace, out: Path) -> dict:
 def bench_sync(a: argparse.Namespace, out: Path) -> dict:
     import ray
 
-    from ppokit.cluster.ray_cluster import Cluster
+    from ppokit.cluster.ray_cluster import Cluster, start_local_ray
     from ppokit.cluster.rollout_workers import RolloutWorker
     from ppokit.cluster.weights import MIB, buckets
     from ppokit.config import load_config
@@ -280,7 +280,7 @@ def bench_sync(a: argparse.Namespace, out: Path) -> dict:
         path, hidden_size=640, num_layers=10, num_heads=10, intermediate_size=None, max_position_embeddings=256, seed=0
     )
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     result = {}
     try:
         for mode in ("lora", "full"):

@@ -20,6 +20,7 @@ run outlives it.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ppokit.cluster import require_ray
@@ -29,6 +30,36 @@ from ppokit.errors import UserError
 # run's actors do its main work: at 15 a CPU shared with anything at niceness 0 (the driver's
 # update, another job) starves them (a rollout worker then generates 2-3x slower).
 ACTOR_ENV = {"RAY_worker_niceness": "0"}
+# The job (this process's connection to Ray) of the local Ray start_local_ray started with ACTOR_ENV:
+# while connected to it every worker, Ray's idle pre-started ones included, runs at niceness 0 and
+# actors need no runtime_env (one makes Ray start a fresh worker process per actor: about 1 s more).
+_job_at_driver_priority: str | None = None
+
+
+def start_local_ray(**kwargs: Any) -> None:
+    """``ray.init(**kwargs)`` (no ``address``: a local Ray), its raylet started with :data:`ACTOR_ENV`
+    so that every worker process runs at the driver's priority."""
+    global _job_at_driver_priority
+    ray = require_ray()
+    saved = {key: os.environ.get(key) for key in ACTOR_ENV}
+    os.environ.update(ACTOR_ENV)  # the raylet inherits the driver's environment
+    try:
+        ray.init(**kwargs)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if not os.environ.get("RAY_ADDRESS"):  # else ray.init joined the Ray there, started elsewhere
+        _job_at_driver_priority = ray.get_runtime_context().get_job_id()
+
+
+def workers_at_driver_priority() -> bool:
+    """Whether every worker of the Ray this process is connected to runs at niceness 0 (a Ray
+    :func:`start_local_ray` started, still the same connection)."""
+    ray = require_ray()
+    return ray.is_initialized() and ray.get_runtime_context().get_job_id() == _job_at_driver_priority
 
 
 class Cluster:
@@ -43,10 +74,11 @@ class Cluster:
         self.pg = None
         if not ray.is_initialized():
             kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
-            if c.address is not None:
-                kwargs["address"] = c.address
             try:
-                ray.init(**kwargs)
+                if c.address is None:
+                    start_local_ray(**kwargs)
+                else:
+                    ray.init(address=c.address, **kwargs)
             except ConnectionError as exc:
                 raise UserError(
                     f"cluster.address={c.address}: cannot connect to Ray ({str(exc).splitlines()[0]}); "
@@ -142,15 +174,17 @@ class Cluster:
 
         c = self.cfg.cluster
         bundle = (self.worker_bundles if role == "rollout" else self.learner_bundles)[index]
-        return {
+        options = {
             "num_cpus": c.cpus_per_worker * self.share,
             "num_gpus": c.gpus_per_worker * self.share,
             "max_restarts": 0,
-            "runtime_env": {"env_vars": ACTOR_ENV},
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=bundle
             ),
         }
+        if not workers_at_driver_priority():
+            options["runtime_env"] = {"env_vars": ACTOR_ENV}  # a Ray started elsewhere
+        return options
 
     def start_actor(self, cls: type, role: str, index: int, *args: Any) -> Any:
         """An actor of ``cls`` (a plain class, made a Ray actor here) in its bundle."""

@@ -23,11 +23,14 @@ TEST_TINY_SPEC = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "max_posit
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """The session's local Ray (``ray.init(num_cpus=2)``)."""
+    """The session's local Ray (``ray.init(num_cpus=2)``, as a run that starts its own starts it:
+    every worker at the driver's priority)."""
+    from ppokit.cluster.ray_cluster import start_local_ray
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     yield ray
     if started:
         ray.shutdown()

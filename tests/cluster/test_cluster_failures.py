@@ -74,24 +74,36 @@ def test_a_worker_that_dies_on_every_try_stops_the_run(cluster_clean, monkeypatc
     assert len(started) == MAX_RESTARTS + 1 and "\n" not in str(info.value)
 
 
-def test_actors_run_at_the_drivers_priority(cluster_clean):
+def test_actors_run_at_the_drivers_priority(cluster_clean, monkeypatch):
     """Ray's default niceness for worker processes (15) would starve the rollout workers on a
-    CPU shared with the driver; the run's actors get niceness 0."""
-    from ppokit.cluster.ray_cluster import Cluster
+    CPU shared with the driver; the run's actors get niceness 0. A Ray that ppokit starts
+    (``start_local_ray``, as this session's) starts every worker at 0, so actors need no
+    ``runtime_env`` and Ray's idle workers serve them; on a Ray started elsewhere each actor asks
+    for 0 in its ``runtime_env``, which sets its worker's niceness."""
+    from ppokit.cluster import ray_cluster
 
     class Probe:  # defined here: Ray ships it by value
         def niceness(self):
 
             return os.nice(0)
 
-    cluster = Cluster(cartpole_cfg("cluster.rollout_workers=1"), rollout_workers=1, learners=0)
+    cluster = ray_cluster.Cluster(cartpole_cfg("cluster.rollout_workers=1"), rollout_workers=1, learners=0)
+    started = []
     try:
+        assert "runtime_env" not in cluster.actor_options("rollout", 0)
         probe = cluster.start_actor(Probe, "rollout", 0)
         assert cluster_clean.get(probe.niceness.remote()) == 0
-        default = cluster_clean.remote(Probe).options(num_cpus=0).remote()
-        assert cluster_clean.get(default.niceness.remote()) > 0  # what the option changes
-        cluster_clean.kill(default)
+        started.append(cluster_clean.remote(Probe).options(num_cpus=0).remote())  # any worker of this Ray
+        assert cluster_clean.get(started[-1].niceness.remote()) == 0
+
+        monkeypatch.setattr(ray_cluster, "_job_at_driver_priority", None)  # as if Ray were started elsewhere
+        assert cluster.actor_options("rollout", 0)["runtime_env"] == {"env_vars": ray_cluster.ACTOR_ENV}
+        lowered = {"env_vars": {"RAY_worker_niceness": "15"}}  # the option's effect, shown the other way
+        started.append(cluster_clean.remote(Probe).options(num_cpus=0, runtime_env=lowered).remote())
+        assert cluster_clean.get(started[-1].niceness.remote()) == 15
     finally:
+        for actor in started:
+            cluster_clean.kill(actor)
         cluster.close()
 
 
