@@ -508,6 +508,16 @@ class EnvConfig(Section):
     eval_every: int = field(0, "also evaluate every N iterations, in a separate vector env (0 = only at the end)", ge=0)
     stop_at_return: float | None = field(None, "stop training once a periodic evaluation reaches this mean return")
 
+    @field_validator("kwargs")
+    @classmethod
+    def _time_limit_has_its_own_field(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if "max_episode_steps" in kwargs:  # gymnasium.make's own argument: unchecked, and unseen by the evaluation
+            raise ValueError(
+                f"max_episode_steps={kwargs['max_episode_steps']!r} is the time limit: set env.max_episode_steps "
+                "instead (a whole number, at least 1)"
+            )
+        return kwargs
+
 
 class NetworkConfig(Section):
     """MLP actor-critic (control workload)."""
@@ -1552,6 +1562,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise ConfigError(f"override '{item}': {exc.problem}") from None
         except yaml.YAMLError:
             value = text
+        if isinstance(value, dict) and text.rstrip().endswith(":") and not text.lstrip().startswith("{"):
+            value = text  # 'reasoning_gym:' is a name cut short, not the mapping {reasoning_gym: null}
         node = result
         parts = key.split(".")
         for part in parts[:-1]:

@@ -89,6 +89,14 @@ def test_overrides_parse_yaml_values_and_win_over_the_file(tmp_path):
     assert cfg.preset == "run"
 
 
+def test_a_value_ending_in_a_colon_stays_text():
+    """``data.prompts=reasoning_gym:`` is a source named without its task (refused later by the
+    source, naming the form), not YAML's mapping ``{reasoning_gym: null}``; a flow mapping stays one."""
+    assert C.parse_overrides(["data.prompts=reasoning_gym:"]) == {"data": {"prompts": "reasoning_gym:"}}
+    assert C.parse_overrides(["env.kwargs={a: 1}"]) == {"env": {"kwargs": {"a": 1}}}
+    assert C.parse_overrides(["env.kwargs=a: 1"]) == {"env": {"kwargs": {"a": 1}}}
+
+
 def test_alias_in_override_replaces_canonical_name_in_file(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("algo:\n  gae_lambda: 0.5\n")
@@ -305,7 +313,16 @@ def test_an_override_inside_kwargs_keeps_the_preset_s_other_arguments(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("workload: lm\ntextenv:\n  env: tictactoe\n  kwargs: {opponent: heuristic}\n")
     assert C.load_config(str(path), ["textenv.kwargs.seat=1"]).textenv.kwargs == {"opponent": "heuristic", "seat": 1}
-    assert C.load_config("cartpole", ["env.kwargs.max_episode_steps=50"]).env.kwargs == {"max_episode_steps": 50}
+    cartpole = C.load_config("cartpole", ["env.kwargs.sutton_barto_reward=true"])
+    assert cartpole.env.kwargs == {"sutton_barto_reward": True}
+
+
+@pytest.mark.parametrize("limit", [-5, 50])
+def test_the_time_limit_is_not_an_environment_argument(limit):
+    """gymnasium.make takes ``max_episode_steps`` beside the environment's own arguments, unchecked (-5
+    ended every episode after one step) and unseen by the evaluation's limit: it has its own field."""
+    with pytest.raises(ConfigError, match=rf"env.kwargs: max_episode_steps={limit} is the time limit: set env.max_"):
+        C.load_config("cartpole", [f"env.kwargs.max_episode_steps={limit}"])
 
 
 @pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../x", "/tmp/x"])

@@ -18,6 +18,7 @@ the right and cuts long inputs from the left, so the response is kept.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -38,7 +39,7 @@ from ppokit.lm.model.gguf import model_directory
 __all__ = [
     "TOKENIZER_FILES",
     "causal_lm_config",
-    "check_generation_numbers",
+    "check_generation_config",
     "check_tokenizer_fits",
     "hf_config",
     "held_load_report",
@@ -240,7 +241,7 @@ def load_causal_lm(
 
     def is_whole_and_causal(model, info: dict) -> None:
         has_every_weight(model, info)
-        check_generation_numbers(model, f"{what}={path}")
+        check_generation_config(model, Path(path), f"{what}={path}")
         if getattr(model.config, "is_decoder", None) is not False:
             return  # decoder-only configs have no is_decoder field (transformers 5): no probe needed
         influence = later_tokens_influence(model, f"{what}={path}")
@@ -255,9 +256,21 @@ def load_causal_lm(
     return load_hf_model(AutoModelForCausalLM, path, what, config, check=is_whole_and_causal, dtype=dtype, **kwargs)
 
 
-def check_generation_numbers(model: nn.Module, name: str) -> None:
-    """UserError (naming the model as ``name``) when the model's generation_config.json gives a
-    sampling field something other than a number (``"top_k": "x"`` failed inside generate)."""
+def check_generation_config(model: nn.Module, path: Path, name: str) -> None:
+    """UserError (naming the model as ``name``) when the directory ``path``'s generation_config.json
+    is not a JSON object (transformers then silently falls back to the defaults of config.json:
+    another end-of-sequence token, other sampling settings), or gives a sampling field something
+    other than a number (``"top_k": "x"`` failed inside generate)."""
+    file = path / "generation_config.json"
+    if file.is_file():
+        try:
+            parsed = json.loads(file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(
+                f"{name}: generation_config.json is not valid JSON ({first_line(exc)}); fix or remove it"
+            ) from None
+        if not isinstance(parsed, dict):
+            raise UserError(f"{name}: generation_config.json holds a {type(parsed).__name__}, not a JSON object")
     gen = getattr(model, "generation_config", None)
     for field in GENERATION_NUMBERS:
         value = getattr(gen, field, None)
