@@ -31,10 +31,12 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(VENV)/bin/ppokit demo
 
+# The suite starts many Python processes (CLI runs, Ray actors), each importing ppokit: its
+# bytecode is cached (__pycache__, git-ignored) even where PYTHONDONTWRITEBYTECODE is set.
 test: install-dev
 	$(PY) -m ruff check ppokit tests bench
 	$(PY) -m ruff format --check ppokit tests bench
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: install
 	$(PIP) -e '.[bench]'
