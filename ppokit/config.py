@@ -1489,6 +1489,7 @@ def build_config(layers: list[dict[str, Any]], label: str | None = None) -> Conf
     canonical = [canonicalize(layer, Config, "") for layer in layers]
     user = {}
     for layer in canonical:
+        _drop_other_environments_arguments(user, layer)
         deep_merge(user, layer)
     workload = user.get("workload", Config.model_fields["workload"].default)
     raw = copy.deepcopy(WORKLOAD_DEFAULTS.get(workload, {})) if isinstance(workload, str) else {}
@@ -1508,6 +1509,28 @@ def build_config(layers: list[dict[str, Any]], label: str | None = None) -> Conf
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+
+
+# (section, its environment's name): the section's ``kwargs`` are that environment's arguments
+ENVIRONMENT_KEYS = (("env", "id"), ("textenv", "env"))
+
+
+def _constructor(name: Any) -> Any:
+    """What takes an environment's ``kwargs``: every ``textarena:<id>`` game is built by one wrapper
+    (ppokit.envs.textarena: ``view``, ``instruction``, ``opponent``... for any game)."""
+    return "textarena:" if isinstance(name, str) and name.startswith("textarena:") else name
+
+
+def _drop_other_environments_arguments(merged: dict[str, Any], layer: dict[str, Any]) -> None:
+    """A layer that names an environment another constructor builds (``textenv.env=textarena:KuhnPoker-v0``
+    over the tictactoe preset's built-in game) drops the earlier layers' ``kwargs``: they were the
+    other one's arguments (``policy_seat: x``, refused by the TextArena wrapper: a value the user never
+    wrote). Keys the layer gives inside ``kwargs`` then start from an empty mapping."""
+    for section, name in ENVIRONMENT_KEYS:
+        before, update = merged.get(section), layer.get(section)
+        named = isinstance(before, dict) and isinstance(update, dict) and name in update and name in before
+        if named and _constructor(update[name]) != _constructor(before[name]):
+            before.pop("kwargs", None)
 
 
 def _read_source(source: str) -> tuple[dict[str, Any], str]:

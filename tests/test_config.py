@@ -317,6 +317,26 @@ def test_an_override_inside_kwargs_keeps_the_preset_s_other_arguments(tmp_path):
     assert cartpole.env.kwargs == {"sutton_barto_reward": True}
 
 
+def test_naming_another_environment_drops_the_earlier_layers_arguments(tmp_path):
+    """The tictactoe preset's ``policy_seat: x`` belongs to its built-in game: over a TextArena game
+    the wrapper refused it, naming a value the user never wrote. An environment another constructor
+    builds starts from its own arguments (those its layer gives); the same environment, or another
+    TextArena game (one wrapper builds them all), keeps the earlier ones."""
+    kuhn = C.load_config("tictactoe", ["textenv.env=textarena:KuhnPoker-v0"]).textenv
+    assert kuhn.env == "textarena:KuhnPoker-v0" and kuhn.kwargs == {}
+    dotted = C.load_config("tictactoe", ["textenv.env=textarena:KuhnPoker-v0", "textenv.kwargs.opponent=self"])
+    assert dotted.textenv.kwargs == {"opponent": "self"}
+    same = C.load_config("tictactoe", ["textenv.env=tictactoe", "textenv.kwargs.opponent=self"])
+    assert same.textenv.kwargs == {"opponent": "self", "policy_seat": "x"}
+    preset = C.load_config("smollm2_tictactoe", []).textenv.kwargs
+    assert C.load_config("smollm2_tictactoe", ["textenv.env=textarena:KuhnPoker-v0"]).textenv.kwargs == preset
+    assert C.load_config("smollm2_tictactoe", ["textenv.env=tictactoe"]).textenv.kwargs == {}
+    path = tmp_path / "cartpole.yaml"
+    path.write_text("env:\n  id: CartPole-v1\n  kwargs: {sutton_barto_reward: true}\n")
+    assert C.load_config(str(path), ["env.id=Acrobot-v1"]).env.kwargs == {}
+    assert C.load_config(str(path), ["env.id=CartPole-v1"]).env.kwargs == {"sutton_barto_reward": True}
+
+
 @pytest.mark.parametrize("limit", [-5, 50])
 def test_the_time_limit_is_not_an_environment_argument(limit):
     """gymnasium.make takes ``max_episode_steps`` beside the environment's own arguments, unchecked (-5
