@@ -43,7 +43,7 @@ import numpy as np
 
 from ppokit.config import EnvConfig
 from ppokit.control import envstate
-from ppokit.errors import UserError, did_you_mean
+from ppokit.errors import UserError, did_you_mean, first_line
 
 EPS = 1e-8
 
@@ -125,6 +125,25 @@ def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
         venv.close()
         raise
     return venv
+
+
+def check_environment(env_cfg: EnvConfig) -> None:
+    """What a run's environments would fail on, before a run directory exists: the id, the
+    arguments ``gymnasium.make`` takes, the spaces (:func:`make_vector_env`); with ``env.kwargs``
+    also one reset and one random step, where an argument of the wrong kind fails inside the
+    environment's own code (Pendulum's ``g: abc`` at its first step)."""
+    venv = make_vector_env(env_cfg, 1)
+    try:
+        if env_cfg.kwargs:
+            venv.reset(seed=0)
+            venv.step(venv.action_space.sample())
+    except Exception as exc:  # noqa: BLE001 - any failure of the environment's code
+        raise UserError(
+            f"env.kwargs: {env_cfg.id} fails with these arguments at its first reset and step "
+            f"({type(exc).__name__}: {first_line(exc)})"
+        ) from None
+    finally:
+        venv.close()
 
 
 def check_spaces(env_id: str, obs_space: gym.Space, act_space: gym.Space) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from ppokit.components import CONTROL_INPUTS, UPDATE_KEYS, Batch, Components, RolloutQueue
 from ppokit.config import Config
-from ppokit.control.envs import VecEnv, make_vector_env
+from ppokit.control.envs import VecEnv, check_environment, make_vector_env
 from ppokit.control.evaluate import Evaluator, evaluate_policy
 from ppokit.control.networks import ActorCritic
 from ppokit.control.rollout import Rollout
@@ -372,8 +372,8 @@ class ControlWorkload:
         self.cfg = cfg
 
     def check_inputs(self) -> None:
-        """The errors a run would hit (unknown env id, unsupported spaces), before a run directory exists."""
-        make_vector_env(self.cfg.env, 1).close()
+        """The errors a run would hit (unknown id, unsupported spaces, bad arguments) before a run directory exists."""
+        check_environment(self.cfg.env)
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         """Nothing beyond the loop's checks: the config equality covers the env and the network."""

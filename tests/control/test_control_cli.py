@@ -62,6 +62,15 @@ def test_unsupported_space(tmp_path, capsys, env_id, fragment):
     _one_line(err, fragment)
 
 
+def test_an_argument_the_environment_fails_on_is_one_line_before_a_run_directory(tmp_path, capsys):
+    """Pendulum takes ``g`` and fails on a text one only at its first step (a traceback before)."""
+    args = ("train", "cartpole", "env.id=Pendulum-v1", f"run.output_dir={tmp_path}", "--no-progress")
+    code, _, err = cli(capsys, *args, "env.kwargs.g=abc")
+    assert code == 2
+    _one_line(err, "env.kwargs: Pendulum-v1 fails with these arguments at its first reset and step (TypeError: ")
+    assert not list(tmp_path.iterdir())
+
+
 def test_corrupt_checkpoint_and_a_good_one(tmp_path, capsys):
     code, _, err = cli(
         capsys,
