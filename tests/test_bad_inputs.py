@@ -215,6 +215,20 @@ def test_a_text_environment_s_mode_refused_writes_nothing(case, expected, tmp_pa
     assert not runs.exists() or not any(runs.iterdir())
 
 
+@pytest.mark.parametrize("case", ["warm_start_without_heldout", "warm_start_file_without_heldout"])
+def test_a_warm_start_without_heldout_prompts_writes_nothing(case, tmp_path, capsys, monkeypatch):
+    """Refused among the pre-start checks: no run directory (it used to be made, with the tiny model
+    built into it, before the warm start found it had nothing to score its epochs by)."""
+    folder = CORPUS / "data" / case
+    spec = yaml.safe_load((folder / "case.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    args = [str(a).replace("{case}", str(folder)) for a in spec["args"]]
+    status, err = run_cli([*args, "--output-dir", str(runs), "--no-progress"], capsys)
+    assert_one_line_error(status, err, spec["expect"].replace("{case}", str(folder)))
+    assert not runs.exists() or not any(runs.iterdir())
+
+
 def test_corpus_size():
     counts = {kind: len([c for c in FOLDER_CASES if c.parent.name == kind]) for kind in FOLDER_KINDS}
     counts["config"] = len(CONFIG_CASES)

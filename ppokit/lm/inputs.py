@@ -109,6 +109,21 @@ def _reward_spec(cfg: Config):
     return None
 
 
+def check_warm_start_heldout(cfg: Config, eval_items: list[dict]) -> None:
+    """A warm start (data.sft_epochs > 0) picks its best epoch by the held-out accuracy: none is one line."""
+    d = cfg.data
+    if not d.sft_epochs or eval_items:
+        return
+    why = (
+        "data.eval_size=0 leaves none: set data.eval_size > 0"
+        if d.eval_size == 0
+        else f"the prompt file {d.prompts} has no held-out split: give data.eval_prompts"
+    )
+    raise UserError(
+        f"data.sft_epochs > 0 needs held-out prompts to pick the best warm-start model; {why}, or data.sft_epochs=0"
+    )
+
+
 def _heldout_items(cfg: Config) -> list[dict]:
     """The held-out records, not rendered: ``data.eval_prompts``' first ``data.eval_size``, else
     the task's held-out split; none with ``data.eval_size=0`` or for a prompt file alone."""

@@ -43,7 +43,7 @@ from ppokit.lm.data.records import count_tokens_with, drop_long_prompts
 from ppokit.lm.data.sources import PromptIterator
 from ppokit.lm.generation.engine import check_prompts_fit
 from ppokit.lm.generation.factory import make_engine
-from ppokit.lm.inputs import load_data
+from ppokit.lm.inputs import check_warm_start_heldout, load_data
 from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
@@ -124,6 +124,7 @@ class LMWorkload:
         if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
             within_limit = drop_long(cfg, train_items, eval_items, tokenizer).train
             check_token_budget(cfg, tokenizer, within_limit)
+        check_warm_start_heldout(cfg, eval_items)
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
         longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in within_limit + eval_items])
         estimate = check_run_fits(cfg, IterationSizes(longest), sft_eval_rows=len(eval_items))
