@@ -13,8 +13,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -22,11 +20,11 @@ import pytest
 import torch
 from resume_helpers import read_rows, start_and_wait, train_cmd
 
+from ppokit.cli import main
 from ppokit.errors import UserError
 from ppokit.lm.model import gguf
 from ppokit.rundir import RunDir
 
-ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -185,14 +183,15 @@ def test_ppokit_generate_reads_the_file_like_a_directory(converted):
     assert "Paris" in answer
 
 
-def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ppokit", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
-    )
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """``ppokit ARGS`` in this process (its model loads once, not per process): (exit status, stderr)."""
+    capsys.readouterr()
+    status = main(list(args))
+    return status, capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_a_run_from_the_file_checkpoints_resumes_exports_and_reloads(converted, tmp_path):
+def test_a_run_from_the_file_checkpoints_resumes_exports_and_reloads(converted, tmp_path, capsys):
     data = tmp_path / "sums.jsonl"
     rows = [
         {"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": str(a + b)}
@@ -219,11 +218,11 @@ def test_a_run_from_the_file_checkpoints_resumes_exports_and_reloads(converted, 
     ckpt = RunDir(run).lm_checkpoint
     policy = json.loads((ckpt / "policy.json").read_text())
     assert (ckpt / policy["base_model"]).resolve() == base.resolve()  # the run's copy, not the cache
-    resumed = _cli("train", "--resume", str(run))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    status, err = _cli(capsys, "train", "--resume", str(run))
+    assert status == 0, err[-2000:]
     assert [row["iteration"] for row in read_rows(run)] == [0, 1, 2]
-    exported = _cli("export", str(run), str(tmp_path / "merged"))
-    assert exported.returncode == 0, exported.stderr[-2000:]
+    status, err = _cli(capsys, "export", str(run), str(tmp_path / "merged"))
+    assert status == 0, err[-2000:]
     from ppokit.lm.model.hf import load_causal_lm, load_tokenizer
 
     merged = load_causal_lm(tmp_path / "merged")
@@ -231,12 +230,12 @@ def test_a_run_from_the_file_checkpoints_resumes_exports_and_reloads(converted, 
     assert load_tokenizer(tmp_path / "merged").eos_token == "<|im_end|>"
 
 
-def test_the_cli_refuses_a_bad_model_file_with_one_line(tmp_path, cache):
+def test_the_cli_refuses_a_bad_model_file_with_one_line(tmp_path, cache, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_text("not a model")
-    done = _cli("generate", str(bad), "--prompt", "Hi", timeout=300)
-    assert done.returncode == 2 and "not a GGUF file" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    status, err = _cli(capsys, "generate", str(bad), "--prompt", "Hi")
+    assert status == 2 and "not a GGUF file" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_the_packaged_name_is_the_file_inside_its_package(converted, monkeypatch):
