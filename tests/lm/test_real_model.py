@@ -25,6 +25,8 @@ from ppokit.errors import UserError
 from ppokit.lm.model import gguf
 from ppokit.rundir import RunDir
 
+gguf_package = pytest.importorskip("gguf", reason="needs gguf (make test installs it)")
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -156,13 +158,32 @@ def test_a_bad_model_file_is_one_line(tmp_path, make, message, cache):
 @pytest.mark.parametrize("size", [10, 1000, 300_000])
 def test_a_truncated_gguf_file_is_one_line(tmp_path, size, cache):
     """Cut inside its header or its metadata, the reader's struct.error used to escape as a traceback."""
-    cut = tmp_path / "cut.gguf"
+    cut, reader = tmp_path / "cut.gguf", gguf_package.GGUFReader
     with open(smollm2_gguf(), "rb") as f:
         cut.write_bytes(f.read(size))
     with pytest.raises(UserError, match=r"cannot read this GGUF file; is it whole \(not truncated or damaged\)\?"):
         gguf.converted_directory(cut, log=lambda line: None)
     left = [p for p in (cache / "gguf").iterdir() if p.name.startswith(("cut-", ".cut-")) and p.is_dir()]
     assert not left  # no entry and no work directory (the lock files stay, as for every entry)
+    assert gguf_package.GGUFReader is reader  # the conversion's parse-once cache is undone
+
+
+def test_within_a_conversion_the_file_is_parsed_once_and_the_package_is_restored():
+    """transformers parses the file for the config, the tokenizer and the weights, and builds the
+    tensor-name map per submodule: within a conversion each is made once (the output is
+    transformers' own dequantised model: the conversion test above), and undone after."""
+    originals = gguf_package.GGUFReader, gguf_package.get_tensor_name_map
+    with gguf._each_parse_once():
+        first, again = gguf_package.GGUFReader(smollm2_gguf()), gguf_package.GGUFReader(smollm2_gguf())
+        arch = gguf_package.MODEL_ARCH.LLAMA
+        assert first is again and gguf_package.get_tensor_name_map(arch, 30) is gguf_package.get_tensor_name_map(
+            arch, 30
+        )
+    assert (gguf_package.GGUFReader, gguf_package.get_tensor_name_map) == originals
+    with pytest.raises(RuntimeError), gguf._each_parse_once():
+        raise RuntimeError("a failed conversion")
+    assert (gguf_package.GGUFReader, gguf_package.get_tensor_name_map) == originals
+    assert gguf_package.GGUFReader(smollm2_gguf()) is not first  # outside: a new parse each time
 
 
 def test_without_the_gguf_package_the_message_says_what_to_install(tmp_path, monkeypatch, cache):
