@@ -1,47 +1,21 @@
-"""The PPO update, shared by every workload.
+"""The PPO update, shared by every workload (:class:`PPOTrainer`).
 
-A batch is a dict of tensors, dim 0 the samples (N), dim 1 the positions (T: response
-tokens or environment steps) with ``mask[n, t] = 1`` where trained; the update does not
-know which workload it serves::
+A batch is a dict of (N, T) tensors with ``mask[n, t] = 1`` where trained (T: response tokens or
+environment steps); the update does not know which workload it serves::
 
-    for epoch in range(train.epochs):
+    for epoch in range(train.epochs):                            # stop early when approx_kl > target_kl
         for mini_batch in shuffled(batch, mini_batch_size):      # one optimizer step each
-            normalizer = aggregation_normalizer(mini_batch.mask)   # the whole mini-batch's
             for micro_batch in split(mini_batch):                # rows, or a token budget
-                out = policy.evaluate(micro_batch)               # log_prob, [values], entropy (n, T)
                 loss = L_policy + value_coeff L_value - entropy_coeff H + beta KL
-                loss.backward()                                  # sums to the mini-batch's gradient
+                loss.backward()                                  # over the mini-batch's normaliser
             clip actor and critic gradients apart; optimizer.step()
-        stop early when approx_kl > target_kl
-    penalty mode: beta_pen x2 or /2 from the last epoch's KL (the PPO paper's adaptive penalty)
 
-``L_policy`` is the registered loss ``algo.loss_mode`` (:data:`ppokit.algo.POLICY_LOSSES`), one
-call for all (``PolicyLossInputs`` and ``cfg.algo``). Required keys: ``mask``, ``old_log_prob``,
-``advantages``, ``returns``, ``old_values`` (:data:`ppokit.components.UPDATE_KEYS`), and
-``ref_log_prob`` when ``algo.beta > 0``; the rest goes to ``policy.evaluate``. A policy without
-a critic returns no ``values``: no value term, no ``value_loss``/``vf_clipfrac`` metrics.
-
-Why the pieces are as they are:
-
-- **The first mini-batch is on-policy**: no step since the rollout, so its ``old_log_prob`` is
-  the update's own forward (ratio exactly 1 on every device); its gap to the rollout's is the
-  metric ``old_log_prob_gap`` (a large one means rollout and update compute different
-  policies). With one step per update (*fully on-policy*) the batch may omit ``old_log_prob``.
-- **Micro-batches** share the mini-batch's normalizer, so their gradients add up to it exactly
-  (``train.micro_batch_tokens``: rows packed to a budget and cut by ``policy.compact``, verl's
-  ``use_dynamic_bsz``); ``padding_frac`` is the padding share of what the passes computed.
-- **k steps off** (``rollout.off_policy_steps``): ``old_log_prob`` is the behaviour policy's
-  and every ratio uses it; ``off_policy_kl`` measures the lag.
-- **Rollout correction** (:mod:`ppokit.algo.rollout_correction`): with ``rollout_log_prob``
-  (the engine's), the weights and kept tokens of ``pi_old / pi_engine`` are computed once per
-  batch and applied to every actor term; in bypass mode ``old_log_prob`` is the engine's and the
-  rejection rules run in each pass. The ``mismatch_*`` metrics measure the engine against the
-  trainer; ``off_policy_kl`` the policy lag.
-- **Data parallel** (:mod:`ppokit.cluster.learner_group`): every rank draws the same shuffle and
-  takes its slice of each mini-batch; the normalizer, the gradients and the metrics are
-  all-reduced, so the step is the single learner's. FSDP ranks (:mod:`ppokit.cluster.fsdp`) shard
-  the policy before the optimizer is built and make equal numbers of passes (an idle pass has
-  its loss times 0).
+``L_policy`` is ``algo.loss_mode`` (:data:`ppokit.algo.POLICY_LOSSES`). ``old_log_prob`` is the first
+mini-batch's own forward (no step since the rollout: ratio exactly 1; with one step per update, *fully
+on-policy*, the batch may omit it); k steps off, the behaviour policy's; in bypass mode, the engine's.
+Micro-batches share the mini-batch's normaliser, so their gradients add up to its gradient; data-parallel
+ranks (:mod:`ppokit.cluster.learner_group`) all-reduce the normaliser, gradients and metrics, so the step
+is the single learner's. Required keys, metrics and the rest: docs/algorithms.md, "The PPO update".
 """
 
 from __future__ import annotations
@@ -425,7 +399,9 @@ class PPOTrainer:
     def _rollout_correction(self, batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The batch with ``correction_weight`` and ``correction_keep`` (N, T) added when
         ``algo.rollout_correction`` asks for them, and the mismatch and correction metrics
-        (module docstring); the batch as it is without ``rollout_log_prob``."""
+        (:mod:`ppokit.algo.rollout_correction`); the batch as it is without ``rollout_log_prob``.
+        The weights and kept tokens of ``pi_old / pi_engine`` are computed once per batch and
+        applied to every actor term; in bypass mode the rejection rules run in each pass instead."""
         a = self.cfg.algo
         if self.bypass:  # pi_old = pi_engine: no weight; the rules run in each pass (_accumulate_gradients)
             return batch, {}

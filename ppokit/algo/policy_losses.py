@@ -1,68 +1,21 @@
-"""PPO policy losses (the PPO paper, Schulman et al., 2017), one registry entry per variant.
+"""PPO policy losses (the PPO paper, Schulman et al., 2017) and the registry every loss is called through.
 
 - ``clip`` (:func:`policy_loss`): the clipped surrogate, asymmetric clip range, dual clip.
-- ``penalty`` (:func:`ppo_penalty_loss`): the unclipped surrogate plus a penalty
-  ``beta * KL(pi_old || pi)`` whose coefficient adapts between iterations
-  (:class:`~ppokit.algo.kl.AdaptivePenaltyCoef`).
+- ``penalty`` (:func:`ppo_penalty_loss`): the unclipped surrogate plus ``beta * KL(pi_old || pi)``,
+  ``beta`` adapted between iterations (:class:`~ppokit.algo.kl.AdaptivePenaltyCoef`).
 - The 2026 set: :mod:`.weighted_losses` (``cispo``, ``dppo_tv``, ``dppo_kl``, ``gpg``, ``dro``) and
   :mod:`.surrogate_losses` (``sapo``, ``geo_mean``, ``clip_cov``, ``kl_cov``).
 
-Every loss is a function with the same leading arguments, its own hyperparameters as keywords,
-returning ``(loss, metrics)``::
+Every loss has one signature and returns at least ``clipfrac``, ``approx_kl_k1``, ``approx_kl_k3``
+and ``ratio_max``::
 
     loss, metrics = fn(log_prob, old_log_prob, advantages, mask, *,
                        agg_mode=..., normalizer=..., horizon=..., diagnostics=..., **its_own)
 
-and is registered with the hyperparameters it reads from ``cfg.algo``, so a trainer calls
-every loss the same way (:class:`PolicyLoss`)::
-
-    loss, metrics = get_policy_loss(cfg.algo.loss_mode)(PolicyLossInputs(...), cfg.algo)
-
-A new loss is one function, one :func:`register_policy_loss` and a test. Every loss returns
-at least ``clipfrac``, ``approx_kl_k1``, ``approx_kl_k3`` and ``ratio_max``.
-
-``ratio_level`` (``clip`` and ``penalty``) picks the importance ratio:
-
-- ``"token"``: ``r_t = pi(y_t) / pi_old(y_t)``, one per token, the token's advantage.
-- ``"sequence"``: ``r_i = prod_t r_t``, one per sequence, the sequence's mean advantage.
-- ``"gspo"``: GSPO-token (the GSPO paper, Zheng et al., 2025): the length-normalised
-  sequence ratio ``s_i = (prod_t r_t)^(1/|y_i|)`` on every token, the token's advantage.
-
-Sequence-level ratios
----------------------
-``ratio_level="sequence"`` (one importance ratio per sequence, the product of its token
-ratios)::
-
-    log r_b = clamp(sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
-    A_b     = masked mean of advantages over row b  (or advantages (B,) as given)
-
-the per-sequence loss ``L_b`` is put on every valid token of row b and then aggregated;
-with ``clip`` and ``seq-mean-token-mean`` that gives ``-(1/B) sum_b min(A_b r_b, A_b clip(r_b))``.
-
-``ratio_level="gspo"`` (GSPO-token)::
-
-    log s_b  = clamp((1/|y_b|) sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
-    s_bt     = sg[s_b] * pi_bt / sg[pi_bt]        (sg = stop gradient)
-    L_bt     = max(-A_bt s_bt, -A_bt clip(s_bt, 1 - eps_low, 1 + eps_high))  (+ dual clip)
-
-``s_bt`` equals the length-normalised (geometric-mean) sequence ratio ``s_b`` on every
-token, and ``d s_bt / d log pi_bt = s_b``; the advantage may differ per token. With one
-advantage per row and ``seq-mean-token-mean`` the value and the gradient equal GSPO's
-sequence objective ``-(1/B) sum_b min(s_b A_b, clip(s_b) A_b)`` (other ``agg_mode`` weight
-each row by its token count as usual). Because ``s_b`` is a per-token geometric mean it
-stays much closer to 1 than token ratios: GSPO uses clip ranges about three orders of
-magnitude smaller than token-level PPO (the GSPO paper: ``lower_clip_ratio=3e-4``,
-``upper_clip_ratio=4e-4``); set them accordingly, with the usual 0.2 nothing is ever clipped.
-
-The KL penalty
---------------
-``penalty``'s ``KL_t = (r_t - 1) - log r_t`` is Schulman's k3 estimator of
-``KL(pi_old || pi)`` from tokens sampled by ``pi_old`` (the rollout policy):
-``E_old[r - 1] = 0``, so its mean is the k1 estimate ``E_old[-log r] = KL(pi_old || pi)``
-(unbiased), while each term is non-negative (``x - 1 >= log x``) and has far less variance
-than ``-log r``, so a penalty on it never rewards moving away. Its gradient is
-``d KL_t / d log pi_t = r_t - 1``: zero at the start of the update, pulling back as the
-policy moves.
+:func:`register_policy_loss` records the hyperparameters a loss reads from ``cfg.algo``, so a trainer
+calls every loss alike: ``get_policy_loss(cfg.algo.loss_mode)(PolicyLossInputs(...), cfg.algo)``. A
+new loss is one function, one registration and a test. ``ratio_level`` (``clip``, ``penalty``) picks
+the ratio: per token, per sequence, or GSPO-token (:func:`_importance_ratio` derives them).
 """
 
 from __future__ import annotations
@@ -247,6 +200,23 @@ def _importance_ratio(
     ``token_log_ratio`` (B, T) is ``log pi - log pi_old`` with masked-out positions 0.
     ``token`` and ``gspo`` give (B, T) tensors and ``unit_mask = m``; ``sequence``
     gives (B,) tensors and ``unit_mask`` = rows with at least one valid token.
+
+    ``sequence``: one ratio per row, with the row's mean advantage (or ``advantages`` (B,) as
+    given); the loss puts its ``L_b`` on every valid token of the row::
+
+        log r_b = clamp(sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
+
+    (with ``clip`` and ``seq-mean-token-mean``: ``-(1/B) sum_b min(A_b r_b, A_b clip(r_b))``).
+    ``gspo`` (GSPO-token, the GSPO paper, Zheng et al., 2025)::
+
+        log s_b = clamp((1/|y_b|) sum_t m_bt (log pi_bt - log pi_old_bt), -20, 20)
+        s_bt    = sg[s_b] * pi_bt / sg[pi_bt]            (sg = stop gradient)
+
+    ``s_bt`` equals ``s_b`` on every token and ``d s_bt / d log pi_bt = s_b``; the advantage may
+    differ per token. With one advantage per row and ``seq-mean-token-mean`` the value and the
+    gradient equal GSPO's sequence objective ``-(1/B) sum_b min(s_b A_b, clip(s_b) A_b)``. A
+    geometric mean stays much closer to 1 than token ratios: GSPO uses clip ranges about 1000x
+    smaller (``lower_clip_ratio=3e-4``, ``upper_clip_ratio=4e-4``); at 0.2 nothing is clipped.
     """
     if ratio_level == "sequence":
         log_ratio = token_log_ratio.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B,)
@@ -368,7 +338,7 @@ def policy_loss(
     and the loss is ``aggregate(L, mask, agg_mode, normalizer=..., horizon=...)``.
     The gradient w.r.t. ``log_prob`` is exactly 0 wherever a clip is active.
     ``ratio_level`` ``"sequence"`` and ``"gspo"`` (GSPO-token, Zheng et al., 2025) replace
-    ``r`` by a sequence ratio: the module docstring derives both (GSPO wants clip ranges
+    ``r`` by a sequence ratio: :func:`_importance_ratio` derives both (GSPO wants clip ranges
     about 1000x smaller than token-level PPO).
 
     Args:
@@ -446,10 +416,15 @@ def ppo_penalty_loss(
     and the loss is ``aggregate(L, mask, agg_mode, normalizer=..., horizon=...)``.
     ``rho_t`` is the importance ratio at ``ratio_level`` (``token``: ``r_t``;
     ``sequence``: the row's ``prod_t r_t`` with the row's mean advantage; ``gspo``:
-    the GSPO-token ratio, see :func:`policy_loss`); nothing is clipped. The penalty
-    is always per token: ``KL_t`` is the k3 estimator of ``KL(pi_old || pi)`` (why, and
-    its gradient: the module docstring). Update ``beta`` between iterations with
-    :class:`~ppokit.algo.kl.AdaptivePenaltyCoef` from the measured ``kl_old``.
+    the GSPO-token ratio, see :func:`policy_loss`); nothing is clipped. Update ``beta``
+    between iterations with :class:`~ppokit.algo.kl.AdaptivePenaltyCoef` from the measured ``kl_old``.
+
+    The penalty is always per token: ``KL_t`` is Schulman's k3 estimator of ``KL(pi_old || pi)``
+    from tokens sampled by ``pi_old``. Since ``E_old[r - 1] = 0`` its mean is the unbiased k1
+    estimate ``E_old[-log r]``, while each term is >= 0 (``x - 1 >= log x``) with far less
+    variance than ``-log r``, so the penalty never rewards moving away. Its gradient
+    ``d KL_t / d log pi_t = r_t - 1`` is 0 at the start of the update and pulls back as the
+    policy moves.
 
     Args:
         log_prob, old_log_prob, advantages, mask, agg_mode, normalizer, horizon,

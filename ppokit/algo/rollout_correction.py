@@ -1,78 +1,21 @@
 """Rollout correction: the rollout engine's sampling distribution against the trainer's.
 
-The tokens of a rollout are sampled by an engine (``pi_engine``: its own kernels, bf16
-weights with the adapter folded in, top-k/top-p truncation); PPO's ratio is taken
-against ``pi_old``, the trainer's own computation of the same weights (the scorer's
-``old_log_prob``). Where the two differ, the update is off-policy by
-``r_t = pi_old(y_t) / pi_engine(y_t)`` before PPO's own ratio ``pi / pi_old`` starts
-(the decoupled PPO objective, as in verl's rollout correction). For each response
-token ``t`` of row ``b`` with mask ``m``::
+The engine samples with its own numerics (bf16 weights with the adapter folded in, its own kernels,
+top-k/top-p), so the update is off-policy by ``r_t = pi_old(y_t) / pi_engine(y_t)`` before PPO's
+ratio ``pi / pi_old`` starts (the decoupled PPO objective, as in verl's rollout correction).
 
-    log r_t   = log pi_old(y_t) - log pi_engine(y_t)
-    rho_t     = exp(clamp(log r_t, -20, 20))                          level "token"
-    rho_b     = exp(clamp(sum_t m_t log r_t, -20, 20))                level "sequence" (product of ratios)
-    rho_b     = exp(clamp(sum_t m_t log r_t / max(sum_t m_t, 1), -20, 20))   level "geometric" (their geometric mean)
+- :func:`correction_ratio`: ``rho``, per token or per row (the product or geometric mean of ``r_t``).
+- :data:`ROLLOUT_CORRECTIONS`: ``none`` (``w = 1``), ``tis`` (``w = min(rho, C)``), ``mis`` (``w = rho``,
+  tokens with ``rho`` outside ``[lower, C]`` dropped).
+- :func:`rollout_rejection` (:data:`REJECTION_RULES`, verl's ``rollout_rs``): drops tokens or rows
+  whose k1/k2/k3 divergence (:func:`rejection_statistic`) leaves its bound.
+- :func:`rollout_correction`: a correction and the rules together, ``(weight, keep, metrics)``.
+- :func:`mismatch_metrics`: the gap itself, logged every iteration whatever the correction.
 
-A sequence-level ``rho_b`` is broadcast to every token of its row. The corrections
-(:data:`ROLLOUT_CORRECTIONS`, each ``fn(rho, mask, *, cap, lower) -> (weight, keep)``)::
-
-    none   weight = 1                                     keep = 1
-    tis    weight = min(rho, C)                           keep = 1           truncated importance sampling
-    mis    weight = rho * [lower <= rho <= C]             keep = [lower <= rho <= C]
-                                                          masked importance sampling; lower defaults to 1/C
-
-(times ``m``: 0 on padding). The trainer multiplies each token's advantage by ``weight``
-(for the PPO surrogates this is the per-token loss times ``weight``: with ``w > 0``,
-``w max(-A r, -A clip(r)) = max(-(wA) r, -(wA) clip(r))``, and the dual clip alike),
-and drops the tokens with ``keep = 0`` from the actor's loss terms and from their
-normaliser. ``C`` is ``algo.rollout_correction_cap``: TIS with token ratios and C = 2 is
-verl's ``decoupled_token_is`` preset; MIS at the sequence level with ``lower = 0`` and
-C = 3 is TRL's default (``sequence_mask``); MIS at the token or geometric level with
-``lower = 1/C`` is verl's rejection sampling with IS weights. MIS's weights are verl's
-IcePop (``rollout_is_threshold: "lower_upper"``), whose dropped tokens stay in the
-normaliser with weight 0 where ppokit's leave it.
-
-Rejection rules (:data:`REJECTION_RULES`, verl's ``rollout_rs``; :func:`rollout_rejection`),
-beside any weight and all of them required to pass. With ``l_t = clamp(log r_t, -20, 20)``
-on the valid tokens::
-
-    k1_t = -l_t          k2_t = l_t^2 / 2          k3_t = exp(l_t) - 1 - l_t  (>= 0)
-
-    token_kK       token t kept if    k1: log L <= k1_t <= log U      k2, k3: kK_t <= U
-    seq_sum_kK     row b kept if the same test holds for  sum_t m_t kK_t
-    seq_mean_kK                                            sum_t m_t kK_t / sum_t m_t
-    seq_max_kK     (K = 2, 3)                              max_t kK_t   (0 for an empty row)
-
-A k1 band ``[L, U]`` bounds ``pi_engine / pi_old`` (of the token, of the response for
-seq_sum, their geometric mean for seq_mean: verl's Geo-RS, ``0.999_1.001``); K3-RS is
-``seq_mean_k3`` (``0.01``). A rejected token (every token of a rejected row) leaves the
-actor's loss and its normaliser like a MIS-dropped one. verl's presets map to
-``rollout_correction`` x ``rollout_correction_rs``: decoupled_token_is = tis/token;
-decoupled_seq_is = tis/sequence; decoupled_seq_is_rs = tis/sequence + seq_sum_k1 0.5_2.0;
-decoupled_geo_rs = none + seq_mean_k1 0.999_1.001; decoupled_k3_rs = none + seq_mean_k3
-0.01; decoupled_k3_rs_token_tis = tis/token + seq_mean_k3; decoupled_geo_rs_seq_tis =
-tis/sequence + seq_mean_k1. Bypass mode (``algo.rollout_correction_bypass``, verl's
-``bypass_mode`` with ``loss_type: ppo_clip``): ``pi_old = pi_engine``, no weight (PPO's
-ratio ``pi / pi_engine`` and its clip correct), the rules tested in each pass against
-the current policy's log-probs (the normaliser keeps the rejected tokens, as verl's does).
-
-Metrics of :func:`rollout_correction` (detached 0-dim tensors, no host sync; ``w`` the
-weight before the rules, 0 where MIS drops, over the ``N`` valid tokens; verl's names in
-brackets)::
-
-    correction_weight_mean      mean of the final weight over the kept tokens
-    correction_weight_max/_min  max / min of w          (rollout_is_max / _min, token level)
-    correction_ess              (sum w)^2 / (N sum w^2), in (0, 1]   (rollout_is_eff_sample_size)
-    correction_truncated_frac   tis: share of tokens with rho > C     (rollout_is_ratio_fraction_high)
-    correction_masked_frac      share of tokens dropped, band and rules  (rollout_rs_masked_fraction)
-    correction_seq_masked_frac  share of rows with a token that lose one (rollout_rs_seq_masked_fraction)
-    correction_rs_<rule>_masked_frac / _mean / _max   each rule's drops and statistic (rollout_rs_<rule>_*)
-
-:func:`mismatch_metrics` measures the gap every iteration, whatever the correction:
-``mismatch_kl`` (the k3 estimate of KL(pi_engine || pi_old) per token: the mean of
-``r - 1 - log r`` over tokens sampled from the engine, >= 0), ``mismatch_kl_k1`` (the
-mean of ``-log r``, unbiased, may be negative), ``mismatch_ratio_max`` /
-``mismatch_ratio_min`` (the extreme token ratios ``r``).
+The trainer multiplies each token's advantage by ``weight``: for PPO's clip with ``w > 0`` that is the
+loss times ``w``, ``w max(-A r, -A clip(r)) = max(-(wA) r, -(wA) clip(r))``. Tokens with ``keep = 0``
+leave the actor's terms and their normaliser. Options, verl's and TRL's presets, bypass mode:
+docs/algorithms.md, "Rollout correction".
 """
 
 from __future__ import annotations
@@ -124,7 +67,14 @@ def _log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, m: to
 def correction_ratio(
     old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, level: str = "token"
 ) -> torch.Tensor:
-    """(B, T) ``rho`` at ``level`` (module docstring), 1 on padding."""
+    """(B, T) ``rho`` at ``level``, 1 on padding. With ``l_t = log pi_old(y_t) - log pi_engine(y_t)``
+    and the mask ``m``::
+
+        token      rho_t = exp(clamp(l_t, -20, 20))
+        sequence   rho_b = exp(clamp(sum_t m_t l_t, -20, 20))                      (the product of ratios)
+        geometric  rho_b = exp(clamp(sum_t m_t l_t / max(sum_t m_t, 1), -20, 20))   (their geometric mean)
+
+    A row's ``rho_b`` is put on every token of the row."""
     if level not in CORRECTION_LEVELS:
         raise ValueError(f"unknown rollout correction level {level!r}; valid: {', '.join(CORRECTION_LEVELS)}")
     _check(old_log_prob, rollout_log_prob, mask)
@@ -171,8 +121,16 @@ def masked_importance_sampling(
 def rejection_statistic(
     old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, rule: str
 ) -> torch.Tensor:
-    """The statistic rule ``rule`` tests (module docstring): (B, T) per token for the token rules
-    (0 on padding), (B,) per row for the others (0 for a row without a token)."""
+    """The statistic rule ``rule`` tests: (B, T) per token for the token rules (0 on padding), (B,)
+    per row for the others (0 for a row without a token). With ``l_t = clamp(log r_t, -20, 20)`` on
+    the valid tokens (``r_t = pi_old / pi_engine``)::
+
+        k1_t = -l_t          k2_t = l_t^2 / 2          k3_t = exp(l_t) - 1 - l_t  (>= 0)
+
+        token_kK       kK_t
+        seq_sum_kK     sum_t m_t kK_t
+        seq_mean_kK    sum_t m_t kK_t / sum_t m_t
+        seq_max_kK     max_t kK_t   (K = 2, 3; 0 for an empty row)"""
     if rule not in REJECTION_RULES:
         raise ValueError(f"unknown rejection rule {rule!r}; valid: {', '.join(REJECTION_RULES)}")
     _check(old_log_prob, rollout_log_prob, mask)
@@ -205,7 +163,12 @@ def rollout_rejection(
     as :func:`ppokit.config.parse_rejection_rules` gives them) keeps the token, 0 where one
     rejects it and on padding; per rule ``correction_rs_<rule>_masked_frac`` (share of the valid
     tokens it drops), ``_mean`` (its statistic over the valid tokens, a row's value on each of its
-    tokens) and ``_max`` (over the valid tokens or rows)."""
+    tokens) and ``_max`` (over the valid tokens or rows).
+
+    A k1 rule with the band ``[L, U]`` keeps where ``log L <= k1 <= log U``: it bounds
+    ``pi_engine / pi_old`` of the token, of the response (seq_sum) or their geometric mean (seq_mean,
+    verl's Geo-RS). A k2 or k3 rule keeps where its statistic is ``<= U`` (K3-RS is ``seq_mean_k3``).
+    A row rule's verdict holds for every token of the row."""
     m = mask != 0
     keep = m.clone()
     metrics: dict[str, torch.Tensor] = {}
@@ -243,10 +206,22 @@ def rollout_correction(
     lower: float | None = None,
     rejection: tuple[RejectionRule, ...] | list[RejectionRule] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(weight, keep, metrics)`` of correction ``mode`` and the rejection rules ``rejection``
-    (module docstring), (B, T) float each, 0 on padding and on the dropped tokens. ``lower`` (MIS)
-    defaults to ``1 / cap``. Metrics: the module docstring's list (the weight's only when
-    ``mode`` weighs; the masked shares when MIS or a rule may drop)."""
+    """``(weight, keep, metrics)`` of correction ``mode`` (:data:`ROLLOUT_CORRECTIONS`) and the
+    rejection rules ``rejection`` (:func:`rollout_rejection`), (B, T) float each, 0 on padding and on
+    the dropped tokens. ``lower`` (MIS) defaults to ``1 / cap``.
+
+    Metrics: detached 0-dim tensors, no host sync; ``w`` is the weight before the rules (0 where MIS
+    drops) over the ``N`` valid tokens; verl's names in brackets::
+
+        correction_weight_mean      mean of the final weight over the kept tokens
+        correction_weight_max/_min  max / min of w                          (rollout_is_max / _min)
+        correction_ess              (sum w)^2 / (N sum w^2), in (0, 1]      (rollout_is_eff_sample_size)
+        correction_truncated_frac   tis: share of tokens with rho > C       (rollout_is_ratio_fraction_high)
+        correction_masked_frac      share of tokens dropped, band and rules (rollout_rs_masked_fraction)
+        correction_seq_masked_frac  share of rows that lose a token        (rollout_rs_seq_masked_fraction)
+        correction_rs_<rule>_*      each rule's, from :func:`rollout_rejection`
+
+    The weight's metrics only when ``mode`` weighs; the masked shares when MIS or a rule may drop."""
     fn = ROLLOUT_CORRECTIONS.get(mode)
     if not cap >= 1.0:
         raise ValueError(f"the rollout correction cap must be >= 1, got {cap}")
@@ -289,9 +264,11 @@ def rollout_correction(
 def mismatch_metrics(
     old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """The gap between the engine's log-probs and the trainer's on the sampled tokens (module
-    docstring): ``mismatch_kl`` (k3, per token), ``mismatch_kl_k1``, ``mismatch_ratio_max``,
-    ``mismatch_ratio_min``; 0-dim tensors (0, 0, 1, 1 without any valid token)."""
+    """The gap between the engine's log-probs and the trainer's on the sampled tokens, with
+    ``r = pi_old / pi_engine``: ``mismatch_kl`` (the k3 estimate of KL(pi_engine || pi_old) per token,
+    the mean of ``r - 1 - log r`` over tokens sampled from the engine, >= 0), ``mismatch_kl_k1`` (the
+    mean of ``-log r``: unbiased, may be negative), ``mismatch_ratio_max`` and ``mismatch_ratio_min``
+    (the extreme token ratios). 0-dim tensors (0, 0, 1, 1 without any valid token)."""
     _check(old_log_prob, rollout_log_prob, mask)
     m = mask != 0
     log_r = _log_ratio(old_log_prob, rollout_log_prob, m).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)

@@ -1,7 +1,7 @@
 """Variants of PPO's ratio surrogate ``-A r``: a soft gate, a geometric mean, covariance control.
 
-Per valid token, with ``log r_t = clamp(log pi_t - log pi_old_t, -20, 20)`` and ``A_t`` the
-token's advantage (or its row's)::
+Per valid token, with ``log r_t = clamp(log pi_t - log pi_old_t, -20, 20)`` and ``A_t`` the token's
+advantage (or its row's); the loss is ``aggregate(L, mask, agg_mode, ...)``::
 
     sapo      L_t = -A_t (4 / tau_t) sigmoid(tau_t (r_t - 1)),   tau_t = tau_pos if A_t > 0 else tau_neg
     geo_mean  L_b = -A_b exp(mean_t l_t),
@@ -9,30 +9,12 @@ token's advantage (or its row's)::
     clip_cov  L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)) c_t
     kl_cov    L_t = -A_t r_t + k_t coef |log r_t|
 
-and the loss is ``aggregate(L, mask, agg_mode, ...)`` (``geo_mean`` puts each row's ``L_b`` on
-its valid tokens: ``seq-mean-token-mean`` gives GMPO's mean over sequences).
-
-- **SAPO** (Soft Adaptive Policy Optimisation, Qwen, 2025): a smooth gate in place of the hard
-  clip. Its gradient ``-A sigmoid'(tau (r - 1)) 4 r grad log pi`` equals PPO's ``-A r grad log pi``
-  at ``r = 1`` and fades as ``r`` leaves 1, faster for negative advantages (``tau_neg > tau_pos``).
-  The SAPO paper aggregates with ``seq-mean-token-mean``.
-- **GMPO** (``geo_mean``, Geometric-Mean Policy Optimisation, 2025): the sequence's importance
-  ratio is the geometric mean of its token ratios, each clipped in log space (a wider range
-  than PPO's, e.g. ``eps = 0.4``), so one outlier token moves the ratio little. Meant for one
-  advantage per sequence (outcome rewards).
-- **Clip-Cov / KL-Cov** (Cui et al., 2025, "The Entropy Mechanism of Reinforcement Learning for
-  Reasoning Language Models"): the policy's entropy falls as tokens with a large covariance
-  ``cov_t = (A_t - mean A) (log pi_t - mean log pi)`` (means over the micro-batch's valid tokens)
-  are reinforced. Clip-Cov stops the gradient (``c_t = 0``) of ``n = max(1, floor(ratio N))``
-  tokens drawn at random (the torch generator of the device) among those with
-  ``lb < cov_t < ub`` that PPO's clip left alone; KL-Cov puts a penalty ``coef |log r_t|`` on the
-  ``n`` tokens of largest ``cov_t`` (``k_t = 1``) and clips nothing. Both read counts from the
-  device (one host sync per micro-batch).
-
-Hyperparameters: ``algo.lower_clip_ratio`` / ``algo.upper_clip_ratio`` (``eps``),
-``algo.sapo_tau_pos`` / ``sapo_tau_neg``, ``algo.clip_cov_ratio`` / ``clip_cov_lb`` /
-``clip_cov_ub``, ``algo.kl_cov_ratio`` / ``kl_cov_coef``; verl's losses of the same names agree
-(``bench/verl_parity.py``).
+Why each: SAPO (Qwen) replaces the hard clip by a smooth gate whose gradient is PPO's at ``r = 1``
+and fades as ``r`` leaves 1. GMPO (``geo_mean``) takes the geometric mean of clipped token ratios, so
+one outlier token moves a sequence's ratio little. Clip-Cov and KL-Cov (Cui et al., 2025) keep the
+entropy from collapsing: they stop the gradient of (``c_t = 0``) or penalise (``k_t = 1``) a few
+tokens of large covariance ``(A_t - mean A) (log pi_t - mean log pi)``, which are what drive it down.
+They equal verl's losses of the same names (``bench/verl_parity.py``).
 """
 
 from __future__ import annotations
@@ -69,7 +51,11 @@ def sapo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO: ``L_t = -A_t (4 / tau_t) sigmoid(tau_t (r_t - 1))`` (module docstring). Nothing is
     clipped (``clipfrac`` 0); ``gate_mean`` is the mean of ``sigmoid'(tau (r - 1)) 4``, the factor
-    on PPO's gradient (1 at the start of an update)."""
+    on PPO's gradient (1 at the start of an update).
+
+    The gradient ``-A sigmoid'(tau (r - 1)) 4 r grad log pi`` equals PPO's ``-A r grad log pi`` at
+    ``r = 1`` and fades as ``r`` leaves 1, faster for negative advantages (``tau_neg > tau_pos``).
+    The SAPO paper aggregates with ``seq-mean-token-mean``."""
     check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     if not (tau_pos > 0.0 and tau_neg > 0.0):
         raise ValueError(f"the SAPO temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
@@ -107,7 +93,11 @@ def geo_mean_loss(
     """GMPO: ``L_b = -A_b exp(mean_t l_t)`` with each token's log-ratio clipped in log space to
     ``[-lower_clip_ratio, upper_clip_ratio]`` on the side its advantage's sign pessimises (module
     docstring); ``A_b`` is the row's mean advantage. Metrics: ``clipfrac`` (valid tokens whose
-    log-ratio was clipped, ``A != 0``), ``clipfrac_upper`` (A > 0), ``clipfrac_lower`` (A < 0)."""
+    log-ratio was clipped, ``A != 0``), ``clipfrac_upper`` (A > 0), ``clipfrac_lower`` (A < 0).
+
+    ``L_b`` goes on every valid token of its row: ``seq-mean-token-mean`` (the default) gives GMPO's
+    mean over sequences. The log-space clip is wider than PPO's (e.g. ``eps = 0.4``). Meant for one
+    advantage per sequence (outcome rewards)."""
     check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     check_clip_bounds(lower_clip_ratio, upper_clip_ratio)
     m, _, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
@@ -167,7 +157,12 @@ def clip_cov_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clip-Cov: PPO's clipped surrogate with the gradient of a random ``cov_ratio`` share of the
     tokens in the covariance band ``(cov_lower, cov_upper)`` stopped (module docstring). Metrics:
-    ``clipfrac`` (PPO's clip or the covariance rule zeroes the gradient), ``clip_cov_frac``."""
+    ``clipfrac`` (PPO's clip or the covariance rule zeroes the gradient), ``clip_cov_frac``.
+
+    ``cov_t = (A_t - mean A) (log pi_t - mean log pi)``, means over the micro-batch's valid tokens;
+    ``n = max(1, floor(cov_ratio N))`` tokens are drawn at random (the device's torch generator)
+    among those with ``cov_lower < cov_t < cov_upper`` that PPO's clip left alone. Counting them
+    reads the device (one host sync per call)."""
     check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     check_clip_bounds(lower_clip_ratio, upper_clip_ratio)
     if not 0.0 < cov_ratio <= 1.0:
@@ -208,7 +203,10 @@ def kl_cov_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov: the unclipped surrogate ``-A r`` plus ``coef |log r|`` on the ``cov_ratio`` share of
     tokens with the largest covariance (module docstring). Nothing is clipped (``clipfrac`` 0);
-    ``kl_cov_frac`` is the share penalised."""
+    ``kl_cov_frac`` is the share penalised.
+
+    ``cov_t`` and ``n`` as in :func:`clip_cov_loss`: the ``n`` tokens of largest ``cov_t`` get the
+    penalty (one host sync per call)."""
     check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     if not 0.0 < cov_ratio <= 1.0:
         raise ValueError(f"kl_cov_ratio must be in (0, 1], got {cov_ratio}")

@@ -1,54 +1,21 @@
-"""Credit assignment across the turns of multi-turn episodes.
+"""Credit assignment across the turns of multi-turn episodes (pure tensor math).
 
-A multi-turn episode laid out as one row of a (B, T) batch interleaves the model's
-action tokens (turn 0, 1, ...) with environment tokens (observations, tool results)
-and padding. ``turn_index`` (B, T) names the turn of every action token and is -1
-elsewhere; K is the number of turn slots, per-turn tensors are (B, K).
+A multi-turn row of a (B, T) batch interleaves the model's action tokens with environment tokens
+and padding; ``turn_index`` (B, T) is each action token's turn (-1 elsewhere), K the turn slots.
 
-Two ways to assign credit, both pure tensor math:
+- Token level: :func:`~ppokit.algo.advantages.compute_gae` with ``mask = turn_index >= 0`` carries
+  the next value and advantage across environment tokens. A turn's reward must sit on one of its
+  action tokens (:func:`place_at_turn_ends`): a reward on a masked position is ignored.
+- Turn level (turn-level PPO, as UnstableBaselines trains on text games): :func:`turn_level_gae` is
+  :func:`gather_turn_values` (V at a turn's first action token), :func:`turn_gae` (GAE over turns)
+  and :func:`spread_over_turns`; :func:`turn_gae_rows` when each turn is its own row.
+- :func:`trajectory_credit`: either, where a trajectory spans rows. Critic-free, against a group:
+  :func:`trajectory_group_advantages`, :func:`step_group_advantages`, :func:`turn_group_advantages`.
 
-- **Token level**: :func:`~ppokit.algo.advantages.compute_gae` over the action tokens
-  with ``mask = turn_index >= 0``. It skips the environment tokens (mask 0) and
-  carries the next value and advantage across them, so the last action token of turn
-  k bootstraps from the value at the first action token of turn k+1 and the discount
-  counts action tokens only. A turn's reward must sit on one of its *action* tokens
-  (:func:`place_at_turn_ends`): a reward on a masked position is ignored.
-- **Turn level** (turn-level PPO, as UnstableBaselines trains on text games): one
-  value per turn, read at the turn's first action token (:func:`gather_turn_values`:
-  the critic's V of the context that ends with the turn's observation); GAE over the
-  turns (:func:`turn_gae`); the turn's advantage and return spread over all of its
-  action tokens (:func:`spread_over_turns`). :func:`turn_level_gae` does all three.
-  When each turn is its own row instead (the prompt is the turn's observation, the
-  response its action: environments whose observations are whole states),
-  :func:`turn_gae_rows` does the same from one value and one reward per row.
-
-:func:`trajectory_credit` does either over a batch where a trajectory (one seat's
-episode) may span several rows (one row per turn) or fill one row (the whole token
-stream): it packs each trajectory's action tokens in time order, runs the credit on
-the packed (E, L) or (E, K) tensors and scatters the result back to (N, T).
-
-Normalising per turn index, and why ppokit does not by default
--------------------------------------------------------------
-When the policy decides how many turns an episode lasts (it answers, stops calling
-tools, resigns), the set of episodes that reach turn k depends on the policy. Two
-consequences:
-
-- Normalising per-turn *rewards* per turn index (subtract the mean of the episodes
-  that reached turn k) and summing them into a return, as MT-GRPO-style estimators do,
-  subtracts from turn t's advantage the sum of the turn means *over the turns the
-  episode itself went on to take*. That baseline depends on the episode's own later
-  actions, including the decision to stop, so the gradient is biased: every "take
-  another turn" action pays a hidden penalty equal to the group mean of the later
-  turns' rewards (the analysis of verl's RFC 7244). :func:`turn_group_advantages` with
-  ``absent="zero"`` (the default) is the unbiased construction: every episode of the
-  group enters every turn index's statistics, a turn it did not take counting as
-  reward 0, so the subtracted sum is the same for every episode of the group.
-  ``absent="skip"`` reproduces the biased construction for comparison.
-- Whitening GAE advantages per turn index subtracts a mean that does not depend on the
-  episode's own actions (no bias beyond the usual 1/N), but divides turn k by a std
-  computed on a policy-dependent and, for late turns, small set of episodes, which
-  reweights turns arbitrarily and noisily. Whiten over all action tokens instead
-  (:func:`~ppokit.algo.stats.whiten` with ``mask = turn_index >= 0``).
+Never normalise per turn index: when the policy decides how long an episode lasts, per-index reward
+baselines bias the gradient (``absent="zero"`` is the unbiased construction) and per-index whitening
+reweights turns noisily. Whiten over all action tokens (:func:`~ppokit.algo.stats.whiten` with
+``mask = turn_index >= 0``); why: docs/multiturn.md, "Why ppokit does not normalise per turn index".
 """
 
 from __future__ import annotations

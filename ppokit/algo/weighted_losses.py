@@ -1,7 +1,7 @@
 """Policy losses whose gradient is a constant weight times the score: ``-w_t A_t grad log pi_t``.
 
-Per valid token, with ``r_t = exp(clamp(log pi_t - log pi_old_t, -20, 20))``, ``sg`` = stop
-gradient and ``A_t`` the token's advantage (or its row's)::
+Per valid token, with ``r_t = exp(clamp(log pi_t - log pi_old_t, -20, 20))``, ``sg`` = stop gradient
+and ``A_t`` the token's advantage (or its row's); the loss is ``aggregate(L, mask, agg_mode, ...)``::
 
     cispo    L_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t log pi_t
     dppo_tv  L_t = -sg(min(r_t, C)) A_t log pi_t [the move stays inside the TV trust region]
@@ -9,33 +9,12 @@ gradient and ``A_t`` the token's advantage (or its row's)::
     gpg      L_t = -A_t log pi_t
     dro      L_t = -(A_t log pi_t - beta/2 (log r_t)^2)
 
-and the loss is ``aggregate(L, mask, agg_mode, normalizer=..., horizon=...)``.
-
-- **CISPO** (MiniMax-M1, 2025): PPO's clip drops the gradient of tokens outside the band,
-  rare reflective tokens among them; CISPO clips the importance weight instead and keeps every
-  token's gradient. MiniMax-M1 leaves the lower bound off (``lower_clip_ratio`` near 1) and
-  tunes the upper one (ScaleRL: ``upper_clip_ratio`` 4-5).
-- **DPPO** (Divergence PPO, 2026): the trust region is a divergence between the old and new
-  probability of the sampled token instead of their ratio, so rare tokens may move as far as
-  common ones. With ``p = pi_t``, ``q = pi_old_t`` and thresholds ``d_high`` (A > 0), ``d_low``
-  (A <= 0) a token keeps its gradient when::
-
-      tv  A > 0: p - q <= d_high            A <= 0: p - q >= -d_low
-      kl  A > 0: KL_b <= d_high or p <= q   A <= 0: KL_b <= d_low or p >= q
-          KL_b = q (log q - log p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))
-
-  (the Bernoulli KL of "this token or another"; its 1e-8 guards p = 1). The weight is the
-  ratio truncated at ``C`` (truncated IS in place of the dual clip; the DPPO paper advises a
-  large ``C``).
-- **GPG** (Group Policy Gradient, 2025): the plain policy gradient with group advantages, no
-  ratio and no clip (meant for one epoch on fresh samples).
-- **DRO** (Direct Reward Optimisation, Richemond et al., 2024): the score weighted by the
-  advantage with a quadratic penalty on the log-ratio in place of a clip.
-
-The thresholds are ``algo.lower_clip_ratio`` / ``algo.upper_clip_ratio`` (eps or d), ``C`` is
-``algo.clip_ratio_c`` (null: 20) and ``beta`` is ``algo.dro_beta``, as in verl, whose losses of
-the same names these equal (``bench/verl_parity.py``). The value of a loss here is not 0 at
-the start of an update (it carries ``log pi``); its gradient is what matters.
+Why each: CISPO (MiniMax-M1) clips the importance weight instead of dropping the gradient, so rare
+tokens outside the band still learn. DPPO bounds a divergence of the sampled token's old and new
+probability instead of their ratio, so rare tokens may move as far as common ones (:func:`dppo_loss`).
+GPG is the plain policy gradient with group advantages; DRO puts a quadratic penalty on the log-ratio
+in place of a clip. They equal verl's losses of the same names (``bench/verl_parity.py``). A loss's
+value is not 0 at the start of an update (it carries ``log pi``); its gradient is what matters.
 """
 
 from __future__ import annotations
@@ -90,7 +69,8 @@ def cispo_loss(
     diagnostics: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: ``L_t = -sg(clip(r_t, 1 - lower_clip_ratio, 1 + upper_clip_ratio)) A_t log pi_t``
-    (module docstring). Metrics: ``clipfrac`` (tokens whose weight was clipped) and the ratio's."""
+    (module docstring): every token keeps its gradient, the weight is clipped. Metrics: ``clipfrac``
+    (tokens whose weight was clipped) and the ratio's."""
     check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     check_clip_bounds(lower_clip_ratio, upper_clip_ratio)
     m, lp, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
@@ -125,8 +105,17 @@ def dppo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO with the ``"tv"`` or ``"kl"`` trust region (module docstring):
     ``L_t = -sg(min(r_t, ratio_cap)) A_t log pi_t`` where the token's move stays inside it, else 0.
-    Metrics: ``clipfrac`` (tokens outside the region) and ``clipfrac_truncated`` (tokens inside
-    whose weight was truncated at ``ratio_cap``)."""
+    With ``p = pi_t``, ``q = pi_old_t``, ``d_high = upper_divergence`` (A > 0) and
+    ``d_low = lower_divergence`` (A <= 0), a token keeps its gradient when::
+
+        tv  A > 0: p - q <= d_high            A <= 0: p - q >= -d_low
+        kl  A > 0: KL_b <= d_high or p <= q   A <= 0: KL_b <= d_low or p >= q
+            KL_b = q (log q - log p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))
+
+    (the Bernoulli KL of "this token or another"; its 1e-8 guards p = 1). The weight is the ratio
+    truncated at ``ratio_cap`` (truncated IS in place of the dual clip; the DPPO paper advises a
+    large cap). Metrics: ``clipfrac`` (tokens outside the region) and ``clipfrac_truncated`` (tokens
+    inside whose weight was truncated at ``ratio_cap``)."""
     check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     if divergence not in ("tv", "kl"):
         raise ValueError(f"divergence must be tv or kl, got {divergence!r}")
@@ -168,7 +157,8 @@ def gpg_loss(
     horizon: int | None = None,
     diagnostics: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GPG: ``L_t = -A_t log pi_t`` (module docstring); ``old_log_prob`` only feeds the metrics."""
+    """GPG: ``L_t = -A_t log pi_t`` (module docstring): no ratio and no clip, meant for one epoch on
+    fresh samples; ``old_log_prob`` only feeds the metrics."""
     check_loss_inputs(log_prob, old_log_prob, advantages, mask, agg_mode)
     m, lp, _, adv, tlr = masked_inputs(log_prob, old_log_prob, advantages, mask)
     agg = {"agg_mode": agg_mode, "normalizer": normalizer, "horizon": horizon}

@@ -1,47 +1,21 @@
 """FSDP2 learners (``cluster.sharding: fsdp``): the policy sharded over the learner ranks (no Ray here).
 
-:func:`shard_policy` applies PyTorch's ``torch.distributed.fsdp.fully_shard`` bottom-up, so
-that each call makes one unit whose parameters are all-gathered together and whose
-gradients are reduce-scattered together:
+:func:`shard_policy` applies PyTorch's ``fully_shard`` bottom-up, each call one unit whose parameters
+are all-gathered together and whose gradients are reduce-scattered together: every transformer block
+of each Hugging Face model in the policy (:func:`transformer_blocks`), every module that keeps float32
+weights (``keeps_float32``: the value head) as a float32 unit of its own, and the policy itself as the
+root (embeddings, final norms, LM heads). Each rank then holds ``1/W`` of every parameter (its rows, as
+a ``DTensor``), its gradient and its Adam moments (:func:`local_bytes`). :class:`FSDPParallel` is the
+trainer's :class:`~ppokit.trainer.DataParallel` for it. Mixed precision and CPU offload: docs/scale.md.
 
-- every transformer block of each Hugging Face model in the policy (the actor, full
-  mode's critic and reference): the classes the model names in ``_no_split_modules``,
-  its decoder layers;
-- every module that keeps float32 weights (``keeps_float32``: the value head, whose
-  forward is float32 by design) as a unit of its own with a float32 policy;
-- the policy itself, the root: what is left (embeddings, final norms, LM heads; for a
-  control MLP, all of it).
-
-Each rank then holds the ``1/W`` slice (rows, dim 0) of every parameter as a ``DTensor``,
-its gradient and its Adam moments: parameter, gradient and optimizer memory per rank
-falls as ``1/W`` (measured by :func:`local_bytes`; ``tests/cluster/test_cluster_fsdp.py``).
-In lora mode the frozen backbone is sharded the same way and only the adapters and the
-value head are trained.
-
-The trainer calls ``policy.evaluate``, not ``forward``: it is registered as a forward
-method (``register_fsdp_forward_method``), so the root's parameters are gathered for the
-whole pass (the LM head included, whose weight the exact-KL path reads directly) and
-each block's around its own forward and backward.
-
-Mixed precision: with ``run.precision`` = bf16 the gathered parameters and the
-computation are bf16 and the gradients are reduced in float32
-(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); the float32 shards are
-the optimizer's master weights. ``cluster.cpu_offload`` keeps the shards (parameters,
-gradients, Adam moments) in CPU memory and steps the optimizer there
-(``CPUOffloadPolicy``).
-
-Gradients: FSDP divides the reduced gradient by the world size by default. The
-trainer's losses are already divided by the whole mini-batch's normaliser (all-reduced,
-:meth:`ppokit.trainer.PPOTrainer._global_normalizer`), so the ranks' gradients must be
-summed: divide factor 1, with sum-only collectives (gloo has no pre-multiplied sum). Each
-rank's gradient shard is then its slice of the single-learner gradient::
-
-    g_shard(r) = slice_r( sum_q d/dθ [ sum_{i in part q} l_i(θ) / N_minibatch ] )
-
-The norm of the sharded gradients is reduced over the ranks before clipping
-(:func:`ppokit.trainer.clip_grad_norm`), so every rank clips with the whole gradient's
-norm, the actor's and the critic's apart. Every pass runs per-unit collectives, so the
-ranks make the same number of passes per mini-batch (:meth:`FSDPParallel.passes`).
+- ``policy.evaluate`` is registered as a forward method: the root is gathered for the whole pass (the
+  exact-KL path reads the LM head's weight directly), each block around its own forward and backward.
+- The gradient divide factor is 1 (sum-only collectives: gloo has no pre-multiplied sum): the losses
+  are already divided by the whole mini-batch's all-reduced normaliser, so each rank's gradient shard
+  is its slice of the single learner's, ``slice_r(sum_q d/dθ [sum_{i in part q} l_i(θ) / N_minibatch])``.
+- Every pass runs per-unit collectives, so the ranks make the same number of passes per mini-batch
+  (:meth:`FSDPParallel.passes`); gradient norms are reduced over the ranks before clipping
+  (:func:`ppokit.trainer.clip_grad_norm`), the actor's and the critic's apart.
 """
 
 from __future__ import annotations

@@ -1,37 +1,20 @@
 """The learner group: M Ray actors that update one policy on torch.distributed, replicated or sharded.
 
-Every rank builds the workload's learner (:meth:`Workload.learner_replica`); rank 0
-picks the rendezvous address and port, all ranks join one process group (gloo on CPUs,
-nccl when the ranks have GPUs). An update sends the batch to the object store once;
-each rank shuffles it with the shared generator, takes its slice of every mini-batch
-and all-reduces the normaliser (:mod:`ppokit.trainer`), so all ranks take the same step.
+Every :class:`LearnerRank` builds the workload's learner (:meth:`Workload.learner_replica`); rank 0
+picks the rendezvous address and port, and all ranks join one process group (gloo on CPUs, nccl when
+the ranks have GPUs). An update sends the batch to the object store once; each rank shuffles it with
+the shared generator, takes its slice of every mini-batch and all-reduces the normaliser
+(:mod:`ppokit.trainer`), so all ranks take the same step. ``cluster.sharding``: ``ddp``, every rank
+holds the whole policy (:class:`~ppokit.cluster.parallel.ProcessGroupParallel`: one all-reduce of the
+summed gradients a step); ``fsdp``, each holds ``1/M`` of every parameter, gradient and Adam moment
+(:mod:`ppokit.cluster.fsdp`; with ``cluster.learners: 1``, a group of one rank, for CPU offload).
 
-``cluster.sharding``:
-
-ddp
-    Every rank holds the whole policy, its gradients and Adam moments
-    (:class:`~ppokit.cluster.parallel.ProcessGroupParallel`: one all-reduce of the summed
-    gradients per step).
-fsdp
-    The policy is sharded over the ranks with FSDP2 (:mod:`ppokit.cluster.fsdp`): each holds
-    ``1/M`` of every parameter, gradient and Adam moment. With ``cluster.learners: 1`` it
-    is a group of one rank (CPU offload of a model too large for one device's memory).
-
-:class:`LearnerGroup` is the run loop's :class:`~ppokit.components.Learner`. The driver
-keeps its own replica (the workload's local learner: weights, no gradients or
-optimizer moments) for scoring, evaluation and the rollout's weights. After each update
-it copies the trained weights into it bucket by bucket (:mod:`ppokit.cluster.weights`):
-with fsdp the ranks all-gather one bucket's parameters at a time, and the driver loads
-it before asking for the next, so no process holds a second whole copy of the model.
-The same buckets carry the driver's weights to the ranks at the start and on resume.
-
-Checkpoints keep the single learner's layout: the driver writes the policy's files
-(Hugging Face / peft) from its replica and rank 0's learner state. With fsdp the Adam
-moments stay sharded: each rank writes its shards with ``torch.distributed.checkpoint``
-into ``CKPT/learner_shards/`` and the state holds markers in their place
-(:mod:`ppokit.checkpoint`). A sharded checkpoint resumes on any number of fsdp ranks
-(DCP reshards), on ddp ranks or in one process (the markers are read back whole); an
-in-process or ddp checkpoint resumes on fsdp ranks (each takes its slices).
+:class:`LearnerGroup` is the run loop's :class:`~ppokit.components.Learner`. The driver keeps its own
+replica (weights only) for scoring, evaluation and the rollout's weights, refreshed after each update
+bucket by bucket (:mod:`ppokit.cluster.weights`): fsdp ranks all-gather one bucket at a time and the
+driver loads it before asking for the next, so no process holds a second whole copy. Checkpoints keep
+the single learner's layout; with fsdp each rank writes its Adam shards into ``CKPT/learner_shards/``
+(markers in the state), which resume on any layout (docs/scale.md, "Sharded checkpoints").
 """
 
 from __future__ import annotations

@@ -1,55 +1,21 @@
 """Rollout workers: N Ray actors each holding a shard of the rollout, behind one RolloutSource.
 
-:class:`RemoteSource` is the run loop's source when ``cluster.rollout_workers`` >= 1.
-Each iteration it asks the workload's :class:`~ppokit.components.ShardPlan` for one
-request per shard (lm: a contiguous slice of the prompts; control: nothing, each
-worker steps its own envs), sends them, and merges the parts in shard order. With one
-worker the batch is the in-process source's batch, bit for bit:
+:class:`RemoteSource` is the run loop's source when ``cluster.rollout_workers`` >= 1. Each iteration it
+asks the workload's :class:`~ppokit.components.ShardPlan` for one request per shard (lm: a contiguous
+slice of the prompts; control: nothing, each worker steps its own envs), sends them to the
+:class:`RolloutWorker` actors and merges the parts in shard order.
 
-RNG
-    One worker, synchronous: the driver sends its RNG state (``capture_rng``) with the
-    request and takes the worker's back, so the draws continue the run's one stream
-    exactly as in-process. Several workers, or ``rollout.off_policy_steps`` >= 1: each
-    shard's rollout of iteration i runs under RNGs seeded from (seed, i, shard)
-    (:func:`ppokit.resume.rollout_rngs`), which the in-process pipelined source uses too.
-    A plan whose :meth:`merge` returns None (lm: ``rollout.dynamic_sampling`` wants more
-    groups whose rewards, or multi-turn returns, vary) gets another round of requests for
-    the same iteration: its d-th further round is seeded with shard ``s + d * DRAW_STREAM``.
-
-Weights
-    :meth:`RemoteSource.sync_weights` puts ``learner.rollout_weights()`` (lora: the
-    actor adapter only) into the object store once, in buckets of at most
-    ``cluster.sync_bucket_mb`` MiB in layer order (:mod:`ppokit.cluster.weights`), and every
-    worker fetches and loads them one at a time; the metrics ``sync_bytes``,
-    ``sync_bucket_peak`` (the largest bucket) and ``sync_time`` (put, plus the workers'
-    load when the run is synchronous) are logged per iteration. A plan with a
-    ``sync_weights(learner)`` of its own (multi-turn self-play: the opponent pool's
-    snapshots) is told of every sync too.
-
-Pipelining (``rollout.off_policy_steps`` = k >= 1)
-    Up to k rollouts are in flight. After iteration i is collected the loop asks for
-    i+1 .. i+k; :meth:`RemoteSource.prefetch` submits the one not in flight yet, i+k
-    (on the first iteration all k). Ray runs an actor's calls in submission order: the
-    weights of update i-1 were sent before it and those of update i are sent after it,
-    so the workers generate i+k with version i while the driver scores and updates on
-    i, and the batch of iteration j is always sampled by version j - min(j, k)
-    (:class:`~ppokit.components.RolloutQueue`). The behaviour log-probs that become the
-    batch's ``old_log_prob`` are taken on the worker right after the rollout, with the
-    weights that sampled it (single-turn: ``RolloutPart.old_log_prob``; multi-turn: each
-    turn's ``TurnData.behaviour_log_probs``), so the driver never takes them from newer
-    weights. A checkpoint waits for every rollout in
-    flight and stores their batches in order (``pending``) with the shards' states after
-    the last: a resume continues exactly. The weight buckets of every version an
-    in-flight request was sent after stay in the object store (a restarted worker needs
-    them).
-
-Failures
-    Each part comes back with its shard's state after it. When a worker has died, the
-    driver starts a new one, loads the shard's last state and the weights the lost
-    request was sent with, and sends the same request with the same RNG: the part is
-    generated again as it would have been (``worker_restarts`` counts them). A part
-    whose worker dies more than :data:`MAX_RESTARTS` times in a row (a crash the part
-    itself causes) stops the run with an error instead of looping.
+- RNG: one synchronous worker gets the driver's RNG state with each request and returns it, so the
+  batch is the in-process one bit for bit. Otherwise shard s of iteration i runs under RNGs seeded
+  from (seed, i, s) (:func:`ppokit.resume.rollout_rngs`); a further round of the same iteration (a
+  plan whose ``merge`` returns None: dynamic sampling) is seeded as shard ``s + d * DRAW_STREAM``.
+- Weights: :meth:`RemoteSource.sync_weights` puts ``learner.rollout_weights()`` into the object store
+  once, in buckets (:mod:`ppokit.cluster.weights`); every worker loads them one at a time.
+- Pipelining (``rollout.off_policy_steps`` = k): :meth:`RemoteSource.prefetch` keeps k rollouts in
+  flight. Ray runs an actor's calls in order, so batch j is sampled by weights j - min(j, k), and its
+  behaviour log-probs are taken on the worker with those weights.
+- Failures: a dead worker is replaced from its shard's last state and sent the same request with the
+  same RNG; more than :data:`MAX_RESTARTS` deaths in a row stop the run. Details: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -133,7 +99,15 @@ class _Request:
 
 
 class RemoteSource:
-    """A :class:`~ppokit.components.RolloutSource` whose shards run in Ray actors."""
+    """A :class:`~ppokit.components.RolloutSource` whose shards run in Ray actors.
+
+    A weight sync logs ``sync_bytes``, ``sync_bucket_peak`` (the largest bucket) and ``sync_time``
+    (the put, plus the workers' load when the run is synchronous); a plan with a
+    ``sync_weights(learner)`` of its own (multi-turn self-play: the opponent pool's snapshots) is
+    told of every sync too. A checkpoint waits for every rollout in flight and stores their batches
+    in order (``pending``) with the shards' states after the last, so a resume continues exactly;
+    the weight buckets of every version an in-flight request was sent after stay in the object
+    store, for a restarted worker."""
 
     def __init__(
         self,

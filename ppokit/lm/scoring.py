@@ -1,47 +1,21 @@
 """Scoring a rollout: old log-probs, reference log-probs, values and token rewards.
 
-:class:`Scorer` (the run loop's scorer, :class:`ppokit.components.Scorer`) runs the
-forward passes PPO needs before an update, in chunks of ``train.infer_micro_batch_size``
-sequences, under no_grad, and turns the sequence rewards into token rewards::
+:class:`Scorer` (the run loop's :class:`ppokit.components.Scorer`) runs the passes PPO needs before an
+update, under no_grad, in chunks of ``train.infer_micro_batch_size`` rows (or of a token budget,
+``train.micro_batch_tokens``: :mod:`ppokit.algo.batching`)::
 
-    old_log_prob  (N, R)  actor, sampling temperature applied, under the same autocast
-                          and through the same code as the update's forward: the first
-                          importance ratio of an update is exactly 1
-    ref_log_prob  (N, R)  reference: the backbone with adapters disabled (lora) or the
-                          frozen copy (full mode; only loaded when a KL term needs it)
-    ref_log_prob_metric (K, R)  without a KL term, in lora mode: the reference log-probs
-                          of the first K = ``metric_rows`` sequences only, for the
-                          ``kl_ref`` metric (a third of the scoring work saved; the
-                          prompts are shuffled, so the K rows are a random sample)
-    old_values    (N, R)  critic: V(state before response token t)
+    old_log_prob         (N, R)  actor, under the same autocast and code as the update's forward,
+                                 so the first importance ratio of an update is exactly 1
+    ref_log_prob         (N, R)  reference: the backbone without adapters (lora) or the frozen copy
+    ref_log_prob_metric  (K, R)  lora without a KL term: the first K = ``metric_rows`` rows, for ``kl_ref``
+    old_values           (N, R)  critic: V(state before response token t)
 
-With ``micro_batch_tokens`` (``train.micro_batch_tokens``) the chunks are formed by a
-token budget instead (rows of similar length, each chunk cut to its longest row:
-:mod:`ppokit.algo.batching`).
-
-With ``bypass`` (``algo.rollout_correction_bypass``) the batch's ``rollout_log_prob``, the
-engine's behaviour log-probs, become ``old_log_prob`` and the actor pass is skipped (the
-in-reward KL, if any, reads them). Without ``need_old_log_prob`` the actor pass is skipped
-and ``old_log_prob`` left out:
-for an update that is fully on-policy (one epoch, one mini-batch: see
-:mod:`ppokit.trainer`) whose rewards carry no KL term, the update's own forward pass
-computes the same log-probs. That saves one of the three passes; a GRPO-style run
-without a critic or a KL term is left with the reference on the ``metric_rows`` sample.
-
-:func:`token_rewards` puts each sequence's reward on its last real response token
-(the EOS, or the last token of a truncated response; never on padding) and, with
-``algo.use_kl_in_reward``, subtracts ``kl_coef * KL_t`` on every response token (a
-per-token estimator, or with ``algo.kl_penalty: full`` the exact KL over the vocabulary),
-the coefficient coming from a fixed or adaptive controller (:mod:`ppokit.algo.kl`). The
-adaptive controller's input is verl's: the mean over sequences of each sequence's mean
-KL per token (:func:`ppokit.algo.mean_sequence_kl`), so ``algo.kl_ctrl.target_kl`` is a
-KL per token.
-
-Multi-turn batches (:mod:`ppokit.lm.multi_turn.turn_batch`) carry their rewards already placed
-(``token_scores``: each turn's on its last action token) and a ``mask`` that is 1 on the
-model's tokens only: the same passes score them, and the KL penalty falls on action
-tokens alone. Their truncated trajectories' bootstrap values (``last_values`` (E,)) come
-from one critic pass over the next prompts (:meth:`Scorer.bootstrap_values`).
+The actor pass is skipped in bypass mode (``old_log_prob`` = the engine's ``rollout_log_prob``) and
+for a fully on-policy update with no KL in the reward, whose own forward computes the same log-probs
+(:mod:`ppokit.trainer`). :func:`token_rewards` puts each sequence's reward on its last real response
+token, minus ``kl_coef * KL_t`` per token with ``algo.use_kl_in_reward`` (:mod:`ppokit.algo.kl`).
+Multi-turn batches come with their rewards placed (:func:`placed_rewards`: the penalty on action tokens
+only); truncated trajectories bootstrap from :meth:`Scorer.bootstrap_values`.
 """
 
 from __future__ import annotations
@@ -72,7 +46,15 @@ class Scorer:
     """``score(batch)``: adds ``old_values``, ``old_log_prob`` (unless the update computes it),
     ``ref_log_prob`` (with a KL term; else ``extras["ref_log_prob_metric"]`` of the first
     ``metric_rows`` sequences) and the token ``rewards`` from the sequence ``scores``, minus
-    ``kl_coef * KL_t`` when ``kl_ctrl`` puts the KL into the reward."""
+    ``kl_coef * KL_t`` when ``kl_ctrl`` puts the KL into the reward.
+
+    ``KL_t`` is a per-token estimator, or with ``algo.kl_penalty: full`` the exact KL over the
+    vocabulary. The adaptive controller's input is verl's: the mean over sequences of each
+    sequence's mean KL per token (:func:`ppokit.algo.mean_sequence_kl`), so
+    ``algo.kl_ctrl.target_kl`` is a KL per token. Without a KL term the reference runs on the first
+    ``metric_rows`` rows only (a third of the scoring work saved; the prompts are shuffled, so they
+    are a random sample): a fully on-policy GRPO-style run without a critic or a KL term scores that
+    sample alone."""
 
     def __init__(
         self,

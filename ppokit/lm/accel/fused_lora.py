@@ -1,44 +1,21 @@
 """A fused forward and backward for peft's LoRA linear layers.
 
-peft computes a LoRA linear as four separate operations, each a pass over memory::
+peft computes ``y = base(x) + lora_B(lora_A(x)) * scaling`` as four operations, each a pass over
+memory (a full-size scaled copy and add among them), and autograd's backward adds more. At the sizes
+trained on a CPU (hidden 640-1024, rank 8) that elementwise work cost about as much as the matmuls.
+:class:`LoRALinearFunction` computes the same with matmuls only (x [N, d_in], upstream gradient
+g [N, d_out], s = scaling)::
 
-    y = base(x) + lora_B(lora_A(x)) * scaling          # x [N, d_in] -> y [N, d_out]
+    h   = x A^T          y  = x W^T + b;  y += s h B^T      (addmm into y: no scaled copy, no add)
+    g_h = s g B          dx = g W;  dx += g_h A
+    dA  = g_h^T x        dB = s g^T h                       (W and b are frozen: no gradient)
 
-(the base matmul, the rank-r product, a full-size ``* scaling`` copy and a full-size
-add), and autograd differentiates each one: the backward adds a second scaled copy,
-a second add for the input gradient, and autocast casts the same input once for the
-base layer and once more for the adapter. At the sizes trained on a CPU (hidden
-640-1024, rank 8) that elementwise work cost about as much as the layers' matmuls.
-
-:class:`LoRALinearFunction` computes the same thing with matmuls only:
-
-    h  = x A^T                      [N, r]
-    y  = x W^T + b;  y += s h B^T   (addmm into y: no scaled copy, no separate add)
-
-and its backward, for the upstream gradient g [N, d_out]:
-
-    g_h = s g B                     [N, r]
-    dx  = g W;  dx += g_h A         [N, d_in]
-    dA  = g_h^T x                   [r, d_in]
-    dB  = s g^T h                   [d_out, r]
-
-The frozen weight W (and bias b) get no gradient. Casting to the autocast dtype
-happens once, outside the function, so the fp32 master weights A and B receive
-fp32 gradients through autograd's own cast backward.
-
-On a CPU with AMX, in bf16 and for an even rank up to 64, the rank-r products run on
-ppokit's tile kernels instead of oneDNN's matmuls (:func:`enable_lora_kernels`, switched
-on with ``model.cpu_kernels``): ``h`` and ``g_h`` one pass over ``x`` and ``g`` each, the
-two ``addmm_`` one pass over ``y`` and ``dx`` each, and the weight gradients one pass over
-``g`` and ``x`` (each a single rounding of a float32 sum, where the matmul path rounds
-``g B`` and ``h^T g`` before scaling them: a rounding less). On a CPU with AVX512-BF16
-but no AMX, vector versions of the same kernels run the decoding steps of generation
-only (see :func:`enable_lora_kernels`).
-
-:func:`fuse_lora_layers` switches every plain ``nn.Linear`` LoRA layer of a peft model
-to this path. A layer falls back to peft's own forward whenever the fused path does
-not apply: adapters disabled or merged, several active adapters, dropout, DoRA,
-``fan_in_fan_out`` (GPT-2's Conv1D) or a base layer that is not a plain ``nn.Linear``.
+Casting to the autocast dtype happens once, outside the function, so the fp32 master weights A and B
+get fp32 gradients through autograd's own cast backward. :func:`fuse_lora_layers` puts every plain
+``nn.Linear`` LoRA layer on this path; a layer keeps peft's forward where it does not apply (adapters
+disabled or merged, several active adapters, dropout, DoRA, ``fan_in_fan_out``: GPT-2's Conv1D).
+:func:`enable_lora_kernels` (``model.cpu_kernels``) runs the rank-r products on ppokit's AMX or
+AVX512-BF16 kernels.
 """
 
 from __future__ import annotations
@@ -186,16 +163,20 @@ KERNELS_ALWAYS, KERNELS_WHEN_DECODING = "always", "decoding"  # a layer's ppokit
 
 def enable_lora_kernels(model: nn.Module, enabled: bool = True) -> int:
     """Let ``model``'s fused LoRA layers run their rank-r products on ppokit's kernels where
-    they apply (see the module doc; :func:`lora_kernels_kind` says which); returns how many
+    they apply (:func:`lora_kernels_kind` says which); returns how many
     layers can. Without AMX or AVX512-BF16 (or without the kernels) none can, and nothing
     changes.
 
-    On AMX the kernels run every pass. On AVX512-BF16 vectors they run only the decoding
-    steps of generation (one new position per sequence, no gradient), where oneDNN's fixed
-    cost per call dominates: on the update's thousands of rows its ``addmm_`` runs at the
-    memory bound and the vector kernels do not win (docs/performance.md). Training and scoring passes
-    then both take oneDNN's matmuls, so they round alike and the first ratio stays exactly
-    1; no ratio reads a decoding step's numbers."""
+    On AMX (bf16, an even rank up to 64) the kernels run every pass: ``h`` and ``g_h`` in one pass
+    over ``x`` and ``g`` each, the two ``addmm_`` in one pass over ``y`` and ``dx`` each, and the weight
+    gradients in one pass over ``g`` and ``x``. Each is a single rounding of a float32 sum, where the
+    matmul path rounds ``g B`` and ``h^T g`` before scaling them: a rounding less.
+
+    On AVX512-BF16 vectors they run only the decoding steps of generation (one new position per
+    sequence, no gradient), where oneDNN's fixed cost per call dominates: on the update's thousands
+    of rows its ``addmm_`` runs at the memory bound and the vector kernels do not win
+    (docs/performance.md). Training and scoring passes then both take oneDNN's matmuls, so they
+    round alike and the first ratio stays exactly 1; no ratio reads a decoding step's numbers."""
     kind = lora_kernels_kind()
     if enabled and kind is None:
         return 0

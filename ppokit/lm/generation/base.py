@@ -1,60 +1,21 @@
 """The rollout-engine seam: the one protocol every generator of rollouts implements.
 
-Everything that samples from a policy goes through an engine built by
-:func:`ppokit.lm.generation.factory.make_engine`: the single-turn and multi-turn sources,
-the held-out evaluation, ``ppokit generate``/``chat``/``eval``. Two engines exist:
-``hf`` (:class:`~ppokit.lm.generation.engine.HFEngine`, transformers'
-``generate``; the engine on the CPU) and ``cuda`` (``ppokit/lm/generation/cuda_engine.py``:
-its own bf16 weights with the LoRA adapter folded in, a KV cache allocated once, the
-decoding step in CUDA graphs). ``rollout.engine`` picks one (``auto``: see the factory).
+Everything that samples from a policy (the single-turn and multi-turn sources, the held-out
+evaluation, ``ppokit generate``/``chat``/``eval``) goes through an engine built by
+:func:`ppokit.lm.generation.factory.make_engine`. ``rollout.engine`` picks ``hf``
+(:class:`~ppokit.lm.generation.engine.HFEngine`, transformers' ``generate``; the engine on the CPU)
+or ``cuda`` (``ppokit/lm/generation/cuda_engine.py``: its own bf16 weights with the LoRA adapter
+folded in, a KV cache allocated once, the decoding step in CUDA graphs).
 
-The protocol (:class:`RolloutEngine`)::
+- :class:`RolloutEngine`: the protocol (``generate``, ``generate_ids``, ``load_weights``, ``memory``).
+- :class:`RolloutBatch`: what an engine returns, with the **behaviour log-probs**
+  ``rollout_log_prob``, the log-probability of each sampled token under the distribution the engine
+  actually sampled it from (:func:`sampling_log_probs`: temperature, then top-k, then top-p).
+- :class:`PromptFrontEnd`: ``generate``/``generate_ids`` over an engine's own ``_generate``.
 
-    name            str            "hf", "cuda", ... (the run's header, metrics)
-    cfg             RolloutConfig  sampling options, read on every call; a caller may
-                                   assign a new one (``ppokit chat``'s ``/set``)
-    eos_ids         list[int]      tokens that end a response (the tokenizer's EOS first)
-    pad_id          int            the tokenizer's pad token
-    max_positions   int | None     the longest prompt + response the engine takes
-    device          torch.device   where the tensors of a RolloutBatch are
-    weights_shared  bool           True: the engine samples with the trainer's own modules
-                                   (in-process HF engine), so new weights need no copy;
-                                   False: it holds its own copy, refreshed by load_weights
-
-    generate(prompts, *, group_size=1, items=None, greedy=False, max_new_tokens=None)
-        -> RolloutBatch              prompts: list[str], tokenised by the engine's tokenizer
-    generate_ids(prompt_ids, *, prompts=None, group_size=1, items=None, greedy=False,
-                 max_new_tokens=None) -> RolloutBatch
-                                     prompts as token ids (multi-turn streams, never re-tokenised)
-    load_weights(weights)            ``learner.rollout_weights()``: lora: the actor adapter's
-                                     peft state dict (``get_peft_model_state_dict(lm,
-                                     adapter_name="actor")`` keys); full: the actor model's
-                                     ``state_dict()``. After it, generation samples from them.
-    memory() -> EngineMemory         what the engine holds between calls
-
-An engine class is built with ``EngineClass.for_policy(policy, tokenizer, rollout_cfg,
-**options)`` (an :class:`~ppokit.lm.model.policy.LMPolicy`: lora = its backbone with the
-``actor`` adapter, full = its actor model; the policy's ``autocast_dtype`` is the
-precision) and, for a plain model directory, ``EngineClass.for_model(model, tokenizer,
-rollout_cfg, *, autocast_dtype=None, **options)``. Options an engine does not use
-(``kv_cache``: the CPU kernels' cache factory; ``activate``) it may ignore.
-
-Batches (:class:`RolloutBatch`, layout in :mod:`ppokit.lm.generation.engine`; build
-them with its ``assemble``): ``group_size``
-samples per prompt, each prompt's samples next to each other (row ``i * group_size + j``),
-prompts left-padded, responses right-padded, ``mask`` 1 up to and including the first EOS.
-``rollout_log_prob`` (N, R) float32: the **behaviour log-probs**, the log-probability of
-each sampled token under the distribution the engine actually sampled it from, 0 where
-``mask`` is 0. That distribution is :func:`sampling_log_probs` of the engine's logits:
-temperature, then top-k, then top-p (transformers' order and definitions). Greedy
-generation gives ``rollout_log_prob = None``. An engine whose numerics differ from the
-trainer's (bf16 weights with the adapter folded in, other kernels) shows it in the
-mismatch between these and the scorer's ``old_log_prob``: ppokit logs it every iteration
-and ``algo.rollout_correction`` corrects for it (:mod:`ppokit.algo.rollout_correction`).
-
-Errors: a prompt that does not fit ``max_positions`` with ``max_new_tokens`` is a
-:class:`~ppokit.errors.UserError` (:func:`~ppokit.lm.generation.engine.check_context`), raised
-before any generation.
+Why the behaviour log-probs: an engine whose numerics differ from the trainer's shows it in their gap
+to the scorer's ``old_log_prob``, which ppokit logs every iteration and ``algo.rollout_correction``
+corrects for (:mod:`ppokit.algo.rollout_correction`).
 """
 
 from __future__ import annotations
@@ -75,7 +36,16 @@ TENSOR_KEYS = (*SEQUENCE_INPUTS, "mask")  # a rollout's tensors
 
 @dataclass
 class RolloutBatch:
-    """One iteration's sequences (see the module docstring for the layout)."""
+    """One iteration's sequences (layout in :mod:`ppokit.lm.generation.engine`; build them with its
+    ``assemble``).
+
+    ``group_size`` samples per prompt, each prompt's samples next to each other (row
+    ``i * group_size + j``), prompts left-padded, responses right-padded, ``mask`` 1 up to and
+    including the first EOS. ``rollout_log_prob`` (N, R) float32: the behaviour log-probs, the
+    log-probability of each sampled token under the distribution the engine sampled it from
+    (:func:`sampling_log_probs` of the engine's logits: temperature, then top-k, then top-p,
+    transformers' order and definitions), 0 where ``mask`` is 0; None for greedy generation.
+    """
 
     input_ids: Tensor  # (N, P + R) long
     attention_mask: Tensor  # (N, P + R) long
@@ -124,7 +94,41 @@ class EngineMemory:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What generates rollouts (module docstring)."""
+    """What generates rollouts::
+
+        name            str            "hf", "cuda", ... (the run's header, metrics)
+        cfg             RolloutConfig  sampling options, read on every call; a caller may
+                                       assign a new one (``ppokit chat``'s ``/set``)
+        eos_ids         list[int]      tokens that end a response (the tokenizer's EOS first)
+        pad_id          int            the tokenizer's pad token
+        max_positions   int | None     the longest prompt + response the engine takes
+        device          torch.device   where the tensors of a RolloutBatch are
+        weights_shared  bool           True: the engine samples with the trainer's own modules
+                                       (in-process HF engine), so new weights need no copy;
+                                       False: it holds its own copy, refreshed by load_weights
+
+        generate(prompts, *, group_size=1, items=None, greedy=False, max_new_tokens=None)
+            -> RolloutBatch              prompts: list[str], tokenised by the engine's tokenizer
+        generate_ids(prompt_ids, *, prompts=None, group_size=1, items=None, greedy=False,
+                     max_new_tokens=None) -> RolloutBatch
+                                         prompts as token ids (multi-turn streams, never re-tokenised)
+        load_weights(weights)            ``learner.rollout_weights()``: lora: the actor adapter's
+                                         peft state dict (``get_peft_model_state_dict(lm,
+                                         adapter_name="actor")`` keys); full: the actor model's
+                                         ``state_dict()``. After it, generation samples from them.
+        memory() -> EngineMemory         what the engine holds between calls
+
+    An engine class is built with ``EngineClass.for_policy(policy, tokenizer, rollout_cfg,
+    **options)`` (an :class:`~ppokit.lm.model.policy.LMPolicy`: lora = its backbone with the
+    ``actor`` adapter, full = its actor model; the policy's ``autocast_dtype`` is the precision)
+    and, for a plain model directory, ``EngineClass.for_model(model, tokenizer, rollout_cfg, *,
+    autocast_dtype=None, **options)``. Options an engine does not use (``kv_cache``: the CPU
+    kernels' cache factory; ``activate``) it may ignore.
+
+    A prompt that does not fit ``max_positions`` with ``max_new_tokens`` is a
+    :class:`~ppokit.errors.UserError` (:func:`~ppokit.lm.generation.engine.check_context`), raised
+    before any generation.
+    """
 
     name: str
     cfg: Any  # ppokit.config.RolloutConfig

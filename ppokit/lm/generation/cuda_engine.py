@@ -1,57 +1,21 @@
 """The CUDA rollout engine (``rollout.engine: cuda``): a static KV cache, decoding steps in CUDA graphs.
 
-What makes it fast, against transformers' ``generate`` on the same model:
+:class:`CudaEngine` serves the seam of :mod:`ppokit.lm.generation.base` with the model of
+:mod:`ppokit.lm.generation.decoder`. What makes it faster than transformers' ``generate``:
 
-- **Its own weights, LoRA folded in.** :class:`~ppokit.lm.generation.decoder.DecoderWeights`:
-  a copy of the actor in the policy's precision (bf16 on a GPU) with q/k/v and gate/up
-  fused, the adapter folded in (``W + scale * B @ A``), so LoRA decodes as fast as a plain
-  model (transformers runs the adapter's two extra matmuls in every adapted layer).
-  :meth:`CudaEngine.load_weights` refreshes them after each update: lora refolds only the
-  adapted layers from the adapter's state dict, full copies every weight.
-- **One KV cache, allocated once** for the largest batch bucket x (prompt + max_new_tokens)
-  the run has needed (it grows, once, if a later call needs more) and reused by every call.
-- **CUDA graphs over the decoding step.** Batches are padded to a bucket (1, 2, 4, ...,
-  ``max_batch_size``) and the cache length to a length bucket (64, 96, 128, 192, ...:
-  powers of two and one and a half times them), and each (batch, length) pair used is
-  captured once (:class:`StepRunner`), so a run captures a bounded number of shapes: no
-  compiler, a capture costs a warm-up step and a recorded one. Sampling runs eagerly
-  between replays (transformers' warpers; see below).
-- **Mixed prompt lengths without padded work in the decode.** Prompts are left-padded;
-  each row has its own positions (``cumsum(mask) - 1``) and a validity mask over the cache
-  slots (its prompt tokens, then each generated token), so a short prompt is decoded as if
-  it were alone. A prompt sampled ``group_size`` times is prefilled once and its keys and
-  values copied to its rows. Rows are generated in chunks of at most ``max_batch_size``
-  (sized so that the cache fits ``cache_gb``), each chunk's prompts trimmed to its longest;
-  ``rollout.micro_batch_size`` (transformers' ``generate`` calls) does not apply. Rows that
-  end early still ride along to the chunk's end (static batching, no refill).
-- **No host synchronisation per step**, except an "all rows done?" check every
-  :data:`SYNC_EVERY` steps: at most that many steps run past the batch's last EOS.
+- Its own weights, the LoRA adapter folded in (``W + scale * B @ A``): LoRA decodes as fast as a plain
+  model, where transformers runs two extra matmuls per adapted layer. Refolded after each update.
+- One KV cache, allocated once for the largest batch bucket x (prompt + max_new_tokens) needed.
+- CUDA graphs over the decoding step (:class:`StepRunner`), one per (batch, length) bucket pair
+  (:func:`batch_bucket`, :func:`length_bucket`): few shapes and no compiler, so a capture costs one
+  warm-up step and one recorded step.
+- Per-row positions and a validity mask over the cache slots: a short prompt decodes as if alone; a
+  prompt sampled ``group_size`` times is prefilled once. Rows run in chunks of at most ``max_batch_size``.
+- No host synchronisation per step, but an "all rows done?" check every :data:`SYNC_EVERY` steps.
 
-Sampling means what it means in the HF engine: transformers' temperature, top-k and
-top-p warpers in ``generate``'s order (:func:`~ppokit.lm.generation.base.sampling_log_probs`),
-a sample drawn from the warped distribution (Gumbel-max: ``argmax(log p + G)``, one
-exact draw), greedy = ``argmax`` of the raw logits; a row stops at its first EOS, tokens
-after it are pad with ``mask = 0``. ``rollout_log_prob`` is the log-prob of each sampled
-token under the warped distribution (0 on padding; None for greedy).
-
-Models: Llama, Qwen2, Qwen3 and Mistral decoders (``decoder.SUPPORTED_MODEL_TYPES``;
-full attention, a rope that depends on the position alone, LoRA on the layers'
-projections and the LM head). Any other model, or an adapter it cannot fold (DoRA, an
-embedding adapter), falls back to the HF engine with a one-line note. On a CPU the same
-code runs eagerly (no graphs): the tests check it there against the HF engine and the policy.
-
-The floor, on an H200 at the bench shape of Qwen2.5-0.5B (0.8 GB of bf16 weights, 128
-sequences x 64 + 128 tokens): a decoding step cannot beat reading the weights once, 0.8 GB
-at 4.8 TB/s = 0.17 ms; 127 steps are 22 ms, about 0.75 M tokens/s at 128 rows (the whole
-rollout's 12.6 TFLOP of matmuls take 16 ms at the bf16 peak). The goal is >= 25,000
-tokens/s (5 ms per step of 128 rows) where transformers' static cache with
-``torch.compile`` measured 12,269. Not measured yet (no GPU in the session that wrote this):
-the tokens/s, the capture time (expected well under a second per shape: no compiler), the
-bf16 mismatch against the scorer's log-probs (``mismatch_kl``, logged every iteration), LoRA
-against full, and whether the ~40 small kernels per layer (RMSNorm, rotary, residuals: no
-fusion without a compiler), SDPA's masked decode attention or the eager sampling between
-replays is the next cost. ``bench/rollout_engines.py`` and ``bench/gpu_check.py`` measure
-it (docs/performance.md has the H200 figures that made it ``rollout.engine=auto``'s choice on CUDA).
+Sampling is the HF engine's. Other models or adapters fall back to the HF engine with a note; on a CPU
+the same code runs eagerly, which is what the tests check. Its floor and measurements:
+docs/algorithms.md, "The CUDA rollout engine".
 """
 
 from __future__ import annotations
@@ -345,7 +309,10 @@ class CudaEngine(PromptFrontEnd):
         self, prompt_ids: Tensor, prompt_mask: Tensor, prompt_of_row: Tensor, greedy: bool, max_new: int
     ) -> tuple[Tensor, Tensor]:
         """Tokens (rows, R) and their behaviour log-probs (rows, R) for the rows of one chunk:
-        row ``r`` answers prompt ``prompt_of_row[r]`` of ``prompt_ids`` (m, P); ``R <= max_new``."""
+        row ``r`` answers prompt ``prompt_of_row[r]`` of ``prompt_ids`` (m, P); ``R <= max_new``.
+        The chunk's prompts are trimmed to its longest. Rows that end early ride along to the
+        chunk's end (static batching, no refill); :meth:`_generate_rows` cuts each row at its
+        first EOS (later tokens pad, ``mask`` 0)."""
         lengths = prompt_mask.sum(1)  # (m,)
         P = int(lengths.max())
         prompt_ids, prompt_mask = prompt_ids[:, -P:], prompt_mask[:, -P:]  # the chunk's own left padding
@@ -390,7 +357,10 @@ class CudaEngine(PromptFrontEnd):
 
     def _sample(self, logits: Tensor, greedy: bool) -> tuple[Tensor, Tensor | None]:
         """Next tokens (B,) from logits (B, V) float32, and their log-probs under the distribution
-        sampled from (None for greedy)."""
+        sampled from (None for greedy). Sampling means what it means in the HF engine: transformers'
+        temperature, top-k and top-p warpers in ``generate``'s order (:func:`sampling_log_probs`),
+        then one exact draw by Gumbel-max, ``argmax(log p + G)``; greedy is ``argmax`` of the raw
+        logits."""
         if greedy:
             return logits.argmax(-1), None
         c = self.cfg

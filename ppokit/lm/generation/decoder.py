@@ -1,37 +1,21 @@
 """A Llama/Qwen2-style decoder over plain tensors: the CUDA engine's model.
 
-:class:`DecoderWeights` holds the engine's own copy of a Hugging Face causal LM's weights,
-laid out for decoding: per layer one fused ``qkv`` matrix (the q, k, v projections
-stacked) and one fused ``gate_up`` matrix, so a layer runs four matmuls; a LoRA adapter is
-folded in, ``W' = W + scale * B @ A`` (computed in float32, stored in the engine's dtype),
-so that a LoRA policy decodes at the speed of a plain model (an adapted LM head gets its own
-folded copy; the embedding it may be tied to stays as it is). :meth:`DecoderWeights.load_adapter`
-refolds only the adapted layers from an adapter state dict (peft's
-``get_peft_model_state_dict`` keys); :meth:`DecoderWeights.load_state_dict` copies a whole
-model's ``state_dict`` (full fine-tuning). Frozen tensors the engine does not change
-(embeddings, norms, the LM head of a LoRA policy) are shared with the model, not copied,
-where the dtype and device already match.
+- :class:`DecoderWeights`: the engine's own copy of a Hugging Face causal LM's weights, laid out for
+  decoding: per layer one fused ``qkv`` and one fused ``gate_up`` matrix (four matmuls a layer), a
+  LoRA adapter folded in, ``W' = W + scale * B @ A``, so a LoRA policy decodes at the speed of a plain
+  model. :meth:`~DecoderWeights.load_adapter` refolds the adapted layers after an update,
+  :meth:`~DecoderWeights.load_state_dict` copies a whole model (full fine-tuning).
+- :class:`KVCache`: every layer's keys and values in one allocation, (B, Hkv, L, D) per layer.
+- :func:`prefill`: left-padded prompts, each row with its own positions (``cumsum(mask) - 1``) and a
+  causal mask that hides padding keys; a prompt sampled ``g`` times is computed once.
+- :func:`decode_step`: one token per row at per-row positions, attention over all L slots with a
+  per-row validity mask. Static shapes and no host synchronisation, so the engine captures it in a
+  CUDA graph. Grouped queries attend as (B, Hkv, G, D) against the cache's (B, Hkv, L, D): the G query
+  heads of a key/value head are the "query positions" of one attention call, so keys are never repeated.
 
-The forward follows transformers' Llama code: RMSNorm in float32 then cast back
-(``w * (x / rms(x))``), rotary embeddings from the model's own rotary module (a table of
-cos/sin per position, built once; any rope type that depends on the position alone),
-grouped-query attention, ``down(act(gate(x)) * up(x))``, an optional q/k RMSNorm per head
-(Qwen3). Supported model types: :data:`SUPPORTED_MODEL_TYPES`; :func:`unsupported_reason`
-names what keeps any other model out (the engine then falls back to the HF engine).
-
-Two passes over a :class:`KVCache` of shape (B, Hkv, L, D) per layer:
-
-- :func:`prefill`: the prompts (n, P), left-padded, each row with its own positions
-  (``cumsum(mask) - 1``) and a causal mask that hides padding keys; writes keys and values
-  to cache slots ``0 .. P-1`` of the rows each prompt answers (a prompt sampled ``g``
-  times is computed once, its keys and values copied to its ``g`` rows); returns the
-  logits of each prompt's last token.
-- :func:`decode_step`: one token per row (B,) at per-row positions, written to one cache
-  slot; attention over all L slots with a per-row validity mask (B, L). Static shapes, no
-  host synchronisation: the engine captures it in a CUDA graph. Grouped queries attend as
-  (B, Hkv, G, D) against the cache's (B, Hkv, L, D): the G query heads of a key/value
-  head are the "query positions" of one ordinary attention call, so keys and values are
-  never repeated.
+The forward follows transformers' Llama code (:func:`rms_norm`, the model's own rotary tables, an
+optional per-head q/k norm for Qwen3). :func:`unsupported_reason` names what keeps any other model out
+of :data:`SUPPORTED_MODEL_TYPES`; the engine then falls back to the HF engine.
 """
 
 from __future__ import annotations
@@ -189,7 +173,12 @@ class Fold:
 
 @dataclass
 class DecoderWeights:
-    """The engine's weights (module docstring): embeddings, layers, final norm, LM head, rotary tables."""
+    """The engine's weights (module docstring): embeddings, layers, final norm, LM head, rotary tables.
+
+    A LoRA fold is computed in float32 and stored in the engine's dtype; an adapted LM head gets its
+    own folded copy (the embedding it may be tied to stays as it is). Frozen tensors the engine never
+    changes (embeddings, norms, the LM head of a LoRA policy) are shared with the model, not copied,
+    where the dtype and the device already match."""
 
     spec: DecoderSpec
     embed: Tensor  # (V, H)
@@ -315,7 +304,8 @@ def _linear(module: nn.Module) -> nn.Linear:
 @torch.no_grad()
 def rotary_tables(lm: nn.Module, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
     """(cos, sin), (max positions, D) each in ``dtype``: the model's own rotary module at every
-    position, computed in float32 and cast as transformers casts them."""
+    position (any rope type that depends on the position alone), built once, computed in float32
+    and cast as transformers casts them."""
     rotary = lm.model.rotary_emb
     n = getattr(text_config(lm), "max_position_embeddings", None) or 4096
     positions = torch.arange(n, device=rotary.inv_freq.device)[None]  # (1, n)
@@ -376,7 +366,7 @@ def _qkv(w: DecoderWeights, layer: Layer, h: Tensor, cos: Tensor, sin: Tensor) -
 
 
 def _mlp(w: DecoderWeights, layer: Layer, x: Tensor) -> Tensor:
-    """The residual stream after the MLP block."""
+    """The residual stream after the MLP block: ``x + down(act(gate(h)) * up(h))``, ``h`` the normed ``x``."""
     h = rms_norm(x, layer.ln2, w.spec.eps)
     gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, -1)
     return x + F.linear(w.act(gate) * up, layer.down, layer.down_bias)

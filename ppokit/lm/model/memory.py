@@ -1,75 +1,20 @@
 """The memory a language-model run needs, estimated from its config and its model's shape before
-it starts; a run that cannot fit is refused with one line.
+it starts; a run that cannot fit is refused with one line (:func:`check_run_fits`).
 
-An iteration has three phases (generate, score, update), and the memory of each is what
-stays for the whole run plus what that phase adds and frees again. The largest phase is
-compared with the device's memory (a GPU's free memory, or the machine's available memory
-on a CPU); the estimate aims at the peak the run reaches, not at a bound on it.
+An iteration has three phases (generate, score, update; a warm start, ``sft``, may come before the
+run). A phase's peak is what stays for the whole run (:func:`_resident_memory`: runtime, weights,
+optimizer, rollout) plus what the phase adds and frees again (:func:`_generate_memory`,
+:func:`_score_memory`, :func:`_update_memory`, :func:`_sft_memory`). The largest phase is compared
+with the device's memory (a GPU's free memory, or the machine's available memory on a CPU); the
+estimate aims at the peak the run reaches, not at a bound on it. :func:`resolve_micro_batches`
+sizes ``auto`` micro-batches from the same estimate.
 
-Notation: ``H`` hidden size, ``ℓ`` layers, ``h`` attention heads, ``k`` key/value heads,
-``d`` head size, ``F`` MLP size, ``V`` vocabulary, ``W`` the model's parameters, ``P``
-the longest prompt, ``R`` = ``rollout.max_new_tokens``, ``L = P + R``, ``N`` sequences
-per iteration (``train.batch_size``; multi-turn: rows), ``w`` bytes of a frozen weight and
-``a`` of an activation (2 under bf16 autocast, 4 in fp32). Bytes::
-
-    weights      lora: W w + 4 A (A: the adapters' and value head's parameters, fp32)
-                 full: 4 W actor + 4 W critic + W w reference (each only when built)
-                 + the reward model's W_rm w
-    optimizer    12 per trained parameter (its gradient and AdamW's two moments, fp32)
-    rollout      N (24 L + 48 R + 1536): input ids, attention mask and positions (int64),
-                 responses, ~10 float32 tensors per response token (log-probs, values,
-                 rewards, advantages, ...), and a sample's Python strings and token lists
-                 (1536 bytes: measured, 512 -> 8192 sequences of the arith task)
-    runtime      CPU: 0.45 GB (Python, torch, transformers); CUDA: 0.5 GB (its context, outside
-                 the allocator)
-
-    generate     g = min(rollout.micro_batch_size, N) sequences at a time
-                 KV cache 2 (ℓ + 1) k d g L a (a layer's cache is copied as it grows)
-                 + the prompts' pass, one layer at a time: g P' (6 H + 3 F) a (+ eager attention
-                   scores g h P'² 4), P' the longest prompt taken in (P; a message-mode
-                   episode's later turns take in the conversation so far, up to L)
-                 + the next-token distribution and sampling, 4 g V x 4
-                 + the token tensors of the whole batch being assembled, 32 N L
-    score        s = min(train.infer_micro_batch_size, N) sequences per pass, no gradients:
-                 one layer's activations s L (6 H + 3 F) a (+ scores s h L² 4, eager),
-                 the last hidden states 4 s L H, the logits of one chunk of positions
-                 (ppokit.algo.log_probs_from_hidden) 3 c V 4, c = min(2^26 / V, s R)
-    update       u = tokens of a micro-batch (train.micro_batch_size x L, or
-                 train.micro_batch_tokens), passes = 2 with a critic (actor and critic both
-                 keep their activations until the one backward pass), else 1:
-                 saved activations  passes ℓ u S,   S = (10 H + 4 F) a (+ h L s_att, eager)
-                 with gradient checkpointing  passes ℓ u H a + 3 u S (the layers' inputs; the
-                 replayed layer's activations, its temporaries and gradients)
-                 + one layer's gradients in flight u S, outside the layers passes u 12 H,
-                 the logits chunk 3 c V 4, and under bf16 the autocast copies 2 W of each
-                 trained model (full mode)
-
-    sft          the warm start (data.sft_epochs > 0, ppokit.lm.sft.run_sft), before the run: the
-                 runtime alone beside it (the estimate does not know whether a resumed run reuses
-                 its warm-started model: it counts the warm start then too, erring high);
-                 b = data.sft_batch_size rows of T = P + R tokens (the longest prompt and its
-                 answer), the whole model trained in fp32 with the model's default (SDPA) attention:
-                 weights 4 W, gradients and AdamW's moments 12 W, the best model's copy on the host
-                 4 (W + V H if tied) (CPU only), and the larger of
-                 a step: activations (ℓ + 1) b T S' + 12 b T H, S' = S (+ 8 H under bf16: the
-                   float32 residual stream the norms keep), x 1.5 on a CPU (the heap keeps the
-                   previous step's freed pieces); logits at the answer tokens only (R + 1 a row:
-                   the completion and EOS), their float32 copy and log-softmax 3 b (R + 1) V 4,
-                   under bf16 the autocast copies 2 W
-                 the held-out evaluation, e = min(256, held-out examples) rows at a time: the larger
-                   of greedy generation (as generate, g = N = e) and the answer loss without
-                   gradients, e T (6 H + 3 F) a + 4 e (R + 1) V 4
-
-``S`` per token and layer was measured with autograd's saved-tensor hooks on Llama layers
-(docs/performance.md, "Memory"): 8-10 ``H`` and 3-4 ``F`` values per pass in fp32, ~10 ``H``
-and 4 ``F`` (plus a few float32 norm statistics) in bf16; eager attention keeps its
-``h L`` probabilities per token, 4 bytes each in fp32, ``s_att`` = 6 in bf16 (the bf16
-probabilities and their float32 softmax); SDPA keeps O(L) per token.
-
-On a CPU with local Ray processes (``cluster.rollout_workers``, ``cluster.learners``) the
-other processes share the machine: each rollout worker adds runtime, the actor's weights
-and generation; each further learner its update phase. With GPUs every process has its
-own, and the estimate is the largest process's.
+Notation (bytes): ``H`` hidden size, ``ℓ`` layers, ``h`` attention heads, ``k`` key/value heads,
+``d`` head size, ``F`` MLP size, ``V`` vocabulary, ``W`` the model's parameters, ``P`` the longest
+prompt, ``R`` = ``rollout.max_new_tokens``, ``L = P + R``, ``N`` sequences per iteration, ``w`` and
+``a`` the bytes of a frozen weight and of an activation (2 under bf16 autocast, 4 in fp32), ``S``
+what a layer keeps per token for the backward pass (:func:`saved_per_token_layer`). All formulas,
+with what they were checked against: docs/algorithms.md, "Memory estimate".
 """
 
 from __future__ import annotations
@@ -280,7 +225,19 @@ def _resident_memory(
     cfg: Any, model: ModelShape, N: int, R: int, L: int, bf16: bool, device_type: str, reward_model: ModelShape | None
 ) -> tuple[dict[str, float], int]:
     """``(resident, trained_models)``: what stays for the whole run (runtime, weights, optimizer,
-    rollout) and the number of fully trained models (0 with LoRA; their autocast copies)."""
+    rollout) and the number of fully trained models (0 with LoRA; their autocast copies)::
+
+        weights    lora: W w + 4 A (A: the adapters' and value head's parameters, fp32)
+                   full: 4 W actor + 4 W critic + W w reference (each only when built)
+                   + the reward model's W_rm w
+        optimizer  12 per trained parameter (its gradient and AdamW's two moments, fp32)
+        rollout    N (24 L + 48 R + 1536): input ids, attention mask and positions (int64), responses,
+                   ~10 float32 tensors per response token (log-probs, values, rewards, advantages,
+                   ...) and a sample's Python strings and token lists (1536 bytes: measured,
+                   512 -> 8192 sequences of the arith task)
+        runtime    CPU: 0.45 GB (Python, torch, transformers); CUDA: 0.5 GB (its context, outside
+                   the allocator)
+    """
     m, H, W = cfg.model, model.hidden_size, model.num_parameters
     w = 2 if bf16 else 4
     critic = cfg.uses_critic
@@ -306,7 +263,16 @@ def _resident_memory(
 
 
 def _generate_memory(g: int, model: ModelShape, N: int, P: int, L: int, act: int, eager: bool) -> dict[str, float]:
-    """The generate phase: ``g`` sequences at a time, their KV cache, prefill and sampling."""
+    """The generate phase: ``g = min(rollout.micro_batch_size, N)`` sequences at a time::
+
+        KV cache      2 (ℓ + 1) k d g L a   (a layer's cache is copied as it grows)
+        prefill       g P' (6 H + 3 F) a    the prompts' pass, one layer at a time
+                      (+ eager attention scores g h P'² 4)
+        sampling      4 g V x 4             the next-token distribution and sampling
+        batch tokens  32 N L                the token tensors of the whole batch being assembled
+
+    ``P`` here is P', the longest prompt taken in (a message-mode episode's later turns take in the
+    conversation so far, up to L)."""
     H, F, heads = model.hidden_size, model.intermediate_size, model.num_heads
     kv = model.num_kv_heads * model.head_dim
     prefill = g * P * (6 * H + 3 * F) * act + (g * heads * P * P * 4 if eager else 0)
@@ -319,7 +285,10 @@ def _generate_memory(g: int, model: ModelShape, N: int, P: int, L: int, act: int
 
 
 def _score_memory(cfg: Any, model: ModelShape, N: int, R: int, L: int, act: int, eager: bool) -> dict[str, float]:
-    """The score phase: ``s`` sequences per pass without gradients, one layer's activations at a time."""
+    """The score phase: ``s = min(train.infer_micro_batch_size, N)`` sequences per pass without
+    gradients: one layer's activations ``s L (6 H + 3 F) a`` (+ scores ``s h L² 4``, eager), the last
+    hidden states ``4 s L H``, the logits of one chunk of positions (:func:`ppokit.algo.log_probs_from_hidden`)
+    ``3 c V 4`` with ``c = min(2^26 / V, s R)``."""
     H, F, V, heads = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_heads
     s = min(cfg.infer_micro_batch_size, N)
     chunk = min(max(1, DEFAULT_CHUNK_ELEMENTS // V), s * R)
@@ -331,7 +300,13 @@ def _score_memory(cfg: Any, model: ModelShape, N: int, R: int, L: int, act: int,
 
 
 def saved_per_token_layer(model: ModelShape, L: int, bf16: bool, eager: bool) -> int:
-    """``S``: the bytes a decoder layer keeps for the backward pass per token (module docstring)."""
+    """``S``: the bytes a decoder layer keeps for the backward pass per token,
+    ``(10 H + 4 F) a`` (+ ``h L s_att`` with eager attention).
+
+    Measured with autograd's saved-tensor hooks on Llama layers (docs/performance.md, "Memory"):
+    8-10 ``H`` and 3-4 ``F`` values per pass in fp32, ~10 ``H`` and 4 ``F`` (plus a few float32 norm
+    statistics) in bf16. Eager attention keeps its ``h L`` probabilities per token, 4 bytes each in
+    fp32, ``s_att`` = 6 in bf16 (the bf16 probabilities and their float32 softmax); SDPA keeps O(L)."""
     act, s_att = (2, 6) if bf16 else (4, 4)
     H, F = model.hidden_size, model.intermediate_size
     return (10 * H + 4 * F) * act + (model.num_heads * L * s_att if eager else 0)
@@ -348,8 +323,16 @@ def _update_memory(
     eager: bool,
     trained_models: int,
 ) -> dict[str, float]:
-    """The update phase: a micro-batch of ``u`` tokens, its saved activations (``S`` per token and
-    layer), gradients, logits chunk and autocast copies."""
+    """The update phase: a micro-batch of ``u`` tokens (``train.micro_batch_size x L``, or
+    ``train.micro_batch_tokens``), ``passes`` = 2 with a critic (actor and critic both keep their
+    activations until the one backward pass), else 1::
+
+        saved activations            passes ℓ u S
+        with gradient checkpointing  passes ℓ u H a + 3 u S  (the layers' inputs; the replayed
+                                     layer's activations, its temporaries and gradients)
+        + one layer's gradients in flight u S, outside the layers passes u 12 H, the logits chunk
+          3 c V 4, and under bf16 the autocast copies 2 W of each trained model (full mode)
+    """
     t = cfg.train
     H, V = model.hidden_size, model.vocab_size
     act = 2 if bf16 else 4
@@ -376,7 +359,18 @@ def _sft_memory(
     """The warm start (:func:`ppokit.lm.sft.run_sft`): the whole model trained in fp32 with AdamW,
     ``b = data.sft_batch_size`` sequences of ``T = P + R`` tokens a step (SDPA attention: the
     model's default), then at its largest either the step (activations, logits, autocast copies)
-    or the held-out evaluation (greedy generation and the answer loss, ``e`` rows at a time)."""
+    or the held-out evaluation (greedy generation and the answer loss, ``e`` rows at a time)::
+
+        fixed     weights 4 W, gradients and AdamW's moments 12 W, the best model's copy on the
+                  host 4 (W + V H if tied) (CPU only)
+        step      activations (ℓ + 1) b T S' + 12 b T H, S' = S (+ 8 H under bf16: the float32
+                  residual stream the norms keep), x 1.5 on a CPU (the heap keeps the previous
+                  step's freed pieces); logits at the answer tokens only (R + 1 a row: the
+                  completion and EOS), their float32 copy and log-softmax 3 b (R + 1) V 4;
+                  under bf16 the autocast copies 2 W
+        held-out  e = min(256, held-out examples): the larger of greedy generation (as generate,
+                  g = N = e) and the answer loss without gradients, e T (6 H + 3 F) a + 4 e (R + 1) V 4
+    """
     H, V, W = model.hidden_size, model.vocab_size, model.num_parameters
     act = 2 if bf16 else 4
     T, b = P + R, cfg.data.sft_batch_size
@@ -419,8 +413,8 @@ def estimate_memory(
     sft_eval_rows: int | None = None,
     prefill_tokens: int | None = None,
 ) -> MemoryEstimate:
-    """The estimate of the module docstring for ``cfg`` on ``model``: what stays resident and each
-    phase's own (generate, score, update, and ``sft`` before the run with ``data.sft_epochs`` > 0).
+    """The estimate for ``cfg`` on ``model`` (the phase functions give the formulas): what stays
+    resident and each phase's own (generate, score, update, and ``sft`` before the run with ``data.sft_epochs`` > 0).
 
     ``prompt_tokens``: the longest prompt (P); ``rows``: sequences per iteration (default
     ``train.batch_size``; multi-turn: rows); ``response_tokens``: R (default
@@ -451,8 +445,9 @@ def estimate_memory(
 
 
 def add_local_processes(est: MemoryEstimate, cfg: Any, model: ModelShape, bf16: bool) -> None:
-    """CPU, local Ray: the rollout workers (actor weights and generation each) and the learner
-    ranks beyond the first (each an update phase) share this machine's memory."""
+    """CPU, local Ray: the rollout workers (runtime, actor weights and generation each) and the
+    learner ranks beyond the first (each an update phase) share this machine's memory. With GPUs
+    every process has its own, and the estimate is the largest process's."""
     c = cfg.cluster
     if c.address is not None:
         return

@@ -1,50 +1,20 @@
-"""The language-model policy with a value function: actor, critic and reference.
+"""The language-model policy with a value function: actor, critic and reference (:class:`LMPolicy`).
 
-Two modes (``model.mode``):
+``model.mode``: ``lora`` (default, as in UnstableBaselines) puts two peft adapters, ``actor`` and
+``critic``, on one frozen Hugging Face causal LM; the critic adds a value head (:class:`ValueHead`) on
+its last hidden state and the reference is the backbone with the adapters disabled, so all three cost
+one backbone. ``full`` trains a whole actor and a separate critic model (``model.critic_path`` or the
+policy path) and loads a frozen reference copy only when a KL term needs one. The critic-free
+estimators (GRPO, RLOO, REINFORCE++) build no critic in either mode. :func:`build_policy` builds it.
 
-``lora`` (default, as in UnstableBaselines)
-    One frozen Hugging Face causal LM carries two LoRA adapters, ``actor`` and
-    ``critic`` (peft). The critic is the backbone with the ``critic`` adapter plus a
-    value head (``Linear(hidden, 1)``) on its last hidden state. The reference policy
-    is the backbone with the adapters disabled. Actor, critic and reference cost one
-    backbone in memory.
-
-``full``
-    Full fine-tuning: the actor is a whole model, the critic a separate model
-    (initialised from ``model.critic_path`` or the policy path) with a value head, and
-    a frozen reference copy is loaded only when a KL term needs one.
-
-The critic-free estimators (GRPO, RLOO, REINFORCE++: ``algo.adv_estimator`` other than
-``gae``) build no critic in either mode: no ``critic`` adapter or critic model, no value
-head, no optimizer state for them (in full mode a whole model and its Adam moments),
-and checkpoints hold the actor alone (``policy.json``: ``"critic": false``).
-
-For a batch laid out as ``[left-padded prompt (P) | right-padded response (R)]``
-(see :mod:`ppokit.lm.generation.engine`), response token ``j`` sits at position ``P + j`` and
-is predicted from the hidden state at ``P + j - 1``; the value of the state before
-token ``j`` is read at the same position. Only those ``R`` hidden states go through
-``lm_head``, so the logits are (n, R, V), never (n, P + R, V), and the log-probs are
-``gather - logsumexp`` chunk by chunk (:func:`ppokit.algo.log_probs_from_logits`)
-on logits divided by the sampling temperature.
-
-The peft pitfall: ``set_adapter`` and ``disable_adapter`` reset ``requires_grad``
-(only the active adapter keeps it, and disabling clears it for all). An autograd
-leaf whose ``requires_grad`` is cleared between forward and backward silently gets
-no gradient, and the actor pass runs before the critic pass swaps adapters. So every
-swap goes through :meth:`LMPolicy.use`, which re-enables ``requires_grad`` on the
-LoRA weights of both adapters after each swap; the tests check that both adapters
-and the value head get gradients from one backward.
-
-Dropout is never active (the models stay in ``eval()`` mode): the log-probs of the
-scoring pass and of the first update pass are then the same computation, which is
-what makes the first importance ratio exactly 1.
-
-Precision: with bf16 autocast the frozen weights (lora backbone, full-mode reference)
-are stored in bf16 (:meth:`LMPolicy.cast_frozen_weights`); trained weights stay fp32.
-
-The policy is plain transformers + peft. On a CPU the workload may add ppokit's fused
-kernels afterwards (:mod:`ppokit.lm.accel`, one call); saving and loading checkpoints is
-:mod:`ppokit.lm.model.checkpoint`, loading model directories :mod:`ppokit.lm.model.hf`.
+Response token ``j`` of ``[left-padded prompt (P) | right-padded response (R)]`` (layout:
+:mod:`ppokit.lm.generation.engine`) is predicted from the hidden state at ``P + j - 1``, where the value
+of the state before it is read too; only those ``R`` states go through ``lm_head``, never all P + R.
+Why: every adapter swap goes through :meth:`LMPolicy.use`, since peft's swaps clear ``requires_grad``;
+the models stay in ``eval()`` (no dropout), so the scoring pass and the first update pass are the same
+computation and the first importance ratio is exactly 1; under bf16 autocast frozen weights are stored
+in bf16 (:meth:`LMPolicy.cast_frozen_weights`), trained ones stay fp32. CPU kernels are added afterwards
+(:mod:`ppokit.lm.accel`); checkpoints: :mod:`ppokit.lm.model.checkpoint`; loading: :mod:`ppokit.lm.model.hf`.
 """
 
 from __future__ import annotations
@@ -194,8 +164,12 @@ class LMPolicy(nn.Module):
     def use(self, name: str) -> Iterator[None]:
         """Make ``actor`` / ``critic`` the active adapter (lora); restore grads after the swap.
 
-        peft's ``set_adapter`` clears ``requires_grad`` on the inactive adapter, which
-        would silently drop the gradient of a pass already recorded with it.
+        peft's ``set_adapter`` and ``disable_adapter`` reset ``requires_grad`` (only the active
+        adapter keeps it; disabling clears it for all). An autograd leaf whose ``requires_grad`` is
+        cleared between forward and backward silently gets no gradient, and the actor pass runs
+        before the critic pass swaps adapters. So every swap re-enables ``requires_grad`` on the
+        LoRA weights of both adapters; the tests check that both adapters and the value head get
+        gradients from one backward.
         """
         if self.mode == "lora" and self._active != name:
             self.lm.set_adapter(name)
