@@ -1,35 +1,21 @@
 """Vector environments for the control workload: creation, autoreset, normalization.
 
-Creation
-    ``gym.make_vec(id, num_envs, vectorization_mode=...)``. ``env.vectorization: auto``
-    picks Gymnasium's native vector env (``vector_entry_point``, e.g. CartPole: one
-    numpy step for all envs) when the id has one that loads and uses NEXT_STEP
-    autoreset, and ``sync`` otherwise (``async`` pays a pipe round trip per step, which
-    costs more than a classic-control or MuJoCo step on a small machine).
+Creation (:func:`make_vector_env`): ``gym.make_vec``. ``env.vectorization: auto`` picks Gymnasium's
+native vector env (one numpy step for all envs, e.g. CartPole) when the id has one that loads and
+autoresets NEXT_STEP, else ``sync`` (``async`` pays a pipe round trip per step: more than a
+classic-control or MuJoCo step costs on a small machine).
 
-Autoreset: NEXT_STEP, everywhere
-    The native CartPole vector env only implements NEXT_STEP, so the sync env is asked
-    for it too and the rollout has one code path. With NEXT_STEP the step that ends an
-    episode returns the episode's *final* observation; the next call to ``step``
-    ignores its action, resets that env and returns the reset observation with
-    reward 0. That "reset step" is not a transition: :class:`VecEnv` flags it
-    (``reset_step``), the rollout stores ``mask = 0`` there and nothing trained reads
-    it (GAE skips masked positions, the losses and advantage whitening are masked).
+Autoreset is NEXT_STEP everywhere (the native CartPole env has only that): one code path. The call
+after an episode's last step ignores its action, resets that env and returns reward 0. That "reset
+step" is no transition: :class:`VecEnv` flags it (``reset_step``), the rollout stores ``mask = 0``,
+nothing trained reads it. NEXT_STEP is also cheaper for truncation bootstrapping: ``V(final_obs)``
+comes from the forward pass the rollout makes anyway on the reset step, where SAME_STEP needs another
+over ``infos["final_obs"]``; the price is one wasted step per episode (0.1-0.2% at 500-1000 steps).
 
-    NEXT_STEP is also the cheaper mode for truncation bootstrapping: the final
-    observation is the policy's input on the reset step, so ``V(final_obs)`` comes out
-    of the forward pass that the rollout makes anyway (see ``rollout.py``), where
-    SAME_STEP would need an extra forward pass over ``infos["final_obs"]`` and a Python
-    loop over the per-env info objects. The price is one wasted env step per episode
-    (0.1-0.2% of the steps for 500-1000 step episodes).
-
-Normalization
-    Running mean/variance (float64, Chan's parallel update) of the observations, and of
-    the discounted return for reward scaling, as SB3's ``VecNormalize``:
-    ``ret = gamma * ret + r``; ``r / sqrt(Var[ret] + eps)``, clipped to
-    ``+-clip_reward``; ``ret`` restarts at 0 after a done. Reset steps do not update the
-    statistics. The statistics live in :class:`Normalizer`, are saved in checkpoints and
-    are frozen (``training=False``) in evaluation.
+:class:`Normalizer`: SB3 ``VecNormalize``'s running mean/variance (:class:`RunningMeanStd`: float64,
+Chan's parallel update) of the observations and of the discounted return ``ret = gamma * ret + r``,
+for ``r / sqrt(Var[ret] + eps)`` clipped to ``+-clip_reward`` (``ret`` restarts after a done). Reset
+steps do not update it; it is saved in checkpoints and frozen (``training=False``) in evaluation.
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
 """A calculator tool for multi-step arithmetic word problems.
 
-Each episode is a word problem generated from the reset seed (:func:`generate_problem`:
-templates with numbers 2-12 and two or three operations). Per turn the model either
-calls the calculator or answers:
+Each episode is a word problem drawn from the reset seed (:func:`generate_problem`: templates
+with numbers 2-12 and two or three operations). Each turn the model either calls the calculator,
+with a line ``calc: EXPR`` (the form the tiny character model can write) or ``<calc>EXPR</calc>``
+(the tag form chat models expect), or answers, with ``answer: N`` or ``<answer>N</answer>``
+(:func:`parse_answer`: the first number, compared exactly with the gold answer).
+:func:`parse_tool_action` takes the first of these in the text; text with neither is illegal and
+ends the episode with ``illegal_penalty``. The calculator is :func:`ppokit.expressions.evaluate`
+(exact and safe: no ``eval``); its value is written with :func:`~ppokit.expressions.format_number`.
 
-- tool call: a line ``calc: EXPR`` (the form the tiny character model can write), or
-  ``<calc>EXPR</calc>`` (the tag form chat models expect). Anything after an ``=`` in
-  ``EXPR`` is dropped (a model that writes ``calc: 12*7 = 84`` asks for ``12*7``).
-- final answer: a line ``answer: N`` or ``<answer>N</answer>``; ``N`` is the first
-  number in it (``79``, ``-2.5``, ``1/3``), compared exactly with the gold answer.
-
-The first of these in the text is the turn's action; the rest of the text is ignored.
-Text with neither is illegal: the episode ends with ``illegal_penalty``.
-The calculator is :func:`ppokit.expressions.evaluate` (exact, safe: no ``eval``); its
-value is written with :func:`~ppokit.expressions.format_number`.
-
-Observation, ``observation_mode="state"`` (default; every character in the tiny
-model's alphabet): the problem, one line per calculator call so far, and a newline,
-so the next action starts a line::
-
-    ann has 3 bags of 4 nuts and eats 2. how many nuts are left?
-    calc: 3*4 = 12
-
-A call that fails (``calc: 1/0``) shows ``= error`` and the episode goes on.
-``observation_mode="message"`` (chat models): ``reset`` gives ``[system: instructions,
-user: problem]`` and each call's step gives ``[{"role": tool_role, "content": "12"}]``.
-
-Rewards: ``correct_reward`` (1, outcome ``"win"``) or ``wrong_reward`` (0, outcome
-``"loss"``) on the answer; ``call_reward`` (0) per calculator call; after
-``max_turns`` turns without an answer the episode is truncated (outcome ``"loss"``).
+:class:`CalculatorEnv`: in state mode (the default) the observation is the problem and one line
+``calc: EXPR = VALUE`` per call so far (``= error`` for a failed call, and the episode goes on); in
+message mode each call's step gives one tool message. Rewards: ``correct_reward`` (1) or
+``wrong_reward`` (0) on the answer, ``call_reward`` (0) per call; ``max_turns`` turns without an
+answer truncate the episode. Examples and options: docs/environments.md, "Calculator".
 """
 
 from __future__ import annotations
@@ -173,7 +158,8 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 
 
 def parse_tool_action(text: str) -> tuple[str, str] | None:
-    """``("calc", expression)`` or ``("answer", text)`` for the first directive in ``text``, or None."""
+    """``("calc", expression)`` or ``("answer", text)`` for the first directive in ``text``, or None.
+    A call's text after an ``=`` is dropped (``calc: 12*7 = 84`` asks for ``12*7``)."""
     if not isinstance(text, str):
         return None
     found = [(m.start(), kind, m.group(1)) for kind, pattern in _DIRECTIVES for m in [pattern.search(text)] if m]
@@ -198,7 +184,8 @@ def parse_answer(text: str) -> Fraction | None:
 
 # ----------------------------------------------------------------------------- environment
 class CalculatorEnv(TextEnv):
-    """Word problems with a calculator tool; see the module docstring."""
+    """Word problems with a calculator tool (module docstring). In message mode ``reset`` gives
+    ``[system: instructions, user: problem]`` and each call's step ``[{"role": tool_role, "content": value}]``."""
 
     def __init__(
         self,

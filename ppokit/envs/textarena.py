@@ -1,93 +1,20 @@
 """TextArena games as ppokit text environments: ``textenv.env: textarena:<id>``.
 
-`TextArena <https://github.com/LeonGuertler/TextArena>`_ (``pip install 'ppokit[textarena]'``)
-has about a hundred text games of one, two or more players. :class:`TextArenaEnv` plays any of
-its one- and two-player games through ppokit's text-environment API (:mod:`ppokit.envs.base`)::
+:class:`TextArenaEnv` plays any one- or two-player game of `TextArena
+<https://github.com/LeonGuertler/TextArena>`_ (``pip install 'ppokit[textarena]'``) through
+ppokit's text-environment API (:mod:`ppokit.envs.base`). :func:`textarena_factory` is what
+:func:`ppokit.envs.make_env` calls; :func:`game_ids` and ``python -m ppokit.envs.textarena`` list
+the ids; :func:`clean_action` turns a reply into the move the game gets (by default its last
+``[...]``); :data:`STATE_MOVES` reads four games' legal moves from their state (other games: the
+list the game printed); :data:`REFUSED` names the games that need the network or an API key.
 
-    textenv:
-      env: textarena:TicTacToe-v0            # or textarena:KuhnPoker-v0, textarena:Nim-v0, ...
-      kwargs: {opponent: random}             # two players: random (default), self, or a function
-
-``make_env("textarena:KuhnPoker-v0", opponent="self")`` does the same from Python.
-``python -m ppokit.envs.textarena`` lists the ids.
-
-How TextArena maps onto the API (TextArena 0.7.4):
-
-- **The game** is built from TextArena's registry entry (class and keyword arguments, plus
-  ``game_kwargs``) *without* the id's wrappers: ppokit renders observations and cleans
-  actions itself (below), and TextArena's observation wrappers keep their history across
-  ``reset``. ``<id>-raw`` and ``<id>-train`` name the same game as ``<id>`` here.
-- **Observations** are text. TextArena sends each player messages ``(sender, text, type)``
-  (the rules prompt, boards, the other player's moves, invalid-move notices) and
-  ``get_observation()`` hands the acting player those that arrived since its last turn.
-  ``observation_mode="state"`` (the default): every observation is everything the acting
-  player has been told so far, one ``[GAME] ...`` / ``[Player 1] ...`` line per message, as
-  TextArena's ``LLMObservationWrapper`` shows it. That is the whole context of the game for
-  that player, so each turn is its own prompt (short rows, and warm starts from
-  demonstrations work); it grows with the game, so long games cost more tokens per turn.
-  ``view="board"`` (state mode) shows less, as TextArena's ``-train`` variants
-  (``GameMessagesAndCurrentBoardObservationWrapper``, what UnstableBaselines trains on) do:
-  the rules prompt, the game's messages other than moves, boards and notices, this turn's
-  notices (an invalid move's reason) and the latest board. A board game's prompt then grows
-  only by the game's one-line messages (TicTacToe-v0 against random, SmolLM2's tokenizer: at
-  most 270 tokens a turn where the whole transcript reaches 930), which makes each turn
-  cheaper to generate and train on; ``view="history"`` (the default) is the whole
-  transcript. A game that sends no board shows its messages. ``instruction``: a line
-  put after every observation (each turn's, in either mode), as UnstableBaselines wraps its
-  observations in a prompt template: a small model shown ``"Reply with one of the available
-  moves, in brackets, and nothing else."`` answers with a move far more often.
-  ``observation_mode="message"``: ``reset`` gives the acting player's first messages and
-  each ``step`` the next acting player's new ones (without the echo of its own last move,
-  which its stream already holds), appended to one conversation per seat.
-- **Actions**: TextArena's games read a move in brackets (``[4]``, ``[call]``) and take the
-  first bracketed move in the text. ``action_format="last_bracket"`` (the default) passes the
-  *last* ``[...]`` of the reply (a model that reasons before it answers names moves on the
-  way), and wraps a reply without brackets in brackets, as TextArena's
-  ``ActionFormattingWrapper`` does (``4`` becomes ``[4]``). ``"raw"`` passes the reply
-  unchanged (conversational games whose moves mix free text and brackets).
-  ``info["action"]`` is what the game received.
-- **Rewards**: 0 until the game ends, then TextArena's reward of the seat (``env.close()``:
-  +1 / -1 for a two-player win / loss, 0 for a draw; one-player games give 1 when solved
-  and often a fraction for partial progress). ``info["rewards"]`` has both seats' rewards
-  and ``info["outcomes"]`` their outcomes (the larger reward wins, equal rewards draw);
-  ``info["outcome"]`` is the mover's (one player: ``win`` when the reward is at least 1,
-  else ``loss``). ``info["reason"]`` is TextArena's reason for the end.
-- **Invalid moves**: TextArena decides. Its default (``error_allowance`` 1) tells the
-  player why and lets it move again; a second invalid move in a row loses the game (-1).
-  ``invalid_move_reward`` (default 0) is added to the mover's reward at each invalid move,
-  a format penalty as UnstableBaselines gives one (e.g. -0.1: the turn that broke the rules
-  is credited at once, not only through the game's outcome).
-  Either way the step has ``info["illegal"] = True`` and ``info["illegal_reason"]`` (the
-  reason TextArena gave); after a retry notice the episode goes on with the same player
-  to move. ``error_allowance=0`` ends the game at the first invalid move (as ppokit's
-  built-in games do).
-- **Seats**: ``info["player"]`` is the seat to move (TextArena's player id; not always 0
-  first: Kuhn poker's first round opens with player 1). ``opponent="self"`` plays no seat:
-  ppokit's self-play seats and opponent pool play both. ``opponent="random"`` (the
-  default for two-player games) plays the other seat inside ``step`` (``info["seat"]`` is
-  the learner's, ``info["opponent_actions"]`` the moves it made), choosing uniformly among
-  the legal moves; ``policy_seat`` and ``reset(options={"seat": ...})`` choose the
-  learner's seat as in :mod:`ppokit.envs.tictactoe`. A function
-  ``(observation, info) -> action`` plays the other seat instead (ppokit's
-  :data:`~ppokit.envs.runner.Policy`; ``info`` has ``player`` and, where known,
-  ``legal_actions``).
-- **Legal moves** (``info["legal_actions"]``, e.g. ``["[0]", "[4]"]``): read from the
-  game's state for TicTacToe (free cells), KuhnPoker (the betting tree), ConnectFour (the
-  columns not full) and Nim (every pile and count), else from the list the game printed for
-  the player this turn ("Available Moves: '[0]', '[1]'", "Valid moves: [a], [b]"; templates
-  such as ``[bet X]`` left out). A game that prints no list gets no ``legal_actions``; there the
-  random opponent falls back to a scripted choice: uniformly among the bracketed moves the
-  game has shown that player so far (the examples in its rules), and TextArena's
-  invalid-move rules apply to it as to anyone.
-- **Seeds**: ``reset(seed)`` reproduces the episode. TextArena's games draw from Python's
-  global ``random`` (and ``State`` reseeds it); every call into the game runs with this
-  environment's own saved state of that generator swapped in, so many environments
-  stepped in turn (a batched rollout) do not disturb each other or the caller's stream.
-
-Refused with a one-line :class:`~ppokit.envs.checks.EnvError`: games that need the network
-or an API key (:data:`REFUSED`: the word games download NLTK corpora when they are built,
-and the judged games ask OpenRouter models), games for three or more players, and games
-that do not import on this Python.
+The game is built without the id's wrappers: ppokit renders the observations itself (the whole
+transcript, or ``view="board"`` as TextArena's ``-train`` variants show it), and TextArena's
+observation wrappers keep their history across ``reset``. Every reset builds a new game object,
+and every call into TextArena runs with this environment's own state of Python's global
+``random`` swapped in, so environments stepped in turn do not disturb each other. Observations,
+actions, rewards, invalid moves (TextArena's ``error_allowance``), seats and opponents:
+docs/environments.md, "TextArena games".
 """
 
 from __future__ import annotations
@@ -197,9 +124,9 @@ def _family(entry_point: Any) -> str:
 
 # ----------------------------------------------------------------------------- actions
 def clean_action(text: str, action_format: str = "last_bracket") -> str:
-    """The move passed to the game (see the module docstring): the last ``[...]`` of ``text``,
-    or ``text`` stripped and put in brackets when it has none (``"last_bracket"``); ``text``
-    unchanged (``"raw"``)."""
+    """The move passed to the game: the last ``[...]`` of ``text`` (a model that reasons before it
+    answers names moves on the way), or ``text`` stripped and put in brackets when it has none
+    (``"last_bracket"``); ``text`` unchanged (``"raw"``)."""
     if action_format == "raw":
         return text
     moves = _BRACKETED.findall(text)
@@ -249,7 +176,7 @@ STATE_MOVES: dict[str, Callable[[Any], list[str] | None]] = {
 
 # ----------------------------------------------------------------------------- the environment
 class TextArenaEnv(TextEnv):
-    """One TextArena game of one or two players; see the module docstring.
+    """One TextArena game of one or two players (docs/environments.md, "TextArena games").
 
     ``env_id``: a TextArena id (``TicTacToe-v0``). ``opponent`` (two players): ``"random"``
     (the default), ``"self"`` or a function ``(observation, info) -> action``.

@@ -1,43 +1,18 @@
 """Tic-tac-toe as a text environment: against a built-in opponent, or self-play.
 
-Observation (``observation_mode = "state"``), for the player to move, e.g. x to move
-after x took the centre and o the top-right corner::
+:class:`TicTacToeEnv` shows the player to move the board (:func:`render_board`): three rows of
+cells, then ``"<mark> to move:"``. An empty cell shows its number 1-9, so the legal moves are
+exactly the digits on the board; every character is in the tiny model's alphabet, and the
+observation is always 22 characters. The move is the first digit of the text
+(:func:`parse_cell`). No digit, ``0`` or an occupied cell ends the episode: ``illegal_penalty``
+for the mover, reward 0 and outcome ``"win"`` for the other seat (it did nothing to earn more).
 
-    12o
-    4x6
-    789
-    x to move:
-
-Three rows of three cells, then ``"<mark> to move:"``. An occupied cell shows its
-mark; an empty cell shows its number 1-9 (row by row), so the legal moves are exactly
-the digits on the board (``show_cell_numbers=False`` shows ``.`` instead). Every
-character is in the tiny model's alphabet; the observation is always 22 characters.
-
-Action: a cell number. The first digit of the text is the move (``"5"``, ``"5\\n"``,
-``"i play 5"``); no digit, ``0`` or an occupied cell is illegal: the episode ends with
-``illegal_penalty`` for the mover (outcome ``"loss"``) and ``info["illegal"] = True``;
-the other seat's outcome is ``"win"`` with reward 0 (it did nothing to earn more).
-
-Seats: 0 = x (moves first), 1 = o. ``opponent``:
-
-- ``"random"``: uniform among the legal cells.
-- ``"heuristic"``: win if possible, else block the opponent's win, else the centre,
-  else random.
-- ``"perfect"``: minimax, uniform among the optimal cells (never loses).
-- ``"self"``: the environment plays no seat; ``info["player"]`` says whose turn it is,
-  the observation is for that player, each step's reward is the mover's, and the final
-  ``info["rewards"]`` gives both seats' rewards (see :mod:`ppokit.envs.base`).
-- a callable ``(board, mark, rng) -> cell`` (board: 9 chars of ``x``/``o``/``.``,
-  cell 0..8).
-
-``policy_seat`` (against an opponent): ``"x"``/0, ``"o"``/1, ``"alternate"`` (x on the
-first reset, then alternating) or ``"random"`` (from the episode's random stream);
-``reset(options={"seat": ...})`` overrides it for one episode. With an opponent that
-plays x, its first move is made in ``reset``.
-
-Rewards (for the player who just acted): ``win_reward`` 1, ``draw_reward`` 0,
-``loss_reward`` -1 when the game ends; 0 for a move that does not end it.
-Deterministic given the reset seed.
+Seats: 0 = x (moves first), 1 = o. Opponents (:data:`OPPONENTS`): :func:`random_move`,
+:func:`heuristic_move` (win, else block, else the centre, else random), :func:`perfect_move`
+(minimax, never loses), ``"self"`` (the environment plays no seat: self-play), or a function
+``(board, mark, rng) -> cell``. Rewards, for the player who just acted: ``win_reward`` 1,
+``draw_reward`` 0, ``loss_reward`` -1 when the game ends, 0 before. Deterministic given the reset
+seed. The board drawn, ``policy_seat`` and every option: docs/environments.md, "Tic-tac-toe".
 """
 
 from __future__ import annotations
@@ -148,7 +123,10 @@ def _seat_index(value: Any, what: str) -> int:
 
 
 class TicTacToeEnv(TextEnv):
-    """Tic-tac-toe; see the module docstring for the observation, action and rewards."""
+    """Tic-tac-toe (module docstring). ``policy_seat`` (against an opponent): ``"x"``/0, ``"o"``/1,
+    ``"alternate"`` (x on the first reset, then alternating) or ``"random"`` (from the episode's random
+    stream); ``reset(options={"seat": ...})`` overrides it for one episode. An opponent that plays x
+    makes its first move in ``reset``. ``show_cell_numbers=False`` shows ``.`` for an empty cell."""
 
     num_players = 2
 

@@ -1,66 +1,20 @@
 """Procedural reasoning tasks of the optional package reasoning-gym: ``reasoning_gym:<task>``.
 
-reasoning-gym generates problems of about a hundred kinds (arithmetic, algebra, logic,
-puzzles, graphs...) with a verifier each. ``data.prompts: reasoning_gym:<task>[:options]``
-makes one of them a built-in task of ppokit (:mod:`ppokit.lm.data.tasks`)::
+``data.prompts: reasoning_gym:<task>[:options]`` makes one of reasoning-gym's ~100 generated tasks
+a built-in task of ppokit (:mod:`ppokit.lm.data.tasks`). :class:`ReasoningGymTask` builds it from
+the spec (:func:`convert_option` types the text options) and deals its problems to the splits;
+:func:`reasoning_gym_reward` (the reward ``reasoning_gym``) scores a response with the task's own
+``score_answer`` on its last ``<answer>...</answer>``, a score in [0, 1].
 
-    reasoning_gym:basic_arithmetic
-    reasoning_gym:chain_sum:size=2000,seed=3,min_terms=2,max_terms=3
-    reasoning_gym:basic_arithmetic:operators=+|-,allow_negation=false
-
-Options (``key=value``, comma separated):
-
-- ``size``: training problems (default 2000);
-- ``eval_size``: held-out problems when the caller asks for no number (``ppokit eval
-  --data reasoning_gym:...``); a run takes ``data.eval_size`` of them instead;
-- ``seed``: an integer from 0 to 4095 (default 0), see below;
-- ``eval_fraction`` / ``sft_fraction``: the shares of the problem stream held out and
-  kept for the supervised warm start (default 0.1 and 0.3, as the other built-in tasks);
-- any option of the reasoning-gym task's own configuration (``min_terms``,
-  ``operators``...), converted to the type the configuration declares: ``true``/``false``
-  for a flag, ``none`` for an optional value, ``a|b|c`` for a list or tuple, an enum by
-  its value, a date or time in ISO format. Options only Python can build (nested
-  configurations) are given as keyword arguments of :func:`ppokit.lm.data.tasks.get_task`.
-
-The problems: seed ``s`` walks reasoning-gym's dataset of the task, created with
-reasoning-gym seed ``s * 2**20``, by index 0, 1, 2, ... (reasoning-gym derives problem
-``i`` from its seed plus ``i``, so the blocks of two ppokit seeds never share a generator
-seed; the cap keeps every generator seed below 2**32, as some generators need). Each
-problem goes to a split by a fixed hash of its question text, exactly as the
-``countdown`` task does: 10% held out, 30% SFT, 60% train by default; repeats of a question
-within a split are skipped. So the training, SFT and held-out problems are disjoint by
-their text, whatever the seed and the sizes (the held-out problems of one seed never
-appear in the training set of another); ``items(split, n)`` is a prefix of
-``items(split, m)`` for n < m; and the held-out set of a seed does not depend on ``size``.
-A dataset is walked for at most ``max(50000, 20 * (size + eval_size))`` indices (2**20 at
-most): a task with fewer distinct problems than asked for is a one-line error. The
-problems are generated when the data is loaded: well under a second for most tasks, a few
-minutes for the slowest generators (knight_swap, futoshiki: 0.1-0.6 s a problem); lower
-``size`` for those. A generator's prints to stdout (``bf`` prints dots) are swallowed.
-
-The prompt is the question and one line asking for the final answer in answer tags::
-
-    <question>
-    Give your final answer in <answer> </answer> tags.
-
-The verifier (:func:`reasoning_gym_reward`, the reward ``reasoning_gym``, the default of
-these prompts, also for the held-out accuracy) is the task's own ``score_answer``, given
-the text in the response's last ``<answer>...</answer>`` (reasoning-gym's own
-``extract_answer``), or None when there is none (then noted ``no answer tags``). Scores
-are in [0, 1]; many tasks give partial credit, so the held-out "accuracy" is the mean score.
-A record carries what the verifier needs, in plain picklable data (reward workers get
-it over a socket): ``{"prompt", "answer", "reasoning_gym": {"task", "seed", "index",
-"options", "entry"}}``, ``entry`` being reasoning-gym's item (``question``, ``answer``,
-``metadata``) as generated; ``answer`` is its reference answer (None for the tasks whose
-verifier accepts any valid solution: boxnet, graph_color, propositional_logic,
-rubiks_cube, rush_hour).
-
-Supervised warm start: the SFT split's completion is the reference answer in answer
-tags, ``<answer>42</answer>``; a task without reference answers has no SFT split
-(``data.sft_epochs`` must be 0 for it).
-
-reasoning-gym is optional (``pip install 'ppokit[reasoning]'``); it is imported only
-when a ``reasoning_gym:`` task or reward is used.
+Seeds: ppokit seed ``s`` walks, by index, reasoning-gym's dataset created with the seed
+``s * 2**20`` (:data:`SEED_STRIDE`). reasoning-gym derives problem ``i`` from its seed plus ``i``, so
+two ppokit seeds never share a generator seed, and ``s <= 4095`` keeps every generator seed below
+2**32. Each problem goes to a split by a fixed hash of its question text, as ``countdown`` does:
+the train, SFT and held-out problems are disjoint whatever the seed and the sizes, and
+``items(split, n)`` is a prefix of ``items(split, m)`` for n < m. A record carries what the
+verifier needs as plain picklable data (reward workers get it over a socket). reasoning-gym is
+imported only when a task or the reward is used (``pip install 'ppokit[reasoning]'``). Options,
+the prompt, generation times and the warm start: docs/environments.md, "reasoning-gym tasks".
 """
 
 from __future__ import annotations

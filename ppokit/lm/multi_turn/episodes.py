@@ -1,7 +1,7 @@
 """Playing many text-environment episodes at once with language models.
 
-:class:`EpisodePlayer` follows :func:`ppokit.envs.runner.play_episode` (the reference
-loop with Python policies) for a whole batch of episodes::
+:class:`EpisodePlayer` follows :func:`ppokit.envs.runner.play_episode` (the reference loop with
+Python policies) for a whole batch of episodes::
 
     reset every environment (seeded); each seat's first observation goes into its Stream
     while episodes are live:
@@ -9,39 +9,12 @@ loop with Python policies) for a whole batch of episodes::
         for each actor (the current policy, a past opponent): ONE generate over the
             prompts of the live episodes whose acting seat it plays
         step each environment with its action's text; rewards to the acting seat's turn
-        finished episodes drop out; the others' next observation goes into the next
-            acting seat's Stream
+        finished episodes drop out; the others' next observation goes to the next acting seat
 
-``generate(actor, prompts, greedy)`` returns the replies' tokens as sampled and their
-texts, and may return a third element: the engine's behaviour log-prob of each reply
-token (:attr:`TurnData.action_log_probs`, carried into the batch as ``rollout_log_prob``).
-
-Who plays a seat is the caller's ``seat_actors(episode, reset_info)``: an actor id
-(:data:`ppokit.envs.CURRENT`, the policy being trained, or a snapshot id of the
-opponent pool) per seat. Only the current policy's seats become :class:`Trajectory`
-objects (the data PPO trains on); every seat's outcome is recorded.
-
-Budgets (a cut episode is *truncated*; each cut is counted by reason):
-
-- ``max_turns``: environment steps per episode (all seats);
-- ``max_episode_tokens``: a seat's :attr:`~ppokit.lm.multi_turn.streams.Stream.episode_tokens` plus
-  ``max_new_tokens`` must fit before a turn starts;
-- the model's context: the prompt plus ``max_new_tokens`` must fit its positions.
-
-The per-turn budget ``max_new_tokens`` (``rollout.max_new_tokens``) cuts a reply, not the
-episode: the cut reply (no stop token) is the action the environment gets, and the
-replies cut so are counted (``PlayResult.cut_replies``).
-
-A truncated seat that is about to act bootstraps from the value of its next prompt
-(``bootstrap_ids``; the scorer computes it) when ``truncation="bootstrap"``. In a
-two-player episode the seat that is not to move has no observation of its own for the
-state after the cut and ends with 0. The environment's own ``truncated`` (a time limit)
-is handled the same way, with the observation it returned.
-
-Rewards: a step's reward goes to the turn of the seat that acted; when a two-player
-episode ends, every other seat ``s`` gets ``info["rewards"][s]`` on its own last turn.
-An environment that raises in ``step`` ends that episode with ``failure_reward``
-(:func:`ppokit.envs.checks.step_or_fail`) and a counted failure.
+Only the current policy's seats become :class:`Trajectory` objects (what PPO trains on); every
+seat's outcome is recorded (:class:`PlayResult`). A cut episode is truncated and bootstraps from
+the value of its next prompt; an environment that raises ends its episode with
+``failure_reward``. Budgets, truncation and failures: docs/multiturn.md.
 """
 
 from __future__ import annotations
@@ -135,7 +108,16 @@ class _Episode:
 
 
 class EpisodePlayer:
-    """Plays batches of episodes; see the module docstring."""
+    """Plays batches of episodes (module docstring).
+
+    Budgets (a cut episode is truncated, each cut counted by reason): ``max_turns`` environment
+    steps per episode (all seats); ``max_episode_tokens``: a seat's
+    :attr:`~ppokit.lm.multi_turn.streams.Stream.episode_tokens` plus ``max_new_tokens`` must fit
+    before a turn starts; ``context``: the prompt plus ``max_new_tokens`` must fit the model's
+    positions. ``max_new_tokens`` cuts a reply, not the episode: the cut reply is the action, and
+    such replies are counted (``PlayResult.cut_replies``). With ``bootstrap`` a truncated seat about
+    to act bootstraps from the value of its next prompt; the seat not to move ends with 0.
+    """
 
     def __init__(
         self,

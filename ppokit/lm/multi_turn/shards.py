@@ -1,51 +1,21 @@
 """Multi-turn rollouts on Ray workers (``cluster.rollout_workers`` with ``textenv.env``).
 
-The training process (the driver) keeps what an iteration decides and what it learns
-from; the workers play the episodes::
+The training process (the driver) keeps what an iteration decides and what it learns from; the
+workers play the episodes::
 
-    driver: MultiTurnSource.episodes(k)   seeds (seed, k, episode), seat plans: self-play seats
-                                          and opponents drawn from the pool, in episode order
-            MultiTurnShardPlan.requests   worker s: episodes [s*E/N, (s+1)*E/N), their plans, the
-                                          pool's snapshots (object references, fetched once each)
-    worker: MultiTurnShard.collect_shard  EpisodePlayer.play on its own envs, policy copy and
-                                          opponent slot: a PlayResult (no tokenizer in it)
-    driver: merge_results                 the parts in episode order (episode numbers shifted)
-            MultiTurnSource.finish        failures checked against textenv.max_failure_rate over
-                                          all episodes, role baselines, tensors, metrics, samples
+    driver: MultiTurnSource.episodes(k)   seeds and seat plans (self-play opponents from the pool)
+            MultiTurnShardPlan.requests   worker s: episodes [s*E/N, (s+1)*E/N), plans, pool snapshots
+    worker: MultiTurnShard.collect_shard  EpisodePlayer.play: its own envs, policy copy, opponent slot
+    driver: merge_results, finish         the parts in episode order; failures, role baselines, tensors
 
-So the environment failures, the pool's results and its RNG, the role baselines and the
-checkpoint state are the in-process source's (a checkpoint resumes in any layout), and with
-one worker the batch is the in-process batch bit for bit (the driver's RNG travels with the
-request, :mod:`ppokit.cluster.rollout_workers`). With N workers each shard's generation runs
-under RNGs seeded from (seed, iteration, shard): runs are reproducible, but the sampled
-replies differ from the in-process run's (generation is batched per worker).
-
-``rollout.dynamic_sampling`` (DAPO's filter): the driver filters each merged draw with the
-in-process code (:meth:`~ppokit.lm.multi_turn.source.MultiTurnSource.finish_draw`); while the
-groups whose returns vary do not fill the batch, :meth:`MultiTurnShardPlan.merge` returns None
-and the workers get the requests of the next draw d: the seeds and seat plans the in-process
-source plays for it (groups ``d * B/G + j``, the pool's opponents drawn in the same order). One
-worker thus equals the in-process run bit for bit; with N workers draw d of shard s runs under
-RNGs seeded from (seed, iteration, s + d * DRAW_STREAM). (With ``rollout.off_policy_steps`` it
-stays in the training process: on the workers a further draw would be played by newer weights.)
-
-k-step-off pipelining (``rollout.off_policy_steps: k``): the requests of iteration i + k go
-out after iteration i is collected and before the weights of update i (Ray runs a worker's calls
-in order), so the worker plays them with version i; right after the play it takes each turn's
-behaviour log-probs with those weights in the scorer's numerics
-(:func:`~ppokit.lm.multi_turn.turn_batch.attach_behaviour_log_probs` over its own rows), and the
-driver's :func:`~ppokit.lm.multi_turn.turn_batch.trajectory_tensors` of the merged turns gives them
-as ``old_log_prob`` (the scorer runs no actor pass). The seeds, the seat plans and the pool's
-opponents of i + k are drawn when its requests go out, where the in-process source plays it
-(``selfplay/pool_size`` is the pool's size then); the driver's finishing (failures, role
-baselines, the pool's results) runs in iteration order when the batch is gathered, or when a
-checkpoint gathers the rollouts in flight. With one worker the run equals the pipelined
-in-process run (both seed iteration i's rollout from (seed, i, 0)).
-
-The pool's snapshots are LoRA actor adapters taken on the driver (its policy replica is
-the learner's weights after each update, :meth:`MultiTurnShardPlan.sync_weights`); a worker
-copies the ones its episodes play into its own opponent slot
-(:class:`~ppokit.lm.multi_turn.opponents.AdapterSnapshots`) and forgets those the pool dropped.
+So failures, the pool and its RNG, the role baselines and the checkpoint are the in-process
+source's (a checkpoint resumes in any layout), and one worker gives the in-process batch bit for
+bit (the driver's RNG travels with the request); with N workers shard s runs under RNGs seeded from
+(seed, iteration, s). ``rollout.dynamic_sampling``: the driver filters each merged draw with the
+in-process code (:meth:`MultiTurnShardPlan.merge` returns None until the batch is full).
+``rollout.off_policy_steps`` k: iteration i + k's requests go out before update i's weights; a worker
+takes the behaviour log-probs right after its play. Details: docs/scale.md, "Multi-turn rollouts on
+workers" and "k-step-off-policy pipelining".
 """
 
 from __future__ import annotations

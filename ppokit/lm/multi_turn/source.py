@@ -1,62 +1,21 @@
 """Multi-turn PPO on text environments: the rollout source and the evaluator.
 
-:class:`MultiTurnSource` is a :class:`~ppokit.components.RolloutSource`: the run loop,
-the scorer and the learner train on what it collects unchanged. One iteration::
+:class:`MultiTurnSource` is a :class:`~ppokit.components.RolloutSource`: the run loop, the scorer
+and the learner train on what it collects unchanged. One iteration::
 
-    train.batch_size episodes, reset with seeds drawn from (seed, iteration, group), a group
-        being algo.group_size consecutive episodes (1 with the critic: a seed per episode)
-    EpisodePlayer.play(...)      one batched generate per turn and actor (ppokit.lm.multi_turn.episodes)
-    trajectory_tensors(...)      the single-turn layout with a per-token action mask and the
-                                 engine's behaviour log-probs (ppokit.lm.multi_turn.turn_batch)
-    Batch(tensors, extras, samples, metrics)    extras["traj_group"] (E,): each trajectory's group;
-                                 gigpo: extras["turn_state"] (E, K), each turn's state (turn_states)
+    episodes(iteration)     train.batch_size reset seeds from (seed, iteration, group), seat plans
+    EpisodePlayer.play      one batched generate per turn and actor (ppokit.lm.multi_turn.episodes)
+    finish(...)             failures, role baselines, trajectory_tensors (ppokit.lm.multi_turn.turn_batch),
+                            extras["traj_group"] (E,); gigpo: extras["turn_state"] (E, K)
 
-then the scorer's one forward pass per row gives old/reference log-probs and values,
-:func:`ppokit.lm.multi_turn.advantages.trajectory_advantages` applies ``algo.credit`` (token
-or turn GAE over each trajectory) or, without a critic, the group estimator over each group's
-trajectories of one seat, and the learner updates in ``train.batch_size /
-train.mini_batch_size`` mini-batches of rows.
-
-Groups (``algo.adv_estimator`` grpo, rloo, reinforce_pp_baseline or gigpo, ``algo.group_size`` G):
-episodes ``jG .. jG+G-1`` are reset with one seed and share one seat plan (in self-play
-the learner's seat and the other seat's actor, drawn once per group). The seed fixes the
-environment's own randomness (its start state, the random stream of an opponent it plays
-itself); the opponent's moves still follow the moves made, and a self-play opponent
-samples its own replies. A trajectory's group is its episode's group and its seat
-(:func:`trajectory_groups`); ``env/uniform_group_rate`` counts the groups whose returns
-are all equal (advantage 0). ``rollout.dynamic_sampling`` drops those groups and plays
-more, with new seeds, until the batch is full (:meth:`MultiTurnSource.finish_draw`; on Ray
-rollout workers the driver sends the further draws out, :mod:`ppokit.lm.multi_turn.shards`).
-
-Self-play (a two-player environment that plays no seat itself, e.g. ``tictactoe`` with
-``opponent: self``): in each episode the learner's seat is
-:func:`~ppokit.envs.selfplay.assign_seat` of the episode's number; the other seat is the
-current policy (both seats are then trained on) or, with ``textenv.pool.snapshot_every``,
-with probability ``1 - pool.current_prob`` a snapshot drawn from the
-:class:`~ppokit.envs.selfplay.OpponentPool` of earlier actor adapters
-(:mod:`ppokit.lm.multi_turn.opponents`). The starting policy is the pool's first, pinned snapshot;
-a new one is added every ``snapshot_every`` weight syncs with new weights (the run's first sync
-counts; a resumed run's first, of the weights it resumed with, does not: the pool goes on as in
-the uninterrupted run).
-
-Per-role baselines (``textenv.role_baseline_tau`` > 0, UnstableBaselines' role
-advantage): each seat keeps an exponential moving average of its episode returns, and
-a trajectory's last reward is reduced by its seat's average before the update. The
-critic already conditions on the role (the observation says whose move it is); the
-average centres the rewards of a role that wins more often by construction (the first
-player) and serves the critic while it is still learning.
-
-Metrics per iteration (the learner's seat; see :func:`ppokit.envs.episode_metrics`):
-``env/return_mean``, ``env/turns_mean``, ``env/win_rate`` / ``draw_rate`` /
-``loss_rate``, ``env/illegal_action_rate``, ``env/truncated_rate``,
-``env/failure_rate``, truncations by reason, ``env/reply_cut_rate`` (replies cut by
-``rollout.max_new_tokens``), ``time_env`` against ``time_generate``,
-the rows and action tokens trained on; in self-play the results against the pool.
-
-:class:`TextEnvEvaluator` plays ``textenv.eval_episodes`` episodes on fixed seeds (greedy, or
-sampled: ``textenv.eval_sampling``)
-against each of ``textenv.eval_opponents`` (or the training environment as configured):
-before training, every ``textenv.eval_every`` iterations and after.
+then the scorer gives old/reference log-probs and values, and
+:func:`ppokit.lm.multi_turn.advantages.trajectory_advantages` applies ``algo.credit``, or without a
+critic the group estimator over each group's trajectories of one seat (:func:`trajectory_groups`; a
+group is ``algo.group_size`` episodes reset with one seed, with one seat plan).
+``rollout.dynamic_sampling`` drops the groups whose returns are all equal and plays more
+(:meth:`MultiTurnSource.finish_draw`). Self-play opponents come from the opponent pool
+(:mod:`ppokit.lm.multi_turn.opponents`); :class:`TextEnvEvaluator` plays fixed seeds against each
+evaluation opponent. Groups, self-play, role baselines and metrics: docs/multiturn.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,21 @@
 """Token streams of multi-turn episodes: the model's tokens as sampled, the observations appended.
 
-Token in, token out: what the model generated is kept as the token ids it sampled and
-never decoded and encoded again (a re-tokenised reply can differ from the sampled
-tokens, and the log-probs of the update would then be of tokens nobody sampled). Only
-the environment's text is tokenised. :class:`StreamCodec` makes one :class:`Stream`
-per seat of an episode; ``observe(observation)`` before each turn, ``prompt()`` the
-tokens to generate from, ``act(action_ids)`` after it.
+Token in, token out: what the model generated is kept as the token ids it sampled, never decoded
+and encoded again (a re-tokenised reply can differ from the sampled tokens, and the update's
+log-probs would then be of tokens nobody sampled). Only the environment's text is tokenised.
+:class:`StreamCodec` makes one :class:`Stream` per seat of an episode: ``observe(observation)``
+before each turn, ``prompt()`` the tokens to generate from, ``act(action_ids)`` after it.
 
-Two kinds of environment (:attr:`ppokit.envs.TextEnv.observation_mode`):
+- ``"state"`` mode: each turn's prompt is that observation alone, tokenised as a prompt (with
+  ``data.chat_template``: rendered with the generation prompt); each turn is its own batch row.
+- ``"message"`` mode: the observations are appended to one stream per seat. Plain text:
+  ``tok(obs_0) + action_0 + tok(obs_1, no special tokens) + action_1 + ...``. Chat template: the
+  tokens appended before turn k are what the template writes after its rendering of turn k-1's
+  reply, so the stream equals the template applied to the whole conversation; a template that
+  is not append-only raises :class:`~ppokit.errors.UserError`.
 
-- ``"state"``: every observation is the whole context. Each turn's prompt is that
-  observation alone, tokenised as a prompt (with ``data.chat_template``: rendered as a
-  user message, or the messages given, with the generation prompt). Nothing is
-  appended: each turn becomes its own row of the batch.
-- ``"message"``: the observations are appended to one stream per seat:
-
-  plain text (no chat template)::
-
-      stream = tok(obs_0) + action_0 + tok(obs_1, no special tokens) + action_1 + ...
-
-  chat template: the conversation ``[obs_0 messages, assistant: action_0, obs_1
-  messages, ...]`` rendered with the generation prompt after each observation; the
-  tokens appended before turn k are those of the text the template writes after what
-  it wrote for turn k-1's action, i.e. the template's end of the assistant's turn that
-  the model did not generate (ChatML's newline after ``<|im_end|>``), the new messages
-  and the next generation prompt. So the stream equals the template applied to the
-  whole conversation (token for token where the model's tokens are the tokenizer's
-  own encoding of its reply). A template whose rendering of a longer conversation does
-  not start with its rendering of the shorter one (it rewrites earlier turns, e.g.
-  drops earlier reasoning) is not append-only and raises :class:`~ppokit.errors.UserError`.
-  A template that does not write the model's stop token after a reply (it ends a turn
-  with text of its own) gets the stop token the model sampled followed by that text.
-
-In both modes the model's tokens are a stream's *action* tokens (:attr:`Stream.action_spans`);
-everything else is environment tokens, with mask 0 in the batch.
+The model's tokens are a stream's *action* tokens (:attr:`Stream.action_spans`); everything else
+is environment tokens, with mask 0 in the batch. Details: docs/multiturn.md, "Token in, token out".
 """
 
 from __future__ import annotations

@@ -1,41 +1,20 @@
 """Multi-turn trajectories as the batch layout of single-turn rollouts, with a per-token action mask.
 
-The policy and the scorer read every row as ``[left-padded prompt (P) | response region
-(R), right-padded]`` (:mod:`ppokit.lm.generation.engine`) and compute log-probs and values at
-every response position in one forward pass. A multi-turn row uses the same layout:
+The policy and the scorer read every row as ``[left-padded prompt (P) | response region (R),
+right-padded]`` (:mod:`ppokit.lm.generation.engine`), one forward pass for all positions; a
+multi-turn row uses the same layout. State mode: one row per turn (the prompt is the turn's
+observation, the response its action; a trajectory spans rows). Message mode: one row per
+trajectory (the prompt is the first observation, the response region ``action_0, obs_1 tokens,
+action_1, ...``).
 
-- state mode (each observation the whole context): one row per turn, the prompt is
-  the turn's observation and the response its action: a trajectory spans rows;
-- message mode (a stream): one row per trajectory, the prompt is the first
-  observation and the response region the rest of the stream: ``action_0, obs_1
-  tokens, action_1, ...``, ending with the last action.
-
-``mask`` is 1 on the model's tokens only (up to and including each turn's stop token)
-and 0 on environment tokens and padding, so that environment tokens never enter a
-ratio, an entropy, a KL or a value loss; ``attention_mask`` is 1 on every real token
-(the model reads the observations). The tensors::
-
-    input_ids, attention_mask, position_ids   (N, P + R)
-    responses, mask                           (N, R)
-    token_scores  (N, R)  each turn's reward on its last action token (the final reward
-                          of a seat that did not make the last move is on its last turn)
-    turn_index    (N, R)  the turn number of each action token in its trajectory, -1 elsewhere
-    traj_index    (N,)    the trajectory of each row (rows of a trajectory in time order)
-    rollout_log_prob (N, R)  float32: the rollout engine's behaviour log-prob of each action
-                          token (as it sampled it: :attr:`TurnData.action_log_probs`), 0 on
-                          environment tokens and padding; aligned with the scorer's
-                          ``old_log_prob``. Only when every turn carries them (sampled, not
-                          greedy): the trainer measures the mismatch and applies
-                          ``algo.rollout_correction`` with them (:mod:`ppokit.algo.rollout_correction`)
-    old_log_prob (N, R)   float32: the behaviour policy's log-probs in the scorer's numerics, 0 on
-                          environment tokens and padding, when every turn carries them
-                          (:attr:`TurnData.behaviour_log_probs`: episodes played ahead on a Ray
-                          worker, ``rollout.off_policy_steps``; :func:`attach_behaviour_log_probs`
-                          computed them there with the weights that played them)
-
-and, per trajectory (E of them): ``traj_truncated`` (E,), and for those that bootstrap
-``bootstrap_input_ids`` / ``bootstrap_attention_mask`` (B, L) left-padded prompts with
-``bootstrap_traj`` (B,): the scorer turns them into ``last_values`` (E,).
+``mask`` is 1 on the model's tokens only (each turn's stop token included) and 0 on environment
+tokens and padding, so that environment tokens never enter a ratio, an entropy, a KL or a value
+loss; ``attention_mask`` is 1 on every real token. :func:`trajectory_tensors` gives the rows,
+``token_scores`` (each turn's reward on its last action token), ``turn_index``, ``traj_index``, the
+behaviour log-probs (``rollout_log_prob``, ``old_log_prob``) when every turn carries them, and the
+prompts to bootstrap from; :func:`trajectory_rows` lays out the rows, :func:`turn_states` gives
+GiGPO's per-turn states, :func:`attach_behaviour_log_probs` a Ray worker's ``old_log_prob``.
+Every tensor and its shape: docs/multiturn.md, "The batch layout".
 """
 
 from __future__ import annotations

@@ -1,36 +1,21 @@
 """Reward functions that fail safely: worker processes, a time limit per sample, counted errors.
 
-A user's reward function (or ``math``, or ``code``) runs in a pool of worker processes
-kept for the whole run. :meth:`RewardPool.score` scores a batch and returns the scores
-in input order; a sample whose function raises, returns something that is not a finite
-number, kills its worker, or runs past ``timeout`` seconds gets ``reward_on_error``
-(default 0) and is marked with the reason. A worker past the time limit is killed
-(SIGKILL: SymPy or a ``while True`` does not listen to anything gentler) and replaced,
-and the rest of its samples go to the other workers. The errors of a batch are
-counted; more than ``max_reward_errors`` of them (a count, or a fraction of the batch
-when below 1) stops the run with a one-line :class:`UserError` naming the commonest
-reason. A function may return ``(score, reason)``: the reasons are counted as notes,
-not errors (the ``code`` reward's ``timeout``, ``memory``...).
+:class:`RewardPool` runs a user's reward function (or ``math``, or ``code``) in worker processes
+kept for the whole run; :meth:`RewardPool.score` returns a batch's scores in input order
+(:class:`RewardResults`). A sample whose function raises, returns no finite number, kills its
+worker or runs past ``timeout`` seconds gets ``reward_on_error`` and is marked with the reason. A
+late worker is killed with SIGKILL (SymPy or a ``while True`` ignores anything gentler) and
+replaced. More than ``max_reward_errors`` errors stop the run (:func:`check_error_limit`); the
+reason of a ``(score, reason)`` return is counted as a note, not an error.
 
-Workers: each is a fresh interpreter (``python -c`` running :func:`_worker_entry`),
-talking to the trainer over a socket pair. Forking the trainer is out: it has torch
-loaded and threads running, and a forked child can deadlock on a lock another thread
-held. multiprocessing's ``spawn`` and ``forkserver`` start clean interpreters too, but
-each child first re-imports the parent's ``__main__`` module: a user's training script
-without a ``__main__`` guard would run again in every worker. A worker imports ppokit's
-rewards module (no torch) and the reward function by its spec: a built-in name,
-``pkg.module:fn`` or ``path/to/file.py:fn`` (the path made absolute; the trainer's
-``sys.path`` and working directory are given to the worker); a callable is sent
-pickled, so it must be importable (a module-level function). A function with a
-``warm_up()`` attribute gets it called once before the worker reports ready (``math``
-imports SymPy there), so that heavy imports never count against a sample's time limit.
-Workers start in their own session (a terminal's Ctrl-C is the trainer's to handle)
-and exit when the trainer goes.
-
-:class:`InProcessScorer` has the same interface and scores in the calling process (no
-time limit): :func:`make_reward_scorer` uses it for the cheap built-ins
-(:data:`ppokit.lm.rewards.functions.IN_PROCESS_REWARDS`), which cannot hang and gain nothing
-from a pool's round trip (docs/performance.md, "Reward workers").
+Each worker is a fresh interpreter (``python -c`` running :func:`_worker_entry`) on a socket pair.
+Forking the trainer can deadlock (torch loaded, a lock held by another thread), and
+multiprocessing's ``spawn`` and ``forkserver`` re-import ``__main__``: a training script without a
+``__main__`` guard would run again in every worker. A worker loads the function by its spec
+(:func:`_portable_spec`), calls its ``warm_up()`` before it reports ready (so heavy imports never
+count against a sample's time limit), runs in its own session and exits when the trainer goes.
+:func:`make_reward_scorer` scores the cheap built-ins in the calling process instead
+(:class:`InProcessScorer`: they cannot hang; docs/performance.md, "Reward workers").
 """
 
 from __future__ import annotations
@@ -497,7 +482,8 @@ def _worker_entry() -> None:
 
 
 def _worker_main(conn, payload: tuple) -> None:
-    """A worker: load the reward function, then score chunks until told to stop."""
+    """A worker: take the trainer's ``sys.path`` and working directory, load the reward function,
+    then score chunks until told to stop."""
     (kind, value), path, cwd = payload
     sys.path[:] = path
     try:

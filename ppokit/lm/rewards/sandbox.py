@@ -1,58 +1,21 @@
 """The ``code`` reward: run the response's Python program against the record's tests, sandboxed.
 
-The program is the last fenced block of the response marked ``python`` or ``py``, else
-the last fenced block, else the whole response. The tests are the record's ``tests``
-field (a list, or a JSON string of one), each item one test:
+:func:`code_reward` gives the fraction of tests passed: :func:`extract_program` takes the
+program (the last fenced ``python`` block), :func:`parse_tests` the record's ``tests`` (assert
+statements run after the program as module ``solution``, or ``{"input", "output"}`` pairs on
+stdin/stdout, :func:`same_output`), and :func:`run_python` runs each test in a fresh process.
+After a timeout the remaining tests count as failed (a hanging program costs one time limit, not
+one per test); the reason returned is the most telling failure (:data:`FAILURE_ORDER`).
 
-- a string: Python statements (usually ``assert``), run after the program in the same
-  interpreter, as if the program were a module named ``solution``; the test passes when
-  they finish without an exception. ``"assert add(2, 3) == 5"``
-- ``{"input": "2 3\\n", "output": "5\\n"}``: the program runs as ``__main__`` with
-  ``input`` on stdin and passes when its stdout equals ``output``, compared line by line
-  with trailing whitespace and trailing blank lines ignored. APPS-style
-  ``{"inputs": [...], "outputs": [...]}`` (a dict instead of a list) is read the same way.
-
-Score = the fraction of tests passed. Each test runs in a fresh process; after a test
-times out the rest are not run and count as failed (a hanging program costs one time
-limit, not one per test). The reason returned with the score is None when every test
-passed, else the most telling failure: ``no_program``, ``syntax_error``, ``timeout``,
-``memory``, ``processes``, ``network``, ``output_limit``, ``error`` (an exception) or
-``wrong_answer``.
-
-Each run is contained by:
-
-- a guard: the run starts as a small supervisor (the init of the run's process
-  namespace, else a child subreaper) that forks the program and, when the program
-  ends or the run is stopped, kills and reaps every process the program started
-  (daemons that left its session included) before it exits; the program dies with it
-  (``PR_SET_PDEATHSIG``). The guard watches a pipe whose write end only the caller
-  holds: the caller closes it at the time limit, and the kernel closes it when the
-  caller dies (a reward worker killed for the pool's time limit), so a run never
-  outlives its caller, whatever the isolation;
-- process count: as root, a fresh ``pids`` cgroup (cgroup v1) per run, which counts the
-  run's own processes exactly; else ``RLIMIT_NPROC`` at the processes of the program's
-  user when it starts plus ``max_processes`` (Linux counts a user's processes together, so
-  other processes of that user starting meanwhile take from the same allowance; in a user
-  namespace of the run's own, bubblewrap's or unshare's, Linux 5.14 and later count only
-  the namespace's);
-- ``resource.setrlimit``: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``,
-  the memory limit), file size (``RLIMIT_FSIZE``, which also caps the output, written
-  to files) and no core files;
-- a wall-clock time limit;
-- no network: ``bwrap --unshare-net`` where bubblewrap is installed (with a read-only
-  view of the file system, its own ``/tmp`` and process namespace), else ``unshare
-  --net`` (as root, or ``--user --map-root-user`` where unprivileged user namespaces
-  are allowed), each with its own process namespace; else no isolation at all, which
-  :func:`isolation_warning` reports once;
-- a fresh temporary working directory, removed afterwards.
-
-``RLIMIT_NPROC`` does not bind root. Run as root, the program runs as the ``nobody``
-user when the interpreter is usable by it (not under ``unshare-user``, whose user
-namespace maps root alone), and its processes are counted by a ``pids`` cgroup where
-one can be created, else by ``RLIMIT_NPROC`` as ``nobody``; :func:`describe_isolation`
-says when neither is possible. The harness runs in the program's own interpreter: it
-contains accidents and the usual reward hacks (``sys.exit(0)`` before the asserts fails
-the test), not a program that inspects the harness's own frames or kills its guard.
+A run is contained by: a guard, a supervisor that forks the program and kills and reaps everything
+it started (daemons included) when it ends or is stopped, and that watches a pipe whose write end
+only the caller holds, so that a run never outlives its caller; a process count (as root a ``pids``
+cgroup per run, else ``RLIMIT_NPROC``); rlimits on CPU, address space, file size and core files; a
+wall-clock limit; no network (bubblewrap, else ``unshare``, else nothing: :func:`isolation`,
+:func:`isolation_warning`); a fresh working directory. Run as root, the program runs as ``nobody``
+where it can (:func:`describe_isolation`). The harness shares the program's interpreter: it stops
+accidents and the usual reward hacks, not a program that inspects its frames or kills its guard.
+Every level of isolation: docs/environments.md, "The code reward's sandbox".
 """
 
 from __future__ import annotations
@@ -662,7 +625,8 @@ def extract_program(response: str) -> str:
 
 
 def parse_tests(tests: Any) -> list[dict[str, str] | str]:
-    """The ``tests`` field as a list of tests (module docstring); a ValueError for any other shape."""
+    """The ``tests`` field as a list of tests (module docstring): a list, a JSON string of one, or
+    APPS-style ``{"inputs": [...], "outputs": [...]}``; a ValueError for any other shape."""
     if isinstance(tests, str):
         try:
             tests = json.loads(tests)

@@ -1,39 +1,21 @@
 """DAPO's dynamic sampling for single-turn runs (``rollout.dynamic_sampling``).
 
-:class:`DynamicSampler` is the part of :class:`~ppokit.lm.single_turn.source.LMSource` that
-decides, after each scored generation batch of an iteration, whether the iteration's
-batch is complete::
+:class:`DynamicSampler`, part of :class:`~ppokit.lm.single_turn.source.LMSource`, decides after
+each scored generation batch of an iteration whether the iteration's batch is complete::
 
-    draw 1, 2, ...   a generation batch: train.batch_size / group_size new prompts from the
-                     data stream, group_size responses each, scored (sequence rewards)
-    filter           keep the groups whose metric varies (ppokit.algo.dynamic_sampling:
-                     max > min within the group; metric = the sequence reward or the verifier's score)
+    draw 1, 2, ...   train.batch_size / group_size new prompts, group_size responses each, scored
+    filter           keep the groups whose metric varies (ppokit.algo.dynamic_sampling: max > min;
+                     metric = the sequence reward or the verifier's score)
     until            kept rows >= train.batch_size, or max_gen_batches drawn (0: no limit)
-    batch            the first train.batch_size / group_size kept groups, in draw order (the
-                     surplus is discarded, as verl does); at the limit, short of rows, the
-                     dropped groups fill the rest in draw order: the rows a run without
-                     dynamic sampling would have trained on (zero group advantage), logged as
-                     dynamic_sampling/padded_groups
+    batch            the first kept groups in draw order (the surplus discarded, as verl does); at
+                     the limit, dropped groups in draw order fill the rest (zero group advantage)
 
-At the limit the run goes on rather than stopping (verl's DAPO recipe raises an error
-there): a run is deterministic, so a stopped run resumed from its checkpoint would reach
-the same iteration, draw the same prompts and stop again.
-
-Every draw comes from the prompt stream and the run's RNGs (per draw seeded streams where
-the rollout runs ahead, :data:`ppokit.resume.DRAW_STREAM`), so a resumed run draws exactly
-the uninterrupted run's prompts and samples. The only state across iterations is the
-count of generated samples (``state_dict``).
-
-Metrics, per iteration (``dynamic_sampling/...``): ``gen_batches`` (generation batches
-drawn), ``samples_generated`` (and ``samples_generated_total`` over the run),
-``kept_frac`` (the share of generated groups with variance), ``all_0_frac`` /
-``all_1_frac`` / ``constant_other_frac`` (dropped groups whose metric was 0 everywhere,
-1 everywhere, another constant), ``padded_groups``, ``reward_mean_generated`` (the mean
-sequence reward of every generated sample: the policy's unfiltered reward). The
-iteration's other metrics (``reward_mean``, ``response_length``, ...) describe the
-trained batch; those of the reward sources are merged over the draws
-(:func:`merge_draw_metrics`), and ``time_generate``, ``time_reward`` and
-``gen_tokens_per_s`` count every draw.
+At the limit the run goes on, where verl's DAPO recipe raises an error: a run is deterministic,
+so a stopped run resumed from its checkpoint would draw the same prompts and stop again. Every
+draw comes from the prompt stream and the run's RNGs (per-draw streams where the rollout runs
+ahead, :data:`ppokit.resume.DRAW_STREAM`), so a resumed run draws the uninterrupted run's prompts
+and samples; the only state across iterations is the count of generated samples. The iteration's
+metrics describe the trained batch, merged over the draws (:func:`merge_draw_metrics`).
 """
 
 from __future__ import annotations
@@ -124,7 +106,15 @@ def select_rows(part: Any, rows: torch.Tensor) -> Any:
 
 
 class DynamicSampler:
-    """The draws of one iteration and the batch they make (module docstring)."""
+    """The draws of one iteration and the batch they make (module docstring).
+
+    Metrics (``dynamic_sampling/...``): ``gen_batches`` drawn, ``samples_generated`` (and
+    ``samples_generated_total`` over the run), ``kept_frac`` (the share of generated groups with
+    variance), ``all_0_frac`` / ``all_1_frac`` / ``constant_other_frac`` (dropped groups whose metric
+    was 0 everywhere, 1 everywhere, another constant), ``padded_groups``, ``reward_mean_generated``
+    (the mean sequence reward of every generated sample: the policy's unfiltered reward).
+    ``time_generate``, ``time_reward`` and ``gen_tokens_per_s`` count every draw.
+    """
 
     def __init__(self, cfg):
         ds = cfg.rollout.dynamic_sampling
