@@ -19,8 +19,7 @@ from ppokit.config import Config
 from ppokit.errors import UserError
 from ppokit.lm.data.chat import render_records
 from ppokit.lm.data.records import count_tokens_with
-from ppokit.lm.data.sources import load_prompts
-from ppokit.lm.inputs import chat_render
+from ppokit.lm.inputs import chat_render, load_sft_records
 from ppokit.lm.model.device import run_device
 from ppokit.lm.model.gguf import converted_directory, is_gguf
 from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer, build_tiny_model
@@ -79,18 +78,7 @@ def prepare_model(
                 "data.sft_epochs > 0 needs held-out prompts to pick the best warm-start model "
                 "(a built-in task, or data.eval_prompts)"
             )
-        examples = (
-            sft_examples
-            if sft_examples is not None
-            else load_prompts(
-                cfg.data.prompts,
-                "sft",
-                n=cfg.data.sft_examples,
-                chat=cfg.data.chat_template,
-                prompt_key=cfg.data.prompt_key,
-                answer_key=cfg.data.answer_key,
-            )
-        )
+        examples = sft_examples if sft_examples is not None else load_sft_records(cfg)
         render = chat_render(cfg)
         if render is not None:
             examples = render_records(examples, render)

@@ -109,6 +109,16 @@ def _reward_spec(cfg: Config):
     return None
 
 
+def load_sft_records(cfg: Config) -> list[dict] | None:
+    """The warm start's prompt/completion records (the ``sft`` split of ``data.prompts``, the first
+    ``data.sft_examples``), not rendered; None without a warm start (``data.sft_epochs=0``)."""
+    d = cfg.data
+    if not d.sft_epochs:
+        return None
+    keys = {"prompt_key": d.prompt_key, "answer_key": d.answer_key}
+    return load_prompts(d.prompts, "sft", n=d.sft_examples, chat=d.chat_template, **keys)
+
+
 def check_warm_start_heldout(cfg: Config, eval_items: list[dict]) -> None:
     """A warm start (data.sft_epochs > 0) picks its best epoch by the held-out accuracy: none is one line."""
     d = cfg.data

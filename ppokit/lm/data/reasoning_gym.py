@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ppokit.errors import UserError, did_you_mean
-from ppokit.lm.data.splits import hashed_split, split_cuts
+from ppokit.lm.data.splits import ASKED_BY, hashed_split, split_cuts
 from ppokit.user_code import one_line_error
 
 NAME = "reasoning_gym"
@@ -321,8 +321,8 @@ class _Stream:
                 if self.next_index >= t.window:
                     raise UserError(
                         f"reasoning_gym:{t.task} gave only {len(found)} distinct {split} problems in the first "
-                        f"{t.window} of seed {t.seed}; asked for {n}: ask for fewer, or use options that allow "
-                        "more distinct problems"
+                        f"{t.window} of seed {t.seed}; asked for {n} ({ASKED_BY[split]}): ask for fewer, or use "
+                        "options that allow more distinct problems"
                     )
                 index = self.next_index
                 try:

@@ -12,9 +12,11 @@ import zlib
 
 from ppokit.errors import UserError
 
-__all__ = ["BUCKETS", "hashed_split", "split_cuts"]
+__all__ = ["ASKED_BY", "BUCKETS", "hashed_split", "split_cuts"]
 
 BUCKETS = 1000
+# the setting that asks a run's task for the problems of each split, for messages
+ASKED_BY = {"train": "the task's size option", "eval": "data.eval_size", "sft": "data.sft_examples"}
 
 
 def split_cuts(where: str, eval_fraction: float, sft_fraction: float) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from ppokit.errors import UserError, did_you_mean
 from ppokit.lm.data.countdown import CountdownTask
 from ppokit.lm.data.gsm8k import GSM8KTask
 from ppokit.lm.data.reasoning_gym import ReasoningGymTask
+from ppokit.lm.data.splits import ASKED_BY
 
 SPLITS = ("eval", "sft", "train")
 _ENUMERATE_MAX = 1 << 21  # problem spaces up to this size are enumerated exactly
@@ -136,7 +137,8 @@ class ArithmeticTask:
             order = self._enumerated(split)
             if n is not None and n > len(order):
                 raise UserError(
-                    f"{self!r} has {len(order)} {split} problems; asked for {n} (use more digits or ask for fewer)"
+                    f"{self!r} has {len(order)} {split} problems; asked for {n} ({ASKED_BY[split]}): "
+                    "use more digits or ask for fewer"
                 )
             return order if n is None else order[:n]
         if n is None:

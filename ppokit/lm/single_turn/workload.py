@@ -43,7 +43,7 @@ from ppokit.lm.data.records import count_tokens_with, drop_long_prompts
 from ppokit.lm.data.sources import PromptIterator
 from ppokit.lm.generation.engine import check_prompts_fit
 from ppokit.lm.generation.factory import make_engine
-from ppokit.lm.inputs import check_warm_start_heldout, load_data
+from ppokit.lm.inputs import check_warm_start_heldout, load_data, load_sft_records
 from ppokit.lm.learner import LMLearner, learner_policy_stack, make_scorer
 from ppokit.lm.model.checkpoint import read_policy_meta
 from ppokit.lm.model.device import placement
@@ -90,6 +90,7 @@ class CheckedInputs(NamedTuple):
     tokenizer: Any
     prompt_tokens: int | None = None  # the longest prompt the run keeps, in tokens (the memory estimate's P)
     estimate: MemoryEstimate | None = None  # the pre-start check's memory estimate (None: run.memory_check off)
+    sft: list[dict] | None = None  # the warm start's records (None: none, or not read yet)
 
 
 @dataclass
@@ -99,6 +100,7 @@ class RunInputs:
     prompts: PromptSets
     verifier: Any  # the reward function's scorer (held-out accuracy; None without a function)
     rewards: SequenceRewards  # the training reward
+    sft: list[dict] | None = None  # the warm start's records, as the pre-start check read them
     header: list[str] = field(default_factory=list)  # lines said at the start, after the model's
     closers: list[Any] = field(default_factory=list)  # closed at the run's end (the verifier's workers)
 
@@ -125,10 +127,11 @@ class LMWorkload:
             within_limit = drop_long(cfg, train_items, eval_items, tokenizer).train
             check_token_budget(cfg, tokenizer, within_limit)
         check_warm_start_heldout(cfg, eval_items)
+        sft_items = load_sft_records(cfg)  # too few of them: one line now, not once the run directory exists
         # a run that cannot fit its device's memory: one line now, not an out-of-memory error later
         longest = longest_prompt_tokens(tokenizer, [x["prompt"] for x in within_limit + eval_items])
         estimate = check_run_fits(cfg, IterationSizes(longest), sft_eval_rows=len(eval_items))
-        self._checked = CheckedInputs(train_items, eval_items, reward_fn, tokenizer, longest, estimate)  # build drops
+        self._checked = CheckedInputs(train_items, eval_items, reward_fn, tokenizer, longest, estimate, sft_items)
 
     def check_checkpoint(self, meta: dict[str, Any], path: Path) -> None:
         read_policy_meta(path)  # the policy's files are there (a UserError names what is wrong)
@@ -216,12 +219,14 @@ class LMWorkload:
             for closer in closers:
                 closer.close()
             raise
-        return RunInputs(prompts, verifier, rewards, header, closers)
+        return RunInputs(prompts, verifier, rewards, checked.sft, header, closers)
 
     def _build(self, run_dir: Path, inputs: RunInputs) -> Components:
         cfg, verifier = self.cfg, inputs.verifier
         train_items, eval_items = inputs.prompts.train, inputs.prompts.held_out
-        model_path = prepare_model(cfg, run_dir, eval_items, verifier, progress, prompts=train_items + eval_items)
+        model_path = prepare_model(
+            cfg, run_dir, eval_items, verifier, progress, prompts=train_items + eval_items, sft_examples=inputs.sft
+        )
         self.model_path = model_path
         causal_lm_config(model_path, "model.path")  # a clear error before anything heavy
         stack = build_policy_stack(cfg, model_path)
