@@ -168,6 +168,14 @@ class AlgoConfig(Section):
         None, "dro: the weight beta of the quadratic log-ratio penalty beta/2 (log r)^2 (required with dro)", gt=0
     )
 
+    @field_validator("loss_mode", mode="before")
+    @classmethod
+    def _gspo_is_a_ratio(cls, name: Any) -> Any:
+        """verl names GSPO a loss mode; here it is the clipped loss on GSPO's sequence ratio."""
+        if name == "gspo":
+            raise ValueError("GSPO is the clipped loss on its sequence ratio here: set algo.ratio_level=gspo")
+        return name
+
     @field_validator("loss_mode")
     @classmethod
     def _canonical_loss(cls, name: str) -> str:

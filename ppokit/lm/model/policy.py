@@ -547,7 +547,7 @@ def build_policy(
             if "not found in the base model" not in str(exc):
                 raise
             raise UserError(
-                f"model.lora_target_modules={m.lora_target_modules}: no such module in {model_path}; "
+                f"model.lora_target_modules={m.lora_target_modules}: no such module in model.path={m.path}; "
                 f"its linear layers are {', '.join(names)} (or use all-linear)"
             ) from None
         policy = LMPolicy(
