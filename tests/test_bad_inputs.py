@@ -218,17 +218,19 @@ def test_a_text_environment_s_mode_refused_writes_nothing(case, expected, tmp_pa
 @pytest.mark.parametrize(
     "case",
     [
-        "warm_start_without_heldout",
-        "warm_start_file_without_heldout",
-        "warm_start_more_examples_than_the_task_has",
-        "heldout_more_than_the_task_has",
+        "data/warm_start_without_heldout",
+        "data/warm_start_file_without_heldout",
+        "data/warm_start_more_examples_than_the_task_has",
+        "data/heldout_more_than_the_task_has",
+        "model/lora_target_not_in_the_model",
+        "model/lora_target_not_in_the_model_multiturn",
     ],
 )
-def test_a_warm_start_or_heldout_set_that_cannot_be_filled_writes_nothing(case, tmp_path, capsys, monkeypatch):
+def test_inputs_refused_before_the_start_write_nothing(case, tmp_path, capsys, monkeypatch):
     """Refused among the pre-start checks: no run directory (it used to be made, with the tiny model
-    built into it, before the warm start found it had nothing to score its epochs by, or fewer
-    examples than asked for)."""
-    folder = CORPUS / "data" / case
+    built into it, before the warm start found it had nothing to score its epochs by or fewer
+    examples than asked for, or before peft found no layer of that name)."""
+    folder = CORPUS / case
     spec = yaml.safe_load((folder / "case.yaml").read_text())
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"

@@ -28,12 +28,14 @@ from typing import Any
 import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
 
 from ppokit import algo
 from ppokit.errors import UserError
 from ppokit.lm.model.device import attention_implementation
 from ppokit.lm.model.heads import decoder_of, hidden_then_head_matches, plain_head
-from ppokit.lm.model.hf import input_embedding_rows, load_causal_lm
+from ppokit.lm.model.hf import causal_lm_config, input_embedding_rows, load_causal_lm
+from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, tiny_config
 
 ACTOR, CRITIC = "actor", "critic"
 
@@ -546,10 +548,7 @@ def build_policy(
         except ValueError as exc:
             if "not found in the base model" not in str(exc):
                 raise
-            raise UserError(
-                f"model.lora_target_modules={m.lora_target_modules}: no such module in model.path={m.path}; "
-                f"its linear layers are {', '.join(names)} (or use all-linear)"
-            ) from None
+            raise _no_such_target(m, names) from None
         policy = LMPolicy(
             peft_model,
             ValueHead(hidden) if need_critic else None,
@@ -598,6 +597,30 @@ def _load_critic(m, model_path: str | Path, lm: nn.Module, attn: str | None) -> 
     if out_emb is not None and out_emb.weight is not critic.get_input_embeddings().weight:
         out_emb.requires_grad_(False)  # the critic's LM head is unused
     return critic
+
+
+def check_lora_targets(model_cfg) -> None:
+    """``model.lora_target_modules`` (a list of names) names a module of the model, as peft matches
+    them (the whole name, or its last dotted parts): checked on the model built from its config on
+    the meta device (no weights), among the pre-start checks; peft would refuse it once the run
+    directory and the warm start exist."""
+    targets = model_cfg.lora_target_modules
+    if model_cfg.mode != "lora" or not isinstance(targets, list):
+        return  # "all-linear", or a regular expression: peft's to match
+    path = model_cfg.path
+    config = tiny_config(DEFAULT_TINY_SPEC) if path == "tiny" else causal_lm_config(path)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+    names = [name for name, _ in lm.named_modules() if name]
+    if not any(name == t or name.endswith("." + t) for name in names for t in targets):
+        raise _no_such_target(model_cfg, linear_module_names(lm))
+
+
+def _no_such_target(model_cfg, linear_names: list[str]) -> UserError:
+    return UserError(
+        f"model.lora_target_modules={model_cfg.lora_target_modules}: no such module in model.path={model_cfg.path}; "
+        f"its linear layers are {', '.join(linear_names)} (or use all-linear)"
+    )
 
 
 def linear_module_names(lm: nn.Module) -> list[str]:
