@@ -224,12 +224,14 @@ def test_a_text_environment_s_mode_refused_writes_nothing(case, expected, tmp_pa
         "data/heldout_more_than_the_task_has",
         "model/lora_target_not_in_the_model",
         "model/lora_target_not_in_the_model_multiturn",
+        "data/eval_opponents_on_a_one_player_env",
     ],
 )
 def test_inputs_refused_before_the_start_write_nothing(case, tmp_path, capsys, monkeypatch):
     """Refused among the pre-start checks: no run directory (it used to be made, with the tiny model
     built into it, before the warm start found it had nothing to score its epochs by or fewer
-    examples than asked for, or before peft found no layer of that name)."""
+    examples than asked for, before peft found no layer of that name, or before the evaluation
+    before training built its opponents' environments)."""
     folder = CORPUS / case
     spec = yaml.safe_load((folder / "case.yaml").read_text())
     monkeypatch.chdir(tmp_path)

@@ -81,7 +81,21 @@ class MultiTurnWorkload:
         check_lora_targets(self.cfg.model)
         check_warm_start_mode(self.cfg, env_mode(env), getattr(env, "env_name", self.cfg.textenv.env))
         self._check_observation(env)
+        self._check_eval_opponents()
         self._check_memory()
+
+    def _check_eval_opponents(self) -> None:
+        """Each of ``textenv.eval_opponents`` builds its environment (``opponent=`` added to the
+        kwargs): the evaluation before training would refuse it once the run directory exists."""
+        t = self.cfg.textenv
+        for opponent in t.eval_opponents:
+            try:
+                make_env(t.env, **{**t.kwargs, "opponent": opponent})
+            except UserError as exc:
+                raise UserError(
+                    f"textenv.eval_opponents={t.eval_opponents}: {exc} (set textenv.eval_opponents=[] to "
+                    "evaluate on the environment as trained)"
+                ) from None
 
     def _check_observation(self, env: Any) -> None:
         """Chat messages as observations need a chat template: refused before the run starts (the
