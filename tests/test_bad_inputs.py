@@ -225,13 +225,14 @@ def test_a_text_environment_s_mode_refused_writes_nothing(case, expected, tmp_pa
         "model/lora_target_not_in_the_model",
         "model/lora_target_not_in_the_model_multiturn",
         "data/eval_opponents_on_a_one_player_env",
+        "model/critic_path_missing",
     ],
 )
 def test_inputs_refused_before_the_start_write_nothing(case, tmp_path, capsys, monkeypatch):
-    """Refused among the pre-start checks: no run directory (it used to be made, with the tiny model
-    built into it, before the warm start found it had nothing to score its epochs by or fewer
-    examples than asked for, before peft found no layer of that name, or before the evaluation
-    before training built its opponents' environments)."""
+    """Refused among the pre-start checks: no run directory. Each used to be refused once the run
+    directory (with the tiny model built into it) existed: by the warm start (no held-out prompts,
+    fewer examples than asked for), by peft (no layer of that name), by the critic's load (no
+    directory) or by the evaluation before training (its opponents' environments)."""
     folder = CORPUS / case
     spec = yaml.safe_load((folder / "case.yaml").read_text())
     monkeypatch.chdir(tmp_path)

@@ -599,11 +599,19 @@ def _load_critic(m, model_path: str | Path, lm: nn.Module, attn: str | None) -> 
     return critic
 
 
-def check_lora_targets(model_cfg) -> None:
+def check_model_options(model_cfg) -> None:
+    """Among the pre-start checks (the model's build would refuse them once the run directory and
+    the warm start exist): full mode's ``model.critic_path`` is a causal LM's directory, and LoRA's
+    target modules are in the model (:func:`_check_lora_targets`)."""
+    if model_cfg.mode == "full" and model_cfg.critic_path:
+        causal_lm_config(model_cfg.critic_path, "model.critic_path")
+    _check_lora_targets(model_cfg)
+
+
+def _check_lora_targets(model_cfg) -> None:
     """``model.lora_target_modules`` (a list of names) names a module of the model, as peft matches
     them (the whole name, or its last dotted parts): checked on the model built from its config on
-    the meta device (no weights), among the pre-start checks; peft would refuse it once the run
-    directory and the warm start exist."""
+    the meta device (no weights)."""
     targets = model_cfg.lora_target_modules
     if model_cfg.mode != "lora" or not isinstance(targets, list):
         return  # "all-linear", or a regular expression: peft's to match

@@ -41,7 +41,7 @@ from ppokit.lm.model.memory import (
     has_auto_micro_batches,
     resolve_micro_batches,
 )
-from ppokit.lm.model.policy import check_lora_targets, lora_config
+from ppokit.lm.model.policy import check_model_options, lora_config
 from ppokit.lm.model.stack import PolicyStack, build_policy_stack
 from ppokit.lm.multi_turn.advantages import trajectory_advantages
 from ppokit.lm.multi_turn.demonstrations import check_warm_start_mode, warm_started_model
@@ -78,7 +78,7 @@ class MultiTurnWorkload:
         if self.cfg.model.path != "tiny":
             causal_lm_config(self.cfg.model.path)
             load_tokenizer(self.cfg.model.path)
-        check_lora_targets(self.cfg.model)
+        check_model_options(self.cfg.model)
         check_warm_start_mode(self.cfg, env_mode(env), getattr(env, "env_name", self.cfg.textenv.env))
         self._check_observation(env)
         self._check_eval_opponents()

@@ -57,7 +57,7 @@ from ppokit.lm.model.memory import (
     longest_prompt_tokens,
     resolve_micro_batches,
 )
-from ppokit.lm.model.policy import check_lora_targets
+from ppokit.lm.model.policy import check_model_options
 from ppokit.lm.model.stack import build_policy_stack, prompt_tokenizer
 from ppokit.lm.rewards.functions import BUILTIN_REWARDS
 from ppokit.lm.rewards.pool import make_reward_scorer
@@ -122,7 +122,7 @@ class LMWorkload:
         cfg = self.cfg
         train_items, eval_items, reward_fn = load_data(cfg)
         check_filter_metric(cfg, has_verifier=reward_fn is not None)
-        check_lora_targets(cfg.model)
+        check_model_options(cfg.model)
         tokenizer = prompt_tokenizer(cfg)  # loaded once for every check (a bad directory: one line)
         within_limit = train_items  # the training prompts the run keeps (data.max_prompt_tokens)
         if cfg.data.max_prompt_tokens is not None or cfg.train.micro_batch_tokens is not None:
