@@ -868,6 +868,16 @@ class DataConfig(Section):
     sft_batch_size: int = field(32, "sequences per supervised warm-start step", ge=1)
     sft_learning_rate: float = field(1e-3, "learning rate of the supervised warm start", gt=0)
 
+    @field_validator("prompts", "eval_prompts")
+    @classmethod
+    def _a_source(cls, value: str | None) -> str | None:
+        """An empty source (``data.prompts=``) is refused here, not once the run starts reading it."""
+        if value is not None and not value.strip():
+            raise ValueError(
+                "empty: give a built-in task name (e.g. arithmetic), a JSONL or Parquet file, or a datasets directory"
+            )
+        return value
+
     @field_validator("max_reward_errors")
     @classmethod
     def _count_or_fraction(cls, value: float | None) -> float | None:
