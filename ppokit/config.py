@@ -524,6 +524,11 @@ class EnvConfig(Section):
                 f"max_episode_steps={kwargs['max_episode_steps']!r} is the time limit: set env.max_episode_steps "
                 "instead (a whole number, at least 1)"
             )
+        if kwargs.get("render_mode") is not None:  # accepted by gymnasium, yet no frame would ever be shown or kept
+            raise ValueError(
+                f"render_mode={kwargs['render_mode']!r}: ppokit runs its environments without rendering, in training "
+                "and evaluation alike; remove it"
+            )
         return kwargs
 
 
