@@ -4,17 +4,13 @@ and the held-out check that compares greedy and sampled accuracy before PPO."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from ppokit.cli import main
 from ppokit.config import build_config, load_config
 from ppokit.health import CLIPFRAC_ALARM, KL_ALARM, NO_SIGNAL_ITERATIONS, RunHealth
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def lm_config(**sections):
@@ -67,29 +63,19 @@ def test_runaway_updates_are_said_once_with_the_learning_rate_of_the_mode():
     assert nan.check(0, {"approx_kl": float("nan"), "clipfrac": None}) == []
 
 
-def _constant_reward_run(tmp_path, reward: str) -> subprocess.CompletedProcess:
+@pytest.mark.slow
+def test_a_run_whose_rewards_never_differ_says_so(tmp_path, capsys):
     fn = tmp_path / "rewards.py"
     fn.write_text("def zero(prompt, response, **fields):\n    return 0.0\n")
-    return subprocess.run(
-        [sys.executable, "-m", "ppokit", "train", "arith", "data.sft_epochs=0", "train.iterations=2"]
-        + ["train.batch_size=16", "train.mini_batch_size=16", "data.eval_size=8", f"data.reward={fn}:{reward}"]
-        + ["rollout.max_new_tokens=4", f"run.output_dir={tmp_path}", "run.name=r", "--no-progress"]
-        + ["run.tensorboard=false"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-
-
-@pytest.mark.slow
-def test_a_run_whose_rewards_never_differ_says_so(tmp_path):
-    done = _constant_reward_run(tmp_path, "zero")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "iterations 0-1: every sampled response got the same reward (0), so PPO has nothing" in done.stdout
+    args = ["train", "arith", "data.sft_epochs=0", "train.iterations=2", "train.batch_size=16"]
+    args += ["train.mini_batch_size=16", "data.eval_size=8", f"data.reward={fn}:zero", "rollout.max_new_tokens=4"]
+    status = main([*args, f"run.output_dir={tmp_path}", "run.name=r", "--no-progress", "run.tensorboard=false"])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-2000:]
+    assert "iterations 0-1: every sampled response got the same reward (0), so PPO has nothing" in out
     # before PPO: neither greedy nor sampled responses score
-    assert "held-out accuracy before PPO: 0.0% (8 prompts); sampled at temperature 1.5: 0.0%" in done.stdout
-    assert "no held-out response earns a reward, greedy or sampled" in done.stdout
+    assert "held-out accuracy before PPO: 0.0% (8 prompts); sampled at temperature 1.5: 0.0%" in out
+    assert "no held-out response earns a reward, greedy or sampled" in out
     row = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["reward_std"] == 0.0
 

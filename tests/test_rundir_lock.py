@@ -11,12 +11,13 @@ import sys
 import pytest
 from resume_helpers import start_and_wait, subprocess_env, train_cmd
 
+from ppokit.cli import main
 from ppokit.errors import UserError
 from ppokit.rundir import RunLock, read_metrics
 
 RUN = [
     "cartpole",
-    "train.total_steps=40960",
+    "train.total_steps=20480",
     "env.eval_episodes=2",
     "run.progress=false",
     "run.tensorboard=false",
@@ -25,19 +26,21 @@ RUN = [
 
 
 @pytest.mark.slow
-def test_a_second_train_on_a_run_in_use_exits_2_and_the_first_finishes_intact(tmp_path):
+def test_a_second_train_on_a_run_in_use_exits_2_and_the_first_finishes_intact(tmp_path, capsys):
     run_dir = tmp_path / "busy"
     first = start_and_wait(train_cmd(*RUN, f"run.output_dir={tmp_path}", "run.name=busy"), run_dir, rows=2)
     assert first.poll() is None, first.communicate()
+    # the second one in this process (the command line's own path, without a second start-up)
     for args in (["--resume", str(run_dir)], [*RUN, f"run.output_dir={tmp_path}", "run.name=busy", "run.resume=auto"]):
-        second = subprocess.run(train_cmd(*args), capture_output=True, text=True, timeout=120, env=subprocess_env())
-        lines = second.stderr.strip().splitlines()
-        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        status = main(["train", *args])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert status == 2 and len(lines) == 1, lines
         assert lines[0].startswith(f"ppokit: error: run directory {run_dir} is in use by process {first.pid} ")
+    assert first.poll() is None, "the first run ended before the second one was refused: nothing was tested"
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     rows = read_metrics(run_dir)
-    assert [r["iteration"] for r in rows] == list(range(40960 // 256))  # every row once, in order
+    assert [r["iteration"] for r in rows] == list(range(20480 // 256))  # every row once, in order
     assert (run_dir / "checkpoint" / "meta.json").is_file()
 
 
