@@ -199,6 +199,11 @@ def get_task(spec: str, **kwargs: Any):
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"a task name must be a non-empty string; built-in tasks: {', '.join(task_names())}")
     name, _, options = spec.strip().partition(":")
+    if name == "textarena":  # a game, not a prompt set: it is played as a text environment
+        raise UserError(
+            f"{spec.strip()} is a TextArena game, not a prompt set: play it as a text environment with "
+            f"textenv.env={spec.strip()} (as the smollm2_tictactoe preset does), not data.prompts"
+        )
     if name not in TASKS:
         raise UserError(
             f"unknown task '{name}'{did_you_mean(name, TASKS)} "
