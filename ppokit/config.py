@@ -122,7 +122,22 @@ class AlgoConfig(Section):
     gamma: float = field(0.99, "discount factor", ge=0, le=1)
     gae_lambda: float = field(0.95, "GAE lambda: 0 = one-step TD, 1 = Monte-Carlo", "lam", ge=0, le=1)
     normalize_adv: bool = field(True, "whiten advantages over the batch", "normalize_advantages")
-    norm_adv_by_std_in_grpo: bool = field(True, "grpo, gigpo: divide by the group std (false = Dr.GRPO)")
+    scale_rewards: Literal["group", "batch", "none"] = field(
+        "group",
+        "grpo, gigpo: divide each score minus its group's mean by the std of its group's scores (group), of "
+        "the whole batch's scores (batch, grpo only: TRL's option), or by nothing (none: Dr. GRPO; verl's "
+        "norm_adv_by_std_in_grpo: false)",
+        "norm_adv_by_std_in_grpo",
+    )
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _std_switch_as_scale(cls, value: Any) -> Any:
+        """verl's ``norm_adv_by_std_in_grpo`` is a switch: true is the group's std, false none."""
+        if isinstance(value, bool):
+            return "group" if value else "none"
+        return value
+
     step_advantage_weight: float = field(
         1.0,
         "gigpo (textenv): weight of the step-level advantage (each turn against the turns taken from the "
@@ -1098,6 +1113,11 @@ def _check_objective(cfg: Config) -> None:
         raise ValueError(
             f"algo.adv_estimator={a.adv_estimator} needs algo.group_size >= 2 "
             f"(got {a.group_size}): a group of one has no baseline"
+        )
+    if a.adv_estimator == "gigpo" and a.scale_rewards == "batch":
+        raise ValueError(
+            "algo.scale_rewards=batch applies to grpo; gigpo divides each of its terms by the std of its own "
+            "group (group) or by nothing (none)"
         )
     if a.adv_estimator == "gigpo" and cfg.kind != "textenv":
         raise ValueError(

@@ -154,7 +154,8 @@ def compute_advantages(
         lam=a.gae_lambda,
         dones=dones,
         last_values=last_values,
-        norm_by_std=a.norm_adv_by_std_in_grpo,
+        norm_by_std=a.scale_rewards != "none",
+        batch_std=a.scale_rewards == "batch",
     )
     if a.normalize_adv and a.adv_estimator in WHITENED_ESTIMATORS:
         advantages = algo.whiten(advantages, mask)

@@ -21,7 +21,10 @@ def group_rewards(lengths: list[int], scores: list[float], T: int = 6) -> tuple[
     return rewards, mask
 
 
-@pytest.mark.parametrize("estimator, extra", [("grpo", {}), ("grpo", {"norm_adv_by_std_in_grpo": False}), ("rloo", {})])
+@pytest.mark.parametrize(
+    "estimator, extra",
+    [("grpo", {}), ("grpo", {"norm_adv_by_std_in_grpo": False}), ("grpo", {"scale_rewards": "batch"}), ("rloo", {})],
+)
 def test_a_group_with_one_reward_gets_exactly_zero_advantage_whatever_its_lengths(estimator, extra):
     # group 0 informative; group 1: every sample got 1.0, responses of very different lengths;
     # group 2 informative
@@ -34,7 +37,11 @@ def test_a_group_with_one_reward_gets_exactly_zero_advantage_whatever_its_length
     assert torch.equal(adv[3:6], torch.zeros(3, 6))
     assert adv[0:3][mask[0:3].bool()].abs().min() > 0 and adv[6:9][mask[6:9].bool()].abs().min() > 0
     raw, _ = algo.get_advantage_estimator(estimator)(
-        rewards=rewards, mask=mask, group_ids=group_ids, norm_by_std=cfg.algo.norm_adv_by_std_in_grpo
+        rewards=rewards,
+        mask=mask,
+        group_ids=group_ids,
+        norm_by_std=cfg.algo.scale_rewards != "none",
+        batch_std=cfg.algo.scale_rewards == "batch",
     )
     torch.testing.assert_close(adv, raw, rtol=0, atol=0)  # normalize_adv leaves them as defined
 

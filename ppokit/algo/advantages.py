@@ -9,7 +9,7 @@ Every estimator in :data:`ADVANTAGE_ESTIMATORS` has the same keyword-only
 signature so a trainer can call any of them::
 
     fn(*, rewards, mask, values=None, group_ids=None, gamma=1.0, lam=1.0,
-       dones=None, last_values=None, norm_by_std=True, eps=1e-6, **_)
+       dones=None, last_values=None, norm_by_std=True, batch_std=False, eps=1e-6, **_)
         -> (advantages (B, T), returns (B, T))
 
 ``group_ids`` (B,) is an integer tensor; rows with equal ids are samples of the
@@ -203,17 +203,22 @@ def grpo_advantages(
     mask: torch.Tensor | None,
     group_ids: torch.Tensor | None = None,
     norm_by_std: bool = True,
+    batch_std: bool = False,
     eps: float = 1e-6,
     **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group Relative Policy Optimization (Shao et al., 2024) outcome advantages.
 
     ``s_b = sum_t r_{b,t} m_{b,t}``; for the group g of b with n_g samples,
-    mean ``mu_g`` and unbiased std ``sigma_g``::
+    mean ``mu_g`` and unbiased std ``sigma_g``; ``sigma`` the unbiased std of all B scores::
 
         A_b = (s_b - mu_g) / (sigma_g + eps)     norm_by_std=True
+        A_b = (s_b - mu_g) / (sigma + eps)       norm_by_std=True, batch_std=True (TRL's
+                                                 scale_rewards="batch", after Lite PPO)
         A_b =  s_b - mu_g                        norm_by_std=False (Dr. GRPO)
 
+    The batch's std does not shrink as groups of equal scores (whose ``A_b`` are 0) become
+    common, where each group's own std scales every group that varies to unit spread.
     Single-sample groups get ``A_b = 0``. ``A_b`` is broadcast onto the valid
     tokens of row b; ``returns = advantages``.
     """
@@ -225,7 +230,10 @@ def grpo_advantages(
     count = _group_sum(torch.ones_like(score), index, G)  # (G,)
     mean = _group_sum(score, index, G) / count  # (G,)
     centered = score - mean[index]  # (B,), exactly 0 for single-sample groups
-    if norm_by_std:
+    if norm_by_std and batch_std:
+        spread = score.std() if B > 1 else score.new_zeros(())  # unbiased, over all B scores
+        centered = centered / (spread + eps)
+    elif norm_by_std:
         var = _group_sum(centered**2, index, G) / (count - 1).clamp(min=1)  # (G,), 0 if n_g = 1
         centered = centered / (var.sqrt()[index] + eps)
     adv = _broadcast_to_tokens(centered, rewards, mask)  # (B, T)

@@ -538,6 +538,7 @@ def trajectory_group_advantages(
     traj_group: torch.Tensor,
     num_trajectories: int | None = None,
     norm_by_std: bool = True,
+    batch_std: bool = False,
     eps: float = 1e-6,
     turn_index: torch.Tensor | None = None,
     turn_state: torch.Tensor | None = None,
@@ -557,7 +558,8 @@ def trajectory_group_advantages(
     ``s_e = sum of r over e's action tokens`` (its return, undiscounted), n_g trajectories
     in its group g::
 
-        grpo                   A_e = (s_e - mean_g s) / (std_g s + eps)   (norm_by_std; else s_e - mean_g s)
+        grpo                   A_e = (s_e - mean_g s) / (std_g s + eps)   (norm_by_std; else s_e - mean_g s;
+                               with batch_std the std of all E scores in place of std_g)
         rloo                   A_e = s_e - (sum_g s - s_e) / (n_g - 1)
         reinforce_pp_baseline  A_e = s_e - mean_g s, then whitened over all action tokens of the batch
 
@@ -570,6 +572,8 @@ def trajectory_group_advantages(
     Computed in the dtype of ``rewards``.
     """
     if estimator == "gigpo":
+        if batch_std:
+            raise ValueError("batch_std applies to grpo; gigpo's terms divide by their own groups' std")
         if turn_index is None or turn_state is None:
             raise ValueError("estimator='gigpo' needs turn_index (N, T) and turn_state (E, K)")
         batch = dict(rewards=rewards, mask=mask, traj_index=traj_index, norm_by_std=norm_by_std, eps=eps)
@@ -593,7 +597,9 @@ def trajectory_group_advantages(
         (traj, pos), torch.ones_like(pos, dtype=torch.bool)
     )  # (E, L)
     fn = get_advantage_estimator(estimator)
-    grid_a, _ = fn(rewards=grid_r, mask=grid_m, group_ids=traj_group, norm_by_std=norm_by_std, eps=eps)  # (E, L)
+    grid_a, _ = fn(
+        rewards=grid_r, mask=grid_m, group_ids=traj_group, norm_by_std=norm_by_std, batch_std=batch_std, eps=eps
+    )  # (E, L)
     adv = torch.zeros_like(rewards)  # (N, T)
     adv[rows, cols] = grid_a[traj, pos]
     return adv, adv.clone()

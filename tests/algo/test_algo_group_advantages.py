@@ -48,6 +48,31 @@ def test_dr_grpo_does_not_divide_by_std():
     torch.testing.assert_close(adv, _tokens([0.0, 1.0, -1.0, 0.0, -1.0, 1.0], mask), rtol=0, atol=1e-12)
 
 
+def test_grpo_with_the_batch_std_divides_by_the_spread_of_all_scores():
+    """TRL's scale_rewards="batch": the group's mean, the whole batch's unbiased std."""
+    rewards, mask = _batch()
+    eps = 1e-6
+    adv, ret = get_advantage_estimator("grpo")(rewards=rewards, mask=mask, group_ids=GROUP_IDS, batch_std=True, eps=eps)
+    spread = float(np.std(SCORES, ddof=1))  # all six scores, the lone group's too
+    expected = [c / (spread + eps) for c in [0.0, 1.0, -1.0, 0.0, -1.0, 1.0]]  # Dr. GRPO's centring
+    torch.testing.assert_close(adv, _tokens(expected, mask), rtol=0, atol=1e-12)
+    assert torch.equal(ret, adv)
+    # a batch whose scores are all equal: zero, not nan; a batch of one sample: zero
+    flat, _ = get_advantage_estimator("grpo")(
+        rewards=torch.ones(4, 1, dtype=torch.float64), mask=None, group_ids=torch.tensor([0, 0, 1, 1]), batch_std=True
+    )
+    one, _ = get_advantage_estimator("grpo")(
+        rewards=torch.ones(1, 1, dtype=torch.float64), mask=None, group_ids=torch.tensor([0]), batch_std=True
+    )
+    assert torch.equal(flat, torch.zeros(4, 1)) and torch.equal(one, torch.zeros(1, 1))
+    # without the std (Dr. GRPO) the switch changes nothing
+    plain, _ = get_advantage_estimator("grpo")(rewards=rewards, mask=mask, group_ids=GROUP_IDS, norm_by_std=False)
+    both, _ = get_advantage_estimator("grpo")(
+        rewards=rewards, mask=mask, group_ids=GROUP_IDS, norm_by_std=False, batch_std=True
+    )
+    assert torch.equal(plain, both)
+
+
 def test_rloo_leave_one_out():
     rewards, mask = _batch()
     adv, ret = get_advantage_estimator("rloo")(rewards=rewards, mask=mask, group_ids=GROUP_IDS)

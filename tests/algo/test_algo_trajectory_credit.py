@@ -190,9 +190,11 @@ def test_bad_inputs_are_named():
 
 
 # ----------------------------------------------------------------------------- group estimators over episodes
-def naive_group(trajectories, groups, estimator, norm_by_std, eps=1e-6):
+def naive_group(trajectories, groups, estimator, norm_by_std, eps=1e-6, batch_std=False):
     """Per trajectory, the advantage of each of its action tokens, as plain Python floats."""
     score = [sum(r for turn in turns for r, _ in turn) for turns in trajectories]
+    all_mean = sum(score) / len(score)
+    all_std = math.sqrt(sum((x - all_mean) ** 2 for x in score) / (len(score) - 1))
     adv = []
     for e, s in enumerate(score):
         members = [score[j] for j in range(len(score)) if groups[j] == groups[e]]
@@ -201,7 +203,7 @@ def naive_group(trajectories, groups, estimator, norm_by_std, eps=1e-6):
         if n == 1:
             a = 0.0
         elif estimator == "grpo":
-            std = math.sqrt(sum((x - mean) ** 2 for x in members) / (n - 1))
+            std = all_std if batch_std else math.sqrt(sum((x - mean) ** 2 for x in members) / (n - 1))
             a = (s - mean) / (std + eps) if norm_by_std else s - mean
         elif estimator == "rloo":
             a = s - (sum(members) - s) / (n - 1)
@@ -218,11 +220,17 @@ def naive_group(trajectories, groups, estimator, norm_by_std, eps=1e-6):
 
 
 @pytest.mark.parametrize(
-    "estimator,norm_by_std",
-    [("grpo", True), ("grpo", False), ("rloo", True), ("reinforce_pp_baseline", True)],
+    "estimator,norm_by_std,batch_std",
+    [
+        ("grpo", True, False),
+        ("grpo", True, True),
+        ("grpo", False, False),
+        ("rloo", True, False),
+        ("reinforce_pp_baseline", True, False),
+    ],
 )
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_group_advantages_of_episodes_match_a_float64_loop(estimator, norm_by_std, seed):
+def test_group_advantages_of_episodes_match_a_float64_loop(estimator, norm_by_std, batch_std, seed):
     rng = random.Random(seed)
     E = 9
     rewards, _, mask, turn_index, traj_index, trajectories = build_batch(rng, E)
@@ -235,11 +243,12 @@ def test_group_advantages_of_episodes_match_a_float64_loop(estimator, norm_by_st
         traj_index=traj_index,
         traj_group=torch.tensor(groups) * 7 + 3,  # any integers name the groups
         norm_by_std=norm_by_std,
+        batch_std=batch_std,
     )
     assert adv.dtype == torch.float64 and torch.equal(adv, ret)
     assert torch.all(adv[mask == 0] == 0)
     got = gather(adv, ret, mask, turn_index, traj_index, E)
-    want = naive_group(trajectories, groups, estimator, norm_by_std)
+    want = naive_group(trajectories, groups, estimator, norm_by_std, batch_std=batch_std)
     for e in range(E):
         flat = [a for turn in got[e] for a, _ in turn]
         assert flat == pytest.approx(want[e], abs=1e-12)

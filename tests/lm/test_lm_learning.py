@@ -205,6 +205,7 @@ def test_full_mode_with_kl_loss(tiny_dir, tmp_path, sevens):
     [
         {"adv_estimator": "grpo"},
         {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False},
+        {"adv_estimator": "grpo", "scale_rewards": "batch"},
         {"adv_estimator": "rloo"},
         {"adv_estimator": "reinforce_pp"},
         {"adv_estimator": "reinforce_pp_baseline"},
@@ -216,7 +217,7 @@ def test_full_mode_with_kl_loss(tiny_dir, tmp_path, sevens):
             "loss_agg_mode": "seq-mean-token-mean",
         },
     ],
-    ids=["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"],
+    ids=["grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"],
 )
 def test_critic_free_estimators_raise_the_reward(tiny_dir, tmp_path, sevens, algo_settings):
     """Each critic-free estimator takes a random tiny model from about 2% sevens to most of
