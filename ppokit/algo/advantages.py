@@ -217,8 +217,9 @@ def grpo_advantages(
                                                  scale_rewards="batch", after Lite PPO)
         A_b =  s_b - mu_g                        norm_by_std=False (Dr. GRPO)
 
-    The batch's std does not shrink as groups of equal scores (whose ``A_b`` are 0) become
-    common, where each group's own std scales every group that varies to unit spread.
+    With the group's std every group that varies is scaled to unit spread (three wins and a
+    loss give the loss -1.5, as two and two give each -0.87); with the batch's std the groups
+    keep their spreads relative to each other (one scale for all).
     Single-sample groups get ``A_b = 0``. ``A_b`` is broadcast onto the valid
     tokens of row b; ``returns = advantages``.
     """
