@@ -404,6 +404,8 @@ def _directory(path: str | Path, what: str) -> str | Path:
 
 def _check_local_dir(path: str | Path, what: str) -> None:
     p = Path(path)
+    if p.is_file():
+        raise UserError(f"{what}={path} is a file, not a model: give a Hugging Face model directory or a .gguf file")
     if not p.is_dir():
         raise UserError(
             f"{what}={path}: no such model directory (give a local Hugging Face model "
