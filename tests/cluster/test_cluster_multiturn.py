@@ -122,22 +122,33 @@ def test_killed_worker_is_replaced_and_changes_nothing(
 K = 2
 
 
-def test_self_play_k_steps_off_on_one_worker_equals_in_process(tmp_path, cluster_clean, tiny_model_dir):
+def test_self_play_k_steps_off_on_one_worker_equals_in_process_and_resumes_exactly(
+    tmp_path, cluster_clean, tiny_model_dir
+):
     """Tic-tac-toe self-play against the pool, two rollouts in flight on the worker: iteration i is
     played with version i - min(i, k) (the pool's snapshots reach the worker with the requests), and
     its old_log_prob are the behaviour log-probs the worker took with those weights: every row and
     sample equals the pipelined in-process run's (whose old_log_prob are the scorer's on the weights
-    that played, tests/lm/test_multiturn_off_policy.py)."""
-    common = (f"rollout.off_policy_steps={K}", "train.iterations=4")
+    that played, tests/lm/test_multiturn_off_policy.py). Resumed from the checkpoint after iteration
+    2 (k rollouts in flight), the run equals the uninterrupted one: its first weight sync (the weights
+    it resumed with) takes no snapshot, so the pool is the same."""
+    common = (f"rollout.off_policy_steps={K}", "train.iterations=5", "run.checkpoint_every=2")
     local = run(textenv_cfg(tiny_model_dir, SELF_PLAY, *common), tmp_path / "local")
-    remote = run(textenv_cfg(tiny_model_dir, SELF_PLAY, *common, "cluster.rollout_workers=1"), tmp_path / "remote")
-    assert [r["policy_version"] for r in remote] == [i - min(i, K) for i in range(4)]
-    assert [r["staleness"] for r in remote] == [min(i, K) for i in range(4)]
+    cfg = textenv_cfg(tiny_model_dir, SELF_PLAY, *common, "cluster.rollout_workers=1")
+    remote = run(cfg, tmp_path / "remote")
+    assert [r["policy_version"] for r in remote] == [i - min(i, K) for i in range(5)]
+    assert [r["staleness"] for r in remote] == [min(i, K) for i in range(5)]
     assert remote[0]["off_policy_kl"] == 0.0 and all(r["off_policy_kl"] > 0 for r in remote[1:])
     assert all("time_behaviour_log_prob" in r for r in remote)  # taken on the worker: no actor pass here
     assert_rows_equal(remote, local, extra=DIST_ONLY)
     assert samples(tmp_path / "remote") == samples(tmp_path / "local")
     assert sum(r["selfplay/vs_pool_episodes"] for r in remote) > 0
+    # the pinned start, the first sync's, one per update before the iteration's opponents were drawn
+    assert [r["selfplay/pool_size"] for r in remote] == [2 + i - min(i, K) for i in range(5)]
+    shutil.copytree(tmp_path / "remote", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoint")
+    train(cfg, tmp_path / "resumed", resume_from=periodic_checkpoint_path(tmp_path / "resumed", 2))
+    assert_rows_equal(read_metrics(tmp_path / "resumed"), remote, extra=DIST_ONLY)
 
 
 def test_k_steps_off_on_two_workers_resumes_exactly(tmp_path, cluster_clean, tiny_model_dir):
@@ -158,17 +169,15 @@ def test_k_steps_off_on_two_workers_resumes_exactly(tmp_path, cluster_clean, tin
     assert samples(tmp_path / "resumed") == samples(tmp_path / "whole")
 
 
-@pytest.mark.parametrize("workers, k", [(1, K), (0, 0)])
-def test_self_play_against_the_pool_resumes_exactly(tmp_path, cluster_clean, tiny_model_dir, workers, k):
-    """Self-play against the pool, resumed from the checkpoint after iteration 2 (on a worker with k
-    rollouts in flight, and in one process): the resumed run's first weight sync (the weights it
-    resumed with) takes no snapshot, so the pool and every row equal the uninterrupted run's."""
-    common = (f"rollout.off_policy_steps={k}", "train.iterations=5", "run.checkpoint_every=2")
-    cfg = textenv_cfg(tiny_model_dir, SELF_PLAY, *common, f"cluster.rollout_workers={workers}")
+def test_self_play_against_the_pool_resumes_exactly(tmp_path, cluster_clean, tiny_model_dir):
+    """Self-play against the pool in one process, resumed from the checkpoint after iteration 2: the
+    resumed run's first weight sync (the weights it resumed with) takes no snapshot, so the pool and
+    every row equal the uninterrupted run's (on a worker with k rollouts in flight: above)."""
+    cfg = textenv_cfg(tiny_model_dir, SELF_PLAY, "train.iterations=5", "run.checkpoint_every=2")
     whole = run(cfg, tmp_path / "whole")
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoint")
     train(cfg, tmp_path / "resumed", resume_from=periodic_checkpoint_path(tmp_path / "resumed", 2))
     assert_rows_equal(read_metrics(tmp_path / "resumed"), whole, extra=DIST_ONLY)
     # the pinned start, the first sync's, one per update before the iteration's opponents were drawn
-    assert [r["selfplay/pool_size"] for r in whole] == [2 + i - min(i, k) for i in range(5)]
+    assert [r["selfplay/pool_size"] for r in whole] == [2 + i for i in range(5)]
