@@ -34,10 +34,12 @@ DS = (
 )
 
 
-def test_self_play_on_one_worker_with_dynamic_sampling_equals_in_process(
+def test_self_play_on_one_worker_with_dynamic_sampling_equals_in_process_and_resumes_exactly(
     tmp_path, cluster_clean, tiny_model_dir, monkeypatch
 ):
-    """(Tic-tac-toe's start is the same for every seed: the draws' seeds are compared as drawn.)"""
+    """(Tic-tac-toe's start is the same for every seed: the draws' seeds are compared as drawn.)
+    Both runs resumed from their checkpoint after iteration 2 (on the worker, and in one process):
+    the draws, the pool and episodes_generated_total go on as in the uninterrupted run."""
     drawn = []  # (iteration, draw) of every draw's seeds and plans (MultiTurnSource.episodes)
     real_episodes = MultiTurnSource.episodes
 
@@ -46,10 +48,13 @@ def test_self_play_on_one_worker_with_dynamic_sampling_equals_in_process(
         return real_episodes(self, iteration, draw)
 
     monkeypatch.setattr(MultiTurnSource, "episodes", episodes)
-    local = run(textenv_cfg(tiny_model_dir, SELF_PLAY, *DS), tmp_path / "local")
+    common = ("train.iterations=4", "run.checkpoint_every=2")
+    cfgs = {"local": textenv_cfg(tiny_model_dir, SELF_PLAY, *DS, *common)}
+    cfgs["remote"] = textenv_cfg(tiny_model_dir, SELF_PLAY, *DS, *common, "cluster.rollout_workers=1")
+    local = run(cfgs["local"], tmp_path / "local")
     drawn_local, drawn[:] = list(drawn), []
-    remote = run(textenv_cfg(tiny_model_dir, SELF_PLAY, *DS, "cluster.rollout_workers=1"), tmp_path / "remote")
-    assert len(local) == 3 and any(r["dynamic_sampling/gen_batches"] > 1 for r in local)  # further draws sent
+    remote = run(cfgs["remote"], tmp_path / "remote")
+    assert len(local) == 4 and any(r["dynamic_sampling/gen_batches"] > 1 for r in local[2:])  # further draws sent
     assert (
         drawn
         == drawn_local
@@ -59,6 +64,13 @@ def test_self_play_on_one_worker_with_dynamic_sampling_equals_in_process(
     assert_rows_equal(remote, local, extra=DIST_ONLY)
     assert samples(tmp_path / "remote") == samples(tmp_path / "local")
     assert sum(r["selfplay/vs_pool_episodes"] for r in remote) > 0  # the pool's opponents, drawn per draw
+    for name, whole in (("remote", remote), ("local", local)):
+        resumed = tmp_path / f"{name}-resumed"
+        shutil.copytree(tmp_path / name, resumed)
+        shutil.rmtree(resumed / "checkpoint")
+        train(cfgs[name], resumed, resume_from=periodic_checkpoint_path(resumed, 2))
+        assert_rows_equal(read_metrics(resumed), whole, extra=DIST_ONLY)
+        assert samples(resumed) == samples(tmp_path / name)
 
 
 def test_two_workers_fill_the_batch_with_the_first_groups_whose_returns_vary(
@@ -108,18 +120,3 @@ def test_two_workers_fill_the_batch_with_the_first_groups_whose_returns_vary(
         assert len(batch.records) == B and all(groups_with_signal(batch.trajectories, G, B // G))
         for k, (d, j) in enumerate(chosen):  # the kept groups' episodes, in draw order
             assert batch.records[k * G : (k + 1) * G] == draws[i][d].records[j * G : (j + 1) * G]
-
-
-@pytest.mark.parametrize("workers", [1, 0])
-def test_dynamic_sampling_resumes_exactly(tmp_path, cluster_clean, tiny_model_dir, workers):
-    """Resumed from the checkpoint after iteration 2 (on one worker, and in one process): the draws,
-    the pool and episodes_generated_total go on as in the uninterrupted run."""
-    common = ("train.iterations=4", "run.checkpoint_every=2", f"cluster.rollout_workers={workers}")
-    cfg = textenv_cfg(tiny_model_dir, SELF_PLAY, *DS, *common)
-    whole = run(cfg, tmp_path / "whole")
-    assert any(r["dynamic_sampling/gen_batches"] > 1 for r in whole[2:])
-    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoint")
-    train(cfg, tmp_path / "resumed", resume_from=periodic_checkpoint_path(tmp_path / "resumed", 2))
-    assert_rows_equal(read_metrics(tmp_path / "resumed"), whole, extra=DIST_ONLY)
-    assert samples(tmp_path / "resumed") == samples(tmp_path / "whole")
