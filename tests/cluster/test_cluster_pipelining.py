@@ -49,9 +49,9 @@ def test_cartpole_pipelined_resume_is_exact(tmp_path, cluster_clean, first, then
     assert_rows_equal(resumed, whole, extra=DIST_ONLY)
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_arith_pipelined_resume_is_exact(tmp_path, cluster_clean, tiny_model_dir, digits_reward, k):
-    common = (f"rollout.off_policy_steps={k}", "train.iterations=4", "run.checkpoint_every=2")
+def test_arith_pipelined_resume_is_exact(tmp_path, cluster_clean, tiny_model_dir, digits_reward):
+    """One step off on a worker, resumed in one process (two steps off: the test below)."""
+    common = ("rollout.off_policy_steps=1", "train.iterations=4", "run.checkpoint_every=2")
     whole = run(arith_cfg(tiny_model_dir, digits_reward, *common, "cluster.rollout_workers=1"), tmp_path / "whole")
     resumed = resumed_run(
         tmp_path / "whole", tmp_path / "resumed", arith_cfg(tiny_model_dir, digits_reward, *common), 2
@@ -71,15 +71,23 @@ def test_cartpole_k_steps_off_on_a_worker_equals_in_process(tmp_path, cluster_cl
     assert_rows_equal(remote, local, extra=DIST_ONLY)
 
 
-def test_arith_two_steps_off_on_a_worker_equals_in_process(tmp_path, cluster_clean, tiny_model_dir, digits_reward):
+def test_arith_two_steps_off_on_a_worker_equals_in_process_and_resumes_exactly(
+    tmp_path, cluster_clean, tiny_model_dir, digits_reward
+):
     """Two LM rollouts in flight on the worker: the prompts drawn ahead do not change a batch's
-    ``data_epoch`` (the one after its own draw), and every row equals the in-process run's."""
-    common = ("rollout.off_policy_steps=2", "train.iterations=4")
+    ``data_epoch`` (the one after its own draw), and every row equals the in-process run's; the
+    worker run's checkpoint after iteration 2 (two rollouts in flight) resumes in one process as
+    the run it came from."""
+    common = ("rollout.off_policy_steps=2", "train.iterations=4", "run.checkpoint_every=2")
     local = run(arith_cfg(tiny_model_dir, digits_reward, *common), tmp_path / "local")
     remote = run(arith_cfg(tiny_model_dir, digits_reward, *common, "cluster.rollout_workers=1"), tmp_path / "remote")
     assert [r["staleness"] for r in remote] == [0, 1, 2, 2]
     assert all(r["off_policy_kl"] > 0 for r in remote[1:])  # sampled by older weights than the update's
     assert_rows_equal(remote, local, extra=DIST_ONLY)
+    resumed = resumed_run(
+        tmp_path / "remote", tmp_path / "resumed", arith_cfg(tiny_model_dir, digits_reward, *common), 2
+    )
+    assert_rows_equal(remote, resumed, extra=DIST_ONLY)
 
 
 # ----------------------------------------------------------------------------- the ratios
