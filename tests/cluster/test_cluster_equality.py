@@ -11,9 +11,13 @@ the pipelined worker run (rollouts seeded per iteration in both).
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
+
+from ppokit.rundir import periodic_checkpoint_path, read_metrics
+from ppokit.workloads import train
 
 
 def samples(run_dir):
@@ -35,11 +39,11 @@ def test_cartpole_one_worker_equals_in_process(tmp_path, cluster_clean, off_poli
 
 @pytest.mark.parametrize("off_policy", [0, 1])
 def test_arith_one_worker_equals_in_process(tmp_path, cluster_clean, tiny_model_dir, digits_reward, off_policy):
-    local = run(arith_cfg(tiny_model_dir, digits_reward, f"rollout.off_policy_steps={off_policy}"), tmp_path / "local")
-    remote = run(
-        arith_cfg(tiny_model_dir, digits_reward, f"rollout.off_policy_steps={off_policy}", "cluster.rollout_workers=1"),
-        tmp_path / "remote",
-    )
+    """One step off, the worker run's checkpoint after iteration 2 (the rollout in flight in it) also
+    resumes in one process as the run it came from (two steps off: tests/cluster/test_cluster_pipelining.py)."""
+    common = (f"rollout.off_policy_steps={off_policy}", "run.checkpoint_every=2")
+    local = run(arith_cfg(tiny_model_dir, digits_reward, *common), tmp_path / "local")
+    remote = run(arith_cfg(tiny_model_dir, digits_reward, *common, "cluster.rollout_workers=1"), tmp_path / "remote")
     assert all(r["grad_norm/actor"] > 0 for r in local)  # the runs learn something to compare
     assert_rows_equal(remote, local, extra=DIST_ONLY)
     assert samples(tmp_path / "remote") == samples(tmp_path / "local")
@@ -49,6 +53,13 @@ def test_arith_one_worker_equals_in_process(tmp_path, cluster_clean, tiny_model_
         assert remote[0]["old_log_prob_gap"] == 0.0  # sampled by the weights it is updated from
         assert all(r["old_log_prob_gap"] > 0 for r in remote[1:])  # one update behind
         assert [r["staleness"] for r in remote] == [0, 1, 1, 1]
+        resumed = tmp_path / "resumed"
+        shutil.copytree(tmp_path / "remote", resumed)
+        shutil.rmtree(resumed / "checkpoint")
+        train(
+            arith_cfg(tiny_model_dir, digits_reward, *common), resumed, resume_from=periodic_checkpoint_path(resumed, 2)
+        )
+        assert_rows_equal(remote, read_metrics(resumed), extra=DIST_ONLY)
 
 
 @pytest.mark.slow

@@ -49,16 +49,6 @@ def test_cartpole_pipelined_resume_is_exact(tmp_path, cluster_clean, first, then
     assert_rows_equal(resumed, whole, extra=DIST_ONLY)
 
 
-def test_arith_pipelined_resume_is_exact(tmp_path, cluster_clean, tiny_model_dir, digits_reward):
-    """One step off on a worker, resumed in one process (two steps off: the test below)."""
-    common = ("rollout.off_policy_steps=1", "train.iterations=4", "run.checkpoint_every=2")
-    whole = run(arith_cfg(tiny_model_dir, digits_reward, *common, "cluster.rollout_workers=1"), tmp_path / "whole")
-    resumed = resumed_run(
-        tmp_path / "whole", tmp_path / "resumed", arith_cfg(tiny_model_dir, digits_reward, *common), 2
-    )
-    assert_rows_equal(whole, resumed, extra=DIST_ONLY)
-
-
 @pytest.mark.parametrize("k", [2, 3])
 def test_cartpole_k_steps_off_on_a_worker_equals_in_process(tmp_path, cluster_clean, k):
     """Up to k rollouts in flight on the worker: the same batches, sampled by the same
