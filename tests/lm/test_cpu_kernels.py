@@ -524,6 +524,7 @@ def attention_and_grads(fn, q, k, v, upstream):
         (1, 2, 2, 7, 19, 24),
         (2, 2, 1, 33, 33, 32),
         (2, 4, 4, 11, 11, 20),  # the demo's sequences; a head size that is no multiple of 8
+        (1, 2, 1, 6, 6, 18),  # a head size that is no multiple of 4: the score loop's last rows
     ],
 )
 @pytest.mark.parametrize("mask", ["min", "-inf", None])

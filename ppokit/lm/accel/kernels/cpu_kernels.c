@@ -255,13 +255,14 @@ static void dots_with_columns(const float *x, const float *xt, long D, long firs
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         const float *col = xt + j0;
         long d = 0;
-        for (; d + 4 <= D; d += 4) {
+        for (; d + 4 <= D; d += 4) {  /* then D % 4 rows, counted as such: a bound gcc can see */
             a0 = _mm256_fmadd_ps(_mm256_set1_ps(x[d]), _mm256_loadu_ps(col + d * Sp), a0);
             a1 = _mm256_fmadd_ps(_mm256_set1_ps(x[d + 1]), _mm256_loadu_ps(col + (d + 1) * Sp), a1);
             a2 = _mm256_fmadd_ps(_mm256_set1_ps(x[d + 2]), _mm256_loadu_ps(col + (d + 2) * Sp), a2);
             a3 = _mm256_fmadd_ps(_mm256_set1_ps(x[d + 3]), _mm256_loadu_ps(col + (d + 3) * Sp), a3);
         }
-        for (; d < D; d++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(x[d]), _mm256_loadu_ps(col + d * Sp), a0);
+        for (long rest = D - d; rest > 0 && rest < 4; rest--, d++)
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(x[d]), _mm256_loadu_ps(col + d * Sp), a0);
         __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
         if (stop - j0 >= 8) _mm256_storeu_ps(out + j0, sum);
         else _mm256_maskstore_ps(out + j0, mask8(stop - j0), sum);
@@ -293,7 +294,7 @@ static void dots_with_columns(const float *x, const float *xt, long D, long firs
                 a3[j] += v3 * r3[j];
             }
         }
-        for (; d < D; d++) {
+        for (long rest = D - d; rest > 0 && rest < 4; rest--, d++) {  /* the D % 4 rows left */
             float v = x[d];
             const float *r = col + d * Sp;
 #pragma omp simd
