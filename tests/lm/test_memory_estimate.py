@@ -58,6 +58,28 @@ def test_the_shape_counts_the_parameters_of_llama_and_qwen2_models(tiny_dir, tmp
     assert ModelShape.from_hf_config(gpt2).num_parameters == pytest.approx(count, rel=0.05)
 
 
+def test_the_shape_counts_the_experts_of_a_mixture_of_experts(tmp_path):
+    """A mixture of experts holds every expert's MLP, which the dense formula counts once (Mixtral-8x7B:
+    7.2B parameters by the formula, 46.7B in the model): model_shape counts the parameters on the model
+    its config builds (on the meta device), so the weights are not underestimated."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    from ppokit.lm.model.hf import causal_lm_parameters
+
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    configs = {
+        "mixtral": MixtralConfig(**sizes, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2),
+        "qwen3_moe": Qwen3MoeConfig(**sizes, intermediate_size=128, moe_intermediate_size=32, num_experts=16),
+    }
+    for name, config in configs.items():
+        model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(tmp_path / name)
+        shape = model_shape(tmp_path / name)
+        assert shape.num_parameters == _count(model), name
+        assert ModelShape.from_hf_config(config).num_parameters < _count(model) / 2, name  # the formula alone
+    assert causal_lm_parameters(object()) is None  # not a config transformers can build: the formula is used
+
+
 def test_the_tiny_spec_gives_the_shape_of_the_model_it_builds(tmp_path):
     from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_tiny_model
 

@@ -150,6 +150,18 @@ def causal_lm_config(path: str | Path, what: str = "model.path"):
     )
 
 
+def causal_lm_parameters(config) -> int | None:
+    """The parameters of the causal LM ``config`` describes, counted on the model built on the
+    meta device (no memory; 0.05 s for Mixtral-8x7B's config): exact for every architecture, the
+    experts of a mixture included. None when transformers cannot build it from the config alone."""
+    try:
+        with torch.device("meta"), held_load_report():
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - any failure: the caller falls back on its formula
+        return None
+    return sum(p.numel() for p in model.parameters())  # tied weights once
+
+
 def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
     """The model config of a local directory, checked to be in ``mapping`` (an auto class's
     configs; otherwise the UserError says the config ``not_loadable``). A GGUF file stands for

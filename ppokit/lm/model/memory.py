@@ -72,6 +72,10 @@ class ModelShape:
     gated_mlp: bool = True
     attention_bias: bool = False  # q, k, v (and o) projections with biases (Qwen2: q, k, v)
     max_positions: int | None = None
+    # the model's parameters counted on the model itself (model_shape): exact where the formula of
+    # num_parameters is not (a mixture of experts' experts, ungated or other layers it does not know);
+    # derived, so not part of the shape's equality
+    counted_parameters: int | None = field(default=None, compare=False)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -129,8 +133,10 @@ class ModelShape:
 
     @property
     def num_parameters(self) -> int:
-        """``V H`` (embedding) ``+ V H`` (untied lm_head) ``+ ℓ (linear layers + 2 H) + H``
-        (+ the q, k, v biases of models that have them)."""
+        """:attr:`counted_parameters` where known, else ``V H`` (embedding) ``+ V H`` (untied
+        lm_head) ``+ ℓ (linear layers + 2 H) + H`` (+ the q, k, v biases of models that have them)."""
+        if self.counted_parameters is not None:
+            return self.counted_parameters
         per_layer = sum(i * o for i, o in self.linear_layers().values()) + 2 * self.hidden_size
         if self.attention_bias:  # q, k, v
             per_layer += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -524,18 +530,21 @@ def check_fits(est: MemoryEstimate, available: float, where: str, cfg: Any) -> N
 
 # ----------------------------------------------------------------------------- the model's shape
 def model_shape(path: str | Path, what: str = "model.path") -> ModelShape | None:
-    """The shape of the model at ``path`` (its config.json), or of the built-in tiny model; None
-    when the config does not say (an architecture without the usual size fields)."""
+    """The shape of the model at ``path`` (its config.json; its parameters counted on the model built
+    from it on the meta device), or of the built-in tiny model; None when the config does not say
+    (an architecture without the usual size fields)."""
     if str(path) == "tiny":
         from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC  # noqa: PLC0415 - tokenizers on import
 
         return ModelShape.from_tiny_spec(DEFAULT_TINY_SPEC)
-    from ppokit.lm.model.hf import causal_lm_config  # noqa: PLC0415 - transformers on use
+    from ppokit.lm.model.hf import causal_lm_config, causal_lm_parameters  # noqa: PLC0415 - transformers on use
 
     try:
-        return ModelShape.from_hf_config(causal_lm_config(path, what))
+        config = causal_lm_config(path, what)
+        shape = ModelShape.from_hf_config(config)
     except (TypeError, ValueError, ZeroDivisionError):
         return None
+    return replace(shape, counted_parameters=causal_lm_parameters(config))
 
 
 def reward_model_shape(path: str | Path) -> ModelShape | None:
