@@ -80,6 +80,35 @@ def test_the_shape_counts_the_experts_of_a_mixture_of_experts(tmp_path):
     assert causal_lm_parameters(object()) is None  # not a config transformers can build: the formula is used
 
 
+def test_the_estimate_counts_the_adapters_peft_puts_on_every_expert(tmp_path):
+    """peft's all-linear puts LoRA adapters on each expert of a mixture of experts; the run's estimate
+    counts them on peft's model of the meta-device model, where the dense formula counts one MLP."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from ppokit.lm.model.policy import build_policy
+    from ppokit.lm.model.tiny import build_char_tokenizer
+
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=16,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    build_char_tokenizer().save_pretrained(tmp_path / "moe")
+    cfg = build_config([{"workload": "lm", "model": {"path": str(tmp_path / "moe")}, "run": {"device": "cpu"}}])
+    estimator = memory.Estimator.for_run(cfg, memory.IterationSizes(20))
+    policy = build_policy(cfg, tmp_path / "moe", device=torch.device("cpu"), autocast_dtype=None)
+    actor = sum(p.numel() for p in policy.adapter_parameters("actor"))
+    rank, targets = cfg.model.lora_rank, cfg.model.lora_target_modules
+    assert estimator.model.lora_parameters(rank, targets) == actor
+    assert ModelShape.from_hf_config(config).lora_parameters(rank, targets) < actor / 2  # the formula alone
+
+
 def test_the_tiny_spec_gives_the_shape_of_the_model_it_builds(tmp_path):
     from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_tiny_model
 

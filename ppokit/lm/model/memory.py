@@ -76,6 +76,8 @@ class ModelShape:
     # num_parameters is not (a mixture of experts' experts, ungated or other layers it does not know);
     # derived, so not part of the shape's equality
     counted_parameters: int | None = field(default=None, compare=False)
+    # (rank, targets, one adapter's parameters counted on peft's model) for a run's own LoRA settings
+    counted_lora: tuple[int, Any, int] | None = field(default=None, compare=False)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -144,8 +146,11 @@ class ModelShape:
         return heads * self.vocab_size * self.hidden_size + self.num_layers * per_layer + self.hidden_size
 
     def lora_parameters(self, rank: int, targets: str | list[str]) -> int:
-        """One adapter's parameters: ``rank (in + out)`` of every targeted linear layer
-        (``all-linear``: every one but lm_head)."""
+        """One adapter's parameters: :attr:`counted_lora` where it was counted at this ``rank`` and
+        ``targets``, else ``rank (in + out)`` of every targeted linear layer (``all-linear``: every
+        one but lm_head)."""
+        if self.counted_lora is not None and self.counted_lora[:2] == (rank, targets):
+            return self.counted_lora[2]
         names = set(self.linear_layers()) if targets == "all-linear" else set(targets)
         per_layer = sum(rank * (i + o) for name, (i, o) in self.linear_layers().items() if name in names)
         head = rank * (self.hidden_size + self.vocab_size) if "lm_head" in names else 0
@@ -715,12 +720,20 @@ class Estimator:
             resolve_precision,
             run_device,
         )
-        from ppokit.lm.model.policy import gradient_checkpointing_wanted  # noqa: PLC0415 - peft, transformers
+        from ppokit.lm.model.policy import (  # noqa: PLC0415 - peft, transformers
+            gradient_checkpointing_wanted,
+            lora_parameter_count,
+        )
 
         device = run_device(cfg)
         model = model_shape(cfg.model.path)
         if model is None:
             return None
+        m = cfg.model
+        if m.mode == "lora" and m.path != "tiny":  # the tiny Llama's formula is exact
+            counted = lora_parameter_count(m)
+            if counted is not None:
+                model = replace(model, counted_lora=(m.lora_rank, m.lora_target_modules, counted))
         if cfg.data.max_prompt_tokens is not None:  # longer prompts are dropped
             sizes = replace(sizes, prompt_tokens=min(sizes.prompt_tokens, cfg.data.max_prompt_tokens))
         return cls(
