@@ -1,7 +1,7 @@
 """The model families users bring beside Llama, each as a tiny random model with ppokit's character
 tokenizer: the fused CPU kernels give transformers' own logits and gradients (or leave the model as
-it is), and a LoRA run of one PPO iteration trains, checkpoints and exports a model that
-transformers loads again with its tokenizer."""
+it is), a LoRA run of one PPO iteration trains, checkpoints and exports a model that transformers
+loads again with its tokenizer, and layers peft's LoRA cannot adapt are one line before the run."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from ppokit.cli import main
 from ppokit.commands.export import export_merged
 from ppokit.config import load_config
 from ppokit.lm.accel.kernels import cpu_library
@@ -48,15 +49,28 @@ ARCHITECTURES = {
 }
 
 
+# families peft's LoRA cannot adapt as all-linear says: (config, its fields, the layers it can adapt)
+UNADAPTABLE = {
+    "mamba": (transformers.MambaConfig, dict(hidden_size=64, num_hidden_layers=2), "[in_proj,x_proj,dt_proj]"),
+    "llama4_text": (
+        transformers.Llama4TextConfig,
+        dict(SIZES, intermediate_size_mlp=128, head_dim=16, num_local_experts=2),
+        "[q_proj,k_proj,v_proj,o_proj]",
+    ),
+}
+
+
 def build_model(model_type: str, out: Path) -> Path:
     """A randomly initialised ``model_type`` model (seed 0) and the character tokenizer, saved in ``out``."""
-    config_class, extra, _ = ARCHITECTURES[model_type]
     tokenizer = build_char_tokenizer()
-    sizes = dict(SIZES)
-    if model_type == "gpt_neox":
-        sizes.pop("num_key_value_heads")
+    if model_type in UNADAPTABLE:
+        config_class, fields, _ = UNADAPTABLE[model_type]
+    else:
+        config_class, extra, _ = ARCHITECTURES[model_type]
+        fields = {k: v for k, v in SIZES.items() if not (model_type == "gpt_neox" and k == "num_key_value_heads")}
+        fields.update(extra)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_class(vocab_size=len(tokenizer), **sizes, **SPECIAL, **extra))
+    model = AutoModelForCausalLM.from_config(config_class(vocab_size=len(tokenizer), **SPECIAL, **fields))
     model.generation_config = GenerationConfig(bos_token_id=2, eos_token_id=3, pad_token_id=0)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -89,29 +103,31 @@ def test_the_fused_cpu_kernels_give_transformers_logits_and_gradients(model_type
     torch.testing.assert_close(got_grads, want_grads, rtol=0, atol=1e-7)
 
 
+def one_iteration(model_dir: Path, tmp_path: Path) -> list[str]:
+    """The overrides of a one-iteration arith run on ``model_dir`` with a reward that is dense for an
+    untrained model (the share of digits in the response), no warm start, no evaluation."""
+    reward = tmp_path / "digits.py"
+    reward.write_text("def digits(prompt, response, **fields):\n    return sum(c.isdigit() for c in response) / 4\n")
+    return [
+        f"model.path={model_dir}",
+        f"data.reward={reward}:digits",
+        "data.sft_epochs=0",
+        "data.eval_size=0",
+        "train.iterations=1",
+        "train.batch_size=8",
+        "train.mini_batch_size=8",
+        "rollout.max_new_tokens=4",
+        "run.precision=fp32",
+        "run.torch_threads=1",
+        "run.progress=false",
+        "run.tensorboard=false",
+    ]
+
+
 @pytest.mark.parametrize("model_type", ["gemma2", "phi3", "gpt_neox", "qwen3_moe"])
 def test_a_lora_run_trains_one_iteration_and_exports_a_model_transformers_loads(model_type, tmp_path):
     model_dir = build_model(model_type, tmp_path / "model")
-    reward = tmp_path / "digits.py"  # dense for an untrained model: the share of digits in the response
-    reward.write_text("def digits(prompt, response, **fields):\n    return sum(c.isdigit() for c in response) / 4\n")
-    cfg = load_config(
-        "arith",
-        [
-            f"model.path={model_dir}",
-            f"data.reward={reward}:digits",
-            "data.sft_epochs=0",
-            "data.eval_size=0",
-            "train.iterations=1",
-            "train.batch_size=8",
-            "train.mini_batch_size=8",
-            "rollout.max_new_tokens=4",
-            "run.precision=fp32",
-            "run.torch_threads=1",
-            "run.progress=false",
-            "run.tensorboard=false",
-        ],
-    )
-    train(cfg, tmp_path / "run")
+    train(load_config("arith", one_iteration(model_dir, tmp_path)), tmp_path / "run")
     (row,) = read_metrics(tmp_path / "run")
     assert row["grad_norm/actor"] > 0 and row["grad_norm/critic"] > 0, row
     exported = export_merged(tmp_path / "run", tmp_path / "merged")
@@ -122,3 +138,20 @@ def test_a_lora_run_trains_one_iteration_and_exports_a_model_transformers_loads(
     changed = [n for (n, a), b in zip(merged.named_parameters(), base.parameters()) if not torch.equal(a, b)]
     assert changed, "the exported actor is the untrained base model"
     assert load_tokenizer(exported).eos_token_id == 3
+
+
+@pytest.mark.parametrize("model_type", UNADAPTABLE)
+def test_layers_peft_cannot_adapt_are_one_line_before_the_run_and_the_named_ones_train(model_type, tmp_path, capsys):
+    """all-linear names Mamba's out_proj and conv1d, which peft refuses, and Llama 4's router, a linear
+    layer returning a tuple, on which peft's LoRA fails at the first forward pass: one line, exit status
+    2, no run directory; with the layers the line points to listed, the run trains."""
+    model_dir = build_model(model_type, tmp_path / "model")
+    overrides = [*one_iteration(model_dir, tmp_path), f"run.output_dir={tmp_path}", "run.name=run"]
+    capsys.readouterr()
+    assert main(["train", "arith", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.lora_target_modules=all-linear: peft's LoRA cannot adapt" in err, err
+    assert "its linear layers are" in err and not (tmp_path / "run").exists()
+    named = UNADAPTABLE[model_type][2]
+    assert main(["train", "arith", *overrides, f"model.lora_target_modules={named}"]) == 0
+    assert len(read_metrics(tmp_path / "run")) == 1

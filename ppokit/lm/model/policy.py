@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from ppokit import algo
-from ppokit.errors import UserError
+from ppokit.errors import UserError, first_line
 from ppokit.lm.model.device import attention_implementation
 from ppokit.lm.model.heads import decoder_of, hidden_then_head_matches, plain_head
 from ppokit.lm.model.hf import causal_lm_config, input_embedding_rows, load_causal_lm
@@ -628,11 +629,51 @@ def _load_critic(m, model_path: str | Path, lm: nn.Module, attn: str | None) -> 
 
 def check_model_options(model_cfg) -> None:
     """Among the pre-start checks (the model's build would refuse them once the run directory and
-    the warm start exist): full mode's ``model.critic_path`` is a causal LM's directory, and LoRA's
-    target modules are in the model (:func:`_check_lora_targets`)."""
+    the warm start exist): full mode's ``model.critic_path`` is a causal LM's directory, LoRA's
+    target modules are in the model (:func:`_check_lora_targets`) and peft can adapt them
+    (:func:`_check_peft_adapts_targets`)."""
     if model_cfg.mode == "full" and model_cfg.critic_path:
         causal_lm_config(model_cfg.critic_path, "model.critic_path")
     _check_lora_targets(model_cfg)
+    _check_peft_adapts_targets(model_cfg)
+
+
+def _check_peft_adapts_targets(model_cfg) -> None:
+    """peft's LoRA model of the model built on the meta device: peft accepts the targets (it refuses
+    ``out_proj`` and ``conv1d`` of Mamba-based models, which ``all-linear`` names), and each adapted
+    layer with a forward of its own returns a tensor (Llama 4's router is a linear layer that returns
+    a tuple: peft's LoRA fails on it at the first forward pass). One line naming the fix, else the
+    adapters' count is kept for the memory estimate (:func:`lora_parameter_count`)."""
+    if model_cfg.mode != "lora" or model_cfg.path == "tiny":
+        return
+    config = causal_lm_config(model_cfg.path)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            lm = AutoModelForCausalLM.from_config(config)
+        except Exception:  # noqa: BLE001 - not buildable from its config alone: the model's load says why
+            return
+        linear_names = linear_module_names(lm)
+        try:
+            peft_model = get_peft_model(lm, lora_config(model_cfg))
+        except ValueError as exc:
+            raise _peft_refuses(model_cfg, first_line(exc), linear_names) from None
+        for name, module in peft_model.named_modules():
+            base = module.get_base_layer() if isinstance(module, LoraLayer) else None
+            own_forward = isinstance(base, nn.Linear) and type(base).forward is not nn.Linear.forward
+            if own_forward and not isinstance(base(torch.empty(1, base.in_features)), Tensor):
+                why = f"{name.split('.')[-1]} ({type(base).__name__}) returns more than a tensor"
+                raise _peft_refuses(model_cfg, why, linear_names)
+    key = (str(model_cfg.path), model_cfg.lora_rank, repr(model_cfg.lora_target_modules))
+    _LORA_COUNTS[key] = sum(p.numel() for name, p in peft_model.named_parameters() if "lora_" in name)
+
+
+def _peft_refuses(model_cfg, why: str, linear_names: list[str]) -> UserError:
+    return UserError(
+        f"model.lora_target_modules={model_cfg.lora_target_modules}: peft's LoRA cannot adapt these layers of "
+        f"model.path={model_cfg.path}: {why}; list the layers to adapt in model.lora_target_modules "
+        f"(its linear layers are {', '.join(linear_names)})"
+    )
 
 
 def _check_lora_targets(model_cfg) -> None:
