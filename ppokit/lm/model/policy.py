@@ -502,21 +502,37 @@ def lora_parameter_count(model_cfg) -> int | None:
     memory estimate's formula is not (peft's all-linear puts adapters on every expert of a mixture of
     experts: Qwen3-30B-A3B at rank 16, 993M against the formula's 29M). None where the model or
     peft's model cannot be built so."""
-    key = (str(model_cfg.path), model_cfg.lora_rank, repr(model_cfg.lora_target_modules))
+    key = _lora_key(model_cfg)
     if key not in _LORA_COUNTS:
-        _LORA_COUNTS[key] = _count_lora_parameters(model_cfg)
+        try:
+            built = _meta_lora_model(model_cfg)
+        except Exception:  # noqa: BLE001 - peft refuses the targets (the pre-start check says so): the formula
+            built = None
+        _LORA_COUNTS[key] = None if built is None else _adapter_parameters(built[0])
     return _LORA_COUNTS[key]
 
 
-def _count_lora_parameters(model_cfg) -> int | None:
-    config = causal_lm_config(model_cfg.path)
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            peft_model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config(model_cfg))
-    except Exception:  # noqa: BLE001 - any failure: the estimate falls back on its formula
-        return None
+def _lora_key(model_cfg) -> tuple[str, int, str]:
+    return (str(model_cfg.path), model_cfg.lora_rank, repr(model_cfg.lora_target_modules))
+
+
+def _adapter_parameters(peft_model: nn.Module) -> int:
     return sum(p.numel() for name, p in peft_model.named_parameters() if "lora_" in name)
+
+
+def _meta_lora_model(model_cfg) -> tuple[nn.Module, list[str]] | None:
+    """peft's LoRA model (``model_cfg``'s rank and targets) of the model its config builds on the meta
+    device, and that model's linear layer names; None when the config alone cannot build the model.
+    peft's refusal of the targets raises (ValueError)."""
+    config = causal_lm_config(model_cfg.path)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            lm = AutoModelForCausalLM.from_config(config)
+        except Exception:  # noqa: BLE001 - not buildable from its config alone: the model's load says why
+            return None
+        linear_names = linear_module_names(lm)
+        return get_peft_model(lm, lora_config(model_cfg)), linear_names
 
 
 # train.gradient_checkpointing=auto: on for models of at least this many parameters on an accelerator
@@ -646,26 +662,22 @@ def _check_peft_adapts_targets(model_cfg) -> None:
     adapters' count is kept for the memory estimate (:func:`lora_parameter_count`)."""
     if model_cfg.mode != "lora" or model_cfg.path == "tiny":
         return
-    config = causal_lm_config(model_cfg.path)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            lm = AutoModelForCausalLM.from_config(config)
-        except Exception:  # noqa: BLE001 - not buildable from its config alone: the model's load says why
-            return
-        linear_names = linear_module_names(lm)
-        try:
-            peft_model = get_peft_model(lm, lora_config(model_cfg))
-        except ValueError as exc:
-            raise _peft_refuses(model_cfg, first_line(exc), linear_names) from None
-        for name, module in peft_model.named_modules():
-            base = module.get_base_layer() if isinstance(module, LoraLayer) else None
-            own_forward = isinstance(base, nn.Linear) and type(base).forward is not nn.Linear.forward
-            if own_forward and not isinstance(base(torch.empty(1, base.in_features)), Tensor):
-                why = f"{name.split('.')[-1]} ({type(base).__name__}) returns more than a tensor"
-                raise _peft_refuses(model_cfg, why, linear_names)
-    key = (str(model_cfg.path), model_cfg.lora_rank, repr(model_cfg.lora_target_modules))
-    _LORA_COUNTS[key] = sum(p.numel() for name, p in peft_model.named_parameters() if "lora_" in name)
+    try:
+        built = _meta_lora_model(model_cfg)
+    except ValueError as exc:  # peft's refusal: the line names the layers it could adapt
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(causal_lm_config(model_cfg.path))
+        raise _peft_refuses(model_cfg, first_line(exc), linear_module_names(lm)) from None
+    if built is None:
+        return
+    peft_model, linear_names = built
+    for name, module in peft_model.named_modules():
+        base = module.get_base_layer() if isinstance(module, LoraLayer) else None
+        own_forward = isinstance(base, nn.Linear) and type(base).forward is not nn.Linear.forward
+        if own_forward and not isinstance(base(torch.empty(1, base.in_features, device="meta")), Tensor):
+            why = f"{name.split('.')[-1]} ({type(base).__name__}) returns more than a tensor"
+            raise _peft_refuses(model_cfg, why, linear_names)
+    _LORA_COUNTS[_lora_key(model_cfg)] = _adapter_parameters(peft_model)
 
 
 def _peft_refuses(model_cfg, why: str, linear_names: list[str]) -> UserError:
