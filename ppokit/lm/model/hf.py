@@ -155,7 +155,7 @@ def causal_lm_parameters(config) -> int | None:
     meta device (no memory; 0.05 s for Mixtral-8x7B's config): exact for every architecture, the
     experts of a mixture included. None when transformers cannot build it from the config alone."""
     try:
-        with torch.device("meta"), held_load_report():
+        with on_the_meta_device():
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - any failure: the caller falls back on its formula
         return None
@@ -430,6 +430,19 @@ def load_model_and_tokenizer(path: str | Path, what: str = "model.path") -> tupl
     model, tokenizer = load_causal_lm(path, what), load_tokenizer(path, what)
     check_tokenizer_fits(tokenizer, input_embedding_rows(model), what, path)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def on_the_meta_device() -> Iterator[None]:
+    """Models built in the block are on the meta device (shapes, no memory), without transformers'
+    warnings about their configs (the model's real load gives them once)."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 @contextlib.contextmanager

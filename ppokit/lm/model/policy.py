@@ -35,7 +35,7 @@ from ppokit import algo
 from ppokit.errors import UserError, first_line
 from ppokit.lm.model.device import attention_implementation
 from ppokit.lm.model.heads import decoder_of, hidden_then_head_matches, plain_head
-from ppokit.lm.model.hf import causal_lm_config, input_embedding_rows, load_causal_lm
+from ppokit.lm.model.hf import causal_lm_config, input_embedding_rows, load_causal_lm, on_the_meta_device
 from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, tiny_config
 
 ACTOR, CRITIC = "actor", "critic"
@@ -525,8 +525,8 @@ def _meta_lora_model(model_cfg) -> tuple[nn.Module, list[str]] | None:
     device, and that model's linear layer names; None when the config alone cannot build the model.
     peft's refusal of the targets raises (ValueError)."""
     config = causal_lm_config(model_cfg.path)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with on_the_meta_device(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's, about the targets it adapts
         try:
             lm = AutoModelForCausalLM.from_config(config)
         except Exception:  # noqa: BLE001 - not buildable from its config alone: the model's load says why
@@ -665,7 +665,7 @@ def _check_peft_adapts_targets(model_cfg) -> None:
     try:
         built = _meta_lora_model(model_cfg)
     except ValueError as exc:  # peft's refusal: the line names the layers it could adapt
-        with torch.device("meta"):
+        with on_the_meta_device():
             lm = AutoModelForCausalLM.from_config(causal_lm_config(model_cfg.path))
         raise _peft_refuses(model_cfg, first_line(exc), linear_module_names(lm)) from None
     if built is None:
@@ -674,10 +674,19 @@ def _check_peft_adapts_targets(model_cfg) -> None:
     for name, module in peft_model.named_modules():
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
         own_forward = isinstance(base, nn.Linear) and type(base).forward is not nn.Linear.forward
-        if own_forward and not isinstance(base(torch.empty(1, base.in_features, device="meta")), Tensor):
+        if own_forward and not _returns_a_tensor(base):
             why = f"{name.split('.')[-1]} ({type(base).__name__}) returns more than a tensor"
             raise _peft_refuses(model_cfg, why, linear_names)
     _LORA_COUNTS[_lora_key(model_cfg)] = _adapter_parameters(peft_model)
+
+
+def _returns_a_tensor(layer: nn.Linear) -> bool:
+    """Whether ``layer`` (on the meta device) returns a tensor for an input row."""
+    try:
+        out = layer(torch.empty(1, layer.in_features, device="meta"))
+    except Exception:  # noqa: BLE001 - a forward the meta device cannot run: the run itself will tell
+        return True
+    return isinstance(out, Tensor)
 
 
 def _peft_refuses(model_cfg, why: str, linear_names: list[str]) -> UserError:
@@ -697,7 +706,7 @@ def _check_lora_targets(model_cfg) -> None:
         return  # "all-linear", or a regular expression: peft's to match
     path = model_cfg.path
     config = tiny_config(DEFAULT_TINY_SPEC) if path == "tiny" else causal_lm_config(path)
-    with torch.device("meta"):
+    with on_the_meta_device():
         lm = AutoModelForCausalLM.from_config(config)
     names = [name for name, _ in lm.named_modules() if name]
     if not any(name == t or name.endswith("." + t) for name in names for t in targets):
