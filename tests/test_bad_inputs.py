@@ -224,6 +224,7 @@ def test_a_text_environment_s_mode_refused_writes_nothing(case, expected, tmp_pa
         "data/heldout_more_than_the_task_has",
         "model/lora_target_not_in_the_model",
         "model/lora_target_not_in_the_model_multiturn",
+        "model/lora_target_pattern_matches_nothing",
         "data/eval_opponents_on_a_one_player_env",
         "model/critic_path_missing",
     ],
@@ -231,7 +232,7 @@ def test_a_text_environment_s_mode_refused_writes_nothing(case, expected, tmp_pa
 def test_inputs_refused_before_the_start_write_nothing(case, tmp_path, capsys, monkeypatch):
     """Refused among the pre-start checks: no run directory. Each used to be refused once the run
     directory (with the tiny model built into it) existed: by the warm start (no held-out prompts,
-    fewer examples than asked for), by peft (no layer of that name), by the critic's load (no
+    fewer examples than asked for), by peft (no layer of that name or pattern), by the critic's load (no
     directory) or by the evaluation before training (its opponents' environments)."""
     folder = CORPUS / case
     spec = yaml.safe_load((folder / "case.yaml").read_text())

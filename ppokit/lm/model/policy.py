@@ -524,7 +524,7 @@ def _meta_lora_model(model_cfg) -> tuple[nn.Module, list[str]] | None:
     """peft's LoRA model (``model_cfg``'s rank and targets) of the model its config builds on the meta
     device, and that model's linear layer names; None when the config alone cannot build the model.
     peft's refusal of the targets raises (ValueError)."""
-    config = causal_lm_config(model_cfg.path)
+    config = _causal_lm_config(model_cfg.path)
     with on_the_meta_device(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft's, about the targets it adapts
         try:
@@ -660,13 +660,13 @@ def _check_peft_adapts_targets(model_cfg) -> None:
     layer with a forward of its own returns a tensor (Llama 4's router is a linear layer that returns
     a tuple: peft's LoRA fails on it at the first forward pass). One line naming the fix, else the
     adapters' count is kept for the memory estimate (:func:`lora_parameter_count`)."""
-    if model_cfg.mode != "lora" or model_cfg.path == "tiny":
+    if model_cfg.mode != "lora":
         return
     try:
         built = _meta_lora_model(model_cfg)
     except ValueError as exc:  # peft's refusal: the line names the layers it could adapt
         with on_the_meta_device():
-            lm = AutoModelForCausalLM.from_config(causal_lm_config(model_cfg.path))
+            lm = AutoModelForCausalLM.from_config(_causal_lm_config(model_cfg.path))
         raise _peft_refuses(model_cfg, first_line(exc), linear_module_names(lm)) from None
     if built is None:
         return
@@ -704,13 +704,16 @@ def _check_lora_targets(model_cfg) -> None:
     targets = model_cfg.lora_target_modules
     if model_cfg.mode != "lora" or not isinstance(targets, list):
         return  # "all-linear", or a regular expression: peft's to match
-    path = model_cfg.path
-    config = tiny_config(DEFAULT_TINY_SPEC) if path == "tiny" else causal_lm_config(path)
     with on_the_meta_device():
-        lm = AutoModelForCausalLM.from_config(config)
+        lm = AutoModelForCausalLM.from_config(_causal_lm_config(model_cfg.path))
     names = [name for name, _ in lm.named_modules() if name]
     if not any(name == t or name.endswith("." + t) for name in names for t in targets):
         raise _no_such_target(model_cfg, linear_module_names(lm))
+
+
+def _causal_lm_config(path):
+    """The config of the model at ``path``, the built-in tiny model's for ``tiny``."""
+    return tiny_config(DEFAULT_TINY_SPEC) if path == "tiny" else causal_lm_config(path)
 
 
 def _no_such_target(model_cfg, linear_names: list[str]) -> UserError:
