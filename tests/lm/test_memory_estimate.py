@@ -64,7 +64,7 @@ def test_the_shape_counts_the_experts_of_a_mixture_of_experts(tmp_path):
     its config builds (on the meta device), so the weights are not underestimated."""
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
-    from ppokit.lm.model.hf import causal_lm_parameters
+    from ppokit.lm.model.hf import meta_model
 
     sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
     configs = {
@@ -77,7 +77,7 @@ def test_the_shape_counts_the_experts_of_a_mixture_of_experts(tmp_path):
         shape = model_shape(tmp_path / name)
         assert shape.num_parameters == _count(model), name
         assert ModelShape.from_hf_config(config).num_parameters < _count(model) / 2, name  # the formula alone
-    assert causal_lm_parameters(object()) is None  # not a config transformers can build: the formula is used
+    assert meta_model(object()) is None  # not a config transformers can build: the formula is used
 
 
 def test_the_estimate_counts_the_adapters_peft_puts_on_every_expert(tmp_path):
@@ -107,6 +107,33 @@ def test_the_estimate_counts_the_adapters_peft_puts_on_every_expert(tmp_path):
     rank, targets = cfg.model.lora_rank, cfg.model.lora_target_modules
     assert estimator.model.lora_parameters(rank, targets) == actor
     assert ModelShape.from_hf_config(config).lora_parameters(rank, targets) < actor / 2  # the formula alone
+
+
+def test_a_lora_run_s_checks_and_estimate_build_the_model_on_the_meta_device_once(tmp_path, monkeypatch):
+    """The pre-start checks (the targets are in the model, peft adapts them) and the estimate (the
+    parameters, the adapters; asked again by the micro-batch sizing) read one meta-device model of a
+    config: a build of SmolLM2-135M takes 0.6 s, and each start made three to five of them."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ppokit.lm.model.policy import check_model_options
+    from ppokit.lm.model.tiny import build_char_tokenizer
+
+    sizes = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, vocab_size=72)
+    config = LlamaConfig(**sizes)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    build_char_tokenizer().save_pretrained(tmp_path / "llama")
+    builds = []
+    from_config = AutoModelForCausalLM.from_config
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", lambda *a, **k: builds.append(1) or from_config(*a, **k))
+    for targets in (["q_proj", "v_proj"], "all-linear"):
+        model = {"path": str(tmp_path / "llama"), "lora_target_modules": targets}
+        cfg = build_config([{"workload": "lm", "model": model, "run": {"device": "cpu"}}])
+        check_model_options(cfg.model)
+        for _ in range(2):
+            estimator = memory.Estimator.for_run(cfg, memory.IterationSizes(20))
+        assert estimator.model.num_parameters == _count(from_config(config))
+        assert len(builds) == 1, targets  # the checks' one model: its facts, peft's model and its adapters
+        builds.clear()
 
 
 def test_the_tiny_spec_gives_the_shape_of_the_model_it_builds(tmp_path):

@@ -542,14 +542,15 @@ def model_shape(path: str | Path, what: str = "model.path") -> ModelShape | None
         from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC  # noqa: PLC0415 - tokenizers on import
 
         return ModelShape.from_tiny_spec(DEFAULT_TINY_SPEC)
-    from ppokit.lm.model.hf import causal_lm_config, causal_lm_parameters  # noqa: PLC0415 - transformers on use
+    from ppokit.lm.model.hf import causal_lm_config, meta_model  # noqa: PLC0415 - transformers on use
 
     try:
         config = causal_lm_config(path, what)
         shape = ModelShape.from_hf_config(config)
     except (TypeError, ValueError, ZeroDivisionError):
         return None
-    return replace(shape, counted_parameters=causal_lm_parameters(config))
+    built = meta_model(config)
+    return replace(shape, counted_parameters=None if built is None else built.parameters)
 
 
 def reward_model_shape(path: str | Path) -> ModelShape | None:

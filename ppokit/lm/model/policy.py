@@ -29,13 +29,21 @@ import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM
 
 from ppokit import algo
 from ppokit.errors import UserError, first_line
 from ppokit.lm.model.device import attention_implementation
 from ppokit.lm.model.heads import decoder_of, hidden_then_head_matches, plain_head
-from ppokit.lm.model.hf import causal_lm_config, input_embedding_rows, load_causal_lm, on_the_meta_device
+from ppokit.lm.model.hf import (
+    MetaModel,
+    causal_lm_config,
+    input_embedding_rows,
+    linear_module_names,
+    load_causal_lm,
+    meta_build,
+    meta_model,
+    on_the_meta_device,
+)
 from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, tiny_config
 
 ACTOR, CRITIC = "actor", "critic"
@@ -492,47 +500,42 @@ def lora_config(model_cfg):
     )
 
 
-# lora_parameter_count's counts by (model path, rank, targets): a run's estimate asks up to three times
+# lora_parameter_count's counts by (model config, rank, targets): the pre-start check counts, the estimate asks
 _LORA_COUNTS: dict[tuple[str, int, str], int | None] = {}
 
 
 def lora_parameter_count(model_cfg) -> int | None:
     """One adapter's parameters at ``model_cfg``'s rank and targets, counted on peft's model of the
-    model its config builds on the meta device (no memory; 0.6 s for SmolLM2-135M): exact where the
-    memory estimate's formula is not (peft's all-linear puts adapters on every expert of a mixture of
-    experts: Qwen3-30B-A3B at rank 16, 993M against the formula's 29M). None where the model or
-    peft's model cannot be built so."""
-    key = _lora_key(model_cfg)
+    model its config builds on the meta device (no memory): exact where the memory estimate's formula
+    is not (peft's all-linear puts adapters on every expert of a mixture of experts: Qwen3-30B-A3B at
+    rank 16, 993M against the formula's 29M). None where the model or peft's model cannot be built so."""
+    config = _causal_lm_config(model_cfg.path)
+    key = _lora_key(config, model_cfg)
     if key not in _LORA_COUNTS:
+        lm = meta_build(config)
         try:
-            built = _meta_lora_model(model_cfg)
+            peft_model = None if lm is None else _meta_lora_model(lm, model_cfg)
         except Exception:  # noqa: BLE001 - peft refuses the targets (the pre-start check says so): the formula
-            built = None
-        _LORA_COUNTS[key] = None if built is None else _adapter_parameters(built[0])
+            peft_model = None
+        _LORA_COUNTS[key] = None if peft_model is None else _adapter_parameters(peft_model)
     return _LORA_COUNTS[key]
 
 
-def _lora_key(model_cfg) -> tuple[str, int, str]:
-    return (str(model_cfg.path), model_cfg.lora_rank, repr(model_cfg.lora_target_modules))
+def _lora_key(config, model_cfg) -> tuple[str, int, str]:
+    return (config.to_json_string(), model_cfg.lora_rank, repr(model_cfg.lora_target_modules))
 
 
 def _adapter_parameters(peft_model: nn.Module) -> int:
     return sum(p.numel() for name, p in peft_model.named_parameters() if "lora_" in name)
 
 
-def _meta_lora_model(model_cfg) -> tuple[nn.Module, list[str]] | None:
-    """peft's LoRA model (``model_cfg``'s rank and targets) of the model its config builds on the meta
-    device, and that model's linear layer names; None when the config alone cannot build the model.
-    peft's refusal of the targets raises (ValueError)."""
-    config = _causal_lm_config(model_cfg.path)
+def _meta_lora_model(lm: nn.Module, model_cfg) -> nn.Module:
+    """peft's LoRA model (``model_cfg``'s rank and targets) of ``lm``, a model on the meta device
+    (:func:`~ppokit.lm.model.hf.meta_build`), its adapters there too. peft's refusal of the targets
+    raises (ValueError)."""
     with on_the_meta_device(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft's, about the targets it adapts
-        try:
-            lm = AutoModelForCausalLM.from_config(config)
-        except Exception:  # noqa: BLE001 - not buildable from its config alone: the model's load says why
-            return None
-        linear_names = linear_module_names(lm)
-        return get_peft_model(lm, lora_config(model_cfg)), linear_names
+        return get_peft_model(lm, lora_config(model_cfg))
 
 
 # train.gradient_checkpointing=auto: on for models of at least this many parameters on an accelerator
@@ -645,39 +648,50 @@ def _load_critic(m, model_path: str | Path, lm: nn.Module, attn: str | None) -> 
 
 def check_model_options(model_cfg) -> None:
     """Among the pre-start checks (the model's build would refuse them once the run directory and
-    the warm start exist): full mode's ``model.critic_path`` is a causal LM's directory, LoRA's
+    the warm start exist): full mode's ``model.critic_path`` is a causal LM's directory; LoRA's
     target modules are in the model (:func:`_check_lora_targets`) and peft can adapt them
-    (:func:`_check_peft_adapts_targets`)."""
+    (:func:`_check_peft_adapts_targets`), both on one model built from the config on the meta
+    device (no weights; what it is stays known to the memory estimate)."""
     if model_cfg.mode == "full" and model_cfg.critic_path:
         causal_lm_config(model_cfg.critic_path, "model.critic_path")
-    _check_lora_targets(model_cfg)
-    _check_peft_adapts_targets(model_cfg)
-
-
-def _check_peft_adapts_targets(model_cfg) -> None:
-    """peft's LoRA model of the model built on the meta device: peft accepts the targets (it refuses
-    ``out_proj`` and ``conv1d`` of Mamba-based models, which ``all-linear`` names), and each adapted
-    layer with a forward of its own returns a tensor (Llama 4's router is a linear layer that returns
-    a tuple: peft's LoRA fails on it at the first forward pass). One line naming the fix, else the
-    adapters' count is kept for the memory estimate (:func:`lora_parameter_count`)."""
     if model_cfg.mode != "lora":
         return
+    config = _causal_lm_config(model_cfg.path)
+    lm = meta_build(config)
+    if lm is None:
+        return  # not buildable from its config alone: the model's load says why
+    _check_lora_targets(model_cfg, meta_model(config))
+    _check_peft_adapts_targets(model_cfg, config, lm)
+
+
+def _check_lora_targets(model_cfg, built: MetaModel) -> None:
+    """``model.lora_target_modules`` (a list of names) names a module of the model, as peft matches
+    them (the whole name, or its last dotted parts)."""
+    targets = model_cfg.lora_target_modules
+    if not isinstance(targets, list):
+        return  # "all-linear", or a regular expression: peft's to match
+    if not any(name == t or name.endswith("." + t) for name in built.module_names for t in targets):
+        raise _no_such_target(model_cfg, built.linear_names)
+
+
+def _check_peft_adapts_targets(model_cfg, config, lm: nn.Module) -> None:
+    """peft's LoRA model of ``lm`` (``config``'s model on the meta device): peft accepts the targets (it
+    refuses ``out_proj`` and ``conv1d`` of Mamba-based models, which ``all-linear`` names), and each
+    adapted layer with a forward of its own returns a tensor (Llama 4's router is a linear layer that
+    returns a tuple: peft's LoRA fails on it at the first forward pass). One line naming the fix, else
+    the adapters' count is kept for the memory estimate (:func:`lora_parameter_count`)."""
+    linear_names = meta_model(config).linear_names
     try:
-        built = _meta_lora_model(model_cfg)
+        peft_model = _meta_lora_model(lm, model_cfg)
     except ValueError as exc:  # peft's refusal: the line names the layers it could adapt
-        with on_the_meta_device():
-            lm = AutoModelForCausalLM.from_config(_causal_lm_config(model_cfg.path))
-        raise _peft_refuses(model_cfg, first_line(exc), linear_module_names(lm)) from None
-    if built is None:
-        return
-    peft_model, linear_names = built
+        raise _peft_refuses(model_cfg, first_line(exc), linear_names) from None
     for name, module in peft_model.named_modules():
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
         own_forward = isinstance(base, nn.Linear) and type(base).forward is not nn.Linear.forward
         if own_forward and not _returns_a_tensor(base):
             why = f"{name.split('.')[-1]} ({type(base).__name__}) returns more than a tensor"
             raise _peft_refuses(model_cfg, why, linear_names)
-    _LORA_COUNTS[_lora_key(model_cfg)] = _adapter_parameters(peft_model)
+    _LORA_COUNTS[_lora_key(config, model_cfg)] = _adapter_parameters(peft_model)
 
 
 def _returns_a_tensor(layer: nn.Linear) -> bool:
@@ -697,20 +711,6 @@ def _peft_refuses(model_cfg, why: str, linear_names: list[str]) -> UserError:
     )
 
 
-def _check_lora_targets(model_cfg) -> None:
-    """``model.lora_target_modules`` (a list of names) names a module of the model, as peft matches
-    them (the whole name, or its last dotted parts): checked on the model built from its config on
-    the meta device (no weights)."""
-    targets = model_cfg.lora_target_modules
-    if model_cfg.mode != "lora" or not isinstance(targets, list):
-        return  # "all-linear", or a regular expression: peft's to match
-    with on_the_meta_device():
-        lm = AutoModelForCausalLM.from_config(_causal_lm_config(model_cfg.path))
-    names = [name for name, _ in lm.named_modules() if name]
-    if not any(name == t or name.endswith("." + t) for name in names for t in targets):
-        raise _no_such_target(model_cfg, linear_module_names(lm))
-
-
 def _causal_lm_config(path):
     """The config of the model at ``path``, the built-in tiny model's for ``tiny``."""
     return tiny_config(DEFAULT_TINY_SPEC) if path == "tiny" else causal_lm_config(path)
@@ -720,17 +720,6 @@ def _no_such_target(model_cfg, linear_names: list[str]) -> UserError:
     return UserError(
         f"model.lora_target_modules={model_cfg.lora_target_modules}: no such module in model.path={model_cfg.path}; "
         f"its linear layers are {', '.join(linear_names)} (or use all-linear)"
-    )
-
-
-def linear_module_names(lm: nn.Module) -> list[str]:
-    """The distinct names of a model's linear layers: what ``model.lora_target_modules`` can name."""
-    return sorted(
-        {
-            name.rsplit(".", 1)[-1]
-            for name, module in lm.named_modules()
-            if name and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")
-        }
     )
 
 
