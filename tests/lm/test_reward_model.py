@@ -127,6 +127,19 @@ def test_the_fused_cpu_kernels_score_as_transformers_layers_do(tmp_path, dtype):
     assert fused.score(prompts, responses) == pytest.approx(want, **tolerance)
 
 
+def test_the_memory_estimate_counts_the_reward_model_s_own_parameters(rm_dir, tmp_path):
+    """A reward model has a score head (H x 1) where a causal LM has an LM head (V x H): the estimate
+    counts the parameters of the sequence classifier its config builds, not the LM's formula."""
+    from ppokit.lm.model.memory import ModelShape, reward_model_shape
+
+    rm = RewardModel(rm_dir, device=CPU)
+    count = sum(p.numel() for p in rm.model.parameters())
+    shape = reward_model_shape(rm_dir)
+    assert shape.num_parameters == count
+    assert ModelShape.from_hf_config(rm.model.config).num_parameters > count  # the formula: an LM head
+    assert reward_model_shape(tmp_path / "missing") is None  # its loader says why
+
+
 @pytest.mark.parametrize(
     "kind, message",
     [

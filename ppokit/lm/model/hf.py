@@ -172,35 +172,35 @@ class MetaModel:
         )
 
 
-# meta_model's answers by config (its JSON): a run's start asks for one model several times
-_META_MODELS: dict[str, MetaModel | None] = {}
+# meta_model's answers by (auto class, config's JSON): a run's start asks for one model several times
+_META_MODELS: dict[tuple[str, str], MetaModel | None] = {}
 
 
-def meta_build(config) -> nn.Module | None:
-    """A new model of the causal LM ``config`` describes, on the meta device (0.05 s for Mixtral-8x7B's
-    config, 0.6 s for SmolLM2-135M's); its :class:`MetaModel` is kept for :func:`meta_model`. None when
-    transformers cannot build it from the config alone."""
+def meta_build(config, auto=AutoModelForCausalLM) -> nn.Module | None:
+    """A new model of ``config`` as ``auto`` builds it (a causal LM by default), on the meta device
+    (0.05 s for Mixtral-8x7B's config, 0.6 s for SmolLM2-135M's); its :class:`MetaModel` is kept for
+    :func:`meta_model`. None when transformers cannot build it from the config alone."""
     try:
         with on_the_meta_device():
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto.from_config(config)
     except Exception:  # noqa: BLE001 - any failure: callers fall back on formulas, the real load says why
         model = None
-    _META_MODELS[_config_key(config)] = None if model is None else MetaModel.of(model)
+    _META_MODELS[_meta_key(config, auto)] = None if model is None else MetaModel.of(model)
     return model
 
 
-def meta_model(config) -> MetaModel | None:
-    """:class:`MetaModel` of the causal LM ``config`` describes: built once per config in a process
+def meta_model(config, auto=AutoModelForCausalLM) -> MetaModel | None:
+    """:class:`MetaModel` of ``config`` as ``auto`` builds it: built once per config in a process
     (:func:`meta_build`). None when transformers cannot build it from the config alone."""
-    key = _config_key(config)
+    key = _meta_key(config, auto)
     if key not in _META_MODELS:
-        meta_build(config)
+        meta_build(config, auto)
     return _META_MODELS[key]
 
 
-def _config_key(config) -> str:
+def _meta_key(config, auto) -> tuple[str, str]:
     to_json = getattr(config, "to_json_string", None)
-    return to_json() if callable(to_json) else repr(config)
+    return auto.__name__, to_json() if callable(to_json) else repr(config)
 
 
 def linear_module_names(lm: nn.Module) -> list[str]:

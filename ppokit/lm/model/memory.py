@@ -19,7 +19,6 @@ with what they were checked against: docs/algorithms.md, "Memory estimate".
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -554,20 +553,20 @@ def model_shape(path: str | Path, what: str = "model.path") -> ModelShape | None
 
 
 def reward_model_shape(path: str | Path) -> ModelShape | None:
-    """A reward model's shape from its config.json (None when it cannot be read: its loader says why)."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    """A reward model's shape from its config.json, its parameters counted on the sequence classifier
+    the config builds on the meta device (a score head where the formula counts an LM head); None when
+    the config cannot be read (the reward model's loader says why)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification  # noqa: PLC0415 - on use
 
-    class _Config:
-        def __init__(self, d: dict) -> None:
-            self.__dict__.update(d)
+    from ppokit.lm.model.hf import meta_model  # noqa: PLC0415 - transformers on use
 
     try:
-        return ModelShape.from_hf_config(_Config(config))
-    except (TypeError, ValueError, ZeroDivisionError):
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        shape = ModelShape.from_hf_config(config)
+    except Exception:  # noqa: BLE001 - any failure: the reward model's loader says why
         return None
+    built = meta_model(config, AutoModelForSequenceClassification)
+    return replace(shape, counted_parameters=None if built is None else built.parameters)
 
 
 def longest_prompt_tokens(tokenizer: Any, texts: list[str], sample: int = 64) -> int:
