@@ -112,9 +112,11 @@ def test_the_estimate_counts_the_adapters_peft_puts_on_every_expert(tmp_path):
 def test_a_lora_run_s_checks_and_estimate_build_the_model_on_the_meta_device_once(tmp_path, monkeypatch):
     """The pre-start checks (the targets are in the model, peft adapts them) and the estimate (the
     parameters, the adapters; asked again by the micro-batch sizing) read one meta-device model of a
-    config: a build of SmolLM2-135M takes 0.6 s, and each start made three to five of them."""
+    config, and peft wraps it once (0.5-1 s for SmolLM2-135M): each start built it three to five times."""
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from ppokit.lm.model import policy
     from ppokit.lm.model.policy import check_model_options
     from ppokit.lm.model.tiny import build_char_tokenizer
 
@@ -125,6 +127,8 @@ def test_a_lora_run_s_checks_and_estimate_build_the_model_on_the_meta_device_onc
     builds = []
     from_config = AutoModelForCausalLM.from_config
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", lambda *a, **k: builds.append(1) or from_config(*a, **k))
+    wraps = []
+    monkeypatch.setattr(policy, "get_peft_model", lambda *a, **k: wraps.append(1) or get_peft_model(*a, **k))
     for targets in (["q_proj", "v_proj"], "all-linear"):
         model = {"path": str(tmp_path / "llama"), "lora_target_modules": targets}
         cfg = build_config([{"workload": "lm", "model": model, "run": {"device": "cpu"}}])
@@ -133,7 +137,9 @@ def test_a_lora_run_s_checks_and_estimate_build_the_model_on_the_meta_device_onc
             estimator = memory.Estimator.for_run(cfg, memory.IterationSizes(20))
         assert estimator.model.num_parameters == _count(from_config(config))
         assert len(builds) == 1, targets  # the checks' one model: its facts, peft's model and its adapters
+        assert len(wraps) == 1, targets
         builds.clear()
+        wraps.clear()
 
 
 def test_the_tiny_spec_gives_the_shape_of_the_model_it_builds(tmp_path):

@@ -178,7 +178,7 @@ _META_MODELS: dict[tuple[str, str], MetaModel | None] = {}
 
 def meta_build(config, auto=AutoModelForCausalLM) -> nn.Module | None:
     """A new model of ``config`` as ``auto`` builds it (a causal LM by default), on the meta device
-    (0.05 s for Mixtral-8x7B's config, 0.6 s for SmolLM2-135M's); its :class:`MetaModel` is kept for
+    (0.05-0.1 s for Mixtral-8x7B's or SmolLM2-135M's config); its :class:`MetaModel` is kept for
     :func:`meta_model`. None when transformers cannot build it from the config alone."""
     try:
         with on_the_meta_device():

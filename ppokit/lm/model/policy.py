@@ -531,8 +531,8 @@ def _adapter_parameters(peft_model: nn.Module) -> int:
 
 def _meta_lora_model(lm: nn.Module, model_cfg) -> nn.Module:
     """peft's LoRA model (``model_cfg``'s rank and targets) of ``lm``, a model on the meta device
-    (:func:`~ppokit.lm.model.hf.meta_build`), its adapters there too. peft's refusal of the targets
-    raises (ValueError)."""
+    (:func:`~ppokit.lm.model.hf.meta_build`), its adapters there too (0.5-1 s for SmolLM2-135M's 210
+    layers, where the build takes 0.05-0.1 s). peft's refusal of the targets raises (ValueError)."""
     with on_the_meta_device(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft's, about the targets it adapts
         return get_peft_model(lm, lora_config(model_cfg))
