@@ -157,7 +157,7 @@ def causal_lm_config(path: str | Path, what: str = "model.path"):
 
 @dataclass(frozen=True)
 class MetaModel:
-    """What a causal LM's config builds, read off the model on the meta device (no memory)."""
+    """What a model's config builds (a causal LM, a reward model), read off it on the meta device (no memory)."""
 
     parameters: int  # tied weights once: exact for every architecture, the experts of a mixture included
     module_names: tuple[str, ...]  # every named submodule's dotted name
