@@ -45,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from ppokit.checkpoint import META, recover_interrupted  # META: a checkpoint's completion marker
+from ppokit.checkpoint_files import META, recover_interrupted  # META: a checkpoint's completion marker
 from ppokit.config import build_config, parse_overrides, read_yaml
 from ppokit.errors import UserError
 
@@ -321,7 +321,7 @@ def find_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
 
     Candidates are ``RUN_DIR/checkpoint`` and ``RUN_DIR/checkpoints/iter-NNNNNN``; a
     candidate counts when its ``meta.json`` (written last) exists. Leftovers of a killed
-    writer are recovered first (:func:`ppokit.checkpoint.recover_interrupted`). At equal
+    writer are recovered first (:func:`ppokit.checkpoint_files.recover_interrupted`). At equal
     iterations the final checkpoint sorts last.
     """
     run_dir = Path(run_dir)

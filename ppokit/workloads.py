@@ -114,6 +114,11 @@ def evaluate_run(run: Any, /, **options: Any) -> str:
     """What ``ppokit eval`` prints for ``run`` (a :class:`ppokit.rundir.RunDir`): the evaluation of its
     kind (:data:`EVALUATORS`) with the command's ``options`` (None: not given). An option given that
     this evaluation does not read is a :class:`UserError` naming it, not silently ignored."""
+    if not run.path.exists():  # before the evaluation's modules (torch) are imported
+        raise UserError(
+            f"run directory {run.path} does not exist; give a run directory, one of its checkpoints "
+            "or a model directory"
+        )
     evaluator = EVALUATORS[run.kind]
     given = {name: value for name, value in options.items() if value is not None}
     ignored = sorted(set(given) - evaluator.options)

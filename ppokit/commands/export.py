@@ -42,16 +42,18 @@ def export_merged(run_dir: str | Path | RunDir, out_dir: str | Path) -> Path:
     """Write the actor of ``run_dir``'s final checkpoint (:meth:`ppokit.rundir.RunDir.export_checkpoint`;
     or of the checkpoint directory ``run_dir``) as a standalone model (+ tokenizer) to ``out_dir``
     (new or empty)."""
-    from ppokit.checkpoint import atomic_directory
-    from ppokit.lm.model.checkpoint import base_model_of, load_adapter, read_policy_meta
-    from ppokit.lm.model.hf import load_causal_lm, load_tokenizer, quiet_transformers
-    from ppokit.lm.model.policy import ACTOR
+    from ppokit.checkpoint_files import atomic_directory
     from ppokit.output_paths import check_output_dir, writing_to
     from ppokit.rundir import RunDir
 
     ckpt = (run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)).export_checkpoint()
     out = Path(out_dir)
     check_output_dir(out, "choose a new directory for the export")
+    # the model's modules (transformers) once the paths are known good: bad input answers at once
+    from ppokit.lm.model.checkpoint import base_model_of, load_adapter, read_policy_meta
+    from ppokit.lm.model.hf import load_causal_lm, load_tokenizer, quiet_transformers
+    from ppokit.lm.model.policy import ACTOR
+
     meta = read_policy_meta(ckpt)
     tokenizer = load_tokenizer(ckpt, "the checkpoint's tokenizer")
     if meta["mode"] == "lora":

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppokit.checkpoint import META, load_checkpoint
+from ppokit.checkpoint import load_checkpoint
+from ppokit.checkpoint_files import META
 from ppokit.config import Config, build_config
 from ppokit.control.envs import VecEnv
 from ppokit.control.networks import ActorCritic

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ppokit.checkpoint import atomic_directory
+from ppokit.checkpoint_files import atomic_directory
 from ppokit.config import RolloutConfig
 from ppokit.errors import UserError
 from ppokit.lm.evaluate import heldout_accuracy

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit import checkpoint
+from ppokit import checkpoint, checkpoint_files
 from ppokit.errors import UserError
 
 
@@ -142,6 +142,6 @@ def test_a_live_writers_temporary_directories_are_left_alone(tmp_path):
     (tmp_path / f".iter-000002.tmp-{live}").mkdir()  # being written
     (tmp_path / "iter-000001").rename(tmp_path / f".iter-000001.old-{live}")  # being replaced
     (tmp_path / f".iter-000003.tmp-{dead}").mkdir()  # a killed writer's
-    checkpoint.recover_interrupted(tmp_path)
+    checkpoint_files.recover_interrupted(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".iter-000001.old-{live}", f".iter-000002.tmp-{live}"]
-    assert checkpoint.pid_alive(live) and not checkpoint.pid_alive(dead)
+    assert checkpoint_files.pid_alive(live) and not checkpoint_files.pid_alive(dead)
