@@ -24,6 +24,36 @@ def test_help_and_config_commands_do_not_import_torch():
     assert proc.stdout.strip().splitlines()[-1] == "False False"
 
 
+def test_bad_names_and_paths_are_answered_before_torch_is_imported(tmp_path):
+    """A typo in a preset, a key, a task or a path: one line within a fraction of a second, not after
+    seconds of importing torch and transformers."""
+    missing = str(tmp_path / "missing")
+    cases = [
+        ["train", "nosuch"],
+        ["train", "cartpole", "algo.gama=0.9"],
+        ["train", "--resume", missing],
+        ["eval", missing],
+        ["export", missing, str(tmp_path / "out")],
+        ["generate", missing, "--prompt", "Hi"],
+        ["generate", str(tmp_path / "model.gguf"), "--prompt", "Hi"],
+        ["chat", missing],
+        ["sft", "nosuchtask", "--out", str(tmp_path / "sft")],
+        ["sft", "arithmetic", "--reward", "nosuch", "--out", str(tmp_path / "sft")],
+    ]
+    code = (
+        "import contextlib, io, sys\nfrom ppokit.cli import main\n"
+        f"for argv in {cases!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        status = main(argv)\n"
+        "    lines = len(err.getvalue().strip().splitlines())\n"
+        "    print(status, lines, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    proc = run(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines() == ["2 1 False False"] * len(cases), proc.stdout
+
+
 def test_import_lets_idle_openmp_workers_sleep_soon_unless_the_user_chose():
     """The fused CPU kernels' threads need the cores PyTorch's OpenMP workers spin on."""
     import os

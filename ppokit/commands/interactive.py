@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from ppokit.commands.arguments import add_command, add_sampling_options, int_at_least, sampling_kwargs
 from ppokit.errors import UserError
+from ppokit.lm.model.model_path import open_model_path
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 HELP = (
@@ -158,13 +159,14 @@ def generate_main(
     **sampling: Any,
 ) -> int:
     """``ppokit generate``: print the response to each prompt (module docstring)."""
+    if num_samples < 1:
+        raise UserError(f"--num-samples must be at least 1 (got {num_samples})")
+    run = open_model_path(path)  # a bad path is one line before the model's modules are imported
     import torch
 
     from ppokit.lm.generation.loading import load_generator
 
-    if num_samples < 1:
-        raise UserError(f"--num-samples must be at least 1 (got {num_samples})")
-    gen = load_generator(path, device=device, **sampling)
+    gen = load_generator(run, device=device, **sampling)
     if not prompts:
         prompts = [line.rstrip("\n") for line in stdin if line.strip()]
         if not prompts:
@@ -200,12 +202,13 @@ def chat_main(
     **sampling: Any,
 ) -> int:
     """``ppokit chat``: a conversation on standard input and output (module docstring)."""
+    run = open_model_path(path)  # a bad path is one line before the model's modules are imported
     import torch
 
     from ppokit.config import rollout_options
     from ppokit.lm.generation.loading import load_generator
 
-    gen = load_generator(path, device=device, **sampling)
+    gen = load_generator(run, device=device, **sampling)
     conversation = Conversation(gen.tokenizer, gen.label, system)
     interactive = stdin.isatty()
     stderr.write(f"chatting with {gen.label}; {HELP}\n")

@@ -106,9 +106,7 @@ def sft_main(
     from ppokit.lm.data.chat import model_chat_renderer, render_records
     from ppokit.lm.data.sources import is_file_source, load_prompts
     from ppokit.lm.data.tasks import get_task
-    from ppokit.lm.model.tiny import build_tiny_model
     from ppokit.lm.rewards.functions import load_reward_fn
-    from ppokit.lm.sft import SFTSettings, run_sft
 
     for flag, value in (("--examples", examples), ("--eval-size", eval_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -138,6 +136,10 @@ def sft_main(
             model, what="--model", option="--chat-template", fix="give --model a chat model's directory"
         )
         train, held_out = render_records(train, render), render_records(held_out, render)
+    # the model's modules (torch, transformers) once the data and the reward are known good
+    from ppokit.lm.model.tiny import build_tiny_model
+    from ppokit.lm.sft import SFTSettings, run_sft
+
     log, overwrite = options.pop("log", print), options.pop("overwrite", False)
     settings = SFTSettings(seed=seed, **options)
     if model != "tiny":

@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ppokit.errors import UserError
-from ppokit.lm.model.hf import load_tokenizer
 
 ROLES_HINT = 'a list of {"role": "...", "content": "..."} messages'
 
@@ -68,6 +67,9 @@ def model_chat_renderer(model: str, *, what: str, option: str, fix: str) -> Call
     what to do when ``model`` is the built-in tiny model, which has no template)."""
     if model == "tiny":
         raise UserError(f"{option} needs a model with a chat template, and the built-in tiny model has none; {fix}")
+    # heavy (transformers): reading prompts and records, this module's other users, stays light
+    from ppokit.lm.model.hf import load_tokenizer  # noqa: PLC0415
+
     return chat_renderer(load_tokenizer(model, what), f"{what}={model}")
 
 

@@ -21,8 +21,8 @@ from ppokit.config import rollout_options
 from ppokit.errors import UserError
 from ppokit.lm.generation.factory import make_engine, make_model_engine
 from ppokit.lm.model.device import resolve_device, resolve_precision
-from ppokit.lm.model.gguf import converted_directory, is_gguf
 from ppokit.lm.model.hf import causal_lm_config, load_model_and_tokenizer
+from ppokit.lm.model.model_path import open_model_path
 from ppokit.lm.model.stack import load_policy_stack
 from ppokit.rundir import RunDir
 
@@ -46,10 +46,10 @@ def load_generator(
     path: str | Path | RunDir, *, device: str | None = None, precision: str | None = None, **sampling: Any
 ) -> Generator:
     """The generator of ``path``: a run or checkpoint directory (or its :class:`~ppokit.rundir.RunDir`,
-    already read), or a model directory (module docstring).
+    already read), a model directory or a GGUF file (:func:`~ppokit.lm.model.model_path.open_model_path`).
     ``device``/``precision``: as ``run.device``/``run.precision`` (default: the run's, else auto).
     ``sampling``: temperature, top_p, top_k, max_new_tokens (None keeps the run's)."""
-    run = _open(path)
+    run = open_model_path(path)
     path = run.path
     ckpt = run.lm_checkpoint
     if ckpt is not None:
@@ -74,17 +74,3 @@ def load_generator(
     model.to(dev).requires_grad_(False)
     engine = make_model_engine(model, tokenizer, rollout, autocast_dtype=dtype)
     return Generator(engine, tokenizer, None, str(path))
-
-
-def _open(path: str | Path | RunDir) -> RunDir:
-    """The directory of ``path`` (a GGUF file: its converted directory, :mod:`ppokit.lm.model.gguf`)."""
-    if not isinstance(path, RunDir):
-        if is_gguf(path):
-            path = converted_directory(path, "the model file")
-        path = RunDir(path)
-    if not path.is_dir:
-        raise UserError(
-            f"{path.path} is not a directory; give a run directory (ppokit train's), a Hugging Face model "
-            "directory or a GGUF file"
-        )
-    return path

@@ -2,6 +2,7 @@
 
 - :mod:`.hf`          local Hugging Face model directories and tokenizers: the one loader
 - :mod:`.gguf`        GGUF model files, converted once into a Hugging Face directory
+- :mod:`.model_path`  what a model path names (run, checkpoint, model directory, GGUF file), without torch
 - :mod:`.tiny`        a tiny Llama-style model and character tokenizer, built here (no downloads)
 - :mod:`.policy`      the policy: LoRA actor and critic on one backbone (or full models),
   the value head, the reference as the backbone with adapters off
