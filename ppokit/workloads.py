@@ -114,10 +114,11 @@ def evaluate_run(run: Any, /, **options: Any) -> str:
     """What ``ppokit eval`` prints for ``run`` (a :class:`ppokit.rundir.RunDir`): the evaluation of its
     kind (:data:`EVALUATORS`) with the command's ``options`` (None: not given). An option given that
     this evaluation does not read is a :class:`UserError` naming it, not silently ignored."""
-    if not run.path.exists():  # before the evaluation's modules (torch) are imported
+    if not run.is_dir:  # before the evaluation's modules (torch) are imported
+        problem = "is a file" if run.path.exists() else "does not exist"
         raise UserError(
-            f"run directory {run.path} does not exist; give a run directory, one of its checkpoints "
-            "or a model directory"
+            f"run directory {run.path} {problem}; give a run directory, one of its checkpoints, "
+            "a model directory or a GGUF file"
         )
     evaluator = EVALUATORS[run.kind]
     given = {name: value for name, value in options.items() if value is not None}

@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "run_dir",
         metavar="RUN_DIR|MODEL_DIR",
-        help="a run directory, one of its checkpoint directories, or a language model's directory",
+        help="a run directory, one of its checkpoint directories, or a language model's directory or GGUF file",
     )
     parser.add_argument(
         "--episodes",
@@ -121,9 +121,11 @@ def _add_lm_options(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The evaluation of RUN_DIR's workload kind, with the options given (each left at None when
     not given: an option its kind does not read is refused, :func:`ppokit.workloads.evaluate_run`)."""
+    from ppokit.lm.model.gguf import model_directory
     from ppokit.rundir import RunDir
     from ppokit.workloads import evaluate_run
 
     options = {name: getattr(args, name) for name in EVAL_OPTIONS}
-    print(evaluate_run(RunDir(args.run_dir), **options))
+    # a GGUF file (or a packaged model's name) is evaluated as its converted model directory
+    print(evaluate_run(RunDir(model_directory(args.run_dir, "the model file")), **options))
     return 0

@@ -229,6 +229,26 @@ def test_eval_bad_arguments_are_one_line(run_dir, args, message, capsys):
     assert status == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_eval_of_a_gguf_file_evaluates_its_converted_directory(tiny_dir, tmp_path, monkeypatch, capsys):
+    """As generate and chat do: a GGUF file (or a packaged model's name) stands for its converted
+    directory (the conversion itself is tested on the real model, tests/lm/test_real_model.py)."""
+    from ppokit.lm.model import gguf
+
+    model_file = tmp_path / "model.gguf"
+    model_file.write_bytes(b"GGUF")
+    asked = []
+    monkeypatch.setattr(gguf, "converted_directory", lambda path, what, **kw: asked.append((path, what)) or tiny_dir)
+    args = ["eval", str(model_file), "--data", "arithmetic", "--prompts", "3", "--max-new-tokens", "2", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["prompts"] == 3
+    assert asked == [(str(model_file), "the model file")]
+    assert main(["eval", str(tmp_path / "notes.txt")]) == 2  # not there at all
+    assert "run directory" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["eval", str(tmp_path / "notes.txt")]) == 2  # a file that is not a model
+    assert f"run directory {tmp_path / 'notes.txt'} is a file; give a run directory" in capsys.readouterr().err
+
+
 def test_a_model_directory_needs_data(tiny_dir, capsys):
     assert main(["eval", str(tiny_dir)]) == 2
     assert "--data is needed with a model directory" in capsys.readouterr().err
