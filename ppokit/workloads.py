@@ -22,11 +22,21 @@ from typing import Any, NamedTuple
 from ppokit.config import Config
 from ppokit.errors import UserError
 
-# workload kind -> (module, class); imported on demand (the LM stack is heavy)
+
+class WorkloadKind(NamedTuple):
+    """A workload kind's class, ``module.name``, imported on demand (the LM stack is heavy), and
+    ``reads``: ``module:function(cfg) -> dict``, light, run by :func:`check_inputs` before that
+    import (a bad path or name is then one line at once); its dict goes to the class as keywords."""
+
+    module: str
+    name: str
+    reads: str | None = None
+
+
 WORKLOADS = {
-    "control": ("ppokit.control.workload", "ControlWorkload"),
-    "lm": ("ppokit.lm.single_turn.workload", "LMWorkload"),
-    "textenv": ("ppokit.lm.multi_turn.workload", "MultiTurnWorkload"),
+    "control": WorkloadKind("ppokit.control.workload", "ControlWorkload"),
+    "lm": WorkloadKind("ppokit.lm.single_turn.workload", "LMWorkload", "ppokit.lm.inputs:read_prompt_run"),
+    "textenv": WorkloadKind("ppokit.lm.multi_turn.workload", "MultiTurnWorkload", "ppokit.lm.inputs:check_episode_run"),
 }
 
 
@@ -73,13 +83,14 @@ def describe(cfg: Config) -> str:
     return f"{cfg.data.prompts} on model {cfg.model.path}"
 
 
-def make_workload(cfg: Config):
-    """The :class:`~ppokit.components.Workload` of :func:`workload_kind`, built from ``cfg``; with
-    ``cluster.rollout_workers`` or ``cluster.learners`` > 1, on Ray (:mod:`ppokit.cluster`)."""
+def make_workload(cfg: Config, **read: Any):
+    """The :class:`~ppokit.components.Workload` of :func:`workload_kind`, built from ``cfg`` (and
+    ``read``: what its kind's ``reads`` returned); with ``cluster.rollout_workers`` or
+    ``cluster.learners`` > 1, on Ray (:mod:`ppokit.cluster`)."""
     from ppokit.cluster import require_ray, wants_cluster
 
-    module, name = WORKLOADS[workload_kind(cfg)]
-    workload = getattr(importlib.import_module(module), name)(cfg)
+    kind = WORKLOADS[workload_kind(cfg)]
+    workload = getattr(importlib.import_module(kind.module), kind.name)(cfg, **read)
     if wants_cluster(cfg):
         from ppokit.cluster.workload import DistributedWorkload
 
@@ -95,7 +106,12 @@ def check_inputs(cfg: Config):
     from ppokit.track import check_wandb
 
     check_wandb(cfg)
-    workload = make_workload(cfg)
+    reads = WORKLOADS[workload_kind(cfg)].reads
+    read = {}
+    if reads is not None:  # light: before the workload's modules are imported
+        module, _, function = reads.partition(":")
+        read = getattr(importlib.import_module(module), function)(cfg)
+    workload = make_workload(cfg, **read)
     workload.check_inputs()
     return workload
 

@@ -39,6 +39,11 @@ def test_bad_names_and_paths_are_answered_before_torch_is_imported(tmp_path):
         ["chat", missing],
         ["sft", "nosuchtask", "--out", str(tmp_path / "sft")],
         ["sft", "arithmetic", "--reward", "nosuch", "--out", str(tmp_path / "sft")],
+        ["train", "arith", f"model.path={missing}"],  # a language-model run's own inputs
+        ["train", "arith", f"data.prompts={missing}.jsonl"],
+        ["train", "arith", "data.reward=nosuch"],
+        ["train", "tictactoe", "textenv.env=nosuch"],
+        ["train", "tictactoe", f"model.path={missing}"],
     ]
     code = (
         "import contextlib, io, sys\nfrom ppokit.cli import main\n"

@@ -4,7 +4,9 @@
 or the task's own verifier, the chat template) before any model loads, so that a bad
 file or reward function fails at once; ``ppokit train`` and the run read them through it.
 ``ppokit eval`` of a run reads its held-out prompts and reward spec alone, by the same rules
-(:func:`load_heldout`).
+(:func:`load_heldout`). :func:`read_prompt_run` and :func:`check_episode_run` are what the
+workload registry (:data:`ppokit.workloads.WORKLOADS`) asks before it imports a workload's
+modules (torch, transformers): a bad path or name is one line within a second.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from ppokit.config import Config
+from ppokit.envs.registry import load_env_factory
 from ppokit.errors import UserError
 from ppokit.lm.data.chat import chat_renderer, model_chat_renderer, render_records
 from ppokit.lm.data.sources import is_file_source, load_prompts
 from ppokit.lm.data.tasks import get_task
+from ppokit.lm.model.model_path import local_model_directory
 from ppokit.lm.rewards.functions import load_reward_fn, reward_fields
 
 
@@ -57,6 +61,27 @@ def load_data(cfg: Config, tokenizer=None, where: str | None = None) -> tuple[li
     if render is not None:
         train_items, eval_items = render_records(train_items, render), render_records(eval_items, render)
     return train_items, eval_items, reward_fn
+
+
+def read_prompt_run(cfg: Config) -> dict[str, Any]:
+    """A single-turn run's inputs before its workload is built: ``model.path`` names a model
+    (:func:`~ppokit.lm.model.model_path.local_model_directory`), then :func:`load_data`, whose
+    records and reward function the workload keeps (``data=``: read once)."""
+    _check_model_path(cfg)
+    return {"data": load_data(cfg)}
+
+
+def check_episode_run(cfg: Config) -> dict[str, Any]:
+    """A multi-turn run's names before its workload is built: ``model.path`` names a model and
+    ``textenv.env`` an environment (the workload builds it; nothing is handed on)."""
+    _check_model_path(cfg)
+    load_env_factory(cfg.textenv.env)
+    return {}
+
+
+def _check_model_path(cfg: Config) -> None:
+    if cfg.model.path != "tiny":
+        local_model_directory(cfg.model.path)
 
 
 def check_reward_fields(records: list[dict], reward_fn, source: str) -> None:

@@ -249,6 +249,22 @@ def test_eval_of_a_gguf_file_evaluates_its_converted_directory(tiny_dir, tmp_pat
     assert f"run directory {tmp_path / 'notes.txt'} is a file; give a run directory" in capsys.readouterr().err
 
 
+def test_train_reads_its_prompts_once_before_importing_the_model(tmp_path, monkeypatch, capsys):
+    """The registry's light read (ppokit.lm.inputs.read_prompt_run) hands the records to the workload,
+    which reads them no second time."""
+    from ppokit.lm import inputs
+
+    reads = []
+    real = inputs.load_prompts
+    monkeypatch.setattr(
+        inputs, "load_prompts", lambda source, split, **kw: reads.append(split) or real(source, split, **kw)
+    )
+    args = ["train", "arith", "data.sft_epochs=0", "train.iterations=1", "data.eval_size=4", "train.batch_size=8"]
+    assert main([*args, "train.mini_batch_size=8", "run.progress=false", f"run.output_dir={tmp_path}"]) == 0
+    assert reads.count("train") == 1, reads
+    capsys.readouterr()
+
+
 def test_a_model_directory_needs_data(tiny_dir, capsys):
     assert main(["eval", str(tiny_dir)]) == 2
     assert "--data is needed with a model directory" in capsys.readouterr().err

@@ -36,6 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from ppokit.errors import UserError, first_line
 from ppokit.lm.model.gguf import model_directory
+from ppokit.lm.model.model_path import local_model_directory
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -98,8 +99,7 @@ def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bo
     Otherwise (a reward model's): right padding, truncation from the left, no requirement.
     A GGUF file stands for its converted directory (:mod:`ppokit.lm.model.gguf`).
     """
-    path = _directory(path, what)
-    _check_local_dir(path, what)
+    path = local_model_directory(path, what)
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(
             f"{what}={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the "
@@ -218,8 +218,7 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
     """The model config of a local directory, checked to be in ``mapping`` (an auto class's
     configs; otherwise the UserError says the config ``not_loadable``). A GGUF file stands for
     its converted directory."""
-    path = _directory(path, what)
-    _check_local_dir(path, what)
+    path = local_model_directory(path, what)
     if not (Path(path) / "config.json").is_file():
         raise UserError(
             f"{what}={path}: no config.json there, so not a Hugging Face model directory (save the "
@@ -374,7 +373,7 @@ def load_hf_model(
     in ``eval()`` mode; any failure is a UserError naming the directory. ``check(model,
     loading_info)`` may raise one too, before transformers' load report is printed (it is
     dropped when loading fails)."""
-    path = _directory(path, what)
+    path = path if Path(path).is_dir() else model_directory(path, what)
     with held_load_report() as report:
         try:
             model, info = auto_class.from_pretrained(
@@ -457,24 +456,6 @@ def weights_problem(exc: BaseException, report: Sequence[str] = ()) -> str:
     if isinstance(exc, SafetensorError) or "safetensors" in str(exc).lower():
         return f"the weight file is corrupt or truncated ({first_line(exc)}); copy or save the model again"
     return f"cannot load the model weights ({type(exc).__name__}: {first_line(exc)})"
-
-
-def _directory(path: str | Path, what: str) -> str | Path:
-    """``path`` when it is a directory (:mod:`ppokit.lm.model.gguf` is not asked then), else
-    :func:`~ppokit.lm.model.gguf.model_directory`: a GGUF file or a packaged model's name stands
-    for its converted directory."""
-    return path if Path(path).is_dir() else model_directory(path, what)
-
-
-def _check_local_dir(path: str | Path, what: str) -> None:
-    p = Path(path)
-    if p.is_file():
-        raise UserError(f"{what}={path} is a file, not a model: give a Hugging Face model directory or a .gguf file")
-    if not p.is_dir():
-        raise UserError(
-            f"{what}={path}: no such model directory (give a local Hugging Face model "
-            "directory; ppokit does not download models)"
-        )
 
 
 def load_model_and_tokenizer(path: str | Path, what: str = "model.path") -> tuple[nn.Module, object]:

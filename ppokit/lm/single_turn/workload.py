@@ -111,16 +111,18 @@ class LMWorkload:
 
     name = "lm"
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, data: tuple[list[dict], list[dict], Any] | None = None):
         self.cfg = cfg
         self.model_path: Path | None = None  # set by build: what rollout workers and learner ranks load
+        self._data = data  # load_data's result when the registry read it already (ppokit.lm.inputs.read_prompt_run)
         self._checked: CheckedInputs | None = None  # what check_inputs read, for build (then dropped)
 
     def check_inputs(self) -> None:
         """Prompts, held-out set, reward function and model directory, before a run directory exists;
         what it reads is kept for :meth:`build`, which then reads nothing again."""
         cfg = self.cfg
-        train_items, eval_items, reward_fn = load_data(cfg)
+        train_items, eval_items, reward_fn = self._data or load_data(cfg)
+        self._data = None  # kept in _checked from here on
         check_filter_metric(cfg, has_verifier=reward_fn is not None)
         check_model_options(cfg.model)
         tokenizer = prompt_tokenizer(cfg)  # loaded once for every check (a bad directory: one line)
