@@ -10,6 +10,7 @@ its workload kind (:func:`ppokit.workloads.evaluate_run`): :mod:`ppokit.control.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ppokit.commands.arguments import SEED_MAX, add_command, int_at_least, positive_float, probability
 
@@ -127,5 +128,6 @@ def run(args: argparse.Namespace) -> int:
 
     options = {name: getattr(args, name) for name in EVAL_OPTIONS}
     # a GGUF file (or a packaged model's name) is evaluated as its converted model directory
-    print(evaluate_run(RunDir(model_directory(args.run_dir, "the model file")), **options))
+    path = args.run_dir if Path(args.run_dir).is_dir() else model_directory(args.run_dir, "the model file")
+    print(evaluate_run(RunDir(path), **options))
     return 0

@@ -49,7 +49,7 @@ def load_generator(
     already read), a model directory or a GGUF file (:func:`~ppokit.lm.model.model_path.open_model_path`).
     ``device``/``precision``: as ``run.device``/``run.precision`` (default: the run's, else auto).
     ``sampling``: temperature, top_p, top_k, max_new_tokens (None keeps the run's)."""
-    run = open_model_path(path)
+    run = path if isinstance(path, RunDir) else open_model_path(path)
     path = run.path
     ckpt = run.lm_checkpoint
     if ckpt is not None:

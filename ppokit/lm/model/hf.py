@@ -99,7 +99,7 @@ def load_tokenizer(path: str | Path, what: str = "model.path", *, generation: bo
     Otherwise (a reward model's): right padding, truncation from the left, no requirement.
     A GGUF file stands for its converted directory (:mod:`ppokit.lm.model.gguf`).
     """
-    path = local_model_directory(path, what)
+    path = path if Path(path).is_dir() else local_model_directory(path, what)  # a GGUF file, or an error
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(
             f"{what}={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the "
@@ -218,7 +218,7 @@ def hf_config(path: str | Path, what: str, mapping, not_loadable: str):
     """The model config of a local directory, checked to be in ``mapping`` (an auto class's
     configs; otherwise the UserError says the config ``not_loadable``). A GGUF file stands for
     its converted directory."""
-    path = local_model_directory(path, what)
+    path = path if Path(path).is_dir() else local_model_directory(path, what)  # a GGUF file, or an error
     if not (Path(path) / "config.json").is_file():
         raise UserError(
             f"{what}={path}: no config.json there, so not a Hugging Face model directory (save the "
