@@ -669,6 +669,25 @@ def check_resumable_config(
         raise UserError(f"cannot resume {where}: the config differs from the run's in {diff}; {hint}")
 
 
+def fixed_run_dir(cfg: Any) -> Path:
+    """``run.output_dir/run.name``, the directory ``ppokit train CONFIG --resume`` resumes; without
+    ``run.name`` a :class:`UserError`."""
+    if not cfg.run.name:
+        raise UserError(
+            "--resume needs a fixed run directory: set run.name (or --name), or name the "
+            "directory: ppokit train --resume RUN_DIR"
+        )
+    return Path(cfg.run.output_dir) / cfg.run.name
+
+
+def check_resume_target(cfg: Any) -> None:
+    """``ppokit train CONFIG --resume``: its run directory is named and exists, checked before the
+    run's inputs are read (the checkpoint is chosen later, under the run's lock: :func:`prepare_run_dir`)."""
+    run = RunDir(fixed_run_dir(cfg))
+    if not run.is_dir:
+        run.resume_checkpoint(required=True)  # the one line saying it does not exist
+
+
 def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Path | None]:
     """The run directory of ``cfg``, locked, and the checkpoint to resume from (None: a fresh start).
 
@@ -680,12 +699,7 @@ def prepare_run_dir(cfg: Any, *, required: bool = False) -> tuple[Path, Path | N
     """
     if not required and cfg.run.resume == "never":
         return create_run_dir(cfg, lock=True), None
-    if not cfg.run.name:
-        raise UserError(
-            "--resume needs a fixed run directory: set run.name (or --name), or name the "
-            "directory: ppokit train --resume RUN_DIR"
-        )
-    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    run_dir = fixed_run_dir(cfg)
     if run_dir.is_dir():
         RunLock(run_dir).acquire()
     found = RunDir(run_dir).resume_checkpoint(required=required)

@@ -44,6 +44,8 @@ def test_bad_names_and_paths_are_answered_before_torch_is_imported(tmp_path):
         ["train", "arith", "data.reward=nosuch"],
         ["train", "tictactoe", "textenv.env=nosuch"],
         ["train", "tictactoe", f"model.path={missing}"],
+        ["train", "arith", "--resume"],  # no run.name: no directory to resume
+        ["train", "arith", "--resume", "--name", "nosuch", "--output-dir", str(tmp_path)],
     ]
     code = (
         "import contextlib, io, sys\nfrom ppokit.cli import main\n"

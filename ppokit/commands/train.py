@@ -74,6 +74,8 @@ def _train_locked(source: str | None, overrides: list[str], resume: bool | str |
         if source is None:
             raise UserError("ppokit train needs CONFIG (a preset or YAML file), or --resume RUN_DIR")
         cfg = load_config(source, overrides)
+        if resume is True:  # a run that cannot be resumed: one line before the inputs are read
+            rundir.check_resume_target(cfg)
         workload = check_inputs(cfg)  # fail on a bad env id or model path before a run directory exists
         run_dir, resume_from = rundir.prepare_run_dir(cfg, required=resume is True)  # locked from here on
     print(f"run directory: {run_dir}" + (f" (resuming from {resume_from})" if resume_from else ""), flush=True)
