@@ -24,6 +24,15 @@ def test_help_and_config_commands_do_not_import_torch():
     assert proc.stdout.strip().splitlines()[-1] == "False False"
 
 
+def test_importing_the_cli_loads_no_command_s_dependencies():
+    """Every command starts by importing ppokit.cli: the config's pydantic, the run directory and the
+    model-path modules load in the command that needs them."""
+    heavy = ("pydantic", "ppokit.rundir", "torch")
+    proc = run(f"import sys, ppokit.cli\nprint(sorted(m for m in {heavy!r} if m in sys.modules))")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_bad_names_and_paths_are_answered_before_torch_is_imported(tmp_path):
     """A typo in a preset, a key, a task or a path: one line within a fraction of a second, not after
     seconds of importing torch and transformers."""

@@ -27,7 +27,6 @@ from typing import Any, TextIO
 
 from ppokit.commands.arguments import add_command, add_sampling_options, int_at_least, sampling_kwargs
 from ppokit.errors import UserError
-from ppokit.lm.model.model_path import open_model_path
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 HELP = (
@@ -161,6 +160,8 @@ def generate_main(
     """``ppokit generate``: print the response to each prompt (module docstring)."""
     if num_samples < 1:
         raise UserError(f"--num-samples must be at least 1 (got {num_samples})")
+    from ppokit.lm.model.model_path import open_model_path  # (light: not at import, every command's start)
+
     run = open_model_path(path)  # a bad path is one line before the model's modules are imported
     import torch
 
@@ -202,6 +203,8 @@ def chat_main(
     **sampling: Any,
 ) -> int:
     """``ppokit chat``: a conversation on standard input and output (module docstring)."""
+    from ppokit.lm.model.model_path import open_model_path  # (light: not at import, every command's start)
+
     run = open_model_path(path)  # a bad path is one line before the model's modules are imported
     import torch
 
