@@ -34,7 +34,7 @@ class WorkloadKind(NamedTuple):
 
 
 WORKLOADS = {
-    "control": WorkloadKind("ppokit.control.workload", "ControlWorkload"),
+    "control": WorkloadKind("ppokit.control.workload", "ControlWorkload", "ppokit.control.vector_env:check_env_run"),
     "lm": WorkloadKind("ppokit.lm.single_turn.workload", "LMWorkload", "ppokit.lm.inputs:read_prompt_run"),
     "textenv": WorkloadKind("ppokit.lm.multi_turn.workload", "MultiTurnWorkload", "ppokit.lm.inputs:check_episode_run"),
 }

@@ -40,6 +40,8 @@ def test_bad_names_and_paths_are_answered_before_torch_is_imported(tmp_path):
     cases = [
         ["train", "nosuch"],
         ["train", "cartpole", "algo.gama=0.9"],
+        ["train", "cartpole", "env.id=CartPol-v1"],  # a control run's environment
+        ["train", "cartpole", "env.id=Pendulum-v1", "env.vectorization=vector_entry_point"],
         ["train", "--resume", missing],
         ["eval", missing],
         ["export", missing, str(tmp_path / "out")],

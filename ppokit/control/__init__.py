@@ -1,6 +1,7 @@
 """The control workload: PPO on Gymnasium environments with MLP actor-critics.
 
-- :mod:`.envs`      vector env creation (NEXT_STEP autoreset), normalization, episode stats
+- :mod:`.vector_env` ids to vector envs (spec, vectorization, NEXT_STEP autoreset), checks; no torch
+- :mod:`.envs`      the run's vector env: normalization, episode stats
 - :mod:`.networks`  MLP actor-critic (categorical / Gaussian), orthogonal init
 - :mod:`.rollout`   preallocated [num_envs, num_steps] rollouts, masks, truncation bootstrap
 - :mod:`.envstate`  snapshots of vector environments mid-episode, for exact resume

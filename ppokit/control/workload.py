@@ -25,10 +25,11 @@ import torch
 
 from ppokit.components import CONTROL_INPUTS, UPDATE_KEYS, Batch, Components, RolloutQueue
 from ppokit.config import Config
-from ppokit.control.envs import VecEnv, check_environment, make_vector_env
+from ppokit.control.envs import VecEnv
 from ppokit.control.evaluate import Evaluator, evaluate_policy
 from ppokit.control.networks import ActorCritic
 from ppokit.control.rollout import Rollout
+from ppokit.control.vector_env import check_environment, make_vector_env
 from ppokit.resume import all_finite, rollout_rngs, seed_globals
 from ppokit.stopping import EarlyStop
 from ppokit.trainer import DataParallel, PPOTrainer

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ppokit.control.envs import Normalizer, RunningMeanStd, VecEnv, make_vector_env, resolve_spec, vectorization_mode
+from ppokit.control.envs import Normalizer, RunningMeanStd, VecEnv
+from ppokit.control.vector_env import make_vector_env, resolve_spec, vectorization_mode
 from ppokit.errors import UserError
 
 
