@@ -10,6 +10,8 @@ before it imports the control workload (torch): a mistyped ``env.id`` is one lin
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from typing import Any
 
@@ -75,9 +77,16 @@ def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
         vector_kwargs["autoreset_mode"] = gym.vector.AutoresetMode.NEXT_STEP
         if mode == "sync":
             vector_kwargs["copy"] = False  # VecEnv copies what it keeps; no deepcopy per step
+    # async: each worker process leaves the terminal's process group once its env is made
+    wrappers = [functools.partial(_in_own_session, maker=os.getpid())] if mode == "async" else None
     try:
         venv = gym.make_vec(
-            env_cfg.id, num_envs=num_envs, vectorization_mode=mode, vector_kwargs=vector_kwargs, **kwargs
+            env_cfg.id,
+            num_envs=num_envs,
+            vectorization_mode=mode,
+            vector_kwargs=vector_kwargs,
+            wrappers=wrappers,
+            **kwargs,
         )
     except gym.error.DependencyNotInstalled as exc:
         raise UserError(f"env.id={env_cfg.id}: {str(exc).splitlines()[0]}") from None
@@ -95,6 +104,18 @@ def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
         venv.close()
         raise
     return venv
+
+
+def _in_own_session(env: gym.Env, maker: int) -> gym.Env:
+    """Run after each env of an async vector env is made (``make_vec``'s ``wrappers``): in a worker
+    process (not ``maker``, which makes one env too, for the spaces) the process starts a session of
+    its own, so that Ctrl-C in a terminal (SIGINT to the whole foreground process group; ``timeout``
+    sends SIGTERM the same way) reaches the training process alone, which steps the envs to the end
+    of the iteration, saves a checkpoint and closes them (:class:`ppokit.resume.GracefulStop`), where
+    the workers would die mid-step. ``env`` unchanged."""
+    if os.getpid() != maker:
+        os.setsid()
+    return env
 
 
 def check_environment(env_cfg: EnvConfig) -> None:

@@ -11,8 +11,11 @@ writes them with ``repr``), and the final weights ``torch.equal``.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,7 @@ from resume_helpers import (
     read_rows,
     sigterm_run,
     start_and_wait,
+    subprocess_env,
     train_cmd,
 )
 
@@ -331,6 +335,50 @@ def test_async_env_is_not_snapshotted_but_resume_still_works(tmp_path):
         assert state["env"] is None and state["exact"] is False
     finally:
         venv.close()
+
+
+def _processes_with(mark: str) -> list[int]:
+    """PIDs of the live processes whose environment holds ``mark`` (``KEY=VALUE``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def test_ctrl_c_to_the_process_group_of_an_async_run_saves_a_checkpoint(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group, the async envs' worker
+    processes too: they used to die mid-step (a traceback, exit 1, no checkpoint). Now the run
+    steps them to the end of the iteration, saves a checkpoint, exits 130 and leaves no worker."""
+    mark = f"PPOKIT_ASYNC_RUN={os.getpid()}-{random.random()}"
+    env = {**subprocess_env(), mark.split("=")[0]: mark.split("=")[1]}
+    args = [*RUN_ARGS[:-1], "env.vectorization=async", f"run.output_dir={tmp_path}", "run.name=async"]
+    args += [f"train.total_steps={10**6}"]  # longer than the test: only the signal ends it
+    run_dir = tmp_path / "async"
+    proc = subprocess.Popen(
+        train_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )  # its own process group, as a terminal's foreground job
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and len(read_rows(run_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("ppokit: interrupted: checkpoint saved at"), err
+    saved = rundir.latest_checkpoint(run_dir)
+    assert saved is not None and checkpoint.load_checkpoint(saved).meta["iteration"] == len(read_rows(run_dir))
+    deadline = time.monotonic() + 15
+    while (left := _processes_with(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"env worker processes left behind: {left}"
 
 
 def test_truncate_metrics_keeps_rows_before_the_checkpoint(tmp_path):
