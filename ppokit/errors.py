@@ -36,6 +36,11 @@ class TrainingDiverged(UserError):
     """Training stopped on non-finite losses/gradients (``train.max_bad_steps``): one line, exit 2."""
 
 
+class SetUpInterrupted(KeyboardInterrupt):
+    """SIGINT/SIGTERM while a run is set up (:class:`ppokit.resume.GracefulStop`): it stops the run at
+    once, unlike the Ctrl-C with which ``ppokit sft`` ends its training early and keeps the best model."""
+
+
 class Interrupted(Exception):
     """SIGINT/SIGTERM stopped training after saving a checkpoint: one line, exit 128 + signal."""
 

@@ -29,6 +29,7 @@ for bit the uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from ppokit import rundir
 from ppokit.checkpoint import Checkpoint, load_checkpoint, resolve_sharded, save_checkpoint
 from ppokit.components import Components, Workload
 from ppokit.config import Config
-from ppokit.errors import TrainingDiverged, UserError
+from ppokit.errors import SetUpInterrupted, TrainingDiverged, UserError
 from ppokit.health import RunHealth
 from ppokit.peak_memory import PhasePeak, phase_peak, release_freed_memory
 from ppokit.resume import GracefulStop, capture_rng, restore_rng
@@ -71,35 +72,42 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
         if saved.meta.get("finished") or saved.meta["iteration"] >= cfg.iterations:
             rundir.truncate_logs(run_dir, saved.meta["iteration"])
             return _finished_result(run_dir, saved)
-    components: Components | None = None
-    tracker = None
-    try:
-        components = workload.build(run_dir)
-        start_it, history, summary, notes = 0, [], {}, []
-        if saved is not None:
-            start_it, history, summary, notes = _load_state(saved, components, run_dir)
-            rundir.truncate_logs(run_dir, start_it)  # only now: the resume goes ahead
-        steps = components.source.steps_per_iteration
-        # The tracker comes once the run is built and any checkpoint loaded: a resume that fails
-        # leaves metrics.jsonl and TensorBoard as they were. TensorBoard's x axis is the global
-        # step where there is one: the resumed run's first logged step is purged and written again.
-        purge = None if saved is None else (start_it * steps + 1 if steps else start_it)
-        description = components.description or None
-        tracker = Tracker(run_dir, cfg, cfg.iterations, description=description, purge_step=purge)
-        for line in components.header + notes:
-            tracker.message(line)
-        if saved is not None:
-            tracker.message(f"resumed from {resume_from} at iteration {start_it}")
-        loop = _Loop(workload, cfg, run_dir, components, tracker, history, summary)
-        if saved is None and components.evaluator is not None and components.evaluator.at_start:
-            summary.update(loop.evaluate("before", 0))
-        loop.run(start_it)
-    finally:
-        if tracker is not None:
-            tracker.close()
-        if components is not None:
-            components.close()
+    with GracefulStop() as stop, contextlib.ExitStack() as closing:
+        try:  # set-up: a signal stops it at once (nothing to save yet)
+            loop, start_it = _set_up(workload, cfg, run_dir, saved, closing)
+        except SetUpInterrupted:
+            raise stop.set_up_interrupted(run_dir, run_dir / rundir.CONFIG_FILE, resume_from) from None
+        loop.run(start_it, stop)
     return loop.result()
+
+
+def _set_up(
+    workload: Workload, cfg: Config, run_dir: Path, saved: Checkpoint | None, closing: contextlib.ExitStack
+) -> tuple[_Loop, int]:
+    """The run built, ``saved``'s state loaded, the tracker opened (each closed by ``closing``) and
+    the evaluation before PPO made: the loop and its first iteration."""
+    components = workload.build(run_dir)
+    closing.callback(components.close)
+    start_it, history, summary, notes = 0, [], {}, []
+    if saved is not None:
+        start_it, history, summary, notes = _load_state(saved, components, run_dir)
+        rundir.truncate_logs(run_dir, start_it)  # only now: the resume goes ahead
+    steps = components.source.steps_per_iteration
+    # The tracker comes once the run is built and any checkpoint loaded: a resume that fails
+    # leaves metrics.jsonl and TensorBoard as they were. TensorBoard's x axis is the global
+    # step where there is one: the resumed run's first logged step is purged and written again.
+    purge = None if saved is None else (start_it * steps + 1 if steps else start_it)
+    description = components.description or None
+    tracker = Tracker(run_dir, cfg, cfg.iterations, description=description, purge_step=purge)
+    closing.callback(tracker.close)  # closed first, then the components
+    for line in components.header + notes:
+        tracker.message(line)
+    if saved is not None:
+        tracker.message(f"resumed from {saved.path} at iteration {start_it}")
+    loop = _Loop(workload, cfg, run_dir, components, tracker, history, summary)
+    if saved is None and components.evaluator is not None and components.evaluator.at_start:
+        summary.update(loop.evaluate("before", 0))
+    return loop, start_it
 
 
 class _Loop:
@@ -141,35 +149,35 @@ class _Loop:
             self.tracker.message(line)
         return result
 
-    def run(self, start_it: int) -> None:
+    def run(self, start_it: int, stop: GracefulStop) -> None:
         """Iterations ``start_it`` .. the last (or a stopping rule's); a checkpoint on schedule,
-        on SIGINT/SIGTERM (then :class:`~ppokit.errors.Interrupted`) and at the end."""
+        on SIGINT/SIGTERM (``stop``; then :class:`~ppokit.errors.Interrupted`) and at the end."""
         cfg, source, learner = self.cfg, self.components.source, self.components.learner
         self.last = start_it - 1
         self.start = time.perf_counter()
         self.start_it = start_it
         self.health = RunHealth(cfg)
-        with GracefulStop() as stop:
-            source.sync_weights(learner)  # a source in other processes starts from these weights
-            for it in range(start_it, cfg.iterations):
-                self.last = it
-                t0 = time.perf_counter()
-                metrics = self.metrics = self._iterate(it)
-                last = it == cfg.iterations - 1
-                stop_reason = self._evaluate_on_schedule(it, metrics, last)
-                metrics["time_iteration"] = time.perf_counter() - t0
-                self.tracker.log(it, metrics)
-                if last or stop_reason:
-                    self.final_path = self.save(self.run_dir / rundir.FINAL_DIR, it + 1, finished=True)
-                    break
-                periodic = cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0
+        stop.defer()  # from here a signal stops the run at the end of an iteration, with a checkpoint
+        source.sync_weights(learner)  # a source in other processes starts from these weights
+        for it in range(start_it, cfg.iterations):
+            self.last = it
+            t0 = time.perf_counter()
+            metrics = self.metrics = self._iterate(it)
+            last = it == cfg.iterations - 1
+            stop_reason = self._evaluate_on_schedule(it, metrics, last)
+            metrics["time_iteration"] = time.perf_counter() - t0
+            self.tracker.log(it, metrics)
+            if last or stop_reason:
+                self.final_path = self.save(self.run_dir / rundir.FINAL_DIR, it + 1, finished=True)
+                break
+            periodic = cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0
+            if stop.requested:
+                self.tracker.message(f"received {stop.signal_name}: saving a checkpoint after iteration {it}")
+            if periodic or stop.requested:
+                path = self.save(rundir.periodic_checkpoint_path(self.run_dir, it + 1), it + 1)
+                rundir.prune_checkpoints(self.run_dir, cfg.run.keep_checkpoints)
                 if stop.requested:
-                    self.tracker.message(f"received {stop.signal_name}: saving a checkpoint after iteration {it}")
-                if periodic or stop.requested:
-                    path = self.save(rundir.periodic_checkpoint_path(self.run_dir, it + 1), it + 1)
-                    rundir.prune_checkpoints(self.run_dir, cfg.run.keep_checkpoints)
-                    if stop.requested:
-                        raise stop.interrupted(path, self.run_dir)
+                    raise stop.interrupted(path, self.run_dir)
 
     def _iterate(self, it: int) -> dict[str, Any]:
         """Iteration ``it``'s rollouts, scores and update: its metrics (times, peaks, health said)."""

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppokit.errors import Interrupted, TrainingDiverged
+from ppokit.errors import Interrupted, SetUpInterrupted, TrainingDiverged
 
 __all__ = [
     "DRAW_STREAM",
@@ -180,20 +180,34 @@ def _as_byte_tensor(x: Any):
 
 # ----------------------------------------------------------------------------- signals
 class GracefulStop:
-    """Context manager: the first SIGINT/SIGTERM asks the loop to stop at a safe point.
+    """Context manager for a run's SIGINT/SIGTERM, set up and iterations alike.
 
-    ``requested`` turns true and ``signum`` records the signal; the loop checks it once
-    per iteration, saves a checkpoint and raises :meth:`interrupted`. A second signal
-    raises ``KeyboardInterrupt`` at once. The handler only sets the flag (printing from a
-    signal handler can collide with a write in progress). Outside the main thread (where
-    handlers cannot be installed) it does nothing. The previous handlers come back on exit.
+    ``signum`` records the first signal. While the run is set up (model load, warm start, the
+    evaluation before PPO) nothing can be saved yet and a signal stops it at once: the handler
+    raises :class:`~ppokit.errors.SetUpInterrupted` where the process is (what the set-up writes
+    is made atomically and built again on a restart), which the loop turns into
+    :meth:`set_up_interrupted`. Once
+    the iterations start (:meth:`defer`) the first signal only sets ``requested`` (printing from
+    a signal handler can collide with a write in progress): the loop checks it once per
+    iteration, saves a checkpoint and raises :meth:`interrupted`; a second signal raises
+    ``KeyboardInterrupt`` at once. Outside the main thread (where handlers cannot be installed)
+    it does nothing. The previous handlers come back on exit.
     """
 
     SIGNALS = ("SIGINT", "SIGTERM")
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.deferred = False  # False while the run is set up: a signal stops it at once
         self._previous: dict[int, Any] = {}
+
+    def defer(self) -> None:
+        """From now on the first signal only asks for a stop at the next safe point. The handlers
+        are installed again: the set-up may have replaced them (``ray.init`` installs Ray's own
+        SIGTERM handler, which aborts the process)."""
+        self.deferred = True
+        for sig in self._previous:
+            signal.signal(sig, self._handle)
 
     @property
     def requested(self) -> bool:
@@ -204,6 +218,9 @@ class GracefulStop:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if not self.deferred:
+            self.signum = self.signum or signum
+            raise SetUpInterrupted
         if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = signum
@@ -225,6 +242,21 @@ class GracefulStop:
         """The exception to raise after the interruption checkpoint is on disk (exit 128 + signum)."""
         return Interrupted(
             f"interrupted: checkpoint saved at {checkpoint_path}; resume with: ppokit train --resume {run_dir}",
+            exit_code=128 + int(self.signum or signal.SIGINT),
+        )
+
+    def set_up_interrupted(self, run_dir: Path, config_file: Path, resumed_from: Path | None) -> Interrupted:
+        """The exception for a signal while the run was set up (exit 128 + signum): nothing new was
+        saved; how to go on (``config_file``: the run's saved config, which a restart in the same
+        directory reads; it reuses what the set-up finished, such as an LM run's warm start)."""
+        if resumed_from is not None:
+            then = f"{resumed_from} is still the newest checkpoint; resume with: ppokit train --resume {run_dir}"
+        elif config_file.is_file():
+            then = f"start it again with: ppokit train {config_file} run.resume=auto"
+        else:
+            then = "start it again"
+        return Interrupted(
+            f"interrupted while the run was set up, before its first iteration: {then}",
             exit_code=128 + int(self.signum or signal.SIGINT),
         )
 

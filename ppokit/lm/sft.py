@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ppokit.checkpoint_files import atomic_directory
 from ppokit.config import RolloutConfig
-from ppokit.errors import UserError
+from ppokit.errors import SetUpInterrupted, UserError
 from ppokit.lm.evaluate import heldout_accuracy
 from ppokit.lm.generation.factory import make_model_engine
 from ppokit.lm.model.device import (
@@ -401,7 +401,9 @@ def _train(
             if stale >= s.patience and epoch >= s.min_epochs:
                 stopped = "patience"
                 break
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, SetUpInterrupted):  # a PPO run's warm start: the run stops at once
+            raise
         stopped = "interrupted"
         log("sft: interrupted; saving the best model so far")
     model.load_state_dict(best["state"])

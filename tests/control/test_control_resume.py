@@ -34,7 +34,7 @@ from resume_helpers import (
 
 from ppokit import checkpoint, resume, rundir
 from ppokit.cli import main
-from ppokit.errors import UserError
+from ppokit.errors import SetUpInterrupted, UserError
 
 TIMING = {"time", "sps", "time_collect", "time_update", "time_iteration", "wall_time"}  # differ between any two runs
 ITERATIONS = 12
@@ -411,6 +411,37 @@ def test_leftovers_of_a_killed_writer_are_recovered(tmp_path):
     assert rundir.latest_checkpoint(tmp_path / "nothing") is None
     with pytest.raises(UserError, match="has no checkpoint"):
         rundir.RunDir(ck / "iter-000001").resume_checkpoint(required=True)
+
+
+def test_graceful_stop_stops_the_set_up_at_once_and_the_iterations_at_a_safe_point(tmp_path):
+    """While a run is set up a signal raises SetUpInterrupted at once (nothing to save yet; not
+    the Ctrl-C that ends ``ppokit sft`` early); once deferred, the first only asks for a stop and
+    the second raises KeyboardInterrupt. The set-up's message says how to go on."""
+    (tmp_path / "config.yaml").write_text("{}")
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with resume.GracefulStop() as stop:
+        with pytest.raises(SetUpInterrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at the next bytecode; never reached
+        assert stop.signum == signal.SIGTERM
+        fresh = stop.set_up_interrupted(tmp_path, tmp_path / "config.yaml", None)
+        assert fresh.exit_code == 143 and str(fresh) == (
+            "interrupted while the run was set up, before its first iteration: start it again with: "
+            f"ppokit train {tmp_path / 'config.yaml'} run.resume=auto"
+        )
+        newest = tmp_path / "checkpoints" / "iter-000004"
+        resumed = str(stop.set_up_interrupted(tmp_path, tmp_path / "config.yaml", newest))
+        assert f"{newest} is still the newest checkpoint; resume with: ppokit train --resume {tmp_path}" in resumed
+    with resume.GracefulStop() as stop:
+        stop.defer()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert stop.requested and stop.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt) as second:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert not isinstance(second.value, SetUpInterrupted)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers back
 
 
 def test_bad_step_guard_counts_consecutive_steps_only():

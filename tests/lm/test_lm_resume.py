@@ -13,7 +13,9 @@ floats bit for bit) and the final adapters, value head, optimizer and KL state m
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from resume_helpers import (
     read_rows,
     sigterm_run,
     start_and_wait,
+    subprocess_env,
     train_cmd,
 )
 from safetensors.torch import load_file
@@ -209,6 +212,51 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(config,
     for name in TRAINED_FILES:
         assert all(torch.isfinite(t).all() for t in load_file(str(good / name)).values())
     assert [r["skipped_steps"] for r in read_rows(tmp_path / "nan")] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["sigterm", "ctrl-c"])
+def test_a_signal_during_the_warm_start_stops_the_run_at_once(config, tmp_path, to_group):
+    """SIGTERM during the warm start used to kill the run without a word (exit 143), and Ctrl-C
+    ended the warm start early and went on to PPO with it. Now either stops the run at once, in
+    one line that says how to start it again, and nothing marks the warm start as finished."""
+    run_dir = tmp_path / "warm"
+    args = [str(config), f"run.output_dir={tmp_path}", "run.name=warm", "data.sft_epochs=200"]
+    args += ["data.prompts=arithmetic:digits=2", "data.sft_examples=64"]  # epochs long enough to signal within
+    proc = subprocess.Popen(
+        train_cmd(*args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**subprocess_env(), "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        seen = []
+        for line in proc.stdout:  # at least 8 epochs to go: the warm start's patience
+            seen.append(line)
+            if line.startswith("sft epoch"):
+                break
+        assert proc.poll() is None, "".join(seen)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        out = "".join(seen) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == (130 if to_group else 143) and "Traceback" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == (
+        "ppokit: interrupted while the run was set up, before its first iteration: start it again with: "
+        f"ppokit train {run_dir / 'config.yaml'} run.resume=auto"
+    )
+    assert not (run_dir / "base_model").exists() and read_rows(run_dir) == []
+    if to_group:
+        return
+    # the command it names starts the run over in the same directory (here with a short warm start)
+    again = [str(run_dir / "config.yaml"), "run.resume=auto", "data.sft_epochs=1", "train.iterations=1"]
+    assert main(["train", *again]) == 0
+    assert len(read_rows(run_dir)) == 1
 
 
 def test_an_incomplete_base_model_is_built_again(config, tmp_path):
