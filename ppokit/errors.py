@@ -37,8 +37,13 @@ class TrainingDiverged(UserError):
 
 
 class SetUpInterrupted(KeyboardInterrupt):
-    """SIGINT/SIGTERM while a run is set up (:class:`ppokit.resume.GracefulStop`): it stops the run at
-    once, unlike the Ctrl-C with which ``ppokit sft`` ends its training early and keeps the best model."""
+    """SIGINT/SIGTERM (``signum``) while a run is set up (:class:`ppokit.resume.GracefulStop`): it stops
+    the run at once, unlike the Ctrl-C with which ``ppokit sft`` ends its training early and keeps the
+    best model."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class Interrupted(Exception):

@@ -75,8 +75,8 @@ def _run(workload: Workload, cfg: Config, run_dir: Path, resume_from: Path | Non
     with GracefulStop() as stop, contextlib.ExitStack() as closing:
         try:  # set-up: a signal stops it at once (nothing to save yet)
             loop, start_it = _set_up(workload, cfg, run_dir, saved, closing)
-        except SetUpInterrupted:
-            raise stop.set_up_interrupted(run_dir, run_dir / rundir.CONFIG_FILE, resume_from) from None
+        except SetUpInterrupted as exc:
+            raise stop.set_up_interrupted(run_dir, run_dir / rundir.CONFIG_FILE, resume_from, exc.signum) from None
         loop.run(start_it, stop)
     return loop.result()
 

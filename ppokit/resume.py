@@ -220,7 +220,7 @@ class GracefulStop:
     def _handle(self, signum: int, frame: Any) -> None:
         if not self.deferred:
             self.signum = self.signum or signum
-            raise SetUpInterrupted
+            raise SetUpInterrupted(signum)
         if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = signum
@@ -245,8 +245,10 @@ class GracefulStop:
             exit_code=128 + int(self.signum or signal.SIGINT),
         )
 
-    def set_up_interrupted(self, run_dir: Path, config_file: Path, resumed_from: Path | None) -> Interrupted:
-        """The exception for a signal while the run was set up (exit 128 + signum): nothing new was
+    def set_up_interrupted(
+        self, run_dir: Path, config_file: Path, resumed_from: Path | None, signum: int
+    ) -> Interrupted:
+        """The exception for signal ``signum`` while the run was set up (exit 128 + signum): nothing new was
         saved; how to go on (``config_file``: the run's saved config, which a restart in the same
         directory reads; it reuses what the set-up finished, such as an LM run's warm start)."""
         if resumed_from is not None:
@@ -257,7 +259,7 @@ class GracefulStop:
             then = "start it again"
         return Interrupted(
             f"interrupted while the run was set up, before its first iteration: {then}",
-            exit_code=128 + int(self.signum or signal.SIGINT),
+            exit_code=128 + signum,
         )
 
 

@@ -19,12 +19,16 @@ run outlives it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ppokit.cluster import require_ray
-from ppokit.errors import UserError
+from ppokit.errors import SetUpInterrupted, UserError
 
 # Ray starts worker processes at niceness 15 (below the driver and Ray's own daemons). The
 # run's actors do its main work: at 15 a CPU shared with anything at niceness 0 (the driver's
@@ -55,6 +59,28 @@ def start_local_ray(**kwargs: Any) -> None:
         _job_at_driver_priority = ray.get_runtime_context().get_job_id()
 
 
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """SIGINT's and SIGTERM's handlers as they were before the block: ``ray.init`` replaces SIGTERM's
+    in the driver (with ``sys.exit(15)`` while it starts, and later a stack dump and an abort),
+    where the run's (:class:`ppokit.resume.GracefulStop`) stops it with one line and closes the
+    cluster. A SIGTERM during ``ray.init`` itself is one for the set-up too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except SystemExit as exc:  # Ray's own handler, the only one that exits with the signal's number
+        if exc.code != signal.SIGTERM:
+            raise
+        raise SetUpInterrupted(signal.SIGTERM) from None
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:  # None: installed outside Python, not ours to restore
+                signal.signal(sig, handler)
+
+
 def workers_at_driver_priority() -> bool:
     """Whether every worker of the Ray this process is connected to runs at niceness 0 (a Ray
     :func:`start_local_ray` started, still the same connection)."""
@@ -75,15 +101,19 @@ class Cluster:
         if not ray.is_initialized():
             kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
             try:
-                if c.address is None:
-                    start_local_ray(**kwargs)
-                else:
-                    ray.init(address=c.address, **kwargs)
+                with _signal_handlers_kept():
+                    if c.address is None:
+                        start_local_ray(**kwargs)
+                    else:
+                        ray.init(address=c.address, **kwargs)
             except ConnectionError as exc:
                 raise UserError(
                     f"cluster.address={c.address}: cannot connect to Ray ({str(exc).splitlines()[0]}); "
                     "start the head node with 'ray start --head' or use cluster.address=null"
                 ) from None
+            except SetUpInterrupted:
+                ray.shutdown()  # a start cut short: the Ray processes it started so far
+                raise
             self.owned = True
         try:
             self.worker_bundles, self.learner_bundles, bundles = self._bundles(rollout_workers, learners)

@@ -134,6 +134,40 @@ def test_sigterm_checkpoints_and_stops_the_workers(tmp_path, cluster_clean):
     assert_rows_equal(read_metrics(run_dir), local, extra=DIST_ONLY)
 
 
+def test_sigterm_while_the_local_ray_starts_stops_the_run_at_once(tmp_path, cluster_clean):
+    """SIGTERM while the run starts its Ray and actors (nothing to save yet): one line, exit 143,
+    no Ray process left (it was Ray's own handler's exit status 15, without a word, while
+    ``ray.init`` ran, and a stack dump and abort after it)."""
+    before = ray_processes()
+    proc = subprocess.Popen(
+        train_cmd("cartpole", "cluster.rollout_workers=1", "--output-dir", str(tmp_path), "--name", "early"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    deadline = time.monotonic() + 120
+    while not any("raylet" in _cmdline(pid) for pid in ray_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2)  # inside ray.init or starting the worker actor
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        "ppokit: interrupted while the run was set up, before its first iteration: start it again with: "
+        f"ppokit train {tmp_path / 'early' / 'config.yaml'} run.resume=auto"
+    )
+    assert_no_new_ray_processes(before)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_a_local_ray_without_the_resources_fails_at_once(tmp_path, cluster_clean):
     """The local Ray a run starts has no autoscaler: a request beyond it is an error without
     the placement wait (exit 2, one line), and Ray is shut down."""

@@ -424,13 +424,13 @@ def test_graceful_stop_stops_the_set_up_at_once_and_the_iterations_at_a_safe_poi
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)  # the handler runs at the next bytecode; never reached
         assert stop.signum == signal.SIGTERM
-        fresh = stop.set_up_interrupted(tmp_path, tmp_path / "config.yaml", None)
+        fresh = stop.set_up_interrupted(tmp_path, tmp_path / "config.yaml", None, stop.signum)
         assert fresh.exit_code == 143 and str(fresh) == (
             "interrupted while the run was set up, before its first iteration: start it again with: "
             f"ppokit train {tmp_path / 'config.yaml'} run.resume=auto"
         )
         newest = tmp_path / "checkpoints" / "iter-000004"
-        resumed = str(stop.set_up_interrupted(tmp_path, tmp_path / "config.yaml", newest))
+        resumed = str(stop.set_up_interrupted(tmp_path, tmp_path / "config.yaml", newest, signal.SIGINT))
         assert f"{newest} is still the newest checkpoint; resume with: ppokit train --resume {tmp_path}" in resumed
     with resume.GracefulStop() as stop:
         stop.defer()
