@@ -54,6 +54,8 @@ def test_bad_names_and_paths_are_answered_before_torch_is_imported(tmp_path):
         ["train", "arith", f"data.prompts={missing}.jsonl"],
         ["train", "arith", "data.reward=nosuch"],
         ["train", "tictactoe", "textenv.env=nosuch"],
+        ["train", "tictactoe", "textenv.env=textarena:TicTacToe-v1"],  # an unknown TextArena game
+        ["train", "tictactoe", "textenv.env=textarena:Wordle-v0"],  # one that needs the network
         ["train", "tictactoe", f"model.path={missing}"],
         ["train", "arith", "--resume"],  # no run.name: no directory to resume
         ["train", "arith", "--resume", "--name", "nosuch", "--output-dir", str(tmp_path)],

@@ -107,11 +107,38 @@ def _did_you_mean(env_id: str, ids: Sequence[str]) -> str:
     return f"; did you mean '{PREFIX}{lowered[match[0]]}'?" if match else ""
 
 
+def registered_game(env_id: str) -> tuple[str, Callable[..., Any], dict[str, Any]]:
+    """A game ppokit can play offline: its family (``Wordle`` for ``Wordle-v0-hardcore``), its class
+    (imported) and its registry entry's keyword arguments. TextArena not installed, an unknown id
+    (with the closest playable one), a refused game (:data:`REFUSED`) or a game whose module does
+    not import is a one-line :class:`EnvError`."""
+    name = PREFIX + env_id
+    ids = _registry(name)
+    if env_id not in ids:
+        playable = [i for i in ids if _family(ids[i].entry_point) not in REFUSED]
+        raise EnvError(
+            f"unknown TextArena game '{name}'{_did_you_mean(env_id, playable) or ';'} list the ids with: {LIST_COMMAND}"
+        )
+    registered = ids[env_id]
+    family = _family(registered.entry_point)
+    if family in REFUSED:
+        raise EnvError(f"{name} {REFUSED[family]}; ppokit plays only games that run offline")
+    entry = registered.entry_point
+    try:
+        if isinstance(entry, str):
+            module, _, attr = entry.partition(":")
+            entry = getattr(importlib.import_module(module), attr)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - TextArena's own module
+        raise EnvError(f"{name}: TextArena's code for this game does not import here: {one_line_error(exc)}") from None
+    return family, entry, dict(registered.kwargs)
+
+
 def textarena_factory(spec: str) -> Callable[..., TextArenaEnv]:
-    """The factory :func:`ppokit.envs.make_env` calls for ``"textarena:<id>"``: TextArena must be
-    installed (one-line :class:`EnvError` otherwise); :class:`TextArenaEnv` checks the id."""
+    """The factory :func:`ppokit.envs.make_env` calls for ``"textarena:<id>"``, the game checked
+    (:func:`registered_game`), so that the check before a run's start says what is wrong without
+    importing the model's modules."""
     env_id = spec.strip()[len(PREFIX) :].strip()
-    _import_textarena(spec)
+    registered_game(env_id)
     return functools.partial(TextArenaEnv, env_id)
 
 
@@ -210,16 +237,7 @@ class TextArenaEnv(TextEnv):
         self.env_id = env_id
         self.name = PREFIX + env_id
         self._ta = _import_textarena(self.name)
-        ids = self._ta.envs.registration.ENV_REGISTRY
-        if env_id not in ids:
-            raise EnvError(
-                f"unknown TextArena game '{self.name}'{_did_you_mean(env_id, list(ids)) or ';'} list the ids with: "
-                f"{LIST_COMMAND}"
-            )
-        registered = ids[env_id]
-        self.family = _family(registered.entry_point)
-        if self.family in REFUSED:
-            raise EnvError(f"{self.name} {REFUSED[self.family]}; ppokit plays only games that run offline")
+        self.family, self._entry, registry_kwargs = registered_game(env_id)
         self._check_options(observation_mode, action_format, error_allowance, num_players, game_kwargs, policy_seat)
         if view not in VIEWS:
             raise EnvError(f"{self.name}: view must be 'history' or 'board' (got {view!r})")
@@ -237,7 +255,7 @@ class TextArenaEnv(TextEnv):
         self.error_allowance = error_allowance
         self.policy_seat = policy_seat
         self._game_random_state = random.Random(0).getstate()
-        self._entry, self._game_kwargs = self._resolve(registered, dict(game_kwargs or {}))
+        self._game_kwargs = {**registry_kwargs, **(game_kwargs or {})}
         self._game = self._new_game(bool(game_kwargs))
         self.num_players = self._find_players(num_players)
         self.opponent_name, self._opponent = self._check_opponent(opponent)
@@ -264,19 +282,6 @@ class TextArenaEnv(TextEnv):
             raise bad("game_kwargs", game_kwargs, "a mapping of keyword arguments for the game")
         if seat not in (0, 1, "alternate", "random") or isinstance(seat, bool):
             raise bad("policy_seat", seat, "0, 1, 'alternate' or 'random'")
-
-    def _resolve(self, registered: Any, game_kwargs: dict[str, Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
-        """The game's class (imported) and its keyword arguments (the registry's, then ``game_kwargs``)."""
-        entry = registered.entry_point
-        try:
-            if isinstance(entry, str):
-                module, _, attr = entry.partition(":")
-                entry = getattr(importlib.import_module(module), attr)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - TextArena's own module
-            raise EnvError(
-                f"{self.name}: TextArena's code for this game does not import here: {one_line_error(exc)}"
-            ) from None
-        return entry, {**registered.kwargs, **game_kwargs}
 
     def _new_game(self, kwargs_given: bool = False) -> Any:
         """A new game object. Every reset builds one: some games keep state across their own

@@ -399,6 +399,8 @@ def test_an_instruction_follows_every_observation_and_invalid_moves_can_cost_rew
             "list the ids with: python -m ppokit.envs.textarena",
         ),
         ("textarena:Nope-v9", {}, "unknown TextArena game 'textarena:Nope-v9'; list the ids with"),
+        # the closest id is a refused game (DontSayIt-v0, which needs the network): a playable one is named
+        ("textarena:Nonexist-v0", {}, "unknown TextArena game 'textarena:Nonexist-v0'; did you mean 'textarena:Bandit"),
         ("textarena:Wordle-v0", {}, "textarena:Wordle-v0 needs the network: it downloads NLTK corpora"),
         ("textarena:Debate-v0", {}, "needs the network and an API key: it asks OpenRouter models"),
         ("textarena:ThreePlayerTicTacToe-v0", {}, "is not a one- or two-player game"),
