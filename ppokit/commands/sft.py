@@ -7,8 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +60,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = sft_main(
+    with sigterm_as_ctrl_c():  # a scheduler's stop ends the training as Ctrl-C does: the best model is kept
+        summary = _run(args)
+    print(f"held-out accuracy after SFT: {summary['best_accuracy']:.1%} (curve: {args.out}/sft_curve.json)")
+    return 0
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM raises ``KeyboardInterrupt`` in the block, as Ctrl-C's SIGINT does (the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    return sft_main(
         args.prompts,
         args.out,
         model=args.model,
@@ -72,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
         patience=args.patience,
         precision=args.precision,
     )
-    print(f"held-out accuracy after SFT: {summary['best_accuracy']:.1%} (curve: {args.out}/sft_curve.json)")
-    return 0
 
 
 def sft_main(

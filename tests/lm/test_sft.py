@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -200,3 +204,31 @@ def test_sft_main_resolves_task_reward_and_model(tmp_path):
         sft_main(str(data), tmp_path / "x")
     with pytest.raises(UserError, match="needs held-out prompts"):
         sft_main(str(data), tmp_path / "x", reward="exact_match")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_ppokit_sft_stopped_by_a_signal_keeps_the_best_model(tmp_path, sig):
+    """Ctrl-C ends ``ppokit sft``'s training early and keeps the best model so far; SIGTERM (a
+    scheduler's stop) does the same, where it used to kill the process without saving anything."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ppokit", "sft", "arithmetic:digits=2", "--out", str(out)]
+    cmd += ["--examples", "64", "--eval-size", "16", "--epochs-max", "300", "--patience", "300"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("sft epoch    2"):
+                break
+        assert proc.poll() is None, "".join(seen)
+        proc.send_signal(sig)
+        text = "".join(seen) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "sft: interrupted; saving the best model so far" in text, text[-2000:]
+    assert text.strip().splitlines()[-1].startswith("held-out accuracy after SFT:")
+    curve = json.loads((out / CURVE_FILE).read_text())
+    assert curve["stopped"] == "interrupted" and 2 <= curve["epochs_run"] < 300
+    assert (out / "model.safetensors").is_file()
