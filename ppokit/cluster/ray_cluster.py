@@ -81,6 +81,59 @@ def _signal_handlers_kept() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
+# What Ray's processes show in /proc/PID/cmdline (its daemons, agents and workers)
+_RAY_PROCESS_MARKS = ("raylet", "gcs_server", "ray::", "/ray/")
+
+
+def _shut_down_a_start_cut_short(ray: Any) -> None:
+    """After ``ray.init`` was cut short: the Ray processes this process started, killed, then
+    ``ray.shutdown()``. Ray's own shutdown stops the raylet but not the dashboard and runtime-env
+    agents a raylet early in its start is still starting, which then run on. So the processes are
+    first stopped (SIGSTOP: none starts another) until no new one appears, then killed (Linux:
+    found through /proc; elsewhere Ray's shutdown alone)."""
+    stopped: set[int] = set()
+    while new := {p for p in _descendants(os.getpid()) if p not in stopped and _is_ray(p)}:
+        for pid in new:
+            with contextlib.suppress(OSError):  # gone already
+                os.kill(pid, signal.SIGSTOP)
+        stopped |= new
+    for pid in stopped:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    ray.shutdown()
+
+
+def _is_ray(pid: int) -> bool:
+    return any(mark in _cmdline(pid) for mark in _RAY_PROCESS_MARKS)
+
+
+def _descendants(root: int) -> list[int]:
+    """The PIDs of ``root``'s children, theirs, and so on (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def workers_at_driver_priority() -> bool:
     """Whether every worker of the Ray this process is connected to runs at niceness 0 (a Ray
     :func:`start_local_ray` started, still the same connection)."""
@@ -112,7 +165,7 @@ class Cluster:
                     "start the head node with 'ray start --head' or use cluster.address=null"
                 ) from None
             except SetUpInterrupted:
-                ray.shutdown()  # a start cut short: the Ray processes it started so far
+                _shut_down_a_start_cut_short(ray)
                 raise
             self.owned = True
         try:
