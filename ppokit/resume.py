@@ -16,8 +16,6 @@
   (``KeyboardInterrupt``; the last checkpoint on disk is intact).
 - :class:`BadStepGuard`: counts consecutive skipped (non-finite) optimizer steps and
   raises :class:`~ppokit.errors.TrainingDiverged` after ``train.max_bad_steps``.
-
-This module imports torch and numpy lazily (the CLI imports it for argument handling).
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import random
 import signal
-import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,7 @@ import numpy as np
 import torch
 
 from ppokit.errors import Interrupted, SetUpInterrupted, TrainingDiverged
+from ppokit.signals import STOP_SIGNALS, handlers_restored
 
 __all__ = [
     "DRAW_STREAM",
@@ -194,20 +192,20 @@ class GracefulStop:
     it does nothing. The previous handlers come back on exit.
     """
 
-    SIGNALS = ("SIGINT", "SIGTERM")
-
     def __init__(self) -> None:
         self.signum: int | None = None
         self.deferred = False  # False while the run is set up: a signal stops it at once
-        self._previous: dict[int, Any] = {}
+        self._handlers = contextlib.ExitStack()
+        self._installed = False  # False outside the main thread, where no handler can be installed
 
     def defer(self) -> None:
         """From now on the first signal only asks for a stop at the next safe point. The handlers
         are installed again: the set-up may have replaced them (``ray.init`` installs Ray's own
         SIGTERM handler, which aborts the process)."""
         self.deferred = True
-        for sig in self._previous:
-            signal.signal(sig, self._handle)
+        if self._installed:
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._handle)
 
     @property
     def requested(self) -> bool:
@@ -226,17 +224,12 @@ class GracefulStop:
         self.signum = signum
 
     def __enter__(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    self._previous[sig] = signal.signal(sig, self._handle)
+        self._installed = self._handlers.enter_context(handlers_restored(install=self._handle))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        self._handlers.close()
+        self._installed = False
 
     def interrupted(self, checkpoint_path: Path | str, run_dir: Path | str) -> Interrupted:
         """The exception to raise after the interruption checkpoint is on disk (exit 128 + signum)."""

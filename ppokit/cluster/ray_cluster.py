@@ -23,12 +23,12 @@ import contextlib
 import logging
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 from ppokit.cluster import require_ray
 from ppokit.errors import SetUpInterrupted, UserError
+from ppokit.signals import handlers_restored
 
 # Ray starts worker processes at niceness 15 (below the driver and Ray's own daemons). The
 # run's actors do its main work: at 15 a CPU shared with anything at niceness 0 (the driver's
@@ -65,20 +65,13 @@ def _signal_handlers_kept() -> Iterator[None]:
     in the driver (with ``sys.exit(15)`` while it starts, and later a stack dump and an abort),
     where the run's (:class:`ppokit.resume.GracefulStop`) stops it with one line and closes the
     cluster. A SIGTERM during ``ray.init`` itself is one for the set-up too."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    except SystemExit as exc:  # Ray's own handler, the only one that exits with the signal's number
-        if exc.code != signal.SIGTERM:
-            raise
-        raise SetUpInterrupted(signal.SIGTERM) from None
-    finally:
-        for sig, handler in kept.items():
-            if handler is not None:  # None: installed outside Python, not ours to restore
-                signal.signal(sig, handler)
+    with handlers_restored() as ours:
+        try:
+            yield
+        except SystemExit as exc:  # Ray's own handler, the only one that exits with the signal's number
+            if not ours or exc.code != signal.SIGTERM:
+                raise
+            raise SetUpInterrupted(signal.SIGTERM) from None
 
 
 # What Ray's processes show in /proc/PID/cmdline (its daemons, agents and workers)

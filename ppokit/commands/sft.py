@@ -11,13 +11,13 @@ import contextlib
 import os
 import signal
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ppokit.commands.arguments import SEED_MAX, add_command, int_at_least, positive_float
 from ppokit.errors import UserError
+from ppokit.signals import handlers_restored
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -69,18 +69,12 @@ def run(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def sigterm_as_ctrl_c() -> Iterator[None]:
     """SIGTERM raises ``KeyboardInterrupt`` in the block, as Ctrl-C's SIGINT does (the main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
+    with handlers_restored((signal.SIGTERM,), install=interrupt):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
