@@ -1304,7 +1304,7 @@ KIND_CHECKS = {
     "lm": (_check_lm, _check_group_shares),
     "textenv": (_check_lm, _check_textenv, _check_group_shares),
 }
-# each kind's stopping target (ppokit.stopping)
+# each kind's stopping target (ppokit.monitoring.stopping)
 STOPPING_TARGETS = {
     "control": "env.stop_at_return",
     "lm": "data.stop_at_accuracy",

@@ -23,7 +23,7 @@ evaluation schedule, metrics and samples, checkpoints and their rotation::
 A metrics row is written *before* the checkpoint of the same iteration, and a resume
 cuts ``metrics.jsonl`` (and ``samples.jsonl``) back to its checkpoint: a kill between
 the two loses nothing the resumed run does not write again. One process trains in a run
-directory at a time (:class:`ppokit.rundir.RunLock`). On the CPU a resumed run is bit
+directory at a time (:class:`ppokit.runs.rundir.RunLock`). On the CPU a resumed run is bit
 for bit the uninterrupted one.
 """
 
@@ -34,15 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ppokit import rundir
-from ppokit.checkpoint import Checkpoint, load_checkpoint, resolve_sharded, save_checkpoint
 from ppokit.components import Components, Workload
 from ppokit.config import Config
 from ppokit.errors import SetUpInterrupted, TrainingDiverged, UserError
-from ppokit.health import RunHealth
-from ppokit.peak_memory import PhasePeak, phase_peak, release_freed_memory
-from ppokit.resume import GracefulStop, capture_rng, restore_rng
-from ppokit.track import Tracker
+from ppokit.monitoring.health import RunHealth
+from ppokit.monitoring.peak_memory import PhasePeak, phase_peak, release_freed_memory
+from ppokit.monitoring.track import Tracker
+from ppokit.runs import rundir
+from ppokit.runs.checkpoint import Checkpoint, load_checkpoint, resolve_sharded, save_checkpoint
+from ppokit.runs.resume import GracefulStop, capture_rng, restore_rng
 from ppokit.trainer import batch_advantages
 
 __all__ = ["run", "diverged_message", "read_resumable_checkpoint"]
@@ -290,7 +290,7 @@ class _Loop:
 
 def memory_metrics(**phases: PhasePeak) -> dict[str, float]:
     """``memory/peak_gb/<phase>`` for each phase of the iteration and ``memory/peak_gb``, the
-    largest (:mod:`ppokit.peak_memory`: the CUDA allocator's peak, or the process's resident peak)."""
+    largest (:mod:`ppokit.monitoring.peak_memory`: the CUDA allocator's peak, or the process's resident peak)."""
     out = {f"memory/peak_gb/{name}": peak.gb for name, peak in phases.items()}
     out["memory/peak_gb"] = max(out.values())
     return out

@@ -6,7 +6,7 @@ run directory (:data:`EVALUATORS`, ``ppokit eval``) and the line that sums up a 
 :func:`train` is the library's entry point for a whole run (what ``ppokit train`` calls)::
 
     from ppokit.config import load_config
-    from ppokit.rundir import create_run_dir
+    from ppokit.runs.rundir import create_run_dir
     from ppokit.workloads import train
 
     cfg = load_config("cartpole", ["seed=3"])
@@ -42,7 +42,7 @@ WORKLOADS = {
 
 class Evaluator(NamedTuple):
     """What ``ppokit eval`` runs for a run directory of one workload kind, imported on demand:
-    ``module.function(run, /, **options) -> str`` (run: a :class:`ppokit.rundir.RunDir`; options:
+    ``module.function(run, /, **options) -> str`` (run: a :class:`ppokit.runs.rundir.RunDir`; options:
     the command's parsed arguments by name, each evaluation reading its own)."""
 
     module: str
@@ -103,7 +103,7 @@ def check_inputs(cfg: Config):
     """Fail on a bad env id, model directory, data file or reward function, or wandb asked for and not
     usable, before a run directory exists. Returns the checked workload (:func:`make_workload`): given
     to :func:`train`, it builds the run from what the check read (``ppokit train`` reads its inputs once)."""
-    from ppokit.track import check_wandb
+    from ppokit.monitoring.track import check_wandb
 
     check_wandb(cfg)
     reads = WORKLOADS[workload_kind(cfg)].reads
@@ -127,7 +127,7 @@ def train(
 
 
 def evaluate_run(run: Any, /, **options: Any) -> str:
-    """What ``ppokit eval`` prints for ``run`` (a :class:`ppokit.rundir.RunDir`): the evaluation of its
+    """What ``ppokit eval`` prints for ``run`` (a :class:`ppokit.runs.rundir.RunDir`): the evaluation of its
     kind (:data:`EVALUATORS`) with the command's ``options`` (None: not given). An option given that
     this evaluation does not read is a :class:`UserError` naming it, not silently ignored."""
     if not run.is_dir:  # before the evaluation's modules (torch) are imported

@@ -1,4 +1,4 @@
-"""ppokit.health: the run's warnings when PPO has nothing to learn from or its updates run away,
+"""ppokit.monitoring.health: the run's warnings when PPO has nothing to learn from or its updates run away,
 and the held-out check that compares greedy and sampled accuracy before PPO."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from ppokit.cli import main
 from ppokit.config import build_config, load_config
-from ppokit.health import CLIPFRAC_ALARM, KL_ALARM, NO_SIGNAL_ITERATIONS, RunHealth
+from ppokit.monitoring.health import CLIPFRAC_ALARM, KL_ALARM, NO_SIGNAL_ITERATIONS, RunHealth
 
 
 def lm_config(**sections):

@@ -1,4 +1,4 @@
-"""ppokit.peak_memory: the peak memory of a phase (CPU: the resident peak, reset per phase), nested
+"""ppokit.monitoring.peak_memory: the peak memory of a phase (CPU: the resident peak, reset per phase), nested
 phases, the fallback without a reset, and the memory metrics of a run."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from ppokit import peak_memory
 from ppokit.loop import memory_metrics
-from ppokit.peak_memory import PhasePeak, phase_peak
+from ppokit.monitoring import peak_memory
+from ppokit.monitoring.peak_memory import PhasePeak, phase_peak
 
 MB = 1e6 / 1e9  # one megabyte in GB
 
@@ -101,7 +101,7 @@ def test_memory_metrics_name_each_phase_and_the_largest():
 
 def test_a_control_run_logs_the_memory_of_each_phase(tmp_path):
     from ppokit.cli import main
-    from ppokit.rundir import read_metrics
+    from ppokit.runs.rundir import read_metrics
 
     args = ["train", "cartpole", "train.total_steps=256", "env.num_envs=2", "env.num_steps=64"]
     args += ["train.mini_batch_size=64", "env.eval_episodes=0"]
@@ -132,7 +132,7 @@ def test_each_evaluation_hands_its_garbage_back(tmp_path, monkeypatch):
     stayed resident under the next update: 4.56 GB against 3.05 on SmolLM2)."""
     from ppokit import loop
     from ppokit.cli import main
-    from ppokit.rundir import read_metrics
+    from ppokit.runs.rundir import read_metrics
 
     calls = []
     monkeypatch.setattr(loop, "release_freed_memory", lambda: calls.append(1))

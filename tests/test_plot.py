@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ppokit.cli import main
-from ppokit.plot import PANELS, plot_runs
+from ppokit.monitoring.plot import PANELS, plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppokit.checkpoint import load_checkpoint
 from ppokit.components import Batch, Components, RolloutQueue
 from ppokit.config import load_config
 from ppokit.errors import ConfigError
 from ppokit.loop import run
-from ppokit.rundir import periodic_checkpoint_path, read_metrics
+from ppokit.runs.checkpoint import load_checkpoint
+from ppokit.runs.rundir import periodic_checkpoint_path, read_metrics
 
 
 def batch(iteration: int, version: int) -> Batch:

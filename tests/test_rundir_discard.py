@@ -7,9 +7,10 @@ import shutil
 
 import pytest
 
-from ppokit import rundir, workloads
+from ppokit import workloads
 from ppokit.commands.train import run_training
 from ppokit.errors import UserError
+from ppokit.runs import rundir
 
 RUN = ["cartpole", "run.progress=false", "run.tensorboard=false"]
 

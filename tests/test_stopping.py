@@ -1,10 +1,10 @@
-"""Early stopping on periodic evaluations (ppokit.stopping): the target, the patience, resume."""
+"""Early stopping on periodic evaluations (ppokit.monitoring.stopping): the target, the patience, resume."""
 
 from __future__ import annotations
 
 import pytest
 
-from ppokit.stopping import EarlyStop
+from ppokit.monitoring.stopping import EarlyStop
 
 
 def decisions(stop: EarlyStop, scores):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ppokit.config import load_config
-from ppokit.rundir import read_metrics
-from ppokit.track import Tracker
+from ppokit.monitoring.track import Tracker
+from ppokit.runs.rundir import read_metrics
 
 
 def _tb_scalars(run_dir, tag: str) -> list[tuple[int, float]]:

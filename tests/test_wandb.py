@@ -13,8 +13,8 @@ import pytest
 
 from ppokit.cli import main
 from ppokit.config import load_config
-from ppokit.rundir import read_metrics
-from ppokit.track import WANDB_ID_FILE, Tracker
+from ppokit.monitoring.track import WANDB_ID_FILE, Tracker
+from ppokit.runs.rundir import read_metrics
 
 CARTPOLE = [
     "train",

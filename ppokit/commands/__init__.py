@@ -10,7 +10,7 @@ function that runs it (``run(args)`` -> exit status); :mod:`ppokit.cli` register
 - :mod:`.reward`       ``ppokit reward``
 - :mod:`.demo`         ``ppokit demo [NAME]``
 - :mod:`.sft`          ``ppokit sft``
-- :mod:`.plot`         ``ppokit plot`` (the drawing: :mod:`ppokit.plot`)
+- :mod:`.plot`         ``ppokit plot`` (the drawing: :mod:`ppokit.monitoring.plot`)
 - :mod:`.export`       ``ppokit export``
 - :mod:`.config`       ``ppokit config show|list|fields``
 

@@ -1,4 +1,4 @@
-"""``ppokit plot``: the training curves of one or more runs, overlaid, in a PNG (:mod:`ppokit.plot`)."""
+"""``ppokit plot``: the training curves of one or more runs, overlaid, in a PNG (:mod:`ppokit.monitoring.plot`)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ppokit.plot import plot_runs
+    from ppokit.monitoring.plot import plot_runs
 
     print(f"curves: {plot_runs(args.run_dirs, args.out)['out']}")
     return 0

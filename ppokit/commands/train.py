@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_training(source: str | None, overrides: list[str], resume: bool | str | None = None) -> int:
-    from ppokit import rundir
+    from ppokit.runs import rundir
 
     try:
         return _train_locked(source, overrides, resume)
@@ -62,9 +62,9 @@ def run_training(source: str | None, overrides: list[str], resume: bool | str | 
 
 
 def _train_locked(source: str | None, overrides: list[str], resume: bool | str | None) -> int:
-    from ppokit import rundir
     from ppokit.config import load_config
     from ppokit.errors import UserError
+    from ppokit.runs import rundir
     from ppokit.workloads import check_inputs, summary_line, train
 
     if isinstance(resume, str):  # ppokit train --resume RUN_DIR [KEY=VALUE ...]: the run's own config
@@ -98,7 +98,7 @@ def _train_locked(source: str | None, overrides: list[str], resume: bool | str |
 def write_curves(run_dir) -> None:
     """RUN_DIR/curves.png after a run; a plotting failure is a warning, never a lost run."""
     try:
-        from ppokit.plot import plot_runs
+        from ppokit.monitoring.plot import plot_runs
 
         print(f"curves: {plot_runs([run_dir])['out']}", flush=True)
     except Exception as exc:  # noqa: BLE001 - the run and its checkpoint are already saved

@@ -30,8 +30,8 @@ from ppokit.control.evaluate import Evaluator, evaluate_policy
 from ppokit.control.networks import ActorCritic
 from ppokit.control.rollout import Rollout
 from ppokit.control.vector_env import check_environment, make_vector_env
-from ppokit.resume import all_finite, rollout_rngs, seed_globals
-from ppokit.stopping import EarlyStop
+from ppokit.monitoring.stopping import EarlyStop
+from ppokit.runs.resume import all_finite, rollout_rngs, seed_globals
 from ppokit.trainer import DataParallel, PPOTrainer
 
 # The per-sample tensors of the update (N = E*S transitions, each a sequence of T = 1 step).

@@ -24,7 +24,7 @@ from ppokit.lm.model.device import run_device
 from ppokit.lm.model.gguf import converted_directory, is_gguf
 from ppokit.lm.model.tiny import DEFAULT_TINY_SPEC, build_char_tokenizer, build_tiny_model
 from ppokit.lm.sft import SFTSettings, run_sft
-from ppokit.peak_memory import release_freed_memory
+from ppokit.monitoring.peak_memory import release_freed_memory
 
 BASE_MODEL_DIR = "base_model"
 BASE_MODEL_MARKER = "ppokit_base_model.json"  # in base_model/, written when it is complete

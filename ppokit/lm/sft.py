@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ppokit.checkpoint_files import atomic_directory
 from ppokit.config import RolloutConfig
 from ppokit.errors import SetUpInterrupted, UserError
 from ppokit.lm.evaluate import heldout_accuracy
@@ -58,8 +57,9 @@ from ppokit.lm.model.device import (
 from ppokit.lm.model.heads import logits_at
 from ppokit.lm.model.hf import load_model_and_tokenizer, quiet_transformers
 from ppokit.lm.rewards.functions import load_reward_fn
+from ppokit.monitoring.peak_memory import phase_peak
 from ppokit.output_paths import check_output_dir, writing_to
-from ppokit.peak_memory import phase_peak
+from ppokit.runs.checkpoint_files import atomic_directory
 
 IGNORE_INDEX = -100
 CURVE_FILE = "sft_curve.json"

@@ -18,9 +18,9 @@ import shutil
 import pytest
 from cluster_helpers import DIST_ONLY, assert_rows_equal, kill_first_worker_after, run
 
-from ppokit.checkpoint import load_checkpoint
 from ppokit.config import build_config, parse_overrides
-from ppokit.rundir import periodic_checkpoint_path, read_metrics
+from ppokit.runs.checkpoint import load_checkpoint
+from ppokit.runs.rundir import periodic_checkpoint_path, read_metrics
 from ppokit.workloads import train
 
 pytestmark = pytest.mark.slow

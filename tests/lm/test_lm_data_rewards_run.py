@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from resume_helpers import LM_TIMING_KEYS, assert_same_metrics, read_rows
 
-from ppokit import rundir
 from ppokit.cli import main
 from ppokit.lm.rewards import pool as reward_pool
+from ppokit.runs import rundir
 
 TIMING = LM_TIMING_KEYS
 REWARD = """

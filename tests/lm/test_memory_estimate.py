@@ -645,7 +645,7 @@ from pathlib import Path
 import torch
 torch.set_num_threads(1)
 from ppokit.lm.model.tiny import build_tiny_model
-from ppokit import peak_memory
+from ppokit.monitoring import peak_memory
 from ppokit.lm.sft import SFTSettings, run_sft
 peak_memory._resettable = False  # the evaluation's phase_peak must not reset VmHWM, the process's peak
 tmp = Path(tempfile.mkdtemp())

@@ -12,9 +12,9 @@ import torch
 from resume_helpers import LM_TIMING_KEYS, assert_same_metrics, copy_without_final_checkpoint, read_rows
 from test_multiturn_source import build, mt_config
 
-from ppokit.checkpoint import load_checkpoint
 from ppokit.lm.multi_turn.shards import MultiTurnShard, MultiTurnShardPlan
-from ppokit.resume import rollout_rngs
+from ppokit.runs.checkpoint import load_checkpoint
+from ppokit.runs.resume import rollout_rngs
 from ppokit.workloads import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like .optimizer.step:UserWarning")

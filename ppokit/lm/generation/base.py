@@ -61,7 +61,7 @@ class RolloutBatch:
     # None for greedy generation
     rollout_log_prob: Tensor | None = None
     generation_time: float = 0.0
-    generation_peak_gb: float = 0.0  # peak memory while generating (ppokit.peak_memory)
+    generation_peak_gb: float = 0.0  # peak memory while generating (ppokit.monitoring.peak_memory)
 
     @property
     def prompt_length(self) -> int:

@@ -45,7 +45,7 @@ from ppokit.lm.generation.engine import (
     check_context,
     eos_token_ids,
 )
-from ppokit.peak_memory import phase_peak
+from ppokit.monitoring.peak_memory import phase_peak
 
 SYNC_EVERY = 8  # decoding steps between checks that every row has ended
 MAX_BATCH_SIZE = 256  # the largest batch bucket

@@ -44,7 +44,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from ppokit.config import STATIC_CACHE_FULL_BF16
 from ppokit.errors import UserError
 from ppokit.lm.generation.base import EngineMemory, PromptFrontEnd, RolloutBatch, sampling_warpers
-from ppokit.peak_memory import phase_peak
+from ppokit.monitoring.peak_memory import phase_peak
 
 # transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name warns on every call).
 GENERATE_CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"

@@ -28,7 +28,7 @@ from ppokit.envs.checks import checked_reset, step_or_fail
 from ppokit.envs.metrics import EpisodeRecord, EpisodeTracker
 from ppokit.envs.selfplay import CURRENT
 from ppokit.lm.multi_turn.streams import Stream, StreamCodec
-from ppokit.peak_memory import phase_peak
+from ppokit.monitoring.peak_memory import phase_peak
 
 __all__ = ["EpisodePlayer", "PlayResult", "Trajectory", "TurnData", "TRUNCATION_REASONS"]
 
@@ -88,7 +88,7 @@ class PlayResult:
     first_error: str | None
     time_generate: float
     time_env: float
-    peak_gb_generate: float  # the largest peak memory of a generation call (ppokit.peak_memory)
+    peak_gb_generate: float  # the largest peak memory of a generation call (ppokit.monitoring.peak_memory)
     generated_tokens: int
     actions: int = 0  # replies generated
     cut_replies: int = 0  # of them, cut by max_new_tokens before a stop token

@@ -7,8 +7,8 @@ from typing import Any
 from ppokit.config import Config
 from ppokit.lm.evaluate import heldout_results
 from ppokit.lm.rewards.pool import check_error_limit
-from ppokit.resume import own_random_stream
-from ppokit.stopping import EarlyStop
+from ppokit.monitoring.stopping import EarlyStop
+from ppokit.runs.resume import own_random_stream
 
 # below this share of the greedy accuracy, the sampled responses are the thing to fix
 SAMPLED_SHARE = 0.5
