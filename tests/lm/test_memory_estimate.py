@@ -820,29 +820,36 @@ def test_a_run_trains_with_the_sizes_auto_chose_and_says_so(tiny_dir, tmp_path, 
     from ppokit.lm.single_turn.workload import LMWorkload
 
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
-    cfg = _auto_config(tiny_dir, batch_size=16, mini_batch_size=8)
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(80)))
+    cfg = _auto_config(tiny_dir, batch_size=64, mini_batch_size=32)
     cfg = cfg.model_copy(
-        update={"data": cfg.data.model_copy(update={"prompts": str(data), "reward": "exact_match", "eval_size": 0})}
+        update={
+            "data": cfg.data.model_copy(update={"prompts": str(data), "reward": "exact_match", "eval_size": 0}),
+            # rows and responses enough that the update at 32 rows a pass and at 1 differ by more than the
+            # header's 0.01 GB in fp32 and bf16 alike (at 8 rows and 16 tokens bf16 printed 0.45 for both)
+            "rollout": cfg.rollout.model_copy(update={"max_new_tokens": 48}),
+        }
     )
     monkeypatch.setattr(memory, "total_memory", lambda device: (1e15, "a large device's memory"))
     workload = LMWorkload(cfg)
     components = workload.build(tmp_path / "run")
     try:
-        assert (workload.cfg.train.micro_batch_size, workload.cfg.train.infer_micro_batch_size) == (8, 16)
-        assert components.learner.trainer.cfg.micro_batch_size == 8
+        assert (workload.cfg.train.micro_batch_size, workload.cfg.train.infer_micro_batch_size) == (32, 64)
+        assert components.learner.trainer.cfg.micro_batch_size == 32
         assert any(
-            line.startswith("micro-batches (auto): 8 rows a pass in the update, 16 in scoring")
+            line.startswith("micro-batches (auto): 32 rows a pass in the update, 64 in scoring")
             for line in components.header
         )
         # the header's estimate is the run's as it runs: at the sizes auto chose, not the unresolved ones
         from ppokit.lm.model.stack import prompt_tokenizer
 
-        longest = memory.longest_prompt_tokens(prompt_tokenizer(cfg), [f"{i}+1=" for i in range(40)])
+        longest = memory.longest_prompt_tokens(prompt_tokenizer(cfg), [f"{i}+1=" for i in range(80)])
         (note,) = [line for line in components.header if line.startswith("memory estimate: about ")]
         update = float(note.split("update ")[1].split(";")[0])
-        assert update == round(_phase_at(cfg, "update", "micro_batch_size", 8, longest) / 1e9, 2)
-        assert update != round(_phase_at(cfg, "update", "micro_batch_size", 1, longest) / 1e9, 2)
+        chosen, unresolved = (_phase_at(cfg, "update", "micro_batch_size", rows, longest) for rows in (32, 1))
+        assert chosen - unresolved > 0.01e9  # the two are told apart at the header's rounding
+        assert update == round(chosen / 1e9, 2)
+        assert update != round(unresolved / 1e9, 2)
         assert note.endswith("measured peaks: memory/peak_gb") and "\n" not in note
     finally:
         components.close()
