@@ -326,6 +326,7 @@ class ControlEvaluator:
     over ``env.eval_episodes`` fresh episodes at the end (``eval_return_mean``)."""
 
     at_start = False
+    releases_memory = False  # small networks: the collection would cost more than it frees
 
     def __init__(self, cfg: Config, policy: ActorCritic, venv: VecEnv):
         e = cfg.env

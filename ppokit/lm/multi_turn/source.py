@@ -531,6 +531,7 @@ class TextEnvEvaluator:
     """
 
     at_start = True
+    releases_memory = True  # episodes' reference cycles held an evaluation's tensors (SmolLM2 on Nim-v0)
 
     def __init__(self, cfg: Config, generate: Callable, codec: StreamCodec, context: int | None, env_name: str):
         t = cfg.textenv

@@ -28,6 +28,7 @@ class LMEvaluator:
     stream, and with it every rollout, is the same with or without this check."""
 
     at_start = True
+    releases_memory = True
 
     def __init__(self, cfg: Config, engine, items: list[dict], reward):
         self.engine, self.items, self.reward = engine, items, reward
