@@ -262,7 +262,7 @@ class Evaluator(Protocol):
     # whether the loop hands the heap's free pages back after each evaluation
     # (:func:`~ppokit.monitoring.peak_memory.release_freed_memory`): a language model's evaluation leaves
     # garbage of gigabytes under the next update; a control one little, where the full garbage
-    # collection costs a CartPole run about 12% of its time
+    # collection cost a CartPole run about 15% of its time to the threshold
     releases_memory: bool
 
     def evaluate(self, phase: str) -> dict[str, float]: ...

@@ -133,7 +133,7 @@ def test_a_language_models_evaluations_hand_their_garbage_back_and_a_control_run
 ):
     """After each evaluation of a language model the run releases the heap's free pages (an LM
     evaluation's garbage stayed resident under the next update: 4.56 GB against 3.05 on SmolLM2);
-    a control run does not (the full collection cost a CartPole run about 12% of its time)."""
+    a control run does not (the full collection cost a CartPole run about 15% of its time to the threshold)."""
     from ppokit import loop
     from ppokit.cli import main
 
