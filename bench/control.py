@@ -53,7 +53,7 @@ TASKS = {
 # ----------------------------------------------------------------------------- children
 def child_ppokit(a: argparse.Namespace) -> dict:
     from ppokit.config import load_config
-    from ppokit.runs.rundir import create_run_dir
+    from ppokit.persistence.rundir import create_run_dir
     from ppokit.workloads import train as train_control
 
     task = TASKS[a.env]

@@ -72,7 +72,7 @@ def run(net_cls: type, steps: int, seed: int, out: str) -> dict[str, float]:
     """One ``cartpole`` run with ``net_cls`` as the actor-critic."""
     from ppokit.config import load_config
     from ppokit.control import workload
-    from ppokit.runs.rundir import create_run_dir, read_metrics
+    from ppokit.persistence.rundir import create_run_dir, read_metrics
     from ppokit.workloads import train
 
     cfg = load_config(

@@ -56,7 +56,7 @@ def env() -> dict[str, str]:
 
 
 def rows(run_dir: Path) -> list[dict]:
-    from ppokit.runs.rundir import read_metrics
+    from ppokit.persistence.rundir import read_metrics
 
     return read_metrics(run_dir)
 

@@ -12,7 +12,7 @@ without and with ``cluster.cpu_offload``, and for each:
 - gathers every trained weight whole (``full_tensor``, the path weights take to the training
   process) and checks it against the rank's own shards;
 - writes the Adam moments with torch.distributed.checkpoint's safetensors storage
-  (:func:`ppokit.runs.checkpoint.save_shards`), reads them back into zeroed tensors and checks them.
+  (:func:`ppokit.persistence.checkpoint.save_shards`), reads them back into zeroed tensors and checks them.
 
 Then, against the unsharded learner (``cluster.sharding=ddp``, one rank) from the same weights
 on the same batch:
@@ -97,7 +97,7 @@ def one_learner(model_dir: Path, device: str, offload: bool, updates: int, shape
 
     from ppokit.cluster.fsdp import FSDPParallel, full_tensor, local_bytes
     from ppokit.lm.single_turn.workload import LMWorkload
-    from ppokit.runs.checkpoint import load_shards, save_shards
+    from ppokit.persistence.checkpoint import load_shards, save_shards
 
     n, prompt, response = shape[3:]
     workload = LMWorkload(learner_config(model_dir, device=device, offload=offload, sequences=n, bf16=bf16))

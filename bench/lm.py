@@ -165,7 +165,7 @@ class Pieces:
         from ppokit.lm.model.hf import load_tokenizer
         from ppokit.lm.model.policy import build_policy
         from ppokit.lm.scoring import Scorer
-        from ppokit.runs.resume import seed_globals
+        from ppokit.persistence.resume import seed_globals
 
         path = model_dir(a)
         self.cfg = cfg = make_config(a, mode, path, use_cache, cache)

@@ -37,7 +37,7 @@ class TrainingDiverged(UserError):
 
 
 class SetUpInterrupted(KeyboardInterrupt):
-    """SIGINT/SIGTERM (``signum``) while a run is set up (:class:`ppokit.runs.resume.GracefulStop`): it stops
+    """SIGINT/SIGTERM (``signum``) while a run is set up (:class:`ppokit.persistence.resume.GracefulStop`): it stops
     the run at once, unlike the Ctrl-C with which ``ppokit sft`` ends its training early and keeps the
     best model."""
 

@@ -23,7 +23,7 @@ evaluation schedule, metrics and samples, checkpoints and their rotation::
 A metrics row is written *before* the checkpoint of the same iteration, and a resume
 cuts ``metrics.jsonl`` (and ``samples.jsonl``) back to its checkpoint: a kill between
 the two loses nothing the resumed run does not write again. One process trains in a run
-directory at a time (:class:`ppokit.runs.rundir.RunLock`). On the CPU a resumed run is bit
+directory at a time (:class:`ppokit.persistence.rundir.RunLock`). On the CPU a resumed run is bit
 for bit the uninterrupted one.
 """
 
@@ -40,9 +40,9 @@ from ppokit.errors import SetUpInterrupted, TrainingDiverged, UserError
 from ppokit.monitoring.health import RunHealth
 from ppokit.monitoring.peak_memory import PhasePeak, phase_peak, release_freed_memory
 from ppokit.monitoring.track import Tracker
-from ppokit.runs import rundir
-from ppokit.runs.checkpoint import Checkpoint, load_checkpoint, resolve_sharded, save_checkpoint
-from ppokit.runs.resume import GracefulStop, capture_rng, restore_rng
+from ppokit.persistence import rundir
+from ppokit.persistence.checkpoint import Checkpoint, load_checkpoint, resolve_sharded, save_checkpoint
+from ppokit.persistence.resume import GracefulStop, capture_rng, restore_rng
 from ppokit.trainer import batch_advantages
 
 __all__ = ["run", "diverged_message", "read_resumable_checkpoint"]

@@ -33,7 +33,7 @@ from ppokit import algo
 from ppokit.components import UPDATE_KEYS
 from ppokit.config import Config
 from ppokit.errors import UserError
-from ppokit.runs.resume import BadStepGuard
+from ppokit.persistence.resume import BadStepGuard
 
 if TYPE_CHECKING:
     from ppokit.components import Batch

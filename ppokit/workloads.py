@@ -6,7 +6,7 @@ run directory (:data:`EVALUATORS`, ``ppokit eval``) and the line that sums up a 
 :func:`train` is the library's entry point for a whole run (what ``ppokit train`` calls)::
 
     from ppokit.config import load_config
-    from ppokit.runs.rundir import create_run_dir
+    from ppokit.persistence.rundir import create_run_dir
     from ppokit.workloads import train
 
     cfg = load_config("cartpole", ["seed=3"])
@@ -42,7 +42,7 @@ WORKLOADS = {
 
 class Evaluator(NamedTuple):
     """What ``ppokit eval`` runs for a run directory of one workload kind, imported on demand:
-    ``module.function(run, /, **options) -> str`` (run: a :class:`ppokit.runs.rundir.RunDir`; options:
+    ``module.function(run, /, **options) -> str`` (run: a :class:`ppokit.persistence.rundir.RunDir`; options:
     the command's parsed arguments by name, each evaluation reading its own)."""
 
     module: str
@@ -127,7 +127,7 @@ def train(
 
 
 def evaluate_run(run: Any, /, **options: Any) -> str:
-    """What ``ppokit eval`` prints for ``run`` (a :class:`ppokit.runs.rundir.RunDir`): the evaluation of its
+    """What ``ppokit eval`` prints for ``run`` (a :class:`ppokit.persistence.rundir.RunDir`): the evaluation of its
     kind (:data:`EVALUATORS`) with the command's ``options`` (None: not given). An option given that
     this evaluation does not read is a :class:`UserError` naming it, not silently ignored."""
     if not run.is_dir:  # before the evaluation's modules (torch) are imported

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 
 # The fields of an LM run's metrics rows that differ between any two runs (wall-clock times and
 # rates); every other field of a resumed run must match the uninterrupted run's.
@@ -114,7 +114,7 @@ def sigterm_run(cmd: list[str], run_dir: Path, rows: int, marker: str = "meta.js
     Returns the checkpoint written on the signal (the newest one, under ``checkpoints/``)."""
     import signal
 
-    from ppokit.runs import rundir
+    from ppokit.persistence import rundir
 
     proc = start_and_wait(cmd, run_dir, rows)
     assert proc.poll() is None, "the run ended before it could be interrupted"

@@ -27,7 +27,7 @@ def test_help_and_config_commands_do_not_import_torch():
 def test_importing_the_cli_loads_no_command_s_dependencies():
     """Every command starts by importing ppokit.cli: the config's pydantic, the run directory and the
     model-path modules load in the command that needs them."""
-    heavy = ("pydantic", "ppokit.runs.rundir", "torch")
+    heavy = ("pydantic", "ppokit.persistence.rundir", "torch")
     proc = run(f"import sys, ppokit.cli\nprint(sorted(m for m in {heavy!r} if m in sys.modules))")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -98,7 +98,7 @@ def test_the_checker_finds_a_cycle_through_a_function_level_import():
     graph = {"ppokit.a": {"ppokit.b"}, "ppokit.b": {"ppokit.c"}, "ppokit.c": {"ppokit.a"}, "ppokit.d": set()}
     assert cycles(graph) == [["ppokit.a", "ppokit.b", "ppokit.c"]]
     real = import_graph()
-    assert "ppokit.runs.rundir" in real["ppokit.loop"]  # a top-level import
+    assert "ppokit.persistence.rundir" in real["ppokit.loop"]  # a top-level import
     assert "ppokit.monitoring.track" in real["ppokit.loop"]  # an import inside a function
     assert "ppokit.lm.accel" in real["ppokit.lm.model.stack"]
 

@@ -101,7 +101,7 @@ def test_memory_metrics_name_each_phase_and_the_largest():
 
 def test_a_control_run_logs_the_memory_of_each_phase(tmp_path):
     from ppokit.cli import main
-    from ppokit.runs.rundir import read_metrics
+    from ppokit.persistence.rundir import read_metrics
 
     args = ["train", "cartpole", "train.total_steps=256", "env.num_envs=2", "env.num_steps=64"]
     args += ["train.mini_batch_size=64", "env.eval_episodes=0"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ppokit.runs.resume import own_random_stream
+from ppokit.persistence.resume import own_random_stream
 
 
 def test_own_random_stream_repeats_and_leaves_the_run_s_stream_as_it_was():

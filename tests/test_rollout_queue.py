@@ -18,8 +18,8 @@ from ppokit.components import Batch, Components, RolloutQueue
 from ppokit.config import load_config
 from ppokit.errors import ConfigError
 from ppokit.loop import run
-from ppokit.runs.checkpoint import load_checkpoint
-from ppokit.runs.rundir import periodic_checkpoint_path, read_metrics
+from ppokit.persistence.checkpoint import load_checkpoint
+from ppokit.persistence.rundir import periodic_checkpoint_path, read_metrics
 
 
 def batch(iteration: int, version: int) -> Batch:

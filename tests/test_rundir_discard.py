@@ -10,7 +10,7 @@ import pytest
 from ppokit import workloads
 from ppokit.commands.train import run_training
 from ppokit.errors import UserError
-from ppokit.runs import rundir
+from ppokit.persistence import rundir
 
 RUN = ["cartpole", "run.progress=false", "run.tensorboard=false"]
 

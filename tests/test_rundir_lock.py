@@ -13,7 +13,7 @@ from resume_helpers import start_and_wait, subprocess_env, train_cmd
 
 from ppokit.cli import main
 from ppokit.errors import UserError
-from ppokit.runs.rundir import RunLock, read_metrics
+from ppokit.persistence.rundir import RunLock, read_metrics
 
 RUN = [
     "cartpole",
@@ -68,7 +68,7 @@ def test_the_lock_is_reentrant_in_one_process_and_free_after_release(tmp_path):
         with RunLock(tmp_path) as inner:
             assert inner is outer
         code = (
-            "import sys\nfrom ppokit.runs.rundir import RunLock\nfrom ppokit.errors import UserError\n"
+            "import sys\nfrom ppokit.persistence.rundir import RunLock\nfrom ppokit.errors import UserError\n"
             f"try:\n    RunLock({str(tmp_path)!r}).acquire()\nexcept UserError as e:\n    print(e)\n"
         )
         held = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -98,7 +98,7 @@ def test_reading_commands_take_no_lock(tmp_path):
     )
     run_dir = tmp_path / "done"
     code = (
-        "import time, sys\nfrom ppokit.runs.rundir import RunLock\nRunLock(sys.argv[1]).acquire()\n"
+        "import time, sys\nfrom ppokit.persistence.rundir import RunLock\nRunLock(sys.argv[1]).acquire()\n"
         "print('locked', flush=True)\ntime.sleep(60)\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True)

@@ -1,4 +1,4 @@
-"""ppokit.runs.signals.handlers_restored: install for a block, put back after, nothing outside the main thread."""
+"""persistence.signals.handlers_restored: install for a block, put back after, nothing outside the main thread."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ppokit.runs.signals import STOP_SIGNALS, handlers_restored
+from ppokit.persistence.signals import STOP_SIGNALS, handlers_restored
 
 
 def _mine(signum, frame):  # a handler to tell apart

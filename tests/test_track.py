@@ -6,7 +6,7 @@ import pytest
 
 from ppokit.config import load_config
 from ppokit.monitoring.track import Tracker
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 
 
 def _tb_scalars(run_dir, tag: str) -> list[tuple[int, float]]:

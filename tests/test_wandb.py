@@ -14,7 +14,7 @@ import pytest
 from ppokit.cli import main
 from ppokit.config import load_config
 from ppokit.monitoring.track import WANDB_ID_FILE, Tracker
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 
 CARTPOLE = [
     "train",

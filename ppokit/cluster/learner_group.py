@@ -33,7 +33,14 @@ from ppokit.cluster.fsdp import FSDPParallel, full_tensor, local_bytes, local_la
 from ppokit.cluster.parallel import free_port, init_process_group
 from ppokit.cluster.weights import MIB, bucket_plan, nbytes
 from ppokit.components import Batch
-from ppokit.runs.checkpoint import SHARDED, SHARDS_DIR, is_sharded_marker, load_shards, save_shards, sharded_marker
+from ppokit.persistence.checkpoint import (
+    SHARDED,
+    SHARDS_DIR,
+    is_sharded_marker,
+    load_shards,
+    save_shards,
+    sharded_marker,
+)
 
 # the per-parameter optimizer state of a learner's state dict: "trainer.optimizer.state.<index>.<slot>"
 OPTIMIZER_SLOT = re.compile(r"(?:^|\.)optimizer\.state\.(\d+)\.[^.]+$")

@@ -28,7 +28,7 @@ from typing import Any
 
 from ppokit.cluster import require_ray
 from ppokit.errors import SetUpInterrupted, UserError
-from ppokit.runs.signals import handlers_restored
+from ppokit.persistence.signals import handlers_restored
 
 # Ray starts worker processes at niceness 15 (below the driver and Ray's own daemons). The
 # run's actors do its main work: at 15 a CPU shared with anything at niceness 0 (the driver's
@@ -63,7 +63,7 @@ def start_local_ray(**kwargs: Any) -> None:
 def _signal_handlers_kept() -> Iterator[None]:
     """SIGINT's and SIGTERM's handlers as they were before the block: ``ray.init`` replaces SIGTERM's
     in the driver (with ``sys.exit(15)`` while it starts, and later a stack dump and an abort),
-    where the run's (:class:`ppokit.runs.resume.GracefulStop`) stops it with one line and closes the
+    where the run's (:class:`ppokit.persistence.resume.GracefulStop`) stops it with one line and closes the
     cluster. A SIGTERM during ``ray.init`` itself is one for the set-up too."""
     with handlers_restored() as ours:
         try:

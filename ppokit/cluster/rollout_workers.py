@@ -7,7 +7,7 @@ slice of the prompts; control: nothing, each worker steps its own envs), sends t
 
 - RNG: one synchronous worker gets the driver's RNG state with each request and returns it, so the
   batch is the in-process one bit for bit. Otherwise shard s of iteration i runs under RNGs seeded
-  from (seed, i, s) (:func:`ppokit.runs.resume.rollout_rngs`); a further round of the same iteration (a
+  from (seed, i, s) (:func:`ppokit.persistence.resume.rollout_rngs`); a further round of the same iteration (a
   plan whose ``merge`` returns None: dynamic sampling) is seeded as shard ``s + d * DRAW_STREAM``.
 - Weights: :meth:`RemoteSource.sync_weights` puts ``learner.rollout_weights()`` into the object store
   once, in buckets (:mod:`ppokit.cluster.weights`); every worker loads them one at a time.
@@ -30,7 +30,7 @@ from ppokit.cluster import ray_get, require_ray
 from ppokit.cluster.weights import MIB, buckets, nbytes
 from ppokit.components import Batch, RolloutQueue
 from ppokit.errors import UserError
-from ppokit.runs.resume import DRAW_STREAM, capture_rng, restore_rng, rollout_rngs
+from ppokit.persistence.resume import DRAW_STREAM, capture_rng, restore_rng, rollout_rngs
 
 # a part whose worker dies this many times in a row is not tried again: the run stops
 MAX_RESTARTS = 3

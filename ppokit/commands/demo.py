@@ -152,7 +152,7 @@ def _figure(run_dir: Path | str, metric: str, sft_label: str):
 
     from ppokit.lm.base_model import BASE_MODEL_DIR
     from ppokit.lm.sft import CURVE_FILE
-    from ppokit.runs.rundir import read_metrics
+    from ppokit.persistence.rundir import read_metrics
 
     run_dir = Path(run_dir)
     rows = [r for r in read_metrics(run_dir) if isinstance(r.get(metric), (int, float))]
@@ -313,7 +313,7 @@ def run_demo(overrides: Sequence[str] = (), echo=print, name: str = DEMO_PRESET)
     """
     from ppokit.config import load_config, preset_names
     from ppokit.errors import did_you_mean
-    from ppokit.runs.rundir import create_run_dir, release_locks
+    from ppokit.persistence.rundir import create_run_dir, release_locks
     from ppokit.workloads import check_inputs, train
 
     started = time.perf_counter()

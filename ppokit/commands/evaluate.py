@@ -1,7 +1,7 @@
 """``ppokit eval``: a control run's return; for a language model, mean reward, greedy pass@1,
 sampled pass@k, mean length; for a multi-turn run, its greedy win rates.
 
-:func:`run` reads RUN_DIR once (:class:`ppokit.runs.rundir.RunDir`) and hands it to the evaluation of
+:func:`run` reads RUN_DIR once (:class:`ppokit.persistence.rundir.RunDir`) and hands it to the evaluation of
 its workload kind (:func:`ppokit.workloads.evaluate_run`): :mod:`ppokit.control.evaluate`,
 :mod:`ppokit.lm.run_eval` (a language-model run or a model directory) or
 :mod:`ppokit.lm.multi_turn.run_eval`.
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     """The evaluation of RUN_DIR's workload kind, with the options given (each left at None when
     not given: an option its kind does not read is refused, :func:`ppokit.workloads.evaluate_run`)."""
     from ppokit.lm.model.gguf import model_directory
-    from ppokit.runs.rundir import RunDir
+    from ppokit.persistence.rundir import RunDir
     from ppokit.workloads import evaluate_run
 
     options = {name: getattr(args, name) for name in EVAL_OPTIONS}

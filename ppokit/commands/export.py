@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ppokit.commands.arguments import add_command
 
 if TYPE_CHECKING:
-    from ppokit.runs.rundir import RunDir
+    from ppokit.persistence.rundir import RunDir
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,12 +39,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def export_merged(run_dir: str | Path | RunDir, out_dir: str | Path) -> Path:
-    """Write the actor of ``run_dir``'s final checkpoint (:meth:`ppokit.runs.rundir.RunDir.export_checkpoint`;
+    """Write the actor of ``run_dir``'s final checkpoint (:meth:`ppokit.persistence.rundir.RunDir.export_checkpoint`;
     or of the checkpoint directory ``run_dir``) as a standalone model (+ tokenizer) to ``out_dir``
     (new or empty)."""
     from ppokit.output_paths import check_output_dir, writing_to
-    from ppokit.runs.checkpoint_files import atomic_directory
-    from ppokit.runs.rundir import RunDir
+    from ppokit.persistence.checkpoint_files import atomic_directory
+    from ppokit.persistence.rundir import RunDir
 
     ckpt = (run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)).export_checkpoint()
     out = Path(out_dir)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ppokit.commands.arguments import SEED_MAX, add_command, int_at_least, positive_float
 from ppokit.errors import UserError
-from ppokit.runs.signals import handlers_restored
+from ppokit.persistence.signals import handlers_restored
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

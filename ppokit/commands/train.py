@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_training(source: str | None, overrides: list[str], resume: bool | str | None = None) -> int:
-    from ppokit.runs import rundir
+    from ppokit.persistence import rundir
 
     try:
         return _train_locked(source, overrides, resume)
@@ -64,7 +64,7 @@ def run_training(source: str | None, overrides: list[str], resume: bool | str | 
 def _train_locked(source: str | None, overrides: list[str], resume: bool | str | None) -> int:
     from ppokit.config import load_config
     from ppokit.errors import UserError
-    from ppokit.runs import rundir
+    from ppokit.persistence import rundir
     from ppokit.workloads import check_inputs, summary_line, train
 
     if isinstance(resume, str):  # ppokit train --resume RUN_DIR [KEY=VALUE ...]: the run's own config

@@ -30,7 +30,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ppokit.runs.resume import generator_state, set_generator_state
+from ppokit.persistence.resume import generator_state, set_generator_state
 
 _NUMERIC_KINDS = "biuf"  # bool, int, uint, float
 _MAX_ARRAY = 1 << 22  # larger arrays are caches, not state (e.g. rendered frames)

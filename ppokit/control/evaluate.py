@@ -19,9 +19,9 @@ from ppokit.config import Config, build_config
 from ppokit.control.envs import VecEnv
 from ppokit.control.networks import ActorCritic
 from ppokit.errors import UserError
-from ppokit.runs.checkpoint import load_checkpoint
-from ppokit.runs.checkpoint_files import META
-from ppokit.runs.rundir import RunDir
+from ppokit.persistence.checkpoint import load_checkpoint
+from ppokit.persistence.checkpoint_files import META
+from ppokit.persistence.rundir import RunDir
 
 EVAL_SEED_OFFSET = 10_000
 MAX_EVAL_ENVS = 16
@@ -130,7 +130,7 @@ def evaluate_run(run_dir: str | Path | RunDir, episodes: int, seed: int | None =
 
     The checkpoint is ``RUN_DIR/checkpoint`` (the end of training), else the newest periodic
     one (an interrupted or running run; a note says which), or RUN_DIR itself when it is a
-    checkpoint directory (:meth:`ppokit.runs.rundir.RunDir.control_checkpoint`). Reads only: a run
+    checkpoint directory (:meth:`ppokit.persistence.rundir.RunDir.control_checkpoint`). Reads only: a run
     training in ``RUN_DIR`` is left alone.
     """
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)

@@ -111,7 +111,7 @@ def _in_own_session(env: gym.Env, maker: int) -> gym.Env:
     process (not ``maker``, which makes one env too, for the spaces) the process starts a session of
     its own, so that Ctrl-C in a terminal (SIGINT to the whole foreground process group; ``timeout``
     sends SIGTERM the same way) reaches the training process alone, which steps the envs to the end
-    of the iteration, saves a checkpoint and closes them (:class:`ppokit.runs.resume.GracefulStop`), where
+    of the iteration, saves a checkpoint and closes them (:class:`ppokit.persistence.resume.GracefulStop`), where
     the workers would die mid-step. ``env`` unchanged."""
     if os.getpid() != maker:
         os.setsid()

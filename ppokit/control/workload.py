@@ -31,7 +31,7 @@ from ppokit.control.networks import ActorCritic
 from ppokit.control.rollout import Rollout
 from ppokit.control.vector_env import check_environment, make_vector_env
 from ppokit.monitoring.stopping import EarlyStop
-from ppokit.runs.resume import all_finite, rollout_rngs, seed_globals
+from ppokit.persistence.resume import all_finite, rollout_rngs, seed_globals
 from ppokit.trainer import DataParallel, PPOTrainer
 
 # The per-sample tensors of the update (N = E*S transitions, each a sequence of T = 1 step).

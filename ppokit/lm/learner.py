@@ -22,7 +22,7 @@ from ppokit.config import Config
 from ppokit.lm.model.checkpoint import load_trained_state, save_policy
 from ppokit.lm.model.stack import PolicyStack, build_policy_stack
 from ppokit.lm.scoring import Scorer, kl_ref_metric
-from ppokit.runs.resume import all_finite, seed_globals
+from ppokit.persistence.resume import all_finite, seed_globals
 from ppokit.trainer import DataParallel, PPOTrainer
 
 # the batch tensors the update reads (ref_log_prob only with a KL term in the loss; rollout_log_prob,

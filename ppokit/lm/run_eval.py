@@ -2,7 +2,7 @@
 
 :func:`report_run` is what the command prints (:data:`ppokit.workloads.EVALUATORS`).
 :func:`evaluate_lm` evaluates a run directory (its trained actor,
-:attr:`ppokit.runs.rundir.RunDir.lm_checkpoint`) or a Hugging Face model directory, on the run's
+:attr:`ppokit.persistence.rundir.RunDir.lm_checkpoint`) or a Hugging Face model directory, on the run's
 held-out set or on a dataset (``--data``). It reports the greedy mean reward, greedy pass@1,
 sampled pass@k (the unbiased estimator of :mod:`ppokit.algo.evaluation`) and the mean response
 length. The run's held-out set and reward come from its config (``data.eval_prompts`` or the
@@ -29,7 +29,7 @@ from ppokit.lm.generation.loading import load_generator
 from ppokit.lm.inputs import load_heldout
 from ppokit.lm.rewards.functions import BUILTIN_REWARDS
 from ppokit.lm.rewards.pool import make_reward_scorer
-from ppokit.runs.rundir import RunDir
+from ppokit.persistence.rundir import RunDir
 
 
 def evaluate_lm(
@@ -50,7 +50,7 @@ def evaluate_lm(
     **sampling: Any,
 ) -> dict[str, Any]:
     """What ``ppokit eval`` reports for a language model: a run (its trained actor; a path or its
-    :class:`~ppokit.runs.rundir.RunDir`) or a model directory.
+    :class:`~ppokit.persistence.rundir.RunDir`) or a model directory.
 
     Prompts: ``data`` (a task, or a JSONL / Parquet file / datasets directory read with
     ``prompt_key`` and ``answer_key``; its held-out split for a task), else the run's held-out

@@ -59,7 +59,7 @@ from ppokit.lm.model.hf import load_model_and_tokenizer, quiet_transformers
 from ppokit.lm.rewards.functions import load_reward_fn
 from ppokit.monitoring.peak_memory import phase_peak
 from ppokit.output_paths import check_output_dir, writing_to
-from ppokit.runs.checkpoint_files import atomic_directory
+from ppokit.persistence.checkpoint_files import atomic_directory
 
 IGNORE_INDEX = -100
 CURVE_FILE = "sft_curve.json"

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ppokit.errors import UserError
-from ppokit.runs.rundir import CURVES_FILE as PLOT_FILE
-from ppokit.runs.rundir import METRICS_FILE, read_metrics
+from ppokit.persistence.rundir import CURVES_FILE as PLOT_FILE
+from ppokit.persistence.rundir import METRICS_FILE, read_metrics
 
 # (panel title, y label, ((metric key, legend name, line style: "-", "--", ":" or "s" for markers), ...))
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
@@ -60,7 +60,7 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
 def read_run_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
     """The rows of ``RUN_DIR/metrics.jsonl``; a missing, empty or corrupt file is a UserError.
 
-    Unlike :func:`ppokit.runs.rundir.read_metrics` (which a training run uses and which skips
+    Unlike :func:`ppokit.persistence.rundir.read_metrics` (which a training run uses and which skips
     anything unreadable), a line that is not a JSON object names the file and the line.
     Only a torn last line (no newline at the end: a run killed mid-write) is skipped.
     """

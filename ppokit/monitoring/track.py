@@ -4,7 +4,7 @@
 every line, so a crash loses at most the iteration in flight), rollout samples to
 ``samples.jsonl``, TensorBoard scalars to ``tb/``, and draws a live progress bar with
 the headline numbers (return or reward, SPS). The layout of the run directory is
-:mod:`ppokit.runs.rundir`'s.
+:mod:`ppokit.persistence.rundir`'s.
 
 With ``run.wandb`` the same scalars go to Weights & Biases as well (project
 ``run.wandb_project``, entity ``run.wandb_entity``, the run directory's name as the
@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ppokit.config import Config
 from ppokit.errors import UserError
-from ppokit.runs.rundir import METRICS_FILE, SAMPLES_FILE, TB_DIR, read_metrics
+from ppokit.persistence.rundir import METRICS_FILE, SAMPLES_FILE, TB_DIR, read_metrics
 
 __all__ = ["Tracker", "read_metrics"]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ppokit.config import load_config
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 from ppokit.workloads import train
 
 # Wall-clock fields: differ between any two runs.

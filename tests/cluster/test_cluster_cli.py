@@ -16,7 +16,7 @@ import pytest
 from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
 from resume_helpers import TEST_TAG, start_and_wait, subprocess_env, train_cmd
 
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 from ppokit.workloads import train
 
 pytestmark = pytest.mark.slow
@@ -126,7 +126,7 @@ def test_sigterm_checkpoints_and_stops_the_workers(tmp_path, cluster_clean):
     assert proc.returncode == 143, err[-2000:]
     assert "checkpoint saved at" in err
     assert_no_new_ray_processes(before)
-    from ppokit.runs.rundir import latest_checkpoint
+    from ppokit.persistence.rundir import latest_checkpoint
 
     saved = latest_checkpoint(run_dir)
     train(cartpole_cfg(*args), run_dir, resume_from=saved)

@@ -16,7 +16,7 @@ import shutil
 import pytest
 from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cfg, run
 
-from ppokit.runs.rundir import periodic_checkpoint_path, read_metrics
+from ppokit.persistence.rundir import periodic_checkpoint_path, read_metrics
 from ppokit.workloads import train
 
 

@@ -21,8 +21,8 @@ from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cf
 from resume_helpers import assert_same_state, start_and_wait, train_cmd
 from test_cluster_learners import close_rows
 
-from ppokit.runs.checkpoint import SHARDS_DIR, load_checkpoint
-from ppokit.runs.rundir import latest_checkpoint, periodic_checkpoint_path, read_metrics
+from ppokit.persistence.checkpoint import SHARDS_DIR, load_checkpoint
+from ppokit.persistence.rundir import latest_checkpoint, periodic_checkpoint_path, read_metrics
 from ppokit.workloads import train
 
 pytestmark = pytest.mark.slow

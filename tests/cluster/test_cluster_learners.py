@@ -15,7 +15,7 @@ import torch
 from cluster_helpers import arith_cfg, cartpole_cfg, run
 
 from ppokit.lm.single_turn.workload import LMWorkload
-from ppokit.runs.rundir import periodic_checkpoint_path
+from ppokit.persistence.rundir import periodic_checkpoint_path
 from ppokit.trainer import SingleProcess
 from ppokit.workloads import train
 
@@ -115,7 +115,7 @@ def test_checkpoint_moves_between_layouts(tmp_path, cluster_clean, first, then):
     shutil.copytree(tmp_path / "whole", resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoint")
     train(cartpole_cfg(*common, then), resumed_dir, resume_from=periodic_checkpoint_path(resumed_dir, 2))
-    from ppokit.runs.rundir import read_metrics
+    from ppokit.persistence.rundir import read_metrics
 
     resumed = read_metrics(resumed_dir)
     assert len(resumed) == 4
@@ -130,7 +130,7 @@ def test_env_shards_move_between_worker_layouts(tmp_path, cluster_clean, capsys,
     the learner's state and the step count continue."""
     import shutil
 
-    from ppokit.runs.rundir import read_metrics
+    from ppokit.persistence.rundir import read_metrics
 
     common = ("train.iterations=4", "run.checkpoint_every=2")
     whole = run(cartpole_cfg(*common, f"cluster.rollout_workers={first}"), tmp_path / "whole")

@@ -19,8 +19,8 @@ import pytest
 from cluster_helpers import DIST_ONLY, assert_rows_equal, kill_first_worker_after, run
 
 from ppokit.config import build_config, parse_overrides
-from ppokit.runs.checkpoint import load_checkpoint
-from ppokit.runs.rundir import periodic_checkpoint_path, read_metrics
+from ppokit.persistence.checkpoint import load_checkpoint
+from ppokit.persistence.rundir import periodic_checkpoint_path, read_metrics
 from ppokit.workloads import train
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from test_cluster_multiturn import SELF_PLAY, samples, textenv_cfg
 
 from ppokit.lm.multi_turn import shards
 from ppokit.lm.multi_turn.source import MultiTurnSource, episode_seed, groups_with_signal
-from ppokit.runs.rundir import periodic_checkpoint_path, read_metrics
+from ppokit.persistence.rundir import periodic_checkpoint_path, read_metrics
 from ppokit.workloads import train
 
 pytestmark = pytest.mark.slow

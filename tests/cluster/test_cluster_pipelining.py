@@ -19,7 +19,7 @@ from cluster_helpers import DIST_ONLY, arith_cfg, assert_rows_equal, cartpole_cf
 
 from ppokit.config import load_config
 from ppokit.control.networks import ActorCritic
-from ppokit.runs.rundir import periodic_checkpoint_path, read_metrics
+from ppokit.persistence.rundir import periodic_checkpoint_path, read_metrics
 from ppokit.trainer import PPOTrainer
 from ppokit.workloads import train
 
@@ -37,7 +37,7 @@ def resumed_run(whole_dir, dest, cfg, at: int) -> list[dict]:
 def test_cartpole_pipelined_resume_is_exact(tmp_path, cluster_clean, first, then, k):
     common = (f"rollout.off_policy_steps={k}", "train.iterations=6", "run.checkpoint_every=3")
     whole = run(cartpole_cfg(*common, f"cluster.rollout_workers={first}"), tmp_path / "whole")
-    from ppokit.runs.checkpoint import load_checkpoint
+    from ppokit.persistence.checkpoint import load_checkpoint
 
     saved = load_checkpoint(periodic_checkpoint_path(tmp_path / "whole", 3))
     assert saved.parts["source"]["pending"]["iteration"] == 3  # the rollout in flight is in the checkpoint

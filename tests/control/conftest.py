@@ -29,7 +29,7 @@ def make_cfg(tmp_path):
 @pytest.fixture
 def train(tmp_path):
     """Run ``train_control`` on a config; returns (result, run_dir)."""
-    from ppokit.runs.rundir import create_run_dir
+    from ppokit.persistence.rundir import create_run_dir
     from ppokit.workloads import train as train_control
 
     def run(cfg):

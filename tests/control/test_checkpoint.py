@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ppokit.errors import UserError
-from ppokit.runs import checkpoint, checkpoint_files
+from ppokit.persistence import checkpoint, checkpoint_files
 
 
 def _state():
@@ -123,7 +123,7 @@ def test_missing_checkpoint_directory(tmp_path):
 
 
 def test_prune_keeps_the_newest(tmp_path):
-    from ppokit.runs import rundir
+    from ppokit.persistence import rundir
 
     for i in range(5):
         checkpoint.save_checkpoint(rundir.periodic_checkpoint_path(tmp_path, i), {"a": {"x": torch.zeros(1)}}, {})

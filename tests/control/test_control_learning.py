@@ -10,8 +10,8 @@ import torch
 
 from ppokit.control import rollout as rollout_mod
 from ppokit.control.evaluate import evaluate_run, load_policy
-from ppokit.runs.rundir import FINAL_DIR as CHECKPOINT_DIR
-from ppokit.runs.rundir import PERIODIC_DIR, read_metrics
+from ppokit.persistence.rundir import FINAL_DIR as CHECKPOINT_DIR
+from ppokit.persistence.rundir import PERIODIC_DIR, read_metrics
 
 TIMING_KEYS = {"time", "sps", "time_collect", "time_update", "time_iteration", "wall_time"}
 

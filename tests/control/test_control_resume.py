@@ -1,4 +1,4 @@
-"""Exact resume, interruption and divergence guards (ppokit.runs.resume + the control workload).
+"""Exact resume, interruption and divergence guards (ppokit.persistence.resume + the control workload).
 
 The end-to-end tests run ``python -m ppokit train`` in subprocesses, kill them (SIGKILL at
 several points, one of them right after a metrics row, i.e. most likely inside the
@@ -34,7 +34,7 @@ from resume_helpers import (
 
 from ppokit.cli import main
 from ppokit.errors import SetUpInterrupted, UserError
-from ppokit.runs import checkpoint, resume, rundir
+from ppokit.persistence import checkpoint, resume, rundir
 
 TIMING = {"time", "sps", "time_collect", "time_update", "time_iteration", "wall_time"}  # differ between any two runs
 ITERATIONS = 12

@@ -20,7 +20,7 @@ from ppokit.lm.accel.kernels import cpu_library
 from ppokit.lm.accel.kernels.fuse import fuse_cpu_kernels
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.tiny import build_char_tokenizer
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 from ppokit.workloads import train
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -14,7 +14,7 @@ from ppokit.errors import UserError
 from ppokit.lm.data.chat import chat_renderer
 from ppokit.lm.data.sources import load_prompts
 from ppokit.lm.model.hf import load_tokenizer
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 
 
 def write_jsonl(path: Path, records: list) -> Path:

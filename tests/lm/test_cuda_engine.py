@@ -381,7 +381,7 @@ def test_a_run_with_the_cuda_engine_refreshes_it_after_every_update_and_learns(
     source loads the learner's weights into the engine, so its log-probs are the scorer's
     (mismatch_kl ~ 0 every iteration; stale weights would show at once), and the reward rises."""
     from ppokit.lm.generation import factory
-    from ppokit.runs.rundir import read_metrics
+    from ppokit.persistence.rundir import read_metrics
     from ppokit.workloads import train
 
     built = []

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ppokit.cli import main
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 
 # A few seconds: a handful of SFT examples and epochs, two PPO iterations of 16 sequences.
 TINY_DEMO = [

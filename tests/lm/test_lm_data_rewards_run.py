@@ -22,7 +22,7 @@ from resume_helpers import LM_TIMING_KEYS, assert_same_metrics, read_rows
 
 from ppokit.cli import main
 from ppokit.lm.rewards import pool as reward_pool
-from ppokit.runs import rundir
+from ppokit.persistence import rundir
 
 TIMING = LM_TIMING_KEYS
 REWARD = """

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ppokit.config import build_config
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 
 # LoRA on lm_head too: the random tiny model's lm_head has small weights after a norm,
 # so without it the logits cannot move far enough to make one token likely.

@@ -33,7 +33,7 @@ from resume_helpers import (
 from safetensors.torch import load_file
 
 from ppokit.cli import main
-from ppokit.runs import checkpoint, rundir
+from ppokit.persistence import checkpoint, rundir
 
 # Differ between any two runs (wall-clock times and rates); every other field must match.
 TIMING = LM_TIMING_KEYS

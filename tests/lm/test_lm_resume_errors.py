@@ -15,7 +15,7 @@ import pytest
 from resume_helpers import copy_without_final_checkpoint
 
 from ppokit.cli import main
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 
 ITERATIONS = 4
 

@@ -17,7 +17,7 @@ from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.multi_turn.advantages import trajectory_advantages
 from ppokit.lm.multi_turn.source import episode_seed, seat_actors_of
 from ppokit.lm.multi_turn.turn_batch import trajectory_tensors
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 from ppokit.workloads import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like .optimizer.step:UserWarning")

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from ppokit.config import build_config
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 from ppokit.workloads import train
 
 

@@ -13,8 +13,8 @@ from resume_helpers import LM_TIMING_KEYS, assert_same_metrics, copy_without_fin
 from test_multiturn_source import build, mt_config
 
 from ppokit.lm.multi_turn.shards import MultiTurnShard, MultiTurnShardPlan
-from ppokit.runs.checkpoint import load_checkpoint
-from ppokit.runs.resume import rollout_rngs
+from ppokit.persistence.checkpoint import load_checkpoint
+from ppokit.persistence.resume import rollout_rngs
 from ppokit.workloads import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like .optimizer.step:UserWarning")

@@ -23,7 +23,7 @@ from resume_helpers import read_rows, start_and_wait, train_cmd
 from ppokit.cli import main
 from ppokit.errors import UserError
 from ppokit.lm.model import gguf
-from ppokit.runs.rundir import RunDir
+from ppokit.persistence.rundir import RunDir
 
 gguf_package = pytest.importorskip("gguf", reason="needs gguf (make test installs it)")
 

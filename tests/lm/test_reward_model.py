@@ -13,7 +13,7 @@ from ppokit.errors import UserError
 from ppokit.lm.data.chat import RAW_PROMPT
 from ppokit.lm.model.tiny import build_char_tokenizer
 from ppokit.lm.rewards.reward_model import RewardModel
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 
 CPU = torch.device("cpu")
 TEMPLATE = (

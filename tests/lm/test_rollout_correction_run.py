@@ -9,7 +9,7 @@ import torch
 from test_rollout_engine_seam import SHIFT, run_config, sevens, spy_corrections  # noqa: F401  (a fixture)
 
 from ppokit.lm.scoring import Scorer
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 
 
 def even_rows(mask: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from ppokit.lm.generation.factory import engine_kind, make_engine
 from ppokit.lm.model.hf import load_tokenizer
 from ppokit.lm.model.policy import build_policy
 from ppokit.lm.scoring import Scorer
-from ppokit.runs.rundir import read_metrics
+from ppokit.persistence.rundir import read_metrics
 from ppokit.trainer import PPOTrainer
 
 CPU = torch.device("cpu")

@@ -1,7 +1,7 @@
 """A trained actor or a model directory, ready to generate: what ``ppokit generate``, ``chat`` and ``eval`` load.
 
 :func:`load_generator` takes a run directory (its final checkpoint, else its newest:
-:attr:`ppokit.runs.rundir.RunDir.lm_checkpoint`), a
+:attr:`ppokit.persistence.rundir.RunDir.lm_checkpoint`), a
 checkpoint directory, a plain Hugging Face model directory or a GGUF file, and returns a
 :class:`Generator`: a rollout engine (:func:`~ppokit.lm.generation.factory.make_engine`, the seam of
 :mod:`ppokit.lm.generation.base`) over the trained actor (lora: the ``actor`` adapter applied to the backbone; full: the
@@ -24,7 +24,7 @@ from ppokit.lm.model.device import resolve_device, resolve_precision
 from ppokit.lm.model.hf import causal_lm_config, load_model_and_tokenizer
 from ppokit.lm.model.model_path import open_model_path
 from ppokit.lm.model.stack import load_policy_stack
-from ppokit.runs.rundir import RunDir
+from ppokit.persistence.rundir import RunDir
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Generator:
 def load_generator(
     path: str | Path | RunDir, *, device: str | None = None, precision: str | None = None, **sampling: Any
 ) -> Generator:
-    """The generator of ``path``: a run or checkpoint directory (or its :class:`~ppokit.runs.rundir.RunDir`,
+    """The generator of ``path``: a run or checkpoint directory (or its :class:`~ppokit.persistence.rundir.RunDir`,
     already read), a model directory or a GGUF file (:func:`~ppokit.lm.model.model_path.open_model_path`).
     ``device``/``precision``: as ``run.device``/``run.precision`` (default: the run's, else auto).
     ``sampling``: temperature, top_p, top_k, max_new_tokens (None keeps the run's)."""

@@ -12,7 +12,7 @@ It loads with peft and transformers alone: :func:`load_policy` for inference (``
 eval``), ``ppokit export`` to merge the actor into a standalone model, and
 :func:`load_trained_state` into a freshly built policy for an exact resume. Which checkpoint
 of a run directory is read, and the config it was trained with, is
-:class:`ppokit.runs.rundir.RunDir`'s (``lm_checkpoint``, ``config()``); it knows a policy by its
+:class:`ppokit.persistence.rundir.RunDir`'s (``lm_checkpoint``, ``config()``); it knows a policy by its
 ``policy.json`` (:data:`POLICY_META_FILE`). This module owns the policy's other file names.
 A missing, damaged or ill-fitting file is a one-line :class:`~ppokit.errors.UserError` naming it.
 """
@@ -35,7 +35,7 @@ from ppokit.errors import UserError, first_line
 from ppokit.lm.model.device import attention_implementation
 from ppokit.lm.model.hf import load_causal_lm
 from ppokit.lm.model.policy import ACTOR, CRITIC, LMPolicy, ValueHead
-from ppokit.runs.rundir import POLICY_META_FILE
+from ppokit.persistence.rundir import POLICY_META_FILE
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ppokit.errors import UserError
 from ppokit.lm.model.gguf import model_directory
-from ppokit.runs.rundir import RunDir
+from ppokit.persistence.rundir import RunDir
 
 
 def local_model_directory(path: str | Path, what: str = "model.path") -> str | Path:
@@ -29,7 +29,7 @@ def local_model_directory(path: str | Path, what: str = "model.path") -> str | P
 
 
 def open_model_path(path: str | Path | RunDir) -> RunDir:
-    """The :class:`~ppokit.runs.rundir.RunDir` of ``path`` (a RunDir is returned as it is)."""
+    """The :class:`~ppokit.persistence.rundir.RunDir` of ``path`` (a RunDir is returned as it is)."""
     if not isinstance(path, RunDir):
         path = RunDir(model_directory(path, "the model file"))
     if not path.is_dir:

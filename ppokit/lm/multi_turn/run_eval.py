@@ -15,7 +15,7 @@ from ppokit.errors import UserError
 from ppokit.lm.generation.loading import load_generator
 from ppokit.lm.multi_turn.source import TextEnvEvaluator, check_env_output, engine_generate
 from ppokit.lm.multi_turn.streams import StreamCodec
-from ppokit.runs.rundir import POLICY_META_FILE, RunDir
+from ppokit.persistence.rundir import POLICY_META_FILE, RunDir
 
 
 def evaluate_textenv_run(

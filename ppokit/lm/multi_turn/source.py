@@ -40,7 +40,7 @@ from ppokit.lm.multi_turn.streams import StreamCodec
 from ppokit.lm.multi_turn.turn_batch import trajectory_tensors, turn_states
 from ppokit.lm.scoring import behaviour_log_probs
 from ppokit.monitoring.stopping import EarlyStop
-from ppokit.runs.resume import own_random_stream, rollout_rngs
+from ppokit.persistence.resume import own_random_stream, rollout_rngs
 
 __all__ = ["MultiTurnSource", "TextEnvEvaluator", "engine_generate", "episode_seed", "make_envs", "seat_actors_of"]
 

@@ -57,7 +57,7 @@ from ppokit.lm.multi_turn.source import (
     player_for,
 )
 from ppokit.lm.multi_turn.streams import StreamCodec, messages_without_template
-from ppokit.runs.resume import seed_globals
+from ppokit.persistence.resume import seed_globals
 from ppokit.trainer import DataParallel
 
 __all__ = ["MultiTurnWorkload"]

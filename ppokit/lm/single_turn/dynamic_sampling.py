@@ -13,7 +13,7 @@ each scored generation batch of an iteration whether the iteration's batch is co
 At the limit the run goes on, where verl's DAPO recipe raises an error: a run is deterministic,
 so a stopped run resumed from its checkpoint would draw the same prompts and stop again. Every
 draw comes from the prompt stream and the run's RNGs (per-draw streams where the rollout runs
-ahead, :data:`ppokit.runs.resume.DRAW_STREAM`), so a resumed run draws the uninterrupted run's prompts
+ahead, :data:`ppokit.persistence.resume.DRAW_STREAM`), so a resumed run draws the uninterrupted run's prompts
 and samples; the only state across iterations is the count of generated samples. The iteration's
 metrics describe the trained batch, merged over the draws (:func:`merge_draw_metrics`).
 """

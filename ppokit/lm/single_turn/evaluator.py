@@ -8,7 +8,7 @@ from ppokit.config import Config
 from ppokit.lm.evaluate import heldout_results
 from ppokit.lm.rewards.pool import check_error_limit
 from ppokit.monitoring.stopping import EarlyStop
-from ppokit.runs.resume import own_random_stream
+from ppokit.persistence.resume import own_random_stream
 
 # below this share of the greedy accuracy, the sampled responses are the thing to fix
 SAMPLED_SHARE = 0.5

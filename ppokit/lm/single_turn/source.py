@@ -24,7 +24,7 @@ from ppokit.lm.generation.engine import RolloutBatch, position_ids_from
 from ppokit.lm.rewards.functions import reward_fields
 from ppokit.lm.scoring import behaviour_log_probs
 from ppokit.lm.single_turn.dynamic_sampling import DynamicSampler, check_filter_metric
-from ppokit.runs.resume import DRAW_STREAM, rollout_rngs
+from ppokit.persistence.resume import DRAW_STREAM, rollout_rngs
 
 # the RNG stream of the rewards of a rollout that runs ahead (rollout.off_policy_steps >= 1)
 REWARD_STREAM = 2**31

@@ -67,7 +67,7 @@ from ppokit.lm.rewards.sequence import SequenceRewards
 from ppokit.lm.single_turn.dynamic_sampling import check_filter_metric
 from ppokit.lm.single_turn.evaluator import LMEvaluator
 from ppokit.lm.single_turn.source import LMShardPlan, LMSource
-from ppokit.runs.resume import seed_globals
+from ppokit.persistence.resume import seed_globals
 from ppokit.trainer import DataParallel
 
 

@@ -23,7 +23,7 @@ any other reader gets whole tensors (:func:`resolve_sharded`).
 
 Writes go to a temporary sibling directory that is renamed into place, so a crash
 leaves either the old checkpoint or the new one (files and directory are fsynced);
-:func:`~ppokit.runs.checkpoint_files.recover_interrupted` tidies up the temporary directories
+:func:`~ppokit.persistence.checkpoint_files.recover_interrupted` tidies up the temporary directories
 of a killed writer. A missing, truncated or corrupt checkpoint raises
 :class:`~ppokit.errors.UserError` naming the file.
 """
@@ -42,8 +42,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ppokit.runs.checkpoint_files import META, atomic_directory, fsync_path
 from ppokit.errors import UserError
+from ppokit.persistence.checkpoint_files import META, atomic_directory, fsync_path
 
 FORMAT = "ppokit-checkpoint"
 VERSION = 2  # 2: one checkpoint per run state (parts "learner", "source", ...), both workloads

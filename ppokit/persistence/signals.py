@@ -1,6 +1,6 @@
 """SIGINT and SIGTERM handlers installed for a block and put back after it.
 
-Three places take over a stop signal for a while: a run's :class:`ppokit.runs.resume.GracefulStop`,
+Three places take over a stop signal for a while: a run's :class:`ppokit.persistence.resume.GracefulStop`,
 ``ppokit sft`` (SIGTERM ends its training as Ctrl-C does) and a cluster's start (``ray.init``
 replaces SIGTERM's handler, :mod:`ppokit.cluster.ray_cluster`). Each goes through
 :func:`handlers_restored`. Python runs signal handlers in the main thread only, and only the main

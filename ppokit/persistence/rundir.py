@@ -16,7 +16,7 @@ resume reads back from it.
       base_model/      lm: the built-in tiny model or the warm-started model
 
 A checkpoint is complete when its ``meta.json`` (written last, see
-:mod:`ppokit.runs.checkpoint`) exists. One process at a time trains in a run directory:
+:mod:`ppokit.persistence.checkpoint`) exists. One process at a time trains in a run directory:
 :class:`RunLock` is an exclusive ``flock`` on ``.lock``, which the kernel releases when
 the process ends, however it ends (a lock left by a process killed with SIGKILL is free
 for the next one). ``ppokit eval``, ``plot`` and ``export`` only read and take no lock.
@@ -45,9 +45,9 @@ from typing import Any
 
 import yaml
 
-from ppokit.runs.checkpoint_files import META, recover_interrupted  # META: a checkpoint's completion marker
 from ppokit.config import build_config, parse_overrides, read_yaml
 from ppokit.errors import UserError
+from ppokit.persistence.checkpoint_files import META, recover_interrupted  # META: a checkpoint's completion marker
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -321,7 +321,7 @@ def find_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
 
     Candidates are ``RUN_DIR/checkpoint`` and ``RUN_DIR/checkpoints/iter-NNNNNN``; a
     candidate counts when its ``meta.json`` (written last) exists. Leftovers of a killed
-    writer are recovered first (:func:`ppokit.runs.checkpoint_files.recover_interrupted`). At equal
+    writer are recovered first (:func:`ppokit.persistence.checkpoint_files.recover_interrupted`). At equal
     iterations the final checkpoint sorts last.
     """
     run_dir = Path(run_dir)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ppokit.errors import Interrupted, SetUpInterrupted, TrainingDiverged
-from ppokit.runs.signals import STOP_SIGNALS, handlers_restored
+from ppokit.persistence.signals import STOP_SIGNALS, handlers_restored
 
 __all__ = [
     "DRAW_STREAM",
@@ -112,7 +112,7 @@ def own_random_stream(seed: int) -> Iterator[None]:
 
 
 def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Every RNG state a run depends on, as checkpoint-storable data (see :mod:`ppokit.runs.checkpoint`).
+    """Every RNG state a run depends on, as checkpoint-storable data (see :mod:`ppokit.persistence.checkpoint`).
 
     ``generators``: the run's own ``torch.Generator`` / ``np.random.Generator`` objects by name.
     """

@@ -3,8 +3,8 @@ and the recovery of a killed writer's leftovers.
 
 A directory is written into a temporary sibling ``.NAME.tmp-PID`` that is renamed into place
 (the previous one moved aside to ``.NAME.old-PID`` meanwhile); files and directories are
-fsynced. Readers of a run directory (:mod:`ppokit.runs.rundir`) need only this module, so that
-commands answer bad input before importing torch; :mod:`ppokit.runs.checkpoint` writes tensors.
+fsynced. Readers of a run directory (:mod:`ppokit.persistence.rundir`) need only this module, so that
+commands answer bad input before importing torch; :mod:`ppokit.persistence.checkpoint` writes tensors.
 """
 
 from __future__ import annotations
