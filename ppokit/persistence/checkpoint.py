@@ -43,7 +43,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ppokit.errors import UserError
-from ppokit.persistence.checkpoint_files import META, atomic_directory, fsync_path
+from ppokit.persistence.checkpoint_files import META, atomic_directory, fsync_path, read_json_file
 
 FORMAT = "ppokit-checkpoint"
 VERSION = 2  # 2: one checkpoint per run state (parts "learner", "source", ...), both workloads
@@ -136,10 +136,7 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
         raise UserError(f"checkpoint {path} does not exist (a run writes it when training finishes)")
     if not meta_path.is_file():
         raise UserError(f"checkpoint file {meta_path} is missing")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"checkpoint file {meta_path} is corrupt or truncated ({type(exc).__name__})") from None
+    meta = read_json_file(meta_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("parts"), dict):
         raise UserError(f"checkpoint file {meta_path} is not a ppokit checkpoint")
     if isinstance(meta.get("version"), bool) or not isinstance(meta.get("version", 0), int):

@@ -10,12 +10,24 @@ commands answer bad input before importing torch; :mod:`ppokit.persistence.check
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from ppokit.errors import UserError
 
 META = "meta.json"  # a checkpoint's metadata, written last: its presence marks the checkpoint complete
+
+
+def read_json_file(path: Path) -> Any:
+    """A checkpoint's JSON file, parsed; one that does not parse is a one-line :class:`UserError` naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"checkpoint file {path} is corrupt or truncated ({type(exc).__name__})") from None
 
 
 @contextlib.contextmanager

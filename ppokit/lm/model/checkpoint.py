@@ -35,6 +35,7 @@ from ppokit.errors import UserError, first_line
 from ppokit.lm.model.device import attention_implementation
 from ppokit.lm.model.hf import load_causal_lm
 from ppokit.lm.model.policy import ACTOR, CRITIC, LMPolicy, ValueHead
+from ppokit.persistence.checkpoint_files import read_json_file
 from ppokit.persistence.rundir import POLICY_META_FILE
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -192,10 +193,7 @@ def read_policy_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     path = ckpt / POLICY_META_FILE
     if not path.is_file():
         raise UserError(f"{ckpt} is not a ppokit LM checkpoint (no {POLICY_META_FILE})")
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"checkpoint file {path} is corrupt or truncated ({type(exc).__name__})") from None
+    meta = read_json_file(path)
     if not isinstance(meta, dict):
         raise UserError(f"checkpoint file {path} is corrupt: expected a JSON object")
     if meta.get("mode") not in ("lora", "full"):
